@@ -51,7 +51,7 @@ lock:
 	.venv-lock/bin/python -m pip install -q --upgrade pip==25.3 && .venv-lock/bin/python -m pip install -q $(TORCH)
 	echo "$(TORCH)" > .venv-lock/c.txt && .venv-lock/bin/python -m pip install -q -c .venv-lock/c.txt -e ".[cpu,test]"
 	{ sed -n '1,2p' requirements/cpu.lock; .venv-lock/bin/python -m pip freeze --all --exclude-editable \
-	  | grep -v -E '^(torch==pip==||$(shell echo $(UNWANTED) | tr ' ' '|'))'; } > requirements/cpu.lock.new
+	  | grep -v -E '^(pip==|torch==|$(shell echo $(UNWANTED) | tr ' ' '|'))'; } > requirements/cpu.lock.new
 	mv requirements/cpu.lock.new requirements/cpu.lock && rm -rf .venv-lock
 
 clean:
