@@ -1,0 +1,115 @@
+"""`mrl` command line: `mrl <command> --config FILE [overrides...]`.
+
+Every command validates its configuration before anything starts: a bad key, type or combination exits with status 2
+and a message naming the dotted key. Commands whose implementation has not landed exit with status 3 and say so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Callable, Sequence
+
+from mrl.config import CONFIG_ERROR_EXIT_CODE, ConfigError, MrlConfig, load_config, to_yaml
+
+NOT_IMPLEMENTED_EXIT_CODE = 3
+
+CONFIG_COMMANDS: dict[str, str] = {
+    "grpo": "GRPO training: generate -> reward -> advantages -> train -> refit, on Ray.",
+    "sft": "Supervised fine-tuning (NLL on response tokens).",
+    "dpo": "Direct preference optimisation.",
+    "rm": "Reward-model training.",
+    "eval": "pass@1 / pass@k of a model on a problem/answer file with the rollout engine.",
+    "score": "Per-token logprobs and perplexity of texts under the Megatron model, any parallel layout.",
+}
+
+OVERRIDE_HELP = ("overrides in Hydra's grammar: key=value (set), +key=value (add), ++key=value (set or add), "
+                 "~key (remove); e.g. policy.optimizer.lr=1e-5 grpo.num_generations_per_prompt=8")
+
+
+class NotImplementedCommand(Exception):
+    """A command whose implementation has not landed yet."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mrl", description="RL post-training for LLMs on Megatron-Core, vLLM and Ray.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, help_text in CONFIG_COMMANDS.items():
+        cmd = sub.add_parser(name, help=help_text, description=help_text)
+        _add_config_args(cmd)
+    run = sub.add_parser("run", help="Run a staged recipe (e.g. sft -> grpo 8K -> grpo 16K), handing checkpoints on.",
+                         description="Run every stage of a recipe in order; each stage starts from the previous "
+                                     "stage's final checkpoint.")
+    run.add_argument("recipe", help="recipe YAML file with a `stages:` list")
+    run.add_argument("overrides", nargs="*", help=OVERRIDE_HELP)
+    _add_convert_parser(sub)
+    config = sub.add_parser("config", help="Inspect configurations.")
+    config_sub = config.add_subparsers(dest="config_command", required=True, metavar="ACTION")
+    show = config_sub.add_parser("show", help="Print the resolved tree (defaults, inheritance and overrides applied).")
+    _add_config_args(show)
+    return parser
+
+
+def _add_config_args(cmd: argparse.ArgumentParser) -> None:
+    cmd.add_argument("--config", required=True, metavar="FILE", help="YAML config or recipe")
+    cmd.add_argument("overrides", nargs="*", help=OVERRIDE_HELP)
+
+
+def _add_convert_parser(sub) -> None:
+    convert = sub.add_parser("convert", help="Convert checkpoints between Hugging Face and Megatron formats.")
+    conv_sub = convert.add_subparsers(dest="direction", required=True, metavar="DIRECTION")
+    to_meg = conv_sub.add_parser("hf-to-megatron", help="HF folder -> Megatron distributed checkpoint.")
+    to_meg.add_argument("--hf", required=True, metavar="DIR", help="HF model folder (config.json + safetensors)")
+    to_meg.add_argument("--out", required=True, metavar="DIR", help="output folder")
+    to_meg.add_argument("--tp", type=int, default=1, help="tensor parallel size of the written checkpoint")
+    to_meg.add_argument("--pp", type=int, default=1, help="pipeline parallel size of the written checkpoint")
+    to_hf = conv_sub.add_parser("megatron-to-hf", help="Megatron checkpoint (or a training step) -> HF folder.")
+    src = to_hf.add_mutually_exclusive_group(required=True)
+    src.add_argument("--megatron", metavar="DIR", help="Megatron checkpoint folder written by hf-to-megatron")
+    src.add_argument("--checkpoint", metavar="DIR", help="a training checkpoint <checkpoint_dir>/step_N")
+    to_hf.add_argument("--out", required=True, metavar="DIR", help="output folder")
+
+
+def _handler(command: str) -> Callable[[MrlConfig], int]:
+    """The implementation of a config-driven command (imported lazily: heavy dependencies load only when used)."""
+    raise NotImplementedCommand(command)
+
+
+def _run_config_command(args: argparse.Namespace) -> int:
+    cfg = load_config(args.config, args.overrides)
+    return _handler(args.command)(cfg)
+
+
+def _run_staged(args: argparse.Namespace) -> int:
+    cfg = load_config(args.recipe, args.overrides)
+    if not cfg.stages:
+        raise ConfigError("a staged recipe needs a non-empty `stages:` list", key="stages",
+                          fix="use `mrl grpo --config ...` for a single run")
+    raise NotImplementedCommand("run")
+
+
+def _run_convert(args: argparse.Namespace) -> int:
+    raise NotImplementedCommand(f"convert {args.direction}")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "config":
+            print(to_yaml(load_config(args.config, args.overrides)), end="")
+            return 0
+        if args.command == "run":
+            return _run_staged(args)
+        if args.command == "convert":
+            return _run_convert(args)
+        return _run_config_command(args)
+    except ConfigError as exc:
+        print(f"mrl: configuration error\n  {exc.render()}", file=sys.stderr)
+        return CONFIG_ERROR_EXIT_CODE
+    except NotImplementedCommand as exc:
+        print(f"mrl {exc.args[0]}: not implemented yet", file=sys.stderr)
+        return NOT_IMPLEMENTED_EXIT_CODE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,182 @@
+"""Cross-field rules of the config tree, and the translation of pydantic errors into user-facing ConfigErrors."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from pydantic import BaseModel, ValidationError
+
+from mrl.config.errors import ConfigError, suggest
+
+if TYPE_CHECKING:
+    from mrl.config.schema import MrlConfig
+
+
+def cross_field_problems(cfg: "MrlConfig") -> list[ConfigError]:
+    """Every impossible combination in `cfg`, each naming the key to change."""
+    return [*_parallel_problems(cfg), *_batch_problems(cfg), *_length_problems(cfg), *_misc_problems(cfg)]
+
+
+def _parallel_problems(cfg: "MrlConfig") -> list[ConfigError]:
+    from mrl.config.schema import model_head_counts
+
+    out = []
+    par = cfg.policy.parallel
+    tp, pp, cp = par.tensor_parallel_size, par.pipeline_parallel_size, par.context_parallel_size
+    if par.sequence_parallel and tp == 1:
+        out.append(ConfigError("sequence parallelism needs tensor parallelism", key="policy.parallel.sequence_parallel",
+                               given=True, fix="set policy.parallel.tensor_parallel_size > 1 or sequence_parallel=false"))
+    world = cfg.policy_world_size
+    if world < 1:
+        out.append(ConfigError("the engine takes every device, none is left for the policy",
+                               key="generation.num_devices", given=cfg.generation.num_devices,
+                               allowed=f"< {cfg.cluster.num_nodes * cfg.cluster.devices_per_node}"))
+    elif world % (tp * pp * cp):
+        out.append(ConfigError(f"policy world size {world} is not divisible by tp*pp*cp = {tp}*{pp}*{cp}",
+                               key="policy.parallel", fix="change the parallel sizes or cluster.devices_per_node"))
+    elif par.expert_parallel_size > 1 and (world // (tp * pp)) % par.expert_parallel_size:
+        out.append(ConfigError(f"expert parallel size must divide dp*cp = {world // (tp * pp)}",
+                               key="policy.parallel.expert_parallel_size", given=par.expert_parallel_size))
+    heads = model_head_counts(cfg.policy)
+    if heads is not None:
+        q_heads, kv_heads = heads
+        if q_heads % tp:
+            out.append(ConfigError(f"tensor parallel size does not divide the model's {q_heads} attention heads",
+                                   key="policy.parallel.tensor_parallel_size", given=tp,
+                                   allowed=f"a divisor of {q_heads}: {_divisors(q_heads)}"))
+        elif kv_heads % tp:
+            out.append(ConfigError(f"tensor parallel size does not divide the model's {kv_heads} key/value heads",
+                                   key="policy.parallel.tensor_parallel_size", given=tp,
+                                   allowed=f"a divisor of {kv_heads}: {_divisors(kv_heads)}"))
+    if cfg.generation.vllm.tensor_parallel_size > 1 and heads is not None and heads[0] % cfg.generation.vllm.tensor_parallel_size:
+        out.append(ConfigError(f"vLLM tensor parallel size does not divide the model's {heads[0]} heads",
+                               key="generation.vllm.tensor_parallel_size", given=cfg.generation.vllm.tensor_parallel_size,
+                               allowed=f"a divisor of {heads[0]}: {_divisors(heads[0])}"))
+    return out
+
+
+def _batch_problems(cfg: "MrlConfig") -> list[ConfigError]:
+    out = []
+    pol = cfg.policy
+    dp = max(cfg.data_parallel_size, 1)
+    per_step = pol.train_micro_batch_size * dp
+    if pol.train_global_batch_size % per_step:
+        out.append(ConfigError(
+            f"train_global_batch_size must be a multiple of train_micro_batch_size * data-parallel size "
+            f"= {pol.train_micro_batch_size} * {dp} = {per_step}",
+            key="policy.train_global_batch_size", given=pol.train_global_batch_size,
+            allowed=f"a multiple of {per_step}"))
+    rollouts = cfg.grpo.num_prompts_per_step * cfg.grpo.num_generations_per_prompt
+    if rollouts % pol.train_global_batch_size and _runs(cfg, "grpo"):
+        out.append(ConfigError(
+            f"the {rollouts} rollouts of a step (num_prompts_per_step * num_generations_per_prompt) must split into "
+            f"whole optimizer batches of policy.train_global_batch_size",
+            key="policy.train_global_batch_size", given=pol.train_global_batch_size,
+            allowed=f"a divisor of {rollouts}"))
+    bad_k = [k for k in cfg.eval.pass_k if k > cfg.eval.num_samples or k < 1]
+    if bad_k:
+        out.append(ConfigError("pass@k needs 1 <= k <= eval.num_samples", key="eval.pass_k", given=bad_k,
+                               allowed=f"values in 1..{cfg.eval.num_samples}"))
+    return out
+
+
+def _length_problems(cfg: "MrlConfig") -> list[ConfigError]:
+    out = []
+    pol = cfg.policy
+    if pol.sequence_packing.enabled and pol.dynamic_batching.enabled:
+        out.append(ConfigError("sequence packing and dynamic batching are alternatives; enable one",
+                               key="policy.dynamic_batching.enabled", given=True))
+    for name, section in (("sequence_packing", pol.sequence_packing), ("dynamic_batching", pol.dynamic_batching)):
+        if section.enabled and section.tokens_per_microbatch < pol.max_total_sequence_length:
+            out.append(ConfigError("the token budget must hold the longest sequence (policy.max_total_sequence_length)",
+                                   key=f"policy.{name}.tokens_per_microbatch", given=section.tokens_per_microbatch,
+                                   allowed=f">= {pol.max_total_sequence_length}"))
+    if cfg.generation.max_new_tokens >= pol.max_total_sequence_length:
+        out.append(ConfigError("responses must leave room for the prompt within policy.max_total_sequence_length",
+                               key="generation.max_new_tokens", given=cfg.generation.max_new_tokens,
+                               allowed=f"< {pol.max_total_sequence_length}"))
+    if cfg.grpo.overlong_buffer >= cfg.generation.max_new_tokens:
+        out.append(ConfigError("the overlong buffer must be shorter than generation.max_new_tokens",
+                               key="grpo.overlong_buffer", given=cfg.grpo.overlong_buffer,
+                               allowed=f"< {cfg.generation.max_new_tokens}"))
+    return out
+
+
+def _misc_problems(cfg: "MrlConfig") -> list[ConfigError]:
+    out = []
+    if not cfg.generation.colocated and cfg.generation.num_devices is None:
+        out.append(ConfigError("a non-colocated engine needs its own devices", key="generation.num_devices",
+                               fix="set generation.num_devices, or generation.colocated=true"))
+    if cfg.loss.icepop_low >= cfg.loss.icepop_high:
+        out.append(ConfigError("ICE-POP needs icepop_low < icepop_high", key="loss.icepop_low",
+                               given=cfg.loss.icepop_low, allowed=f"< {cfg.loss.icepop_high}"))
+    return out
+
+
+def _runs(cfg: "MrlConfig", algorithm: str) -> bool:
+    """Whether the config runs `algorithm` (a plain config always may; a staged one if a stage names it)."""
+    return not cfg.stages or any(s.algorithm == algorithm for s in cfg.stages)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def errors_from_validation(exc: ValidationError, model: type[BaseModel], given_tree: dict[str, Any]) -> ConfigError:
+    """One ConfigError listing every pydantic error with its dotted key, the given value and what is allowed."""
+    problems: list[ConfigError] = []
+    for err in exc.errors():
+        loc = [str(p) for p in err["loc"]]
+        key = ".".join(loc)
+        inner = (err.get("ctx") or {}).get("error")
+        if isinstance(inner, ConfigError):
+            problems.extend(inner.problems or [inner])
+        elif err["type"] == "extra_forbidden":
+            problems.append(_unknown_key(model, loc, err.get("input")))
+        else:
+            problems.append(ConfigError(err["msg"], key=key or None, given=err.get("input") if loc else None,
+                                        allowed=_allowed(model, loc)))
+    return problems[0] if len(problems) == 1 else ConfigError("", problems=problems)
+
+
+def _unknown_key(model: type[BaseModel], loc: list[str], given: Any) -> ConfigError:
+    parent = _model_at(model, loc[:-1])
+    known = sorted(parent.model_fields) if parent else []
+    close = suggest(loc[-1], known)
+    prefix = ".".join(loc[:-1])
+    fix = f"did you mean '{prefix + '.' if prefix else ''}{close}'?" if close else None
+    return ConfigError("unknown key", key=".".join(loc), given=given,
+                       allowed=f"keys under {prefix or 'the top level'}: {', '.join(known)}", fix=fix)
+
+
+def _model_at(model: type[BaseModel], loc: list[str]) -> type[BaseModel] | None:
+    """The pydantic model class at a dotted location (list indices skipped), or None."""
+    current: Any = model
+    for part in loc:
+        if part.isdigit():
+            continue
+        field = current.model_fields.get(part) if isinstance(current, type) and issubclass(current, BaseModel) else None
+        if field is None:
+            return None
+        current = _unwrap(field.annotation)
+    return current if isinstance(current, type) and issubclass(current, BaseModel) else None
+
+
+def _unwrap(annotation: Any) -> Any:
+    """Optional[X] / list[X] -> X, so nested models can be found."""
+    for arg in getattr(annotation, "__args__", ()) or ():
+        if isinstance(arg, type) and issubclass(arg, BaseModel):
+            return arg
+    return annotation
+
+
+def _allowed(model: type[BaseModel], loc: list[str]) -> str | None:
+    """The `Literal` choices or the description of the field at `loc`, when there is one."""
+    parent = _model_at(model, loc[:-1])
+    field = parent.model_fields.get(loc[-1]) if parent and loc else None
+    if field is None:
+        return None
+    choices = getattr(field.annotation, "__args__", None)
+    if getattr(field.annotation, "__origin__", None) is not None and str(field.annotation).startswith("typing.Literal"):
+        return "one of " + ", ".join(repr(c) for c in choices)
+    return field.description

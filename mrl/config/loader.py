@@ -1,0 +1,124 @@
+"""Load a YAML config tree: `defaults:` inheritance, Hydra-grammar overrides, interpolation.
+
+The loader produces a plain dict; `mrl.config.schema.MrlConfig` validates it. Defaults live only in the schema, so a
+recipe holds just what it changes.
+
+Inheritance: a file may start with `defaults: base.yaml` or `defaults: [a.yaml, b.yaml]`, resolved relative to the
+file. Bases merge left to right, then the file itself on top (dicts merge key by key, anything else replaces).
+
+Overrides (Hydra's grammar, parsed with Hydra's own parser):
+- `a.b=v`   set a key; whether the key exists is checked against the schema, not the YAML (defaults are not in
+            the YAML), so a misspelt key is reported by validation with a suggestion;
+- `+a.b=v`  add a key that the YAML does not set yet (an error if it does);
+- `++a.b=v` set a key whether or not it is there;
+- `~a.b`    remove a key (it falls back to the schema default).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Iterable
+
+import yaml
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from mrl.config.errors import ConfigError
+
+
+def load_yaml_tree(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """Read `path` with its `defaults:` chain merged in; returns a plain dict (interpolations unresolved)."""
+    path = Path(path).resolve()
+    if path in _seen:
+        chain = " -> ".join(str(p.name) for p in (*_seen, path))
+        raise ConfigError(f"defaults form a cycle: {chain}", key="defaults")
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}", fix="check the --config path")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path.name} is not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path.name} must hold a mapping at the top level, got {type(data).__name__}")
+    bases = data.pop("defaults", None) or []
+    if isinstance(bases, str):
+        bases = [bases]
+    if not isinstance(bases, list) or not all(isinstance(b, str) for b in bases):
+        raise ConfigError(f"{path.name}: 'defaults' must be a file name or a list of file names", key="defaults")
+    merged: dict[str, Any] = {}
+    for base in bases:
+        merged = deep_merge(merged, load_yaml_tree(path.parent / base, (*_seen, path)))
+    return deep_merge(merged, data)
+
+
+def deep_merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
+    """Merge `top` over `base`: nested dicts merge key by key; lists and scalars from `top` replace."""
+    out = dict(base)
+    for key, value in top.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = deep_merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def apply_overrides(tree: dict[str, Any], overrides: Iterable[str]) -> dict[str, Any]:
+    """Apply command-line overrides in Hydra's grammar to `tree` (a new dict is returned)."""
+    overrides = list(overrides)
+    if not overrides:
+        return tree
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import OverrideParseException
+
+    cfg = OmegaConf.create(tree)
+    parser = OverridesParser.create()
+    for text in overrides:
+        try:
+            (ov,) = parser.parse_overrides([text])
+        except OverrideParseException as exc:
+            raise ConfigError(f"cannot parse override '{text}': {exc.message.splitlines()[0]}",
+                              fix="write key=value, +key=value, ++key=value or ~key") from None
+        key = ov.key_or_group
+        present = OmegaConf.select(cfg, key, default=_MISSING, throw_on_missing=False) is not _MISSING
+        if ov.is_delete():
+            if not present:
+                raise ConfigError("cannot delete a key the config does not set", key=key, given=text)
+            _delete(cfg, key)
+            continue
+        if ov.is_add() and present:
+            raise ConfigError("'+' adds a key that is not set yet, but this one is", key=key, given=text,
+                              fix=f"use {key}=... or ++{key}=...")
+        value = ov.value()
+        try:
+            OmegaConf.update(cfg, key, value, merge=False, force_add=True)
+        except OmegaConfBaseException as exc:
+            raise ConfigError(f"cannot set: {exc.msg if hasattr(exc, 'msg') else exc}", key=key, given=text) from None
+    return OmegaConf.to_container(cfg, resolve=False)  # type: ignore[return-value]
+
+
+def resolve(tree: dict[str, Any]) -> dict[str, Any]:
+    """Resolve `${...}` interpolations; a broken reference is a ConfigError naming it."""
+    cfg: DictConfig = OmegaConf.create(tree)
+    try:
+        return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]
+    except OmegaConfBaseException as exc:
+        key = getattr(exc, "full_key", None) or None
+        raise ConfigError(f"interpolation failed: {str(getattr(exc, 'msg', exc)).splitlines()[0]}", key=key) from None
+
+
+def load_tree(path: str | Path, overrides: Iterable[str] = ()) -> dict[str, Any]:
+    """The resolved dict of a config file with overrides applied (not yet validated)."""
+    return resolve(apply_overrides(load_yaml_tree(path), overrides))
+
+
+class _Missing:
+    pass
+
+
+_MISSING = _Missing()
+
+
+def _delete(cfg: DictConfig, key: str) -> None:
+    parent_key, _, leaf = key.rpartition(".")
+    parent = OmegaConf.select(cfg, parent_key) if parent_key else cfg
+    del parent[leaf]

@@ -1,0 +1,288 @@
+"""The typed configuration tree of mrl: one pydantic model per section, every default defined here only.
+
+Every model forbids unknown keys. Cross-field rules (parallel sizes against the model, batch divisibility, packing
+options) are checked in `MrlConfig` after the sections validate, so a wrong combination is reported before any worker
+starts, naming the key to change.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from mrl.config.errors import ConfigError
+
+
+class Section(BaseModel):
+    """Base of every config section: unknown keys are errors; values are checked on assignment too."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
+
+
+# ----------------------------------------------------------------------------------------------------- run, cluster
+class RunConfig(Section):
+    name: str = Field("mrl", description="Run name, used in log and checkpoint folder names.")
+    seed: int = Field(42, description="Seed for every random source (data order, init, sampling).")
+    output_dir: str = Field("results/${run.name}", description="Folder for logs, plots and checkpoints of the run.")
+
+
+class ClusterConfig(Section):
+    num_nodes: int = Field(1, ge=1, description="Nodes in the Ray cluster.")
+    devices_per_node: int = Field(1, ge=1, description="GPUs per node on GPU clusters; worker processes per node on CPU.")
+    ray_address: Optional[str] = Field(None, description="Address of a running Ray cluster; None starts a local one.")
+    cpus_per_worker: float = Field(1.0, gt=0, description="Ray CPUs reserved per worker.")
+    omp_num_threads: int = Field(1, ge=1, description="OMP_NUM_THREADS of every worker process.")
+
+
+# ------------------------------------------------------------------------------------------------------------ policy
+class ParallelConfig(Section):
+    tensor_parallel_size: int = Field(1, ge=1, description="Tensor (Megatron intra-layer) parallel size.")
+    pipeline_parallel_size: int = Field(1, ge=1, description="Pipeline parallel size (layers split in stages).")
+    context_parallel_size: int = Field(1, ge=1, description="Context parallel size (sequence split across ranks).")
+    expert_parallel_size: int = Field(1, ge=1, description="Expert parallel size for MoE models.")
+    sequence_parallel: bool = Field(False, description="Megatron sequence parallelism; requires tensor_parallel_size > 1.")
+
+
+class ModelBuildConfig(Section):
+    """A model built from scratch (random init) instead of loaded: used by the embedded CPU recipe and tests."""
+
+    family: Literal["llama", "qwen2", "qwen3"] = Field("qwen2", description="Architecture family.")
+    num_layers: int = Field(4, ge=1, description="Transformer layers.")
+    hidden_size: int = Field(128, ge=8, description="Hidden size.")
+    num_attention_heads: int = Field(4, ge=1, description="Query heads.")
+    num_key_value_heads: Optional[int] = Field(None, ge=1, description="Key/value heads (GQA); None = MHA.")
+    intermediate_size: int = Field(512, ge=8, description="MLP hidden size.")
+    tie_word_embeddings: bool = Field(False, description="Share input embedding and output projection.")
+
+
+class OptimizerConfig(Section):
+    name: Literal["adam", "adamw"] = Field("adamw", description="Megatron optimizer (adamw = decoupled weight decay).")
+    lr: float = Field(1e-6, gt=0, description="Peak learning rate.")
+    min_lr: float = Field(0.0, ge=0, description="Final learning rate of the decay.")
+    weight_decay: float = Field(0.01, ge=0, description="Weight decay.")
+    adam_beta1: float = Field(0.9, ge=0, lt=1, description="Adam beta1.")
+    adam_beta2: float = Field(0.999, ge=0, lt=1, description="Adam beta2.")
+    adam_eps: float = Field(1e-8, gt=0, description="Adam epsilon.")
+    clip_grad: float = Field(1.0, ge=0, description="Global gradient-norm clip; 0 disables.")
+    use_distributed_optimizer: bool = Field(False, description="Shard optimizer state over data-parallel ranks.")
+
+
+class SchedulerConfig(Section):
+    style: Literal["constant", "cosine", "linear"] = Field("constant", description="LR decay after warm-up.")
+    warmup_steps: int = Field(0, ge=0, description="Linear warm-up steps from 0 to optimizer.lr.")
+    decay_steps: Optional[int] = Field(None, ge=1, description="Steps of decay; None = the run's max steps.")
+
+
+class PackingConfig(Section):
+    enabled: bool = Field(False, description="Pack sequences into micro-batches of a token budget (THD layout).")
+    tokens_per_microbatch: int = Field(4096, ge=1, description="Token budget of one packed micro-batch.")
+
+
+class DynamicBatchingConfig(Section):
+    enabled: bool = Field(False, description="Size micro-batches by a token budget (padded, no packing).")
+    tokens_per_microbatch: int = Field(4096, ge=1, description="Token budget of one micro-batch.")
+
+
+class PolicyConfig(Section):
+    model_name: Optional[str] = Field(None, description="HF model folder or hub name, or a Megatron checkpoint folder.")
+    tokenizer: Optional[str] = Field(None, description="Tokenizer folder or name; None = model_name's.")
+    build: Optional[ModelBuildConfig] = Field(None, description="Build a random model instead of loading model_name.")
+    precision: Literal["float32", "bfloat16"] = Field("bfloat16", description="Parameter/compute dtype (fp32 on CPU).")
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+    train_global_batch_size: int = Field(256, ge=1, description="Sequences per optimizer step (all DP ranks).")
+    train_micro_batch_size: int = Field(4, ge=1, description="Sequences per forward/backward micro-batch per rank.")
+    logprob_micro_batch_size: int = Field(8, ge=1, description="Sequences per micro-batch when computing logprobs.")
+    max_total_sequence_length: int = Field(4096, ge=2, description="Prompt + response tokens, at most.")
+    activation_checkpointing: bool = Field(False, description="Recompute activations in the backward pass.")
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
+    scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
+    sequence_packing: PackingConfig = Field(default_factory=PackingConfig)
+    dynamic_batching: DynamicBatchingConfig = Field(default_factory=DynamicBatchingConfig)
+    offload_reference: bool = Field(False, description="Keep the frozen reference model in CPU memory between uses (GPU).")
+
+
+# -------------------------------------------------------------------------------------------------------- generation
+class VllmConfig(Section):
+    tensor_parallel_size: int = Field(1, ge=1, description="vLLM tensor parallel size of each engine.")
+    gpu_memory_utilization: float = Field(0.6, gt=0, le=1, description="Fraction of GPU memory vLLM may take.")
+    kv_cache_gib: float = Field(1.0, gt=0, description="KV cache size on CPU (VLLM_CPU_KVCACHE_SPACE).")
+    enforce_eager: bool = Field(True, description="Skip graph capture/compilation (faster start, slower decode).")
+    max_model_len: Optional[int] = Field(None, ge=2, description="Engine context length; None = policy max length.")
+
+
+class GenerationConfig(Section):
+    backend: Literal["vllm", "megatron"] = Field("vllm", description="Rollout engine.")
+    colocated: bool = Field(True, description="Engine shares the policy's devices (memory handed over around refit).")
+    num_devices: Optional[int] = Field(None, ge=1, description="Devices of the engine when not colocated.")
+    temperature: float = Field(1.0, ge=0, description="Sampling temperature (0 = greedy).")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
+    top_k: Optional[int] = Field(None, ge=1, description="Top-k sampling; None = off.")
+    max_new_tokens: int = Field(512, ge=1, description="Response tokens at most.")
+    stop_token_ids: list[int] = Field(default_factory=list, description="Extra token ids that end a response (EOS always does).")
+    stop_strings: list[str] = Field(default_factory=list, description="Strings that end a response.")
+    overlong_prompt: Literal["truncate", "reject"] = Field("reject", description="What to do with a prompt that does not fit.")
+    refit_bucket_mb: int = Field(256, ge=1, description="Weights streamed to the engine in buckets of this size.")
+    vllm: VllmConfig = Field(default_factory=VllmConfig)
+
+
+# ------------------------------------------------------------------------------------------------------- loss, algos
+class LossConfig(Section):
+    clip_low: float = Field(0.2, ge=0, lt=1, description="PPO ratio clip below 1 (ratio >= 1 - clip_low).")
+    clip_high: float = Field(0.2, ge=0, description="PPO ratio clip above 1 (ratio <= 1 + clip_high; DAPO clip-higher).")
+    dual_clip: Optional[float] = Field(None, gt=1, description="Dual-clip constant c > 1 for negative advantages; None = off.")
+    kl_beta: float = Field(0.0, ge=0, description="Weight of the KL penalty to the reference policy (0 skips the reference).")
+    kl_kind: Literal["k1", "k2", "k3"] = Field("k3", description="KL estimator.")
+    level: Literal["token", "sequence"] = Field("token", description="Average over all tokens, or per sequence then over sequences.")
+    importance_sampling: Literal["none", "tis", "icepop"] = Field("none", description="Engine/trainer mismatch correction.")
+    is_cap: float = Field(2.0, gt=0, description="TIS: importance weights truncated at this value.")
+    icepop_low: float = Field(0.5, gt=0, description="ICE-POP: tokens with ratio below this are masked.")
+    icepop_high: float = Field(2.0, gt=0, description="ICE-POP: tokens with ratio above this are masked.")
+
+
+class GRPOConfig(Section):
+    num_prompts_per_step: int = Field(32, ge=1, description="Prompts sampled per step.")
+    num_generations_per_prompt: int = Field(8, ge=1, description="Responses per prompt (the group).")
+    max_num_steps: int = Field(100, ge=1, description="Training steps of the run.")
+    max_num_epochs: int = Field(1, ge=1, description="Passes over the prompt set at most.")
+    leave_one_out: bool = Field(True, description="Baseline = mean of the other samples in the group.")
+    normalize_std: bool = Field(True, description="Divide advantages by the group std (off + no leave-one-out = Dr.GRPO).")
+    dynamic_sampling: bool = Field(False, description="Drop groups whose rewards are all equal (DAPO).")
+    overlong_buffer: int = Field(0, ge=0, description="DAPO overlong shaping: penalty ramp over the last N tokens; 0 = off.")
+    overlong_penalty: float = Field(1.0, ge=0, description="DAPO overlong shaping: penalty at max length.")
+    val_every: int = Field(0, ge=0, description="Evaluate every N steps (0 = only at the end).")
+
+
+class SFTConfig(Section):
+    max_num_steps: int = Field(100, ge=1, description="Optimizer steps.")
+    max_num_epochs: int = Field(1, ge=1, description="Passes over the data at most.")
+    val_every: int = Field(0, ge=0, description="Evaluate every N steps (0 = only at the end).")
+
+
+class EvalConfig(Section):
+    data: Optional[str] = Field(None, description="jsonl/parquet file of problems and answers.")
+    num_samples: int = Field(1, ge=1, description="Samples per problem (k).")
+    pass_k: list[int] = Field(default_factory=lambda: [1], description="k values reported as pass@k (each <= num_samples).")
+    temperature: float = Field(0.0, ge=0, description="Sampling temperature of evaluation.")
+    max_problems: Optional[int] = Field(None, ge=1, description="Evaluate at most this many problems.")
+
+
+# ------------------------------------------------------------------------------------------------ data, environment
+class ArithTaskConfig(Section):
+    """The synthetic two-digit addition task of the embedded CPU recipe."""
+
+    digits: int = Field(2, ge=1, le=4, description="Digits per operand.")
+    num_heldout: int = Field(200, ge=1, description="Pairs held out for evaluation, never trained on.")
+    near_miss_fraction: float = Field(0.5, ge=0, le=1, description="SFT labels replaced by a near miss (a+b +-1/2).")
+
+
+class DataConfig(Section):
+    train: Optional[str] = Field(None, description="Training prompts: jsonl/parquet path (or HF dataset name when a hub is reachable).")
+    val: Optional[str] = Field(None, description="Validation prompts, same format.")
+    problem_key: str = Field("problem", description="Column holding the problem text.")
+    answer_key: str = Field("answer", description="Column holding the gold answer.")
+    prompt_template: Literal["chat", "plain"] = Field("chat", description="Tokenizer chat template, or plain text.")
+    instruction: str = Field("Let's think step by step and output the final answer within \\boxed{}.",
+                             description="Appended to each problem.")
+    max_prompt_length: Optional[int] = Field(None, ge=1, description="Prompt tokens at most; None = no limit.")
+    arith: Optional[ArithTaskConfig] = Field(None, description="Use the synthetic arithmetic task instead of files.")
+
+
+class EnvConfig(Section):
+    kind: Literal["math", "arith"] = Field("math", description="Reward environment.")
+    num_workers: int = Field(2, ge=1, description="Verifier actors.")
+    timeout_s: float = Field(10.0, gt=0, description="Per-sample verifier timeout; a timeout scores 0.")
+
+
+# ----------------------------------------------------------------------------------------------- checkpoint, logger
+class CheckpointConfig(Section):
+    enabled: bool = Field(True, description="Write checkpoints.")
+    dir: str = Field("${run.output_dir}/checkpoints", description="Checkpoint folder (step_N/ inside).")
+    save_every: int = Field(10, ge=1, description="Save every N steps (and at the end, and on SIGTERM).")
+    keep_last: int = Field(2, ge=1, description="Keep the newest N checkpoints.")
+    keep_best: int = Field(0, ge=0, description="Also keep the best N by `metric`.")
+    metric: str = Field("val/accuracy", description="Metric ranking the best checkpoints.")
+    higher_is_better: bool = Field(True, description="Direction of `metric`.")
+    resume: bool = Field(True, description="Resume from the newest complete checkpoint when there is one.")
+    sigterm_grace_s: float = Field(120.0, gt=0, description="Time allowed to save and exit after SIGTERM.")
+
+
+class WandbConfig(Section):
+    enabled: bool = Field(False, description="Log to Weights & Biases (needs `pip install wandb`).")
+    project: str = Field("mrl", description="W&B project.")
+    entity: Optional[str] = Field(None, description="W&B entity (team).")
+
+
+class LoggerConfig(Section):
+    log_dir: str = Field("${run.output_dir}/logs", description="Folder of metrics.jsonl and TensorBoard events.")
+    console: bool = Field(True, description="Progress bar (TTY) or one line per `log_every` steps (not a TTY).")
+    log_every: int = Field(1, ge=1, description="Console line every N steps when not a TTY.")
+    jsonl: bool = Field(True, description="Write metrics.jsonl.")
+    tensorboard: bool = Field(True, description="Write TensorBoard event files.")
+    wandb: WandbConfig = Field(default_factory=WandbConfig)
+
+
+# ------------------------------------------------------------------------------------------------------------ stages
+class StageConfig(Section):
+    name: str = Field(..., description="Stage name (folder under run.output_dir).")
+    algorithm: Literal["sft", "grpo", "eval"] = Field(..., description="What the stage runs.")
+    config: Optional[str] = Field(None, description="The stage's recipe file, relative to the staged recipe; "
+                                                    "None = the staged recipe itself.")
+    overrides: list[str] = Field(default_factory=list, description="Overrides applied to the recipe for this stage.")
+    init_from_previous: bool = Field(True, description="Start from the previous stage's final checkpoint.")
+
+
+# -------------------------------------------------------------------------------------------------------------- root
+class MrlConfig(Section):
+    run: RunConfig = Field(default_factory=RunConfig)
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig)
+    policy: PolicyConfig = Field(default_factory=PolicyConfig)
+    generation: GenerationConfig = Field(default_factory=GenerationConfig)
+    loss: LossConfig = Field(default_factory=LossConfig)
+    grpo: GRPOConfig = Field(default_factory=GRPOConfig)
+    sft: SFTConfig = Field(default_factory=SFTConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    env: EnvConfig = Field(default_factory=EnvConfig)
+    checkpointing: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    logger: LoggerConfig = Field(default_factory=LoggerConfig)
+    stages: list[StageConfig] = Field(default_factory=list, description="Staged recipe: run these in order (`mrl run`).")
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> "MrlConfig":
+        from mrl.config.checks import cross_field_problems
+
+        problems = cross_field_problems(self)
+        if problems:
+            raise ConfigError("", problems=problems)
+        return self
+
+    # Derived sizes (read-only, not settable from YAML).
+    @property
+    def policy_world_size(self) -> int:
+        total = self.cluster.num_nodes * self.cluster.devices_per_node
+        if self.generation.colocated or self.generation.num_devices is None:
+            return total
+        return total - self.generation.num_devices
+
+    @property
+    def data_parallel_size(self) -> int:
+        p = self.policy.parallel
+        return self.policy_world_size // (p.tensor_parallel_size * p.pipeline_parallel_size * p.context_parallel_size)
+
+
+def model_head_counts(policy: PolicyConfig) -> tuple[int, int] | None:
+    """(query heads, kv heads) of the policy model when known before start-up: from `build` or config.json."""
+    if policy.build is not None:
+        heads = policy.build.num_attention_heads
+        return heads, policy.build.num_key_value_heads or heads
+    if policy.model_name:
+        cfg_file = Path(policy.model_name) / "config.json"
+        if cfg_file.is_file():
+            hf = json.loads(cfg_file.read_text())
+            heads = hf.get("num_attention_heads")
+            if isinstance(heads, int):
+                return heads, hf.get("num_key_value_heads") or heads
+    return None

@@ -1,0 +1,94 @@
+"""Schema validation: unknown keys with suggestions, types, cross-field rules, every shipped recipe."""
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from mrl.config import ConfigError, MrlConfig, load_config, to_yaml, validate_tree
+
+RECIPES_DIR = Path(__file__).parents[3] / "recipes"
+RECIPES = sorted(RECIPES_DIR.glob("*.yaml"))
+
+
+def problems(tree) -> list[ConfigError]:
+    with pytest.raises(ConfigError) as info:
+        validate_tree(tree)
+    return info.value.problems or [info.value]
+
+
+def test_unknown_key_names_the_dotted_key_and_suggests():
+    (p,) = problems({"policy": {"optimizer": {"lrr": 1e-3}}})
+    assert p.key == "policy.optimizer.lrr"
+    assert "policy.optimizer.lr" in p.fix
+    (p,) = problems({"polcy": {}})
+    assert p.key == "polcy" and "policy" in p.fix
+    (p,) = problems({"policy": {"bogus": 1}})
+    assert p.key == "policy.bogus" and p.fix is None and p.given == 1 and "train_global_batch_size" in p.allowed
+
+
+def test_wrong_type_and_choice_name_what_is_allowed():
+    (p,) = problems({"policy": {"precision": "fp8"}})
+    assert p.key == "policy.precision" and p.given == "fp8" and "'float32'" in p.allowed
+    (p,) = problems({"grpo": {"num_generations_per_prompt": "many"}})
+    assert p.key == "grpo.num_generations_per_prompt" and p.given == "many"
+
+
+def test_tp_must_divide_heads_of_built_model():
+    tree = {"cluster": {"devices_per_node": 4},
+            "policy": {"parallel": {"tensor_parallel_size": 4}, "build": {"num_attention_heads": 6}}}
+    (p,) = problems(tree)
+    assert p.key == "policy.parallel.tensor_parallel_size" and p.given == 4 and "[1, 2, 3, 6]" in p.allowed
+
+
+def test_tp_must_divide_kv_heads_read_from_hf_config(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"num_attention_heads": 8, "num_key_value_heads": 2}))
+    tree = {"cluster": {"devices_per_node": 4},
+            "policy": {"model_name": str(tmp_path), "parallel": {"tensor_parallel_size": 4}}}
+    (p,) = problems(tree)
+    assert p.key == "policy.parallel.tensor_parallel_size" and "key/value heads" in p.message
+
+
+def test_batch_sizes_must_divide():
+    tree = {"cluster": {"devices_per_node": 2}, "policy": {"train_global_batch_size": 64, "train_micro_batch_size": 3}}
+    keys = [p.key for p in problems(tree)]
+    assert keys == ["policy.train_global_batch_size"]  # 64 % (3 * dp 2) != 0
+    tree = {"grpo": {"num_prompts_per_step": 3, "num_generations_per_prompt": 5},
+            "policy": {"train_global_batch_size": 4, "train_micro_batch_size": 1}}
+    assert "rollouts of a step" in problems(tree)[0].message
+
+
+def test_several_problems_are_reported_together():
+    tree = {"policy": {"parallel": {"sequence_parallel": True},
+                       "sequence_packing": {"enabled": True, "tokens_per_microbatch": 10},
+                       "dynamic_batching": {"enabled": True, "tokens_per_microbatch": 8192}}}
+    keys = {p.key for p in problems(tree)}
+    assert keys == {"policy.parallel.sequence_parallel", "policy.dynamic_batching.enabled",
+                    "policy.sequence_packing.tokens_per_microbatch"}
+
+
+def test_default_config_is_valid_and_round_trips_through_yaml():
+    cfg = MrlConfig()
+    again = validate_tree(yaml.safe_load(to_yaml(cfg)))
+    assert again == cfg
+    assert cfg.data_parallel_size == 1
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.name)
+def test_every_recipe_validates(recipe):
+    cfg = load_config(recipe)
+    assert cfg.run.name
+
+
+def test_deepscaler_stages_carry_the_published_hyperparameters():
+    by_len = {n: load_config(RECIPES_DIR / f"grpo-deepscaler-1.5b-{n}.yaml") for n in ("8K", "16K", "24K")}
+    assert [c.policy.max_total_sequence_length for c in by_len.values()] == [8192, 16384, 24576]
+    assert [c.loss.kl_beta for c in by_len.values()] == [0.0, 1e-3, 1e-4]
+    assert [c.loss.clip_high for c in by_len.values()] == [0.2, 0.28, 0.28]
+    assert [c.policy.optimizer.lr for c in by_len.values()] == [2e-6, 2e-6, 5e-7]
+    for c in by_len.values():
+        assert c.policy.model_name == "deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B"
+        assert (c.grpo.num_prompts_per_step, c.grpo.num_generations_per_prompt) == (128, 8)
+    staged = load_config(RECIPES_DIR / "deepscaler-1.5b-staged.yaml")
+    assert [s.config for s in staged.stages[:3]] == [f"grpo-deepscaler-1.5b-{n}.yaml" for n in ("8K", "16K", "24K")]
