@@ -89,7 +89,22 @@ def _run_staged(args: argparse.Namespace) -> int:
 
 
 def _run_convert(args: argparse.Namespace) -> int:
-    raise NotImplementedCommand(f"convert {args.direction}")
+    """HF <-> Megatron conversion (converters.cli); a bad input folder is a user error, not a traceback."""
+    from converters import ConversionError
+    from converters import cli as conv
+
+    try:
+        if args.direction == "hf-to-megatron":
+            out = conv.hf_to_megatron(args.hf, args.out, tp=args.tp, pp=args.pp)
+        elif args.megatron:
+            out = conv.megatron_to_hf(args.megatron, args.out)
+        else:
+            raise NotImplementedCommand("convert megatron-to-hf --checkpoint (training checkpoints)")
+    except (ConversionError, FileNotFoundError) as exc:
+        print(f"mrl convert: {exc}", file=sys.stderr)
+        return 1
+    print(f"wrote {out}")
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,0 +1,292 @@
+"""The HF <-> Megatron-Core parameter map for dense decoders: the single source of truth for names and layouts.
+
+Used by the checkpoint converters, the policy loader (HF -> one TP rank's Megatron state), the HF export and the
+weight refit into rollout engines (Megatron full tensors -> HF names, streamed one tensor at a time).
+
+Per layer i (HF `model.layers.i.` <-> Megatron `decoder.layers.i.`):
+    self_attn.{q,k,v}_proj.weight/.bias -> self_attention.linear_qkv.weight/.bias    grouped QKV, TP dim 0
+    self_attn.o_proj.weight             -> self_attention.linear_proj.weight         row parallel, TP dim 1
+    self_attn.{q,k}_norm.weight         -> self_attention.{q,k}_layernorm.weight     replicated (Qwen3)
+    mlp.{gate,up}_proj.weight           -> mlp.linear_fc1.weight                     cat[gate, up], TP dim 0 gated
+    mlp.down_proj.weight                -> mlp.linear_fc2.weight                     row parallel, TP dim 1
+    input_layernorm.weight              -> input_layernorm.weight                    (local spec) or
+                                           self_attention.linear_qkv.layer_norm_weight (TE spec)
+    post_attention_layernorm.weight     -> pre_mlp_layernorm.weight                  (local spec) or
+                                           mlp.linear_fc1.layer_norm_weight           (TE spec)
+Model level: model.embed_tokens.weight -> embedding.word_embeddings.weight (vocab padded, TP dim 0),
+model.norm.weight -> decoder.final_layernorm.weight, lm_head.weight -> output_layer.weight (vocab padded, TP dim 0;
+absent when embeddings are tied: Megatron then shares the embedding).
+
+Nothing is dropped silently: an HF or Megatron tensor that no rule covers, a missing tensor or a wrong shape raises
+ConversionError naming it. The only names skipped on purpose are Megatron `_extra_state` entries (TE/FP8 metadata,
+not weights), HF `rotary_emb.inv_freq` buffers (recomputed from the config) and, with tied embeddings, an
+`output_layer.weight` / `lm_head.weight` copy that equals the embedding (checked when both are present).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+from converters import transforms as T
+from converters.spec import ConversionError, ModelDims, model_dims
+
+Kind = Literal["copy", "qkv", "gate_up", "vocab"]
+SpecNames = Literal["local", "te"]
+
+_LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_SKIPPED_HF_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+@dataclass(frozen=True)
+class ParamRule:
+    """One Megatron parameter and the HF tensor(s) it is made of.
+
+    kind: copy (same tensor), qkv (grouped fusion of q/k/v), gate_up (cat[gate, up]), vocab (rows padded).
+    tp_dim: the dimension tensor parallelism splits (None = replicated); `gated` marks linear_fc1's layout.
+    """
+
+    megatron: str
+    hf: tuple[str, ...]
+    kind: Kind
+    tp_dim: int | None
+
+    @property
+    def gated(self) -> bool:
+        return self.kind == "gate_up"
+
+
+def _layer_rules(dims: ModelDims, i: int, names: SpecNames) -> list[ParamRule]:
+    m, h = f"decoder.layers.{i}.", f"model.layers.{i}."
+    attn, mlp = m + "self_attention.", m + "mlp."
+    qkv_hf = tuple(f"{h}self_attn.{p}_proj.weight" for p in "qkv")
+    input_norm = attn + "linear_qkv.layer_norm_weight" if names == "te" else m + "input_layernorm.weight"
+    mlp_norm = mlp + "linear_fc1.layer_norm_weight" if names == "te" else m + "pre_mlp_layernorm.weight"
+    rules = [
+        ParamRule(input_norm, (h + "input_layernorm.weight",), "copy", None),
+        ParamRule(attn + "linear_qkv.weight", qkv_hf, "qkv", 0),
+        ParamRule(attn + "linear_proj.weight", (h + "self_attn.o_proj.weight",), "copy", 1),
+        ParamRule(mlp_norm, (h + "post_attention_layernorm.weight",), "copy", None),
+        ParamRule(mlp + "linear_fc1.weight", (h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight"), "gate_up", 0),
+        ParamRule(mlp + "linear_fc2.weight", (h + "mlp.down_proj.weight",), "copy", 1),
+    ]
+    if dims.qkv_bias:
+        bias_hf = tuple(f"{h}self_attn.{p}_proj.bias" for p in "qkv")
+        rules.append(ParamRule(attn + "linear_qkv.bias", bias_hf, "qkv", 0))
+    if dims.qk_norm:
+        rules.append(ParamRule(attn + "q_layernorm.weight", (h + "self_attn.q_norm.weight",), "copy", None))
+        rules.append(ParamRule(attn + "k_layernorm.weight", (h + "self_attn.k_norm.weight",), "copy", None))
+    return rules
+
+
+def param_rules(dims: ModelDims, names: SpecNames = "local") -> list[ParamRule]:
+    """Every Megatron parameter of the full (unsplit) model, with global layer indices, in a stable order."""
+    rules = [ParamRule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "vocab", 0)]
+    for i in range(dims.num_layers):
+        rules += _layer_rules(dims, i, names)
+    rules.append(ParamRule("decoder.final_layernorm.weight", ("model.norm.weight",), "copy", None))
+    if not dims.tied:
+        rules.append(ParamRule("output_layer.weight", ("lm_head.weight",), "vocab", 0))
+    return rules
+
+
+def expected_hf_shapes(dims: ModelDims) -> dict[str, tuple[int, ...]]:
+    """The HF tensors a checkpoint of `dims` must contain, with their shapes (lm_head only when untied)."""
+    h, hd, f = dims.hidden_size, dims.head_dim, dims.ffn_hidden_size
+    q_rows, kv_rows = dims.num_heads * hd, dims.num_kv_heads * hd
+    per_layer = {
+        "input_layernorm.weight": (h,),
+        "post_attention_layernorm.weight": (h,),
+        "self_attn.q_proj.weight": (q_rows, h),
+        "self_attn.k_proj.weight": (kv_rows, h),
+        "self_attn.v_proj.weight": (kv_rows, h),
+        "self_attn.o_proj.weight": (h, q_rows),
+        "mlp.gate_proj.weight": (f, h),
+        "mlp.up_proj.weight": (f, h),
+        "mlp.down_proj.weight": (h, f),
+    }
+    if dims.qkv_bias:
+        per_layer.update({"self_attn.q_proj.bias": (q_rows,), "self_attn.k_proj.bias": (kv_rows,),
+                          "self_attn.v_proj.bias": (kv_rows,)})
+    if dims.qk_norm:
+        per_layer.update({"self_attn.q_norm.weight": (hd,), "self_attn.k_norm.weight": (hd,)})
+    shapes = {"model.embed_tokens.weight": (dims.vocab_size, h), "model.norm.weight": (h,)}
+    for i in range(dims.num_layers):
+        shapes.update({f"model.layers.{i}.{k}": v for k, v in per_layer.items()})
+    if not dims.tied:
+        shapes["lm_head.weight"] = (dims.vocab_size, h)
+    return shapes
+
+
+def _as_dims(config: ModelDims | Mapping[str, Any] | Any) -> ModelDims:
+    return config if isinstance(config, ModelDims) else model_dims(config)
+
+
+def _check_hf_state(hf_state: Mapping[str, torch.Tensor], dims: ModelDims) -> None:
+    """Key set and shapes of an HF state dict against the config; raises naming the first offending tensors."""
+    expected = expected_hf_shapes(dims)
+    present = {k for k in hf_state if not k.endswith(_SKIPPED_HF_SUFFIXES)}
+    if dims.tied and "lm_head.weight" in present:
+        if not torch.equal(hf_state["lm_head.weight"], hf_state.get("model.embed_tokens.weight", torch.empty(0))):
+            raise ConversionError("tie_word_embeddings=true but lm_head.weight differs from model.embed_tokens.weight;"
+                                  " set tie_word_embeddings=false in config.json to keep both")
+        present.discard("lm_head.weight")
+    missing, unmapped = sorted(set(expected) - present), sorted(present - set(expected))
+    if missing:
+        raise ConversionError(f"HF checkpoint is missing {len(missing)} tensor(s) the config requires: {missing[:8]}")
+    if unmapped:
+        raise ConversionError(f"HF checkpoint has {len(unmapped)} tensor(s) no {dims.family} rule maps "
+                              f"(they would be lost): {unmapped[:8]}")
+    for name, shape in expected.items():
+        if tuple(hf_state[name].shape) != shape:
+            raise ConversionError(f"HF tensor {name} has shape {tuple(hf_state[name].shape)}, but config.json "
+                                  f"implies {shape}")
+
+
+def _to_megatron_full(rule: ParamRule, hf_state: Mapping[str, torch.Tensor], dims: ModelDims,
+                      padded_vocab: int) -> torch.Tensor:
+    parts = [hf_state[n] for n in rule.hf]
+    if rule.kind == "qkv":
+        return T.merge_qkv(*parts, dims.num_heads, dims.num_kv_heads, dims.head_dim)
+    if rule.kind == "gate_up":
+        return T.merge_gate_up(*parts)
+    if rule.kind == "vocab":
+        return T.pad_vocab(parts[0], padded_vocab)
+    return parts[0]
+
+
+def resolve_padded_vocab(dims: ModelDims, tp_size: int, padded_vocab: int | None,
+                         make_vocab_size_divisible_by: int = 128) -> int:
+    """The padded vocabulary: given (e.g. recorded in a checkpoint) or Megatron's rule; must be divisible by TP."""
+    size = padded_vocab or T.padded_vocab_size(dims.vocab_size, make_vocab_size_divisible_by, tp_size)
+    if size < dims.vocab_size or size % tp_size != 0:
+        raise ConversionError(f"padded vocab size {size} must be >= vocab_size={dims.vocab_size} and divisible by "
+                              f"tensor parallel size {tp_size}")
+    return size
+
+
+def hf_to_megatron(
+    hf_state: Mapping[str, torch.Tensor],
+    hf_config: ModelDims | Mapping[str, Any] | Any,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    *,
+    padded_vocab: int | None = None,
+    names: SpecNames = "local",
+) -> dict[str, torch.Tensor]:
+    """HF state dict -> the Megatron state dict of tensor-parallel rank `tp_rank` (all layers, global indices).
+
+    Validates the HF key set and every shape first. Pipeline stages select their layers with `select_pp_stage`.
+    """
+    dims = _as_dims(hf_config)
+    _check_hf_state(hf_state, dims)
+    vocab = resolve_padded_vocab(dims, tp_size, padded_vocab)
+    out = {}
+    for rule in param_rules(dims, names):
+        full = _to_megatron_full(rule, hf_state, dims, vocab)
+        out[rule.megatron] = T.tp_shard(full, rule.tp_dim, tp_rank, tp_size, gated=rule.gated)
+    return out
+
+
+def _rule_index(dims: ModelDims) -> dict[str, ParamRule]:
+    """Megatron name -> rule for both naming conventions (local and TE spec), so either kind of state converts."""
+    index = {r.megatron: r for r in param_rules(dims, "local")}
+    index.update({r.megatron: r for r in param_rules(dims, "te")})
+    return index
+
+
+def rule_for(megatron_name: str, hf_config: ModelDims | Mapping[str, Any] | Any) -> ParamRule:
+    """The rule of one Megatron parameter (full model name); raises for names no rule covers."""
+    dims = _as_dims(hf_config)
+    rule = _rule_index(dims).get(megatron_name)
+    if rule is None:
+        raise ConversionError(f"Megatron parameter {megatron_name} has no {dims.family} mapping rule")
+    return rule
+
+
+def _to_hf(rule: ParamRule, tensor: torch.Tensor, dims: ModelDims) -> list[tuple[str, torch.Tensor]]:
+    if rule.kind == "qkv":
+        parts = T.split_qkv(tensor, dims.num_heads, dims.num_kv_heads, dims.head_dim)
+    elif rule.kind == "gate_up":
+        parts = T.split_gate_up(tensor)
+    elif rule.kind == "vocab":
+        parts = (T.unpad_vocab(tensor, dims.vocab_size),)
+    else:
+        parts = (tensor,)
+    return list(zip(rule.hf, parts))
+
+
+def megatron_to_hf(
+    megatron_state: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+    hf_config: ModelDims | Mapping[str, Any] | Any,
+    *,
+    require_complete: bool = True,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Full (TP-gathered, global layer index) Megatron tensors -> (hf_name, tensor), one input tensor at a time.
+
+    Accepts local- and TE-spec names. `require_complete=False` lets a refit stream a subset (e.g. some layers);
+    with True, a Megatron parameter the config requires but the input lacks raises at the end.
+    """
+    dims = _as_dims(hf_config)
+    index, expected = _rule_index(dims), expected_hf_shapes(dims)
+    items = megatron_state.items() if isinstance(megatron_state, Mapping) else megatron_state
+    produced: set[str] = set()
+    embedding: torch.Tensor | None = None
+    tied_output: torch.Tensor | None = None
+    for name, tensor in items:
+        if name.endswith("_extra_state"):
+            continue
+        if dims.tied and name == "output_layer.weight":
+            tied_output = tensor  # a copy Megatron keeps on the last pipeline stage; checked against the embedding
+            continue
+        rule = index.get(name)
+        if rule is None:
+            raise ConversionError(f"Megatron tensor {name} has no {dims.family} mapping rule (it would be lost)")
+        for hf_name, hf_tensor in _to_hf(rule, tensor, dims):
+            if tuple(hf_tensor.shape) != expected[hf_name]:
+                raise ConversionError(f"Megatron tensor {name} gives {hf_name} of shape {tuple(hf_tensor.shape)}, "
+                                      f"but the config implies {expected[hf_name]}")
+            produced.add(hf_name)
+            yield hf_name, hf_tensor
+        if name == "embedding.word_embeddings.weight":
+            embedding = tensor
+    if tied_output is not None and embedding is not None and not torch.equal(tied_output, embedding):
+        raise ConversionError("tied embeddings, but output_layer.weight differs from embedding.word_embeddings.weight")
+    missing = sorted(set(expected) - produced)
+    if require_complete and missing:
+        raise ConversionError(f"Megatron state is missing the source of {len(missing)} HF tensor(s): {missing[:8]}")
+
+
+def layer_index(megatron_name: str) -> int | None:
+    """The decoder layer index in a Megatron name (`decoder.layers.3.mlp...` -> 3), None for model-level names."""
+    match = _LAYER_RE.match(megatron_name)
+    return int(match.group(1)) if match else None
+
+
+def select_pp_stage(
+    state: Mapping[str, torch.Tensor], layer_offset: int, num_layers: int, *, pre_process: bool,
+    post_process: bool, tied: bool,
+) -> dict[str, torch.Tensor]:
+    """The part of a full-model Megatron state one pipeline stage holds, renamed to its local layer indices.
+
+    Stage layers [layer_offset, layer_offset + num_layers) become decoder.layers.0..; the embedding goes to the
+    first stage, the final norm and output layer to the last. With tied embeddings a last stage that is not also
+    the first holds `output_layer.weight` as a copy of the embedding (Megatron syncs the two).
+    """
+    out = {}
+    for name, tensor in state.items():
+        idx = layer_index(name)
+        if idx is not None:
+            if layer_offset <= idx < layer_offset + num_layers:
+                out[_LAYER_RE.sub(lambda m: f"decoder.layers.{idx - layer_offset}.{m.group(2)}", name)] = tensor
+        elif name.startswith("embedding.") and pre_process:
+            out[name] = tensor
+        elif (name.startswith("decoder.final_layernorm") or name.startswith("output_layer.")) and post_process:
+            out[name] = tensor
+    if tied and post_process and not pre_process:
+        out["output_layer.weight"] = state["embedding.word_embeddings.weight"]
+    return out

@@ -1,0 +1,169 @@
+"""Model families, their detection from config.json, and the dimensions the mapping needs.
+
+A `Family` says what differs between the dense decoder families mrl converts (QKV bias, q/k RMSNorm) and which
+config values it cannot represent in Megatron-Core (so they fail loudly instead of converting into a different
+model). `model_dims(config)` reads an HF config (a dict from config.json or a transformers config object) into a
+validated `ModelDims`, the one record both the name mapping and the Megatron model builder read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+#: Rope types whose inverse frequencies Megatron's RoPE can use unchanged (no attention scaling factor).
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+class ConversionError(ValueError):
+    """A checkpoint or config that cannot be converted; the message names the tensor / key and the fix."""
+
+
+@dataclass(frozen=True)
+class Family:
+    """What the mapping needs to know about one HF model family.
+
+    qkv_bias: q/k/v projections always carry a bias (Qwen2). Families that expose `attention_bias` also put a bias
+    on o_proj, which Megatron's `add_qkv_bias` cannot represent: `unsupported` rejects it.
+    qk_norm: per-head RMSNorm on queries and keys before RoPE (Qwen3) = Megatron q_layernorm / k_layernorm.
+    """
+
+    name: str
+    architectures: tuple[str, ...]
+    model_types: tuple[str, ...]
+    qkv_bias: bool
+    qk_norm: bool
+    unsupported: Callable[[Mapping[str, Any]], list[str]] = field(default=lambda cfg: [])
+
+
+_REGISTRY: dict[str, Family] = {}
+
+
+def register_family(family: Family) -> Family:
+    """Add a family to the registry (each family module calls this once at import)."""
+    _REGISTRY[family.name] = family
+    return family
+
+
+def supported_families() -> tuple[str, ...]:
+    _load_builtin_families()
+    return tuple(sorted(_REGISTRY))
+
+
+def _load_builtin_families() -> None:
+    from converters import llama, qwen2, qwen3  # noqa: F401  (registration on import)
+
+
+def detect_family(config: Mapping[str, Any]) -> Family:
+    """The family of an HF config, by `architectures` first, then `model_type`.
+
+    Raises ConversionError listing the supported families when nothing matches.
+    """
+    _load_builtin_families()
+    architectures = list(config.get("architectures") or [])
+    model_type = config.get("model_type")
+    for family in _REGISTRY.values():
+        if any(arch in family.architectures for arch in architectures):
+            return family
+    for family in _REGISTRY.values():
+        if model_type in family.model_types:
+            return family
+    supported = ", ".join(f"{f.name} ({'/'.join(f.architectures)})" for f in sorted(_REGISTRY.values(),
+                                                                                     key=lambda f: f.name))
+    raise ConversionError(
+        f"unsupported model family: architectures={architectures}, model_type={model_type!r}. "
+        f"Supported families: {supported}."
+    )
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    """Shapes and numerics of a dense decoder, read from an HF config."""
+
+    family: str
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    ffn_hidden_size: int
+    vocab_size: int
+    tied: bool
+    qkv_bias: bool
+    qk_norm: bool
+    norm_eps: float
+    rope_theta: float
+    rope_type: str
+    rope_parameters: dict[str, Any]
+    max_position_embeddings: int
+
+
+def config_dict(config: Mapping[str, Any] | Any) -> dict[str, Any]:
+    """A plain dict from a config.json dict or a transformers PretrainedConfig."""
+    if isinstance(config, Mapping):
+        return dict(config)
+    if hasattr(config, "to_dict"):
+        return config.to_dict()
+    raise TypeError(f"expected an HF config dict or PretrainedConfig, got {type(config).__name__}")
+
+
+def rope_parameters(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """Rope settings in transformers 5 form ({"rope_type", "rope_theta", ...}) from either config generation.
+
+    transformers >= 5 writes `rope_parameters`; older config.json files carry `rope_theta` and `rope_scaling`.
+    """
+    params = dict(cfg.get("rope_parameters") or {})
+    if not params:
+        params = dict(cfg.get("rope_scaling") or {})
+        params.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
+    if "type" in params and "rope_type" not in params:
+        params["rope_type"] = params.pop("type")
+    params.setdefault("rope_type", "default")
+    return params
+
+
+def _common_problems(cfg: Mapping[str, Any], rope: Mapping[str, Any]) -> list[str]:
+    problems = []
+    if cfg.get("hidden_act", "silu") != "silu":
+        problems.append(f"hidden_act={cfg['hidden_act']!r} (only 'silu' / SwiGLU is supported)")
+    if rope["rope_type"] not in SUPPORTED_ROPE_TYPES:
+        problems.append(f"rope_type={rope['rope_type']!r} (supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
+    if cfg.get("use_sliding_window"):
+        problems.append("use_sliding_window=true (sliding-window attention is not supported)")
+    if cfg.get("num_experts") or cfg.get("num_local_experts"):
+        problems.append("mixture-of-experts layers (this converter handles dense models)")
+    return problems
+
+
+def model_dims(config: Mapping[str, Any] | Any) -> ModelDims:
+    """Validate an HF config and read the dimensions the conversion and the Megatron model need."""
+    cfg = config_dict(config)
+    family = detect_family(cfg)
+    rope = rope_parameters(cfg)
+    problems = _common_problems(cfg, rope) + family.unsupported(cfg)
+    if problems:
+        raise ConversionError(f"{family.name} config cannot be converted: " + "; ".join(problems))
+    num_heads = int(cfg["num_attention_heads"])
+    num_kv = int(cfg.get("num_key_value_heads") or num_heads)
+    if num_heads % num_kv != 0:
+        raise ConversionError(f"num_attention_heads={num_heads} is not a multiple of num_key_value_heads={num_kv}")
+    hidden = int(cfg["hidden_size"])
+    return ModelDims(
+        family=family.name,
+        hidden_size=hidden,
+        num_layers=int(cfg["num_hidden_layers"]),
+        num_heads=num_heads,
+        num_kv_heads=num_kv,
+        head_dim=int(cfg.get("head_dim") or hidden // num_heads),
+        ffn_hidden_size=int(cfg["intermediate_size"]),
+        vocab_size=int(cfg["vocab_size"]),
+        tied=bool(cfg.get("tie_word_embeddings", False)),
+        qkv_bias=family.qkv_bias,
+        qk_norm=family.qk_norm,
+        norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(rope.get("rope_theta", 10000.0)),
+        rope_type=str(rope["rope_type"]),
+        rope_parameters=rope,
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+    )

@@ -1,0 +1,218 @@
+"""Megatron-Core GPTModel construction from a Hugging Face config, reproducing the HF forward exactly.
+
+The HF config is read once into `converters.ModelDims` (the same record the weight mapping uses), then turned
+into a TransformerConfig + layer spec:
+- RMSNorm with the HF epsilon, SwiGLU MLP (gated_linear_unit, SiLU), no linear biases except QKV (Qwen2);
+- kv_channels = head_dim (Qwen3 and others decouple it from hidden/heads), num_query_groups = kv heads (GQA);
+- qk_layernorm for Qwen3's per-head q/k RMSNorm;
+- RoPE: base from the config; scaled rope types (linear, llama3) get the HF inverse frequencies installed on the
+  model's RotaryEmbedding after construction, so every type goes through the one formula HF uses;
+- tied embeddings -> share_embeddings_and_output_weights; vocabulary padded (see converters.resolve_padded_vocab).
+
+Backends: the Megatron *local* spec on CPU (every fusion off; `mrl.parallel.cpu_compat.apply()` patches Megatron's
+unconditional CUDA calls), the Transformer Engine spec when TE is importable and CUDA is available.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from converters import ModelDims, hf_to_megatron, model_dims, resolve_padded_vocab, select_pp_stage
+
+
+def use_transformer_engine() -> bool:
+    """True when the TE layer spec can be used: CUDA present and transformer_engine importable."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def rope_inv_freq(dims: ModelDims) -> torch.Tensor:
+    """RoPE inverse frequencies [head_dim/2], float32, exactly as transformers computes them.
+
+    default: 1 / theta^(2i/d); linear: divided by `factor`; llama3: low frequencies divided by `factor`, high ones
+    kept, the band between interpolated (wavelength thresholds from original_max_position_embeddings).
+    """
+    dim = dims.head_dim
+    inv_freq = 1.0 / (dims.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    params = dims.rope_parameters
+    if dims.rope_type == "default":
+        return inv_freq
+    if dims.rope_type == "linear":
+        return inv_freq / params["factor"]
+    if dims.rope_type == "llama3":
+        factor, low, high = params["factor"], params["low_freq_factor"], params["high_freq_factor"]
+        old_len = params["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        is_medium = ~(wavelen < old_len / high) * ~(wavelen > old_len / low)
+        return torch.where(is_medium, smoothed, scaled)
+    raise ValueError(f"rope_type {dims.rope_type!r} is not supported")  # model_dims() rejects it earlier
+
+
+def transformer_config_from_hf(
+    hf_config: Mapping[str, Any] | Any,
+    *,
+    tensor_parallel: int = 1,
+    pipeline_parallel: int = 1,
+    context_parallel: int = 1,
+    sequence_parallel: bool = False,
+    params_dtype: torch.dtype = torch.float32,
+    use_te: bool | None = None,
+    **overrides: Any,
+) -> Any:
+    """The Megatron TransformerConfig of an HF model. `overrides` go straight to TransformerConfig."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    dims = model_dims(hf_config)
+    te = use_transformer_engine() if use_te is None else use_te
+    fusions = te  # the fused kernels need CUDA (and mostly TE/Apex); on CPU every fusion is off
+    kwargs: dict[str, Any] = dict(
+        num_layers=dims.num_layers,
+        hidden_size=dims.hidden_size,
+        ffn_hidden_size=dims.ffn_hidden_size,
+        num_attention_heads=dims.num_heads,
+        num_query_groups=dims.num_kv_heads,
+        kv_channels=dims.head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=dims.norm_eps,
+        gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu,
+        add_bias_linear=False,
+        add_qkv_bias=dims.qkv_bias,
+        qk_layernorm=dims.qk_norm,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        attention_softmax_in_fp32=True,
+        apply_query_key_layer_scaling=False,
+        tensor_model_parallel_size=tensor_parallel,
+        pipeline_model_parallel_size=pipeline_parallel,
+        context_parallel_size=context_parallel,
+        sequence_parallel=sequence_parallel,
+        params_dtype=params_dtype,
+        pipeline_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16,
+        fp16=params_dtype == torch.float16,
+        use_cpu_initialization=not torch.cuda.is_available(),
+        gradient_accumulation_fusion=False,
+        bias_activation_fusion=fusions,
+        masked_softmax_fusion=fusions,
+        bias_dropout_fusion=fusions,
+        apply_rope_fusion=fusions,
+        persist_layer_norm=fusions,
+    )
+    kwargs.update(overrides)
+    return TransformerConfig(**kwargs)
+
+
+def layer_spec(dims: ModelDims, use_te: bool) -> Any:
+    """Megatron layer spec: TE on GPU; otherwise the local spec, with mrl's CPU attention when available.
+
+    mrl.parallel.attention provides a pure-torch core attention with context-parallel and packed-sequence support
+    (the local spec's DotProductAttention has neither); without it the plain local spec is used.
+    """
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    if use_te:
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=dims.qk_norm)
+    try:
+        from mrl.parallel.attention import local_layer_spec
+    except ImportError:
+        return gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=dims.qk_norm, normalization="RMSNorm")
+    return local_layer_spec(qk_layernorm=dims.qk_norm)
+
+
+def build_gpt_model(
+    hf_config: Mapping[str, Any] | Any,
+    config: Any,
+    *,
+    padded_vocab: int | None = None,
+    pre_process: bool | None = None,
+    post_process: bool | None = None,
+    use_te: bool | None = None,
+    vp_stage: int | None = None,
+) -> Any:
+    """A GPTModel (this rank's TP shard and PP stage) for the HF model; weights are random until loaded.
+
+    Model-parallel state must be initialised. pre/post_process default to whether this rank is the first/last
+    pipeline stage. `padded_vocab` defaults to Megatron's rule for this TP size; pass the checkpoint's value when
+    loading one written at another TP (the vocabulary size is part of the checkpoint's tensor shapes).
+    """
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+
+    if not torch.cuda.is_available():
+        from mrl.parallel import cpu_compat
+
+        cpu_compat.apply()
+    dims = model_dims(hf_config)
+    te = use_transformer_engine() if use_te is None else use_te
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    if pre_process is None:
+        pre_process = parallel_state.is_pipeline_first_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage)
+    if post_process is None:
+        post_process = parallel_state.is_pipeline_last_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage)
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=layer_spec(dims, te),
+        vocab_size=resolve_padded_vocab(dims, tp, padded_vocab),
+        max_sequence_length=dims.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        share_embeddings_and_output_weights=dims.tied,
+        position_embedding_type="rope",
+        rotary_percent=1.0,
+        rotary_base=dims.rope_theta,
+        vp_stage=vp_stage,
+    )
+    device = model.rotary_pos_emb.inv_freq.device
+    model.rotary_pos_emb.inv_freq = rope_inv_freq(dims).to(device)  # exact HF frequencies for every rope type
+    return model
+
+
+def stage_layer_offset(model: Any) -> int:
+    """Global index of this pipeline stage's first decoder layer."""
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    return get_transformer_layer_offset(model.config, vp_stage=getattr(model, "vp_stage", None))
+
+
+def load_hf_weights(
+    model: Any, hf_state: Mapping[str, torch.Tensor], hf_config: Mapping[str, Any] | Any, *,
+    names: str | None = None,
+) -> None:
+    """Copy an HF state dict into this rank's GPTModel (its TP shard, its PP stage's layers).
+
+    Every model parameter must be covered and every converted tensor used: a mismatch raises naming the keys.
+    `names` ("local" | "te") defaults to the spec the model was built with.
+    """
+    from megatron.core import parallel_state
+
+    dims = model_dims(hf_config)
+    own = {k for k in model.state_dict() if not k.endswith("_extra_state")}
+    if names is None:
+        names = "te" if any(k.endswith("linear_qkv.layer_norm_weight") for k in own) else "local"
+    full = hf_to_megatron(
+        hf_state, dims, parallel_state.get_tensor_model_parallel_rank(),
+        parallel_state.get_tensor_model_parallel_world_size(),
+        padded_vocab=model.vocab_size, names=names,  # GPTModel.vocab_size: the global padded size
+    )
+    stage = select_pp_stage(full, stage_layer_offset(model), len(model.decoder.layers),
+                            pre_process=model.pre_process, post_process=model.post_process, tied=dims.tied)
+    if dims.tied and "output_layer.weight" not in own:
+        stage.pop("output_layer.weight", None)
+    if set(stage) != own:
+        raise ValueError(f"converted state does not match the model: missing {sorted(own - set(stage))[:8]}, "
+                         f"unexpected {sorted(set(stage) - own)[:8]}")
+    model.load_state_dict(stage, strict=False)
+
