@@ -1,0 +1,144 @@
+"""Problem/answer datasets: local jsonl or parquet files (DeepScaleR's `problem`, `answer` columns by default), or
+a Hugging Face dataset name when the `datasets` package and a hub (or its cache) are available.
+
+Bad rows never crash a run: a row that is not a JSON object, lacks the problem or the answer, or has an empty
+problem is skipped and counted by reason (`ProblemSet.skipped`); only a source with no usable row at all is an
+error, and that error names the columns that were found so the fix (`data.problem_key=...`) is obvious.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Iterator, Optional
+
+logger = logging.getLogger(__name__)
+
+JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
+PARQUET_SUFFIXES = (".parquet",)
+INVALID_JSON = object()  # stands for a jsonl line that does not parse
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One prompt with its gold answer; `row` is its index in the source (for error reports)."""
+
+    problem: str
+    answer: str
+    row: int = -1
+
+
+@dataclass
+class ProblemSet:
+    problems: list[Problem]
+    source: str
+    skipped: Counter = field(default_factory=Counter)  # reason -> rows skipped
+
+    @property
+    def num_skipped(self) -> int:
+        return sum(self.skipped.values())
+
+    def __len__(self) -> int:
+        return len(self.problems)
+
+
+def load_problems(source: str | Path, *, problem_key: str = "problem", answer_key: str = "answer",
+                  split: str = "train", max_rows: Optional[int] = None) -> ProblemSet:
+    """Read a jsonl/parquet file (or an HF dataset name) into `Problem`s, skipping and counting bad rows."""
+    rows, columns = _read_rows(str(source), split)
+    result = ProblemSet([], str(source))
+    for index, row in rows:
+        problem, reason = _to_problem(index, row, problem_key, answer_key)
+        if problem is None:
+            result.skipped[reason] += 1
+            continue
+        result.problems.append(problem)
+        if max_rows is not None and len(result.problems) >= max_rows:
+            break
+    if not result.problems:
+        raise ValueError(f"{source}: no usable row (skipped: {dict(result.skipped) or 'none, the source is empty'}); "
+                         f"columns found: {sorted(columns)}; the problem and answer columns are set by "
+                         f"data.problem_key (now {problem_key!r}) and data.answer_key (now {answer_key!r})")
+    if result.num_skipped:
+        logger.warning("%s: skipped %d bad rows %s", source, result.num_skipped, dict(result.skipped))
+    return result
+
+
+def _to_problem(index: int, row: Any, problem_key: str, answer_key: str) -> tuple[Optional[Problem], str]:
+    if row is INVALID_JSON:
+        return None, "invalid JSON"
+    if not isinstance(row, dict):
+        return None, "not an object"
+    problem, answer = row.get(problem_key), row.get(answer_key)
+    if problem is None:
+        return None, f"missing {problem_key!r}"
+    if answer is None:
+        return None, f"missing {answer_key!r}"
+    if not isinstance(problem, str) or not problem.strip():
+        return None, f"empty {problem_key!r}"
+    answer_text = answer if isinstance(answer, str) else _scalar_text(answer)
+    if answer_text is None or not answer_text.strip():
+        return None, f"empty {answer_key!r}"
+    return Problem(problem.strip(), answer_text.strip(), index), ""
+
+
+def _scalar_text(value: Any) -> Optional[str]:
+    """Numbers are valid answers (`"answer": 42`); lists, dicts and bools are not."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return str(int(value)) if isinstance(value, float) and value.is_integer() else str(value)
+
+
+def _read_rows(source: str, split: str) -> tuple[Iterable[tuple[int, Any]], set[str]]:
+    path = Path(source)
+    if path.is_file():
+        if path.suffix.lower() in JSONL_SUFFIXES:
+            rows = list(_jsonl_rows(path))
+        elif path.suffix.lower() in PARQUET_SUFFIXES:
+            rows = list(enumerate(_parquet_rows(path)))
+        else:
+            raise ValueError(f"{source}: unknown data format {path.suffix!r}; use .jsonl (one JSON object per line) "
+                             "or .parquet")
+    elif path.suffix.lower() in JSONL_SUFFIXES + PARQUET_SUFFIXES or path.is_dir():
+        raise FileNotFoundError(f"data file {source} does not exist (check data.train / data.val / eval.data)")
+    else:
+        rows = list(enumerate(_hf_rows(source, split)))
+    columns = {k for _, r in rows[:100] if isinstance(r, dict) for k in r}
+    return rows, columns
+
+
+def _jsonl_rows(path: Path) -> Iterator[tuple[int, Any]]:
+    with path.open(encoding="utf-8") as f:
+        for index, line in enumerate(f):
+            if not line.strip():
+                continue
+            try:
+                yield index, json.loads(line)
+            except json.JSONDecodeError:
+                yield index, INVALID_JSON
+
+
+def _parquet_rows(path: Path) -> list[dict]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError as err:
+        raise ImportError(f"reading {path} needs pyarrow (pip install pyarrow), or convert it to jsonl") from err
+    return pq.read_table(path).to_pylist()
+
+
+def _hf_rows(name: str, split: str) -> Iterable[dict]:
+    try:
+        import datasets
+    except ImportError as err:
+        raise FileNotFoundError(f"{name!r} is neither a local .jsonl/.parquet file nor loadable as a Hugging Face "
+                                "dataset (the `datasets` package is not installed); point data.train at a local "
+                                "file") from err
+    try:
+        return datasets.load_dataset(name, split=split)
+    except Exception as err:  # the hub being unreachable surfaces as many different exception types
+        raise FileNotFoundError(f"could not load Hugging Face dataset {name!r} (split {split!r}): {err}; with no hub "
+                                "access, download it elsewhere and point data.train at a local jsonl/parquet "
+                                "file") from err

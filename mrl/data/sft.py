@@ -1,0 +1,46 @@
+"""Supervised examples as token ids with a loss mask on the response (the SFT warm-up and the SFT command).
+
+Layout (the policy's convention: a mask value sits on the token it scores):
+    input_ids  [N, T]  prompt tokens, response tokens, EOS, then right padding
+    loss_mask  [N, T]  1 on the response tokens and the EOS (the model must learn to stop), 0 elsewhere
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+from mrl.data.templates import PromptTemplate
+
+
+@dataclass
+class SFTBatch:
+    input_ids: torch.Tensor  # [N, T] int64
+    loss_mask: torch.Tensor  # [N, T] float32
+    lengths: torch.Tensor    # [N] real tokens per row
+
+
+def build_sft_batch(prompts: Sequence[str], targets: Sequence[str], tokenizer: Any,
+                    template: PromptTemplate) -> SFTBatch:
+    """Tokenise (prompt, target) pairs; the target is tokenised on its own so the prompt/response boundary is
+    exact (no merge across it), and EOS is appended."""
+    if len(prompts) != len(targets):
+        raise ValueError(f"{len(prompts)} prompts but {len(targets)} targets")
+    if tokenizer.eos_token_id is None:
+        raise ValueError("the tokenizer has no EOS token; SFT needs one to teach the model to stop")
+    prompt_ids, _ = template.encode(prompts, tokenizer)
+    rows, masks = [], []
+    for p_ids, target in zip(prompt_ids, targets):
+        r_ids = list(tokenizer(target, add_special_tokens=False)["input_ids"]) + [tokenizer.eos_token_id]
+        rows.append(p_ids + r_ids)
+        masks.append([0.0] * len(p_ids) + [1.0] * len(r_ids))
+    width = max(map(len, rows))
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    input_ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    loss_mask = torch.zeros((len(rows), width), dtype=torch.float32)
+    for i, (ids, mask) in enumerate(zip(rows, masks)):
+        input_ids[i, :len(ids)] = torch.tensor(ids)
+        loss_mask[i, :len(mask)] = torch.tensor(mask)
+    return SFTBatch(input_ids, loss_mask, torch.tensor([len(r) for r in rows]))

@@ -1,0 +1,58 @@
+"""Prompt templates and prompt tokenisation (the engines work on token ids; text becomes ids here).
+
+Two templates:
+- "chat":  the tokenizer's own chat template, one user turn "<problem> <instruction>", then the generation prompt
+           (the assistant header) so the model answers as the assistant;
+- "plain": "<problem> <instruction>" as raw text (base models, and the synthetic arithmetic task whose
+           instruction is empty, so the prompt is the problem itself: "37+05=").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal, Optional, Sequence
+
+COT_INSTRUCTION = "Let's think step by step and output the final answer within \\boxed{}."
+
+
+@dataclass(frozen=True)
+class PromptTemplate:
+    kind: Literal["chat", "plain"] = "chat"
+    instruction: str = COT_INSTRUCTION
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("chat", "plain"):
+            raise ValueError(f"data.prompt_template must be 'chat' or 'plain', got {self.kind!r}")
+
+    def user_text(self, problem: str) -> str:
+        return f"{problem} {self.instruction}" if self.instruction else problem
+
+    def render(self, problem: str, tokenizer: Any = None) -> str:
+        """The prompt text for one problem (chat needs the tokenizer for its template)."""
+        text = self.user_text(problem)
+        if self.kind == "plain":
+            return text
+        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+            raise ValueError("data.prompt_template=chat needs a tokenizer with a chat template; this tokenizer has "
+                             "none: set data.prompt_template=plain")
+        return tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                             add_generation_prompt=True)
+
+    def encode(self, problems: Sequence[str], tokenizer: Any, *, max_length: Optional[int] = None,
+               overlong: Literal["truncate", "reject"] = "reject") -> tuple[list[list[int]], list[int]]:
+        """Token ids of each prompt, and the indices of the problems kept.
+
+        A prompt longer than `max_length`: "reject" drops it (its index is missing from the kept list);
+        "truncate" keeps its LAST max_length tokens, because a chat prompt ends with the generation header the model
+        needs to start answering. Chat templates already contain the special tokens, so none are added again."""
+        add_special = self.kind == "plain"
+        ids_out, kept = [], []
+        for i, problem in enumerate(problems):
+            ids = tokenizer(self.render(problem, tokenizer), add_special_tokens=add_special)["input_ids"]
+            if max_length is not None and len(ids) > max_length:
+                if overlong == "reject":
+                    continue
+                ids = ids[-max_length:]
+            ids_out.append(list(ids))
+            kept.append(i)
+        return ids_out, kept

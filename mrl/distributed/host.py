@@ -1,0 +1,50 @@
+"""The object that lives inside each worker actor: it builds the caller's worker class and runs its methods.
+
+The caller's class stays a plain Python class (no Ray decorator, testable without Ray). Wrapping it here lets the
+group set the rendezvous variables before the class is built, report where the process runs, and move tensors
+as numpy both ways (transport.py).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import Any
+
+import ray
+
+from mrl.distributed.env import find_free_port
+from mrl.distributed.transport import decode, encode
+
+
+class WorkerHost:
+    """One per actor; holds one instance of the worker class."""
+
+    def __init__(self) -> None:
+        self._worker: Any = None
+
+    def info(self) -> dict[str, Any]:
+        """Where this worker runs, for error messages and the rendezvous address."""
+        return {
+            "pid": os.getpid(),
+            "node_ip": ray.util.get_node_ip_address(),
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "hostname": socket.gethostname(),
+        }
+
+    def free_port(self) -> int:
+        return find_free_port()
+
+    def start(self, worker_cls: type, env: dict[str, str], payload: tuple[tuple, dict[str, Any]]) -> None:
+        """Export `env` (rendezvous address) and build the worker: its __init__ may already join process groups."""
+        os.environ.update(env)
+        args, kwargs = decode(payload)
+        self._worker = worker_cls(*args, **kwargs)
+
+    def call(self, method: str, payload: tuple[tuple, dict[str, Any]]) -> Any:
+        args, kwargs = decode(payload)
+        return encode(getattr(self._worker, method)(*args, **kwargs))
+
+    def call_with_shard(self, method: str, shard: Any, payload: tuple[tuple, dict[str, Any]]) -> Any:
+        args, kwargs = decode(payload)
+        return encode(getattr(self._worker, method)(decode(shard), *args, **kwargs))

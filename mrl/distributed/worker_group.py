@@ -1,0 +1,418 @@
+"""A worker group: one Ray actor per rank, built from a plain Python worker class, driven by one controller.
+
+The controller never handles ranks: it calls `run_all` (every rank, same arguments), `run_on_leaders` (one rank per
+data-parallel group) or `shard_and_run` (the batch split over data-parallel ranks, results gathered back in batch
+order), or their `_async` variants, which return a `GroupFuture` so that several groups can work at once.
+
+Rank r runs on bundle r of its placement with RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, OMP_NUM_THREADS set
+at process start, and MASTER_ADDR/MASTER_PORT (rank 0's node and a port found free there, once per group) set
+before the worker class is built, so `torch.distributed.init_process_group(init_method="env://")` works inside
+its __init__ or any later method. On GPUs, Ray sets CUDA_VISIBLE_DEVICES to the bundle's device.
+
+Failure: every wait watches all ranks at once, so the first rank that raises or dies ends the call at once with a
+`WorkerError` / `WorkerDiedError` naming the group, the rank and its node/pid -- even while the other ranks are
+blocked in a collective waiting for the dead one (they are killed by `shutdown()`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence
+
+import ray
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from mrl.distributed.batch import merge_shards, split_batch
+from mrl.distributed.cluster import Placement
+from mrl.distributed.env import rank_environment
+from mrl.distributed.errors import WorkerDiedError, WorkerError, WorkerTimeoutError
+from mrl.distributed.host import WorkerHost
+from mrl.distributed.transport import decode, encode
+
+log = logging.getLogger(__name__)
+
+# How often a wait wakes up when nothing finished; only bounds the overall-timeout check, not failure detection
+# (a finished or failed call wakes ray.wait at once).
+_POLL_S = 1.0
+# After a rank raises, how long to look for a rank that died: a dead peer makes the others' collectives raise
+# "connection closed" first, and the death is the error worth reporting.
+_DEATH_GRACE_S = 1.0
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    rank: int
+    node_ip: str
+    node_id: str
+    pid: int
+
+    def where(self) -> str:
+        return f"node {self.node_ip}, pid {self.pid}"
+
+
+@dataclass(frozen=True)
+class DataParallelLayout:
+    """Which data-parallel rank each global rank belongs to, and which rank of each data-parallel group is its
+    leader (the one whose return value represents the group: e.g. the last pipeline stage, TP rank 0).
+
+    `dp_rank[r]` and `is_leader[r]` are indexed by global rank r. Data-parallel ranks are 0..D-1, each with
+    exactly one leader.
+    """
+
+    dp_rank: tuple[int, ...]
+    is_leader: tuple[bool, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.dp_rank) != len(self.is_leader):
+            raise ValueError("dp_rank and is_leader must have one entry per global rank")
+        size = self.dp_size
+        if sorted(set(self.dp_rank)) != list(range(size)):
+            raise ValueError(f"data-parallel ranks must be 0..{size - 1} with none missing, got {list(self.dp_rank)}")
+        for dp in range(size):
+            leaders = [r for r, (d, lead) in enumerate(zip(self.dp_rank, self.is_leader)) if d == dp and lead]
+            if len(leaders) != 1:
+                raise ValueError(f"data-parallel rank {dp} must have exactly one leader, got ranks {leaders}")
+
+    @property
+    def dp_size(self) -> int:
+        return max(self.dp_rank) + 1 if self.dp_rank else 0
+
+    @property
+    def leaders(self) -> list[int]:
+        """Global rank of the leader of each data-parallel rank, in data-parallel order."""
+        by_dp = {d: r for r, (d, lead) in enumerate(zip(self.dp_rank, self.is_leader)) if lead}
+        return [by_dp[dp] for dp in range(self.dp_size)]
+
+    @classmethod
+    def pure(cls, world_size: int) -> "DataParallelLayout":
+        """Every rank is its own data-parallel group (no model parallelism)."""
+        return cls(tuple(range(world_size)), (True,) * world_size)
+
+    @classmethod
+    def from_reports(cls, reports: Sequence[tuple[int, bool]]) -> "DataParallelLayout":
+        """From (dp_rank, is_leader) reported by each rank in global rank order."""
+        return cls(tuple(int(d) for d, _ in reports), tuple(bool(lead) for _, lead in reports))
+
+
+def _exit_detail(error: BaseException) -> str:
+    """Ray's one-line reason ("Worker exit type: ... Worker exit detail: ..."), without its generic advice."""
+    text = " ".join(str(error).split())
+    start = text.find("Worker exit type")
+    detail = text[start:] if start >= 0 else text
+    return detail.split(" Some common causes")[0][:300].rstrip(".") or type(error).__name__
+
+
+def _worker_exception(group: str, method: str, info: WorkerInfo, error: BaseException) -> WorkerError:
+    """Turn a Ray error for one rank into our error naming the group, rank and process."""
+    who = f"worker group '{group}' rank {info.rank} ({info.where()})"
+    if isinstance(error, ray.exceptions.RayActorError):
+        return WorkerDiedError(
+            f"{who} died while running '{method}': {_exit_detail(error)}. The group cannot continue; shut it down "
+            "and restart (from a checkpoint)",
+            group=group,
+            rank=info.rank,
+        )
+    if isinstance(error, ray.exceptions.RayTaskError):
+        cause = error.cause
+        return WorkerError(
+            f"{who} raised {type(cause).__name__} in '{method}': {cause}\n--- remote traceback ---\n{error}",
+            group=group,
+            rank=info.rank,
+            cause=cause,
+        )
+    return WorkerError(f"{who} failed in '{method}': {error!r}", group=group, rank=info.rank, cause=error)
+
+
+class GroupFuture:
+    """Pending per-rank calls of one group; `result()` waits for all of them and post-processes the values."""
+
+    def __init__(
+        self,
+        group: "WorkerGroup",
+        method: str,
+        refs: Sequence[ray.ObjectRef],
+        ranks: Sequence[int],
+        finish: Callable[[list[Any]], Any] = list,
+    ):
+        self._group = group
+        self._method = method
+        self._refs = list(refs)
+        self._ranks = list(ranks)
+        self._finish = finish
+        self._values: Optional[list[Any]] = None
+
+    def done(self) -> bool:
+        if self._values is not None:
+            return True
+        ready, _ = ray.wait(self._refs, num_returns=len(self._refs), timeout=0, fetch_local=False)
+        return len(ready) == len(self._refs)
+
+    def result(self, timeout_s: Optional[float] = None) -> Any:
+        """Values of the call, post-processed. Raises the first rank's failure as soon as Ray reports it."""
+        if self._values is None:
+            self._values = _wait_refs([self], timeout_s)[0]
+        return self._finish(self._values)
+
+
+def _wait_refs(futures: Sequence[GroupFuture], timeout_s: Optional[float]) -> list[list[Any]]:
+    """Wait on the refs of several futures together, failing on the first error of any of them."""
+    owner: dict[ray.ObjectRef, tuple[int, int]] = {}
+    for f_index, future in enumerate(futures):
+        for slot, ref in enumerate(future._refs):
+            owner[ref] = (f_index, slot)
+    values: list[list[Any]] = [[None] * len(future._refs) for future in futures]
+    pending = list(owner)
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while pending:
+        wait_s = _POLL_S if deadline is None else max(0.0, min(_POLL_S, deadline - time.monotonic()))
+        ready, pending = ray.wait(pending, num_returns=1, timeout=wait_s)
+        for ref in ready:
+            f_index, slot = owner[ref]
+            future = futures[f_index]
+            try:
+                values[f_index][slot] = decode(ray.get(ref))
+            except Exception as error:  # noqa: BLE001 -- every Ray failure is mapped to a named worker error
+                if not isinstance(error, ray.exceptions.RayActorError):
+                    # A peer's death makes the others' collectives fail too; report the death, the root cause.
+                    ref, error = _find_death(pending, _DEATH_GRACE_S) or (ref, error)
+                    f_index, slot = owner[ref]
+                    future = futures[f_index]
+                _consume_errors([other for other in pending if other != ref])
+                info = future._group.info[future._ranks[slot]]
+                raise _worker_exception(future._group.name, future._method, info, error) from error
+        if pending and deadline is not None and time.monotonic() >= deadline:
+            late = sorted(futures[owner[ref][0]]._ranks[owner[ref][1]] for ref in pending)
+            first = futures[owner[pending[0]][0]]
+            raise WorkerTimeoutError(
+                f"worker group '{first._group.name}': '{first._method}' did not finish within {timeout_s:g} s on "
+                f"ranks {late}",
+                group=first._group.name,
+                rank=late[0],
+            )
+    return values
+
+
+def _find_death(refs: Sequence[ray.ObjectRef], grace_s: float) -> Optional[tuple[ray.ObjectRef, BaseException]]:
+    """The first of `refs` whose actor died, looking for at most `grace_s`; None if none did."""
+    deadline = time.monotonic() + grace_s
+    pending = list(refs)
+    while pending and time.monotonic() < deadline:
+        ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+        for ref in ready:
+            try:
+                ray.get(ref, timeout=0)
+            except ray.exceptions.RayActorError as error:
+                return ref, error
+            except Exception:  # noqa: BLE001 -- another ordinary failure: keep looking for a death
+                pass
+    return None
+
+
+def _consume_errors(refs: Sequence[ray.ObjectRef]) -> None:
+    """Fetch the refs of other ranks that already failed too, so that Ray does not log each of them as an
+    'unhandled error' once we raise for the first. Best effort: ranks still running are left alone."""
+    ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=0.2) if refs else ([], [])
+    for ref in ready:
+        try:
+            ray.get(ref, timeout=0)
+        except Exception:  # noqa: BLE001 -- the first failure is the one reported
+            pass
+
+
+def wait_all(futures: Sequence[GroupFuture], timeout_s: Optional[float] = None) -> list[Any]:
+    """Results of several futures (possibly of different groups) waited on together: a failure in any group is
+    raised at once instead of after the futures before it finish."""
+    all_values = _wait_refs(futures, timeout_s)
+    for future, values in zip(futures, all_values):
+        future._values = values
+    return [future.result() for future in futures]
+
+
+class WorkerGroup:
+    """`world_size` actors of `worker_cls`, rank r on bundle `bundle_indices[r]` of `placement` (default: all
+    bundles in order).
+
+    Each actor asks for `resource_fraction` of its bundle's resources: 1.0 gives a group its bundles alone; two
+    groups with 0.5 each share the same bundles (colocation). `env` adds variables to every rank (not for control
+    flags: those are arguments). The worker's __init__ gets `init_args`/`init_kwargs`, and MASTER_ADDR/PORT are
+    already set then.
+
+    The group does not own the placement (other groups may share it): `shutdown()` kills the actors and removes the
+    placement only when `owns_placement=True` was given.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        worker_cls: type,
+        placement: Placement,
+        *,
+        init_args: Sequence[Any] = (),
+        init_kwargs: Optional[dict[str, Any]] = None,
+        bundle_indices: Optional[Sequence[int]] = None,
+        resource_fraction: float = 1.0,
+        omp_num_threads: int = 1,
+        env: Optional[dict[str, str]] = None,
+        start_timeout_s: float = 120.0,
+        owns_placement: bool = False,
+    ):
+        if not 0.0 < resource_fraction <= 1.0:
+            raise ValueError(f"worker group '{name}': resource_fraction must be in (0, 1], got {resource_fraction}")
+        indices = list(range(placement.num_bundles)) if bundle_indices is None else list(bundle_indices)
+        bad = [index for index in indices if not 0 <= index < placement.num_bundles]
+        if bad or len(set(indices)) != len(indices) or not indices:
+            raise ValueError(
+                f"worker group '{name}': bundle_indices {indices} must be distinct indices into placement "
+                f"'{placement.name}' (0..{placement.num_bundles - 1})"
+            )
+        self.name = name
+        self.worker_cls = worker_cls
+        self.placement = placement
+        self.bundles = [placement.bundles[index] for index in indices]
+        self.layout = DataParallelLayout.pure(len(indices))
+        self._owns_placement = owns_placement
+        self._actors: list[Any] = []
+        self.info: list[WorkerInfo] = []
+        try:
+            self._start(init_args, init_kwargs or {}, resource_fraction, omp_num_threads, env or {}, start_timeout_s)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    @property
+    def world_size(self) -> int:
+        return len(self.bundles)
+
+    # ------------------------------------------------------------------------------------------------- start-up
+    def _start(
+        self, init_args: Sequence[Any], init_kwargs: dict[str, Any], fraction: float, omp: int,
+        extra_env: dict[str, str], timeout_s: float,
+    ) -> None:
+        envs = rank_environment([bundle.node_id for bundle in self.bundles], omp)
+        host_cls = ray.remote(WorkerHost)
+        for rank, bundle in enumerate(self.bundles):
+            strategy = PlacementGroupSchedulingStrategy(bundle.group, placement_group_bundle_index=bundle.index)
+            actor = host_cls.options(
+                num_cpus=bundle.resources.get("CPU", 0.0) * fraction,
+                num_gpus=bundle.resources.get("GPU", 0.0) * fraction,
+                scheduling_strategy=strategy,
+                max_restarts=0,
+                runtime_env={"env_vars": {**extra_env, **envs[rank]}},
+            ).remote()
+            self._actors.append(actor)
+        # Placeholder infos so a failure while starting can already name the rank.
+        self.info = [WorkerInfo(rank, bundle.node_ip, bundle.node_id, -1) for rank, bundle in enumerate(self.bundles)]
+        wanted = {key: value * fraction for key, value in self.bundles[0].resources.items()}
+        try:
+            reports = GroupFuture(self, "start", [a.info.remote() for a in self._actors], range(self.world_size))
+            reports = reports.result(timeout_s)
+        except WorkerTimeoutError as error:
+            raise WorkerTimeoutError(
+                f"worker group '{self.name}': actors did not start within {timeout_s:g} s. Each asks for {wanted} "
+                f"of a bundle of {self.bundles[0].resources}: are other groups already using the rest of these "
+                "bundles (resource fractions of colocated groups must sum to <= 1)?",
+                group=self.name,
+                rank=error.rank,
+            ) from None
+        self.info = [WorkerInfo(r, rep["node_ip"], rep["node_id"], rep["pid"]) for r, rep in enumerate(reports)]
+        port = GroupFuture(self, "free_port", [self._actors[0].free_port.remote()], [0]).result(timeout_s)[0]
+        rendezvous = {"MASTER_ADDR": self.info[0].node_ip, "MASTER_PORT": str(port)}
+        payload = ray.put(encode((tuple(init_args), init_kwargs)))
+        cls_ref = ray.put(self.worker_cls)
+        refs = [actor.start.remote(cls_ref, rendezvous, payload) for actor in self._actors]
+        GroupFuture(self, f"{self.worker_cls.__name__}.__init__", refs, range(self.world_size)).result()
+        self.master_addr, self.master_port = rendezvous["MASTER_ADDR"], port
+        log.info("worker group '%s': %d ranks up, rendezvous %s:%d", self.name, self.world_size, *rendezvous.values())
+
+    # ---------------------------------------------------------------------------------------------- data layout
+    def set_layout(self, layout: DataParallelLayout) -> None:
+        """Declare which ranks form each data-parallel group (e.g. after the workers built their process groups)."""
+        if len(layout.dp_rank) != self.world_size:
+            raise ValueError(
+                f"worker group '{self.name}': layout covers {len(layout.dp_rank)} ranks, the group has "
+                f"{self.world_size}"
+            )
+        self.layout = layout
+
+    def layout_from_workers(self, method: str) -> DataParallelLayout:
+        """Ask every rank `method()` -> (dp_rank, is_leader) and use the answer as the layout."""
+        layout = DataParallelLayout.from_reports(self.run_all(method))
+        self.set_layout(layout)
+        return layout
+
+    # ------------------------------------------------------------------------------------------------- dispatch
+    def _check_method(self, method: str) -> None:
+        if not callable(getattr(self.worker_cls, method, None)):
+            raise AttributeError(f"worker group '{self.name}': {self.worker_cls.__name__} has no method '{method}'")
+
+    def _payload(self, args: tuple, kwargs: dict[str, Any]) -> ray.ObjectRef:
+        # Put once, pass the reference to every rank: one copy in the object store instead of one per rank.
+        return ray.put(encode((args, kwargs)))
+
+    def run_all_async(self, method: str, /, *args: Any, **kwargs: Any) -> GroupFuture:
+        """Every rank runs `method(*args, **kwargs)` with the same (replicated) arguments; the future's result is
+        the list of per-rank return values in rank order."""
+        self._check_method(method)
+        payload = self._payload(args, kwargs)
+        refs = [actor.call.remote(method, payload) for actor in self._actors]
+        return GroupFuture(self, method, refs, range(self.world_size))
+
+    def run_all(self, method: str, /, *args: Any, **kwargs: Any) -> list[Any]:
+        return self.run_all_async(method, *args, **kwargs).result()
+
+    def run_on_leaders_async(self, method: str, /, *args: Any, **kwargs: Any) -> GroupFuture:
+        """Only the leader of each data-parallel group runs the method (replicated arguments); the result is the
+        list of leader return values in data-parallel order. The method must not enter collectives that need the
+        other ranks: they are not called."""
+        self._check_method(method)
+        payload = self._payload(args, kwargs)
+        leaders = self.layout.leaders
+        refs = [self._actors[rank].call.remote(method, payload) for rank in leaders]
+        return GroupFuture(self, method, refs, leaders)
+
+    def run_on_leaders(self, method: str, /, *args: Any, **kwargs: Any) -> list[Any]:
+        return self.run_on_leaders_async(method, *args, **kwargs).result()
+
+    def shard_and_run_async(
+        self, method: str, batch: Any, /, *args: Any, allow_uneven: bool = False, **kwargs: Any
+    ) -> GroupFuture:
+        """Split `batch` along axis 0 over the data-parallel ranks (contract in mrl.distributed.batch), call
+        `method(shard, *args, **kwargs)` on every rank -- all ranks of a data-parallel group get the same shard;
+        `args`/`kwargs` are replicated -- and merge the leaders' results in data-parallel order, i.e. batch order:
+        row i of a merged array output belongs to row i of the input batch. `allow_uneven` is reserved by this
+        method (not passed to the worker)."""
+        self._check_method(method)
+        shards = split_batch(batch, self.layout.dp_size, allow_uneven)
+        shard_refs = [ray.put(encode(shard)) for shard in shards]
+        payload = self._payload(args, kwargs)
+        refs = [
+            actor.call_with_shard.remote(method, shard_refs[self.layout.dp_rank[rank]], payload)
+            for rank, actor in enumerate(self._actors)
+        ]
+        leaders = self.layout.leaders
+        return GroupFuture(self, method, refs, range(self.world_size), lambda values: merge_shards(
+            [values[rank] for rank in leaders]
+        ))
+
+    def shard_and_run(self, method: str, batch: Any, /, *args: Any, allow_uneven: bool = False, **kwargs: Any) -> Any:
+        return self.shard_and_run_async(method, batch, *args, allow_uneven=allow_uneven, **kwargs).result()
+
+    # ------------------------------------------------------------------------------------------------- shutdown
+    def shutdown(self) -> None:
+        """Kill every actor (also ones blocked in a collective) and, if owned, remove the placement."""
+        for actor in self._actors:
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception as error:  # already dead or Ray is gone: nothing to kill
+                log.debug("worker group '%s': kill: %s", self.name, error)
+        self._actors = []
+        if self._owns_placement:
+            from ray.util.placement_group import remove_placement_group
+
+            for group in self.placement.groups:
+                try:
+                    remove_placement_group(group)
+                except Exception as error:
+                    log.debug("worker group '%s': remove placement: %s", self.name, error)

@@ -1,0 +1,42 @@
+"""The arithmetic environment of the embedded CPU recipe: exact match of the first integer of the response.
+
+It runs in the driver process: the check is one regex on a few characters (microseconds, cannot hang), so a pool
+of actors would only add latency and memory on a 2-core machine.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Mapping, Optional, Sequence
+
+from mrl.environments.base import (EnvironmentStep, Message, last_response, read_answers_and_finished,
+                                   single_turn_step)
+
+_FIRST_INTEGER = re.compile(r"-?\d+")
+
+
+def arith_reward(response: str, answer: str) -> float:
+    """1.0 when the first integer in `response` equals the integer `answer` ("42" and "042" both match 42)."""
+    match = _FIRST_INTEGER.search(response)
+    return float(match is not None and int(match.group()) == int(answer))
+
+
+class ArithEnvironment:
+    """Single-turn exact-match reward; a truncated response scores 0."""
+
+    def step(self, message_logs: Sequence[Sequence[Message]],
+             metadata: Sequence[Mapping[str, Any]]) -> EnvironmentStep:
+        answers, finished = read_answers_and_finished(metadata)
+        scores: list[float] = []
+        errors: list[Optional[str]] = []
+        for messages, answer in zip(message_logs, answers):
+            try:
+                scores.append(arith_reward(last_response(messages), answer))
+                errors.append(None)
+            except ValueError as err:  # a gold answer that is not an integer: a data problem, scored 0
+                scores.append(0.0)
+                errors.append(str(err))
+        return single_turn_step(scores, finished, metadata, errors)
+
+    def shutdown(self) -> None:
+        pass

@@ -1,0 +1,68 @@
+"""Math answers checked with math-verify (DeepScaleR-style 0/1 correctness reward), in a pool of Ray actors.
+
+The gold answer is wrapped in \\boxed{} when it is not already, so that math-verify's LaTeX extraction reads it the
+same way it reads the model's final \\boxed{} answer; both are parsed with `math_verify.parse` and compared with
+`math_verify.verify` (symbolic equivalence: 0.5 == \\frac{1}{2} == 1/2). math-verify's own signal-based timeouts
+are off (they only work in a process's main thread): the pool's per-sample deadline replaces them.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Mapping, Optional, Sequence
+
+from mrl.environments.base import (EnvironmentStep, Message, last_response, read_answers_and_finished,
+                                   single_turn_step)
+from mrl.environments.verifier_pool import VerifierPool, VerifyFn
+
+
+def boxed_gold(answer: str) -> str:
+    """The gold answer as math-verify should read it: inside \\boxed{} unless it already contains one."""
+    return answer if "\\boxed" in answer else f"\\boxed{{{answer}}}"
+
+
+def math_verify_reward(response: str, answer: str) -> float:
+    """1.0 when the response's final answer is mathematically equal to the gold `answer`, else 0.0."""
+    from math_verify import parse, verify
+
+    gold = parse(boxed_gold(answer), parsing_timeout=None)
+    if not gold:
+        raise ValueError(f"math-verify cannot parse the gold answer {answer!r}")
+    predicted = parse(response, parsing_timeout=None)
+    return 1.0 if predicted and verify(gold, predicted, timeout_seconds=None) else 0.0
+
+
+def warm_up_math_verify() -> None:
+    """Import math-verify and sympy's parsers once, before the worker takes its first (timed) sample."""
+    logging.getLogger("math_verify").setLevel(logging.ERROR)  # the 'timeout is disabled' notice: we time out
+    math_verify_reward("\\boxed{\\frac{1}{2}}", "0.5")
+
+
+class MathEnvironment:
+    """Single-turn math environment: reward 1 for a correct final answer, 0 otherwise (also for truncated
+    responses, failing verifiers and timeouts). `verify_fn` exists for tests and custom checkers."""
+
+    def __init__(self, *, num_workers: int = 2, timeout_s: float = 10.0, verify_fn: Optional[VerifyFn] = None,
+                 warmup: Any = warm_up_math_verify):
+        self.pool = VerifierPool(verify_fn or math_verify_reward, num_workers=num_workers, timeout_s=timeout_s,
+                                 warmup=warmup)
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> "MathEnvironment":
+        """From an `EnvConfig` (env.*)."""
+        return cls(num_workers=cfg.num_workers, timeout_s=cfg.timeout_s)
+
+    def step(self, message_logs: Sequence[Sequence[Message]],
+             metadata: Sequence[Mapping[str, Any]]) -> EnvironmentStep:
+        answers, finished = read_answers_and_finished(metadata)
+        # Truncated responses score 0 without being verified.
+        todo = [i for i, f in enumerate(finished) if f]
+        result = self.pool.score([last_response(message_logs[i]) for i in todo], [answers[i] for i in todo])
+        scores: list[float] = [0.0] * len(answers)
+        errors: list[Optional[str]] = [None] * len(answers)
+        for j, i in enumerate(todo):
+            scores[i], errors[i] = result.scores[j], result.errors[j]
+        return single_turn_step(scores, finished, metadata, errors)
+
+    def shutdown(self) -> None:
+        self.pool.shutdown()

@@ -1,0 +1,161 @@
+"""A pool of Ray actors that score (response, answer) pairs with a per-sample deadline.
+
+Data flow: the driver holds a queue of samples and gives each idle actor ONE sample at a time, so a sample's
+deadline starts when its actor starts on it (an actor only counts as idle once its `ready()` returned, after
+imports and warm-up). `ray.wait` sleeps until a result arrives or the earliest deadline passes.
+- a verifier that raises: the actor catches it and returns (0, error); the actor stays;
+- a verifier that hangs (sleep, endless loop, a regex or sympy call that never returns, even one holding the GIL):
+  at the deadline the driver kills the actor process (the only way to stop arbitrary stuck code), scores the
+  sample 0 with a timeout error, and starts a replacement that takes samples once it is ready;
+- an actor that dies: the sample scores 0 with an error and the actor is replaced.
+So one bad sample costs at most `timeout_s` of its actor's time and never blocks the other actors.
+Hazard: a replacement that never becomes ready (its import fails) would stall the queue: after `startup_timeout_s`
+the pool raises with the actor's error instead.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Sequence
+
+VerifyFn = Callable[[str, str], float]
+
+
+class _VerifierActor:
+    """Runs `verify_fn(response, answer)`; never raises for a verifier error."""
+
+    def __init__(self, verify_fn: VerifyFn, warmup: Optional[Callable[[], None]]):
+        self._verify_fn = verify_fn
+        self._warmup = warmup
+
+    def ready(self) -> bool:
+        if self._warmup is not None:
+            self._warmup()
+        return True
+
+    def verify(self, response: str, answer: str) -> tuple[float, Optional[str]]:
+        try:
+            score = float(self._verify_fn(response, answer))
+        except Exception as err:  # any verifier failure scores 0 and is reported, by design
+            return 0.0, f"{type(err).__name__}: {err}"
+        if not math.isfinite(score):
+            return 0.0, f"verifier returned {score}"
+        return score, None
+
+
+@dataclass
+class ScoreResult:
+    scores: list[float]
+    errors: list[Optional[str]]  # None where the verifier succeeded
+    num_restarts: int = 0
+
+    @property
+    def num_errors(self) -> int:
+        return sum(e is not None for e in self.errors)
+
+
+@dataclass
+class _Slot:
+    actor: Any
+    started: float = field(default_factory=time.monotonic)
+
+
+class VerifierPool:
+    """`num_workers` actors scoring samples with `verify_fn`; see the module docstring for the timeout policy."""
+
+    def __init__(self, verify_fn: VerifyFn, *, num_workers: int = 2, timeout_s: float = 10.0,
+                 warmup: Optional[Callable[[], None]] = None, num_cpus: float = 0.0,
+                 startup_timeout_s: float = 120.0):
+        import ray
+
+        if num_workers < 1 or timeout_s <= 0:
+            raise ValueError(f"need env.num_workers >= 1 and env.timeout_s > 0, got {num_workers}, {timeout_s}")
+        if not ray.is_initialized():
+            raise RuntimeError("VerifierPool needs a running Ray instance (ray.init) before it is created")
+        self._remote_cls = ray.remote(num_cpus=num_cpus, max_restarts=0)(_VerifierActor)
+        self._args = (verify_fn, warmup)
+        self.timeout_s = timeout_s
+        self.startup_timeout_s = startup_timeout_s
+        self._starting: dict[Any, _Slot] = {}  # ready() ref -> actor
+        self._idle: list[Any] = []
+        for _ in range(num_workers):
+            self._start_actor()
+
+    def _start_actor(self) -> None:
+        actor = self._remote_cls.remote(*self._args)
+        self._starting[actor.ready.remote()] = _Slot(actor)
+
+    def score(self, responses: Sequence[str], answers: Sequence[str]) -> ScoreResult:
+        """Scores [N] in input order; every sample gets a score, failures 0 with their error."""
+        if len(responses) != len(answers):
+            raise ValueError(f"{len(responses)} responses but {len(answers)} answers")
+        result = ScoreResult([0.0] * len(responses), [None] * len(responses))
+        queue = deque(range(len(responses)))
+        running: dict[Any, tuple[_Slot, int]] = {}  # verify() ref -> (actor, sample index)
+        while queue or running:
+            while queue and self._idle:
+                i = queue.popleft()
+                actor = self._idle.pop()
+                running[actor.verify.remote(responses[i], answers[i])] = (_Slot(actor), i)
+            self._wait_and_collect(running, result)
+        return result
+
+    def _wait_and_collect(self, running: dict, result: ScoreResult) -> None:
+        import ray
+
+        deadlines = [slot.started + self.timeout_s for slot, _ in running.values()]
+        deadlines += [slot.started + self.startup_timeout_s for slot in self._starting.values()]
+        wait_s = max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
+        refs = list(running) + list(self._starting)
+        done, _ = ray.wait(refs, num_returns=1, timeout=wait_s)
+        for ref in done:
+            if ref in self._starting:
+                self._on_ready(ref)
+                continue
+            slot, i = running.pop(ref)
+            try:
+                result.scores[i], result.errors[i] = ray.get(ref)
+                self._idle.append(slot.actor)
+            except ray.exceptions.RayError as err:  # the actor died under this sample
+                result.errors[i] = f"verifier worker died: {type(err).__name__}"
+                self._replace(slot.actor, result)
+        now = time.monotonic()
+        for ref, (slot, i) in list(running.items()):
+            if now >= slot.started + self.timeout_s:
+                running.pop(ref)
+                result.scores[i], result.errors[i] = 0.0, f"timed out after {self.timeout_s:g}s"
+                self._replace(slot.actor, result)
+        for ref, slot in list(self._starting.items()):
+            if now >= slot.started + self.startup_timeout_s:
+                raise RuntimeError(f"a verifier worker did not start within {self.startup_timeout_s:g}s")
+
+    def _on_ready(self, ref: Any) -> None:
+        import ray
+
+        slot = self._starting.pop(ref)
+        try:
+            ray.get(ref)
+        except ray.exceptions.RayError as err:
+            raise RuntimeError(f"a verifier worker failed to start: {err}") from err
+        self._idle.append(slot.actor)
+
+    def _replace(self, actor: Any, result: ScoreResult) -> None:
+        import ray
+
+        ray.kill(actor, no_restart=True)
+        result.num_restarts += 1
+        self._start_actor()
+
+    @property
+    def num_workers(self) -> int:
+        return len(self._idle) + len(self._starting)
+
+    def shutdown(self) -> None:
+        import ray
+
+        for actor in self._idle + [slot.actor for slot in self._starting.values()]:
+            ray.kill(actor, no_restart=True)
+        self._idle, self._starting = [], {}

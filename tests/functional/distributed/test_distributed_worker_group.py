@@ -1,0 +1,200 @@
+"""Worker groups on a real local Ray instance (one per module): environment, gloo rendezvous, sharding, failures,
+colocation. Two ranks per group, each asking for half a CPU bundle, so everything fits on 2 cores."""
+
+import os
+import signal
+import sys
+import time
+from datetime import timedelta
+
+import numpy as np
+import pytest
+import ray
+import torch
+
+from mrl.distributed import (
+    ClusterResourceError,
+    DataParallelLayout,
+    RayCluster,
+    WorkerDiedError,
+    WorkerError,
+    WorkerGroup,
+    WorkerTimeoutError,
+    wait_all,
+)
+
+# Worker classes below are defined in this test module, which worker processes cannot import: ship them by value.
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+ENV_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS")
+
+
+def _linear(seed: int = 0) -> torch.nn.Linear:
+    torch.manual_seed(seed)
+    return torch.nn.Linear(4, 3)
+
+
+class Worker:
+    """A plain class, as callers write them."""
+
+    def __init__(self, seed: int = 0):
+        self.rank = int(os.environ["RANK"])
+        self.model = _linear(seed)
+
+    def env(self) -> dict:
+        return {key: os.environ.get(key) for key in ENV_KEYS} | {"threads": torch.get_num_threads()}
+
+    def init_gloo(self) -> None:
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo", init_method="env://", timeout=timedelta(seconds=60))
+
+    def all_reduce_rank(self) -> float:
+        import torch.distributed as dist
+
+        value = torch.tensor([self.rank + 1.0])
+        dist.all_reduce(value)
+        return float(value)
+
+    def forward(self, batch: dict, scale: float) -> dict:
+        with torch.no_grad():
+            y = self.model(batch["x"]) * scale  # [b, 3]
+        return {"y": y, "rank": [self.rank] * len(y), "ids": batch["ids"]}
+
+    def dp_info(self) -> tuple:
+        return 0, self.rank == 1  # one data-parallel group whose leader is rank 1
+
+    def fail_on(self, rank: int) -> int:
+        if self.rank == rank:
+            raise ValueError(f"bad input seen by rank {self.rank}")
+        return self.rank
+
+    def exit_during_all_reduce(self, victim: int) -> float:
+        if self.rank == victim:
+            time.sleep(0.5)  # let the other rank block in the collective first
+            os._exit(7)
+        return self.all_reduce_rank()
+
+    def sleep(self, seconds: float) -> int:
+        time.sleep(seconds)
+        return self.rank
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    cluster = RayCluster(num_cpus=4, log_to_driver=False)
+    yield cluster
+    cluster.shutdown()
+
+
+@pytest.fixture
+def placement(cluster):
+    placement = cluster.create_placement("test", bundles_per_node=2, cpus_per_bundle=1)
+    yield placement
+    cluster.remove_placement(placement)
+
+
+@pytest.fixture
+def group(placement):
+    group = WorkerGroup("policy", Worker, placement, resource_fraction=0.5, omp_num_threads=2)
+    yield group
+    group.shutdown()
+
+
+def test_run_all_sets_rank_environment(group):
+    envs = group.run_all("env")
+    assert [env["RANK"] for env in envs] == ["0", "1"]
+    assert [env["LOCAL_RANK"] for env in envs] == ["0", "1"]  # both bundles on this one node
+    for env in envs:
+        assert env["WORLD_SIZE"] == "2" and env["LOCAL_WORLD_SIZE"] == "2"
+        assert env["MASTER_ADDR"] == group.info[0].node_ip and env["MASTER_PORT"] == str(group.master_port)
+        assert env["OMP_NUM_THREADS"] == "2" and env["threads"] == 2  # set before torch started in the worker
+    assert len({info.pid for info in group.info}) == 2 and os.getpid() not in {info.pid for info in group.info}
+
+
+def test_gloo_all_reduce_with_group_environment(group):
+    group.run_all("init_gloo")
+    assert group.run_all("all_reduce_rank") == [3.0, 3.0]  # 1 + 2
+
+
+def test_shard_and_run_matches_single_process_in_batch_order(group):
+    torch.manual_seed(1)
+    batch = {"x": torch.randn(5, 4), "ids": np.arange(5)}
+    expected = _linear(0)(batch["x"]).detach() * 2.0
+
+    with pytest.raises(ValueError, match="5 rows does not split evenly over 2"):
+        group.shard_and_run("forward", batch, 2.0)
+    out = group.shard_and_run("forward", batch, 2.0, allow_uneven=True)
+    torch.testing.assert_close(out["y"], expected, rtol=0, atol=1e-6)
+    assert out["rank"] == [0, 0, 0, 1, 1] and out["ids"].tolist() == [0, 1, 2, 3, 4]
+    assert group.run_on_leaders("fail_on", -1) == [0, 1]
+
+
+def test_data_parallel_leaders_from_workers(group):
+    layout = group.layout_from_workers("dp_info")
+    assert layout == DataParallelLayout((0, 0), (False, True))
+    batch = {"x": torch.randn(3, 4), "ids": np.arange(3)}
+    out = group.shard_and_run("forward", batch, 1.0)  # both ranks get the whole batch, rank 1 answers
+    assert out["rank"] == [1, 1, 1] and out["ids"].tolist() == [0, 1, 2]
+    assert group.run_on_leaders("fail_on", -1) == [1]
+
+
+def test_exception_in_worker_names_rank_and_keeps_cause(group):
+    with pytest.raises(WorkerError, match=r"'policy' rank 1 \(node .*, pid \d+\) raised ValueError") as caught:
+        group.run_all("fail_on", 1)
+    assert caught.value.rank == 1 and not isinstance(caught.value, WorkerDiedError)
+    assert isinstance(caught.value.cause, ValueError) and "seen by rank 1" in str(caught.value.cause)
+    assert group.run_all("fail_on", -1) == [0, 1]  # a raised exception leaves the workers usable
+
+
+def test_worker_exit_inside_collective_raises_died_error_quickly(group):
+    group.run_all("init_gloo")
+    start = time.monotonic()
+    with pytest.raises(WorkerDiedError, match=f"'policy' rank 1 \\(node .*, pid {group.info[1].pid}\\) died"):
+        group.run_all("exit_during_all_reduce", 1)
+    assert time.monotonic() - start < 10
+
+
+def test_killed_worker_process_raises_died_error(group):
+    future = group.run_all_async("sleep", 60)
+    time.sleep(0.5)
+    os.kill(group.info[0].pid, signal.SIGKILL)
+    start = time.monotonic()
+    with pytest.raises(WorkerDiedError, match="rank 0") as caught:
+        future.result(timeout_s=30)
+    assert caught.value.rank == 0 and time.monotonic() - start < 10
+    with pytest.raises(WorkerDiedError, match="rank 0"):  # a later call fails at once too
+        group.run_all("fail_on", -1)
+
+
+def test_colocated_groups_share_bundles_and_overlap(placement):
+    policy = WorkerGroup("policy", Worker, placement, resource_fraction=0.5)
+    rollout = WorkerGroup("rollout", Worker, placement, resource_fraction=0.5)
+    try:
+        assert [b.index for b in policy.bundles] == [b.index for b in rollout.bundles] == [0, 1]
+        assert policy.master_port != rollout.master_port
+        wait_all([policy.run_all_async("init_gloo"), rollout.run_all_async("init_gloo")])
+        sums = wait_all([policy.run_all_async("all_reduce_rank"), rollout.run_all_async("all_reduce_rank")])
+        assert sums == [[3.0, 3.0], [3.0, 3.0]]  # two independent process groups on the same bundles
+        with pytest.raises(WorkerTimeoutError, match="'third': actors did not start.*must sum to <= 1"):
+            WorkerGroup("third", Worker, placement, resource_fraction=0.5, start_timeout_s=2)
+    finally:
+        policy.shutdown()
+        rollout.shutdown()
+
+
+def test_disjoint_groups_on_separate_bundles(placement):
+    left = WorkerGroup("left", Worker, placement, bundle_indices=[0])
+    right = WorkerGroup("right", Worker, placement, bundle_indices=[1])
+    try:
+        assert left.run_all("env")[0]["RANK"] == right.run_all("env")[0]["RANK"] == "0"
+    finally:
+        left.shutdown()
+        right.shutdown()
+
+
+def test_placement_larger_than_cluster_names_available_resources(cluster):
+    with pytest.raises(ClusterResourceError, match=r"\{CPU: 8\}.*has \{CPU: 4\} in total"):
+        cluster.create_placement("huge", bundles_per_node=8)
+    with pytest.raises(ClusterResourceError, match="GPU"):
+        cluster.create_placement("gpus", bundles_per_node=1, gpus_per_bundle=1)

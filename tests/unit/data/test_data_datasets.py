@@ -1,0 +1,137 @@
+"""Problem datasets from files (bad rows skipped and counted), prompt templates and the resumable data loader."""
+
+import json
+from collections import Counter
+
+import pytest
+
+from mrl.data.dataloader import PromptDataLoader
+from mrl.data.datasets import Problem, load_problems
+from mrl.data.templates import COT_INSTRUCTION, PromptTemplate
+
+
+def write_jsonl(path, lines):
+    path.write_text("\n".join(x if isinstance(x, str) else json.dumps(x) for x in lines) + "\n")
+    return path
+
+
+def test_jsonl_rows_are_read_and_bad_rows_skipped_and_counted(tmp_path):
+    path = write_jsonl(tmp_path / "train.jsonl", [
+        {"problem": "What is 1+1?", "answer": "2", "solution": "..."},
+        {"problem": "  Half of one? ", "answer": "\\frac{1}{2}"},
+        {"problem": "Integer answer", "answer": 42},
+        {"problem": "Float answer", "answer": 3.0},
+        {"answer": "1"},                                  # missing problem
+        {"problem": "no answer"},                         # missing answer
+        {"problem": "   ", "answer": "1"},                # empty problem
+        {"problem": "list answer", "answer": [1, 2]},     # not a usable answer
+        "{not json",                                      # invalid JSON
+        "[1, 2]",                                         # not an object
+        "",                                               # blank line: ignored, not counted
+    ])
+    data = load_problems(path)
+    assert [p.problem for p in data.problems] == ["What is 1+1?", "Half of one?", "Integer answer", "Float answer"]
+    assert [p.answer for p in data.problems] == ["2", "\\frac{1}{2}", "42", "3"]
+    assert data.problems[1].row == 1
+    assert data.skipped == Counter({"missing 'problem'": 1, "missing 'answer'": 1, "empty 'problem'": 1,
+                                    "empty 'answer'": 1, "invalid JSON": 1, "not an object": 1})
+    assert data.num_skipped == 6
+
+
+def test_configurable_columns_and_max_rows(tmp_path):
+    path = write_jsonl(tmp_path / "d.jsonl", [{"question": f"q{i}", "final": str(i)} for i in range(5)])
+    data = load_problems(path, problem_key="question", answer_key="final", max_rows=3)
+    assert data.problems == [Problem(f"q{i}", str(i), i) for i in range(3)]
+
+
+def test_wrong_columns_name_the_keys_to_set(tmp_path):
+    path = write_jsonl(tmp_path / "d.jsonl", [{"question": "q", "final": "1"}])
+    with pytest.raises(ValueError, match=r"columns found: \['final', 'question'\].*data.problem_key"):
+        load_problems(path)
+
+
+def test_missing_files_and_unknown_formats_are_clear_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_problems(tmp_path / "nope.jsonl")
+    (tmp_path / "d.csv").write_text("problem,answer\n")
+    with pytest.raises(ValueError, match="unknown data format"):
+        load_problems(tmp_path / "d.csv")
+
+
+def test_parquet(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    table = pa.table({"problem": ["a", "", "c"], "answer": ["1", "2", None]})
+    pq.write_table(table, tmp_path / "d.parquet")
+    data = load_problems(tmp_path / "d.parquet")
+    assert [p.problem for p in data.problems] == ["a"]
+    assert data.num_skipped == 2
+
+
+# ---------------------------------------------------------------------------------------------------- templates
+def test_plain_template():
+    assert PromptTemplate("plain").render("What is 2+2?") == f"What is 2+2? {COT_INSTRUCTION}"
+    assert PromptTemplate("plain", instruction="").render("37+05=") == "37+05="
+    assert COT_INSTRUCTION == "Let's think step by step and output the final answer within \\boxed{}."
+
+
+def test_chat_template_uses_the_tokenizer_template(tmp_path):
+    from transformers import AutoTokenizer
+
+    from mrl.testing.tiny_models import build_tokenizer
+
+    tok = AutoTokenizer.from_pretrained(build_tokenizer(tmp_path / "tok"))
+    text = PromptTemplate("chat").render("What is 2+2?", tok)
+    assert text == f"<|im_start|>user\nWhat is 2+2? {COT_INSTRUCTION}<|im_end|>\n<|im_start|>assistant\n"
+    ids, kept = PromptTemplate("chat").encode(["What is 2+2?"], tok)
+    assert kept == [0] and tok.decode(ids[0]) == text
+    tok.chat_template = None
+    with pytest.raises(ValueError, match="prompt_template=plain"):
+        PromptTemplate("chat").render("x", tok)
+
+
+def test_overlong_prompts_are_rejected_or_truncated_from_the_left():
+    from mrl.data.arith import build_arith_tokenizer
+
+    tok = build_arith_tokenizer()
+    template = PromptTemplate("plain", instruction="")
+    ids, kept = template.encode(["1+1=", "12345+1=", "2+2="], tok, max_length=5)
+    assert kept == [0, 2] and [tok.decode(x) for x in ids] == ["1+1=", "2+2="]
+    ids, kept = template.encode(["12345+1="], tok, max_length=5, overlong="truncate")
+    assert kept == [0] and tok.decode(ids[0]) == "45+1="
+
+
+# -------------------------------------------------------------------------------------------------- data loader
+def test_loader_covers_each_epoch_once_with_a_seeded_shuffle():
+    loader = PromptDataLoader(list(range(10)), 3, seed=1)
+    epoch0 = [next(loader) for _ in range(3)]  # 9 items; the tail item of the epoch is dropped
+    assert all(len(b) == 3 for b in epoch0) and len({x for b in epoch0 for x in b}) == 9
+    epoch1 = [next(loader) for _ in range(3)]
+    assert loader.epoch == 1 and epoch1 != epoch0  # every epoch is reshuffled
+    again = PromptDataLoader(list(range(10)), 3, seed=1)
+    assert [next(again) for _ in range(3)] == epoch0
+    other_seed = PromptDataLoader(list(range(10)), 3, seed=2)
+    assert [next(other_seed) for _ in range(3)] != epoch0
+
+
+def test_loader_resumes_exactly_from_its_state():
+    items = list(range(23))
+    reference = PromptDataLoader(items, 4, seed=5)
+    expected = [next(reference) for _ in range(14)]  # crosses two epoch boundaries
+    loader = PromptDataLoader(items, 4, seed=5)
+    for _ in range(6):
+        next(loader)
+    state = json.loads(json.dumps(loader.state_dict()))  # survives a round trip through a checkpoint file
+    resumed = PromptDataLoader(items, 4, seed=5)
+    resumed.load_state_dict(state)
+    assert [next(resumed) for _ in range(8)] == expected[6:]
+    with pytest.raises(ValueError, match="run.seed"):
+        PromptDataLoader(items, 4, seed=6).load_state_dict(state)
+
+
+def test_loader_without_drop_last_and_bad_sizes():
+    loader = PromptDataLoader(list(range(5)), 2, shuffle=False, drop_last=False)
+    assert [next(loader) for _ in range(4)] == [[0, 1], [2, 3], [4], [0, 1]]
+    with pytest.raises(ValueError, match="num_prompts_per_step"):
+        PromptDataLoader(list(range(3)), 4)

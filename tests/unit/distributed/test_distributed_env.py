@@ -1,0 +1,44 @@
+"""Per-rank environment, rendezvous port choice and the data-parallel layout (no Ray instance)."""
+
+import socket
+
+import pytest
+
+from mrl.distributed.env import find_free_port, local_ranks, rank_environment
+from mrl.distributed.worker_group import DataParallelLayout
+
+
+def test_free_port_can_be_bound_and_is_not_a_privileged_port():
+    port = find_free_port()
+    assert 1024 < port < 65536
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("", port))  # raises if the port were in use
+
+
+def test_local_ranks_count_positions_per_node_in_rank_order():
+    assert local_ranks(["a", "a", "b", "a", "b"]) == [(0, 3), (1, 3), (0, 2), (2, 3), (1, 2)]
+
+
+def test_rank_environment_sets_torch_variables_and_threads():
+    envs = rank_environment(["n0", "n0", "n1", "n1"], omp_num_threads=2)
+    assert [env["RANK"] for env in envs] == ["0", "1", "2", "3"]
+    assert {env["WORLD_SIZE"] for env in envs} == {"4"} and {env["OMP_NUM_THREADS"] for env in envs} == {"2"}
+    assert [env["LOCAL_RANK"] for env in envs] == ["0", "1", "0", "1"]
+    with pytest.raises(ValueError, match="omp_num_threads"):
+        rank_environment(["n0"], omp_num_threads=0)
+
+
+def test_layout_leaders_in_data_parallel_order():
+    # 4 ranks, TP=2 inner, DP=2 outer; the leader is TP rank 1 (e.g. the rank that holds the outputs).
+    layout = DataParallelLayout.from_reports([(0, False), (0, True), (1, False), (1, True)])
+    assert layout.dp_size == 2 and layout.leaders == [1, 3]
+    assert DataParallelLayout.pure(3).leaders == [0, 1, 2]
+
+
+def test_layout_rejects_missing_dp_ranks_and_bad_leader_counts():
+    with pytest.raises(ValueError, match=r"0\.\.2 with none missing, got \[0, 2\]"):
+        DataParallelLayout((0, 2), (True, True))
+    with pytest.raises(ValueError, match="rank 0 must have exactly one leader, got ranks \\[0, 1\\]"):
+        DataParallelLayout((0, 0), (True, True))
+    with pytest.raises(ValueError, match="exactly one leader, got ranks \\[\\]"):
+        DataParallelLayout((0, 0), (False, False))

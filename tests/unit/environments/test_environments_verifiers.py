@@ -1,0 +1,63 @@
+"""The verifier functions and the in-process arithmetic environment (the Ray pool is in tests/functional)."""
+
+import pytest
+
+from mrl.config.schema import EnvConfig
+from mrl.environments.arith import ArithEnvironment, arith_reward
+from mrl.environments.base import last_response
+from mrl.environments.math import boxed_gold, math_verify_reward
+from mrl.environments.registry import build_environment
+
+
+@pytest.mark.parametrize("response, gold, expected", [
+    ("So the answer is $\\boxed{0.5}$.", "\\frac{1}{2}", 1.0),         # decimal vs LaTeX fraction
+    ("Thus \\boxed{\\dfrac{1}{2}}", "1/2", 1.0),                        # \dfrac vs plain fraction
+    ("We get \\boxed{\\frac{3}{4}}", "\\frac{1}{2}", 0.0),              # wrong fraction
+    ("The final answer is \\boxed{42}", "42", 1.0),                     # integer
+    ("The final answer is \\boxed{41}", "42", 0.0),
+    ("\\boxed{2^{1/2}}", "\\sqrt{2}", 1.0),                             # symbolic equality
+    ("\\boxed{1+x^2}", "x^2+1", 1.0),                                   # expression, reordered
+    ("the answer is \\boxed{(1, 2)}", "\\boxed{(1,2)}", 1.0),           # gold already boxed
+    ("I am not sure.", "7", 0.0),                                       # no answer at all
+])
+def test_math_verify_on_real_answer_forms(response, gold, expected):
+    assert math_verify_reward(response, gold) == expected
+
+
+def test_gold_is_boxed_once():
+    assert boxed_gold("\\frac{1}{2}") == "\\boxed{\\frac{1}{2}}"
+    assert boxed_gold("\\boxed{3}") == "\\boxed{3}"
+
+
+def test_arith_reward_is_exact_match_of_the_first_integer():
+    assert arith_reward("42", "42") == 1.0
+    assert arith_reward("042 7", "42") == 1.0
+    assert arith_reward("41", "42") == 0.0
+    assert arith_reward("4 2", "42") == 0.0
+    assert arith_reward("", "42") == 0.0
+
+
+def conversation(response):
+    return [{"role": "user", "content": "37+05="}, {"role": "assistant", "content": response}]
+
+
+def test_arith_environment_scores_truncated_samples_zero_and_counts_bad_gold():
+    env = build_environment(EnvConfig(kind="arith"))
+    assert isinstance(env, ArithEnvironment)
+    logs = [conversation("42"), conversation("42"), conversation("40"), conversation("5")]
+    meta = [{"answer": "42", "finished": True}, {"answer": "42", "finished": False},
+            {"answer": "42", "finished": True}, {"answer": "five", "finished": True}]
+    out = env.step(logs, meta)
+    assert out.rewards.tolist() == [1.0, 0.0, 0.0, 0.0]
+    assert out.done.tolist() == [True] * 4
+    assert out.num_errors == 1 and "five" in out.error_messages[0]
+    assert out.metadata[3]["reward_error"] and "reward_error" not in out.metadata[0]
+    with pytest.raises(KeyError, match="finished"):
+        env.step([conversation("42")], [{"answer": "42"}])
+
+
+def test_last_response_is_the_last_assistant_message():
+    log = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+           {"role": "environment", "content": "c"}]
+    assert last_response(log) == "b"
+    assert last_response([{"role": "user", "content": "a"}]) == ""
