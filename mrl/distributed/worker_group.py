@@ -392,9 +392,11 @@ class WorkerGroup:
             for rank, actor in enumerate(self._actors)
         ]
         leaders = self.layout.leaders
-        return GroupFuture(self, method, refs, range(self.world_size), lambda values: merge_shards(
-            [values[rank] for rank in leaders]
-        ))
+
+        def gather_leaders(values: list[Any]) -> Any:  # values in global rank order; keep one per DP group
+            return merge_shards([values[rank] for rank in leaders])
+
+        return GroupFuture(self, method, refs, range(self.world_size), gather_leaders)
 
     def shard_and_run(self, method: str, batch: Any, /, *args: Any, allow_uneven: bool = False, **kwargs: Any) -> Any:
         return self.shard_and_run_async(method, batch, *args, allow_uneven=allow_uneven, **kwargs).result()

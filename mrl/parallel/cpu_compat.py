@@ -325,6 +325,22 @@ def schedule_cuda_tensors_on_cpu(patch: Patcher) -> None:
     _wrap_in_cpu_scope(patch, schedules, names, fake_cuda_type=False)
 
 
+def rope_cp_slice_on_cpu(patch: Patcher) -> None:
+    """RoPE's context-parallel slicing runs in a CPU device scope (no pinned memory, no `.cuda()`).
+
+    Breaks: with context_parallel_size > 1, `rope_utils.get_pos_emb_on_this_cp_rank` (0.16.1) builds its
+    chunk index with `torch.tensor(..., device="cpu", pin_memory=True).cuda(non_blocking=True)`; a CPU build
+    has no pinned-memory allocator ("pin_memory=True requires a CUDA or other accelerator backend").
+    `_CudaToCpuMode` drops `pin_memory` and makes `.cuda()` the identity, leaving the same index tensor on
+    the CPU. The function is wrapped where it is looked up: `rope_utils`, `rotary_pos_embedding` and
+    `yarn_rotary_pos_embedding` import it by name.
+    """
+    from megatron.core.models.common.embeddings import rope_utils, rotary_pos_embedding, yarn_rotary_pos_embedding
+
+    for module in (rope_utils, rotary_pos_embedding, yarn_rotary_pos_embedding):
+        _wrap_in_cpu_scope(patch, module, ["get_pos_emb_on_this_cp_rank"], fake_cuda_type=False)
+
+
 def torch_norm_allows_sequence_parallel(patch: Patcher) -> None:
     """`WrappedTorchNorm` (the local spec's norm) accepts `sequence_parallel=True`.
 
@@ -483,6 +499,7 @@ PATCHES: dict[str, Callable[[Patcher], None]] = {
         cuda_streams_are_host_dummies,
         optimizer_cuda_tensors_on_cpu,
         schedule_cuda_tensors_on_cpu,
+        rope_cp_slice_on_cpu,
         torch_norm_allows_sequence_parallel,
         moe_router_gemm_defined,
         moe_split_sizes_on_host,

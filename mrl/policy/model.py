@@ -22,17 +22,8 @@ from typing import Any
 import torch
 
 from converters import ModelDims, hf_to_megatron, model_dims, resolve_padded_vocab, select_pp_stage
-
-
-def use_transformer_engine() -> bool:
-    """True when the TE layer spec can be used: CUDA present and transformer_engine importable."""
-    if not torch.cuda.is_available():
-        return False
-    try:
-        import transformer_engine  # noqa: F401
-    except ImportError:
-        return False
-    return True
+from mrl.parallel.attention import gpt_layer_spec
+from mrl.parallel.attention import transformer_engine_available as use_transformer_engine
 
 
 def rope_inv_freq(dims: ModelDims) -> torch.Tensor:
@@ -115,23 +106,6 @@ def transformer_config_from_hf(
     return TransformerConfig(**kwargs)
 
 
-def layer_spec(dims: ModelDims, use_te: bool) -> Any:
-    """Megatron layer spec: TE on GPU; otherwise the local spec, with mrl's CPU attention when available.
-
-    mrl.parallel.attention provides a pure-torch core attention with context-parallel and packed-sequence support
-    (the local spec's DotProductAttention has neither); without it the plain local spec is used.
-    """
-    from megatron.core.models.gpt import gpt_layer_specs
-
-    if use_te:
-        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=dims.qk_norm)
-    try:
-        from mrl.parallel.attention import local_layer_spec
-    except ImportError:
-        return gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=dims.qk_norm, normalization="RMSNorm")
-    return local_layer_spec(qk_layernorm=dims.qk_norm)
-
-
 def build_gpt_model(
     hf_config: Mapping[str, Any] | Any,
     config: Any,
@@ -164,7 +138,7 @@ def build_gpt_model(
         post_process = parallel_state.is_pipeline_last_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(dims, te),
+        transformer_layer_spec=gpt_layer_spec(config, use_te=te),
         vocab_size=resolve_padded_vocab(dims, tp, padded_vocab),
         max_sequence_length=dims.max_position_embeddings,
         pre_process=pre_process,

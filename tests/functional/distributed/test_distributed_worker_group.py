@@ -87,6 +87,21 @@ def cluster():
     cluster.shutdown()
 
 
+@pytest.fixture(scope="module")
+def shared_placement(cluster):
+    placement = cluster.create_placement("shared", bundles_per_node=2, cpus_per_bundle=1)
+    yield placement
+    cluster.remove_placement(placement)
+
+
+@pytest.fixture(scope="module")
+def group(shared_placement):
+    """One group for the tests that leave it usable (starting actors that import torch costs seconds)."""
+    group = WorkerGroup("policy", Worker, shared_placement, resource_fraction=0.5, omp_num_threads=2)
+    yield group
+    group.shutdown()
+
+
 @pytest.fixture
 def placement(cluster):
     placement = cluster.create_placement("test", bundles_per_node=2, cpus_per_bundle=1)
@@ -95,8 +110,9 @@ def placement(cluster):
 
 
 @pytest.fixture
-def group(placement):
-    group = WorkerGroup("policy", Worker, placement, resource_fraction=0.5, omp_num_threads=2)
+def fresh_group(placement):
+    """A group for tests that kill a worker."""
+    group = WorkerGroup("policy", Worker, placement, resource_fraction=0.5)
     yield group
     group.shutdown()
 
@@ -132,11 +148,14 @@ def test_shard_and_run_matches_single_process_in_batch_order(group):
 
 def test_data_parallel_leaders_from_workers(group):
     layout = group.layout_from_workers("dp_info")
-    assert layout == DataParallelLayout((0, 0), (False, True))
-    batch = {"x": torch.randn(3, 4), "ids": np.arange(3)}
-    out = group.shard_and_run("forward", batch, 1.0)  # both ranks get the whole batch, rank 1 answers
-    assert out["rank"] == [1, 1, 1] and out["ids"].tolist() == [0, 1, 2]
-    assert group.run_on_leaders("fail_on", -1) == [1]
+    try:
+        assert layout == DataParallelLayout((0, 0), (False, True))
+        batch = {"x": torch.randn(3, 4), "ids": np.arange(3)}
+        out = group.shard_and_run("forward", batch, 1.0)  # both ranks get the whole batch, rank 1 answers
+        assert out["rank"] == [1, 1, 1] and out["ids"].tolist() == [0, 1, 2]
+        assert group.run_on_leaders("fail_on", -1) == [1]
+    finally:
+        group.set_layout(DataParallelLayout.pure(2))
 
 
 def test_exception_in_worker_names_rank_and_keeps_cause(group):
@@ -147,7 +166,8 @@ def test_exception_in_worker_names_rank_and_keeps_cause(group):
     assert group.run_all("fail_on", -1) == [0, 1]  # a raised exception leaves the workers usable
 
 
-def test_worker_exit_inside_collective_raises_died_error_quickly(group):
+def test_worker_exit_inside_collective_raises_died_error_quickly(fresh_group):
+    group = fresh_group
     group.run_all("init_gloo")
     start = time.monotonic()
     with pytest.raises(WorkerDiedError, match=f"'policy' rank 1 \\(node .*, pid {group.info[1].pid}\\) died"):
@@ -155,7 +175,8 @@ def test_worker_exit_inside_collective_raises_died_error_quickly(group):
     assert time.monotonic() - start < 10
 
 
-def test_killed_worker_process_raises_died_error(group):
+def test_killed_worker_process_raises_died_error(fresh_group):
+    group = fresh_group
     future = group.run_all_async("sleep", 60)
     time.sleep(0.5)
     os.kill(group.info[0].pid, signal.SIGKILL)
@@ -198,3 +219,16 @@ def test_placement_larger_than_cluster_names_available_resources(cluster):
         cluster.create_placement("huge", bundles_per_node=8)
     with pytest.raises(ClusterResourceError, match="GPU"):
         cluster.create_placement("gpus", bundles_per_node=1, gpus_per_bundle=1)
+
+
+class FailingInit:
+    def __init__(self):
+        if os.environ["RANK"] == "1":
+            raise RuntimeError("checkpoint not found")
+
+
+def test_failing_worker_init_names_rank_and_frees_the_bundles(placement):
+    with pytest.raises(WorkerError, match=r"'broken' rank 1 .* raised RuntimeError in 'FailingInit.__init__'"):
+        WorkerGroup("broken", FailingInit, placement)
+    group = WorkerGroup("after", Worker, placement)  # the failed group's actors were killed: full bundles free
+    group.shutdown()

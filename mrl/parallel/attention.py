@@ -1,0 +1,229 @@
+"""Pure-torch core attention for Megatron's local layer spec: context parallelism, packed sequences, GQA.
+
+Megatron's local `DotProductAttention` (the only core attention without Transformer Engine, i.e. on CPU)
+refuses context parallelism and has no THD (packed-sequence) support. `TorchCoreAttention` replaces it in
+the local spec (same constructor, same forward contract) and handles both:
+
+- Context parallelism (CP): Megatron's load-balanced layout splits every sequence into 2*CP chunks and gives
+  rank r chunks r and 2*CP-1-r (`get_batch_on_this_cp_rank`; for THD every sequence of the pack is split
+  this way). This module all-gathers K/V over the CP group (backward: reduce-scatter of their gradients)
+  and masks with the tokens' *global* positions, so every query sees exactly the keys it would see
+  without CP. Communication is O(sequence) per layer: right for CPU tests, not a ring-attention kernel.
+- Packed sequences (`PackedSeqParams(qkv_format="thd", cu_seqlens_q=..., ...)`): block-diagonal causal
+  attention, no token attends to another sequence of the pack.
+- GQA: each group of K/V heads is repeated for the query heads it serves (Megatron orders query heads
+  group by group).
+
+Every case reduces to one rule: a query attends to a key iff both belong to the same sequence and (when
+causal) the key's position is not after the query's. The module computes a (sequence id, position) pair
+for every local query and every gathered key and builds that mask.
+
+What callers must pass for packed sequences (checked against megatron-core 0.16.1, local path):
+- `cu_seqlens_q/kv` (int32, [n_seqs + 1]) over the pack; with CP, every sequence must be padded to a multiple
+  of 2*CP and `cu_seqlens_q_padded/kv_padded` describe the padded layout (the one tokens are laid out in).
+- `max_seqlen_q/kv` = the longest (padded) single sequence. `position_ids` are not used by RoPE on this
+  path: `_apply_rotary_pos_emb_thd` gives every sequence positions 0..len-1, except when the frequency
+  table is as long as the whole pack, where it uses each sequence's pack offset instead. Both give the same
+  attention (RoPE scores depend only on q_pos - k_pos, so a constant per-sequence shift cancels);
+  `tests/unit/parallel/test_parallel_attention.py` checks packed logits equal per-sequence logits.
+- Megatron's SelfAttention squeezes the dummy batch dim for THD: this module gets q [t, np, hn], k/v
+  [t, ng, hn] and returns [t, np * hn].
+
+Shapes in the default (sbhd) layout: q [sq, b, np, hn], k/v [sk, b, ng, hn] -> [sq, b, np * hn].
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+
+from megatron.core import parallel_state
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+_CAUSAL_TYPES = (AttnMaskType.causal, AttnMaskType.padding_causal)
+
+
+def load_balanced_positions(local_len: int, cp_size: int, cp_rank: int) -> torch.Tensor:
+    """Global positions of the `local_len` tokens a CP rank holds of one sequence: chunks r and 2cp-1-r."""
+    if local_len % 2:
+        raise ValueError(f"a context-parallel rank must hold an even number of tokens per sequence, got {local_len}")
+    chunk = local_len // 2
+    first = torch.arange(cp_rank * chunk, (cp_rank + 1) * chunk)
+    second = torch.arange((2 * cp_size - 1 - cp_rank) * chunk, (2 * cp_size - cp_rank) * chunk)
+    return torch.cat([first, second])
+
+
+def token_layout(seq_lens: list[int], cp_size: int, cp_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sequence id, global position) of every token a CP rank holds of a pack of `seq_lens`; each [t_local].
+
+    With cp_size 1 this is the plain packed layout; with CP each sequence contributes its two load-balanced
+    chunks, in pack order.
+    """
+    ids, positions = [], []
+    for seq_id, seq_len in enumerate(seq_lens):
+        if cp_size == 1:
+            pos = torch.arange(seq_len)
+        else:
+            if seq_len % (2 * cp_size):
+                raise ValueError(
+                    f"packed sequence {seq_id} has length {seq_len}, not a multiple of 2*context_parallel_size "
+                    f"= {2 * cp_size}: pad every sequence (and pass cu_seqlens_*_padded)"
+                )
+            pos = load_balanced_positions(seq_len // cp_size, cp_size, cp_rank)
+        positions.append(pos)
+        ids.append(torch.full_like(pos, seq_id))
+    return torch.cat(ids), torch.cat(positions)
+
+
+def _packed_seq_lens(params: PackedSeqParams, which: str) -> list[int]:
+    padded = getattr(params, f"cu_seqlens_{which}_padded")
+    cu = padded if padded is not None else getattr(params, f"cu_seqlens_{which}")
+    if cu is None:
+        raise ValueError(f"PackedSeqParams(qkv_format='thd') needs cu_seqlens_{which}")
+    return (cu[1:] - cu[:-1]).tolist()
+
+
+class TorchCoreAttention(MegatronModule):
+    """Core attention (softmax(QK^T * scale + mask) V) in plain torch, with CP, THD packing and GQA.
+
+    Constructor matches megatron-core 0.16.1 `DotProductAttention`, so it drops into
+    `ModuleSpec(SelfAttention).submodules.core_attention`.
+    """
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        layer_number: int,
+        attn_mask_type: AttnMaskType,
+        attention_type: str,
+        attention_dropout: Optional[float] = None,
+        softmax_scale: Optional[float] = None,
+        cp_comm_type: Optional[str] = None,
+        pg_collection: Any = None,
+    ) -> None:
+        super().__init__(config=config)
+        self.layer_number = max(1, layer_number)
+        self.attn_mask_type = attn_mask_type
+        self.attention_type = attention_type
+        head_dim = config.kv_channels or config.hidden_size // config.num_attention_heads
+        self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
+        self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+        cp_group = getattr(pg_collection, "cp", None) if pg_collection is not None else None
+        self.cp_group = cp_group or parallel_state.get_context_parallel_group(check_initialized=False)
+
+    def _cp(self) -> tuple[int, int]:
+        if self.cp_group is None:
+            return 1, 0
+        return self.cp_group.size(), self.cp_group.rank()
+
+    def _gather_kv(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """All-gather K/V along the token dim (dim 0) over the CP group; the backward reduce-scatters."""
+        if self._cp()[0] == 1:
+            return key, value
+        gather = lambda t: gather_from_sequence_parallel_region(t, True, group=self.cp_group)  # noqa: E731
+        return gather(key), gather(value)
+
+    def _allowed(self, q_layout, k_layout) -> torch.Tensor:
+        """[sq, sk] bool, True where a query may attend to a key (same sequence, not in its future)."""
+        (q_ids, q_pos), (k_ids, k_pos) = q_layout, k_layout
+        allowed = q_ids[:, None] == k_ids[None, :]
+        if self.attn_mask_type in _CAUSAL_TYPES:
+            allowed &= k_pos[None, :] <= q_pos[:, None]
+        return allowed
+
+    def _layouts(self, n_query: int, n_key_local: int, packed: Optional[PackedSeqParams]):
+        """(ids, positions) of the local queries and of the gathered keys (rank order)."""
+        cp_size, cp_rank = self._cp()
+        if packed is None:
+            q_lens, k_lens = [n_query * cp_size], [n_key_local * cp_size]
+        else:
+            q_lens, k_lens = _packed_seq_lens(packed, "q"), _packed_seq_lens(packed, "kv")
+        q_layout = token_layout(q_lens, cp_size, cp_rank)
+        per_rank = [token_layout(k_lens, cp_size, r) for r in range(cp_size)]
+        k_layout = (torch.cat([ids for ids, _ in per_rank]), torch.cat([pos for _, pos in per_rank]))
+        if len(q_layout[0]) != n_query or len(per_rank[cp_rank][0]) != n_key_local:
+            raise ValueError(
+                f"cu_seqlens describe {len(q_layout[0])} local query / {len(per_rank[cp_rank][0])} key tokens "
+                f"but the tensors hold {n_query} / {n_key_local} (context_parallel_size={cp_size})"
+            )
+        return q_layout, k_layout
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: Optional[torch.Tensor],
+        attn_mask_type: Optional[AttnMaskType] = None,
+        attention_bias: Optional[torch.Tensor] = None,
+        packed_seq_params: Optional[PackedSeqParams] = None,
+    ) -> torch.Tensor:
+        if attention_bias is not None:
+            raise NotImplementedError("TorchCoreAttention does not support attention_bias")
+        packed = packed_seq_params if packed_seq_params is not None and packed_seq_params.qkv_format == "thd" else None
+        if packed is not None:  # [t, heads, hn] -> [t, 1, heads, hn]: the pack is one batch row
+            query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
+        n_query, n_key_local = query.shape[0], key.shape[0]
+        key, value = self._gather_kv(key, value)  # [sk, b, ng, hn]
+        q_layout, k_layout = self._layouts(n_query, n_key_local, packed)
+        allowed = self._allowed(q_layout, k_layout).to(query.device)  # [sq, sk]
+        if attention_mask is not None:
+            if self._cp()[0] > 1 or packed is not None:
+                raise NotImplementedError("an explicit attention_mask is not supported with CP or packing")
+            allowed = allowed & ~attention_mask  # [b or 1, 1 or np, sq, sk], True = masked
+        heads, groups = query.shape[2], key.shape[2]
+        if heads != groups:  # GQA: query heads of group g are [g * heads/groups, (g+1) * heads/groups)
+            key = key.repeat_interleave(heads // groups, dim=2)
+            value = value.repeat_interleave(heads // groups, dim=2)
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, np, s, hn]
+        out = self._attend(q, k, v, allowed)  # [b, np, sq, hn]
+        b, np_, sq, hn = out.shape
+        out = out.permute(2, 0, 1, 3).reshape(sq, b, np_ * hn)  # [sq, b, np * hn]
+        return out.squeeze(1) if packed is not None else out
+
+    def _attend(self, q, k, v, allowed: torch.Tensor) -> torch.Tensor:
+        """softmax(q k^T * scale, masked) v, with attention dropout under the model-parallel RNG."""
+        scores = torch.matmul(q, k.transpose(-2, -1)) * self.softmax_scale  # [b, np, sq, sk]
+        probs = scores.masked_fill(~allowed, float("-inf")).softmax(dim=-1)
+        if self.training and self.dropout_p > 0:
+            # Megatron forks the model-parallel RNG so TP ranks drop different heads' entries.
+            with get_cuda_rng_tracker().fork():
+                probs = F.dropout(probs, p=self.dropout_p)
+        return torch.matmul(probs.to(v.dtype), v)
+
+
+def transformer_engine_available() -> bool:
+    """True when CUDA is present and Transformer Engine imports (GPU installs); the local spec is the CPU route."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import transformer_engine  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def gpt_layer_spec(config: TransformerConfig, use_te: Optional[bool] = None):
+    """The GPT layer spec for `config`: Transformer Engine's when TE is importable, else the local spec with
+    `TorchCoreAttention` in place of `DotProductAttention` (needed for CP and packed sequences on CPU)."""
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    use_te = transformer_engine_available() if use_te is None else use_te
+    common = dict(
+        num_experts=config.num_moe_experts,
+        moe_grouped_gemm=config.moe_grouped_gemm,
+        qk_layernorm=config.qk_layernorm,
+    )
+    if use_te:
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(**common)
+    spec = gpt_layer_specs.get_gpt_layer_local_spec(**common, normalization=config.normalization)
+    spec.submodules.self_attention.submodules.core_attention = TorchCoreAttention
+    return spec

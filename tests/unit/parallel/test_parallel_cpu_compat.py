@@ -1,0 +1,328 @@
+"""Each CPU patch: the megatron-core behaviour it fixes fails without it and gives the right result with it.
+
+In-process, world size 1 (gloo). Every test removes exactly one patch (`cpu_compat.revert([name])`), shows
+the failure, re-applies all patches and checks the result against an independent computation.
+Patches that only matter with 2+ ranks (MoE split sizes, gloo uneven all-gather) or spawn processes
+(distributed-optimizer checkpoints) are tested in tests/functional/parallel/test_parallel_cpu_compat_ranks.py.
+"""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mrl.parallel import cpu_compat
+from mrl.parallel.dims import ParallelDims, destroy_process_groups, init_process_groups
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU compatibility patches apply only without CUDA")
+
+FUSIONS_OFF = dict(
+    use_cpu_initialization=True,
+    gradient_accumulation_fusion=False,
+    bias_activation_fusion=False,
+    masked_softmax_fusion=False,
+    bias_dropout_fusion=False,
+    apply_rope_fusion=False,
+    persist_layer_norm=False,
+    hidden_dropout=0.0,
+    attention_dropout=0.0,
+    add_bias_linear=False,
+)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def megatron_world_of_one():
+    init_process_groups(ParallelDims(), seed=1234)
+    yield
+    cpu_compat.apply()
+    destroy_process_groups()
+
+
+@pytest.fixture(autouse=True)
+def all_patches_restored():
+    cpu_compat.apply()
+    yield
+    cpu_compat.apply()
+
+
+def without(name: str) -> None:
+    assert name in cpu_compat.applied()
+    cpu_compat.revert([name])
+
+
+def tiny_config(**overrides):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    base = dict(num_layers=1, hidden_size=16, num_attention_heads=2, **FUSIONS_OFF)
+    return TransformerConfig(**{**base, **overrides})
+
+
+def test_registry_names_every_patch_and_apply_is_idempotent():
+    assert set(cpu_compat.PATCHES) == set(cpu_compat.applied())
+    before = torch.cuda.current_device
+    cpu_compat.apply()
+    assert torch.cuda.current_device is before
+    with pytest.raises(ValueError, match="unknown cpu_compat patch"):
+        cpu_compat.apply(skip=["no_such_patch"])
+
+
+def test_revert_restores_the_original_attributes():
+    from megatron.core.transformer import utils as transformer_utils
+
+    cpu_compat.revert(["causal_masks_on_cpu"])
+    original = transformer_utils.get_default_causal_mask
+    cpu_compat.apply()
+    assert transformer_utils.get_default_causal_mask is not original
+    cpu_compat.revert(["causal_masks_on_cpu"])
+    assert transformer_utils.get_default_causal_mask is original
+
+
+def test_current_device_is_cpu():
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    without("current_device_is_cpu")
+    with pytest.raises(AssertionError, match="not compiled with CUDA"):
+        RotaryEmbedding(kv_channels=8, rotary_percent=1.0)(4)
+    cpu_compat.apply()
+    emb = RotaryEmbedding(kv_channels=8, rotary_percent=1.0)(4)  # [s, 1, 1, d]
+    inv_freq = torch.tensor([1.0 / 10000 ** (i / 8) for i in range(0, 8, 2)])
+    angles = torch.arange(4.0)[:, None] * inv_freq[None, :]  # [s, d/2]
+    torch.testing.assert_close(emb[:, 0, 0, :], torch.cat([angles, angles], dim=-1))
+
+
+def test_rng_tracker_on_cpu():
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, model_parallel_cuda_manual_seed
+
+    without("rng_tracker_on_cpu")
+    with pytest.raises(AssertionError, match="not compiled with CUDA"):
+        model_parallel_cuda_manual_seed(7)
+    cpu_compat.apply()
+    model_parallel_cuda_manual_seed(7)
+    torch.manual_seed(99)
+    outside_before = torch.get_rng_state()
+    with get_cuda_rng_tracker().fork():
+        drawn = torch.rand(3)
+    # Megatron's tensor-parallel seed is seed + 2718 + tp_rank; the fork leaves the default stream untouched.
+    torch.testing.assert_close(drawn, torch.rand(3, generator=torch.Generator().manual_seed(7 + 2718)))
+    assert torch.equal(torch.get_rng_state(), outside_before)
+    model_parallel_cuda_manual_seed(1234)
+
+
+def test_causal_masks_on_cpu():
+    from megatron.core.fusions.fused_softmax import FusedScaleMaskSoftmax
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.utils import attention_mask_func
+
+    softmax = FusedScaleMaskSoftmax(
+        input_in_fp16=False,
+        input_in_bf16=False,
+        attn_mask_type=AttnMaskType.causal,
+        scaled_masked_softmax_fusion=False,
+        mask_func=attention_mask_func,
+        softmax_in_fp32=True,
+        scale=None,
+    )
+    scores = torch.randn(2, 3, 5, 5)  # [b, heads, sq, sk]
+    without("causal_masks_on_cpu")
+    with pytest.raises(AssertionError, match="not compiled with CUDA"):
+        softmax(scores, None)
+    cpu_compat.apply()
+    future = torch.triu(torch.ones(5, 5, dtype=torch.bool), diagonal=1)
+    expected = scores.masked_fill(future, -math.inf).softmax(-1)
+    torch.testing.assert_close(softmax(scores, None), expected)
+
+
+def test_synchronize_is_noop():
+    from megatron.core.timers import Timers
+
+    timers = Timers(log_level=2, log_option="minmax")
+    without("synchronize_is_noop")
+    with pytest.raises(AssertionError, match="not compiled with CUDA"):
+        timers("step", log_level=0).start()
+    cpu_compat.apply()
+    timers("step", log_level=0).start()
+    timers("step", log_level=0).stop()
+    assert timers("step", log_level=0).elapsed(reset=False) >= 0.0
+
+
+def build_moe_layer():
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.spec_utils import build_module
+
+    config = tiny_config(
+        num_moe_experts=4,
+        moe_router_topk=2,
+        moe_token_dispatcher_type="alltoall",
+        moe_grouped_gemm=False,
+        moe_aux_loss_coeff=0.0,
+        moe_router_load_balancing_type="none",
+        moe_ffn_hidden_size=24,
+        moe_permute_fusion=False,
+        moe_router_dtype="fp32",
+    )
+    spec = get_gpt_layer_local_spec(num_experts=4, moe_grouped_gemm=False)
+    return build_module(spec.submodules.mlp, config=config)
+
+
+def moe_reference(moe, x: torch.Tensor) -> torch.Tensor:
+    """Top-2 routing by hand: softmax over the two largest router logits, weighted sum of expert MLPs."""
+    tokens = x.reshape(-1, x.shape[-1])  # [s*b, h]
+    top_logits, top_experts = (tokens @ moe.router.weight.t()).topk(2, dim=-1)  # [s*b, 2]
+    weights = top_logits.softmax(-1)
+    out = torch.zeros_like(tokens)
+    for t in range(tokens.shape[0]):
+        for k in range(2):
+            expert = moe.experts.local_experts[top_experts[t, k]]
+            hidden = F.gelu(tokens[t] @ expert.linear_fc1.weight.t())
+            out[t] += weights[t, k] * (hidden @ expert.linear_fc2.weight.t())
+    return out.reshape(x.shape)
+
+
+def test_cuda_streams_are_host_dummies():
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+    MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = None  # class-level cache of the side stream
+    without("cuda_streams_are_host_dummies")
+    with pytest.raises(RuntimeError, match="requires CUDA support"):
+        build_moe_layer()
+    cpu_compat.apply()
+    MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = None
+    moe = build_moe_layer()
+    x = torch.randn(5, 2, 16)  # [s, b, h]
+    with torch.no_grad():
+        out, _ = moe(x)
+        torch.testing.assert_close(out, moe_reference(moe, x), atol=1e-6, rtol=1e-5)
+
+
+def test_moe_router_gemm_defined():
+    moe = build_moe_layer()
+    x = torch.randn(4, 2, 16)
+    without("moe_router_gemm_defined")
+    with pytest.raises(NameError, match="te_general_gemm"):
+        moe(x)
+    cpu_compat.apply()
+    out, _ = moe(x)
+    out.sum().backward()
+    assert moe.router.weight.grad is not None and torch.isfinite(moe.router.weight.grad).all()
+
+
+def tiny_gpt(seq: int = 8, vocab: int = 32, **config_overrides):
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    config = tiny_config(normalization="RMSNorm", **config_overrides)
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    model = GPTModel(config, spec, vocab_size=vocab, max_sequence_length=seq, position_embedding_type="rope")
+    return model, config
+
+
+def test_schedule_cuda_tensors_on_cpu():
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    model, _ = tiny_gpt()
+    tokens = torch.randint(0, 32, (2, 8))
+    positions = torch.arange(8).expand(2, -1)
+
+    def forward_step(data_iterator, module):
+        per_token = module(tokens, positions, None, labels=tokens)  # [b, s]
+        return per_token, lambda out: (out.mean(), {"loss": out.mean().detach()})
+
+    def run():
+        return get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=None, model=[model],
+            num_microbatches=1, seq_length=8, micro_batch_size=2, forward_only=True,
+        )
+
+    without("schedule_cuda_tensors_on_cpu")
+    with pytest.raises(AssertionError, match="not compiled with CUDA"):
+        run()
+    cpu_compat.apply()
+    (result,) = run()
+    with torch.no_grad():
+        expected = model(tokens, positions, None, labels=tokens).mean()
+    torch.testing.assert_close(result["loss"], expected)
+
+
+def test_optimizer_cuda_tensors_on_cpu():
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    model, config = tiny_gpt()
+    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), module=model)
+    opt_config = OptimizerConfig(optimizer="sgd", lr=0.1, bf16=False, fp16=False, clip_grad=1e-3, weight_decay=0.0)
+
+    without("optimizer_cuda_tensors_on_cpu")
+    with pytest.raises(AssertionError, match="not compiled with CUDA"):
+        get_megatron_optimizer(opt_config, [ddp])
+    cpu_compat.apply()
+    optimizer = get_megatron_optimizer(opt_config, [ddp])
+    tokens = torch.randint(0, 32, (2, 8))
+    ddp(tokens, torch.arange(8).expand(2, -1), None, labels=tokens).mean().backward()
+    ddp.finish_grad_sync()
+    params = [p for p in model.parameters()]
+    grads = [p.main_grad.clone() for p in params]  # DDP's fp32 grad buffer
+    before = [p.detach().clone() for p in params]
+    norm = torch.sqrt(sum((g.double() ** 2).sum() for g in grads)).item()
+    ok, grad_norm, _ = optimizer.step()
+    assert ok and grad_norm == pytest.approx(norm, rel=1e-5)
+    scale = 1e-3 / (norm + 1e-6)  # clip by total norm, then plain SGD
+    for p, b, g in zip(params, before, grads):
+        torch.testing.assert_close(p.detach(), b - 0.1 * scale * g, atol=1e-7, rtol=1e-6)
+
+
+def test_torch_norm_allows_sequence_parallel():
+    import copy
+
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    config = copy.copy(tiny_config(normalization="RMSNorm"))
+    config.sequence_parallel = True  # as with tp > 1; set directly to stay in a world of one
+    without("torch_norm_allows_sequence_parallel")
+    with pytest.raises(AssertionError, match="sequence parallel not supported"):
+        WrappedTorchNorm(config, 16)
+    cpu_compat.apply()
+    norm = WrappedTorchNorm(config, 16, eps=1e-5)
+    assert isinstance(norm, torch.nn.RMSNorm) and norm.weight.sequence_parallel is True
+    x = torch.randn(3, 16)
+    torch.testing.assert_close(norm(x), x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5))
+
+
+def test_nvtx_is_noop():
+    from megatron.core import utils as megatron_utils
+
+    megatron_utils.configure_nvtx_profiling(True)
+    try:
+        without("nvtx_is_noop")
+        with pytest.raises(RuntimeError, match="NVTX functions not installed"):
+            megatron_utils.nvtx_range_push("step")
+        megatron_utils._nvtx_range_messages.clear()
+        cpu_compat.apply()
+        megatron_utils.nvtx_range_push("step")
+        megatron_utils.nvtx_range_pop("step")
+        assert megatron_utils._nvtx_range_messages == []
+    finally:
+        megatron_utils.configure_nvtx_profiling(False)
+        megatron_utils._nvtx_range_messages.clear()
+
+
+class _FakeCpGroup:
+    """Only what `get_pos_emb_on_this_cp_rank` asks of a process group: CP size 2, this is rank 1."""
+
+    def size(self) -> int:
+        return 2
+
+    def rank(self) -> int:
+        return 1
+
+
+def test_rope_cp_slice_on_cpu():
+    from megatron.core.models.common.embeddings import rope_utils
+
+    emb = torch.arange(8.0).reshape(8, 1, 1, 1)  # [s, 1, 1, d]: value = position
+    without("rope_cp_slice_on_cpu")
+    with pytest.raises(RuntimeError, match="pin_memory"):
+        rope_utils.get_pos_emb_on_this_cp_rank(emb, 0, _FakeCpGroup())
+    cpu_compat.apply()
+    sliced = rope_utils.get_pos_emb_on_this_cp_rank(emb, 0, _FakeCpGroup())
+    assert sliced.flatten().tolist() == [2.0, 3.0, 4.0, 5.0]  # chunks 1 and 2 of 4
