@@ -71,7 +71,7 @@ def test_one_hanging_sample_delays_the_batch_by_about_its_timeout():
         result = pool.score(["sleep"] + [str(i) for i in range(20)], ["0"] + [str(i) for i in range(20)])
         elapsed = time.monotonic() - start
         assert result.scores == [0.0] + [1.0] * 20 and result.num_errors == 1
-        assert TIMEOUT_S <= elapsed < TIMEOUT_S + 2.0, elapsed  # the other worker scored the rest meanwhile
+        assert TIMEOUT_S <= elapsed < TIMEOUT_S + 3.0, elapsed  # the other worker scored the rest meanwhile
     finally:
         pool.shutdown()
 
