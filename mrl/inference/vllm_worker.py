@@ -1,0 +1,163 @@
+"""vLLM engines as Ray actors: one engine per generation data-parallel rank, each with its own tensor parallel size.
+
+`VllmEngineWorker` is a plain class (one per actor, built by mrl.distributed's `WorkerGroup`) that owns one
+`VllmBackend`. `VllmEngineGroup` is what the controller holds; it implements `GenerationBackend` over N engines:
+
+- generate: prompts are SHARDED along the prompt axis over the engines (contiguous blocks, the first B % N engines
+  take one more; fewer prompts than engines are padded); sampling settings are REPLICATED; samples come back
+  concatenated in prompt order. Each shard
+  keeps the global prompt indices, so per-prompt seeds do not depend on how many engines there are.
+- update_weights: every bucket is REPLICATED to all engines (each loads the full model; vLLM's loaders cut their
+  tensor-parallel shards), through the shared-memory file transport when engines live in other processes.
+- An engine actor that dies surfaces as `mrl.distributed.WorkerDiedError` naming the group ("generation"), the
+  engine's rank and its node/pid.
+
+An engine with tensor_parallel_size > 1 runs vLLM's own worker processes inside its actor: give its bundle that many
+CPUs (GPUs on clusters).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, Optional
+
+import torch
+
+from mrl.inference.buckets import NamedTensor
+from mrl.inference.interface import GeneratedSample, GenerationOutput, RefitStats, SamplingConfig
+from mrl.inference.refit import stream_weights
+from mrl.inference.transports import make_transport
+from mrl.inference.transports.base import Payload
+from mrl.inference.vllm_backend import VllmBackend, VllmEngineConfig, checkpoint_tensor_names
+
+log = logging.getLogger(__name__)
+
+
+class VllmEngineWorker:
+    """Lives in one Ray actor: one vLLM engine."""
+
+    def __init__(self, config: VllmEngineConfig) -> None:
+        self.backend = VllmBackend(config)
+
+    def generate_shard(self, shard: dict[str, list], sampling: SamplingConfig) -> dict[str, list]:
+        """shard: {"prompts": [P_i token ids], "prompt_index": [global index of each]} (contiguous indices).
+
+        Returns lists only, so the group's merge concatenates them in data-parallel (= prompt) order.
+        """
+        offset = shard["prompt_index"][0]
+        # Shift the base seed so local prompt i draws the seeds of global prompt offset + i.
+        seed = None if sampling.seed is None else sampling.seed + offset * sampling.n
+        output = self.backend.generate(shard["prompts"], dataclasses.replace(sampling, seed=seed))
+        samples = [dataclasses.replace(s, prompt_index=s.prompt_index + offset) for s in output.samples]
+        return {
+            "samples": samples,
+            "num_prompts_truncated": [output.num_prompts_truncated],
+            "num_prompts_rejected": [output.num_prompts_rejected],
+        }
+
+    def load_bucket(self, payload: Payload) -> int:
+        return self.backend.load_bucket(payload)
+
+    def finish_refit(self) -> None:
+        self.backend.finish_refit()
+
+    def prepare_for_generation(self) -> None:
+        self.backend.prepare_for_generation()
+
+    def finish_generation(self) -> None:
+        self.backend.finish_generation()
+
+    def worker_uss_bytes(self) -> list[int]:
+        return self.backend.worker_uss_bytes()
+
+    def shutdown(self) -> None:
+        self.backend.shutdown()
+
+
+class VllmEngineGroup:
+    """`GenerationBackend` over one vLLM engine per bundle of `placement` (see the module docstring)."""
+
+    def __init__(
+        self,
+        config: VllmEngineConfig,
+        placement: Any,
+        *,
+        name: str = "generation",
+        bundle_indices: Optional[Sequence[int]] = None,
+        resource_fraction: float = 1.0,
+        omp_num_threads: int = 1,
+    ) -> None:
+        from mrl.distributed import WorkerGroup
+
+        self.config = config
+        self.expected_names = checkpoint_tensor_names(config.model_path)
+        self._transport = make_transport(config.refit_transport)
+        self.workers = WorkerGroup(
+            name,
+            VllmEngineWorker,
+            placement,
+            init_args=(config,),
+            bundle_indices=bundle_indices,
+            resource_fraction=resource_fraction,
+            omp_num_threads=omp_num_threads,
+        )
+
+    @property
+    def num_engines(self) -> int:
+        return self.workers.world_size
+
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig) -> GenerationOutput:
+        """Shard the prompts over the engines. Fewer prompts than engines: the batch is padded with one-token
+        prompts whose samples are dropped (every data-parallel rank needs a row)."""
+        count = len(prompts)
+        if count == 0:
+            return GenerationOutput([], num_prompts=0, n=sampling.n)
+        pads = max(0, self.num_engines - count)
+        batch = {
+            "prompts": [list(p) for p in prompts] + [[0]] * pads,
+            "prompt_index": list(range(count + pads)),
+        }
+        uneven = (count + pads) % self.num_engines != 0
+        merged = self.workers.shard_and_run("generate_shard", batch, sampling, allow_uneven=uneven)
+        samples: list[GeneratedSample] = [s for s in merged["samples"] if s.prompt_index < count]
+        return GenerationOutput(
+            samples=samples,
+            num_prompts=count,
+            n=sampling.n,
+            num_prompts_truncated=int(sum(merged["num_prompts_truncated"])),
+            num_prompts_rejected=int(sum(merged["num_prompts_rejected"])),
+        )
+
+    def update_weights(self, named_tensors: Iterable[NamedTensor] | Mapping[str, torch.Tensor]) -> RefitStats:
+        """Every engine loads every bucket (see the module docstring); all engines finish a bucket before the next."""
+        try:
+            return stream_weights(
+                named_tensors,
+                bucket_bytes=self.config.refit_bucket_bytes,
+                transport=self._transport,
+                load=lambda payload: self.workers.run_all("load_bucket", payload),
+                expected_names=self.expected_names,
+            )
+        finally:
+            self.workers.run_all("finish_refit")
+
+    def prepare_for_generation(self) -> None:
+        self.workers.run_all("prepare_for_generation")
+
+    def finish_generation(self) -> None:
+        self.workers.run_all("finish_generation")
+
+    def worker_uss_bytes(self) -> list[list[int]]:
+        return self.workers.run_all("worker_uss_bytes")
+
+    def shutdown(self) -> None:
+        """Stop every engine cleanly (vLLM worker processes, shared-memory segments), then kill the actors."""
+        from mrl.distributed import WorkerError
+
+        try:
+            self.workers.run_all("shutdown")
+        except WorkerError as error:  # a dead engine cannot shut down; the others were asked, kill them all now
+            log.warning("generation engines: clean shutdown failed (%s); killing the actors", error)
+        self.workers.shutdown()

@@ -1,0 +1,49 @@
+"""Weight transports round-trip exactly and clean up after themselves."""
+
+import os
+
+import pytest
+import torch
+
+from mrl.inference.transports import make_transport, unpack_payload
+
+
+def _bucket():
+    gen = torch.Generator().manual_seed(0)
+    return [
+        ("model.layers.0.self_attn.q_proj.weight", torch.randn(8, 4, generator=gen)),
+        ("model.layers.0.self_attn.q_proj.bias", torch.randn(8, generator=gen)),
+        ("model.layers.0.mlp.up_proj.weight", torch.randn(4, 6, generator=gen).t()),  # a non-contiguous view
+    ]
+
+
+def test_shm_file_round_trip_and_removal(tmp_path):
+    transport = make_transport("shm_file", shm_dir=str(tmp_path))
+    bucket = _bucket()
+    payload = transport.pack(bucket)
+    assert payload["path"].startswith(str(tmp_path)) and os.path.exists(payload["path"])
+    received = dict(unpack_payload(payload))
+    assert set(received) == {name for name, _ in bucket}
+    for name, tensor in bucket:
+        assert torch.equal(received[name], tensor)
+    transport.release(payload)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_in_process_passes_the_same_tensors():
+    transport = make_transport("in_process")
+    bucket = _bucket()
+    payload = transport.pack(bucket)
+    received = unpack_payload(payload)
+    assert all(a[1] is b[1] for a, b in zip(received, bucket))
+    transport.release(payload)
+    assert payload["tensors"] == []
+
+
+def test_unknown_payload_and_transport_are_clear_errors(tmp_path):
+    with pytest.raises(ValueError, match="unknown kind"):
+        unpack_payload({"kind": "carrier-pigeon"})
+    with pytest.raises(ValueError, match="'in_process' or 'shm_file'"):
+        make_transport("nccl")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="does not exist"):
+        make_transport("shm_file", shm_dir=str(tmp_path / "missing"))

@@ -1,0 +1,55 @@
+"""The two vLLM workarounds of vllm_extension.py, on plain torch modules (no engine needed)."""
+
+import logging
+
+import torch
+
+from mrl.inference.vllm_extension import PartialReloadWarningFilter, refresh_tied_modules
+
+
+def _record(msg: str, *args) -> logging.LogRecord:
+    return logging.LogRecord("vllm", logging.WARNING, __file__, 1, msg, args, None)
+
+
+def test_partial_reload_filter_drops_only_the_expected_warnings():
+    flt = PartialReloadWarningFilter()
+    # The two messages vLLM 0.32 emits per module a bucket does not carry (layerwise.py, inplace.py).
+    assert not flt.filter(_record("%s: Failed to load weights", "RMSNorm"))
+    assert not flt.filter(_record("Following weights were not loaded from checkpoint: %s", {"a"}))
+    assert flt.filter(_record("Reloading and processing weights took %.2f seconds", 0.1))
+    assert flt.filter(_record("something else went wrong"))
+
+
+class _Packing:
+    """Stands in for vLLM's CPU weight processing: keeps a private packed copy of the weight."""
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        layer.packed = layer.weight.detach().clone()
+
+
+class _Model(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.model = torch.nn.Module()
+        self.model.embed_tokens = torch.nn.Embedding(5, 3)
+        self.lm_head = torch.nn.Linear(3, 5, bias=False)
+        self.lm_head.weight = self.model.embed_tokens.weight  # tied
+        self.norm = torch.nn.LayerNorm(3)
+        for module in (self.model.embed_tokens, self.lm_head, self.norm):
+            module.quant_method = _Packing()
+            module.quant_method.process_weights_after_loading(module)
+
+
+def test_tied_output_projection_is_reprocessed_after_the_embedding_reloads():
+    model = _Model()
+    with torch.no_grad():
+        model.model.embed_tokens.weight.add_(1.0)  # what the reload does to the shared storage
+    assert not torch.equal(model.lm_head.packed, model.model.embed_tokens.weight)  # stale packed copy: the bug
+    refreshed = refresh_tied_modules(model, ["model.embed_tokens.weight"])
+    assert refreshed == ["lm_head"]
+    assert torch.equal(model.lm_head.packed, model.model.embed_tokens.weight)
+
+
+def test_untied_or_uncarried_modules_are_left_alone():
+    model = _Model()
+    assert refresh_tied_modules(model, ["norm.weight", "model.layers.0.mlp.up_proj.weight"]) == []
