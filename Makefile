@@ -33,8 +33,10 @@ $(STAMP): requirements/cpu.lock pyproject.toml
 demo: install
 	$(BIN)/mrl run recipes/arith-tiny-cpu.yaml
 
+# Unit tests first: the CPU-compatibility tests check process-global Megatron patches, and the in-process vLLM
+# engines of the functional tests replace torch.cuda's stream classes in the test process.
 test: install
-	$(BIN)/python -m pytest tests -q
+	$(BIN)/python -m pytest tests/unit tests/functional -q
 
 test-unit: install
 	$(BIN)/python -m pytest tests -q -m unit
