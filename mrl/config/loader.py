@@ -106,11 +106,6 @@ def resolve(tree: dict[str, Any]) -> dict[str, Any]:
         raise ConfigError(f"interpolation failed: {str(getattr(exc, 'msg', exc)).splitlines()[0]}", key=key) from None
 
 
-def load_tree(path: str | Path, overrides: Iterable[str] = ()) -> dict[str, Any]:
-    """The resolved dict of a config file with overrides applied (not yet validated)."""
-    return resolve(apply_overrides(load_yaml_tree(path), overrides))
-
-
 class _Missing:
     pass
 

@@ -22,8 +22,7 @@ from typing import Any
 import torch
 
 from converters import ModelDims, hf_to_megatron, model_dims, resolve_padded_vocab, select_pp_stage
-from mrl.parallel.attention import gpt_layer_spec
-from mrl.parallel.attention import transformer_engine_available as use_transformer_engine
+from mrl.parallel.attention import gpt_layer_spec, transformer_engine_available
 
 
 def rope_inv_freq(dims: ModelDims) -> torch.Tensor:
@@ -66,7 +65,7 @@ def transformer_config_from_hf(
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     dims = model_dims(hf_config)
-    te = use_transformer_engine() if use_te is None else use_te
+    te = transformer_engine_available() if use_te is None else use_te
     fusions = te  # the fused kernels need CUDA (and mostly TE/Apex); on CPU every fusion is off
     kwargs: dict[str, Any] = dict(
         num_layers=dims.num_layers,
@@ -130,7 +129,7 @@ def build_gpt_model(
 
         cpu_compat.apply()
     dims = model_dims(hf_config)
-    te = use_transformer_engine() if use_te is None else use_te
+    te = transformer_engine_available() if use_te is None else use_te
     tp = parallel_state.get_tensor_model_parallel_world_size()
     if pre_process is None:
         pre_process = parallel_state.is_pipeline_first_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage)
