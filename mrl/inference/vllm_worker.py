@@ -143,6 +143,13 @@ class VllmEngineGroup:
         finally:
             self.workers.run_all("finish_refit")
 
+    def load_payload(self, payload: Payload) -> None:
+        """Every engine loads one refit payload made elsewhere (e.g. by the policy's rank 0, `Policy.refit`)."""
+        self.workers.run_all("load_bucket", payload)
+
+    def finish_refit(self) -> None:
+        self.workers.run_all("finish_refit")
+
     def prepare_for_generation(self) -> None:
         self.workers.run_all("prepare_for_generation")
 

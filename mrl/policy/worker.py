@@ -1,0 +1,235 @@
+"""The Megatron policy on one rank: a plain class that `mrl.distributed.WorkerGroup` runs in one Ray actor per rank.
+
+Each rank builds its shard of the model (TP/PP/CP from `policy.parallel`, data parallel = the rest of the world),
+loads the HF weights it owns, wraps the model in Megatron's DDP and builds Megatron's optimizer and LR schedule.
+The controller (`mrl.policy.group.Policy`) shards batches over data-parallel ranks; every TP/PP/CP rank of a
+data-parallel group receives the same `RankBatch` and runs the same Megatron schedule.
+
+Leaders: the rank with tp = cp = 0 on the last pipeline stage of each data-parallel group returns the group's
+results (logprobs, metrics); the other ranks return None.
+
+Sequence-length rules: CP needs T to be a multiple of 2 * cp, sequence parallelism a multiple of tp. The worker
+right-pads the batch to that multiple (pad tokens are masked out of every loss) and cuts returned logprobs back.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from mrl.config.schema import PolicyConfig
+from mrl.policy.train_step import PolicyLoss, RankBatch, StepContext, logprobs_of_batch, train_on_batch
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class PolicySpec:
+    """What every rank needs to build the policy (replicated to all ranks)."""
+
+    hf_dir: str
+    """HF folder (config.json, safetensors, tokenizer) the weights start from."""
+    policy: PolicyConfig
+    seed: int
+    total_steps: int
+    """Optimizer steps of the run (sets the LR schedule's decay length)."""
+    with_reference: bool = False
+    """Also keep a frozen copy of the initial weights for KL logprobs."""
+    padded_vocab: Optional[int] = None
+    """Padded vocabulary of a checkpoint to load later (another TP size pads differently); None = this TP's rule."""
+
+
+def _pad_to_multiple(batch: RankBatch, multiple: int) -> RankBatch:
+    """Right-pad every [N, T] tensor to T' = ceil(T / multiple) * multiple (pad id 0, mask 0, data 0)."""
+    extra = -batch.input_ids.shape[1] % multiple
+    if extra == 0:
+        return batch
+    pad = lambda t: torch.nn.functional.pad(t, (0, extra))  # noqa: E731  ([N, T] -> [N, T + extra])
+    return RankBatch(pad(batch.input_ids), pad(batch.loss_mask), {k: pad(v) for k, v in batch.token_data.items()},
+                     dict(batch.seq_data))
+
+
+def _micro_batch_size(wanted: int, rows: int) -> int:
+    """The largest micro-batch size <= `wanted` that divides `rows` (pipeline schedules need equal micro-batches)."""
+    size = max(1, min(wanted, rows))
+    while rows % size:
+        size -= 1
+    return size
+
+
+class PolicyWorker:
+    """One rank of the policy (see the module docstring)."""
+
+    def __init__(self, spec: PolicySpec) -> None:
+        from megatron.core import parallel_state as ps
+        from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,
+                                               finalize_model_grads)
+
+        from converters import model_dims
+        from converters.hf_io import load_hf_config, load_hf_state
+        from mrl.parallel.dims import ParallelDims, init_process_groups
+        from mrl.policy.model import build_gpt_model, load_hf_weights, stage_layer_offset, transformer_config_from_hf
+        from mrl.policy.optim import build_optimizer, build_scheduler
+
+        self.spec = spec
+        cfg = spec.policy
+        par = cfg.parallel
+        self.dims = ParallelDims(tp=par.tensor_parallel_size, pp=par.pipeline_parallel_size,
+                                 cp=par.context_parallel_size, ep=par.expert_parallel_size,
+                                 sequence_parallel=par.sequence_parallel, world_size=int(os.environ["WORLD_SIZE"]))
+        init_process_groups(self.dims, seed=spec.seed)
+        self.hf_config = load_hf_config(spec.hf_dir)
+        self.model_dims = model_dims(self.hf_config)
+        dtype = _DTYPES[cfg.precision]
+        recompute = (dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+                     if cfg.activation_checkpointing else {})
+        self.tconfig = transformer_config_from_hf(
+            self.hf_config, tensor_parallel=self.dims.tp, pipeline_parallel=self.dims.pp,
+            context_parallel=self.dims.cp, sequence_parallel=par.sequence_parallel, params_dtype=dtype, **recompute)
+        hf_state = load_hf_state(spec.hf_dir)
+        module = build_gpt_model(self.hf_config, self.tconfig, padded_vocab=spec.padded_vocab)
+        load_hf_weights(module, hf_state, self.hf_config)
+        self.module = module
+        self.layer_offset = stage_layer_offset(module)
+        ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True,
+                                                   use_distributed_optimizer=cfg.optimizer.use_distributed_optimizer)
+        self.model = [DistributedDataParallel(self.tconfig, ddp_config, module=module)]
+        self.tconfig.finalize_model_grads_func = finalize_model_grads
+        self.optimizer = build_optimizer(self.model, cfg.optimizer, params_dtype=dtype)
+        self.scheduler = build_scheduler(self.optimizer, cfg.optimizer, cfg.scheduler, total_steps=spec.total_steps)
+        self.reference = None
+        if spec.with_reference:
+            self.reference = build_gpt_model(self.hf_config, self.tconfig, padded_vocab=spec.padded_vocab)
+            load_hf_weights(self.reference, hf_state, self.hf_config)
+            self.reference.requires_grad_(False)
+            self.reference.eval()
+        del hf_state
+        self._exporter = None
+        self._bucket_plan: list = []
+        self.ps = ps
+
+    # ------------------------------------------------------------------------------------------------- layout
+    def data_parallel_layout(self) -> tuple[int, bool]:
+        """(data-parallel rank, is this rank its group's leader)."""
+        ps = self.ps
+        leader = (ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0
+                  and ps.get_context_parallel_rank() == 0)
+        return ps.get_data_parallel_rank(), leader
+
+    def _is_leader(self) -> bool:
+        return self.data_parallel_layout()[1]
+
+    def _context(self, temperature: float) -> StepContext:
+        ps = self.ps
+        return StepContext(dp_size=ps.get_data_parallel_world_size(), cp_rank=ps.get_context_parallel_rank(),
+                           cp_size=ps.get_context_parallel_world_size(), cp_group=ps.get_context_parallel_group(),
+                           is_last_stage=ps.is_pipeline_last_stage(), vocab_size=self.model_dims.vocab_size,
+                           temperature=temperature)
+
+    def _length_multiple(self) -> int:
+        cp_multiple = 2 * self.dims.cp if self.dims.cp > 1 else 1
+        return math.lcm(cp_multiple, self.dims.tp if self.dims.sequence_parallel else 1)
+
+    # ------------------------------------------------------------------------------------------------ compute
+    def logprobs(self, shard: RankBatch, temperature: float = 1.0, reference: bool = False) -> Optional[torch.Tensor]:
+        """[n, T] logprobs of the shard's tokens (token-position convention of mrl.policy.logprobs); leaders only."""
+        if reference and self.reference is None:
+            raise RuntimeError("reference logprobs asked for, but the policy was built without a reference model")
+        width = shard.input_ids.shape[1]
+        batch = _pad_to_multiple(shard, self._length_multiple())
+        model = [self.reference] if reference else self.model
+        for chunk in model:
+            chunk.eval()
+        size = _micro_batch_size(self.spec.policy.logprob_micro_batch_size, len(batch))
+        out = logprobs_of_batch(model, batch, micro_batch_size=size, ctx=self._context(temperature))
+        for chunk in model:
+            chunk.train(not reference)
+        return out[:, :width] if out is not None and self._is_leader() else None
+
+    def train(self, shard: RankBatch, loss_fn: PolicyLoss, global_count: float,
+              temperature: float = 1.0) -> Optional[dict[str, float]]:
+        """One optimizer step on this data-parallel rank's shard; `global_count` is the whole step's count of valid
+        tokens (or sequences) over all ranks. Returns the step's metrics (summed over data-parallel ranks) on leaders."""
+        start = time.perf_counter()
+        batch = _pad_to_multiple(shard, self._length_multiple())
+        size = _micro_batch_size(self.spec.policy.train_micro_batch_size, len(batch))
+        for chunk in self.model:
+            chunk.train()
+        metrics = train_on_batch(self.model, self.optimizer, self.scheduler, batch, loss_fn=loss_fn,
+                                 count=global_count, micro_batch_size=size, ctx=self._context(temperature))
+        scalars = {k: metrics.pop(k) for k in ("grad_norm", "lr")}
+        metrics = self._sum_over_data_parallel(metrics)
+        if not self._is_leader():
+            return None
+        metrics.update(scalars)
+        metrics["time_s"] = time.perf_counter() - start
+        return metrics
+
+    def _sum_over_data_parallel(self, sums: dict[str, float]) -> dict[str, float]:
+        """Metric sums of every data-parallel (and context-parallel) rank's micro-batches, on the last stage."""
+        if not self.ps.is_pipeline_last_stage():
+            return sums
+        keys = sorted(sums)
+        values = torch.tensor([sums[k] for k in keys], dtype=torch.float64)
+        group = self.ps.get_data_parallel_group(with_context_parallel=True)
+        if dist.get_world_size(group) > 1:
+            dist.all_reduce(values, group=group)
+        return dict(zip(keys, values.tolist()))
+
+    # ------------------------------------------------------------------------------------------------- export
+    def plan_export(self, bucket_bytes: int) -> int:
+        """Prepare a weight export in buckets of at most `bucket_bytes`; returns the number of buckets."""
+        from mrl.policy.export import ShardedExporter, plan_buckets
+
+        if self._exporter is None:
+            names = "te" if any(k.endswith("layer_norm_weight") for k in self.module.state_dict()) else "local"
+            self._exporter = ShardedExporter(self.module, self.model_dims, layer_offset=self.layer_offset,
+                                             names=names)
+        element = next(self.module.parameters()).element_size()
+        self._bucket_plan = plan_buckets(self.model_dims, self._exporter.names, bucket_bytes, element)
+        return len(self._bucket_plan)
+
+    def export_bucket(self, index: int, shm_dir: Optional[str] = None) -> Optional[dict]:
+        """Gather bucket `index` of the plan; rank 0 writes it as a shared-memory payload (the engines' refit
+        transport) and returns it, other ranks return None. The caller releases the payload after loading."""
+        from mrl.inference.transports import make_transport
+
+        tensors = self._exporter.bucket(self._bucket_plan[index])  # type: ignore[union-attr]
+        if dist.get_rank() != 0:
+            return None
+        payload = make_transport("shm_file", shm_dir=shm_dir).pack(tensors)
+        payload.update(names=[name for name, _ in tensors], bytes=sum(t.numel() * t.element_size() for _, t in tensors))
+        return payload
+
+    def export_state(self) -> Optional[dict[str, torch.Tensor]]:
+        """The whole model as HF-named tensors on rank 0 (None elsewhere): for HF exports of small models."""
+        self.plan_export(1 << 62)
+        tensors = self._exporter.bucket(self._bucket_plan[0])  # type: ignore[union-attr]
+        return dict(tensors) if dist.get_rank() == 0 else None
+
+    # --------------------------------------------------------------------------------------------- checkpoint
+    def save(self, path: str) -> None:
+        """Model, optimizer, scheduler and RNG states as a reshardable distributed checkpoint under `path`."""
+        from mrl.checkpoint.megatron import save_megatron_state
+
+        save_megatron_state(Path(path), self.model, self.optimizer, self.scheduler)
+
+    def load(self, path: str, load_optimizer: bool = True) -> None:
+        from mrl.checkpoint.megatron import load_megatron_state
+
+        load_megatron_state(Path(path), self.model, self.optimizer, self.scheduler, load_optimizer=load_optimizer)
+
+    def barrier(self) -> None:
+        dist.barrier()
+
+    def shutdown(self) -> None:
+        from mrl.parallel.dims import destroy_process_groups
+
+        destroy_process_groups()
