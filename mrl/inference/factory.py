@@ -3,6 +3,7 @@
     cfg.generation + cfg.grpo + cfg.run.seed   -> SamplingConfig       (per step: the seed moves with the step)
     cfg.generation.vllm + cfg.policy + cfg.run -> VllmEngineConfig     (one per engine)
     cluster size / tensor parallel size        -> number of engines (generation data-parallel size)
+    cfg.generation.backend                     -> build_generation: vLLM engines, or one Megatron engine in-process
 
 Refit transport: engines run in Ray actors, so buckets travel as shared-memory files (the colocated CPU path; on
 one node this also serves non-colocated engines). A collective (gloo/NCCL) transport for engines on other nodes is
@@ -17,6 +18,8 @@ from mrl.inference.interface import SamplingConfig
 
 if TYPE_CHECKING:
     from mrl.config.schema import MrlConfig
+    from mrl.inference.interface import GenerationBackend
+    from mrl.inference.megatron_backend import MegatronEngineConfig
     from mrl.inference.vllm_backend import VllmEngineConfig
     from mrl.inference.vllm_worker import VllmEngineGroup
 
@@ -100,3 +103,25 @@ def build_vllm_engines(cfg: "MrlConfig", model_path: str, placement: Any) -> "Vl
         resource_fraction=fraction,
         omp_num_threads=cfg.cluster.omp_num_threads,
     )
+
+
+def megatron_engine_config(cfg: "MrlConfig", model_path: str) -> "MegatronEngineConfig":
+    """Settings of the Megatron static-inference engine, starting from the HF folder `model_path`."""
+    from mrl.inference.megatron_backend import MegatronEngineConfig
+
+    return MegatronEngineConfig(
+        model_path=model_path,
+        max_model_len=cfg.policy.max_total_sequence_length,
+        dtype=cfg.policy.precision,
+        seed=cfg.run.seed,
+    )
+
+
+def build_generation(cfg: "MrlConfig", model_path: str, placement: Any) -> "GenerationBackend":
+    """The rollout backend `generation.backend` names: vLLM engines on `placement` (`build_vllm_engines`), or one
+    Megatron static-inference engine in this process at TP1 (`placement` unused: it holds its own model copy)."""
+    if cfg.generation.backend == "megatron":
+        from mrl.inference.megatron_backend import MegatronBackend
+
+        return MegatronBackend(megatron_engine_config(cfg, model_path))
+    return build_vllm_engines(cfg, model_path, placement)

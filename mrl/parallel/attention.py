@@ -131,11 +131,11 @@ class TorchCoreAttention(MegatronModule):
         gather = lambda t: gather_from_sequence_parallel_region(t, True, group=self.cp_group)  # noqa: E731
         return gather(key), gather(value)
 
-    def _allowed(self, q_layout, k_layout) -> torch.Tensor:
+    def _allowed(self, q_layout, k_layout, mask_type: AttnMaskType) -> torch.Tensor:
         """[sq, sk] bool, True where a query may attend to a key (same sequence, not in its future)."""
         (q_ids, q_pos), (k_ids, k_pos) = q_layout, k_layout
         allowed = q_ids[:, None] == k_ids[None, :]
-        if self.attn_mask_type in _CAUSAL_TYPES:
+        if mask_type in _CAUSAL_TYPES:
             allowed &= k_pos[None, :] <= q_pos[:, None]
         return allowed
 
@@ -174,7 +174,10 @@ class TorchCoreAttention(MegatronModule):
         n_query, n_key_local = query.shape[0], key.shape[0]
         key, value = self._gather_kv(key, value)  # [sk, b, ng, hn]
         q_layout, k_layout = self._layouts(n_query, n_key_local, packed)
-        allowed = self._allowed(q_layout, k_layout).to(query.device)  # [sq, sk]
+        # Megatron passes the mask type per call: static inference's KV-cached decode steps pass `no_mask` (the one
+        # query is the newest token and sees every cached key; a causal layout would place it at position 0).
+        mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
+        allowed = self._allowed(q_layout, k_layout, mask_type).to(query.device)  # [sq, sk]
         if attention_mask is not None:
             if self._cp()[0] > 1 or packed is not None:
                 raise NotImplementedError("an explicit attention_mask is not supported with CP or packing")

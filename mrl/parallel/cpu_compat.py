@@ -485,6 +485,25 @@ def nvtx_is_noop(patch: Patcher) -> None:
     patch.set(nvtx, "range", lambda *args, **kwargs: contextlib.nullcontext())
 
 
+def static_inference_cuda_tensors_on_cpu(patch: Patcher) -> None:
+    """Megatron's static-batch generation loop runs in a CPU device scope (devices only, no type faking).
+
+    Breaks: `TextGenerationController.generate_all_output_tokens_static_batch` (0.16.1), the loop of the legacy
+    `StaticInferenceEngine`, allocates its per-batch sequence-length counter with
+    `torch.zeros(batch_size, device=torch.cuda.current_device()).cuda()`, a local variable, so every static
+    generation raises "Torch not compiled with CUDA enabled" on a CPU build. `_CudaToCpuMode` makes `.cuda()` the
+    identity (and any `device="cuda"` in the loop the CPU); the model forward it calls sees only CPU tensors.
+    """
+    from megatron.core.inference.text_generation_controllers import text_generation_controller
+
+    _wrap_in_cpu_scope(
+        patch,
+        text_generation_controller.TextGenerationController,
+        ["generate_all_output_tokens_static_batch"],
+        fake_cuda_type=False,
+    )
+
+
 # --------------------------------------------------------------------------------------------------------
 # Registry and entry points.
 # --------------------------------------------------------------------------------------------------------
@@ -506,6 +525,7 @@ PATCHES: dict[str, Callable[[Patcher], None]] = {
         gloo_uneven_all_gather,
         distributed_optimizer_torch_adam_state,
         nvtx_is_noop,
+        static_inference_cuda_tensors_on_cpu,
     )
 }
 

@@ -326,3 +326,58 @@ def test_rope_cp_slice_on_cpu():
     cpu_compat.apply()
     sliced = rope_utils.get_pos_emb_on_this_cp_rank(emb, 0, _FakeCpGroup())
     assert sliced.flatten().tolist() == [2.0, 3.0, 4.0, 5.0]  # chunks 1 and 2 of 4
+
+
+class _NoTextTokenizer:
+    """What the static controller asks of a tokenizer when requests arrive as token ids."""
+
+    eod = 0
+    bos = None
+
+    def detokenize(self, ids, **kwargs):
+        return ""
+
+
+def test_static_inference_cuda_tensors_on_cpu():
+    from megatron.core.inference.contexts import StaticInferenceContext
+    from megatron.core.inference.engines import StaticInferenceEngine
+    from megatron.core.inference.inference_request import InferenceRequest
+    from megatron.core.inference.model_inference_wrappers.gpt.gpt_inference_wrapper import GPTInferenceWrapper
+    from megatron.core.inference.model_inference_wrappers.inference_wrapper_config import InferenceWrapperConfig
+    from megatron.core.inference.sampling_params import SamplingParams
+    from megatron.core.inference.text_generation_controllers.text_generation_controller import (
+        TextGenerationController,
+    )
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    torch.manual_seed(0)
+    model = GPTModel(config=tiny_config(), transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=64,
+                     max_sequence_length=32, position_embedding_type="rope").eval()
+    wrapper_config = InferenceWrapperConfig(hidden_size=16, params_dtype=torch.float32, padded_vocab_size=64,
+                                            inference_batch_times_seqlen_threshold=-1, inference_max_requests=2,
+                                            inference_max_seq_length=32)
+    wrapper = GPTInferenceWrapper(model, wrapper_config, StaticInferenceContext(2, 32))
+    engine = StaticInferenceEngine(TextGenerationController(wrapper, _NoTextTokenizer()), 2, legacy=True)
+    params = SamplingParams(top_k=1, num_tokens_to_generate=5)
+    params.add_attributes({"no_early_termination": True})
+    prompts = [[5, 9, 3], [7, 1, 2, 8]]
+
+    def generate():
+        requests = [InferenceRequest(request_id=i, prompt="", sampling_params=params, prompt_tokens=list(p))
+                    for i, p in enumerate(prompts)]
+        return [r.generated_tokens.tolist() for r in engine.generate(inference_requests=requests)]
+
+    without("static_inference_cuda_tensors_on_cpu")
+    with pytest.raises(AssertionError, match="not compiled with CUDA"):
+        generate()
+    cpu_compat.apply()
+    expected = []
+    for prompt in prompts:  # greedy with full forwards, no KV cache
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            for _ in range(5):
+                logits = model(ids, torch.arange(ids.shape[1])[None], None)  # [1, s, V]
+                ids = torch.cat([ids, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+        expected.append(ids[0, len(prompt):].tolist())
+    assert generate() == expected
