@@ -70,22 +70,26 @@ def _add_convert_parser(sub) -> None:
     to_hf.add_argument("--out", required=True, metavar="DIR", help="output folder")
 
 
-def _handler(command: str) -> Callable[[MrlConfig], int]:
+def _handler(command: str) -> Callable[[MrlConfig], object]:
     """The implementation of a config-driven command (imported lazily: heavy dependencies load only when used)."""
-    raise NotImplementedCommand(command)
+    from mrl.algorithms.commands import RUNNERS
+
+    if command not in RUNNERS:
+        raise NotImplementedCommand(command)
+    return RUNNERS[command]
 
 
 def _run_config_command(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
-    return _handler(args.command)(cfg)
+    _handler(args.command)(cfg)
+    return 0
 
 
 def _run_staged(args: argparse.Namespace) -> int:
-    cfg = load_config(args.recipe, args.overrides)
-    if not cfg.stages:
-        raise ConfigError("a staged recipe needs a non-empty `stages:` list", key="stages",
-                          fix="use `mrl grpo --config ...` for a single run")
-    raise NotImplementedCommand("run")
+    from mrl.algorithms.stages import run_staged
+
+    run_staged(args.recipe, args.overrides)
+    return 0
 
 
 def _run_convert(args: argparse.Namespace) -> int:
@@ -108,6 +112,8 @@ def _run_convert(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from mrl.algorithms.checkpointing import CheckpointIncompatibleError
+
     args = build_parser().parse_args(argv)
     try:
         if args.command == "config":
@@ -121,6 +127,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"mrl: configuration error\n  {exc.render()}", file=sys.stderr)
         return CONFIG_ERROR_EXIT_CODE
+    except (FileNotFoundError, CheckpointIncompatibleError) as exc:
+        print(f"mrl: error: {exc}", file=sys.stderr)
+        return 1
     except NotImplementedCommand as exc:
         print(f"mrl {exc.args[0]}: not implemented yet", file=sys.stderr)
         return NOT_IMPLEMENTED_EXIT_CODE

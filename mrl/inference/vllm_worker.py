@@ -102,6 +102,8 @@ class VllmEngineGroup:
             bundle_indices=bundle_indices,
             resource_fraction=resource_fraction,
             omp_num_threads=omp_num_threads,
+            # vLLM logs every request batch and reload at INFO; through Ray that floods the driver's console.
+            env={"VLLM_LOGGING_LEVEL": "WARNING"},
         )
 
     @property

@@ -1,0 +1,110 @@
+"""Saving and resuming a training loop: what goes into `<checkpointing.dir>/step_N/` and how a run picks it up.
+
+    step_N/model/, rng/      the policy's distributed checkpoint (every rank writes its shards; reshardable)
+    step_N/hf/               config.json, tokenizer, generation config: `mrl convert megatron-to-hf` reads them
+    step_N/config.yaml       the run's resolved config
+    step_N/train_state.pt    step, data loader position, controller RNG states, metric history, model record
+    step_N/.complete         written last by CheckpointManager.commit; a folder without it is never loaded
+
+Resume (`checkpointing.resume=true`, the default): the newest complete step is loaded; a checkpoint of another
+model or tokenizer is refused with the reason; another parallel layout is fine (reshard on load). A SIGTERM
+(Slurm pre-emption) sets a flag: the loop saves after the step in flight and exits 0.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+from mrl.config import to_yaml
+from mrl.config.schema import MrlConfig
+
+log = logging.getLogger(__name__)
+
+
+class CheckpointIncompatibleError(RuntimeError):
+    """The newest checkpoint belongs to another model or tokenizer."""
+
+
+def _say(message: str) -> None:
+    print(f"[mrl] {message}", file=sys.stderr, flush=True)
+
+
+class RunCheckpoints:
+    """The checkpoints of one training loop (GRPO or SFT)."""
+
+    def __init__(self, cfg: MrlConfig, runtime: Any) -> None:
+        from mrl.checkpoint.manager import CheckpointManager
+
+        ck = cfg.checkpointing
+        self.cfg, self.runtime = cfg, runtime
+        self.manager = CheckpointManager(ck.dir, keep_last=ck.keep_last, keep_best=ck.keep_best,
+                                         metric=ck.metric if ck.keep_best else None,
+                                         higher_is_better=ck.higher_is_better)
+        self.stop_requested = False
+        self._previous_handler: Any = None
+
+    def _record(self) -> dict[str, Any]:
+        from converters.hf_io import load_hf_config
+        from mrl.checkpoint.manager import model_record
+
+        return model_record(load_hf_config(self.runtime.model_dir), tokenizer_dir=self.runtime.model_dir,
+                            precision=self.cfg.policy.precision)
+
+    # ---------------------------------------------------------------------------------------------------- save
+    def due(self, step: int, last_step: int) -> bool:
+        ck = self.cfg.checkpointing
+        return ck.enabled and (step % ck.save_every == 0 or step == last_step or self.stop_requested)
+
+    def save(self, step: int, state: dict[str, Any], metrics: dict[str, float]) -> Path:
+        """Write step `step` (policy shards + controller state) and commit it atomically."""
+        from converters.hf_io import copy_model_metadata
+        from mrl.checkpoint.manager import capture_rng_state, save_train_state
+
+        start = time.perf_counter()
+        tmp = self.manager.begin(step)
+        self.runtime.policy.save(str(tmp))
+        copy_model_metadata(self.runtime.model_dir, tmp / "hf")
+        (tmp / "config.yaml").write_text(to_yaml(self.cfg))
+        save_train_state(tmp, {**state, "step": step, "rng": capture_rng_state(), "model_record": self._record()})
+        path = self.manager.commit(step, tmp, metrics)
+        _say(f"saved checkpoint {path} ({time.perf_counter() - start:.1f} s)")
+        return path
+
+    # -------------------------------------------------------------------------------------------------- resume
+    def newest(self) -> Optional[Path]:
+        if not self.cfg.checkpointing.resume:
+            return None
+        self.manager.clean_stale()
+        return self.manager.latest()
+
+    def resume(self, path: Path) -> dict[str, Any]:
+        """Load step folder `path` into the policy and return the controller's training state (RNG restored)."""
+        from mrl.checkpoint.manager import check_compatible, load_train_state, restore_rng_state
+
+        state = load_train_state(path)
+        reasons = check_compatible(state.get("model_record", {}), self._record())
+        if reasons:
+            raise CheckpointIncompatibleError(
+                f"cannot resume from {path}:\n- " + "\n- ".join(reasons)
+                + "\n(set checkpointing.resume=false or another checkpointing.dir to start fresh)")
+        self.runtime.policy.load(str(path))
+        restore_rng_state(state["rng"])
+        _say(f"resuming from {path} (step {state['step']})")
+        return state
+
+    # -------------------------------------------------------------------------------------------------- SIGTERM
+    def __enter__(self) -> "RunCheckpoints":
+        def on_sigterm(signum: int, frame: Any) -> None:
+            _say("SIGTERM: saving a checkpoint after the current step, then exiting")
+            self.stop_requested = True
+
+        self._previous_handler = signal.signal(signal.SIGTERM, on_sigterm)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        signal.signal(signal.SIGTERM, self._previous_handler or signal.SIG_DFL)

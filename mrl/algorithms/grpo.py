@@ -1,0 +1,141 @@
+"""GRPO: the single-controller loop (design.md), reading like the algorithm.
+
+Objective (Shao et al. 2024, with the choices of mrl.algorithms.loss and .advantages): for each prompt sample a
+group of G responses from the current policy (the engine, refitted after every step), score them with a verifiable
+reward, advantage A_i = group-normalised reward, and minimise the clipped surrogate
+    L = -mean_t min(r_t A, clip(r_t, 1 - eps_low, 1 + eps_high) A) + beta * KL_k(pi || pi_ref),  r_t = pi/pi_old
+over the batch, split into `policy.train_global_batch_size` rows per optimizer step. pi_old is the trainer's
+logprob of the sampled tokens before the step's updates (its difference with the engine's logprobs is the
+train/inference mismatch, logged every step as train/token_mult_prob_error and train/gen_kl_error).
+
+Departures: a group whose rewards are all equal has zero advantage; with grpo.dynamic_sampling such groups are
+dropped instead of refilled (DAPO refills; here the step is just smaller).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mrl.algorithms.advantages import dynamic_sampling_keep, grpo_advantages, overlong_penalty
+from mrl.algorithms.checkpointing import RunCheckpoints
+from mrl.algorithms.loss import GENERATION_LOGPROBS, PREV_LOGPROBS, REF_LOGPROBS, GRPOLoss
+from mrl.algorithms.rollout import Rollouts, evaluate, generate_and_score
+from mrl.algorithms.runtime import Runtime
+from mrl.config.schema import MrlConfig
+from mrl.data.dataloader import PromptDataLoader
+from mrl.data.tasks import TaskData, encode_prompts
+from mrl.inference.factory import sampling_config
+from mrl.inference.interface import SamplingConfig
+from mrl.inference.mismatch import mismatch_metrics
+from mrl.logging.metrics import MetricsLogger
+from mrl.policy.train_step import RankBatch
+
+KEY_METRICS = ("train/reward", "train/token_mult_prob_error", "val/accuracy", "timing/step")
+
+
+def training_rows(rollouts: Rollouts, advantages: torch.Tensor, keep: torch.Tensor, dp_size: int) -> RankBatch:
+    """The kept samples as policy rows; advantages broadcast over tokens. Rows are added with an all-zero loss mask
+    until the count divides the data-parallel size (they change neither loss nor gradient)."""
+    index = keep.nonzero().squeeze(1)
+    index = torch.cat([index, index[:1].repeat(-len(index) % dp_size)])
+    mask = rollouts.loss_mask[index].clone()
+    mask[len(keep.nonzero()):] = 0
+    adv = advantages[index][:, None].expand_as(mask).contiguous()
+    return RankBatch(rollouts.input_ids[index], mask, {"advantages": adv,
+                                                       GENERATION_LOGPROBS: rollouts.generation_logprobs[index]})
+
+
+def run_validation(cfg: MrlConfig, runtime: Runtime, env, data: TaskData) -> dict[str, float]:
+    problems = data.val[: cfg.eval.max_problems] if cfg.eval.max_problems else data.val
+    problems, prompts = encode_prompts(problems, runtime.tokenizer, data.template, cfg)
+    sampling = SamplingConfig(n=cfg.eval.num_samples, temperature=cfg.eval.temperature,
+                              max_new_tokens=cfg.generation.max_new_tokens, seed=cfg.run.seed + 7,
+                              overlong_prompt=cfg.generation.overlong_prompt)
+    return evaluate(runtime.engine, env, runtime.tokenizer, problems, prompts, sampling, cfg.eval.pass_k)
+
+
+def grpo_step(cfg: MrlConfig, runtime: Runtime, env, data: TaskData, problems, step: int,
+              loss_fn: GRPOLoss, logger: MetricsLogger) -> dict[str, float]:
+    """One GRPO step: generate -> reward -> advantage -> logprobs -> train -> refit. Returns the step's metrics."""
+    m: dict[str, float] = {}
+    n = cfg.grpo.num_generations_per_prompt
+    problems, prompts = encode_prompts(problems, runtime.tokenizer, data.template, cfg)
+    with logger.timer("generation", m):
+        rollouts = generate_and_score(runtime.engine, env, runtime.tokenizer, problems, prompts,
+                                      sampling_config(cfg, step))
+    with logger.timer("reward", m):
+        rewards = rollouts.rewards
+        if cfg.grpo.overlong_buffer:
+            rewards = rewards + overlong_penalty(rollouts.response_lengths, max_length=cfg.generation.max_new_tokens,
+                                                 buffer=cfg.grpo.overlong_buffer, penalty=cfg.grpo.overlong_penalty)
+        grouped = rewards.view(-1, n)  # [P, G]
+        advantages = grpo_advantages(grouped, leave_one_out=cfg.grpo.leave_one_out,
+                                     normalize_std=cfg.grpo.normalize_std).view(-1)
+        keep = (dynamic_sampling_keep(grouped) if cfg.grpo.dynamic_sampling else torch.ones(len(grouped), dtype=torch.bool))
+        keep = keep.repeat_interleave(n) & (rollouts.loss_mask.sum(dim=1) > 0)
+        batch = training_rows(rollouts, advantages, keep, runtime.policy.data_parallel_size)
+    with logger.timer("logprobs", m):
+        batch.token_data[PREV_LOGPROBS] = runtime.policy.logprobs(batch)
+        if loss_fn.needs_reference:
+            batch.token_data[REF_LOGPROBS] = runtime.policy.logprobs(batch, reference=True)
+    mismatch = mismatch_metrics(batch.token_data[GENERATION_LOGPROBS], batch.token_data[PREV_LOGPROBS],
+                                batch.loss_mask)
+    with logger.timer("train", m):
+        train = _train_in_minibatches(cfg, runtime, batch, loss_fn)
+    with logger.timer("refit", m):
+        refit = runtime.policy.refit(runtime.engine, cfg.generation.refit_bucket_mb << 20)
+    m.update({f"train/{k}": v for k, v in train.items()})
+    m.update({f"train/{k}": v for k, v in mismatch.items() if k != "num_tokens"})
+    m.update({f"train/refit_{k.split('/')[1]}": v for k, v in refit.as_metrics().items() if k != "timing/refit"})
+    m.update({"train/reward": float(rollouts.rewards.mean()), "train/reward_errors": float(rollouts.num_reward_errors),
+              "train/response_length": float(rollouts.response_lengths.float().mean()),
+              "train/truncated_fraction": float(rollouts.truncated.float().mean()),
+              "train/prompts_rejected": float(rollouts.num_prompts_rejected),
+              "train/kept_samples": float(keep.sum())})
+    return m
+
+
+def _train_in_minibatches(cfg: MrlConfig, runtime: Runtime, batch: RankBatch, loss_fn: GRPOLoss) -> dict[str, float]:
+    """One optimizer step per `policy.train_global_batch_size` rows; metrics averaged over the steps."""
+    size = max(cfg.policy.train_global_batch_size, runtime.policy.data_parallel_size)
+    size -= size % runtime.policy.data_parallel_size
+    steps = [batch.slice(i, min(i + size, len(batch))) for i in range(0, len(batch), size)]
+    steps = [s for s in steps if len(s) % runtime.policy.data_parallel_size == 0 and s.loss_mask.sum() > 0]
+    results = [runtime.policy.train(s, loss_fn, temperature=1.0) for s in steps]
+    keys = results[0].keys() if results else ()
+    return {k: sum(r[k] for r in results) / len(results) for k in keys} | {"optimizer_steps": float(len(results))}
+
+
+def grpo_train(cfg: MrlConfig, runtime: Runtime, env, data: TaskData, logger: MetricsLogger) -> dict[str, float]:
+    """The whole GRPO run (resumes from the newest checkpoint when there is one). Returns the final metrics."""
+    import time
+
+    loader = PromptDataLoader(data.train, cfg.grpo.num_prompts_per_step, seed=cfg.run.seed)
+    loss_fn = GRPOLoss.from_config(cfg.loss)
+    last = cfg.grpo.max_num_steps
+    with RunCheckpoints(cfg, runtime) as ckpt:
+        start = 0
+        resume_from = ckpt.newest()
+        if resume_from is not None:
+            state = ckpt.resume(resume_from)
+            start = int(state["step"])
+            loader.load_state_dict(state["dataloader"])
+            runtime.policy.refit(runtime.engine, cfg.generation.refit_bucket_mb << 20)  # engine = resumed weights
+        else:
+            logger.log(run_validation(cfg, runtime, env, data), step=0)
+        final: dict[str, float] = {}
+        for step in range(start + 1, last + 1):
+            if loader.epoch >= cfg.grpo.max_num_epochs:
+                break
+            t0 = time.perf_counter()
+            metrics = grpo_step(cfg, runtime, env, data, next(loader), step, loss_fn, logger)
+            if step == last or (cfg.grpo.val_every and step % cfg.grpo.val_every == 0):
+                metrics.update(run_validation(cfg, runtime, env, data))
+            metrics["timing/step"] = time.perf_counter() - t0
+            logger.log(metrics, step=step)
+            final = metrics
+            if ckpt.due(step, last):
+                ckpt.save(step, {"dataloader": loader.state_dict()}, metrics)
+            if ckpt.stop_requested:
+                break
+    return final

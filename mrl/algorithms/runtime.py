@@ -1,0 +1,152 @@
+"""What every algorithm loop runs on: the model folder, the Ray cluster, the policy group and the rollout engine.
+
+The loops (grpo.py, sft.py, evaluate.py) receive a `Runtime` and never touch Ray, ranks or devices themselves.
+
+Model source (`policy.*`):
+- `policy.build`: a randomly initialised model of the given size is written once, as an HF folder with the task's
+  tokenizer (the arithmetic character tokenizer when `data.arith` is set), to `<run.output_dir>/initial_model`;
+- `policy.model_name`: an HF folder (config.json + safetensors + tokenizer), e.g. the previous stage's export.
+Both the policy (Megatron) and the engine (vLLM) start from that folder, so they start from the same weights.
+
+Placement: `cluster.num_nodes x cluster.devices_per_node` bundles. Colocated (the default): the policy's ranks and
+the engines share the bundles, each taking half of a bundle's resources; the engine gets the policy's weights by
+refit after every step.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from mrl.config.schema import ModelBuildConfig, MrlConfig
+
+log = logging.getLogger(__name__)
+
+INITIAL_MODEL_DIR = "initial_model"
+
+
+def _build_tokenizer(cfg: MrlConfig, out: Path) -> Any:
+    from transformers import PreTrainedTokenizerFast
+
+    if cfg.data.arith is not None:
+        from mrl.data.arith import build_arith_tokenizer
+
+        tokenizer = build_arith_tokenizer()
+        tokenizer.save_pretrained(out)
+        return tokenizer
+    from mrl.testing.tiny_models import build_tokenizer
+
+    build_tokenizer(out)
+    return PreTrainedTokenizerFast.from_pretrained(out)
+
+
+def build_initial_model(cfg: MrlConfig, build: ModelBuildConfig, out: Path) -> Path:
+    """Write a random-init HF model of `build`'s size (transformers' default init, seeded by run.seed) to `out`."""
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig, Qwen2Config, Qwen3Config
+
+    if (out / "config.json").is_file() and any(out.glob("*.safetensors")):
+        return out  # written by an earlier (interrupted or resumed) run with the same config
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = _build_tokenizer(cfg, out)
+    classes = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}
+    extra = {"use_sliding_window": False} if build.family == "qwen2" else {}
+    config = classes[build.family](
+        vocab_size=len(tokenizer), hidden_size=build.hidden_size, intermediate_size=build.intermediate_size,
+        num_hidden_layers=build.num_layers, num_attention_heads=build.num_attention_heads,
+        num_key_value_heads=build.num_key_value_heads or build.num_attention_heads,
+        head_dim=build.hidden_size // build.num_attention_heads,
+        max_position_embeddings=max(64, cfg.policy.max_total_sequence_length),
+        tie_word_embeddings=build.tie_word_embeddings, eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, dtype="float32", **extra)
+    torch.manual_seed(cfg.run.seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(out)
+    GenerationConfig(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id).save_pretrained(out)
+    return out
+
+
+def resolve_model_dir(cfg: MrlConfig) -> Path:
+    """The HF folder the run starts from (see the module docstring)."""
+    if cfg.policy.build is not None:
+        return build_initial_model(cfg, cfg.policy.build, Path(cfg.run.output_dir) / INITIAL_MODEL_DIR)
+    if not cfg.policy.model_name:
+        raise ValueError("set policy.model_name (an HF model folder) or policy.build (a random model of a given size)")
+    path = Path(cfg.policy.model_name)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(
+            f"policy.model_name={cfg.policy.model_name}: no config.json there. mrl loads HF folders from disk (hub "
+            "downloads are not done at run time); convert a training checkpoint with `mrl convert megatron-to-hf "
+            "--checkpoint DIR --out HF_DIR` first")
+    return path
+
+
+def load_tokenizer(cfg: MrlConfig, model_dir: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(cfg.policy.tokenizer or model_dir))
+
+
+@dataclass
+class Runtime:
+    """The started workers of one run; `shutdown()` stops them all (also after a failure)."""
+
+    cfg: MrlConfig
+    model_dir: Path
+    tokenizer: Any
+    cluster: Any
+    placement: Any
+    policy: Any = None
+    engine: Any = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def shutdown(self) -> None:
+        for part in (self.engine, self.policy):
+            if part is not None:
+                try:
+                    part.shutdown()
+                except Exception as error:  # noqa: BLE001 -- keep shutting the rest down
+                    log.warning("shutdown: %s", error)
+        self.cluster.shutdown()
+
+
+def start_runtime(cfg: MrlConfig, *, total_steps: int, policy: bool = True, engine: bool = True,
+                  reference: bool = False, padded_vocab: Optional[int] = None) -> Runtime:
+    """Start Ray, reserve the bundles, then the policy group and/or the engines (see the module docstring)."""
+    from mrl.distributed import RayCluster
+
+    model_dir = resolve_model_dir(cfg)
+    tokenizer = load_tokenizer(cfg, model_dir)
+    cluster = RayCluster.from_config(cfg.cluster)
+    runtime = Runtime(cfg, model_dir, tokenizer, cluster, None)
+    try:
+        runtime.placement = cluster.create_placement(
+            f"{cfg.run.name}-workers", bundles_per_node=cfg.cluster.devices_per_node, num_nodes=cfg.cluster.num_nodes,
+            cpus_per_bundle=cfg.cluster.cpus_per_worker)
+        both = policy and engine and cfg.generation.colocated
+        if policy:
+            from mrl.policy.group import Policy
+            from mrl.policy.worker import PolicySpec
+
+            spec = PolicySpec(hf_dir=str(model_dir), policy=cfg.policy, seed=cfg.run.seed, total_steps=total_steps,
+                              with_reference=reference, padded_vocab=padded_vocab)
+            runtime.policy = Policy(spec, runtime.placement, world_size=cfg.policy_world_size,
+                                    resource_fraction=0.5 if both else 1.0,
+                                    omp_num_threads=cfg.cluster.omp_num_threads)
+        if engine:
+            runtime.engine = _start_engine(cfg, model_dir, runtime.placement)
+    except BaseException:
+        runtime.shutdown()
+        raise
+    return runtime
+
+
+def _start_engine(cfg: MrlConfig, model_dir: Path, placement: Any) -> Any:
+    if cfg.generation.backend == "vllm":
+        from mrl.inference.factory import build_vllm_engines
+
+        return build_vllm_engines(cfg, str(model_dir), placement)
+    raise NotImplementedError(
+        f"generation.backend={cfg.generation.backend!r} is not available in the training loop yet; use 'vllm'")

@@ -1,0 +1,113 @@
+"""`mrl run RECIPE`: the stages of a recipe in order, each starting from the previous stage's final HF export.
+
+For stage s (see `StageConfig`): the config is the stage's own recipe file (`config:`, relative to the staged
+recipe) or the staged recipe itself, then the stage's `overrides`, then the command line's, then
+    run.output_dir=<root output dir>/<stage name>
+    policy.model_name=<previous stage dir>/final_hf, policy.build removed      (when init_from_previous)
+A stage whose `final_hf/.complete` (training) or `summary.json` (eval) exists is done and skipped, so re-running the
+same command after a crash continues where it stopped (inside a stage, from its newest checkpoint).
+
+At the end: a table (per stage: time, reward before/after, held-out accuracy before/after), `summary.json`, and
+`reward_curve.png` (GRPO training reward per step) in the root output dir.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+from mrl.algorithms.commands import DONE_MARKER, FINAL_HF_DIR, RUNNERS, SUMMARY_FILE
+from mrl.config import load_config
+from mrl.config.errors import ConfigError
+from mrl.config.schema import MrlConfig, StageConfig
+
+
+def stage_config(recipe: Path, root: MrlConfig, stage: StageConfig, overrides: Sequence[str],
+                 previous: Path | None) -> MrlConfig:
+    """The resolved config of one stage (see the module docstring)."""
+    source = recipe.parent / stage.config if stage.config else recipe
+    extra = [f"++run.output_dir={Path(root.run.output_dir) / stage.name}"]
+    if stage.init_from_previous and previous is not None:
+        extra += [f"++policy.model_name={previous / FINAL_HF_DIR}", "++policy.build=null"]
+    return load_config(source, [*stage.overrides, *overrides, *extra])
+
+
+def _stage_done(cfg: MrlConfig, stage: StageConfig) -> bool:
+    out = Path(cfg.run.output_dir)
+    if stage.algorithm == "eval":
+        return (out / SUMMARY_FILE).is_file()
+    return (out / FINAL_HF_DIR / DONE_MARKER).is_file() and (out / SUMMARY_FILE).is_file()
+
+
+def run_staged(recipe: str | Path, overrides: Sequence[str]) -> dict[str, Any]:
+    recipe = Path(recipe)
+    root = load_config(recipe, overrides)
+    if not root.stages:
+        raise ConfigError("a staged recipe needs a non-empty `stages:` list", key="stages",
+                          fix="use `mrl grpo --config ...` for a single run")
+    summaries: dict[str, Any] = {}
+    previous: Path | None = None
+    for index, stage in enumerate(root.stages, 1):
+        cfg = stage_config(recipe, root, stage, overrides, previous)
+        out = Path(cfg.run.output_dir)
+        if _stage_done(cfg, stage):
+            print(f"[mrl] stage {index}/{len(root.stages)} '{stage.name}' already done ({out}); skipping",
+                  file=sys.stderr, flush=True)
+            summaries[stage.name] = json.loads((out / SUMMARY_FILE).read_text())
+        else:
+            print(f"[mrl] stage {index}/{len(root.stages)} '{stage.name}' ({stage.algorithm}) -> {out}",
+                  file=sys.stderr, flush=True)
+            summaries[stage.name] = RUNNERS[stage.algorithm](cfg)
+        if stage.algorithm != "eval":
+            previous = out
+    root_dir = Path(root.run.output_dir)
+    root_dir.mkdir(parents=True, exist_ok=True)
+    (root_dir / SUMMARY_FILE).write_text(json.dumps(summaries, indent=2) + "\n")
+    _plot_rewards(summaries, root_dir / "reward_curve.png")
+    print(summary_table(summaries))
+    return summaries
+
+
+def _fmt(value: Any) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
+def summary_table(summaries: dict[str, Any]) -> str:
+    """One row per stage: algorithm, minutes, training reward first/last 10 steps, held-out accuracy."""
+    rows = [("stage", "algorithm", "time", "reward first10", "reward last10", "val acc before", "val acc after")]
+    for name, s in summaries.items():
+        after = s.get("val_accuracy_after", s["final"].get("val/accuracy") if s["algorithm"] == "eval" else None)
+        rows.append((name, s["algorithm"], f"{s['seconds'] / 60:.1f} min", _fmt(s.get("reward_first10")),
+                     _fmt(s.get("reward_last10")), _fmt(s.get("val_accuracy_before")), _fmt(after)))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)) for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def _plot_rewards(summaries: dict[str, Any], path: Path) -> None:
+    curves = {name: s["reward_curve"] for name, s in summaries.items() if s.get("reward_curve")}
+    if not curves:
+        return
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, curve in curves.items():
+        ax.plot(range(1, len(curve) + 1), curve, alpha=0.35, label=f"{name} (per step)")
+        window = 10
+        smooth = [sum(curve[max(0, i - window + 1): i + 1]) / len(curve[max(0, i - window + 1): i + 1])
+                  for i in range(len(curve))]
+        ax.plot(range(1, len(curve) + 1), smooth, label=f"{name} (mean of last {window})")
+    ax.set_xlabel("GRPO step")
+    ax.set_ylabel("mean training reward")
+    ax.set_ylim(0, 1)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
