@@ -34,6 +34,20 @@ def _say(message: str) -> None:
     print(f"[mrl] {message}", file=sys.stderr, flush=True)
 
 
+def resume_padded_vocab(cfg: MrlConfig) -> Optional[int]:
+    """The padded vocabulary of the checkpoint a run will resume from (None: no resume). The policy must be built
+    with it: Megatron pads the vocabulary to a multiple of 128 * tp, so a checkpoint from another TP size has
+    another embedding shape."""
+    from converters.cli import checkpoint_padded_vocab
+    from mrl.checkpoint.manager import CheckpointManager
+    from mrl.checkpoint.megatron import MODEL_SUBDIR
+
+    if not (cfg.checkpointing.enabled and cfg.checkpointing.resume):
+        return None
+    latest = CheckpointManager(cfg.checkpointing.dir, keep_last=cfg.checkpointing.keep_last).latest()
+    return None if latest is None else checkpoint_padded_vocab(latest / MODEL_SUBDIR)
+
+
 class RunCheckpoints:
     """The checkpoints of one training loop (GRPO or SFT)."""
 

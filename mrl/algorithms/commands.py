@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from mrl.config import load_config
+from mrl.algorithms.checkpointing import resume_padded_vocab
 from mrl.config.schema import MrlConfig
 
 FINAL_HF_DIR = "final_hf"
@@ -61,7 +61,8 @@ def run_grpo(cfg: MrlConfig) -> dict[str, Any]:
 
     start = time.perf_counter()
     data = load_task_data(cfg, val_source=cfg.eval.data)
-    runtime = start_runtime(cfg, total_steps=cfg.grpo.max_num_steps, reference=cfg.loss.kl_beta > 0)
+    runtime = start_runtime(cfg, total_steps=cfg.grpo.max_num_steps, reference=cfg.loss.kl_beta > 0,
+                            padded_vocab=resume_padded_vocab(cfg))
     env = build_environment(cfg.env)
     try:
         with _logger(cfg, cfg.grpo.max_num_steps, f"{cfg.run.name} grpo", KEY_METRICS) as logger:
@@ -91,7 +92,8 @@ def run_sft(cfg: MrlConfig) -> dict[str, Any]:
 
     start = time.perf_counter()
     data = load_task_data(cfg)
-    runtime = start_runtime(cfg, total_steps=cfg.sft.max_num_steps, engine=False)
+    runtime = start_runtime(cfg, total_steps=cfg.sft.max_num_steps, engine=False,
+                            padded_vocab=resume_padded_vocab(cfg))
     try:
         with _logger(cfg, cfg.sft.max_num_steps, f"{cfg.run.name} sft", KEY_METRICS) as logger:
             final = sft_train(cfg, runtime, data, logger)

@@ -125,17 +125,18 @@ def grpo_train(cfg: MrlConfig, runtime: Runtime, env, data: TaskData, logger: Me
             logger.log(run_validation(cfg, runtime, env, data), step=0)
         final: dict[str, float] = {}
         for step in range(start + 1, last + 1):
-            if loader.epoch >= cfg.grpo.max_num_epochs:
-                break
             t0 = time.perf_counter()
             metrics = grpo_step(cfg, runtime, env, data, next(loader), step, loss_fn, logger)
-            if step == last or (cfg.grpo.val_every and step % cfg.grpo.val_every == 0):
+            # The loader's epoch counts passes started; it moves on when the next batch would open a new pass.
+            done = step == last or loader.epoch * loader.batches_per_epoch + loader.position // loader.batch_size \
+                >= cfg.grpo.max_num_epochs * loader.batches_per_epoch
+            if done or (cfg.grpo.val_every and step % cfg.grpo.val_every == 0):
                 metrics.update(run_validation(cfg, runtime, env, data))
             metrics["timing/step"] = time.perf_counter() - t0
             logger.log(metrics, step=step)
             final = metrics
-            if ckpt.due(step, last):
+            if ckpt.due(step, last) or done:
                 ckpt.save(step, {"dataloader": loader.state_dict()}, metrics)
-            if ckpt.stop_requested:
+            if done or ckpt.stop_requested:
                 break
     return final

@@ -47,10 +47,16 @@ def run_staged(recipe: str | Path, overrides: Sequence[str]) -> dict[str, Any]:
     if not root.stages:
         raise ConfigError("a staged recipe needs a non-empty `stages:` list", key="stages",
                           fix="use `mrl grpo --config ...` for a single run")
-    summaries: dict[str, Any] = {}
+    # Every stage's config is resolved and validated before the first stage starts: a mistake in the last stage
+    # must not surface after hours of the first ones.
+    configs: list[MrlConfig] = []
     previous: Path | None = None
-    for index, stage in enumerate(root.stages, 1):
-        cfg = stage_config(recipe, root, stage, overrides, previous)
+    for stage in root.stages:
+        configs.append(stage_config(recipe, root, stage, overrides, previous))
+        if stage.algorithm != "eval":
+            previous = Path(configs[-1].run.output_dir)
+    summaries: dict[str, Any] = {}
+    for index, (stage, cfg) in enumerate(zip(root.stages, configs), 1):
         out = Path(cfg.run.output_dir)
         if _stage_done(cfg, stage):
             print(f"[mrl] stage {index}/{len(root.stages)} '{stage.name}' already done ({out}); skipping",
@@ -60,8 +66,6 @@ def run_staged(recipe: str | Path, overrides: Sequence[str]) -> dict[str, Any]:
             print(f"[mrl] stage {index}/{len(root.stages)} '{stage.name}' ({stage.algorithm}) -> {out}",
                   file=sys.stderr, flush=True)
             summaries[stage.name] = RUNNERS[stage.algorithm](cfg)
-        if stage.algorithm != "eval":
-            previous = out
     root_dir = Path(root.run.output_dir)
     root_dir.mkdir(parents=True, exist_ok=True)
     (root_dir / SUMMARY_FILE).write_text(json.dumps(summaries, indent=2) + "\n")

@@ -1,0 +1,50 @@
+"""Rollout rows, pass@k and the GRPO training rows, against values worked out by hand."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mrl.algorithms.grpo import training_rows
+from mrl.algorithms.rollout import Rollouts, pass_at_k, rows_from_output
+from mrl.inference.interface import FinishReason, GeneratedSample, GenerationOutput
+
+
+def _output() -> GenerationOutput:
+    samples = [
+        GeneratedSample(0, 0, [7, 8], [3, 4, 0], [-0.5, -0.25, -1.0], FinishReason.STOP),
+        GeneratedSample(0, 1, [7, 8], [5], [-2.0], FinishReason.LENGTH),
+        GeneratedSample(1, 0, [9], [], None, FinishReason.ABORTED),
+        GeneratedSample(1, 1, [9], [6, 6], [-0.1, -0.2], FinishReason.STOP),
+    ]
+    return GenerationOutput(samples, num_prompts=2, n=2)
+
+
+def test_rows_put_responses_after_their_prompts_with_engine_logprobs_on_token_positions():
+    ids, mask, gen = rows_from_output(_output(), pad_id=1)
+    assert ids.tolist() == [[7, 8, 3, 4, 0], [7, 8, 5, 1, 1], [9, 1, 1, 1, 1], [9, 6, 6, 1, 1]]
+    assert mask.tolist() == [[0, 0, 1, 1, 1], [0, 0, 1, 0, 0], [0, 0, 0, 0, 0], [0, 1, 1, 0, 0]]
+    expected = [[0, 0, -0.5, -0.25, -1.0], [0, 0, -2.0, 0, 0], [0] * 5, [0, -0.1, -0.2, 0, 0]]
+    assert torch.equal(gen, torch.tensor(expected, dtype=torch.float32))
+
+
+@pytest.mark.parametrize("n, c, k, expected", [
+    (4, 0, 1, 0.0), (4, 1, 1, 0.25), (4, 2, 2, 1 - 1 / 6), (4, 3, 2, 1.0), (4, 4, 4, 1.0), (4, 1, 4, 1.0),
+    (5, 2, 3, 1 - 0.1),  # 1 - C(3,3)/C(5,3) = 1 - 1/10
+])
+def test_pass_at_k_unbiased_estimator(n, c, k, expected):
+    assert pass_at_k(n, c, k) == pytest.approx(expected)
+
+
+def test_training_rows_pad_to_data_parallel_size_with_masked_rows():
+    ids, mask, gen = rows_from_output(_output(), pad_id=1)
+    rollouts = Rollouts(ids, mask, gen, torch.tensor([1.0, 0.0, 0.0, 1.0]), torch.tensor([3, 1, 0, 2]),
+                        torch.tensor([False, True, False, False]))
+    adv = torch.tensor([0.5, -0.5, 0.0, 2.0])
+    keep = torch.tensor([True, True, False, True])  # the empty (rejected) sample is dropped
+    batch = training_rows(rollouts, adv, keep, dp_size=2)
+    assert len(batch) == 4  # 3 kept + 1 padding row
+    assert batch.input_ids[:3].tolist() == ids[[0, 1, 3]].tolist()
+    assert batch.loss_mask[3].sum() == 0 and batch.loss_mask[:3].sum() == mask.sum()
+    assert batch.token_data["advantages"][:, 0].tolist() == [0.5, -0.5, 2.0, 0.5]
+    assert torch.equal(batch.token_data["generation_logprobs"][:3], gen[[0, 1, 3]])
