@@ -106,9 +106,12 @@ class RunCheckpoints:
             raise CheckpointIncompatibleError(
                 f"cannot resume from {path}:\n- " + "\n- ".join(reasons)
                 + "\n(set checkpointing.resume=false or another checkpointing.dir to start fresh)")
-        self.runtime.policy.load(str(path))
+        reports = self.runtime.policy.load(str(path))
         restore_rng_state(state["rng"])
         _say(f"resuming from {path} (step {state['step']})")
+        notes = sorted({r.note for r in reports if not r.rng_restored and r.note})
+        if notes:
+            _say("worker RNG states not restored: " + "; ".join(notes))
         return state
 
     # -------------------------------------------------------------------------------------------------- SIGTERM

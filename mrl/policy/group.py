@@ -100,8 +100,9 @@ class Policy:
     def save(self, path: str) -> None:
         self.workers.run_all("save", path)
 
-    def load(self, path: str, *, load_optimizer: bool = True) -> None:
-        self.workers.run_all("load", path, load_optimizer=load_optimizer)
+    def load(self, path: str, *, load_optimizer: bool = True) -> list[Any]:
+        """Every rank loads its shards of checkpoint `path`; returns the ranks' load reports."""
+        return self.workers.run_all("load", path, load_optimizer=load_optimizer)
 
     def shutdown(self) -> None:
         try:

@@ -221,10 +221,12 @@ class PolicyWorker:
 
         save_megatron_state(Path(path), self.model, self.optimizer, self.scheduler)
 
-    def load(self, path: str, load_optimizer: bool = True) -> None:
+    def load(self, path: str, load_optimizer: bool = True) -> Any:
+        """Load a checkpoint written under any parallel layout; returns this rank's `MegatronLoadReport`."""
         from mrl.checkpoint.megatron import load_megatron_state
 
-        load_megatron_state(Path(path), self.model, self.optimizer, self.scheduler, load_optimizer=load_optimizer)
+        return load_megatron_state(Path(path), self.model, self.optimizer, self.scheduler,
+                                   load_optimizer=load_optimizer)
 
     def barrier(self) -> None:
         dist.barrier()

@@ -10,41 +10,20 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-RECIPE = str(Path(__file__).resolve().parents[3] / "recipes" / "arith-tiny-cpu.yaml")
-SHORT = ["data.arith.digits=1", "data.arith.num_heldout=20", "sft.max_num_steps=150", "grpo.max_num_steps=4",
-         "grpo.max_num_epochs=4", "grpo.val_every=2", "eval.num_samples=2", "eval.pass_k=[1,2]",
-         "policy.max_total_sequence_length=12", "generation.max_new_tokens=4", "generation.vllm.max_model_len=12",
-         "logger.log_every=1"]
+from mrl.testing.runs import RECIPE, SHORT_ARITH, finish, metrics, mrl
+
 TIMINGS = ("timing/generation", "timing/reward", "timing/logprobs", "timing/train", "timing/refit")
-
-
-def _mrl(*args: str, **popen) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "mrl.cli", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True, **popen)
-
-
-def _finish(proc: subprocess.Popen, timeout: float = 600) -> str:
-    out, _ = proc.communicate(timeout=timeout)
-    assert proc.returncode == 0, out[-4000:]
-    return out
-
-
-def _metrics(log_dir: Path) -> dict[int, dict]:
-    rows = [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines()]
-    return {row["step"]: row for row in rows}  # a resumed run re-logs steps after its checkpoint: keep the last
 
 
 @pytest.fixture(scope="module")
 def staged(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("staged")
-    _finish(_mrl("run", RECIPE, *SHORT, f"run.output_dir={out}"))
+    finish(mrl("run", RECIPE, *SHORT_ARITH, f"run.output_dir={out}"))
     return out
 
 
@@ -54,7 +33,7 @@ def test_staged_recipe_runs_every_stage_and_hands_checkpoints_on(staged):
     summary = json.loads((staged / "summary.json").read_text())
     assert list(summary) == ["sft-warmup", "grpo", "eval"]
     assert summary["eval"]["final"]["val/pass@2"] >= summary["eval"]["final"]["val/pass@1"]
-    grpo = _metrics(staged / "grpo" / "logs")
+    grpo = metrics(staged / "grpo" / "logs")
     assert sorted(grpo) == [0, 1, 2, 3, 4] and "val/accuracy" in grpo[0] and "val/accuracy" in grpo[4]
     for step in range(1, 5):
         assert all(key in grpo[step] for key in TIMINGS)
@@ -71,17 +50,17 @@ def test_staged_recipe_runs_every_stage_and_hands_checkpoints_on(staged):
 
 
 def _grpo_args(staged: Path, out: Path) -> list[str]:
-    return ["grpo", "--config", RECIPE, *SHORT, f"policy.model_name={staged / 'sft-warmup' / 'final_hf'}",
+    return ["grpo", "--config", RECIPE, *SHORT_ARITH, f"policy.model_name={staged / 'sft-warmup' / 'final_hf'}",
             "~policy.build", "checkpointing.save_every=1", "grpo.val_every=0", f"run.output_dir={out}",
             "policy.optimizer.lr=1e-3"]
 
 
 def test_grpo_resumes_exactly_after_sigkill(staged, tmp_path):
     reference_dir, crashed_dir = tmp_path / "reference", tmp_path / "crashed"
-    _finish(_mrl(*_grpo_args(staged, reference_dir)))
-    reference = _metrics(reference_dir / "logs")
+    finish(mrl(*_grpo_args(staged, reference_dir)))
+    reference = metrics(reference_dir / "logs")
 
-    proc = _mrl(*_grpo_args(staged, crashed_dir))
+    proc = mrl(*_grpo_args(staged, crashed_dir))
     marker = crashed_dir / "checkpoints" / "step_2" / "COMPLETE"
     deadline = time.monotonic() + 300
     while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
@@ -89,9 +68,9 @@ def test_grpo_resumes_exactly_after_sigkill(staged, tmp_path):
     assert marker.exists(), proc.communicate()[0][-3000:]
     os.killpg(proc.pid, signal.SIGKILL)  # the driver, and the Ray processes it started, die at once
     proc.wait()
-    out = _finish(_mrl(*_grpo_args(staged, crashed_dir)))
+    out = finish(mrl(*_grpo_args(staged, crashed_dir)))
     assert "resuming from" in out and "step_2" in out
-    resumed = _metrics(crashed_dir / "logs")
+    resumed = metrics(crashed_dir / "logs")
     for step in (3, 4):
         train = {k: v for k, v in reference[step].items() if k.startswith("train/") and "time" not in k}
         assert {k: resumed[step][k] for k in train} == train, step

@@ -1,0 +1,38 @@
+"""Running `mrl` commands as a user would (a subprocess of the real CLI), for the end-to-end tests.
+
+`SHORT_ARITH` shortens the embedded recipe to a 1-digit task that trains in seconds: 150 SFT steps leave a policy
+that is partly right, so GRPO groups carry a reward signal and the weights really move.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+RECIPE = str(Path(__file__).resolve().parents[2] / "recipes" / "arith-tiny-cpu.yaml")
+SHORT_ARITH = ("data.arith.digits=1", "data.arith.num_heldout=20", "sft.max_num_steps=150", "grpo.max_num_steps=4",
+               "grpo.max_num_epochs=4", "grpo.val_every=2", "eval.num_samples=2", "eval.pass_k=[1,2]",
+               "policy.max_total_sequence_length=12", "generation.max_new_tokens=4",
+               "generation.vllm.max_model_len=12", "logger.log_every=1")
+
+
+def mrl(*args: str) -> subprocess.Popen:
+    """Start `python -m mrl.cli ARGS` in its own session (so a test can kill it with every Ray process it started)."""
+    return subprocess.Popen([sys.executable, "-m", "mrl.cli", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def finish(proc: subprocess.Popen, timeout: float = 600) -> str:
+    """Wait for the command; its combined output. A non-zero exit fails with the output's tail."""
+    out, _ = proc.communicate(timeout=timeout)
+    if proc.returncode != 0:
+        raise AssertionError(f"mrl exited with {proc.returncode}:\n{out[-4000:]}")
+    return out
+
+
+def metrics(log_dir: Path) -> dict[int, dict]:
+    """metrics.jsonl by step; a step logged twice (re-run after a resume) keeps its last record."""
+    rows = [json.loads(line) for line in (Path(log_dir) / "metrics.jsonl").read_text().splitlines()]
+    return {row["step"]: row for row in rows}
