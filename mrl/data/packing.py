@@ -206,3 +206,9 @@ def context_parallel_chunks(length: int, cp_size: int, cp_rank: int) -> list[tup
     chunk = length // (2 * cp_size)
     first, second = cp_rank, 2 * cp_size - 1 - cp_rank
     return [(first * chunk, (first + 1) * chunk), (second * chunk, (second + 1) * chunk)]
+
+
+def local_token_positions(length: int, cp_size: int, cp_rank: int) -> torch.Tensor:
+    """[length / cp] positions (within its sequence) of the tokens CP rank `cp_rank` holds of a `length`-token
+    sequence, in the order the rank lays them out: its first chunk, then its mirrored chunk."""
+    return torch.cat([torch.arange(start, stop) for start, stop in context_parallel_chunks(length, cp_size, cp_rank)])

@@ -10,7 +10,8 @@ the local spec (same constructor, same forward contract) and handles both:
   and masks with the tokens' *global* positions, so every query sees exactly the keys it would see
   without CP. Communication is O(sequence) per layer: right for CPU tests, not a ring-attention kernel.
 - Packed sequences (`PackedSeqParams(qkv_format="thd", cu_seqlens_q=..., ...)`): block-diagonal causal
-  attention, no token attends to another sequence of the pack.
+  attention, no token attends to another sequence of the pack; computed one sequence at a time, so a pack costs
+  the sum of its sequences' len^2 scores, not L^2.
 - GQA: each group of K/V heads is repeated for the query heads it serves (Megatron orders query heads
   group by group).
 
@@ -177,20 +178,36 @@ class TorchCoreAttention(MegatronModule):
         # Megatron passes the mask type per call: static inference's KV-cached decode steps pass `no_mask` (the one
         # query is the newest token and sees every cached key; a causal layout would place it at position 0).
         mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
-        allowed = self._allowed(q_layout, k_layout, mask_type).to(query.device)  # [sq, sk]
-        if attention_mask is not None:
-            if self._cp()[0] > 1 or packed is not None:
-                raise NotImplementedError("an explicit attention_mask is not supported with CP or packing")
-            allowed = allowed & ~attention_mask  # [b or 1, 1 or np, sq, sk], True = masked
+        if attention_mask is not None and (self._cp()[0] > 1 or packed is not None):
+            raise NotImplementedError("an explicit attention_mask is not supported with CP or packing")
         heads, groups = query.shape[2], key.shape[2]
         if heads != groups:  # GQA: query heads of group g are [g * heads/groups, (g+1) * heads/groups)
             key = key.repeat_interleave(heads // groups, dim=2)
             value = value.repeat_interleave(heads // groups, dim=2)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, np, s, hn]
-        out = self._attend(q, k, v, allowed)  # [b, np, sq, hn]
+        if packed is not None:
+            out = self._attend_per_sequence(q, k, v, q_layout, k_layout, mask_type)  # [1, np, sq, hn]
+        else:
+            allowed = self._allowed(q_layout, k_layout, mask_type).to(query.device)  # [sq, sk]
+            if attention_mask is not None:
+                allowed = allowed & ~attention_mask  # [b or 1, 1 or np, sq, sk], True = masked
+            out = self._attend(q, k, v, allowed)  # [b, np, sq, hn]
         b, np_, sq, hn = out.shape
         out = out.permute(2, 0, 1, 3).reshape(sq, b, np_ * hn)  # [sq, b, np * hn]
         return out.squeeze(1) if packed is not None else out
+
+    def _attend_per_sequence(self, q, k, v, q_layout, k_layout, mask_type: AttnMaskType) -> torch.Tensor:
+        """Block-diagonal attention of a pack, one sequence at a time: sum of len^2 scores instead of the pack's
+        L^2 (most of which the mask would discard). q [1, np, sq, hn], k/v [1, np, sk, hn] -> [1, np, sq, hn].
+        token_layout keeps each sequence's local queries contiguous and in pack order, so outputs concatenate."""
+        (q_ids, q_pos), (k_ids, k_pos) = q_layout, k_layout
+        outs = []
+        for seq_id in torch.unique_consecutive(q_ids).tolist():
+            qi, ki = (q_ids == seq_id).nonzero().squeeze(1), (k_ids == seq_id).nonzero().squeeze(1)
+            allowed = self._allowed((q_ids[qi], q_pos[qi]), (k_ids[ki], k_pos[ki]), mask_type).to(q.device)
+            qi, ki = qi.to(q.device), ki.to(q.device)
+            outs.append(self._attend(q[:, :, qi], k[:, :, ki], v[:, :, ki], allowed))
+        return torch.cat(outs, dim=2) if outs else q.new_zeros(q.shape[:3] + (v.shape[-1],))
 
     def _attend(self, q, k, v, allowed: torch.Tensor) -> torch.Tensor:
         """softmax(q k^T * scale, masked) v, with attention dropout under the model-parallel RNG."""

@@ -18,17 +18,37 @@ Alignment: position t of the model predicts token t+1. Inside this module everyt
 position" space (mask and per-token data rolled by one) before the context-parallel split, so a CP rank's slice of
 logits lines up with its slice of targets, mask and data; logprobs returned to callers are shifted back to token
 positions (`mrl.policy.logprobs` convention).
+
+Token-budget micro-batches (optional, `packing=` / `dynamic_batching=`): instead of `micro_batch_size` rows of T
+tokens, micro-batches are planned from the sequences' real lengths (`mrl.data.packing`):
+- packing: a micro-batch is ONE row holding several sequences back to back (THD layout, [1, L]); Megatron gets
+  `PackedSeqParams(qkv_format="thd")` with the sequences' offsets, so attention is block-diagonal causal and RoPE
+  restarts at every sequence. Each sequence is rounded up to a multiple of tp (sequence parallel) and 2*cp (context
+  parallel: each CP rank holds chunks r and 2cp-1-r of EVERY sequence of the pack). With pipeline parallelism every
+  pack is padded to the full budget (stages exchange fixed-shape activations; the filler is one extra padding
+  sequence). After the forward, the [1, L] logprobs are gathered back into one row per sequence ([b, W]) and the
+  unchanged loss function sees the padded layout it always sees, so token- and sequence-level losses need nothing
+  new and the global-count normalisation stays exact.
+- dynamic batching: padded micro-batches of similar lengths, `rows * longest <= budget` (not with pipeline
+  parallelism, whose schedule needs equal shapes: use packing there).
+Logprobs come back [N, T] in the original order either way; positions past a sequence's length are 0.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterator, Literal, Protocol
+from typing import TYPE_CHECKING, Iterator, Literal, Protocol
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
+from mrl.data.packing import (MicroBatchPlan, dynamic_batches, length_multiple, local_token_positions,
+                              pack_sequences)
 from mrl.policy.logprobs import (merge_from_context_parallel, next_token_targets, shift_to_token_positions,
                                  split_for_context_parallel, vocab_parallel_logprobs)
+
+if TYPE_CHECKING:
+    from mrl.config.schema import DynamicBatchingConfig, PackingConfig
 
 
 class PolicyLoss(Protocol):
@@ -49,6 +69,7 @@ class RankBatch:
     loss_mask: torch.Tensor
     token_data: dict[str, torch.Tensor] = field(default_factory=dict)
     seq_data: dict[str, torch.Tensor] = field(default_factory=dict)
+    lengths: torch.Tensor | None = None  # [N] real tokens (prompt + response); None = up to the last loss token
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -56,7 +77,19 @@ class RankBatch:
     def slice(self, start: int, stop: int) -> "RankBatch":
         return RankBatch(self.input_ids[start:stop], self.loss_mask[start:stop],
                          {k: v[start:stop] for k, v in self.token_data.items()},
-                         {k: v[start:stop] for k, v in self.seq_data.items()})
+                         {k: v[start:stop] for k, v in self.seq_data.items()},
+                         None if self.lengths is None else self.lengths[start:stop])
+
+    def select(self, rows: list[int], width: int) -> "RankBatch":
+        """Rows `rows` (in that order) with every [N, T] tensor cut or right-padded (zeros) to `width` columns."""
+        t = self.input_ids.shape[1]
+
+        def cols(x: torch.Tensor) -> torch.Tensor:  # [N, T] -> [len(rows), width]
+            return x[rows, :width] if width <= t else torch.nn.functional.pad(x[rows], (0, width - t))
+
+        return RankBatch(cols(self.input_ids), cols(self.loss_mask), {k: cols(v) for k, v in self.token_data.items()},
+                         {k: v[rows] for k, v in self.seq_data.items()},
+                         None if self.lengths is None else self.lengths[rows])
 
     def micro_batches(self, size: int) -> list["RankBatch"]:
         if len(self) % size:
@@ -101,16 +134,201 @@ def _prepare(mb: RankBatch, ctx: StepContext) -> dict[str, torch.Tensor]:
 
 def _forward(model, data: dict[str, torch.Tensor]) -> torch.Tensor:
     # attention_mask=None: causal attention; right padding cannot affect earlier (real) tokens.
+    if "packed_seq_params" in data:  # one THD row: block-diagonal causal attention, RoPE restarts per sequence
+        return model(data["input_ids"], data["position_ids"], None, packed_seq_params=data["packed_seq_params"])
     return model(data["input_ids"], data["position_ids"], None)
 
 
+def _target_logprobs(output: torch.Tensor, data: dict, ctx: StepContext) -> torch.Tensor:
+    """[b, T'] logprobs of a micro-batch's targets. A pack's [1, L] row is gathered back into one row per sequence
+    (zeros past each sequence's own tokens), the layout losses and the logprob merge expect."""
+    logprobs = vocab_parallel_logprobs(output, data["targets"], ctx.temperature, ctx.vocab_size)
+    if "unpack_index" not in data:
+        return logprobs
+    rows = logprobs[0][data["unpack_index"]]  # [b, W]; differentiable gather
+    return torch.where(data["unpack_valid"], rows, torch.zeros_like(rows))
+
+
+# ------------------------------------------------------------------------------------ token-budget micro-batches
+def sequence_lengths(batch: RankBatch) -> torch.Tensor:
+    """[N] real token counts: `batch.lengths`, or, when not given, up to each sequence's last loss-mask token (at
+    least 1). Tokens past a sequence's length are padding: they never enter the loss, and token-budget micro-batches
+    do not compute them at all."""
+    n, t = batch.input_ids.shape
+    valid = batch.loss_mask != 0
+    if batch.lengths is None:
+        return (valid * torch.arange(1, t + 1, device=valid.device)).amax(dim=1).clamp(min=1)  # 1 + last loss token
+    lengths = batch.lengths.long()
+    if lengths.shape != (n,) or bool((lengths < 1).any()) or bool((lengths > t).any()):
+        raise ValueError(f"RankBatch.lengths must be [{n}] token counts in 1..{t} (the padded width), "
+                         f"got shape {tuple(lengths.shape)}, range {int(lengths.min())}..{int(lengths.max())}")
+    beyond = (valid & (torch.arange(t, device=valid.device)[None, :] >= lengths[:, None])).any(dim=1)
+    if bool(beyond.any()):
+        j = int(beyond.nonzero()[0])
+        raise ValueError(f"sequence {j}: loss_mask marks tokens past its length {int(lengths[j])}; RankBatch.lengths "
+                         "must count the prompt and the response tokens")
+    return lengths
+
+
+def _model_layout(model: list) -> tuple[int, int]:
+    """(tensor-parallel size that splits sequences (1 without sequence parallel), pipeline size) of the model."""
+    from megatron.core.utils import get_model_config
+
+    config = get_model_config(model[0])
+    return (config.tensor_model_parallel_size if config.sequence_parallel else 1), config.pipeline_model_parallel_size
+
+
+def plan_micro_batches(batch: RankBatch, model: list, ctx: StepContext, *, packing: "PackingConfig | None" = None,
+                       dynamic_batching: "DynamicBatchingConfig | None" = None) -> MicroBatchPlan | None:
+    """The token-budget plan of this rank's batch, or None for fixed `micro_batch_size` rows. Deterministic in the
+    lengths, so every TP/PP/CP rank of a data-parallel group (same data) agrees on the number of micro-batches."""
+    use_packing = packing is not None and packing.enabled
+    use_dynamic = dynamic_batching is not None and dynamic_batching.enabled
+    if use_packing and use_dynamic:
+        raise ValueError("sequence packing and dynamic batching are alternatives: set policy.dynamic_batching.enabled "
+                         "or policy.sequence_packing.enabled to false")
+    if not (use_packing or use_dynamic):
+        return None
+    sp_tp, pp = _model_layout(model)
+    multiple = length_multiple(sp_tp, ctx.cp_size)
+    lengths = sequence_lengths(batch).tolist()
+    if use_dynamic:
+        if pp > 1:
+            raise ValueError("dynamic batching makes micro-batches of different shapes, which a pipeline-parallel "
+                             "schedule cannot send: use policy.sequence_packing with pipeline_parallel > 1")
+        return dynamic_batches(lengths, dynamic_batching.tokens_per_microbatch, multiple=multiple)
+    budget = packing.tokens_per_microbatch
+    if pp > 1 and budget % multiple:
+        raise ValueError(f"policy.sequence_packing.tokens_per_microbatch={budget} must be a multiple of {multiple} "
+                         "(tp with sequence parallel x 2*cp) with pipeline parallelism, which pads every pack to it")
+    return pack_sequences(lengths, budget, multiple=multiple)
+
+
+def _predicting_space(batch: RankBatch, width: int) -> dict[str, torch.Tensor]:
+    """Every [N, T] tensor right-padded to [N, width]; all but input_ids shifted to predicting positions (position t
+    holds the target / mask / data of token t+1, the last position none), as `_prepare` does before its CP split."""
+    pad = lambda x: torch.nn.functional.pad(x, (0, width - x.shape[1]))  # noqa: E731
+
+    def shift(x: torch.Tensor) -> torch.Tensor:
+        out = torch.roll(pad(x), shifts=-1, dims=1)
+        out[:, -1] = 0
+        return out
+
+    return {"input_ids": pad(batch.input_ids), "targets": shift(batch.input_ids), "loss_mask": shift(batch.loss_mask),
+            **{k: shift(v) for k, v in batch.token_data.items()}}
+
+
+def _packed_seq_params(plan: MicroBatchPlan, index: int, filler: int, cp_group, device: torch.device):
+    """THD offsets of pack `index`: real lengths in cu_seqlens (what TE attends over on GPU), rounded lengths in the
+    *_padded offsets (the layout tokens sit in; Megatron's RoPE and our CPU attention read these). The filler that
+    pads a pack to the budget is one more sequence of padding (0 real tokens)."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    seqs = plan.bins[index]
+    padded = [plan.padded_lengths[j] for j in seqs] + ([filler] if filler else [])
+    real = [plan.lengths[j] for j in seqs] + ([0] if filler else [])
+    cu = lambda sizes: torch.tensor([0] + sizes, device=device).cumsum(0).to(torch.int32)  # noqa: E731  [n + 1]
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu(real), cu_seqlens_kv=cu(real),
+                           cu_seqlens_q_padded=cu(padded), cu_seqlens_kv_padded=cu(padded),
+                           max_seqlen_q=max(padded), max_seqlen_kv=max(padded), cp_group=cp_group)
+
+
+def _packed_micro_batch(full: dict[str, torch.Tensor], batch: RankBatch, plan: MicroBatchPlan, index: int,
+                        ctx: StepContext, fixed_size: bool) -> dict:
+    """Pack `index` on this CP rank: model inputs in THD layout [1, L / cp] (each sequence's local chunks, back to
+    back), loss data in per-sequence rows [b, W] (W = the longest sequence's local token count), and the
+    `unpack_index` [b, W] that gathers the pack's per-token results into those rows."""
+    seqs = plan.bins[index]
+    local = [local_token_positions(plan.padded_lengths[j], ctx.cp_size, ctx.cp_rank) for j in seqs]
+    filler = plan.budget - sum(plan.padded_lengths[j] for j in seqs) if fixed_size else 0
+
+    def pack(x: torch.Tensor) -> torch.Tensor:  # [N, width] -> [1, L / cp]
+        return torch.cat([x[j, pos] for j, pos in zip(seqs, local)] + [x.new_zeros(filler // ctx.cp_size)])[None]
+
+    device = full["input_ids"].device
+    sizes = torch.tensor([len(pos) for pos in local], device=device)
+    steps = torch.arange(int(sizes.max()), device=device)
+    valid = steps[None, :] < sizes[:, None]  # [b, W]
+    starts = torch.cumsum(sizes, 0) - sizes
+    data = {"input_ids": pack(full["input_ids"]), "targets": pack(full["targets"]),
+            "position_ids": torch.cat(local + [torch.zeros(filler // ctx.cp_size, dtype=torch.long)])[None].to(device),
+            "packed_seq_params": _packed_seq_params(plan, index, filler, ctx.cp_group, device),
+            "unpack_index": torch.where(valid, starts[:, None] + steps[None, :], 0), "unpack_valid": valid}
+    for name in ("loss_mask", *batch.token_data):
+        data[name] = pad_sequence([full[name][j, pos] for j, pos in zip(seqs, local)], batch_first=True)
+    data.update({k: v[seqs] for k, v in batch.seq_data.items()})
+    data["seq_num_tokens"] = full["loss_mask"][seqs].sum(dim=1)  # whole sequences, also under CP
+    return data
+
+
+def _micro_batches(batch: RankBatch, plan: MicroBatchPlan | None, micro_batch_size: int, model: list,
+                   ctx: StepContext) -> tuple[list[dict], int, int]:
+    """Every micro-batch's inputs, and the (seq_length, micro_batch_size) a pipeline schedule sends per micro-batch."""
+    if plan is None:
+        mbs = [_prepare(mb, ctx) for mb in batch.micro_batches(micro_batch_size)]
+        return mbs, batch.input_ids.shape[1], micro_batch_size
+    width = max(batch.input_ids.shape[1], max(plan.padded_lengths))
+    if not plan.packed:  # rows of similar length, cut to the longest (rounded) one; no pipeline (checked)
+        return [_prepare(batch.select(seqs, max(plan.padded_lengths[j] for j in seqs)), ctx) for seqs in plan.bins], \
+            width, 1
+    full = _predicting_space(batch, width)
+    fixed_size = _model_layout(model)[1] > 1
+    return [_packed_micro_batch(full, batch, plan, i, ctx, fixed_size) for i in range(plan.num_micro_batches)], \
+        plan.budget, 1
+
+
+def _token_counts(batch: RankBatch, mbs: list[dict], ctx: StepContext) -> dict[str, float]:
+    """Real tokens and tokens the model computed (padding included) on this rank; both add over ranks, and
+    real / computed is `train/packing_efficiency` (the same ratio for padded micro-batches)."""
+    computed = sum(mb["input_ids"].numel() for mb in mbs) * ctx.cp_size
+    return {"packing_real_tokens": float(sequence_lengths(batch).sum()), "packing_computed_tokens": float(computed)}
+
+
+def _merge_rows(rows: torch.Tensor, plan: MicroBatchPlan, index: int, ctx: StepContext) -> torch.Tensor:
+    """A micro-batch's logprob rows of this CP rank ([b, W / cp] or a pack's [b, W]) -> whole sequences [b, width]."""
+    if not plan.packed:
+        return merge_from_context_parallel(rows, ctx.cp_group)
+    if ctx.cp_size == 1:
+        return rows
+    import torch.distributed as dist
+
+    gathered = [torch.empty_like(rows) for _ in range(ctx.cp_size)]
+    dist.all_gather(gathered, rows.contiguous(), group=ctx.cp_group)
+    seqs = plan.bins[index]
+    out = rows.new_zeros(len(seqs), max(plan.padded_lengths[j] for j in seqs))
+    for rank, piece in enumerate(gathered):
+        for row, j in enumerate(seqs):
+            pos = local_token_positions(plan.padded_lengths[j], ctx.cp_size, rank)
+            out[row, pos] = piece[row, :len(pos)]
+    return out
+
+
+def _restore_order(collected: list[torch.Tensor], plan: MicroBatchPlan, batch: RankBatch,
+                   ctx: StepContext) -> torch.Tensor:
+    """Per-micro-batch logprob rows (processing order, predicting positions) -> [N, T] at token positions in the
+    original order, 0 past each sequence's length."""
+    n, t = batch.input_ids.shape
+    out = torch.zeros(n, max(t, max(plan.padded_lengths)), device=batch.input_ids.device)
+    for index, rows in enumerate(collected):
+        merged = _merge_rows(rows, plan, index, ctx)
+        out[plan.bins[index], :merged.shape[1]] = merged
+    out = shift_to_token_positions(out)[:, :t]
+    beyond = torch.arange(t, device=out.device)[None, :] >= torch.tensor(plan.lengths, device=out.device)[:, None]
+    return out.masked_fill(beyond, 0.0)
+
+
 def train_on_batch(model: list, optimizer, scheduler, batch: RankBatch, *, loss_fn: PolicyLoss, count: float,
-                   micro_batch_size: int, ctx: StepContext) -> dict[str, float]:
+                   micro_batch_size: int, ctx: StepContext, packing: "PackingConfig | None" = None,
+                   dynamic_batching: "DynamicBatchingConfig | None" = None) -> dict[str, float]:
     """Forward/backward over every micro-batch, then one optimizer step. Returns this rank's metric sums
-    (only meaningful on the last pipeline stage; reduce them over data-parallel ranks)."""
+    (only meaningful on the last pipeline stage; reduce them over data- and context-parallel ranks,
+    `get_data_parallel_group(with_context_parallel=True)`: a CP rank sums only its chunks of each sequence).
+    With `packing` or `dynamic_batching` enabled, micro-batches follow a token budget and `micro_batch_size` is
+    not used (see the module docstring)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    mbs = batch.micro_batches(micro_batch_size)
+    plan = plan_micro_batches(batch, model, ctx, packing=packing, dynamic_batching=dynamic_batching)
+    mbs, seq_length, mb_rows = _micro_batches(batch, plan, micro_batch_size, model, ctx)
     scale = len(mbs) * ctx.dp_size
 
     def forward_step(data_iter: Iterator[dict], chunk):
@@ -118,7 +336,7 @@ def train_on_batch(model: list, optimizer, scheduler, batch: RankBatch, *, loss_
         logits = _forward(chunk, data)
 
         def loss_func(output: torch.Tensor):
-            logprobs = vocab_parallel_logprobs(output, data["targets"], ctx.temperature, ctx.vocab_size)
+            logprobs = _target_logprobs(output, data, ctx)  # [b, T']
             loss, metrics = loss_fn(logprobs, data, count)
             reported = {"loss": loss.detach().clone(), **{k: v.detach().float() for k, v in metrics.items()}}
             return loss * scale, reported
@@ -129,15 +347,15 @@ def train_on_batch(model: list, optimizer, scheduler, batch: RankBatch, *, loss_
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
     outputs = get_forward_backward_func()(
-        forward_step_func=forward_step, data_iterator=iter([_prepare(mb, ctx) for mb in mbs]), model=model,
-        num_microbatches=len(mbs), seq_length=batch.input_ids.shape[1], micro_batch_size=micro_batch_size,
-        forward_only=False)
+        forward_step_func=forward_step, data_iterator=iter(mbs), model=model, num_microbatches=len(mbs),
+        seq_length=seq_length, micro_batch_size=mb_rows, forward_only=False)
     ok, grad_norm, _ = optimizer.step()
     if not ok:
         raise FloatingPointError("optimizer step skipped: non-finite gradients")
     scheduler.step(increment=1)
     metrics = _sum_metrics(outputs)
     metrics.update({"grad_norm": float(grad_norm or 0.0), "lr": optimizer.param_groups[0]["lr"]})
+    metrics.update(_token_counts(batch, mbs, ctx))
     return metrics
 
 
@@ -150,11 +368,15 @@ def _sum_metrics(outputs: list[dict]) -> dict[str, float]:
 
 
 @torch.no_grad()
-def logprobs_of_batch(model: list, batch: RankBatch, *, micro_batch_size: int, ctx: StepContext) -> torch.Tensor | None:
-    """[N, T] logprobs at token positions (position 0 is 0); None on ranks that are not the last pipeline stage."""
+def logprobs_of_batch(model: list, batch: RankBatch, *, micro_batch_size: int, ctx: StepContext,
+                      packing: "PackingConfig | None" = None,
+                      dynamic_batching: "DynamicBatchingConfig | None" = None) -> torch.Tensor | None:
+    """[N, T] logprobs at token positions (position 0 is 0), in the original row order; None on ranks that are not
+    the last pipeline stage. Token-budget micro-batches as in `train_on_batch` (0 past each sequence's length)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    mbs = batch.micro_batches(micro_batch_size)
+    plan = plan_micro_batches(batch, model, ctx, packing=packing, dynamic_batching=dynamic_batching)
+    mbs, seq_length, mb_rows = _micro_batches(batch, plan, micro_batch_size, model, ctx)
     collected: list[torch.Tensor] = []
 
     def forward_step(data_iter: Iterator[dict], chunk):
@@ -162,18 +384,18 @@ def logprobs_of_batch(model: list, batch: RankBatch, *, micro_batch_size: int, c
         logits = _forward(chunk, data)
 
         def collect(output: torch.Tensor):
-            lp = vocab_parallel_logprobs(output, data["targets"], ctx.temperature, ctx.vocab_size)  # [b, T/cp]
-            collected.append(lp)
+            collected.append(_target_logprobs(output, data, ctx))  # [b, T/cp], or a pack's rows [b, W]
             return output.new_zeros(()), {}
 
         return logits, collect
 
     get_forward_backward_func()(
-        forward_step_func=forward_step, data_iterator=iter([_prepare(mb, ctx) for mb in mbs]), model=model,
-        num_microbatches=len(mbs), seq_length=batch.input_ids.shape[1], micro_batch_size=micro_batch_size,
-        forward_only=True)
+        forward_step_func=forward_step, data_iterator=iter(mbs), model=model, num_microbatches=len(mbs),
+        seq_length=seq_length, micro_batch_size=mb_rows, forward_only=True)
     if not ctx.is_last_stage:
         return None
+    if plan is not None:
+        return _restore_order(collected, plan, batch, ctx)
     merged = [merge_from_context_parallel(lp, ctx.cp_group) for lp in collected]
     return shift_to_token_positions(torch.cat(merged, dim=0))
 

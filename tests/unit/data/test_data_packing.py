@@ -105,3 +105,14 @@ def test_context_parallel_chunks_balance_causal_work():
     assert context_parallel_chunks(5, 1, 0) == [(0, 5)]
     with pytest.raises(ValueError, match="length_multiple"):
         context_parallel_chunks(6, 2, 0)
+
+
+def test_local_token_positions_follow_the_load_balanced_chunks():
+    from mrl.data.packing import local_token_positions
+
+    assert local_token_positions(6, 1, 0).tolist() == [0, 1, 2, 3, 4, 5]
+    # 8 tokens, cp 2: chunks of 2; rank 0 holds chunks 0 and 3, rank 1 chunks 1 and 2
+    assert local_token_positions(8, 2, 0).tolist() == [0, 1, 6, 7]
+    assert local_token_positions(8, 2, 1).tolist() == [2, 3, 4, 5]
+    with pytest.raises(ValueError, match="length_multiple"):
+        local_token_positions(6, 2, 0)

@@ -1,0 +1,165 @@
+"""Sequence packing and dynamic batching in the policy's train step and logprobs.
+
+The reference is always the same model run on the same batch with fixed-size padded micro-batches: packed (THD,
+block-diagonal attention, RoPE restarting per sequence) and dynamically batched runs must give the same logprobs and,
+after three Adam steps, the same weights, token- and sequence-level, under TP, TP+SP, CP and PP.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mrl.testing.distributed import run_on_ranks
+from mrl.testing.tiny_models import build_tiny_hf_model
+
+# Long-tail lengths (prompt + response) in a [8, 24] right-padded batch; the prompt is the first 3 tokens.
+LENGTHS = [24, 5, 9, 13, 3, 17, 7, 11]
+WIDTH, PROMPT = 24, 3
+
+
+# ---- rank side: imported by each rank process of run_on_ranks ----
+class PGLoss:
+    """-(advantage * logprob), normalised by the step's global count (token or sequence level)."""
+
+    def __init__(self, level: str):
+        self.level = level
+
+    def __call__(self, logprobs, batch, count):
+        per_token = -logprobs * batch["adv"] * batch["loss_mask"]
+        if self.level == "token":
+            loss = per_token.sum() / count
+        else:  # mean over each sequence's tokens (whole-sequence count, also under CP), then over sequences
+            loss = (per_token.sum(dim=1) / batch["seq_num_tokens"].clamp(min=1)).sum() / count
+        return loss, {"tokens": batch["loss_mask"].sum() / 1.0}
+
+
+def make_batch(vocab: int = 200, seed: int = 0):
+    """ids [8, 24] (pad id 0 past each length), loss mask on the response tokens, per-sequence advantages."""
+    g = torch.Generator().manual_seed(seed)
+    n = len(LENGTHS)
+    ids = torch.randint(2, vocab, (n, WIDTH), generator=g)
+    mask = torch.zeros(n, WIDTH)
+    for i, length in enumerate(LENGTHS):
+        ids[i, length:] = 0
+        mask[i, min(PROMPT, length - 1):length] = 1
+    adv = torch.randn(n, generator=g)[:, None].expand(n, WIDTH).contiguous()
+    return ids, mask, adv
+
+
+def _build(model_dir: str, tp: int, pp: int, cp: int, sp: bool):
+    import json
+    from pathlib import Path
+
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from safetensors.torch import load_file
+
+    from mrl.config.schema import OptimizerConfig, SchedulerConfig
+    from mrl.policy.model import build_gpt_model, load_hf_weights, transformer_config_from_hf
+    from mrl.policy.optim import build_optimizer, build_scheduler
+
+    hf_config = json.loads((Path(model_dir) / "config.json").read_text())
+    cfg = transformer_config_from_hf(hf_config, tensor_parallel=tp, pipeline_parallel=pp, context_parallel=cp,
+                                     sequence_parallel=sp)
+    model = build_gpt_model(hf_config, cfg)
+    load_hf_weights(model, load_file(str(Path(model_dir) / "model.safetensors")), hf_config)
+    model = DistributedDataParallel(cfg, DistributedDataParallelConfig(grad_reduce_in_fp32=True), module=model)
+    cfg.finalize_model_grads_func = finalize_model_grads
+    opt_cfg = OptimizerConfig(lr=1e-3, weight_decay=0.0)
+    optimizer = build_optimizer([model], opt_cfg, params_dtype=torch.float32)
+    return model, optimizer, build_scheduler(optimizer, opt_cfg, SchedulerConfig(), total_steps=3), hf_config
+
+
+def _sum_over_context_parallel(metrics: dict) -> dict:
+    """A CP rank's loss and counts are its share of the sequences' tokens (split differently when packed): sum."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    keys = ["loss", "tokens"] if "loss" in metrics else []
+    values = torch.tensor([metrics[k] for k in keys], dtype=torch.float64)
+    if keys and ps.get_context_parallel_world_size() > 1:
+        dist.all_reduce(values, group=ps.get_context_parallel_group())
+    return {**metrics, **dict(zip(keys, values.tolist()))}
+
+
+def run(model_dir: str, modes: list, tp: int = 1, pp: int = 1, cp: int = 1, sp: bool = False, level: str = "token",
+        steps: int = 3):
+    """For each mode (None = fixed micro-batches of 4 rows, ("packing" | "dynamic", budget)): logprobs before
+    training, per-step losses and token counts, and this rank's weights after `steps` steps."""
+    import os
+
+    from megatron.core import parallel_state as ps
+
+    from mrl.config.schema import DynamicBatchingConfig, PackingConfig
+    from mrl.parallel.dims import ParallelDims, init_process_groups
+    from mrl.policy.train_step import RankBatch, StepContext, global_count, logprobs_of_batch, train_on_batch
+
+    world = int(os.environ["WORLD_SIZE"])
+    init_process_groups(ParallelDims(tp=tp, pp=pp, cp=cp, sequence_parallel=sp, world_size=world))
+    ids, mask, adv = make_batch()
+    batch = RankBatch(ids, mask, token_data={"adv": adv}, lengths=torch.tensor(LENGTHS))
+    results = []
+    for mode in modes:
+        model, optimizer, scheduler, hf_config = _build(model_dir, tp, pp, cp, sp)
+        ctx = StepContext(dp_size=1, cp_rank=ps.get_context_parallel_rank(), cp_size=cp,
+                          cp_group=ps.get_context_parallel_group(), is_last_stage=ps.is_pipeline_last_stage(),
+                          vocab_size=hf_config["vocab_size"])
+        kind, tokens = mode or (None, 0)
+        budget = dict(packing=PackingConfig(enabled=True, tokens_per_microbatch=tokens) if kind == "packing" else None,
+                      dynamic_batching=DynamicBatchingConfig(enabled=True, tokens_per_microbatch=tokens)
+                      if kind == "dynamic" else None)
+        before = logprobs_of_batch([model], batch, micro_batch_size=4, ctx=ctx, **budget)
+        metrics = [_sum_over_context_parallel(train_on_batch(
+            [model], optimizer, scheduler, batch, loss_fn=PGLoss(level), count=global_count(mask, level),
+            micro_batch_size=4, ctx=ctx, **budget)) for _ in range(steps)]
+        weights = {k: v.detach().clone() for k, v in model.module.named_parameters()}
+        results.append({"before": before, "metrics": metrics, "weights": weights})
+    return results
+
+
+# ---- tests ----
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return str(build_tiny_hf_model(tmp_path_factory.mktemp("qwen2"), "qwen2", num_kv_heads=2, seed=3))
+
+
+def valid_positions() -> torch.Tensor:
+    """[8, 24] True where a token exists (packed runs compute nothing past a sequence's length)."""
+    return torch.arange(WIDTH)[None, :] < torch.tensor(LENGTHS)[:, None]
+
+
+def assert_same_step(reference: dict, other: dict) -> None:
+    """Logprobs before training equal where tokens exist (0 past lengths), same losses, same weights after."""
+    if reference["before"] is not None:  # last pipeline stage
+        valid = valid_positions()
+        assert (other["before"] - reference["before"])[valid].abs().max() <= 1e-5
+        assert torch.all(other["before"][~valid] == 0)
+        assert [m["loss"] for m in other["metrics"]] == pytest.approx([m["loss"] for m in reference["metrics"]],
+                                                                      abs=1e-6)
+        assert [m["tokens"] for m in other["metrics"]] == [m["tokens"] for m in reference["metrics"]]
+    assert reference["weights"].keys() == other["weights"].keys()
+    for name, weight in reference["weights"].items():
+        assert (other["weights"][name] - weight).abs().max() <= 1e-5, name
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_packing_and_dynamic_batching_give_the_same_step_as_padded_micro_batches(model_dir, level):
+    reference, packed, dynamic = run_on_ranks(
+        run, world_size=1, args=(model_dir, [None, ("packing", 32), ("dynamic", 48)]), kwargs=dict(level=level))[0]
+    assert_same_step(reference, packed)
+    assert_same_step(reference, dynamic)
+    # the step really did change the weights (a no-op would pass the comparisons above)
+    assert reference["metrics"][0]["loss"] != reference["metrics"][-1]["loss"]
+    # packing efficiency = real / computed tokens (89 real): 2 x [4, 24] padded; packs hold exactly the sequences
+    # (no rounding at TP1/CP1, no filler without PP); dynamic, lengths sorted and cut at rows * longest <= 48:
+    # [24, 17] -> 2 x 24, [13, 11, 9] -> 3 x 13, [7, 5, 3] -> 3 x 7
+    counts = [(r["metrics"][0]["packing_real_tokens"], r["metrics"][0]["packing_computed_tokens"])
+              for r in (reference, packed, dynamic)]
+    assert counts == [(89, 2 * 4 * 24), (89, 89), (89, 48 + 39 + 21)]
+
+
+@pytest.mark.parametrize("layout", [dict(tp=2), dict(tp=2, sp=True), dict(cp=2), dict(pp=2)],
+                         ids=["tp2", "tp2-sp", "cp2", "pp2"])
+def test_packing_under_parallel_layouts(model_dir, layout):
+    for reference, packed in run_on_ranks(run, world_size=2, args=(model_dir, [None, ("packing", 32)]), kwargs=layout):
+        assert_same_step(reference, packed)

@@ -1,0 +1,84 @@
+"""Token-budget micro-batches of the policy step: sequence lengths, the THD pack layout under CP, the unpack index."""
+
+import pytest
+import torch
+
+from mrl.data.packing import pack_sequences
+from mrl.policy.train_step import (RankBatch, StepContext, _packed_micro_batch, _predicting_space,
+                                   sequence_lengths)
+
+
+def test_lengths_default_to_the_last_loss_token_and_are_checked():
+    mask = torch.tensor([[0, 1, 1, 0, 0], [0, 0, 0, 0, 0], [1, 1, 1, 1, 1]])
+    batch = RankBatch(torch.ones(3, 5, dtype=torch.long), mask)
+    assert sequence_lengths(batch).tolist() == [3, 1, 5]
+    batch.lengths = torch.tensor([4, 2, 5])
+    assert sequence_lengths(batch).tolist() == [4, 2, 5]
+    batch.lengths = torch.tensor([2, 2, 5])
+    with pytest.raises(ValueError, match="sequence 0: loss_mask marks tokens past its length 2"):
+        sequence_lengths(batch)
+    batch.lengths = torch.tensor([4, 2, 6])
+    with pytest.raises(ValueError, match="1..5"):
+        sequence_lengths(batch)
+
+
+def make_pack(cp_rank: int, fixed_size: bool):
+    # Two sequences: ids 10.. (length 3, rounded to 4) and 20.. (length 8); cp 2 -> multiples of 4.
+    ids = torch.zeros(2, 8, dtype=torch.long)
+    ids[0, :3] = torch.tensor([10, 11, 12])
+    ids[1] = torch.arange(20, 28)
+    mask = torch.zeros(2, 8)
+    mask[0, 1:3] = 1
+    mask[1, 2:8] = 1
+    batch = RankBatch(ids, mask, token_data={"adv": mask * 2}, seq_data={"score": torch.tensor([1.0, 2.0])},
+                      lengths=torch.tensor([3, 8]))
+    plan = pack_sequences([3, 8], 16, multiple=4)  # one pack: [seq 1 (8), seq 0 (4)], 12 of 16 tokens
+    ctx = StepContext(dp_size=1, cp_rank=cp_rank, cp_size=2, cp_group=None, is_last_stage=True)
+    return _packed_micro_batch(_predicting_space(batch, 8), batch, plan, 0, ctx, fixed_size)
+
+
+def test_pack_layout_under_context_parallelism_by_hand():
+    # seq 1 (8 tokens) in chunks of 2: rank 0 holds positions 0,1,6,7; seq 0 (4 tokens) in chunks of 1: 0, 3
+    data = make_pack(cp_rank=0, fixed_size=False)
+    assert data["input_ids"].tolist() == [[20, 21, 26, 27, 10, 0]]
+    assert data["position_ids"].tolist() == [[0, 1, 6, 7, 0, 3]]  # positions restart per sequence
+    assert data["targets"].tolist() == [[21, 22, 27, 0, 11, 0]]  # next token within the sequence, never across
+    params = data["packed_seq_params"]
+    assert params.cu_seqlens_q_padded.tolist() == [0, 8, 12] and params.cu_seqlens_q.tolist() == [0, 8, 11]
+    assert params.max_seqlen_q == 8
+    # rows in pack order (seq 1, seq 0); loss mask in predicting positions: mask of token t+1 at position t
+    assert data["unpack_index"].tolist() == [[0, 1, 2, 3], [4, 5, 0, 0]]
+    assert data["unpack_valid"].tolist() == [[True] * 4, [True, True, False, False]]
+    assert data["loss_mask"].tolist() == [[0, 1, 1, 0], [1, 0, 0, 0]]
+    assert data["adv"].tolist() == [[0, 2, 2, 0], [2, 0, 0, 0]]
+    assert data["score"].tolist() == [2.0, 1.0]
+    assert data["seq_num_tokens"].tolist() == [6, 2]  # whole sequences, not this rank's share
+
+
+def test_fixed_size_pack_ends_with_one_padding_sequence():
+    data = make_pack(cp_rank=1, fixed_size=True)
+    assert data["input_ids"].tolist() == [[22, 23, 24, 25, 11, 12, 0, 0]]  # 16 tokens / cp 2
+    params = data["packed_seq_params"]
+    assert params.cu_seqlens_q_padded.tolist() == [0, 8, 12, 16] and params.cu_seqlens_q.tolist() == [0, 8, 11, 11]
+
+
+def test_budget_options_that_cannot_work_name_the_fix():
+    from types import SimpleNamespace
+
+    from mrl.config.schema import DynamicBatchingConfig, PackingConfig
+    from mrl.policy.train_step import plan_micro_batches
+
+    batch = RankBatch(torch.ones(2, 8, dtype=torch.long), torch.ones(2, 8))
+    ctx = StepContext(dp_size=1, cp_rank=0, cp_size=1, cp_group=None, is_last_stage=True)
+    pipelined = [SimpleNamespace(config=SimpleNamespace(tensor_model_parallel_size=2, sequence_parallel=True,
+                                                        pipeline_model_parallel_size=2))]
+    packing, dynamic = PackingConfig(enabled=True, tokens_per_microbatch=15), DynamicBatchingConfig(enabled=True)
+    with pytest.raises(ValueError, match="policy.dynamic_batching.enabled"):
+        plan_micro_batches(batch, pipelined, ctx, packing=packing, dynamic_batching=dynamic)
+    with pytest.raises(ValueError, match="use policy.sequence_packing"):
+        plan_micro_batches(batch, pipelined, ctx, dynamic_batching=dynamic)
+    with pytest.raises(ValueError, match="tokens_per_microbatch=15 must be a multiple of 2"):
+        plan_micro_batches(batch, pipelined, ctx, packing=packing)
+    assert plan_micro_batches(batch, pipelined, ctx) is None
+    plan = plan_micro_batches(batch, pipelined, ctx, packing=PackingConfig(enabled=True, tokens_per_microbatch=16))
+    assert plan.bins == [[0, 1]] and plan.budget == 16
