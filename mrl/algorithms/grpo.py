@@ -41,8 +41,9 @@ def training_rows(rollouts: Rollouts, advantages: torch.Tensor, keep: torch.Tens
     mask = rollouts.loss_mask[index].clone()
     mask[len(keep.nonzero()):] = 0
     adv = advantages[index][:, None].expand_as(mask).contiguous()
-    return RankBatch(rollouts.input_ids[index], mask, {"advantages": adv,
-                                                       GENERATION_LOGPROBS: rollouts.generation_logprobs[index]})
+    lengths = None if rollouts.lengths is None else rollouts.lengths[index]
+    return RankBatch(rollouts.input_ids[index], mask,
+                     {"advantages": adv, GENERATION_LOGPROBS: rollouts.generation_logprobs[index]}, lengths=lengths)
 
 
 def run_validation(cfg: MrlConfig, runtime: Runtime, env, data: TaskData) -> dict[str, float]:

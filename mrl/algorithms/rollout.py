@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -30,6 +30,7 @@ class Rollouts:
     truncated: torch.Tensor            # [B] bool: cut by max_new_tokens
     num_reward_errors: int = 0
     num_prompts_rejected: int = 0
+    lengths: Optional[torch.Tensor] = None  # [B] prompt + response tokens of each row (the rest is padding)
 
 
 def rows_from_output(out: GenerationOutput, pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -64,8 +65,10 @@ def generate_and_score(engine: Any, env: Any, tokenizer: Any, problems: Sequence
     scored = env.step(logs, meta)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     ids, mask, gen = rows_from_output(out, pad)
+    lengths = torch.tensor([len(s.prompt_token_ids) + s.length for s in out.samples], dtype=torch.long)
     return Rollouts(ids, mask, gen, scored.rewards.float(), out.lengths(),
-                    torch.tensor([s.truncated for s in out.samples]), scored.num_errors, out.num_prompts_rejected)
+                    torch.tensor([s.truncated for s in out.samples]), scored.num_errors, out.num_prompts_rejected,
+                    lengths)
 
 
 def pass_at_k(num_samples: int, num_correct: int, k: int) -> float:

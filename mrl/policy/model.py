@@ -105,6 +105,39 @@ def transformer_config_from_hf(
     return TransformerConfig(**kwargs)
 
 
+def moe_transformer_config(
+    hf_config: Mapping[str, Any] | Any,
+    *,
+    num_experts: int,
+    router_topk: int = 2,
+    moe_ffn_hidden_size: int | None = None,
+    expert_parallel: int = 1,
+    **kwargs: Any,
+) -> Any:
+    """The TransformerConfig of a mixture-of-experts variant of a dense HF model: every MLP becomes `num_experts`
+    SwiGLU experts (hidden `moe_ffn_hidden_size`, default the dense size) behind a top-`router_topk` softmax router.
+
+    Dropless (no capacity factor) and without auxiliary or load-balancing loss, so each token's output depends on
+    that token alone, whatever the expert-parallel layout. The all-to-all dispatcher with grouped GEMM and permute
+    fusion off is the combination that runs on CPU (`mrl.parallel.cpu_compat` MoE patches); the router runs in fp32.
+    No HF converter maps MoE weights yet: such a model starts from Megatron's initialisation (or a Megatron
+    checkpoint). `kwargs` go to `transformer_config_from_hf` (parallel sizes, dtype, TransformerConfig overrides).
+    """
+    moe = dict(
+        num_moe_experts=num_experts,
+        moe_router_topk=router_topk,
+        moe_ffn_hidden_size=moe_ffn_hidden_size or model_dims(hf_config).ffn_hidden_size,
+        expert_model_parallel_size=expert_parallel,
+        moe_token_dispatcher_type="alltoall",
+        moe_grouped_gemm=False,
+        moe_permute_fusion=False,
+        moe_router_load_balancing_type="none",
+        moe_aux_loss_coeff=0.0,
+        moe_router_dtype="fp32",
+    )
+    return transformer_config_from_hf(hf_config, **{**moe, **kwargs})
+
+
 def build_gpt_model(
     hf_config: Mapping[str, Any] | Any,
     config: Any,

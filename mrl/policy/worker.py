@@ -53,7 +53,7 @@ def _pad_to_multiple(batch: RankBatch, multiple: int) -> RankBatch:
         return batch
     pad = lambda t: torch.nn.functional.pad(t, (0, extra))  # noqa: E731  ([N, T] -> [N, T + extra])
     return RankBatch(pad(batch.input_ids), pad(batch.loss_mask), {k: pad(v) for k, v in batch.token_data.items()},
-                     dict(batch.seq_data))
+                     dict(batch.seq_data), lengths=batch.lengths)
 
 
 def _micro_batch_size(wanted: int, rows: int) -> int:
@@ -148,7 +148,9 @@ class PolicyWorker:
         for chunk in model:
             chunk.eval()
         size = _micro_batch_size(self.spec.policy.logprob_micro_batch_size, len(batch))
-        out = logprobs_of_batch(model, batch, micro_batch_size=size, ctx=self._context(temperature))
+        out = logprobs_of_batch(model, batch, micro_batch_size=size, ctx=self._context(temperature),
+                                packing=self.spec.policy.sequence_packing,
+                                dynamic_batching=self.spec.policy.dynamic_batching)
         for chunk in model:
             chunk.train(not reference)
         return out[:, :width] if out is not None and self._is_leader() else None
@@ -163,12 +165,17 @@ class PolicyWorker:
         for chunk in self.model:
             chunk.train()
         metrics = train_on_batch(self.model, self.optimizer, self.scheduler, batch, loss_fn=loss_fn,
-                                 count=global_count, micro_batch_size=size, ctx=self._context(temperature))
+                                 count=global_count, micro_batch_size=size, ctx=self._context(temperature),
+                                 packing=self.spec.policy.sequence_packing,
+                                 dynamic_batching=self.spec.policy.dynamic_batching)
         scalars = {k: metrics.pop(k) for k in ("grad_norm", "lr")}
         metrics = self._sum_over_data_parallel(metrics)
         if not self._is_leader():
             return None
         metrics.update(scalars)
+        computed = metrics.pop("packing_computed_tokens", 0.0)
+        real = metrics.pop("packing_real_tokens", 0.0)
+        metrics["packing_efficiency"] = real / computed if computed else 1.0  # real tokens / tokens computed
         metrics["time_s"] = time.perf_counter() - start
         return metrics
 

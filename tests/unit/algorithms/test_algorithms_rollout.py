@@ -39,7 +39,7 @@ def test_pass_at_k_unbiased_estimator(n, c, k, expected):
 def test_training_rows_pad_to_data_parallel_size_with_masked_rows():
     ids, mask, gen = rows_from_output(_output(), pad_id=1)
     rollouts = Rollouts(ids, mask, gen, torch.tensor([1.0, 0.0, 0.0, 1.0]), torch.tensor([3, 1, 0, 2]),
-                        torch.tensor([False, True, False, False]))
+                        torch.tensor([False, True, False, False]), lengths=torch.tensor([5, 3, 1, 3]))
     adv = torch.tensor([0.5, -0.5, 0.0, 2.0])
     keep = torch.tensor([True, True, False, True])  # the empty (rejected) sample is dropped
     batch = training_rows(rollouts, adv, keep, dp_size=2)
@@ -48,3 +48,4 @@ def test_training_rows_pad_to_data_parallel_size_with_masked_rows():
     assert batch.loss_mask[3].sum() == 0 and batch.loss_mask[:3].sum() == mask.sum()
     assert batch.token_data["advantages"][:, 0].tolist() == [0.5, -0.5, 2.0, 0.5]
     assert torch.equal(batch.token_data["generation_logprobs"][:3], gen[[0, 1, 3]])
+    assert batch.lengths.tolist() == [5, 3, 3, 5]

@@ -1,0 +1,287 @@
+"""The policy train step under CP2, TP2+SP and a tiny MoE at EP2 equals the single-process result; micro-batching
+does not change the gradients or the weights of a step.
+
+Every layout is compared with the same model and batch run in one process (TP1), the reference: logprobs before
+training, the losses of 3 Adam steps, the gradients of the 3rd step and every weight after it, gathered to full
+tensors (TP shards concatenated, gated fc1 halves re-ordered, pipeline-stage and expert indices made global, vocab
+padding cut). TP2, PP2 and DP2 are covered by test_policy_train_step.py.
+
+Why Adam's epsilon is 1e-6 here, not the default 1e-8: a parallel layout or a micro-batch split changes the fp32
+summation order of the gradients (measured: <= 4e-8 absolute after one step, gradients up to 6e-2). Adam's first
+update is lr * g / (|g| + eps), whose slope in g is lr * eps / (|g| + eps)^2 <= lr / eps: an element whose gradient
+is ~eps (an embedding row of a token that barely touches the loss) turns a tiny gradient difference into a large
+weight difference. With eps = 1e-8 (gain up to 1e5) TP2+SP differed from TP1 by 4.4e-5 in one embedding element
+after one step (g = 1.7e-8, difference 3e-9), and micro-batchings by 1.6e-6. With eps = 1e-6 (gain <= 1e3) weights
+agree to ~3e-6 (layouts, 3 steps) and ~4e-7 (micro-batchings, 1 step). The gradients themselves are compared
+directly as well, which is where a real sharding error (a missing all-reduce, a wrong normalisation) shows.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import pytest
+import torch
+
+from mrl.testing.distributed import run_on_ranks
+from mrl.testing.tiny_models import build_tiny_hf_model
+
+LR = 1e-3
+ADAM_EPS = 1e-6  # not 1e-8: see the module docstring (Adam amplifies fp32 noise on gradients ~eps)
+SEQ_LEN = 16  # a multiple of 2*cp (CP2) and of tp (SP)
+
+
+# ---- rank side: imported by each rank process of run_on_ranks ----
+
+
+class PGLoss:
+    """-(advantage * logprob), normalised by the step's global count (token or sequence level)."""
+
+    def __init__(self, level: str):
+        self.level = level
+
+    def __call__(self, logprobs, batch, count):
+        per_token = -logprobs * batch["adv"] * batch["loss_mask"]  # [b, T/cp]
+        if self.level == "token":
+            loss = per_token.sum() / count
+        else:  # mean over each whole sequence's tokens (seq_num_tokens is the whole-sequence count under CP)
+            loss = (per_token.sum(dim=1) / batch["seq_num_tokens"].clamp(min=1)).sum() / count
+        return loss, {}
+
+
+def make_batch(n: int = 8, t: int = SEQ_LEN, vocab: int = 200, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(2, vocab, (n, t), generator=g)
+    mask = torch.zeros(n, t)
+    for i in range(n):
+        mask[i, 3: 5 + i] = 1  # responses of different lengths, some crossing CP chunk borders
+    adv = torch.randn(n, generator=g)[:, None].expand(n, t).contiguous()
+    return ids, mask, adv
+
+
+def _global_name(name: str, model, layer_offset: int) -> str:
+    """This rank's parameter name -> the name in a 1-rank model (global layer and expert indices)."""
+    from megatron.core import parallel_state as ps
+
+    parts = name.split(".")
+    if parts[:2] == ["decoder", "layers"]:
+        parts[2] = str(int(parts[2]) + layer_offset)
+    if "local_experts" in parts:
+        i = parts.index("local_experts") + 1
+        per_rank = model.config.num_moe_experts // ps.get_expert_model_parallel_world_size()
+        parts[i] = str(int(parts[i]) + ps.get_expert_model_parallel_rank() * per_rank)
+    return ".".join(parts)
+
+
+def _tp_gather(name: str, param: torch.Tensor, tensor: torch.Tensor, gated: bool) -> torch.Tensor:
+    """The full tensor of `tensor`, this rank's shard of `param` (its value or its gradient)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    if not getattr(param, "tensor_model_parallel", False):
+        return tensor.detach().clone()
+    group = ps.get_expert_tensor_parallel_group() if ".experts." in name else ps.get_tensor_model_parallel_group()
+    shards = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(shards, tensor.detach().contiguous(), group=group)
+    if gated and name.endswith("linear_fc1.weight"):  # each shard is [gate_r; up_r]: the full one is [gate; up]
+        halves = [s.chunk(2, dim=0) for s in shards]
+        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
+    return torch.cat(shards, dim=param.partition_dim)
+
+
+def full_tensors(model, vocab_size: int, grads: bool = False) -> dict[str, torch.Tensor]:
+    """Every parameter (or its DDP gradient) of the whole model as in a 1-rank model; collective over all ranks."""
+    import torch.distributed as dist
+
+    from mrl.policy.model import stage_layer_offset
+
+    offset = stage_layer_offset(model)
+    local = {}
+    for name, param in model.named_parameters():
+        full = _tp_gather(name, param, param.main_grad if grads else param, model.config.gated_linear_unit)
+        if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+            full = full[:vocab_size]  # Megatron's padding rows (their number depends on TP) never train
+        local[_global_name(name, model, offset)] = full
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, local)
+    merged: dict[str, torch.Tensor] = {}
+    for part in gathered:
+        for name, tensor in part.items():
+            merged.setdefault(name, tensor)  # DP/CP replicas hold the same tensor
+    return merged
+
+
+def init_by_global_name(model, seed: int) -> None:
+    """Weights drawn from a generator per global parameter name, so every expert-parallel layout starts from the
+    same model (Megatron's own init draws experts in a rank-dependent order). Needs tensor parallel size 1."""
+    from megatron.core import parallel_state as ps
+
+    from mrl.policy.model import stage_layer_offset
+
+    assert ps.get_tensor_model_parallel_world_size() == 1, "init_by_global_name draws full tensors, not TP shards"
+    offset = stage_layer_offset(model)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            gen = torch.Generator().manual_seed(seed + zlib.crc32(_global_name(name, model, offset).encode()))
+            noise = torch.randn(param.shape, generator=gen)
+            param.copy_(1.0 + 0.1 * noise if "layernorm" in name else 0.15 * noise)
+
+
+def run(model_dir: str, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1, sp: bool = False, **kwargs):
+    """One layout: process groups for (tp, pp, cp, ep, sp) on this run's ranks, then `train_and_report`."""
+    import os
+
+    from mrl.parallel.dims import ParallelDims, init_process_groups
+
+    init_process_groups(ParallelDims(tp=tp, pp=pp, cp=cp, ep=ep, sequence_parallel=sp,
+                                     world_size=int(os.environ["WORLD_SIZE"])))
+    return train_and_report(model_dir, sequence_parallel=sp, **kwargs)
+
+
+def run_micro_batchings(model_dir: str, sizes: tuple[int, ...], **kwargs) -> list:
+    """One process, a fresh model per micro-batch size."""
+    from mrl.parallel.dims import ParallelDims, init_process_groups
+
+    init_process_groups(ParallelDims())
+    return [train_and_report(model_dir, micro_batch_size=size, **kwargs) for size in sizes]
+
+
+def train_and_report(model_dir: str, *, sequence_parallel: bool = False, moe: bool = False, steps: int = 3,
+                     micro_batch_size: int = 4, level: str = "token", adam_eps: float = ADAM_EPS):
+    """Logprobs before training, per-step losses, and the full weights and last-step gradients after training.
+
+    Returns None on ranks that do not report (all but the last pipeline stage's TP-0/CP-0 rank of each DP rank).
+    """
+    import json
+    from pathlib import Path
+
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from safetensors.torch import load_file
+
+    from mrl.config.schema import OptimizerConfig, SchedulerConfig
+    from mrl.policy.model import build_gpt_model, load_hf_weights, moe_transformer_config, transformer_config_from_hf
+    from mrl.policy.optim import build_optimizer, build_scheduler
+    from mrl.policy.train_step import RankBatch, StepContext, global_count, logprobs_of_batch, train_on_batch
+
+    hf_config = json.loads((Path(model_dir) / "config.json").read_text())
+    sizes = dict(tensor_parallel=ps.get_tensor_model_parallel_world_size(),
+                 pipeline_parallel=ps.get_pipeline_model_parallel_world_size(),
+                 context_parallel=ps.get_context_parallel_world_size(),
+                 sequence_parallel=sequence_parallel)
+    if moe:
+        cfg = moe_transformer_config(hf_config, num_experts=4, router_topk=2, moe_ffn_hidden_size=64,
+                                     expert_parallel=ps.get_expert_model_parallel_world_size(), **sizes)
+        model = build_gpt_model(hf_config, cfg)
+        init_by_global_name(model, seed=7)
+    else:
+        cfg = transformer_config_from_hf(hf_config, **sizes)
+        model = build_gpt_model(hf_config, cfg)
+        load_hf_weights(model, load_file(str(Path(model_dir) / "model.safetensors")), hf_config)
+    ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(grad_reduce_in_fp32=True), module=model)
+    cfg.finalize_model_grads_func = finalize_model_grads
+    opt_cfg = OptimizerConfig(lr=LR, weight_decay=0.0, adam_eps=adam_eps)
+    optimizer = build_optimizer([ddp], opt_cfg, params_dtype=torch.float32)
+    scheduler = build_scheduler(optimizer, opt_cfg, SchedulerConfig(), total_steps=steps)
+
+    ids, mask, adv = make_batch()
+    count = global_count(mask, level)
+    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    rows = slice(dp_rank * len(ids) // dp, (dp_rank + 1) * len(ids) // dp)  # this DP rank's shard
+    batch = RankBatch(ids[rows], mask[rows], token_data={"adv": adv[rows]})
+    ctx = StepContext(dp_size=dp, cp_rank=ps.get_context_parallel_rank(), cp_size=ps.get_context_parallel_world_size(),
+                      cp_group=ps.get_context_parallel_group(), is_last_stage=ps.is_pipeline_last_stage(),
+                      vocab_size=hf_config["vocab_size"])
+    before = logprobs_of_batch([ddp], batch, micro_batch_size=micro_batch_size, ctx=ctx)
+    losses = []
+    for _ in range(steps):
+        metrics = train_on_batch([ddp], optimizer, scheduler, batch, loss_fn=PGLoss(level), count=count,
+                                 micro_batch_size=micro_batch_size, ctx=ctx)
+        loss = torch.tensor(metrics.get("loss", 0.0), dtype=torch.float64)
+        # each DP and CP rank holds its share of the sum (its sequences, its chunks of them)
+        dist.all_reduce(loss, group=ps.get_data_parallel_group(with_context_parallel=True))
+        losses.append(float(loss))
+    # DDP's main_grad buffers keep the last step's (clipped) gradients until the next step zeroes them.
+    grads = full_tensors(model, hf_config["vocab_size"], grads=True)
+    weights = full_tensors(model, hf_config["vocab_size"])
+    if not (ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0
+            and ps.get_context_parallel_rank() == 0):
+        return None
+    return {"dp_rank": dp_rank, "before": before, "losses": losses, "weights": weights, "grads": grads}
+
+
+# ---- tests ----
+def collect(results: list) -> dict:
+    """The reporting ranks' results: logprobs concatenated in data-parallel order, the rest from the first."""
+    reports = sorted((r for r in results if r is not None), key=lambda r: r["dp_rank"])
+    return {**reports[0], "before": torch.cat([r["before"] for r in reports])}
+
+
+def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+def differences(got: dict, reference: dict) -> dict[str, float]:
+    return {"logprobs": (got["before"] - reference["before"]).abs().max().item(),
+            "losses": max(abs(a - b) for a, b in zip(got["losses"], reference["losses"])),
+            "weights": max_diff(got["weights"], reference["weights"]),
+            "grads": max_diff(got["grads"], reference["grads"])}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return str(build_tiny_hf_model(tmp_path_factory.mktemp("qwen2"), "qwen2", num_kv_heads=2, seed=3))
+
+
+@pytest.fixture(scope="module")
+def references(model_dir):
+    """Single-process results per (model kind, loss level), computed on first use."""
+    cache: dict = {}
+
+    def get(moe: bool, level: str) -> dict:
+        if (moe, level) not in cache:
+            (result,) = run_on_ranks(run, world_size=1, args=(model_dir,), kwargs=dict(moe=moe, level=level))
+            cache[moe, level] = collect([result])
+        return cache[moe, level]
+
+    return get
+
+
+LAYOUTS = {
+    "cp2": dict(cp=2),
+    "cp2-sequence-loss": dict(cp=2, level="sequence"),
+    "tp2-sp": dict(tp=2, sp=True),
+    "moe-ep2": dict(moe=True, ep=2),
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS.values()), ids=list(LAYOUTS))
+def test_parallel_layouts_match_single_process(model_dir, references, layout):
+    reference = references(layout.get("moe", False), layout.get("level", "token"))
+    diffs = differences(collect(run_on_ranks(run, world_size=2, args=(model_dir,), kwargs=layout)), reference)
+    assert diffs["logprobs"] <= 1e-5, diffs
+    assert diffs["losses"] <= 1e-5, diffs
+    assert diffs["grads"] <= 1e-6, diffs  # of the 3rd step; gradients reach ~5e-2
+    assert diffs["weights"] <= 1e-5, diffs
+
+
+def test_moe_model_routes_tokens_to_every_expert(references):
+    """The EP2 comparison means something only if both ranks' experts train (4 experts, top-2)."""
+    grads = references(True, "token")["grads"]
+    experts = [n for n in grads if ".local_experts." in n]
+    assert len(experts) == 2 * 4 * 2  # layers x experts x (fc1, fc2)
+    assert all(grads[n].abs().max() > 0 for n in experts)
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_micro_batching_gives_the_same_weights(model_dir, level):
+    """1, 2 and 4 micro-batches of the same 8 sequences: the same gradients, and the same weights after the step."""
+    (runs,) = run_on_ranks(run_micro_batchings, world_size=1, args=(model_dir, (8, 4, 2)),
+                           kwargs=dict(level=level, steps=1))
+    for other in runs[1:]:
+        diffs = differences(collect([other]), collect([runs[0]]))
+        assert diffs["losses"] <= 1e-6, diffs
+        assert diffs["grads"] <= 5e-8, diffs  # fp32 summation order; gradients reach ~5e-2
+        assert diffs["weights"] <= 1e-6, diffs
