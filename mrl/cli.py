@@ -20,7 +20,6 @@ CONFIG_COMMANDS: dict[str, str] = {
     "dpo": "Direct preference optimisation.",
     "rm": "Reward-model training.",
     "eval": "pass@1 / pass@k of a model on a problem/answer file with the rollout engine.",
-    "score": "Per-token logprobs and perplexity of texts under the Megatron model, any parallel layout.",
 }
 
 OVERRIDE_HELP = ("overrides in Hydra's grammar: key=value (set), +key=value (add), ++key=value (set or add), "
@@ -42,6 +41,15 @@ def build_parser() -> argparse.ArgumentParser:
                                      "stage's final checkpoint.")
     run.add_argument("recipe", help="recipe YAML file with a `stages:` list")
     run.add_argument("overrides", nargs="*", help=OVERRIDE_HELP)
+    score = sub.add_parser("score", help="Per-token logprobs and perplexity of texts under the Megatron model.",
+                           description="Per-token logprobs and perplexity of texts (or token ids) under the Megatron "
+                                       "policy, in any parallel layout (e.g. policy.parallel.tensor_parallel_size=2 "
+                                       "cluster.devices_per_node=2).")
+    score.add_argument("--model", required=True, metavar="DIR", help="HF model folder")
+    score.add_argument("--input", required=True, metavar="FILE", help="jsonl: text | prompt+completion | input_ids")
+    score.add_argument("--out", required=True, metavar="FILE", help="jsonl written with per-token logprobs")
+    score.add_argument("--config", metavar="FILE", help="optional YAML config (parallel layout, precision, ...)")
+    score.add_argument("overrides", nargs="*", help=OVERRIDE_HELP)
     _add_convert_parser(sub)
     config = sub.add_parser("config", help="Inspect configurations.")
     config_sub = config.add_subparsers(dest="config_command", required=True, metavar="ACTION")
@@ -92,6 +100,29 @@ def _run_staged(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_score(args: argparse.Namespace) -> int:
+    """`mrl score`: the model and the CPU-friendly precision are overrides, so the config is validated as usual."""
+    import tempfile
+
+    import torch
+
+    from mrl.algorithms.score import run_score
+
+    overrides = [f"++policy.model_name={args.model}", f"++run.output_dir={tempfile.mkdtemp(prefix='mrl-score-')}"]
+    if not torch.cuda.is_available() and not any(o.lstrip("+").startswith("policy.precision=") for o in args.overrides):
+        overrides.append("++policy.precision=float32")  # bf16 on CPU: slow, and off by ~0.1 nats
+    if args.config:
+        cfg = load_config(args.config, [*overrides, *args.overrides])
+    else:
+        from mrl.config import schema_defaults, validate_tree
+        from mrl.config.loader import apply_overrides, deep_merge, resolve
+
+        tree = apply_overrides({}, [*overrides, *args.overrides])
+        cfg = validate_tree(resolve(deep_merge(schema_defaults(), tree)))
+    run_score(cfg, args.input, args.out)
+    return 0
+
+
 def _run_convert(args: argparse.Namespace) -> int:
     """HF <-> Megatron conversion (converters.cli); a bad input folder is a user error, not a traceback."""
     from converters import ConversionError
@@ -123,6 +154,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _run_staged(args)
         if args.command == "convert":
             return _run_convert(args)
+        if args.command == "score":
+            return _run_score(args)
         return _run_config_command(args)
     except ConfigError as exc:
         print(f"mrl: configuration error\n  {exc.render()}", file=sys.stderr)

@@ -144,9 +144,7 @@ def start_runtime(cfg: MrlConfig, *, total_steps: int, policy: bool = True, engi
 
 
 def _start_engine(cfg: MrlConfig, model_dir: Path, placement: Any) -> Any:
-    if cfg.generation.backend == "vllm":
-        from mrl.inference.factory import build_vllm_engines
+    """vLLM engines in Ray actors on the placement, or the Megatron static engine in this (driver) process."""
+    from mrl.inference.factory import build_generation
 
-        return build_vllm_engines(cfg, str(model_dir), placement)
-    raise NotImplementedError(
-        f"generation.backend={cfg.generation.backend!r} is not available in the training loop yet; use 'vllm'")
+    return build_generation(cfg, str(model_dir), placement)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ValidationError
@@ -91,6 +92,20 @@ def _length_problems(cfg: "MrlConfig") -> list[ConfigError]:
             out.append(ConfigError("the token budget must hold the longest sequence (policy.max_total_sequence_length)",
                                    key=f"policy.{name}.tokens_per_microbatch", given=section.tokens_per_microbatch,
                                    allowed=f">= {pol.max_total_sequence_length}"))
+    par = pol.parallel
+    if pol.dynamic_batching.enabled and par.pipeline_parallel_size > 1:
+        out.append(ConfigError("dynamic batching makes micro-batches of different shapes, which pipeline parallelism "
+                               "cannot send between stages", key="policy.dynamic_batching.enabled", given=True,
+                               fix="use policy.sequence_packing (packs are padded to a fixed size) with pipeline "
+                                   "parallelism"))
+    multiple = math.lcm(2 * par.context_parallel_size if par.context_parallel_size > 1 else 1,
+                        par.tensor_parallel_size if par.sequence_parallel else 1)
+    if pol.sequence_packing.enabled and par.pipeline_parallel_size > 1 \
+            and pol.sequence_packing.tokens_per_microbatch % multiple:
+        out.append(ConfigError("with pipeline parallelism every pack is padded to the budget, which must split over "
+                               "the sequence-splitting ranks (tp with sequence parallel x 2*cp)",
+                               key="policy.sequence_packing.tokens_per_microbatch",
+                               given=pol.sequence_packing.tokens_per_microbatch, allowed=f"a multiple of {multiple}"))
     if cfg.generation.max_new_tokens >= pol.max_total_sequence_length:
         out.append(ConfigError("responses must leave room for the prompt within policy.max_total_sequence_length",
                                key="generation.max_new_tokens", given=cfg.generation.max_new_tokens,

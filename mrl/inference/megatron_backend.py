@@ -216,6 +216,7 @@ class MegatronBackend:
         wrapper = _UnpaddedLogitsWrapper(self.model, wrapper_config, context, self.vocab_size)
         self.controller = _StopSetController(wrapper, _TokenIdTokenizer())
         self.controller.sampling_rng.manual_seed(config.seed)
+        self._pending: dict[str, torch.Tensor] = {}
 
     # ------------------------------------------------------------------------------------------------ generation
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig) -> GenerationOutput:
@@ -288,6 +289,28 @@ class MegatronBackend:
             raise RefitError(f"refit rejected, the engine keeps its previous weights: {err}") from err
         size = sum(tensor_bytes(t) for t in state.values())
         return RefitStats(len(state), 1, size, size, time.perf_counter() - start)
+
+    # Bucketed refit from the sharded policy (`mrl.policy.group.Policy.refit`): buckets are collected and loaded
+    # together in `finish_refit`, because `load_hf_weights` validates a complete state (all or nothing). Peak extra
+    # memory is therefore one model copy here, not one bucket.
+    @property
+    def expected_names(self) -> frozenset[str]:
+        from converters import expected_hf_shapes, model_dims
+
+        return frozenset(expected_hf_shapes(model_dims(self.hf_config)))
+
+    def load_payload(self, payload: dict) -> None:
+        from mrl.inference.transports.base import unpack_payload
+
+        self._pending.update(unpack_payload(payload))
+
+    def finish_refit(self) -> None:
+        pending, self._pending = self._pending, {}
+        if pending:
+            self.update_weights(pending)
+
+    def shutdown(self) -> None:
+        """Nothing to stop: the engine lives in this process."""
 
     def _load(self, hf_state: Mapping[str, torch.Tensor]) -> None:
         from mrl.policy.model import load_hf_weights

@@ -103,7 +103,7 @@ class VllmEngineGroup:
             resource_fraction=resource_fraction,
             omp_num_threads=omp_num_threads,
             # vLLM logs every request batch and reload at INFO; through Ray that floods the driver's console.
-            env={"VLLM_LOGGING_LEVEL": "WARNING"},
+            env={"VLLM_LOGGING_LEVEL": "ERROR"},
         )
 
     @property

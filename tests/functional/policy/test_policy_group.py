@@ -97,18 +97,28 @@ def test_policy_group_logprobs_train_export(cluster, model_dir, parallel):
         cluster.remove_placement(placement)
 
 
-def test_refit_from_tp2_policy_into_vllm(cluster, model_dir):
+def _engine(kind, model_dir, placement):
+    if kind == "vllm":
+        from mrl.inference.vllm_backend import VllmEngineConfig
+        from mrl.inference.vllm_worker import VllmEngineGroup
+
+        config = VllmEngineConfig(model_path=str(model_dir), max_model_len=64, kv_cache_bytes=64 << 20,
+                                  refit_transport="shm_file")
+        return VllmEngineGroup(config, placement, bundle_indices=[0], resource_fraction=0.5, name="generation-refit")
+    from mrl.inference.megatron_backend import MegatronBackend, MegatronEngineConfig
+
+    return MegatronBackend(MegatronEngineConfig(model_path=str(model_dir), max_model_len=64))  # in this process
+
+
+@pytest.mark.parametrize("kind", ["vllm", "megatron"])
+def test_refit_from_tp2_policy_into_engine(cluster, model_dir, kind):
     """Engine logprobs of its own samples after a refit equal the trained TP2 policy's (<= 1e-4)."""
     from mrl.algorithms.loss import GRPOLoss
     from mrl.inference import SamplingConfig, mismatch_metrics
-    from mrl.inference.vllm_backend import VllmEngineConfig
-    from mrl.inference.vllm_worker import VllmEngineGroup
     from mrl.policy.train_step import RankBatch
 
-    policy, placement = _policy(cluster, model_dir, "policy-refit", tensor_parallel_size=2)
-    engine = VllmEngineGroup(VllmEngineConfig(model_path=str(model_dir), max_model_len=64, kv_cache_bytes=64 << 20,
-                                              refit_transport="shm_file"),
-                             placement, bundle_indices=[0], resource_fraction=0.5, name="generation-refit")
+    policy, placement = _policy(cluster, model_dir, f"policy-refit-{kind}", tensor_parallel_size=2)
+    engine = _engine(kind, model_dir, placement)
     try:
         for _ in range(3):
             policy.train(_batch(), GRPOLoss())
@@ -125,6 +135,8 @@ def test_refit_from_tp2_policy_into_vllm(cluster, model_dir):
         metrics = mismatch_metrics(gen, train, mask[:, prompts.shape[1]:])
         assert metrics["max_abs_logprob_error"] <= 1e-4, metrics
         assert metrics["token_mult_prob_error"] <= 1.0001, metrics
+        untrained = _hf_logprobs(None, ids, model_dir)[:, prompts.shape[1]:]
+        assert mismatch_metrics(gen, untrained, mask[:, prompts.shape[1]:])["max_abs_logprob_error"] > 1e-3
     finally:
         engine.shutdown()
         policy.shutdown()

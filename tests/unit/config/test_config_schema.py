@@ -92,3 +92,19 @@ def test_deepscaler_stages_carry_the_published_hyperparameters():
         assert (c.grpo.num_prompts_per_step, c.grpo.num_generations_per_prompt) == (128, 8)
     staged = load_config(RECIPES_DIR / "deepscaler-1.5b-staged.yaml")
     assert [s.config for s in staged.stages[:3]] == [f"grpo-deepscaler-1.5b-{n}.yaml" for n in ("8K", "16K", "24K")]
+
+
+def test_token_budget_micro_batches_under_pipeline_parallelism():
+    pipeline = {"cluster": {"devices_per_node": 2}, "policy": {"parallel": {"pipeline_parallel_size": 2},
+                                                               "train_global_batch_size": 4}}
+    tree = {**pipeline, "policy": {**pipeline["policy"], "dynamic_batching": {"enabled": True}}}
+    (p,) = problems(tree)
+    assert p.key == "policy.dynamic_batching.enabled" and "sequence_packing" in p.fix
+    layout = {"pipeline_parallel_size": 2, "context_parallel_size": 2}
+    tree = {"cluster": {"devices_per_node": 4},
+            "policy": {"parallel": layout, "train_global_batch_size": 4,
+                       "sequence_packing": {"enabled": True, "tokens_per_microbatch": 4098}}}
+    (p,) = problems(tree)
+    assert p.key == "policy.sequence_packing.tokens_per_microbatch" and p.allowed == "a multiple of 4"
+    tree["policy"]["sequence_packing"]["tokens_per_microbatch"] = 4100
+    validate_tree(tree)  # 4100 = 4 * 1025
