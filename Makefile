@@ -47,6 +47,8 @@ test-functional: install
 bench: install
 	$(BIN)/python benchmarks/rollout_throughput.py
 	$(BIN)/python benchmarks/refit_memory.py
+	$(BIN)/python benchmarks/policy_throughput.py
+	$(BIN)/python benchmarks/packing_throughput.py
 
 # Re-resolve the stack from pyproject.toml into requirements/cpu.lock (needs the package registries).
 lock:

@@ -35,11 +35,14 @@ def _comparable(row: dict) -> dict:
 
 
 def _kill_when(proc, out: Path, at_s: float, during_write: bool) -> str:
-    """SIGKILL the run's process group at `at_s` seconds, or at the first moment a checkpoint folder is open."""
+    """SIGKILL the run's process group at `at_s` seconds, or (during_write) while a checkpoint after the first one
+    is being written."""
     start = time.monotonic()
     ckpt = out / "checkpoints"
     while proc.poll() is None:
-        writing = ckpt.is_dir() and any(p.name.startswith(".tmp-") for p in ckpt.iterdir())
+        entries = [p.name for p in ckpt.iterdir()] if ckpt.is_dir() else []
+        # a write in progress while an earlier checkpoint is complete: the resume must skip the half-written one
+        writing = any(n.startswith(".tmp-") for n in entries) and any(n.startswith("step_") for n in entries)
         if (during_write and writing) or (not during_write and time.monotonic() - start >= at_s):
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
@@ -73,7 +76,7 @@ def main() -> int:
         out = root / f"trial{trial}"
         during_write = trial == 0
         proc = mrl(*_grpo_args(model, out, args.steps))
-        when = _kill_when(proc, out, rng.uniform(0.3, 0.95) * duration, during_write)
+        when = _kill_when(proc, out, rng.uniform(0.55, 0.97) * duration, during_write)
         text = finish(mrl(*_grpo_args(model, out, args.steps)))
         resumed_from = next((line.split("step ")[-1].rstrip(")") for line in text.splitlines()
                              if "resuming from" in line), "none (fresh start)")

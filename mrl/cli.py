@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from typing import Callable, Sequence
 
 from mrl.config import CONFIG_ERROR_EXIT_CODE, ConfigError, MrlConfig, load_config, to_yaml
@@ -134,7 +135,12 @@ def _run_convert(args: argparse.Namespace) -> int:
         elif args.megatron:
             out = conv.megatron_to_hf(args.megatron, args.out)
         else:
-            raise NotImplementedCommand("convert megatron-to-hf --checkpoint (training checkpoints)")
+            from mrl.checkpoint.manager import MARKER_FILE
+
+            if not (Path(args.checkpoint) / MARKER_FILE).is_file():
+                raise ConversionError(f"{args.checkpoint} is not a complete training checkpoint (no {MARKER_FILE} "
+                                      "marker): pass a <checkpointing.dir>/step_N folder")
+            out = conv.megatron_to_hf(args.checkpoint, args.out)  # step_N/model (weights) + step_N/hf (config)
     except (ConversionError, FileNotFoundError) as exc:
         print(f"mrl convert: {exc}", file=sys.stderr)
         return 1

@@ -62,8 +62,10 @@ def grpo_step(cfg: MrlConfig, runtime: Runtime, env, data: TaskData, problems, s
     n = cfg.grpo.num_generations_per_prompt
     problems, prompts = encode_prompts(problems, runtime.tokenizer, data.template, cfg)
     with logger.timer("generation", m):
+        runtime.engine.prepare_for_generation()  # colocated on GPUs: the engine takes its memory back
         rollouts = generate_and_score(runtime.engine, env, runtime.tokenizer, problems, prompts,
                                       sampling_config(cfg, step))
+        runtime.engine.finish_generation()  # ... and releases it while the policy trains
     with logger.timer("reward", m):
         rewards = rollouts.rewards
         if cfg.grpo.overlong_buffer:

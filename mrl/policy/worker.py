@@ -110,6 +110,8 @@ class PolicyWorker:
             load_hf_weights(self.reference, hf_state, self.hf_config)
             self.reference.requires_grad_(False)
             self.reference.eval()
+            if cfg.offload_reference and torch.cuda.is_available():
+                self.reference.cpu()
         del hf_state
         self._exporter = None
         self._bucket_plan: list = []
@@ -145,6 +147,9 @@ class PolicyWorker:
         width = shard.input_ids.shape[1]
         batch = _pad_to_multiple(shard, self._length_multiple())
         model = [self.reference] if reference else self.model
+        offload = reference and self.spec.policy.offload_reference and torch.cuda.is_available()
+        if offload:  # the frozen copy lives in host memory between uses (GPU memory goes to the policy and engine)
+            self.reference.cuda()
         for chunk in model:
             chunk.eval()
         size = _micro_batch_size(self.spec.policy.logprob_micro_batch_size, len(batch))
@@ -153,6 +158,8 @@ class PolicyWorker:
                                 dynamic_batching=self.spec.policy.dynamic_batching)
         for chunk in model:
             chunk.train(not reference)
+        if offload:
+            self.reference.cpu()
         return out[:, :width] if out is not None and self._is_leader() else None
 
     def train(self, shard: RankBatch, loss_fn: PolicyLoss, global_count: float,

@@ -74,3 +74,20 @@ def test_grpo_resumes_exactly_after_sigkill(staged, tmp_path):
     for step in (3, 4):
         train = {k: v for k, v in reference[step].items() if k.startswith("train/") and "time" not in k}
         assert {k: resumed[step][k] for k in train} == train, step
+
+
+def test_any_training_step_exports_to_hf(staged, tmp_path):
+    """`mrl convert megatron-to-hf --checkpoint step_N` gives the weights the run exported at that step."""
+    import torch
+
+    from converters.hf_io import load_hf_state
+
+    step = staged / "grpo" / "checkpoints" / "step_4"
+    finish(mrl("convert", "megatron-to-hf", "--checkpoint", str(step), "--out", str(tmp_path / "hf")))
+    exported, final = load_hf_state(tmp_path / "hf"), load_hf_state(staged / "grpo" / "final_hf")
+    assert exported.keys() == final.keys() and all(torch.equal(exported[k], final[k]) for k in final)
+    incomplete = tmp_path / "step_9"
+    incomplete.mkdir()
+    proc = mrl("convert", "megatron-to-hf", "--checkpoint", str(incomplete), "--out", str(tmp_path / "x"))
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 1 and "not a complete training checkpoint" in out
