@@ -86,7 +86,7 @@ def grpo_step(cfg: MrlConfig, runtime: Runtime, env, data: TaskData, problems, s
     with logger.timer("train", m):
         train = _train_in_minibatches(cfg, runtime, batch, loss_fn)
     with logger.timer("refit", m):
-        refit = runtime.policy.refit(runtime.engine, cfg.generation.refit_bucket_mb << 20)
+        refit = runtime.refit()
     m.update({f"train/{k}": v for k, v in train.items()})
     m.update({f"train/{k}": v for k, v in mismatch.items() if k != "num_tokens"})
     m.update({f"train/refit_{k.split('/')[1]}": v for k, v in refit.as_metrics().items() if k != "timing/refit"})
@@ -123,7 +123,7 @@ def grpo_train(cfg: MrlConfig, runtime: Runtime, env, data: TaskData, logger: Me
             state = ckpt.resume(resume_from)
             start = int(state["step"])
             loader.load_state_dict(state["dataloader"])
-            runtime.policy.refit(runtime.engine, cfg.generation.refit_bucket_mb << 20)  # engine = resumed weights
+            runtime.refit()  # the engine gets the resumed weights
         else:
             logger.log(run_validation(cfg, runtime, env, data), step=0)
         final: dict[str, float] = {}

@@ -102,6 +102,13 @@ class Runtime:
     engine: Any = None
     extra: dict[str, Any] = field(default_factory=dict)
 
+    def refit(self) -> Any:
+        """Stream the policy's weights into the engine: shared-memory files when they share the devices (or the
+        engine is the driver's Megatron engine), a broadcast group when the engine has devices of its own."""
+        collective = not self.cfg.generation.colocated and self.cfg.generation.backend == "vllm"
+        return self.policy.refit(self.engine, self.cfg.generation.refit_bucket_mb << 20,
+                                 transport="collective" if collective else "shm_file")
+
     def shutdown(self) -> None:
         for part in (self.engine, self.policy):
             if part is not None:

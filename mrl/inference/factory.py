@@ -5,9 +5,9 @@
     cluster size / tensor parallel size        -> number of engines (generation data-parallel size)
     cfg.generation.backend                     -> build_generation: vLLM engines, or one Megatron engine in-process
 
-Refit transport: engines run in Ray actors, so buckets travel as shared-memory files (the colocated CPU path; on
-one node this also serves non-colocated engines). A collective (gloo/NCCL) transport for engines on other nodes is
-not written yet: asking for it is an error naming the key.
+Refit transport (chosen by `Runtime.refit`): colocated engines get each bucket as a shared-memory file written by
+the policy's rank 0; non-colocated engines (their own bundles, possibly other nodes) receive it by broadcast in a
+group of the policy's rank 0 and the engines (mrl/inference/transports/collective.py).
 """
 
 from __future__ import annotations
@@ -95,11 +95,17 @@ def build_vllm_engines(cfg: "MrlConfig", model_path: str, placement: Any) -> "Vl
             f"{engines} generation engines need {engines} bundles, placement '{placement.name}' has "
             f"{placement.num_bundles}"
         )
+    # Colocated: engine e shares bundle e with a policy rank (half of it each). Not colocated: the engines take the
+    # bundles after the policy's ranks, whole.
+    first = 0 if cfg.generation.colocated else cfg.policy_world_size
+    if placement.num_bundles < first + engines:
+        raise ValueError(f"{engines} generation engines after {first} policy ranks need {first + engines} bundles, "
+                         f"placement '{placement.name}' has {placement.num_bundles}: raise cluster.devices_per_node")
     fraction = 0.5 if cfg.generation.colocated else 1.0
     return VllmEngineGroup(
         vllm_engine_config(cfg, model_path),
         placement,
-        bundle_indices=list(range(engines)),
+        bundle_indices=list(range(first, first + engines)),
         resource_fraction=fraction,
         omp_num_threads=cfg.cluster.omp_num_threads,
     )

