@@ -349,12 +349,13 @@ def train_on_batch(model: list, optimizer, scheduler, batch: RankBatch, *, loss_
     outputs = get_forward_backward_func()(
         forward_step_func=forward_step, data_iterator=iter(mbs), model=model, num_microbatches=len(mbs),
         seq_length=seq_length, micro_batch_size=mb_rows, forward_only=False)
+    lr = optimizer.param_groups[0]["lr"]  # the rate this step uses (the scheduler moves it for the next one below)
     ok, grad_norm, _ = optimizer.step()
     if not ok:
         raise FloatingPointError("optimizer step skipped: non-finite gradients")
     scheduler.step(increment=1)
     metrics = _sum_metrics(outputs)
-    metrics.update({"grad_norm": float(grad_norm or 0.0), "lr": optimizer.param_groups[0]["lr"]})
+    metrics.update({"grad_norm": float(grad_norm or 0.0), "lr": lr})
     metrics.update(_token_counts(batch, mbs, ctx))
     return metrics
 
