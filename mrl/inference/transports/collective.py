@@ -27,6 +27,7 @@ KIND = "collective"
 _ALIGN = 16
 #: Groups this process belongs to, by name (a process may serve several engines / runs in tests).
 _GROUPS: dict[str, Any] = {}
+_BUFFERS: dict[str, torch.Tensor] = {}
 
 
 def join_group(name: str, address: str, port: int, member: int, size: int, timeout_s: float = 600.0) -> None:
@@ -38,6 +39,7 @@ def join_group(name: str, address: str, port: int, member: int, size: int, timeo
 
 def leave_group(name: str) -> None:
     _GROUPS.pop(name, None)
+    _BUFFERS.pop(name, None)
 
 
 def _broadcast(name: str, tensor: torch.Tensor) -> torch.Tensor:
@@ -58,7 +60,10 @@ def send_bucket(name: str, bucket: list[NamedTensor]) -> int:
         size = tensor.numel() * tensor.element_size()
         header.append([tensor_name, str(tensor.dtype).removeprefix("torch."), list(tensor.shape), offset, size])
         offset += size
-    buffer = torch.empty(offset, dtype=torch.uint8)
+    buffer = _BUFFERS.get(name)  # reused from bucket to bucket, as on the receiving side
+    if buffer is None or buffer.numel() < offset:
+        buffer = _BUFFERS[name] = torch.empty(offset, dtype=torch.uint8)
+    buffer = buffer[:offset]
     for (_, tensor), (_, _, _, start, size) in zip(bucket, header):
         buffer[start:start + size] = tensor.detach().contiguous().view(-1).view(torch.uint8)
     encoded = torch.frombuffer(bytearray(json.dumps(header).encode()), dtype=torch.uint8)
@@ -72,7 +77,13 @@ def receive_bucket(name: str) -> list[NamedTensor]:
     """Members 1..: receive one bucket as (name, tensor) views of the received buffer."""
     sizes = _broadcast(name, torch.zeros(2, dtype=torch.long))
     encoded = _broadcast(name, torch.empty(int(sizes[0]), dtype=torch.uint8))
-    buffer = _broadcast(name, torch.empty(int(sizes[1]), dtype=torch.uint8))
+    # One receive buffer per group, grown to the largest bucket and reused: a fresh allocation per bucket left the
+    # engine's memory growing refit after refit (allocator fragmentation). Safe because the engine copies the
+    # tensors into its parameters before the next bucket is received.
+    buffer = _BUFFERS.get(name)
+    if buffer is None or buffer.numel() < int(sizes[1]):
+        buffer = _BUFFERS[name] = torch.empty(int(sizes[1]), dtype=torch.uint8)
+    buffer = _broadcast(name, buffer[: int(sizes[1])])
     out = []
     for tensor_name, dtype, shape, start, size in json.loads(bytes(encoded.tolist()).decode()):
         flat = buffer[start:start + size].view(getattr(torch, dtype))
