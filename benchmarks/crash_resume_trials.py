@@ -34,19 +34,22 @@ def _comparable(row: dict) -> dict:
     return {k: v for k, v in row.items() if k.startswith("train/") and "time" not in k}
 
 
-def _kill_when(proc, out: Path, at_s: float, during_write: bool) -> str:
-    """SIGKILL the run's process group at `at_s` seconds, or (during_write) while a checkpoint after the first one
-    is being written."""
-    start = time.monotonic()
-    ckpt = out / "checkpoints"
+def _kill_when(proc, out: Path, after_step: int, delay_s: float, during_write: bool) -> str:
+    """SIGKILL the run's process group `delay_s` after step `after_step` was logged, or (during_write) while a
+    checkpoint after the first one is being written."""
+    ckpt, log = out / "checkpoints", out / "logs" / "metrics.jsonl"
+    logged_at = None
     while proc.poll() is None:
         entries = [p.name for p in ckpt.iterdir()] if ckpt.is_dir() else []
         # a write in progress while an earlier checkpoint is complete: the resume must skip the half-written one
         writing = any(n.startswith(".tmp-") for n in entries) and any(n.startswith("step_") for n in entries)
-        if (during_write and writing) or (not during_write and time.monotonic() - start >= at_s):
+        steps = len(log.read_text().splitlines()) - 1 if log.exists() else 0  # line 0 is the step-0 validation
+        if logged_at is None and steps >= after_step:
+            logged_at = time.monotonic()
+        if (during_write and writing) or (not during_write and logged_at and time.monotonic() - logged_at >= delay_s):
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-            return "during a checkpoint write" if writing else f"at {time.monotonic() - start:.1f} s"
+            return "during a checkpoint write" if writing else f"{delay_s:.2f} s after step {after_step}"
         time.sleep(0.01)
     return "never (the run finished first)"
 
@@ -76,7 +79,7 @@ def main() -> int:
         out = root / f"trial{trial}"
         during_write = trial == 0
         proc = mrl(*_grpo_args(model, out, args.steps))
-        when = _kill_when(proc, out, rng.uniform(0.55, 0.97) * duration, during_write)
+        when = _kill_when(proc, out, rng.randint(1, args.steps - 1), rng.uniform(0.0, 0.6), during_write)
         text = finish(mrl(*_grpo_args(model, out, args.steps)))
         resumed_from = next((line.split("step ")[-1].rstrip(")") for line in text.splitlines()
                              if "resuming from" in line), "none (fresh start)")
