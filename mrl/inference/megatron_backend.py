@@ -62,7 +62,7 @@ from converters import ConversionError
 from converters.hf_io import load_hf_config, load_hf_state
 from mrl.inference.buckets import NamedTensor, tensor_bytes
 from mrl.inference.interface import FinishReason, GeneratedSample, GenerationOutput, RefitStats, SamplingConfig
-from mrl.inference.prompt_limits import fit_prompts, max_prompt_tokens
+from mrl.inference.prompt_limits import assemble_output, fit_prompts, max_prompt_tokens
 from mrl.inference.refit import RefitError
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -231,16 +231,8 @@ class MegatronBackend:
         rows = [ids for ids in fitted.token_ids for _ in range(sampling.n)]  # prompt-major
         results = self._run(rows, sampling) if rows else []
         by_prompt = {index: results[j * sampling.n:(j + 1) * sampling.n] for j, index in enumerate(fitted.indices)}
-        samples: list[GeneratedSample] = []
-        for index in range(len(prompts)):
-            samples.extend(self._prompt_samples(index, by_prompt.get(index), sampling, index in fitted.truncated))
-        return GenerationOutput(
-            samples=samples,
-            num_prompts=len(prompts),
-            n=sampling.n,
-            num_prompts_truncated=len(fitted.truncated),
-            num_prompts_rejected=len(fitted.rejected),
-        )
+        return assemble_output(fitted, len(prompts), sampling.n, by_prompt,
+                               lambda index, requests, cut: self._prompt_samples(index, requests, sampling, cut))
 
     def _run(self, rows: list[list[int]], sampling: SamplingConfig) -> list[InferenceRequest]:
         """Megatron's finished requests for `rows`, in row order."""

@@ -8,10 +8,11 @@ backend answers it with empty aborted samples. Both are counted so the step logs
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any, Optional
 
-from mrl.inference.interface import OverlongPromptPolicy
+from mrl.inference.interface import GeneratedSample, GenerationOutput, OverlongPromptPolicy
 
 
 @dataclass(frozen=True)
@@ -58,3 +59,14 @@ def fit_prompts(prompts: Sequence[Sequence[int]], limit: int, policy: OverlongPr
         kept.append(ids)
         indices.append(index)
     return FittedPrompts(kept, indices, frozenset(truncated), frozenset(rejected))
+
+
+def assemble_output(fitted: FittedPrompts, num_prompts: int, n: int, results: Mapping[int, Any],
+                    samples_of: Callable[[int, Optional[Any], bool], list[GeneratedSample]]) -> GenerationOutput:
+    """Every prompt's n samples in prompt order: `samples_of(index, its engine result or None if rejected,
+    truncated?)` builds them from the engine's own result type."""
+    samples: list[GeneratedSample] = []
+    for index in range(num_prompts):
+        samples.extend(samples_of(index, results.get(index), index in fitted.truncated))
+    return GenerationOutput(samples=samples, num_prompts=num_prompts, n=n,
+                            num_prompts_truncated=len(fitted.truncated), num_prompts_rejected=len(fitted.rejected))

@@ -29,7 +29,7 @@ from mrl.inference.interface import (
     RefitStats,
     SamplingConfig,
 )
-from mrl.inference.prompt_limits import fit_prompts, max_prompt_tokens
+from mrl.inference.prompt_limits import assemble_output, fit_prompts, max_prompt_tokens
 from mrl.inference.refit import stream_weights
 from mrl.inference.transports import WeightTransport, make_transport
 from mrl.inference.transports.base import Payload, TransportName
@@ -151,17 +151,8 @@ class VllmBackend:
         requests = [TokensPrompt(prompt_token_ids=ids) for ids in fitted.token_ids]
         params = [self._sampling_params(sampling, index) for index in fitted.indices]
         outputs = self.llm.generate(requests, params, use_tqdm=False) if requests else []
-        by_prompt = dict(zip(fitted.indices, outputs))
-        samples: list[GeneratedSample] = []
-        for index in range(len(prompts)):
-            samples.extend(_prompt_samples(index, by_prompt.get(index), sampling, index in fitted.truncated))
-        return GenerationOutput(
-            samples=samples,
-            num_prompts=len(prompts),
-            n=sampling.n,
-            num_prompts_truncated=len(fitted.truncated),
-            num_prompts_rejected=len(fitted.rejected),
-        )
+        return assemble_output(fitted, len(prompts), sampling.n, dict(zip(fitted.indices, outputs)),
+                               lambda index, output, cut: _prompt_samples(index, output, sampling, cut))
 
     def _sampling_params(self, sampling: SamplingConfig, prompt_index: int) -> Any:
         from vllm import SamplingParams
