@@ -96,6 +96,11 @@ class RunCheckpoints:
         self.manager.clean_stale()
         return self.manager.latest()
 
+    def resume_newest(self) -> Optional[dict[str, Any]]:
+        """Resume from the newest complete checkpoint (see `resume`); None when the run starts fresh."""
+        path = self.newest()
+        return None if path is None else self.resume(path)
+
     def resume(self, path: Path) -> dict[str, Any]:
         """Load step folder `path` into the policy and return the controller's training state (RNG restored)."""
         from mrl.checkpoint.manager import check_compatible, load_train_state, restore_rng_state

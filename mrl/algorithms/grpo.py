@@ -117,11 +117,9 @@ def grpo_train(cfg: MrlConfig, runtime: Runtime, env, data: TaskData, logger: Me
     loss_fn = GRPOLoss.from_config(cfg.loss)
     last = cfg.grpo.max_num_steps
     with RunCheckpoints(cfg, runtime) as ckpt:
-        start = 0
-        resume_from = ckpt.newest()
-        if resume_from is not None:
-            state = ckpt.resume(resume_from)
-            start = int(state["step"])
+        state = ckpt.resume_newest()
+        start = int(state["step"]) if state else 0
+        if state:
             loader.load_state_dict(state["dataloader"])
             runtime.refit()  # the engine gets the resumed weights
         else:

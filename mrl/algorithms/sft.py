@@ -59,11 +59,9 @@ def sft_train(cfg: MrlConfig, runtime: Runtime, data: TaskData, logger: MetricsL
     last = cfg.sft.max_num_steps
     final: dict[str, float] = {}
     with RunCheckpoints(cfg, runtime) as ckpt:
-        start = 0
-        resume_from = ckpt.newest()
-        if resume_from is not None:
-            state = ckpt.resume(resume_from)
-            start = int(state["step"])
+        state = ckpt.resume_newest()
+        start = int(state["step"]) if state else 0
+        if state:
             examples.load_state_dict(state["examples"])
         for step in range(start + 1, last + 1):
             t0 = time.perf_counter()
