@@ -112,15 +112,7 @@ def _run_score(args: argparse.Namespace) -> int:
     overrides = [f"++policy.model_name={args.model}", f"++run.output_dir={tempfile.mkdtemp(prefix='mrl-score-')}"]
     if not torch.cuda.is_available() and not any(o.lstrip("+").startswith("policy.precision=") for o in args.overrides):
         overrides.append("++policy.precision=float32")  # bf16 on CPU: slow, and off by ~0.1 nats
-    if args.config:
-        cfg = load_config(args.config, [*overrides, *args.overrides])
-    else:
-        from mrl.config import schema_defaults, validate_tree
-        from mrl.config.loader import apply_overrides, deep_merge, resolve
-
-        tree = apply_overrides({}, [*overrides, *args.overrides])
-        cfg = validate_tree(resolve(deep_merge(schema_defaults(), tree)))
-    run_score(cfg, args.input, args.out)
+    run_score(load_config(args.config, [*overrides, *args.overrides]), args.input, args.out)
     return 0
 
 

@@ -36,10 +36,10 @@ KEY_METRICS = ("train/reward", "train/token_mult_prob_error", "val/accuracy", "t
 def training_rows(rollouts: Rollouts, advantages: torch.Tensor, keep: torch.Tensor, dp_size: int) -> RankBatch:
     """The kept samples as policy rows; advantages broadcast over tokens. Rows are added with an all-zero loss mask
     until the count divides the data-parallel size (they change neither loss nor gradient)."""
-    index = keep.nonzero().squeeze(1)
-    index = torch.cat([index, index[:1].repeat(-len(index) % dp_size)])
+    kept = keep.nonzero().squeeze(1)
+    index = torch.cat([kept, kept[:1].repeat(-len(kept) % dp_size)])
     mask = rollouts.loss_mask[index].clone()
-    mask[len(keep.nonzero()):] = 0
+    mask[len(kept):] = 0
     adv = advantages[index][:, None].expand_as(mask).contiguous()
     lengths = None if rollouts.lengths is None else rollouts.lengths[index]
     return RankBatch(rollouts.input_ids[index], mask,
@@ -88,6 +88,8 @@ def grpo_step(cfg: MrlConfig, runtime: Runtime, env, data: TaskData, problems, s
     with logger.timer("refit", m):
         refit = runtime.refit()
     m.update({f"train/{k}": v for k, v in train.items()})
+    # The loss reports token_mult_prob_error / gen_kl_error too, weighted like the loss (per sequence at sequence
+    # level); the logged ones are the per-token means over the whole batch, before any update (the definition).
     m.update({f"train/{k}": v for k, v in mismatch.items() if k != "num_tokens"})
     m.update({f"train/refit_{k.split('/')[1]}": v for k, v in refit.as_metrics().items() if k != "timing/refit"})
     m.update({"train/reward": float(rollouts.rewards.mean()), "train/reward_errors": float(rollouts.num_reward_errors),
@@ -99,11 +101,12 @@ def grpo_step(cfg: MrlConfig, runtime: Runtime, env, data: TaskData, problems, s
 
 
 def _train_in_minibatches(cfg: MrlConfig, runtime: Runtime, batch: RankBatch, loss_fn: GRPOLoss) -> dict[str, float]:
-    """One optimizer step per `policy.train_global_batch_size` rows; metrics averaged over the steps."""
-    size = max(cfg.policy.train_global_batch_size, runtime.policy.data_parallel_size)
-    size -= size % runtime.policy.data_parallel_size
-    steps = [batch.slice(i, min(i + size, len(batch))) for i in range(0, len(batch), size)]
-    steps = [s for s in steps if len(s) % runtime.policy.data_parallel_size == 0 and s.loss_mask.sum() > 0]
+    """One optimizer step per `policy.train_global_batch_size` rows; metrics averaged over the steps. The batch's
+    rows are a multiple of the data-parallel size (`training_rows`), and so is every slice of it."""
+    dp = runtime.policy.data_parallel_size
+    size = max(cfg.policy.train_global_batch_size, dp) // dp * dp
+    steps = [batch.slice(i, i + size) for i in range(0, len(batch), size)]
+    steps = [s for s in steps if s.loss_mask.sum() > 0]
     results = [runtime.policy.train(s, loss_fn, temperature=1.0) for s in steps]
     keys = results[0].keys() if results else ()
     return {k: sum(r[k] for r in results) / len(results) for k in keys} | {"optimizer_steps": float(len(results))}

@@ -16,7 +16,7 @@ refit after every step.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
@@ -100,7 +100,6 @@ class Runtime:
     placement: Any
     policy: Any = None
     engine: Any = None
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def refit(self) -> Any:
         """Stream the policy's weights into the engine: shared-memory files when they share the devices (or the
@@ -142,16 +141,12 @@ def start_runtime(cfg: MrlConfig, *, total_steps: int, policy: bool = True, engi
             runtime.policy = Policy(spec, runtime.placement, world_size=cfg.policy_world_size,
                                     resource_fraction=0.5 if both else 1.0,
                                     omp_num_threads=cfg.cluster.omp_num_threads)
-        if engine:
-            runtime.engine = _start_engine(cfg, model_dir, runtime.placement)
+        if engine:  # vLLM engines in Ray actors on the placement, or the Megatron engine in this (driver) process
+            from mrl.inference.factory import build_generation
+
+            runtime.engine = build_generation(cfg, str(model_dir), runtime.placement)
     except BaseException:
         runtime.shutdown()
         raise
     return runtime
 
-
-def _start_engine(cfg: MrlConfig, model_dir: Path, placement: Any) -> Any:
-    """vLLM engines in Ray actors on the placement, or the Megatron static engine in this (driver) process."""
-    from mrl.inference.factory import build_generation
-
-    return build_generation(cfg, str(model_dir), placement)

@@ -24,13 +24,13 @@ def validate_tree(tree: dict[str, Any]) -> MrlConfig:
         raise errors_from_validation(exc, MrlConfig, tree) from None
 
 
-def load_config(path: str | Path, overrides: Iterable[str] = ()) -> MrlConfig:
-    """Load, override, resolve and validate a config file.
+def load_config(path: str | Path | None, overrides: Iterable[str] = ()) -> MrlConfig:
+    """Load, override, resolve and validate a config file (None: the schema defaults and the overrides alone).
 
     The schema defaults are merged under the file before interpolations resolve, so `${run.output_dir}` works
     whether or not the file sets it.
     """
-    tree = apply_overrides(load_yaml_tree(path), overrides)
+    tree = apply_overrides({} if path is None else load_yaml_tree(path), overrides)
     return validate_tree(resolve(deep_merge(schema_defaults(), tree)))
 
 

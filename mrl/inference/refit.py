@@ -55,10 +55,15 @@ def stream_weights(
         num_buckets += 1
         total += size
         largest = max(largest, size)
+    check_complete(expected_names, seen)
+    return RefitStats(num_tensors, num_buckets, total, largest, time.perf_counter() - start)
+
+
+def check_complete(expected_names: Optional[frozenset[str]], seen: set[str]) -> None:
+    """Raise `RefitError` when a refit did not carry every tensor of the engine's checkpoint (None: not checked)."""
     missing = sorted(expected_names - seen) if expected_names is not None else []
     if missing:
         raise RefitError(
             f"refit carried {len(seen)} tensors but not {len(missing)} of the engine's checkpoint "
             f"(first: {missing[:5]}); the policy export must yield every HF tensor of the model"
         )
-    return RefitStats(num_tensors, num_buckets, total, largest, time.perf_counter() - start)

@@ -163,7 +163,7 @@ class VllmEngineGroup:
                 expected_names=self.expected_names,
             )
         finally:
-            self.workers.run_all("finish_refit")
+            self.finish_refit()
 
     def load_payload(self, payload: Payload) -> None:
         """Every engine loads one refit payload made elsewhere (e.g. by the policy's rank 0, `Policy.refit`)."""

@@ -62,13 +62,12 @@ class Patcher:
         self.saved.append(_Saved(target, attr, original, value))
         setattr(target, attr, value)
 
-    def restore_displaced(self) -> list[str]:
+    def restore_displaced(self) -> None:
         """Set again every attribute that someone replaced after this patch (e.g. vLLM's CPU worker assigns its own
-        `torch.cuda.Event` at import); returns their names."""
-        displaced = [s for s in self.saved if getattr(s.target, s.attr, _MISSING) is not s.value]
-        for saved in displaced:
-            setattr(saved.target, saved.attr, saved.value)
-        return [s.attr for s in displaced]
+        `torch.cuda.Event` at import)."""
+        for saved in self.saved:
+            if getattr(saved.target, saved.attr, _MISSING) is not saved.value:
+                setattr(saved.target, saved.attr, saved.value)
 
     def undo(self) -> None:
         for saved in reversed(self.saved):

@@ -27,8 +27,8 @@ import torch
 import torch.distributed as dist
 
 from converters import ModelDims
-from converters.mapping import ParamRule, expected_hf_shapes, layer_index, megatron_to_hf, param_rules
 from converters import transforms as T
+from converters.mapping import ParamRule, expected_hf_shapes, layer_index, megatron_to_hf, param_rules
 
 
 @dataclass(frozen=True)
@@ -81,7 +81,6 @@ class ShardedExporter:
     def __init__(self, model: Any, dims: ModelDims, *, layer_offset: int, names: str):
         from megatron.core import parallel_state as ps
 
-        self.model = model  # the unwrapped GPTModel of this rank
         self.dims = dims
         self.names = names
         self.tp_group = ps.get_tensor_model_parallel_group()
@@ -100,7 +99,7 @@ class ShardedExporter:
         else:
             gathered = [local]
         self.stages = StageInfo(tuple(int(g[0]) for g in gathered), tuple(int(g[1]) for g in gathered))
-        self.params = dict(model.named_parameters())
+        self.params = dict(model.named_parameters())  # of this rank's unwrapped GPTModel
 
     def _local_name(self, megatron_name: str) -> str:
         index = layer_index(megatron_name)
@@ -152,9 +151,3 @@ class ShardedExporter:
         if not self.is_root:
             return []
         return list(megatron_to_hf(full, self.dims, require_complete=False))
-
-    def all_buckets(self, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
-        """Every bucket in model order (see `plan_buckets`)."""
-        element_size = torch.empty((), dtype=self._dtype()).element_size()
-        for rules in plan_buckets(self.dims, self.names, bucket_bytes, element_size):
-            yield self.bucket(rules)

@@ -20,9 +20,9 @@ from typing import Any, Optional, Protocol
 
 import torch
 
-from mrl.inference.interface import RefitStats
 from mrl.distributed.worker_group import wait_all
-from mrl.inference.refit import RefitError
+from mrl.inference.interface import RefitStats
+from mrl.inference.refit import check_complete
 from mrl.inference.transports.collective import payload as collective_payload
 from mrl.policy.train_step import PolicyLoss, RankBatch, global_count
 from mrl.policy.worker import PolicySpec, PolicyWorker
@@ -100,9 +100,7 @@ class Policy:
                 largest = max(largest, payload["bytes"])
         finally:
             engine.finish_refit()
-        missing = sorted(engine.expected_names - seen) if engine.expected_names is not None else []
-        if missing:
-            raise RefitError(f"policy export carried {len(seen)} tensors but not {missing[:5]} of the engine's model")
+        check_complete(engine.expected_names, seen)
         return RefitStats(len(seen), num_buckets, total, largest, time.perf_counter() - start)
 
     def _connect(self, engine: Any) -> str:

@@ -14,7 +14,6 @@ right-pads the batch to that multiple (pad tokens are masked out of every loss) 
 
 from __future__ import annotations
 
-import math
 import os
 import time
 from dataclasses import dataclass
@@ -25,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from mrl.config.schema import PolicyConfig
+from mrl.data.packing import length_multiple
 from mrl.policy.train_step import PolicyLoss, RankBatch, StepContext, logprobs_of_batch, train_on_batch
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -136,8 +136,7 @@ class PolicyWorker:
                            temperature=temperature)
 
     def _length_multiple(self) -> int:
-        cp_multiple = 2 * self.dims.cp if self.dims.cp > 1 else 1
-        return math.lcm(cp_multiple, self.dims.tp if self.dims.sequence_parallel else 1)
+        return length_multiple(self.dims.tp if self.dims.sequence_parallel else 1, self.dims.cp)
 
     # ------------------------------------------------------------------------------------------------ compute
     def logprobs(self, shard: RankBatch, temperature: float = 1.0, reference: bool = False) -> Optional[torch.Tensor]:
@@ -259,9 +258,6 @@ class PolicyWorker:
 
         return load_megatron_state(Path(path), self.model, self.optimizer, self.scheduler,
                                    load_optimizer=load_optimizer)
-
-    def barrier(self) -> None:
-        dist.barrier()
 
     def shutdown(self) -> None:
         from mrl.parallel.dims import destroy_process_groups
