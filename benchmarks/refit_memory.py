@@ -2,7 +2,7 @@
 
 Alternates two weight sets (so every refit really changes the weights) `--refits` times after `--warmup` refits,
 for the in-process transport and the shared-memory file transport, on an in-process engine each (USS of this
-process is the engine's). Prints mean/max refit time, buckets, and USS before -> after. Issue 5's acceptance bar:
+process is the engine's). Prints mean/max refit time, buckets, and USS before -> after. The bar this project holds it to:
 USS within 5%.
 
     python benchmarks/refit_memory.py [--refits 50 --hidden 512 --layers 8 --bucket-mb 16]

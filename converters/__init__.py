@@ -7,7 +7,8 @@ Public API (the single source of truth for parameter names and layouts):
 - `rule_for(megatron_name, hf_config)`: the rule of one parameter; `.tp_dim` (0 column/vocab parallel, 1 row
   parallel, None replicated) and `.gated` tell how to split or gather it with `tp_shard` / `tp_unshard`.
 - `select_pp_stage(...)`: a pipeline stage's part of a full-model state, with local layer indices.
-File-level commands (`mrl convert`) are in `converters.cli`.
+hf_io.py reads and writes HF folders. Imports nothing from mrl: the file-level commands (`mrl convert`) are
+`mrl.app.convert`, the Megatron model they build is `mrl.model`.
 """
 
 from converters.mapping import (
@@ -21,7 +22,8 @@ from converters.mapping import (
     rule_for,
     select_pp_stage,
 )
-from converters.spec import ConversionError, ModelDims, detect_family, model_dims, supported_families
+from converters.family import ConversionError
+from converters.spec import ModelDims, detect_family, model_dims, supported_families
 from converters.transforms import padded_vocab_size, tp_shard, tp_unshard
 
 __all__ = [

@@ -6,7 +6,7 @@ Name map: the shared dense-decoder table in `converters.mapping` with no QKV bia
 from collections.abc import Mapping
 from typing import Any
 
-from converters.spec import Family, register_family
+from converters.family import Family
 
 
 def _unsupported(cfg: Mapping[str, Any]) -> list[str]:
@@ -18,13 +18,11 @@ def _unsupported(cfg: Mapping[str, Any]) -> list[str]:
     return problems
 
 
-FAMILY = register_family(
-    Family(
-        name="llama",
-        architectures=("LlamaForCausalLM",),
-        model_types=("llama",),
-        qkv_bias=False,
-        qk_norm=False,
-        unsupported=_unsupported,
-    )
+FAMILY = Family(
+    name="llama",
+    architectures=("LlamaForCausalLM",),
+    model_types=("llama",),
+    qkv_bias=False,
+    qk_norm=False,
+    unsupported=_unsupported,
 )

@@ -33,7 +33,8 @@ from typing import Any, Literal
 import torch
 
 from converters import transforms as T
-from converters.spec import ConversionError, ModelDims, model_dims
+from converters.family import ConversionError
+from converters.spec import ModelDims, model_dims
 
 Kind = Literal["copy", "qkv", "gate_up", "vocab"]
 SpecNames = Literal["local", "te"]

@@ -6,20 +6,18 @@ Name map: the shared dense-decoder table in `converters.mapping` with QKV bias (
 from collections.abc import Mapping
 from typing import Any
 
-from converters.spec import Family, register_family
+from converters.family import Family
 
 
 def _unsupported(cfg: Mapping[str, Any]) -> list[str]:
     return []  # sliding windows, activation and rope type are checked for every family in converters.spec
 
 
-FAMILY = register_family(
-    Family(
-        name="qwen2",
-        architectures=("Qwen2ForCausalLM",),
-        model_types=("qwen2",),
-        qkv_bias=True,
-        qk_norm=False,
-        unsupported=_unsupported,
-    )
+FAMILY = Family(
+    name="qwen2",
+    architectures=("Qwen2ForCausalLM",),
+    model_types=("qwen2",),
+    qkv_bias=True,
+    qk_norm=False,
+    unsupported=_unsupported,
 )

@@ -7,7 +7,7 @@ self_attn.q_norm / k_norm [head_dim] <-> self_attention.q_layernorm / k_layernor
 from collections.abc import Mapping
 from typing import Any
 
-from converters.spec import Family, register_family
+from converters.family import Family
 
 
 def _unsupported(cfg: Mapping[str, Any]) -> list[str]:
@@ -16,13 +16,11 @@ def _unsupported(cfg: Mapping[str, Any]) -> list[str]:
     return []
 
 
-FAMILY = register_family(
-    Family(
-        name="qwen3",
-        architectures=("Qwen3ForCausalLM",),
-        model_types=("qwen3",),
-        qkv_bias=False,
-        qk_norm=True,
-        unsupported=_unsupported,
-    )
+FAMILY = Family(
+    name="qwen3",
+    architectures=("Qwen3ForCausalLM",),
+    model_types=("qwen3",),
+    qkv_bias=False,
+    qk_norm=True,
+    unsupported=_unsupported,
 )

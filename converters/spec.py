@@ -1,6 +1,6 @@
-"""Model families, their detection from config.json, and the dimensions the mapping needs.
+"""The families mrl converts, their detection from config.json, and the dimensions the mapping needs.
 
-A `Family` says what differs between the dense decoder families mrl converts (QKV bias, q/k RMSNorm) and which
+A `Family` (family.py) says what differs between the dense decoder families mrl converts (QKV bias, q/k RMSNorm) and which
 config values it cannot represent in Megatron-Core (so they fail loudly instead of converting into a different
 model). `model_dims(config)` reads an HF config (a dict from config.json or a transformers config object) into a
 validated `ModelDims`, the one record both the name mapping and the Megatron model builder read.
@@ -8,51 +8,22 @@ validated `ModelDims`, the one record both the name mapping and the Megatron mod
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
+
+from converters import llama, qwen2, qwen3
+from converters.family import ConversionError, Family
 
 #: Rope types whose inverse frequencies Megatron's RoPE can use unchanged (no attention scaling factor).
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
-
-class ConversionError(ValueError):
-    """A checkpoint or config that cannot be converted; the message names the tensor / key and the fix."""
-
-
-@dataclass(frozen=True)
-class Family:
-    """What the mapping needs to know about one HF model family.
-
-    qkv_bias: q/k/v projections always carry a bias (Qwen2). Families that expose `attention_bias` also put a bias
-    on o_proj, which Megatron's `add_qkv_bias` cannot represent: `unsupported` rejects it.
-    qk_norm: per-head RMSNorm on queries and keys before RoPE (Qwen3) = Megatron q_layernorm / k_layernorm.
-    """
-
-    name: str
-    architectures: tuple[str, ...]
-    model_types: tuple[str, ...]
-    qkv_bias: bool
-    qk_norm: bool
-    unsupported: Callable[[Mapping[str, Any]], list[str]] = field(default=lambda cfg: [])
-
-
-_REGISTRY: dict[str, Family] = {}
-
-
-def register_family(family: Family) -> Family:
-    """Add a family to the registry (each family module calls this once at import)."""
-    _REGISTRY[family.name] = family
-    return family
+#: Every family mrl converts, looked up by architecture first, then by model type.
+FAMILIES: tuple[Family, ...] = (llama.FAMILY, qwen2.FAMILY, qwen3.FAMILY)
 
 
 def supported_families() -> tuple[str, ...]:
-    _load_builtin_families()
-    return tuple(sorted(_REGISTRY))
-
-
-def _load_builtin_families() -> None:
-    from converters import llama, qwen2, qwen3  # noqa: F401  (registration on import)
+    return tuple(sorted(f.name for f in FAMILIES))
 
 
 def detect_family(config: Mapping[str, Any]) -> Family:
@@ -60,16 +31,15 @@ def detect_family(config: Mapping[str, Any]) -> Family:
 
     Raises ConversionError listing the supported families when nothing matches.
     """
-    _load_builtin_families()
     architectures = list(config.get("architectures") or [])
     model_type = config.get("model_type")
-    for family in _REGISTRY.values():
+    for family in FAMILIES:
         if any(arch in family.architectures for arch in architectures):
             return family
-    for family in _REGISTRY.values():
+    for family in FAMILIES:
         if model_type in family.model_types:
             return family
-    supported = ", ".join(f"{f.name} ({'/'.join(f.architectures)})" for f in sorted(_REGISTRY.values(),
+    supported = ", ".join(f"{f.name} ({'/'.join(f.architectures)})" for f in sorted(FAMILIES,
                                                                                      key=lambda f: f.name))
     raise ConversionError(
         f"unsupported model family: architectures={architectures}, model_type={model_type!r}. "

@@ -2,6 +2,8 @@
 
 Every command validates its configuration before anything starts: a bad key, type or combination exits with status 2
 and a message naming the dotted key. Commands whose implementation has not landed exit with status 3 and say so.
+Exit statuses are listed in mrl/app/errors.py. The commands themselves live in mrl/app (imported when used, so that
+`mrl config show` and `--help` do not load torch, Ray or vLLM).
 """
 
 from __future__ import annotations
@@ -11,9 +13,8 @@ import sys
 from pathlib import Path
 from typing import Callable, Sequence
 
+from mrl.app.errors import NOT_IMPLEMENTED_EXIT_CODE, RUN_FAILED_EXIT_CODE, CheckpointIncompatibleError, RunFailed
 from mrl.config import CONFIG_ERROR_EXIT_CODE, ConfigError, MrlConfig, load_config, to_yaml
-
-NOT_IMPLEMENTED_EXIT_CODE = 3
 
 CONFIG_COMMANDS: dict[str, str] = {
     "grpo": "GRPO training: generate -> reward -> advantages -> train -> refit, on Ray.",
@@ -55,7 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
     config = sub.add_parser("config", help="Inspect configurations.")
     config_sub = config.add_subparsers(dest="config_command", required=True, metavar="ACTION")
     show = config_sub.add_parser("show", help="Print the resolved tree (defaults, inheritance and overrides applied).")
-    _add_config_args(show)
+    show.add_argument("--config", metavar="FILE", help="YAML config or recipe (none: the defaults alone)")
+    show.add_argument("overrides", nargs="*", help=OVERRIDE_HELP)
     return parser
 
 
@@ -81,7 +83,7 @@ def _add_convert_parser(sub) -> None:
 
 def _handler(command: str) -> Callable[[MrlConfig], object]:
     """The implementation of a config-driven command (imported lazily: heavy dependencies load only when used)."""
-    from mrl.algorithms.commands import RUNNERS
+    from mrl.app.commands import RUNNERS
 
     if command not in RUNNERS:
         raise NotImplementedCommand(command)
@@ -95,7 +97,7 @@ def _run_config_command(args: argparse.Namespace) -> int:
 
 
 def _run_staged(args: argparse.Namespace) -> int:
-    from mrl.algorithms.stages import run_staged
+    from mrl.app.stages import run_staged
 
     run_staged(args.recipe, args.overrides)
     return 0
@@ -107,7 +109,7 @@ def _run_score(args: argparse.Namespace) -> int:
 
     import torch
 
-    from mrl.algorithms.score import run_score
+    from mrl.app.commands import run_score
 
     overrides = [f"++policy.model_name={args.model}", f"++run.output_dir={tempfile.mkdtemp(prefix='mrl-score-')}"]
     if not torch.cuda.is_available() and not any(o.lstrip("+").startswith("policy.precision=") for o in args.overrides):
@@ -117,23 +119,24 @@ def _run_score(args: argparse.Namespace) -> int:
 
 
 def _run_convert(args: argparse.Namespace) -> int:
-    """HF <-> Megatron conversion (converters.cli); a bad input folder is a user error, not a traceback."""
+    """HF <-> Megatron conversion (mrl.app.convert); a bad input folder is a user error, not a traceback."""
     from converters import ConversionError
-    from converters import cli as conv
+    from mrl.app import convert
+    from mrl.checkpoint.manager import CheckpointError
 
     try:
         if args.direction == "hf-to-megatron":
-            out = conv.hf_to_megatron(args.hf, args.out, tp=args.tp, pp=args.pp)
+            out = convert.hf_to_megatron(args.hf, args.out, tp=args.tp, pp=args.pp)
         elif args.megatron:
-            out = conv.megatron_to_hf(args.megatron, args.out)
+            out = convert.megatron_to_hf(args.megatron, args.out)
         else:
             from mrl.checkpoint.manager import MARKER_FILE
 
             if not (Path(args.checkpoint) / MARKER_FILE).is_file():
                 raise ConversionError(f"{args.checkpoint} is not a complete training checkpoint (no {MARKER_FILE} "
                                       "marker): pass a <checkpointing.dir>/step_N folder")
-            out = conv.megatron_to_hf(args.checkpoint, args.out)  # step_N/model (weights) + step_N/hf (config)
-    except (ConversionError, FileNotFoundError) as exc:
+            out = convert.megatron_to_hf(args.checkpoint, args.out)  # step_N/model (weights) + step_N/hf (config)
+    except (ConversionError, CheckpointError, FileNotFoundError) as exc:
         print(f"mrl convert: {exc}", file=sys.stderr)
         return 1
     print(f"wrote {out}")
@@ -141,8 +144,6 @@ def _run_convert(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from mrl.algorithms.checkpointing import CheckpointIncompatibleError
-
     args = build_parser().parse_args(argv)
     try:
         if args.command == "config":
@@ -164,6 +165,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except NotImplementedCommand as exc:
         print(f"mrl {exc.args[0]}: not implemented yet", file=sys.stderr)
         return NOT_IMPLEMENTED_EXIT_CODE
+    except RunFailed as exc:
+        print(f"mrl: run failed: {exc}", file=sys.stderr)
+        return RUN_FAILED_EXIT_CODE
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@ import os
 
 import pytest
 
-# One thread per process: the suite runs several ranks on 2 cores (platform.md: 0.6 s instead of 14 ms per step).
+# One thread per process: the suite runs several ranks on 2 cores (measured: 0.6 s instead of 14 ms per step).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

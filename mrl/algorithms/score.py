@@ -19,7 +19,7 @@ from typing import Any, Optional
 
 import torch
 
-from mrl.config.schema import MrlConfig
+from mrl.policy.interface import RankBatch, TrainablePolicy
 
 ROWS_PER_CALL = 64
 
@@ -58,9 +58,8 @@ def _read_rows(path: Path, tokenizer: Any, limit: int) -> list[tuple[int, Option
     return rows
 
 
-def _score_batch(policy: Any, batch: list[tuple[int, list[int], int, str]], pad_id: int) -> list[torch.Tensor]:
-    from mrl.policy.train_step import RankBatch
-
+def _score_batch(policy: TrainablePolicy, batch: list[tuple[int, list[int], int, str]],
+                 pad_id: int) -> list[torch.Tensor]:
     dp = policy.data_parallel_size
     rows = batch + [batch[0]] * (-len(batch) % dp)  # every data-parallel rank needs rows; extras are dropped
     width = max(len(ids) for _, ids, _, _ in rows)
@@ -74,24 +73,29 @@ def _score_batch(policy: Any, batch: list[tuple[int, list[int], int, str]], pad_
     return [logprobs[r, start: len(tokens)] for r, (_, tokens, start, _) in enumerate(batch)]
 
 
-def run_score(cfg: MrlConfig, input_path: str, out_path: str) -> dict[str, float]:
-    from mrl.algorithms.runtime import start_runtime
-
+def read_inputs(input_path: str, tokenizer: Any, max_length: int) -> list[tuple[int, Optional[list[int]], int, str]]:
+    """The rows of the --input file (checked before any worker starts)."""
     source = Path(input_path)
     if not source.is_file():
         raise FileNotFoundError(f"--input {input_path}: no such file")
-    runtime = start_runtime(cfg, total_steps=1, engine=False)
-    try:
-        pad = runtime.tokenizer.pad_token_id if runtime.tokenizer.pad_token_id is not None else 0
-        rows = _read_rows(source, runtime.tokenizer, cfg.policy.max_total_sequence_length)
-        good = [r for r in rows if r[1] is not None]
-        scored: dict[int, torch.Tensor] = {}
-        for start in range(0, len(good), ROWS_PER_CALL):
-            chunk = good[start: start + ROWS_PER_CALL]
-            scored.update(zip((r[0] for r in chunk), _score_batch(runtime.policy, chunk, pad)))
-            print(f"[mrl score] {min(start + ROWS_PER_CALL, len(good))}/{len(good)} rows", file=sys.stderr)
-    finally:
-        runtime.shutdown()
+    return _read_rows(source, tokenizer, max_length)
+
+
+def score_rows(policy: TrainablePolicy, rows: list[tuple[int, Optional[list[int]], int, str]],
+               pad_id: int) -> dict[int, torch.Tensor]:
+    """Logprobs of the scored tokens of every readable row, by row index."""
+    good = [r for r in rows if r[1] is not None]
+    scored: dict[int, torch.Tensor] = {}
+    for start in range(0, len(good), ROWS_PER_CALL):
+        chunk = good[start: start + ROWS_PER_CALL]
+        scored.update(zip((r[0] for r in chunk), _score_batch(policy, chunk, pad_id)))  # type: ignore[arg-type]
+        print(f"[mrl score] {min(start + ROWS_PER_CALL, len(good))}/{len(good)} rows", file=sys.stderr)
+    return scored
+
+
+def write_scores(out_path: str, rows: list[tuple[int, Optional[list[int]], int, str]],
+                 scored: dict[int, torch.Tensor]) -> dict[str, float]:
+    """The output file (see the module docstring) and the corpus summary."""
     total_lp, total_tokens = 0.0, 0
     Path(out_path).parent.mkdir(parents=True, exist_ok=True)
     with open(out_path, "w") as out:
@@ -105,8 +109,9 @@ def run_score(cfg: MrlConfig, input_path: str, out_path: str) -> dict[str, float
             out.write(json.dumps({"index": index, "num_scored_tokens": len(lp), "token_ids": ids[first:],
                                   "logprobs": lp.tolist(), "sum_logprob": float(lp.double().sum()),
                                   "perplexity": math.exp(-float(lp.double().mean()))}) + "\n")
-    summary = {"rows": float(len(rows)), "rows_skipped": float(len(rows) - len(good)),
+    skipped = sum(1 for r in rows if r[1] is None)
+    summary = {"rows": float(len(rows)), "rows_skipped": float(skipped),
                "perplexity": math.exp(-total_lp / total_tokens) if total_tokens else float("nan")}
-    print(f"[mrl score] {len(good)} rows scored, {len(rows) - len(good)} skipped; corpus perplexity "
+    print(f"[mrl score] {len(rows) - skipped} rows scored, {skipped} skipped; corpus perplexity "
           f"{summary['perplexity']:.4f} -> {out_path}", file=sys.stderr)
     return summary

@@ -4,29 +4,36 @@ with the same policy workers, optimizer and logging as GRPO. Used as the warm-up
 
 Data: with `data.arith`, every step draws `policy.train_global_batch_size` fresh training pairs whose labels are
 near misses with probability `data.arith.near_miss_fraction` (the task's point: the SFT policy ends up only partly
-right, leaving GRPO something to fix); otherwise the problem/answer rows of `data.train`, answer as the response.
+right, leaving GRPO something to fix), an endless stream (sft.max_num_epochs does not apply); otherwise the
+problem/answer rows of `data.train`, answer as the response, for at most sft.max_num_epochs passes.
+Validation (every sft.val_every steps and after the last): `val/loss`, the same token-level NLL over the
+validation problems with their gold answers (data.val, or the arith task's held-out pairs), no update.
 """
 
 from __future__ import annotations
 
 import random
+import sys
 import time
+from typing import Optional
 
-from mrl.algorithms.checkpointing import RunCheckpoints
-from mrl.algorithms.loss import NLLLoss
-from mrl.algorithms.runtime import Runtime
+
+from mrl.algorithms.interfaces import LoopCheckpoints, Workers
 from mrl.config.schema import MrlConfig
 from mrl.data.dataloader import PromptDataLoader
 from mrl.data.sft import build_sft_batch
 from mrl.data.tasks import TaskData
 from mrl.logging.metrics import MetricsLogger
-from mrl.policy.train_step import RankBatch
+from mrl.objectives.loss import NLLLoss
+from mrl.policy.interface import RankBatch
 
-KEY_METRICS = ("train/loss", "train/grad_norm")
+KEY_METRICS = ("train/loss", "train/grad_norm", "val/loss")
+#: Validation rows per logprobs call.
+VAL_ROWS_PER_CALL = 256
 
 
 class _Examples:
-    """Endless (prompt, target) batches with a saveable position."""
+    """(prompt, target) batches with a saveable position."""
 
     def __init__(self, cfg: MrlConfig, data: TaskData) -> None:
         self.batch_size = cfg.policy.train_global_batch_size
@@ -41,6 +48,10 @@ class _Examples:
         problems = next(self.loader)  # type: ignore[arg-type]
         return [p.problem for p in problems], [p.answer for p in problems]
 
+    def passes_done(self, max_epochs: int) -> bool:
+        """Whether the data has been seen `max_epochs` times (never for the endless arith stream)."""
+        return self.loader is not None and self.loader.passes_done(max_epochs)
+
     def state_dict(self) -> dict:
         version, internal, gauss = self.rng.getstate()
         return {"rng": [version, list(internal), gauss], "loader": self.loader.state_dict() if self.loader else None}
@@ -52,27 +63,54 @@ class _Examples:
             self.loader.load_state_dict(state["loader"])
 
 
-def sft_train(cfg: MrlConfig, runtime: Runtime, data: TaskData, logger: MetricsLogger) -> dict[str, float]:
+def validation_loss(workers: Workers, data: TaskData) -> dict[str, float]:
+    """`val/loss`: token-level NLL of the validation answers (no update); {} without validation problems."""
+    if not data.val:
+        return {}
+    dp = workers.policy.data_parallel_size
+    total = count = 0.0
+    for start in range(0, len(data.val), VAL_ROWS_PER_CALL):
+        chunk = data.val[start:start + VAL_ROWS_PER_CALL]
+        sft = build_sft_batch([p.problem for p in chunk], [p.answer for p in chunk], workers.tokenizer, data.template)
+        rows = list(range(len(chunk))) + [0] * (-len(chunk) % dp)  # every data-parallel rank needs rows
+        mask = sft.loss_mask[rows].clone()
+        mask[len(chunk):] = 0  # the repeated rows count for nothing
+        logprobs = workers.policy.logprobs(RankBatch(sft.input_ids[rows], mask, lengths=sft.lengths[rows]))
+        total -= float((logprobs.double() * mask).sum())
+        count += float(mask.sum())
+    return {"val/loss": total / count} if count else {}
+
+
+def _validation_due(cfg: MrlConfig, step: int, done: bool) -> bool:
+    return done or bool(cfg.sft.val_every and step % cfg.sft.val_every == 0)
+
+
+def sft_train(cfg: MrlConfig, workers: Workers, data: TaskData, logger: MetricsLogger,
+              ckpt: LoopCheckpoints) -> dict[str, float]:
     """The whole SFT run (resumes from the newest checkpoint when there is one). Returns the last step's metrics."""
     examples = _Examples(cfg, data)
     loss_fn = NLLLoss(level="token")
     last = cfg.sft.max_num_steps
+    if not data.val:
+        print("[mrl] no validation problems (data.val): validation is skipped", file=sys.stderr)
+    state: Optional[dict] = ckpt.resume_newest()
+    if state:
+        examples.load_state_dict(state["examples"])
     final: dict[str, float] = {}
-    with RunCheckpoints(cfg, runtime) as ckpt:
-        state = ckpt.resume_newest()
-        start = int(state["step"]) if state else 0
-        if state:
-            examples.load_state_dict(state["examples"])
-        for step in range(start + 1, last + 1):
-            t0 = time.perf_counter()
-            prompts, targets = examples.next()
-            sft = build_sft_batch(prompts, targets, runtime.tokenizer, data.template)
-            metrics = runtime.policy.train(RankBatch(sft.input_ids, sft.loss_mask), loss_fn)
-            final = {f"train/{k}": v for k, v in metrics.items()}
-            final["timing/step"] = time.perf_counter() - t0
-            logger.log(final, step=step)
-            if ckpt.due(step, last):
-                ckpt.save(step, {"examples": examples.state_dict()}, final)
-            if ckpt.stop_requested:
-                break
+    for step in range(int(state["step"]) + 1 if state else 1, last + 1):
+        t0 = time.perf_counter()
+        prompts, targets = examples.next()
+        sft = build_sft_batch(prompts, targets, workers.tokenizer, data.template)
+        metrics = {f"train/{k}": v for k, v in workers.policy.train(RankBatch(sft.input_ids, sft.loss_mask),
+                                                                    loss_fn).items()}
+        done = step == last or examples.passes_done(cfg.sft.max_num_epochs)
+        if _validation_due(cfg, step, done):
+            metrics.update(validation_loss(workers, data))
+        metrics["timing/step"] = time.perf_counter() - t0
+        logger.log(metrics, step=step)
+        final = metrics
+        if ckpt.due(step, last, final=done):
+            ckpt.save(step, {"examples": examples.state_dict()}, metrics)
+        if done or ckpt.stop_requested:
+            break
     return final

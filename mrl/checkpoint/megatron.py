@@ -2,7 +2,7 @@
 
 Called inside every policy worker process (all ranks of the policy together: these are collective calls), on the
 folder the controller got from `CheckpointManager.begin(step)`:
-    <step folder>/model/      dist_checkpointing (torch_dist): the model weights, as `converters.cli` writes them
+    <step folder>/model/      dist_checkpointing (torch_dist): the model weights, as `mrl.app.convert` writes them
     <step folder>/optimizer/  dist_checkpointing (torch_dist): optimizer state and the LR schedule
     <step folder>/rng/        rank_<global rank>.pt: RNG states of each rank; layout.json: the layout that wrote them
 
@@ -12,14 +12,14 @@ written at one TP/PP/DP layout loads at another. The distributed optimizer's sta
 distributed optimizer at any DP size.
 Switching between the distributed and the regular optimizer is refused with a clear error (their states differ
 in structure). The padded vocabulary is part of the tensor shapes: build the model
-with the checkpoint's (`converters.cli.checkpoint_padded_vocab(<step folder>/model)`).
+with the checkpoint's (`checkpoint_padded_vocab(<step folder>/model)`).
 
 Exact resume needs, beyond weights and Adam moments: Adam's step count (bias correction), the LR scheduler's step,
 and every RNG a rank draws from (torch CPU/CUDA, Megatron's model-parallel tracker for dropout/init, Python and
 numpy). RNG states are per rank and only meaningful for the same layout: under another layout they are skipped
 (the report says so) and the run continues with the freshly seeded generators.
 
-The folder layout matches `converters.cli` (model/, and hf/ when the controller copies the HF config and
+The folder layout matches `mrl.app.convert` (model/, and hf/ when the controller copies the HF config and
 tokenizer there), so `mrl convert megatron-to-hf <step folder>` exports a checkpoint directly.
 """
 
@@ -35,7 +35,8 @@ import torch
 from mrl.checkpoint.manager import CheckpointError, capture_rng_state, restore_rng_state, write_atomic
 
 MODEL_SUBDIR, TRAINING_SUBDIR, RNG_SUBDIR, LAYOUT_FILE = "model", "optimizer", "rng", "layout.json"
-#: The distributed optimizer's state as one tensor per parameter, loadable under any layout (platform.md).
+_EMBEDDING_KEY = "embedding.word_embeddings.weight"
+#: The distributed optimizer's state as one tensor per parameter, loadable under any layout.
 _SHARDED_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
 
 
@@ -57,7 +58,7 @@ def _parallel_layout() -> dict[str, int]:
 
 
 def _model_sharded_state_dict(model_chunks: list) -> dict:
-    """The model's sharded state dict, flat: with one chunk exactly what `converters.cli` writes and reads.
+    """The model's sharded state dict, flat: with one chunk exactly what `mrl.app.convert` writes and reads.
 
     Virtual-pipeline chunks get their dict keys prefixed by the chunk index (dict keys must be unique); the
     checkpoint keys inside the ShardedTensors carry global layer indices, so the files do not depend on it.
@@ -189,6 +190,24 @@ def _init_distributed_optimizer_state(optimizer: Any) -> None:
     for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
         if isinstance(inner, DistributedOptimizer) and not inner.optimizer.state:
             inner._init_optimizer_states_with_dummy_values()
+
+
+def checkpoint_padded_vocab(model_dir: str | Path) -> int:
+    """The padded vocabulary of a distributed checkpoint, read from its tensor metadata (global shapes)."""
+    from megatron.core import dist_checkpointing
+
+    metadata = dist_checkpointing.load_tensors_metadata(str(model_dir))
+    for key in (_EMBEDDING_KEY, "output_layer.weight"):
+        if key in metadata:
+            return int(metadata[key].global_shape[0])
+    raise CheckpointError(f"{model_dir} holds no {_EMBEDDING_KEY}: not a GPT model checkpoint")
+
+
+def load_megatron_checkpoint(model: Any, model_dir: str | Path) -> None:
+    """Load the weights of a distributed checkpoint into a (TP/PP-sharded) model, resharding as needed; strict."""
+    from megatron.core import dist_checkpointing
+
+    _load_model_strict(model, dist_checkpointing.load(model.sharded_state_dict(), str(model_dir)), Path(model_dir))
 
 
 def _load_model_strict(module: Any, state: dict, model_dir: Path) -> None:

@@ -1,16 +1,24 @@
-"""Cross-field rules of the config tree, and the translation of pydantic errors into user-facing ConfigErrors."""
+"""Cross-field rules of the config tree, and the translation of pydantic errors into user-facing ConfigErrors.
+
+Rules the runtime applies too are not written here but called: the parallel layout, the length multiple and the
+micro-batching rules (mrl.parallel.layout), pass@k (mrl.objectives.passk). Each is written once, so a config
+this check accepts is one the workers run. Imports the schema for annotations only (schema.py calls this module).
+"""
 
 from __future__ import annotations
 
-import math
+import json
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ValidationError
 
 from mrl.config.errors import ConfigError, suggest
+from mrl.objectives.passk import pass_k_problem
+from mrl.parallel.layout import Violation, layout_violations, length_multiple, micro_batching_violations
 
 if TYPE_CHECKING:
-    from mrl.config.schema import MrlConfig
+    from mrl.config.schema import MrlConfig, PolicyConfig
 
 
 def cross_field_problems(cfg: "MrlConfig") -> list[ConfigError]:
@@ -18,26 +26,37 @@ def cross_field_problems(cfg: "MrlConfig") -> list[ConfigError]:
     return [*_parallel_problems(cfg), *_batch_problems(cfg), *_length_problems(cfg), *_misc_problems(cfg)]
 
 
-def _parallel_problems(cfg: "MrlConfig") -> list[ConfigError]:
-    from mrl.config.schema import model_head_counts
+def _from_rule(violation: Violation) -> ConfigError:
+    return ConfigError(violation.message, key=violation.key, given=violation.given, allowed=violation.allowed,
+                       fix=violation.fix)
 
-    out = []
+
+def model_head_counts(policy: "PolicyConfig") -> tuple[int, int] | None:
+    """(query heads, kv heads) of the policy model when known before start-up: from `build` or config.json."""
+    if policy.build is not None:
+        heads = policy.build.num_attention_heads
+        return heads, policy.build.num_key_value_heads or heads
+    if policy.model_name:
+        cfg_file = Path(policy.model_name) / "config.json"
+        if cfg_file.is_file():
+            hf = json.loads(cfg_file.read_text())
+            heads = hf.get("num_attention_heads")
+            if isinstance(heads, int):
+                return heads, hf.get("num_key_value_heads") or heads
+    return None
+
+
+def _parallel_problems(cfg: "MrlConfig") -> list[ConfigError]:
     par = cfg.policy.parallel
-    tp, pp, cp = par.tensor_parallel_size, par.pipeline_parallel_size, par.context_parallel_size
-    if par.sequence_parallel and tp == 1:
-        out.append(ConfigError("sequence parallelism needs tensor parallelism", key="policy.parallel.sequence_parallel",
-                               given=True, fix="set policy.parallel.tensor_parallel_size > 1 or sequence_parallel=false"))
+    tp = par.tensor_parallel_size
     world = cfg.policy_world_size
     if world < 1:
-        out.append(ConfigError("the engine takes every device, none is left for the policy",
-                               key="generation.num_devices", given=cfg.generation.num_devices,
-                               allowed=f"< {cfg.cluster.num_nodes * cfg.cluster.devices_per_node}"))
-    elif world % (tp * pp * cp):
-        out.append(ConfigError(f"policy world size {world} is not divisible by tp*pp*cp = {tp}*{pp}*{cp}",
-                               key="policy.parallel", fix="change the parallel sizes or cluster.devices_per_node"))
-    elif par.expert_parallel_size > 1 and (world // (tp * pp)) % par.expert_parallel_size:
-        out.append(ConfigError(f"expert parallel size must divide dp*cp = {world // (tp * pp)}",
-                               key="policy.parallel.expert_parallel_size", given=par.expert_parallel_size))
+        return [ConfigError("the engine takes every device, none is left for the policy", key="generation.num_devices",
+                            given=cfg.generation.num_devices,
+                            allowed=f"< {cfg.cluster.num_nodes * cfg.cluster.devices_per_node}")]
+    out = [_from_rule(v) for v in layout_violations(
+        tp=tp, pp=par.pipeline_parallel_size, cp=par.context_parallel_size, ep=par.expert_parallel_size,
+        sequence_parallel=par.sequence_parallel, world_size=world)]
     heads = model_head_counts(cfg.policy)
     if heads is not None:
         q_heads, kv_heads = heads
@@ -49,9 +68,10 @@ def _parallel_problems(cfg: "MrlConfig") -> list[ConfigError]:
             out.append(ConfigError(f"tensor parallel size does not divide the model's {kv_heads} key/value heads",
                                    key="policy.parallel.tensor_parallel_size", given=tp,
                                    allowed=f"a divisor of {kv_heads}: {_divisors(kv_heads)}"))
-    if cfg.generation.vllm.tensor_parallel_size > 1 and heads is not None and heads[0] % cfg.generation.vllm.tensor_parallel_size:
+    vllm_tp = cfg.generation.vllm.tensor_parallel_size
+    if vllm_tp > 1 and heads is not None and heads[0] % vllm_tp:
         out.append(ConfigError(f"vLLM tensor parallel size does not divide the model's {heads[0]} heads",
-                               key="generation.vllm.tensor_parallel_size", given=cfg.generation.vllm.tensor_parallel_size,
+                               key="generation.vllm.tensor_parallel_size", given=vllm_tp,
                                allowed=f"a divisor of {heads[0]}: {_divisors(heads[0])}"))
     return out
 
@@ -74,38 +94,28 @@ def _batch_problems(cfg: "MrlConfig") -> list[ConfigError]:
             f"whole optimizer batches of policy.train_global_batch_size",
             key="policy.train_global_batch_size", given=pol.train_global_batch_size,
             allowed=f"a divisor of {rollouts}"))
-    bad_k = [k for k in cfg.eval.pass_k if k > cfg.eval.num_samples or k < 1]
-    if bad_k:
-        out.append(ConfigError("pass@k needs 1 <= k <= eval.num_samples", key="eval.pass_k", given=bad_k,
-                               allowed=f"values in 1..{cfg.eval.num_samples}"))
+    pass_k = pass_k_problem(cfg.eval.pass_k, cfg.eval.num_samples)
+    if pass_k:
+        out.append(ConfigError(pass_k, key="eval.pass_k", given=cfg.eval.pass_k,
+                               allowed=f"values in 1..{cfg.eval.num_samples} (eval.num_samples)"))
     return out
 
 
 def _length_problems(cfg: "MrlConfig") -> list[ConfigError]:
     out = []
     pol = cfg.policy
-    if pol.sequence_packing.enabled and pol.dynamic_batching.enabled:
-        out.append(ConfigError("sequence packing and dynamic batching are alternatives; enable one",
-                               key="policy.dynamic_batching.enabled", given=True))
     for name, section in (("sequence_packing", pol.sequence_packing), ("dynamic_batching", pol.dynamic_batching)):
         if section.enabled and section.tokens_per_microbatch < pol.max_total_sequence_length:
             out.append(ConfigError("the token budget must hold the longest sequence (policy.max_total_sequence_length)",
                                    key=f"policy.{name}.tokens_per_microbatch", given=section.tokens_per_microbatch,
                                    allowed=f">= {pol.max_total_sequence_length}"))
     par = pol.parallel
-    if pol.dynamic_batching.enabled and par.pipeline_parallel_size > 1:
-        out.append(ConfigError("dynamic batching makes micro-batches of different shapes, which pipeline parallelism "
-                               "cannot send between stages", key="policy.dynamic_batching.enabled", given=True,
-                               fix="use policy.sequence_packing (packs are padded to a fixed size) with pipeline "
-                                   "parallelism"))
-    multiple = math.lcm(2 * par.context_parallel_size if par.context_parallel_size > 1 else 1,
-                        par.tensor_parallel_size if par.sequence_parallel else 1)
-    if pol.sequence_packing.enabled and par.pipeline_parallel_size > 1 \
-            and pol.sequence_packing.tokens_per_microbatch % multiple:
-        out.append(ConfigError("with pipeline parallelism every pack is padded to the budget, which must split over "
-                               "the sequence-splitting ranks (tp with sequence parallel x 2*cp)",
-                               key="policy.sequence_packing.tokens_per_microbatch",
-                               given=pol.sequence_packing.tokens_per_microbatch, allowed=f"a multiple of {multiple}"))
+    packing, dynamic = pol.sequence_packing, pol.dynamic_batching
+    multiple = length_multiple(par.tensor_parallel_size, par.context_parallel_size,
+                               sequence_parallel=par.sequence_parallel)
+    out += [_from_rule(v) for v in micro_batching_violations(
+        packing=packing.enabled, dynamic_batching=dynamic.enabled, pp=par.pipeline_parallel_size, multiple=multiple,
+        tokens_per_microbatch=(packing if packing.enabled else dynamic).tokens_per_microbatch)]
     if cfg.generation.max_new_tokens >= pol.max_total_sequence_length:
         out.append(ConfigError("responses must leave room for the prompt within policy.max_total_sequence_length",
                                key="generation.max_new_tokens", given=cfg.generation.max_new_tokens,

@@ -7,12 +7,11 @@ starts, naming the key to change.
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from mrl.config.checks import cross_field_problems
 from mrl.config.errors import ConfigError
 
 
@@ -87,7 +86,7 @@ class DynamicBatchingConfig(Section):
 
 
 class PolicyConfig(Section):
-    model_name: Optional[str] = Field(None, description="HF model folder or hub name, or a Megatron checkpoint folder.")
+    model_name: Optional[str] = Field(None, description="HF model folder (config.json + safetensors + tokenizer).")
     tokenizer: Optional[str] = Field(None, description="Tokenizer folder or name; None = model_name's.")
     build: Optional[ModelBuildConfig] = Field(None, description="Build a random model instead of loading model_name.")
     precision: Literal["float32", "bfloat16"] = Field("bfloat16", description="Parameter/compute dtype (fp32 on CPU).")
@@ -130,6 +129,8 @@ class GenerationConfig(Section):
 
 # ------------------------------------------------------------------------------------------------------- loss, algos
 class LossConfig(Section):
+    """The fields of `mrl.objectives.loss.GRPOLoss`, which the GRPO loop builds from this section."""
+
     clip_low: float = Field(0.2, ge=0, lt=1, description="PPO ratio clip below 1 (ratio >= 1 - clip_low).")
     clip_high: float = Field(0.2, ge=0, description="PPO ratio clip above 1 (ratio <= 1 + clip_high; DAPO clip-higher).")
     dual_clip: Optional[float] = Field(None, gt=1, description="Dual-clip constant c > 1 for negative advantages; None = off.")
@@ -206,7 +207,6 @@ class CheckpointConfig(Section):
     metric: str = Field("val/accuracy", description="Metric ranking the best checkpoints.")
     higher_is_better: bool = Field(True, description="Direction of `metric`.")
     resume: bool = Field(True, description="Resume from the newest complete checkpoint when there is one.")
-    sigterm_grace_s: float = Field(120.0, gt=0, description="Time allowed to save and exit after SIGTERM.")
 
 
 class WandbConfig(Section):
@@ -252,8 +252,6 @@ class MrlConfig(Section):
 
     @model_validator(mode="after")
     def _cross_checks(self) -> "MrlConfig":
-        from mrl.config.checks import cross_field_problems
-
         problems = cross_field_problems(self)
         if problems:
             raise ConfigError("", problems=problems)
@@ -271,18 +269,3 @@ class MrlConfig(Section):
     def data_parallel_size(self) -> int:
         p = self.policy.parallel
         return self.policy_world_size // (p.tensor_parallel_size * p.pipeline_parallel_size * p.context_parallel_size)
-
-
-def model_head_counts(policy: PolicyConfig) -> tuple[int, int] | None:
-    """(query heads, kv heads) of the policy model when known before start-up: from `build` or config.json."""
-    if policy.build is not None:
-        heads = policy.build.num_attention_heads
-        return heads, policy.build.num_key_value_heads or heads
-    if policy.model_name:
-        cfg_file = Path(policy.model_name) / "config.json"
-        if cfg_file.is_file():
-            hf = json.loads(cfg_file.read_text())
-            heads = hf.get("num_attention_heads")
-            if isinstance(heads, int):
-                return heads, hf.get("num_key_value_heads") or heads
-    return None

@@ -46,6 +46,12 @@ class PromptDataLoader(Generic[T]):
         n = len(self.items)
         return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
 
+    def passes_done(self, max_epochs: int) -> bool:
+        """Whether the next batch would start pass number `max_epochs + 1` (the loader's epoch counts passes started,
+        and moves on only when the next batch is drawn)."""
+        batches_served = self.epoch * self.batches_per_epoch + self.position // self.batch_size
+        return batches_served >= max_epochs * self.batches_per_epoch
+
     def __iter__(self) -> Iterator[list[T]]:
         return self
 

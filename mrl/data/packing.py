@@ -5,7 +5,7 @@ which micro-batch, in which order, and how to put per-sequence results back in t
 
 Packing (THD layout): sequences of one micro-batch are concatenated into one row of at most `budget` tokens,
 each starting at a `cu_seqlens` boundary. Every length is first rounded up to `multiple`, the granularity the
-parallel layout needs (see `length_multiple`). Bins are filled first-fit-decreasing (longest first, into the
+parallel layout needs (`mrl.parallel.layout.length_multiple`). Bins are filled first-fit-decreasing (longest first, into the
 first bin with room), which uses at most 11/9 OPT + 6/9 bins (Dosa 2007).
     packing_efficiency = real tokens / (micro-batches * budget)
 i.e. the fraction of the fixed-size buffers (what pipeline parallelism sends between stages) holding real tokens.
@@ -24,15 +24,6 @@ from typing import Sequence, TypeVar
 import torch
 
 T = TypeVar("T")
-
-
-def length_multiple(tp_size: int = 1, cp_size: int = 1) -> int:
-    """Every packed sequence's length is a multiple of this: tp (sequence parallel splits each sequence's tokens
-    over TP ranks) times 2*cp with context parallelism (each sequence is cut into 2*cp chunks, rank i taking chunks
-    i and 2*cp-1-i for load balance under causal attention)."""
-    if tp_size < 1 or cp_size < 1:
-        raise ValueError(f"parallel sizes must be >= 1, got tp={tp_size}, cp={cp_size}")
-    return tp_size * (2 * cp_size if cp_size > 1 else 1)
 
 
 def round_up(length: int, multiple: int) -> int:
@@ -202,7 +193,7 @@ def context_parallel_chunks(length: int, cp_size: int, cp_rank: int) -> list[tup
         return [(0, length)]
     if length % (2 * cp_size):
         raise ValueError(f"a sequence of {length} tokens does not split into {2 * cp_size} chunks; round lengths "
-                         f"with length_multiple(tp, cp)")
+                         f"with mrl.parallel.layout.length_multiple")
     chunk = length // (2 * cp_size)
     first, second = cp_rank, 2 * cp_size - 1 - cp_rank
     return [(first * chunk, (first + 1) * chunk), (second * chunk, (second + 1) * chunk)]

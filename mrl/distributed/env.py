@@ -1,28 +1,16 @@
-"""Pure helpers for the per-rank environment of worker processes: free port choice and rank variables.
+"""Pure helpers for the per-rank environment of worker processes: rank variables (and the free port of rank 0).
 
 These variables are what `torch.distributed.init_process_group(init_method="env://")` and Megatron read:
 MASTER_ADDR/MASTER_PORT (rank 0's rendezvous), RANK/WORLD_SIZE, LOCAL_RANK/LOCAL_WORLD_SIZE (position among the
 ranks of the same node) and OMP_NUM_THREADS (without it each rank spawns one thread per core and a tiny step on a
-2-core machine takes 0.6 s instead of 14 ms; platform.md).
+2-core machine takes 0.6 s instead of 14 ms, measured).
 """
 
 from __future__ import annotations
 
-import socket
 from typing import Sequence
 
-
-def find_free_port(host: str = "") -> int:
-    """Return a TCP port that is free on this machine right now (the OS picks it by binding port 0).
-
-    Hazard: the port is released before the rendezvous binds it, so another process may take it in between; the
-    window is milliseconds and the OS hands out ephemeral ports round-robin, so in practice this does not collide.
-    It must run on the node of rank 0 (the rendezvous host), not on the driver.
-    """
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
+from mrl.parallel.groups import free_port as find_free_port  # noqa: F401  (the one implementation)
 
 
 def local_ranks(node_of_rank: Sequence[str]) -> list[tuple[int, int]]:

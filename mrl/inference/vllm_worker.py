@@ -7,8 +7,8 @@
   take one more; fewer prompts than engines are padded); sampling settings are REPLICATED; samples come back
   concatenated in prompt order. Each shard
   keeps the global prompt indices, so per-prompt seeds do not depend on how many engines there are.
-- update_weights: every bucket is REPLICATED to all engines (each loads the full model; vLLM's loaders cut their
-  tensor-parallel shards), through the shared-memory file transport when engines live in other processes.
+- refit (the group is a sink of mrl/inference/refit.py): every bucket is REPLICATED to all engines (each loads
+  the full model; vLLM's loaders cut their tensor-parallel shards); all engines finish a bucket before the next.
 - An engine actor that dies surfaces as `mrl.distributed.WorkerDiedError` naming the group ("generation"), the
   engine's rank and its node/pid.
 
@@ -27,11 +27,12 @@ from typing import Any, Optional
 import torch
 
 from mrl.inference.buckets import NamedTensor
-from mrl.inference.interface import GeneratedSample, GenerationOutput, RefitStats, SamplingConfig
-from mrl.inference.refit import stream_weights
-from mrl.inference.transports import make_transport
-from mrl.inference.transports.base import Payload
+from mrl.inference.interface import GeneratedSample, GenerationOutput, SamplingConfig
+from mrl.inference.refit import LocalWeights, RefitStats, refit
+from mrl.inference.transports import CollectiveTransport, Payload, make_transport
 from mrl.inference.vllm_backend import VllmBackend, VllmEngineConfig, checkpoint_tensor_names
+
+from mrl.distributed import GroupFuture, WorkerError, WorkerGroup
 
 log = logging.getLogger(__name__)
 
@@ -58,30 +59,15 @@ class VllmEngineWorker:
             "num_prompts_rejected": [output.num_prompts_rejected],
         }
 
-    def load_bucket(self, payload: Payload) -> int:
-        from mrl.inference.transports import collective
+    def load_payload(self, payload: Payload) -> None:
+        self.backend.load_payload(payload)
 
-        if payload.get("kind") != collective.KIND:
-            return self.backend.load_bucket(payload)
-        # The bucket arrives by broadcast into this actor; hand it on in the form the engine's workers can take.
-        tensors = collective.receive_bucket(payload["group"])
-        config = self.backend.config
-        in_process = not config.multiprocessing and config.tensor_parallel_size == 1
-        local = make_transport("in_process" if in_process else "shm_file")
-        packed = local.pack(tensors)
-        try:
-            return self.backend.load_bucket(packed)
-        finally:
-            local.release(packed)
+    def join_refit_group(self, transport: CollectiveTransport) -> None:
+        """Join the refit broadcast group as member 1 + this engine's rank (collective transport)."""
+        transport.join(1 + int(os.environ.get("RANK", "0")))
 
-    def join_refit_group(self, name: str, address: str, port: int, size: int) -> None:
-        """Join the policy's refit broadcast group as member 1 + this engine's rank (collective transport)."""
-        from mrl.inference.transports import collective
-
-        collective.join_group(name, address, port, 1 + int(os.environ.get("RANK", "0")), size)
-
-    def finish_refit(self) -> None:
-        self.backend.finish_refit()
+    def finish_refit(self, complete: bool = True) -> None:
+        self.backend.finish_refit(complete)
 
     def prepare_for_generation(self) -> None:
         self.backend.prepare_for_generation()
@@ -109,8 +95,6 @@ class VllmEngineGroup:
         resource_fraction: float = 1.0,
         omp_num_threads: int = 1,
     ) -> None:
-        from mrl.distributed import WorkerGroup
-
         self.config = config
         self.expected_names = checkpoint_tensor_names(config.model_path)
         self._transport = make_transport(config.refit_transport)
@@ -152,34 +136,31 @@ class VllmEngineGroup:
             num_prompts_rejected=int(sum(merged["num_prompts_rejected"])),
         )
 
+    # ---------------------------------------------------------------------------------------------------- refit
+    @property
+    def num_receivers(self) -> int:
+        return self.num_engines
+
     def update_weights(self, named_tensors: Iterable[NamedTensor] | Mapping[str, torch.Tensor]) -> RefitStats:
-        """Every engine loads every bucket (see the module docstring); all engines finish a bucket before the next."""
-        try:
-            return stream_weights(
-                named_tensors,
-                bucket_bytes=self.config.refit_bucket_bytes,
-                transport=self._transport,
-                load=lambda payload: self.workers.run_all("load_bucket", payload),
-                expected_names=self.expected_names,
-            )
-        finally:
-            self.finish_refit()
+        """Stream HF-named tensors from this process into every engine (the refit loop, shared-memory files)."""
+        return refit(LocalWeights(named_tensors), self, self._transport, bucket_bytes=self.config.refit_bucket_bytes)
 
     def load_payload(self, payload: Payload) -> None:
-        """Every engine loads one refit payload made elsewhere (e.g. by the policy's rank 0, `Policy.refit`)."""
-        self.workers.run_all("load_bucket", payload)
+        """Every engine loads one refit payload."""
+        self.workers.run_all("load_payload", payload)
 
-    def load_payload_async(self, payload: Payload) -> Any:
-        """`load_payload` without waiting (collective transport: the engines must be receiving while the policy
-        sends); returns the group's future."""
-        return self.workers.run_all_async("load_bucket", payload)
+    def load_payload_async(self, payload: Payload) -> GroupFuture:
+        """`load_payload` without waiting (collective transport: the engines must be receiving while the sender
+        sends)."""
+        return self.workers.run_all_async("load_payload", payload)
 
-    def join_refit_group_async(self, name: str, address: str, port: int, size: int) -> Any:
-        return self.workers.run_all_async("join_refit_group", name, address, port, size)
+    def join_refit_group_async(self, transport: CollectiveTransport) -> GroupFuture:
+        return self.workers.run_all_async("join_refit_group", transport)
 
-    def finish_refit(self) -> None:
-        self.workers.run_all("finish_refit")
+    def finish_refit(self, complete: bool = True) -> None:
+        self.workers.run_all("finish_refit", complete)
 
+    # ---------------------------------------------------------------------------------------------------- memory
     def prepare_for_generation(self) -> None:
         self.workers.run_all("prepare_for_generation")
 
@@ -191,8 +172,6 @@ class VllmEngineGroup:
 
     def shutdown(self) -> None:
         """Stop every engine cleanly (vLLM worker processes, shared-memory segments), then kill the actors."""
-        from mrl.distributed import WorkerError
-
         try:
             self.workers.run_all("shutdown")
         except WorkerError as error:  # a dead engine cannot shut down; the others were asked, kill them all now

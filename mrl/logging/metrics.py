@@ -141,6 +141,8 @@ class MetricsLogger:
         return cls(sinks)
 
     def log(self, metrics: Mapping[str, Any], step: int) -> None:
+        if not metrics:
+            return
         clean = {name: _check(name, value) for name, value in metrics.items()}
         for name, value in clean.items():
             self.history.setdefault(name, []).append((step, value))

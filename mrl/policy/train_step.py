@@ -36,66 +36,20 @@ Logprobs come back [N, T] in the original order either way; positions past a seq
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterator, Literal, Protocol
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Iterator
 
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
-from mrl.data.packing import (MicroBatchPlan, dynamic_batches, length_multiple, local_token_positions,
-                              pack_sequences)
+from mrl.data.packing import MicroBatchPlan, dynamic_batches, local_token_positions, pack_sequences
+from mrl.parallel.layout import length_multiple, micro_batching_violations
+from mrl.policy.interface import PolicyLoss, RankBatch
 from mrl.policy.logprobs import (merge_from_context_parallel, next_token_targets, shift_to_token_positions,
                                  split_for_context_parallel, vocab_parallel_logprobs)
 
 if TYPE_CHECKING:
     from mrl.config.schema import DynamicBatchingConfig, PackingConfig
-
-
-class PolicyLoss(Protocol):
-    """A loss evaluated per micro-batch and normalised by the global count of the step."""
-
-    level: Literal["token", "sequence"]
-
-    def __call__(self, logprobs: torch.Tensor, batch: dict[str, torch.Tensor],
-                 global_count: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """logprobs [b, T'] of the target tokens; `batch` holds `loss_mask` [b, T'], the token data [b, T'], the
-        sequence data [b] and `seq_num_tokens` [b] (valid tokens per whole sequence, also under CP).
-        Returns (scalar loss = sum over this micro-batch / global_count, additive metrics)."""
-
-
-@dataclass
-class RankBatch:
-    input_ids: torch.Tensor
-    loss_mask: torch.Tensor
-    token_data: dict[str, torch.Tensor] = field(default_factory=dict)
-    seq_data: dict[str, torch.Tensor] = field(default_factory=dict)
-    lengths: torch.Tensor | None = None  # [N] real tokens (prompt + response); None = up to the last loss token
-
-    def __len__(self) -> int:
-        return self.input_ids.shape[0]
-
-    def slice(self, start: int, stop: int) -> "RankBatch":
-        return RankBatch(self.input_ids[start:stop], self.loss_mask[start:stop],
-                         {k: v[start:stop] for k, v in self.token_data.items()},
-                         {k: v[start:stop] for k, v in self.seq_data.items()},
-                         None if self.lengths is None else self.lengths[start:stop])
-
-    def select(self, rows: list[int], width: int) -> "RankBatch":
-        """Rows `rows` (in that order) with every [N, T] tensor cut or right-padded (zeros) to `width` columns."""
-        t = self.input_ids.shape[1]
-
-        def cols(x: torch.Tensor) -> torch.Tensor:  # [N, T] -> [len(rows), width]
-            return x[rows, :width] if width <= t else torch.nn.functional.pad(x[rows], (0, width - t))
-
-        return RankBatch(cols(self.input_ids), cols(self.loss_mask), {k: cols(v) for k, v in self.token_data.items()},
-                         {k: v[rows] for k, v in self.seq_data.items()},
-                         None if self.lengths is None else self.lengths[rows])
-
-    def micro_batches(self, size: int) -> list["RankBatch"]:
-        if len(self) % size:
-            # Pipeline schedules send fixed-shape activations between stages: every micro-batch has `size` rows.
-            raise ValueError(f"{len(self)} sequences on this rank do not split into micro-batches of {size}")
-        return [self.slice(i, i + size) for i in range(0, len(self), size)]
 
 
 @dataclass(frozen=True)
@@ -109,13 +63,6 @@ class StepContext:
     is_last_stage: bool
     vocab_size: int | None = None  # real vocabulary (without Megatron's padding)
     temperature: float = 1.0
-
-
-def global_count(loss_mask: torch.Tensor, level: str) -> float:
-    """Valid tokens (token level) or sequences with at least one valid token (sequence level) in a whole step."""
-    if level == "token":
-        return float(loss_mask[:, 1:].sum())
-    return float((loss_mask[:, 1:].sum(dim=1) > 0).sum())
 
 
 def _prepare(mb: RankBatch, ctx: StepContext) -> dict[str, torch.Tensor]:
@@ -170,12 +117,12 @@ def sequence_lengths(batch: RankBatch) -> torch.Tensor:
     return lengths
 
 
-def _model_layout(model: list) -> tuple[int, int]:
-    """(tensor-parallel size that splits sequences (1 without sequence parallel), pipeline size) of the model."""
+def _model_layout(model: list) -> tuple[int, bool, int]:
+    """(tensor-parallel size, sequence parallel, pipeline size) of the model."""
     from megatron.core.utils import get_model_config
 
     config = get_model_config(model[0])
-    return (config.tensor_model_parallel_size if config.sequence_parallel else 1), config.pipeline_model_parallel_size
+    return config.tensor_model_parallel_size, config.sequence_parallel, config.pipeline_model_parallel_size
 
 
 def plan_micro_batches(batch: RankBatch, model: list, ctx: StepContext, *, packing: "PackingConfig | None" = None,
@@ -184,23 +131,18 @@ def plan_micro_batches(batch: RankBatch, model: list, ctx: StepContext, *, packi
     lengths, so every TP/PP/CP rank of a data-parallel group (same data) agrees on the number of micro-batches."""
     use_packing = packing is not None and packing.enabled
     use_dynamic = dynamic_batching is not None and dynamic_batching.enabled
-    if use_packing and use_dynamic:
-        raise ValueError("sequence packing and dynamic batching are alternatives: set policy.dynamic_batching.enabled "
-                         "or policy.sequence_packing.enabled to false")
     if not (use_packing or use_dynamic):
         return None
-    sp_tp, pp = _model_layout(model)
-    multiple = length_multiple(sp_tp, ctx.cp_size)
+    tp, sequence_parallel, pp = _model_layout(model)
+    multiple = length_multiple(tp, ctx.cp_size, sequence_parallel=sequence_parallel)
+    budget = (packing if use_packing else dynamic_batching).tokens_per_microbatch  # type: ignore[union-attr]
+    problems = micro_batching_violations(packing=use_packing, dynamic_batching=use_dynamic,
+                                         tokens_per_microbatch=budget, pp=pp, multiple=multiple)
+    if problems:
+        raise ValueError(str(problems[0]))
     lengths = sequence_lengths(batch).tolist()
     if use_dynamic:
-        if pp > 1:
-            raise ValueError("dynamic batching makes micro-batches of different shapes, which a pipeline-parallel "
-                             "schedule cannot send: use policy.sequence_packing with pipeline_parallel > 1")
-        return dynamic_batches(lengths, dynamic_batching.tokens_per_microbatch, multiple=multiple)
-    budget = packing.tokens_per_microbatch
-    if pp > 1 and budget % multiple:
-        raise ValueError(f"policy.sequence_packing.tokens_per_microbatch={budget} must be a multiple of {multiple} "
-                         "(tp with sequence parallel x 2*cp) with pipeline parallelism, which pads every pack to it")
+        return dynamic_batches(lengths, budget, multiple=multiple)
     return pack_sequences(lengths, budget, multiple=multiple)
 
 
@@ -272,7 +214,7 @@ def _micro_batches(batch: RankBatch, plan: MicroBatchPlan | None, micro_batch_si
         return [_prepare(batch.select(seqs, max(plan.padded_lengths[j] for j in seqs)), ctx) for seqs in plan.bins], \
             width, 1
     full = _predicting_space(batch, width)
-    fixed_size = _model_layout(model)[1] > 1
+    fixed_size = _model_layout(model)[2] > 1  # pipeline parallel: every pack has the budget's shape
     return [_packed_micro_batch(full, batch, plan, i, ctx, fixed_size) for i in range(plan.num_micro_batches)], \
         plan.budget, 1
 

@@ -8,7 +8,7 @@ data-parallel group receives the same `RankBatch` and runs the same Megatron sch
 Leaders: the rank with tp = cp = 0 on the last pipeline stage of each data-parallel group returns the group's
 results (logprobs, metrics); the other ranks return None.
 
-Sequence-length rules: CP needs T to be a multiple of 2 * cp, sequence parallelism a multiple of tp. The worker
+Sequence-length rule (`mrl.parallel.layout.length_multiple`, the one the config check applies): the worker
 right-pads the batch to that multiple (pad tokens are masked out of every loss) and cuts returned logprobs back.
 """
 
@@ -24,8 +24,8 @@ import torch
 import torch.distributed as dist
 
 from mrl.config.schema import PolicyConfig
-from mrl.data.packing import length_multiple
-from mrl.policy.train_step import PolicyLoss, RankBatch, StepContext, logprobs_of_batch, train_on_batch
+from mrl.policy.interface import PolicyLoss, RankBatch
+from mrl.policy.train_step import StepContext, logprobs_of_batch, train_on_batch
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -74,8 +74,9 @@ class PolicyWorker:
 
         from converters import model_dims
         from converters.hf_io import load_hf_config, load_hf_state
-        from mrl.parallel.dims import ParallelDims, init_process_groups
-        from mrl.policy.model import build_gpt_model, load_hf_weights, stage_layer_offset, transformer_config_from_hf
+        from mrl.model.build import build_gpt_model, load_hf_weights, stage_layer_offset, transformer_config_from_hf
+        from mrl.parallel.groups import init_process_groups
+        from mrl.parallel.layout import ParallelDims
         from mrl.policy.optim import build_optimizer, build_scheduler
 
         self.spec = spec
@@ -135,16 +136,13 @@ class PolicyWorker:
                            is_last_stage=ps.is_pipeline_last_stage(), vocab_size=self.model_dims.vocab_size,
                            temperature=temperature)
 
-    def _length_multiple(self) -> int:
-        return length_multiple(self.dims.tp if self.dims.sequence_parallel else 1, self.dims.cp)
-
     # ------------------------------------------------------------------------------------------------ compute
     def logprobs(self, shard: RankBatch, temperature: float = 1.0, reference: bool = False) -> Optional[torch.Tensor]:
         """[n, T] logprobs of the shard's tokens (token-position convention of mrl.policy.logprobs); leaders only."""
         if reference and self.reference is None:
             raise RuntimeError("reference logprobs asked for, but the policy was built without a reference model")
         width = shard.input_ids.shape[1]
-        batch = _pad_to_multiple(shard, self._length_multiple())
+        batch = _pad_to_multiple(shard, self.dims.length_multiple)
         model = [self.reference] if reference else self.model
         offload = reference and self.spec.policy.offload_reference and torch.cuda.is_available()
         if offload:  # the frozen copy lives in host memory between uses (GPU memory goes to the policy and engine)
@@ -166,7 +164,7 @@ class PolicyWorker:
         """One optimizer step on this data-parallel rank's shard; `global_count` is the whole step's count of valid
         tokens (or sequences) over all ranks. Returns the step's metrics (summed over data-parallel ranks) on leaders."""
         start = time.perf_counter()
-        batch = _pad_to_multiple(shard, self._length_multiple())
+        batch = _pad_to_multiple(shard, self.dims.length_multiple)
         size = _micro_batch_size(self.spec.policy.train_micro_batch_size, len(batch))
         for chunk in self.model:
             chunk.train()
@@ -209,35 +207,23 @@ class PolicyWorker:
         self._bucket_plan = plan_buckets(self.model_dims, self._exporter.names, bucket_bytes, element)
         return len(self._bucket_plan)
 
-    def export_bucket(self, index: int, shm_dir: Optional[str] = None, group: Optional[str] = None) -> Optional[dict]:
-        """Gather bucket `index` of the plan. Rank 0 then either broadcasts it in refit group `group` (collective
-        transport) or writes it as a shared-memory payload that the caller hands to the engines and releases after
-        they loaded it; rank 0 returns the payload (with the tensor names and bytes), other ranks None."""
-        from mrl.inference.transports import collective, make_transport
-
+    def export_bucket(self, index: int, transport: Any) -> Optional[dict]:
+        """Gather bucket `index` of the plan (every rank takes part); rank 0 packs it with `transport` and returns the
+        payload (with the tensor names and bytes), the other ranks None. A shared-memory payload is released by the
+        controller once the engines loaded it; a collective one was broadcast to the engines while packing."""
         tensors = self._exporter.bucket(self._bucket_plan[index])  # type: ignore[union-attr]
-        if dist.get_rank() != 0:
-            return None
-        if group is not None:
-            collective.send_bucket(group, tensors)
-            payload = collective.payload(group)
-        else:
-            payload = make_transport("shm_file", shm_dir=shm_dir).pack(tensors)
-        payload.update(names=[name for name, _ in tensors], bytes=sum(t.numel() * t.element_size() for _, t in tensors))
-        return payload
+        return transport.pack(tensors) if dist.get_rank() == 0 else None
 
     def refit_port(self) -> int:
         """A free port on this rank's node (rank 0 hosts the refit group's store)."""
-        from mrl.distributed.env import find_free_port
+        from mrl.parallel.groups import free_port
 
-        return find_free_port()
+        return free_port()
 
-    def join_refit_group(self, name: str, address: str, port: int, size: int) -> None:
-        """Rank 0 joins refit group `name` as member 0 (the sender); the other ranks take no part."""
-        from mrl.inference.transports import collective
-
+    def join_refit_group(self, transport: Any) -> None:
+        """Rank 0 joins the refit broadcast group as member 0 (the sender); the other ranks take no part."""
         if dist.get_rank() == 0:
-            collective.join_group(name, address, port, 0, size)
+            transport.join(0)
 
     def export_state(self) -> Optional[dict[str, torch.Tensor]]:
         """The whole model as HF-named tensors on rank 0 (None elsewhere): for HF exports of small models."""
@@ -260,6 +246,6 @@ class PolicyWorker:
                                    load_optimizer=load_optimizer)
 
     def shutdown(self) -> None:
-        from mrl.parallel.dims import destroy_process_groups
+        from mrl.parallel.groups import destroy_process_groups
 
         destroy_process_groups()

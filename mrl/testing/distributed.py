@@ -8,7 +8,7 @@ OMP_NUM_THREADS=1 (the test machines have 2 cores: more threads per rank make a 
 The worker imports the function from its source file (so test modules that are not packages work), calls
 `fn(*args, **kwargs)` and pickles the return value. Process groups are the function's business: it calls
 `torch.distributed.init_process_group` (env:// reads the variables above), e.g. via
-`mrl.parallel.dims.init_process_groups`.
+`mrl.parallel.groups.init_process_groups`.
 
 If a rank fails or the run exceeds `timeout_s`, every rank is killed and `DistributedRunError` carries the
 failing rank's stderr tail, so a test failure shows the real traceback rather than a hang.
@@ -20,7 +20,6 @@ import importlib.util
 import inspect
 import os
 import pickle
-import socket
 import subprocess
 import sys
 import tempfile
@@ -28,18 +27,13 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from mrl.parallel.groups import free_port
+
 _STDERR_TAIL_CHARS = 6000
 
 
 class DistributedRunError(RuntimeError):
     """A rank exited non-zero (or the run timed out); the message holds that rank's stderr tail."""
-
-
-def free_port() -> int:
-    """A TCP port that was free a moment ago (bind to port 0 and release it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _rank_env(rank: int, world_size: int, port: int, extra: dict[str, str] | None) -> dict[str, str]:

@@ -1,56 +1,52 @@
-"""The transport interface and the worker-side dispatcher.
+"""The transport interface (the receiver-side dispatcher, `unpack_payload`, is the package's).
 
-A transport turns a bucket of (HF name, tensor) into a payload that vLLM's `collective_rpc` can carry to every
-worker, and cleans up after the workers loaded it. The payload is a plain dict tagged with `kind`, because under
-vLLM multiprocessing it is serialised with msgpack (tensors inside it would arrive as nested lists). The worker
-extension calls `unpack_payload`, which dispatches on `kind` to the transport module that made it.
+A transport moves one refit bucket, a list of (HF name, tensor), from the process that holds it (the sender: the
+policy's rank 0, or the caller of `update_weights`) to the engine's workers (the receivers):
+    sender       payload = transport.pack(bucket)        a small plain dict tagged with `kind`
+    controller   hands the payload to every receiver, then transport.release(payload)
+    receiver     unpack_payload(payload) -> [(name, tensor)]   dispatched on `kind` to the module that made it
+                                                           (mrl.inference.transports.unpack_payload)
+The payload is a plain dict because under vLLM multiprocessing it is serialised with msgpack (tensors inside it
+would arrive as nested lists). A transport object travels to the sender (a Ray actor) by pickle, so it holds
+settings only, never open handles.
+
+Transports whose sender and receivers meet in a collective (`meets = True`: the broadcast group of
+collective.py) cannot hand a payload over after packing: the receivers must already be receiving while the sender
+packs. They announce the payload receivers get (`receiver_payload()`) and the refit loop starts both sides at once.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal, Protocol
-
-import torch
+from typing import Any, Protocol
 
 from mrl.inference.buckets import NamedTensor
 
-TransportName = Literal["in_process", "shm_file"]
 Payload = dict[str, Any]
 
 
 class WeightTransport(Protocol):
-    """Caller side of a transport."""
+    """How one bucket travels from its sender to the receivers (one implementation per file of this package)."""
 
-    name: TransportName
+    kind: str
+    """The payload tag `unpack_payload` dispatches on."""
+    meets: bool
+    """Sender and receivers meet in a collective: the receivers must be receiving while the sender packs."""
 
     def pack(self, bucket: list[NamedTensor]) -> Payload:
-        """Make the payload for one bucket."""
+        """Sender side: the payload of one bucket (for a meeting transport: send it, then return the announcement)."""
+        ...
+
+    def receiver_payload(self) -> Payload:
+        """Meeting transports: what every receiver gets before the sender packs. Others raise."""
         ...
 
     def release(self, payload: Payload) -> None:
-        """Free what `pack` created, once every worker has loaded the payload (also after a failed load)."""
+        """Controller side: free what `pack` created, once every receiver has loaded it (also after a failure)."""
         ...
 
 
-def make_transport(name: TransportName, *, shm_dir: str | None = None) -> WeightTransport:
-    """The transport called `name`."""
-    from mrl.inference.transports.in_process import InProcessTransport
-    from mrl.inference.transports.shared_memory import SharedMemoryFileTransport
+def describe(payload: Payload, bucket: list[NamedTensor]) -> Payload:
+    """The payload with what the refit loop counts: the bucket's tensor names and bytes (sender side)."""
+    return {**payload, "names": [name for name, _ in bucket],
+            "bytes": sum(t.numel() * t.element_size() for _, t in bucket)}
 
-    if name == "in_process":
-        return InProcessTransport()
-    if name == "shm_file":
-        return SharedMemoryFileTransport(shm_dir)
-    raise ValueError(f"unknown refit transport {name!r}; choose 'in_process' or 'shm_file'")
-
-
-def unpack_payload(payload: Payload) -> list[tuple[str, torch.Tensor]]:
-    """Worker side: the (HF name, tensor) list a payload carries."""
-    from mrl.inference.transports import in_process, shared_memory
-
-    kind = payload.get("kind") if isinstance(payload, dict) else None
-    if kind == in_process.KIND:
-        return in_process.unpack(payload)
-    if kind == shared_memory.KIND:
-        return shared_memory.unpack(payload)
-    raise ValueError(f"refit payload of unknown kind {kind!r}: caller and engine run different mrl versions?")

@@ -1,33 +1,82 @@
 """Collective transport: a broadcast group between the policy's rank 0 and every engine (non-colocated refit).
 
 Data flow (engines on devices or nodes of their own, where a shared-memory file is not an option):
-    set-up   the controller picks an address and a free port on the policy's rank 0; rank 0 joins as member 0,
-             engine e (its Ray actor) as member 1 + e, of a process group of their own: a TCPStore and a gloo group
-             (NCCL on GPU clusters would take the same three broadcasts), apart from the policy's and vLLM's worlds
-    bucket   rank 0: [(name, tensor)] -> one flat byte buffer + a JSON header (names, dtypes, shapes, offsets)
+    set-up   `connect(source, sink)`: the source names an address and a free port on its sending rank (the policy's
+             rank 0); the sender joins as member 0, engine e (its Ray actor) as member 1 + e, of a process group
+             of their own: a TCPStore and a gloo group (NCCL on GPU clusters would take the same three
+             broadcasts), apart from the policy's and vLLM's worlds. Once per (source, sink) pair.
+    bucket   sender: [(name, tensor)] -> one flat byte buffer + a JSON header (names, dtypes, shapes, offsets)
              broadcast(header size) -> broadcast(header) -> broadcast(buffer)         every member takes part
-             engine: tensors are views of its received buffer -> the engine's own refit path (in-process reload,
+             receiver: tensors are views of its received buffer -> the engine's own refit path (in-process reload,
              or a shared-memory file for an engine whose vLLM workers run in other processes)
-Peak extra memory: one bucket on each side. The controller starts rank 0's send and the engines' receive together
-(they meet in the broadcasts), so a bucket costs one transfer, not a round trip through the controller.
+The sender's `pack` and the receivers' `unpack` meet in the broadcasts (`meets = True`): the refit loop starts the
+receivers on `receiver_payload()` and the sender together, so a bucket costs one transfer, not a round trip
+through the controller. Peak extra memory: one bucket on each side (buffers reused from bucket to bucket).
 """
 
 from __future__ import annotations
 
 import datetime
 import json
-from typing import Any
+import uuid
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
-from mrl.inference.buckets import NamedTensor
+from mrl.inference.transports.base import NamedTensor, Payload, describe
+
+if TYPE_CHECKING:
+    from mrl.inference.refit import CollectiveRefitSink, CollectiveWeightSource
 
 KIND = "collective"
 _ALIGN = 16
 #: Groups this process belongs to, by name (a process may serve several engines / runs in tests).
 _GROUPS: dict[str, Any] = {}
 _BUFFERS: dict[str, torch.Tensor] = {}
+
+
+@dataclass(frozen=True)
+class CollectiveTransport:
+    """One refit broadcast group: `size` members, member 0 (the sender) hosting the store at address:port."""
+
+    group: str
+    address: str
+    port: int
+    size: int
+
+    kind = KIND
+    meets = True
+
+    def join(self, member: int, timeout_s: float = 600.0) -> None:
+        """Join the group as `member` (run in the member's own process). Blocks until every member joined."""
+        join_group(self.group, self.address, self.port, member, self.size, timeout_s)
+
+    def pack(self, bucket: list[NamedTensor]) -> Payload:
+        send_bucket(self.group, bucket)
+        return describe(self.receiver_payload(), bucket)
+
+    def receiver_payload(self) -> Payload:
+        return {"kind": KIND, "group": self.group}
+
+    def release(self, payload: Payload) -> None:
+        """Nothing to free: the buffers stay for the next bucket."""
+
+
+def unpack(payload: Payload) -> list[NamedTensor]:
+    return receive_bucket(payload["group"])
+
+
+def connect(source: "CollectiveWeightSource", sink: "CollectiveRefitSink") -> CollectiveTransport:
+    """Make the broadcast group of `source`'s sender and `sink`'s receivers (both join at once: they meet in the
+    store's rendezvous)."""
+    from mrl.distributed import wait_all
+
+    address, port = source.refit_address()
+    transport = CollectiveTransport(f"mrl-refit-{uuid.uuid4().hex[:12]}", address, port, 1 + sink.num_receivers)
+    wait_all([source.join_refit_group_async(transport), sink.join_refit_group_async(transport)])
+    return transport
 
 
 def join_group(name: str, address: str, port: int, member: int, size: int, timeout_s: float = 600.0) -> None:
@@ -45,11 +94,21 @@ def leave_group(name: str) -> None:
 def _broadcast(name: str, tensor: torch.Tensor) -> torch.Tensor:
     group = _GROUPS.get(name)
     if group is None:
-        raise RuntimeError(f"this process is not in refit group {name!r}: call join_group first")
+        raise RuntimeError(f"this process is not in refit group {name!r}: join it first (CollectiveTransport.join)")
     options = dist.BroadcastOptions()
     options.rootRank = 0
     group.broadcast([tensor], options).wait()
     return tensor
+
+
+def _buffer(name: str, size: int) -> torch.Tensor:
+    """The group's byte buffer, grown to the largest bucket and reused: a fresh allocation per bucket left the
+    engine's memory growing refit after refit (allocator fragmentation). Safe because the engine copies the
+    tensors into its parameters before the next bucket is received."""
+    buffer = _BUFFERS.get(name)
+    if buffer is None or buffer.numel() < size:
+        buffer = _BUFFERS[name] = torch.empty(size, dtype=torch.uint8)
+    return buffer[:size]
 
 
 def send_bucket(name: str, bucket: list[NamedTensor]) -> int:
@@ -60,10 +119,7 @@ def send_bucket(name: str, bucket: list[NamedTensor]) -> int:
         size = tensor.numel() * tensor.element_size()
         header.append([tensor_name, str(tensor.dtype).removeprefix("torch."), list(tensor.shape), offset, size])
         offset += size
-    buffer = _BUFFERS.get(name)  # reused from bucket to bucket, as on the receiving side
-    if buffer is None or buffer.numel() < offset:
-        buffer = _BUFFERS[name] = torch.empty(offset, dtype=torch.uint8)
-    buffer = buffer[:offset]
+    buffer = _buffer(name, offset)
     for (_, tensor), (_, _, _, start, size) in zip(bucket, header):
         buffer[start:start + size] = tensor.detach().contiguous().view(-1).view(torch.uint8)
     encoded = torch.frombuffer(bytearray(json.dumps(header).encode()), dtype=torch.uint8)
@@ -77,20 +133,9 @@ def receive_bucket(name: str) -> list[NamedTensor]:
     """Members 1..: receive one bucket as (name, tensor) views of the received buffer."""
     sizes = _broadcast(name, torch.zeros(2, dtype=torch.long))
     encoded = _broadcast(name, torch.empty(int(sizes[0]), dtype=torch.uint8))
-    # One receive buffer per group, grown to the largest bucket and reused: a fresh allocation per bucket left the
-    # engine's memory growing refit after refit (allocator fragmentation). Safe because the engine copies the
-    # tensors into its parameters before the next bucket is received.
-    buffer = _BUFFERS.get(name)
-    if buffer is None or buffer.numel() < int(sizes[1]):
-        buffer = _BUFFERS[name] = torch.empty(int(sizes[1]), dtype=torch.uint8)
-    buffer = _broadcast(name, buffer[: int(sizes[1])])
+    buffer = _broadcast(name, _buffer(name, int(sizes[1])))
     out = []
     for tensor_name, dtype, shape, start, size in json.loads(bytes(encoded.tolist()).decode()):
         flat = buffer[start:start + size].view(getattr(torch, dtype))
         out.append((tensor_name, flat.view(shape)))
     return out
-
-
-def payload(name: str) -> dict:
-    """What the controller hands each engine for one bucket: only the group's name (the data comes by broadcast)."""
-    return {"kind": KIND, "group": name}

@@ -2,10 +2,10 @@
 
 Data flow (engine workers in other processes: vLLM multiprocessing, tensor parallel > 1, or an engine in a Ray
 actor on the same node):
-    caller bucket --save_file--> <shm_dir>/mrl-refit-<pid>-<uuid>.safetensors   (/dev/shm: RAM, not disk)
+    sender bucket --save_file--> <shm_dir>/mrl-refit-<pid>-<uuid>.safetensors   (/dev/shm: RAM, not disk)
     payload {"kind", "path"} --collective_rpc (msgpack, a few bytes)--> every vLLM worker
     worker: load_file(path) --> Worker.reload_weights (each TP rank takes its shard of the HF tensor)
-    caller: file removed after all workers returned (also when loading failed).
+    controller: file removed after all workers returned (also when loading failed).
 Peak extra memory: one bucket in the file plus one bucket per worker while it loads. CPU stand-in for the CUDA IPC
 handles a colocated GPU engine would use.
 """
@@ -17,9 +17,7 @@ import tempfile
 import uuid
 from pathlib import Path
 
-import torch
-
-from mrl.inference.buckets import NamedTensor
+from mrl.inference.transports.base import NamedTensor, Payload, describe
 
 KIND = "shm_file"
 _LINUX_SHM = "/dev/shm"
@@ -33,26 +31,30 @@ def default_shm_dir() -> str:
 
 
 class SharedMemoryFileTransport:
-    name = "shm_file"
+    kind = KIND
+    meets = False
 
     def __init__(self, shm_dir: str | None = None) -> None:
         self.shm_dir = Path(shm_dir or default_shm_dir())
         if not self.shm_dir.is_dir():
             raise ValueError(f"refit shared-memory folder {self.shm_dir} does not exist; create it or pick another")
 
-    def pack(self, bucket: list[NamedTensor]) -> dict:
+    def pack(self, bucket: list[NamedTensor]) -> Payload:
         from safetensors.torch import save_file
 
         path = self.shm_dir / f"mrl-refit-{os.getpid()}-{uuid.uuid4().hex}.safetensors"
         # safetensors refuses views and shared storage: each tensor gets its own contiguous buffer.
         save_file({name: tensor.detach().contiguous() for name, tensor in bucket}, str(path))
-        return {"kind": KIND, "path": str(path)}
+        return describe({"kind": KIND, "path": str(path)}, bucket)
 
-    def release(self, payload: dict) -> None:
+    def receiver_payload(self) -> Payload:
+        raise TypeError("the shared-memory transport hands each bucket over after packing; it announces nothing")
+
+    def release(self, payload: Payload) -> None:
         Path(payload["path"]).unlink(missing_ok=True)
 
 
-def unpack(payload: dict) -> list[tuple[str, torch.Tensor]]:
+def unpack(payload: Payload) -> list[NamedTensor]:
     from safetensors.torch import load_file
 
     return list(load_file(payload["path"]).items())

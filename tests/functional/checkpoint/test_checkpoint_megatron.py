@@ -58,10 +58,12 @@ def run(model_dir: str, steps: list[int], *, tp: int = 1, dropout: float = 0.0, 
 
     from mrl.checkpoint.megatron import load_megatron_state, save_megatron_state
     from mrl.config.schema import OptimizerConfig, SchedulerConfig
-    from mrl.parallel.dims import ParallelDims, destroy_process_groups, init_process_groups
-    from mrl.policy.model import build_gpt_model, load_hf_weights, transformer_config_from_hf
+    from mrl.parallel.layout import ParallelDims
+    from mrl.parallel.groups import destroy_process_groups, init_process_groups
+    from mrl.model.build import build_gpt_model, load_hf_weights, transformer_config_from_hf
     from mrl.policy.optim import build_optimizer, build_scheduler
-    from mrl.policy.train_step import RankBatch, StepContext, global_count, train_on_batch
+    from mrl.policy.interface import RankBatch, global_count
+    from mrl.policy.train_step import StepContext, train_on_batch
 
     init_process_groups(ParallelDims(tp=tp, world_size=int(os.environ["WORLD_SIZE"])),
                         seed=1234 if load_from is None else 4321)
@@ -108,7 +110,7 @@ def run(model_dir: str, steps: list[int], *, tp: int = 1, dropout: float = 0.0, 
 
 
 def export_to_hf(step_dir: str, hf_config_dir: str, out_dir: str) -> None:
-    from converters.cli import megatron_to_hf
+    from mrl.app.convert import megatron_to_hf
 
     megatron_to_hf(step_dir, out_dir, hf_config_dir=hf_config_dir)
 

@@ -28,7 +28,7 @@ def model_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def backend(model_dir):
     from mrl.inference.megatron_backend import MegatronBackend, MegatronEngineConfig
-    from mrl.parallel.dims import destroy_process_groups
+    from mrl.parallel.groups import destroy_process_groups
 
     engine = MegatronBackend(MegatronEngineConfig(str(model_dir), max_model_len=MAX_MODEL_LEN, max_batch_size=5))
     yield engine

@@ -17,7 +17,8 @@ import torch
 
 pytest.importorskip("vllm")
 
-from mrl.inference import SamplingConfig, mismatch_metrics  # noqa: E402
+from mrl.inference import SamplingConfig  # noqa: E402
+from mrl.objectives.mismatch import mismatch_metrics  # noqa: E402
 from mrl.testing.distributed import run_on_ranks  # noqa: E402
 from mrl.testing.tiny_models import build_tiny_hf_model  # noqa: E402
 
@@ -31,13 +32,13 @@ PROMPTS = [[5, 17, 42, 8], [9, 10, 11], [100, 3, 77, 21, 60, 4]]
 
 
 def _build_policy(hf_dir: str, padded_vocab: int | None):
-    from converters import cli
+    from mrl.app import convert
     from converters.hf_io import load_hf_config
     from converters.mapping import resolve_padded_vocab
     from converters.spec import model_dims
-    from mrl.policy.model import build_gpt_model, transformer_config_from_hf
+    from mrl.model.build import build_gpt_model, transformer_config_from_hf
 
-    cli.init_parallel(TP, 1)
+    convert.init_parallel(TP, 1)
     config = load_hf_config(hf_dir)
     padded = padded_vocab or resolve_padded_vocab(model_dims(config), TP, None)
     model = build_gpt_model(config, transformer_config_from_hf(config, tensor_parallel=TP), padded_vocab=padded)
@@ -49,9 +50,9 @@ def train_export_on_rank(hf_dir: str, meg_dir: str, export_dir: str) -> None:
     from megatron.core import dist_checkpointing
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
-    from converters import cli
+    from mrl.app import convert
     from converters.hf_io import copy_model_metadata, load_hf_state
-    from mrl.policy.model import load_hf_weights
+    from mrl.model.build import load_hf_weights
 
     model, config, padded = _build_policy(hf_dir, None)
     load_hf_weights(model, load_hf_state(hf_dir), config)
@@ -66,14 +67,14 @@ def train_export_on_rank(hf_dir: str, meg_dir: str, export_dir: str) -> None:
         optimizer.step()
     out = Path(meg_dir)
     if torch.distributed.get_rank() == 0:
-        (out / cli.MODEL_SUBDIR).mkdir(parents=True)
-        copy_model_metadata(hf_dir, out / cli.HF_SUBDIR)
+        (out / convert.MODEL_SUBDIR).mkdir(parents=True)
+        copy_model_metadata(hf_dir, out / convert.HF_SUBDIR)
         meta = {"family": config["model_type"], "padded_vocab_size": padded, "written_with": {"tp": TP, "pp": 1}}
-        (out / cli.META_FILE).write_text(json.dumps(meta))
+        (out / convert.META_FILE).write_text(json.dumps(meta))
     torch.distributed.barrier()
-    dist_checkpointing.save(model.sharded_state_dict(), str(out / cli.MODEL_SUBDIR))
+    dist_checkpointing.save(model.sharded_state_dict(), str(out / convert.MODEL_SUBDIR))
     torch.distributed.barrier()
-    cli.megatron_to_hf(meg_dir, export_dir)  # TP1 on every rank (resharded load), rank 0 writes
+    convert.megatron_to_hf(meg_dir, export_dir)  # TP1 on every rank (resharded load), rank 0 writes
     torch.distributed.destroy_process_group()
 
 
@@ -81,11 +82,11 @@ def score_on_rank(hf_dir: str, meg_dir: str, sequences: list[tuple[list[int], li
     """Policy logprobs (TP2, loaded from the checkpoint) of each response token given its prompt."""
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
-    from converters import cli
+    from mrl.app import convert
 
-    model_dir = f"{meg_dir}/{cli.MODEL_SUBDIR}"
-    model, config, _ = _build_policy(hf_dir, cli.checkpoint_padded_vocab(model_dir))
-    cli.load_megatron_checkpoint(model, model_dir)
+    model_dir = f"{meg_dir}/{convert.MODEL_SUBDIR}"
+    model, config, _ = _build_policy(hf_dir, convert.checkpoint_padded_vocab(model_dir))
+    convert.load_megatron_checkpoint(model, model_dir)
     model.eval()
     scores = []
     with torch.no_grad():

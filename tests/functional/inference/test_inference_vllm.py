@@ -19,8 +19,8 @@ from mrl.inference import (  # noqa: E402
     GenerationBackend,
     RefitError,
     SamplingConfig,
-    mismatch_metrics,
 )
+from mrl.objectives.mismatch import mismatch_metrics  # noqa: E402
 from mrl.testing.tiny_models import build_tiny_hf_model  # noqa: E402
 
 TOL = 1e-4

@@ -36,7 +36,8 @@ def cp2_logits_equal_cp1() -> dict:
     import torch.distributed as dist
     from megatron.core.packed_seq_params import PackedSeqParams
 
-    from mrl.parallel.dims import ParallelDims, destroy_process_groups, init_process_groups
+    from mrl.parallel.layout import ParallelDims
+    from mrl.parallel.groups import destroy_process_groups, init_process_groups
 
     init_process_groups(ParallelDims(cp=2, world_size=2), seed=5)
     rank = dist.get_rank()
@@ -110,7 +111,8 @@ def cpu_compat_multi_rank_patches() -> dict:
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     from mrl.parallel import cpu_compat
-    from mrl.parallel.dims import ParallelDims, destroy_process_groups, init_process_groups
+    from mrl.parallel.layout import ParallelDims
+    from mrl.parallel.groups import destroy_process_groups, init_process_groups
 
     init_process_groups(ParallelDims(ep=2, world_size=2), seed=3)
     results = {}
@@ -189,7 +191,8 @@ def distributed_optimizer_resume(directory: str) -> dict:
     from megatron.core import dist_checkpointing, parallel_state
 
     from mrl.parallel import cpu_compat
-    from mrl.parallel.dims import ParallelDims, destroy_process_groups, init_process_groups
+    from mrl.parallel.layout import ParallelDims
+    from mrl.parallel.groups import destroy_process_groups, init_process_groups
 
     init_process_groups(ParallelDims(world_size=2), seed=11)
     groups = {

@@ -31,7 +31,7 @@ def _hf_logprobs(model_dir_or_state, ids: torch.Tensor, model_dir) -> torch.Tens
 
 
 def _batch(n: int = 8, t: int = 12, vocab: int = 200):
-    from mrl.policy.train_step import RankBatch
+    from mrl.policy.interface import RankBatch
 
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(3, vocab, (n, t), generator=g)
@@ -72,7 +72,7 @@ def _policy(cluster, model_dir, name, packing=False, **parallel):
                                       dict(tensor_parallel_size=2, packing=True)],
                          ids=["tp2", "pp2", "dp2", "tp2-packed"])
 def test_policy_group_logprobs_train_export(cluster, model_dir, parallel):
-    from mrl.algorithms.loss import GRPOLoss
+    from mrl.objectives.loss import GRPOLoss
 
     policy, placement = _policy(cluster, model_dir, "policy-" + "-".join(map(str, parallel.values())), **parallel)
     try:
@@ -113,16 +113,18 @@ def _engine(kind, model_dir, placement):
 @pytest.mark.parametrize("kind", ["vllm", "megatron"])
 def test_refit_from_tp2_policy_into_engine(cluster, model_dir, kind):
     """Engine logprobs of its own samples after a refit equal the trained TP2 policy's (<= 1e-4)."""
-    from mrl.algorithms.loss import GRPOLoss
-    from mrl.inference import SamplingConfig, mismatch_metrics
-    from mrl.policy.train_step import RankBatch
+    from mrl.inference import SamplingConfig, refit
+    from mrl.inference.transports import SharedMemoryFileTransport
+    from mrl.objectives.loss import GRPOLoss
+    from mrl.objectives.mismatch import mismatch_metrics
+    from mrl.policy.interface import RankBatch
 
     policy, placement = _policy(cluster, model_dir, f"policy-refit-{kind}", tensor_parallel_size=2)
     engine = _engine(kind, model_dir, placement)
     try:
         for _ in range(3):
             policy.train(_batch(), GRPOLoss())
-        stats = policy.refit(engine, bucket_bytes=200_000)  # several buckets
+        stats = refit(policy, engine, SharedMemoryFileTransport(), bucket_bytes=200_000)  # several buckets
         assert stats.num_buckets > 1 and stats.num_tensors == len(engine.expected_names)
         out = engine.generate([[5, 17, 42, 8], [9, 10, 11, 12]], SamplingConfig(n=2, max_new_tokens=8, seed=3))
         prompts = torch.tensor([s.prompt_token_ids for s in out.samples])
@@ -146,13 +148,14 @@ def test_refit_from_tp2_policy_into_engine(cluster, model_dir, kind):
 def test_non_colocated_refit_by_broadcast(cluster, model_dir):
     """Policy on bundle 0, vLLM engine on bundle 1 (each whole): the weights travel by the collective transport
     (a gloo broadcast group of the policy's rank 0 and the engine) and land exactly as by shared memory."""
-    from mrl.algorithms.loss import GRPOLoss
     from mrl.config.schema import OptimizerConfig, PolicyConfig
-    from mrl.inference import SamplingConfig
+    from mrl.inference import SamplingConfig, refit
+    from mrl.inference.transports import collective
     from mrl.inference.vllm_backend import VllmEngineConfig
     from mrl.inference.vllm_worker import VllmEngineGroup
     from mrl.policy.group import Policy
-    from mrl.policy.train_step import RankBatch
+    from mrl.policy.interface import RankBatch
+    from mrl.objectives.loss import GRPOLoss
     from mrl.policy.worker import PolicySpec
 
     placement = cluster.create_placement("policy-collective", bundles_per_node=2, cpus_per_bundle=1)
@@ -163,8 +166,9 @@ def test_non_colocated_refit_by_broadcast(cluster, model_dir):
                              placement, bundle_indices=[1], name="generation-collective")
     try:
         policy.train(_batch(), GRPOLoss())
+        transport = collective.connect(policy, engine)
         for _ in range(2):  # the group is made once and reused
-            stats = policy.refit(engine, bucket_bytes=200_000, transport="collective")
+            stats = refit(policy, engine, transport, bucket_bytes=200_000)
         assert stats.num_buckets > 1 and stats.num_tensors == len(engine.expected_names)
         out = engine.generate([[5, 17, 42, 8]], SamplingConfig(n=2, max_new_tokens=8, seed=3))
         s = out.samples[0]

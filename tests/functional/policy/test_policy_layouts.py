@@ -79,7 +79,7 @@ def full_tensors(model, vocab_size: int, grads: bool = False) -> dict[str, torch
     """Every parameter (or its DDP gradient) of the whole model as in a 1-rank model; collective over all ranks."""
     import torch.distributed as dist
 
-    from mrl.policy.model import stage_layer_offset
+    from mrl.model.build import stage_layer_offset
 
     offset = stage_layer_offset(model)
     local = {}
@@ -102,7 +102,7 @@ def init_by_global_name(model, seed: int) -> None:
     same model (Megatron's own init draws experts in a rank-dependent order). Needs tensor parallel size 1."""
     from megatron.core import parallel_state as ps
 
-    from mrl.policy.model import stage_layer_offset
+    from mrl.model.build import stage_layer_offset
 
     assert ps.get_tensor_model_parallel_world_size() == 1, "init_by_global_name draws full tensors, not TP shards"
     offset = stage_layer_offset(model)
@@ -117,7 +117,8 @@ def run(model_dir: str, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1, sp: 
     """One layout: process groups for (tp, pp, cp, ep, sp) on this run's ranks, then `train_and_report`."""
     import os
 
-    from mrl.parallel.dims import ParallelDims, init_process_groups
+    from mrl.parallel.layout import ParallelDims
+    from mrl.parallel.groups import init_process_groups
 
     init_process_groups(ParallelDims(tp=tp, pp=pp, cp=cp, ep=ep, sequence_parallel=sp,
                                      world_size=int(os.environ["WORLD_SIZE"])))
@@ -126,7 +127,8 @@ def run(model_dir: str, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1, sp: 
 
 def run_micro_batchings(model_dir: str, sizes: tuple[int, ...], **kwargs) -> list:
     """One process, a fresh model per micro-batch size."""
-    from mrl.parallel.dims import ParallelDims, init_process_groups
+    from mrl.parallel.layout import ParallelDims
+    from mrl.parallel.groups import init_process_groups
 
     init_process_groups(ParallelDims())
     return [train_and_report(model_dir, micro_batch_size=size, **kwargs) for size in sizes]
@@ -147,9 +149,10 @@ def train_and_report(model_dir: str, *, sequence_parallel: bool = False, moe: bo
     from safetensors.torch import load_file
 
     from mrl.config.schema import OptimizerConfig, SchedulerConfig
-    from mrl.policy.model import build_gpt_model, load_hf_weights, moe_transformer_config, transformer_config_from_hf
+    from mrl.model.build import build_gpt_model, load_hf_weights, moe_transformer_config, transformer_config_from_hf
     from mrl.policy.optim import build_optimizer, build_scheduler
-    from mrl.policy.train_step import RankBatch, StepContext, global_count, logprobs_of_batch, train_on_batch
+    from mrl.policy.interface import RankBatch, global_count
+    from mrl.policy.train_step import StepContext, logprobs_of_batch, train_on_batch
 
     hf_config = json.loads((Path(model_dir) / "config.json").read_text())
     sizes = dict(tensor_parallel=ps.get_tensor_model_parallel_world_size(),

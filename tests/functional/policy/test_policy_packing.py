@@ -43,7 +43,7 @@ def _build(model_dir: str, tp: int, pp: int, cp: int, sp: bool):
     from safetensors.torch import load_file
 
     from mrl.config.schema import OptimizerConfig, SchedulerConfig
-    from mrl.policy.model import build_gpt_model, load_hf_weights, transformer_config_from_hf
+    from mrl.model.build import build_gpt_model, load_hf_weights, transformer_config_from_hf
     from mrl.policy.optim import build_optimizer, build_scheduler
 
     hf_config = json.loads((Path(model_dir) / "config.json").read_text())
@@ -79,8 +79,10 @@ def run(model_dir: str, modes: list, tp: int = 1, pp: int = 1, cp: int = 1, sp: 
     from megatron.core import parallel_state as ps
 
     from mrl.config.schema import DynamicBatchingConfig, PackingConfig
-    from mrl.parallel.dims import ParallelDims, init_process_groups
-    from mrl.policy.train_step import RankBatch, StepContext, global_count, logprobs_of_batch, train_on_batch
+    from mrl.parallel.layout import ParallelDims
+    from mrl.parallel.groups import init_process_groups
+    from mrl.policy.interface import RankBatch, global_count
+    from mrl.policy.train_step import StepContext, logprobs_of_batch, train_on_batch
 
     world = int(os.environ["WORLD_SIZE"])
     init_process_groups(ParallelDims(tp=tp, pp=pp, cp=cp, sequence_parallel=sp, world_size=world))

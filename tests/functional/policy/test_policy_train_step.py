@@ -35,10 +35,12 @@ def run(model_dir: str, tp: int = 1, pp: int = 1, steps: int = 3, micro_batch_si
     from safetensors.torch import load_file
 
     from mrl.config.schema import OptimizerConfig, SchedulerConfig
-    from mrl.parallel.dims import ParallelDims, init_process_groups
-    from mrl.policy.model import build_gpt_model, load_hf_weights, transformer_config_from_hf
+    from mrl.parallel.layout import ParallelDims
+    from mrl.parallel.groups import init_process_groups
+    from mrl.model.build import build_gpt_model, load_hf_weights, transformer_config_from_hf
     from mrl.policy.optim import build_optimizer, build_scheduler
-    from mrl.policy.train_step import RankBatch, StepContext, global_count, logprobs_of_batch, train_on_batch
+    from mrl.policy.interface import RankBatch, global_count
+    from mrl.policy.train_step import StepContext, logprobs_of_batch, train_on_batch
 
     world = int(__import__("os").environ["WORLD_SIZE"])
     init_process_groups(ParallelDims(tp=tp, pp=pp, world_size=world))

@@ -14,9 +14,9 @@ from mrl.testing.tiny_models import build_tiny_hf_model
 
 # ---- rank side ----
 def train_steps(model_dir: str, steps: int, recompute: bool, scheduler: dict) -> dict:
-    from mrl.algorithms.loss import GRPOLoss
+    from mrl.objectives.loss import GRPOLoss
     from mrl.config.schema import OptimizerConfig, PolicyConfig, SchedulerConfig
-    from mrl.policy.train_step import RankBatch
+    from mrl.policy.interface import RankBatch
     from mrl.policy.worker import PolicySpec, PolicyWorker
 
     cfg = PolicyConfig(precision="float32", activation_checkpointing=recompute, train_micro_batch_size=4,

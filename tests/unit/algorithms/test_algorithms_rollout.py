@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from mrl.algorithms.grpo import training_rows
-from mrl.algorithms.rollout import Rollouts, pass_at_k, rows_from_output
+from mrl.algorithms.rollout import Rollouts, rows_from_output
+from mrl.objectives.passk import pass_at_k
 from mrl.inference.interface import FinishReason, GeneratedSample, GenerationOutput
 
 

@@ -108,3 +108,31 @@ def test_token_budget_micro_batches_under_pipeline_parallelism():
     assert p.key == "policy.sequence_packing.tokens_per_microbatch" and p.allowed == "a multiple of 4"
     tree["policy"]["sequence_packing"]["tokens_per_microbatch"] = 4100
     validate_tree(tree)  # 4100 = 4 * 1025
+
+
+def test_the_length_multiple_the_workers_need_is_the_one_checked():
+    """TP2 + SP, CP2, PP2: every sequence splits into 2*cp chunks, each over the tp ranks, so packs are multiples of
+    tp * 2 * cp = 8 (the workers' rule); 12 used to pass here (lcm(2*cp, tp) = 4) and fail in every worker."""
+    from mrl.parallel.layout import ParallelDims
+
+    layout = {"tensor_parallel_size": 2, "sequence_parallel": True, "context_parallel_size": 2,
+              "pipeline_parallel_size": 2}
+    tree = {"cluster": {"devices_per_node": 8},
+            "policy": {"parallel": layout, "train_global_batch_size": 4, "max_total_sequence_length": 12,
+                       "sequence_packing": {"enabled": True, "tokens_per_microbatch": 12}},
+            "generation": {"max_new_tokens": 4}}
+    (p,) = problems(tree)
+    workers = ParallelDims(tp=2, cp=2, pp=2, sequence_parallel=True, world_size=8).length_multiple
+    assert p.key == "policy.sequence_packing.tokens_per_microbatch" and p.allowed == f"a multiple of {workers}"
+    assert workers == 8
+    tree["policy"]["sequence_packing"]["tokens_per_microbatch"] = 16
+    validate_tree(tree)
+
+
+DEFAULTS_SNAPSHOT = Path(__file__).parent / "default_config.yaml"
+
+
+def test_default_config_matches_the_snapshot():
+    """The whole user-facing surface (every key and default) changes only on purpose: after a deliberate change,
+    regenerate the snapshot with `mrl config show > tests/unit/config/default_config.yaml` and review the diff."""
+    assert to_yaml(load_config(None)) == DEFAULTS_SNAPSHOT.read_text()

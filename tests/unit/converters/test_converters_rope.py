@@ -6,7 +6,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from converters import model_dims
-from mrl.policy.model import rope_inv_freq
+from mrl.model.build import rope_inv_freq
 
 ROPES = [
     {"rope_type": "default", "rope_theta": 10000.0},

@@ -5,7 +5,8 @@ import random
 import pytest
 import torch
 
-from mrl.data.packing import dynamic_batches, length_multiple, pack_sequences
+from mrl.data.packing import dynamic_batches, pack_sequences
+from mrl.parallel.layout import length_multiple
 
 LENGTHS = [5, 3, 8, 2, 7, 1]  # 26 real tokens
 
@@ -23,8 +24,11 @@ def test_first_fit_decreasing_by_hand():
 
 
 def test_lengths_are_rounded_to_the_layout_multiple():
-    assert [length_multiple(1, 1), length_multiple(2, 1), length_multiple(1, 2), length_multiple(2, 2)] == [1, 2, 4, 8]
-    plan = pack_sequences(LENGTHS, 10, multiple=length_multiple(tp_size=2))
+    sp = dict(sequence_parallel=True)
+    multiples = [length_multiple(1, 1), length_multiple(2, 1, **sp), length_multiple(1, 2), length_multiple(2, 2, **sp)]
+    assert multiples == [1, 2, 4, 8]
+    assert length_multiple(2, 2) == 4  # without sequence parallelism tp does not split sequences
+    plan = pack_sequences(LENGTHS, 10, multiple=length_multiple(2, sequence_parallel=True))
     assert plan.padded_lengths == [6, 4, 8, 2, 8, 2]
     # 8(2) -> bin0; 8(4) -> bin1; 6(0) -> bin2; 4(1) -> bin2; 2(3) -> bin0; 2(5) -> bin1
     assert plan.bins == [[2, 3], [4, 5], [0, 1]]

@@ -48,5 +48,8 @@ def test_bucket_arrives_bit_exact_at_every_member():
         collective.leave_group(f"{name}-{rank}")
 
 
-def test_payload_names_the_group_only():
-    assert collective.payload("g") == {"kind": "collective", "group": "g"}
+def test_transport_announces_the_group_only_and_meets():
+    transport = collective.CollectiveTransport("g", "127.0.0.1", 1234, 3)
+    assert transport.receiver_payload() == {"kind": "collective", "group": "g"}
+    assert transport.meets and transport.kind == "collective"
+    transport.release(transport.receiver_payload())  # nothing to free: buffers stay for the next bucket

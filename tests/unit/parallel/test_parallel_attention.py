@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from mrl.parallel.dims import ParallelDims, destroy_process_groups, init_process_groups
+from mrl.parallel.layout import ParallelDims
+from mrl.parallel.groups import destroy_process_groups, init_process_groups
 
 
 @pytest.fixture(scope="module", autouse=True)

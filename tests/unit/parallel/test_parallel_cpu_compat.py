@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from mrl.parallel import cpu_compat
-from mrl.parallel.dims import ParallelDims, destroy_process_groups, init_process_groups
+from mrl.parallel.layout import ParallelDims
+from mrl.parallel.groups import destroy_process_groups, init_process_groups
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU compatibility patches apply only without CUDA")
 

@@ -23,7 +23,7 @@ TIMINGS = ("timing/generation", "timing/reward", "timing/logprobs", "timing/trai
 @pytest.fixture(scope="module")
 def staged(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("staged")
-    finish(mrl("run", RECIPE, *SHORT_ARITH, f"run.output_dir={out}"))
+    (out / "console.txt").write_text(finish(mrl("run", RECIPE, *SHORT_ARITH, f"run.output_dir={out}")))
     return out
 
 
@@ -47,6 +47,27 @@ def test_staged_recipe_runs_every_stage_and_hands_checkpoints_on(staged):
     assert (staged / "reward_curve.png").stat().st_size > 1000
     rewards = [grpo[s]["train/reward"] for s in range(1, 5)]
     assert 0 < sum(rewards) / 4 < 1  # a partly right policy: the groups carry signal
+
+
+def test_eval_writes_every_sample_and_shows_a_few(staged):
+    """samples.jsonl holds each held-out problem's samples with what the reward read; the console shows examples."""
+    from mrl.environments.arith import arith_reward
+
+    rows = [json.loads(line) for line in (staged / "eval" / "samples.jsonl").read_text().splitlines()]
+    assert len(rows) == 20 * 2  # data.arith.num_heldout x eval.num_samples
+    assert {r["sample_index"] for r in rows} == {0, 1}
+    for row in rows:
+        a, b = (int(x) for x in row["prompt"].rstrip("=").split("+"))
+        assert row["gold_answer"] == str(a + b)
+        finished = row["finish_reason"] == "stop"
+        assert row["reward"] == (arith_reward(row["response"], row["gold_answer"]) if finished else 0.0)
+        assert row["reward"] == 0.0 or int(row["extracted_answer"]) == a + b
+    summary = json.loads((staged / "eval" / "summary.json").read_text())
+    assert summary["final"]["val/accuracy"] == pytest.approx(sum(r["reward"] for r in rows) / len(rows), abs=1e-6)
+    console = (staged / "console.txt").read_text()
+    assert "examples (40 samples in" in console and console.count("  prompt:   ") == 3
+    grpo_val = (staged / "grpo" / "val_samples")
+    assert sorted(p.name for p in grpo_val.iterdir()) == ["step_0.jsonl", "step_2.jsonl", "step_4.jsonl"]
 
 
 def _grpo_args(staged: Path, out: Path) -> list[str]:

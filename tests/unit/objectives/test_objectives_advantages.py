@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from mrl.algorithms.advantages import (dynamic_sampling_keep, expand_group_indices, grpo_advantages,
+from mrl.objectives.advantages import (dynamic_sampling_keep, expand_group_indices, grpo_advantages,
                                        overlong_penalty)
 
 

@@ -9,6 +9,7 @@
 Resume (`checkpointing.resume=true`, the default): the newest complete step is loaded; a checkpoint of another
 model or tokenizer is refused with the reason; another parallel layout is fine (reshard on load). A SIGTERM
 (Slurm pre-emption) sets a flag: the loop saves after the step in flight and exits 0.
+`checkpointing.enabled=false`: nothing is written and nothing is resumed (the run's output, final_hf/, still is).
 """
 
 from __future__ import annotations
@@ -20,14 +21,12 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+from mrl.app.errors import CheckpointIncompatibleError
+from mrl.app.runtime import Runtime
 from mrl.config import to_yaml
 from mrl.config.schema import MrlConfig
 
 log = logging.getLogger(__name__)
-
-
-class CheckpointIncompatibleError(RuntimeError):
-    """The newest checkpoint belongs to another model or tokenizer."""
 
 
 def _say(message: str) -> None:
@@ -38,20 +37,24 @@ def resume_padded_vocab(cfg: MrlConfig) -> Optional[int]:
     """The padded vocabulary of the checkpoint a run will resume from (None: no resume). The policy must be built
     with it: Megatron pads the vocabulary to a multiple of 128 * tp, so a checkpoint from another TP size has
     another embedding shape."""
-    from converters.cli import checkpoint_padded_vocab
+    from mrl.checkpoint.megatron import checkpoint_padded_vocab
     from mrl.checkpoint.manager import CheckpointManager
     from mrl.checkpoint.megatron import MODEL_SUBDIR
 
-    if not (cfg.checkpointing.enabled and cfg.checkpointing.resume):
+    if not _resumes(cfg):
         return None
     latest = CheckpointManager(cfg.checkpointing.dir, keep_last=cfg.checkpointing.keep_last).latest()
     return None if latest is None else checkpoint_padded_vocab(latest / MODEL_SUBDIR)
 
 
-class RunCheckpoints:
-    """The checkpoints of one training loop (GRPO or SFT)."""
+def _resumes(cfg: MrlConfig) -> bool:
+    return cfg.checkpointing.enabled and cfg.checkpointing.resume
 
-    def __init__(self, cfg: MrlConfig, runtime: Any) -> None:
+
+class RunCheckpoints:
+    """The checkpoints of one training loop (GRPO or SFT): `mrl.algorithms.interfaces.LoopCheckpoints`."""
+
+    def __init__(self, cfg: MrlConfig, runtime: Runtime) -> None:
         from mrl.checkpoint.manager import CheckpointManager
 
         ck = cfg.checkpointing
@@ -70,9 +73,10 @@ class RunCheckpoints:
                             precision=self.cfg.policy.precision)
 
     # ---------------------------------------------------------------------------------------------------- save
-    def due(self, step: int, last_step: int) -> bool:
+    def due(self, step: int, last_step: int, *, final: bool = False) -> bool:
+        """Every `save_every` steps, after the last step, and after a SIGTERM; never when checkpointing is off."""
         ck = self.cfg.checkpointing
-        return ck.enabled and (step % ck.save_every == 0 or step == last_step or self.stop_requested)
+        return ck.enabled and (step % ck.save_every == 0 or step == last_step or final or self.stop_requested)
 
     def save(self, step: int, state: dict[str, Any], metrics: dict[str, float]) -> Path:
         """Write step `step` (policy shards + controller state) and commit it atomically."""
@@ -91,7 +95,7 @@ class RunCheckpoints:
 
     # -------------------------------------------------------------------------------------------------- resume
     def newest(self) -> Optional[Path]:
-        if not self.cfg.checkpointing.resume:
+        if not _resumes(self.cfg):
             return None
         self.manager.clean_stale()
         return self.manager.latest()

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-from mrl.algorithms.commands import DONE_MARKER, FINAL_HF_DIR, RUNNERS, SUMMARY_FILE
+from mrl.app.commands import DONE_MARKER, FINAL_HF_DIR, RUNNERS, SUMMARY_FILE
 from mrl.config import load_config
 from mrl.config.errors import ConfigError
 from mrl.config.schema import MrlConfig, StageConfig

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from mrl.inference.mismatch import mismatch_metrics
+from mrl.objectives.mismatch import mismatch_metrics
 
 
 def test_identical_logprobs_give_one_and_zero():

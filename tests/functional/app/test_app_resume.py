@@ -17,8 +17,7 @@ def _sft(out: Path, *extra: str) -> list[str]:
 
 
 def test_sigterm_saves_a_checkpoint_and_exits_zero(tmp_path):
-    proc = mrl(*_sft(tmp_path, "sft.max_num_steps=100000", "checkpointing.save_every=100000",
-                     "checkpointing.sigterm_grace_s=60"))
+    proc = mrl(*_sft(tmp_path, "sft.max_num_steps=100000", "checkpointing.save_every=100000"))
     log = tmp_path / "logs" / "metrics.jsonl"
     deadline = time.monotonic() + 300
     while (not log.exists() or len(log.read_text().splitlines()) < 3) and time.monotonic() < deadline:

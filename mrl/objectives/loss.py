@@ -39,12 +39,9 @@ Departures, on purpose:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal, Mapping, Optional
+from typing import Literal, Mapping, Optional
 
 import torch
-
-if TYPE_CHECKING:
-    from mrl.config.schema import LossConfig
 
 Level = Literal["token", "sequence"]
 KLKind = Literal["k1", "k2", "k3"]
@@ -181,12 +178,6 @@ class GRPOLoss:
             raise ValueError(f"loss.dual_clip must be > 1 (or null to disable), got {self.dual_clip}")
         if self.icepop_low >= self.icepop_high:
             raise ValueError(f"loss.icepop_low ({self.icepop_low}) must be below loss.icepop_high ({self.icepop_high})")
-
-    @classmethod
-    def from_config(cls, cfg: "LossConfig") -> "GRPOLoss":
-        return cls(level=cfg.level, clip_low=cfg.clip_low, clip_high=cfg.clip_high, dual_clip=cfg.dual_clip,
-                   kl_beta=cfg.kl_beta, kl_kind=cfg.kl_kind, importance_sampling=cfg.importance_sampling,
-                   is_cap=cfg.is_cap, icepop_low=cfg.icepop_low, icepop_high=cfg.icepop_high)
 
     @property
     def needs_reference(self) -> bool:

@@ -10,8 +10,8 @@ Each test runs its steps in fresh rank processes (`run_on_ranks`); the rank-side
 A step is one of
   {"op": "forward_hf", "hf": dir, "tp": n, "out": file}      logits of the model built from HF weights
   {"op": "forward_ckpt", "meg": dir, "hf": dir, "tp": n, "out": file}   logits after loading a Megatron checkpoint
-  {"op": "hf_to_megatron", "hf": dir, "meg": dir, "tp": n}   converters.cli.hf_to_megatron (world = tp or a multiple)
-  {"op": "megatron_to_hf", "meg": dir, "out": dir}           converters.cli.megatron_to_hf
+  {"op": "hf_to_megatron", "hf": dir, "meg": dir, "tp": n}   converters.convert.hf_to_megatron (world = tp or a multiple)
+  {"op": "megatron_to_hf", "meg": dir, "out": dir}           converters.convert.megatron_to_hf
 Rank-side logits are gathered over TP and cut to the real vocabulary: [B, T, V] float32, saved by rank 0.
 """
 
@@ -48,13 +48,13 @@ def _save(tensor: torch.Tensor, path: str) -> None:
 
 
 def _build(hf_dir: str, tp: int, padded_vocab: int | None):
-    from converters import cli
+    from mrl.app import convert
     from converters.hf_io import load_hf_config
-    from mrl.policy.model import build_gpt_model, transformer_config_from_hf
+    from mrl.model.build import build_gpt_model, transformer_config_from_hf
 
     from megatron.core import parallel_state
 
-    cli.init_parallel(tp, 1, allow_data_parallel=True)
+    convert.init_parallel(tp, 1)
     assert parallel_state.get_tensor_model_parallel_world_size() == tp
     config = load_hf_config(hf_dir)
     model = build_gpt_model(config, transformer_config_from_hf(config, tensor_parallel=tp), padded_vocab=padded_vocab)
@@ -62,9 +62,9 @@ def _build(hf_dir: str, tp: int, padded_vocab: int | None):
 
 
 def run_step(step: dict, tokens: torch.Tensor) -> None:
-    from converters import cli
+    from mrl.app import convert
     from converters.hf_io import load_hf_state
-    from mrl.policy.model import load_hf_weights
+    from mrl.model.build import load_hf_weights
 
     op = step["op"]
     if op == "forward_hf":
@@ -72,14 +72,14 @@ def run_step(step: dict, tokens: torch.Tensor) -> None:
         load_hf_weights(model, load_hf_state(step["hf"]), config)
         _save(_forward(model, tokens, config["vocab_size"]), step["out"])
     elif op == "forward_ckpt":
-        model_dir = f"{step['meg']}/{cli.MODEL_SUBDIR}"
-        model, config = _build(step["hf"], step["tp"], cli.checkpoint_padded_vocab(model_dir))
-        cli.load_megatron_checkpoint(model, model_dir)
+        model_dir = f"{step['meg']}/{convert.MODEL_SUBDIR}"
+        model, config = _build(step["hf"], step["tp"], convert.checkpoint_padded_vocab(model_dir))
+        convert.load_megatron_checkpoint(model, model_dir)
         _save(_forward(model, tokens, config["vocab_size"]), step["out"])
     elif op == "hf_to_megatron":
-        cli.hf_to_megatron(step["hf"], step["meg"], tp=step["tp"])
+        convert.hf_to_megatron(step["hf"], step["meg"], tp=step["tp"])
     elif op == "megatron_to_hf":
-        cli.megatron_to_hf(step["meg"], step["out"], max_shard_bytes=step.get("max_shard_bytes", 5 * 1024**3))
+        convert.megatron_to_hf(step["meg"], step["out"], max_shard_bytes=step.get("max_shard_bytes", 5 * 1024**3))
     else:
         raise ValueError(f"unknown op {op}")
 

@@ -1,6 +1,6 @@
 """What every algorithm loop runs on: the model folder, the Ray cluster, the policy group and the rollout engine.
 
-The loops (grpo.py, sft.py, evaluate.py) receive a `Runtime` and never touch Ray, ranks or devices themselves.
+The loops (mrl/algorithms) receive a `Runtime` as their `Workers` and never touch Ray, ranks or devices themselves.
 
 Model source (`policy.*`):
 - `policy.build`: a randomly initialised model of the given size is written once, as an HF folder with the task's
@@ -10,7 +10,9 @@ Both the policy (Megatron) and the engine (vLLM) start from that folder, so they
 
 Placement: `cluster.num_nodes x cluster.devices_per_node` bundles. Colocated (the default): the policy's ranks and
 the engines share the bundles, each taking half of a bundle's resources; the engine gets the policy's weights by
-refit after every step.
+refit after every step (mrl/inference/refit.py), as shared-memory files written by the policy's rank 0. An engine
+on devices of its own (`generation.colocated: false`) receives them by broadcast in a group of the policy's rank 0
+and the engines, made on the first refit.
 """
 
 from __future__ import annotations
@@ -18,9 +20,17 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from mrl.config.schema import ModelBuildConfig, MrlConfig
+from mrl.distributed import Placement, RayCluster
+from mrl.inference.interface import RolloutEngine
+from mrl.inference.refit import RefitStats, refit
+from mrl.inference.transports import CollectiveTransport, SharedMemoryFileTransport, WeightTransport, collective
+from mrl.policy.interface import TrainablePolicy
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +46,7 @@ def _build_tokenizer(cfg: MrlConfig, out: Path) -> Any:
         tokenizer = build_arith_tokenizer()
         tokenizer.save_pretrained(out)
         return tokenizer
-    from mrl.testing.tiny_models import build_tokenizer
+    from mrl.data.tokenizers import build_tokenizer
 
     build_tokenizer(out)
     return PreTrainedTokenizerFast.from_pretrained(out)
@@ -83,7 +93,7 @@ def resolve_model_dir(cfg: MrlConfig) -> Path:
     return path
 
 
-def load_tokenizer(cfg: MrlConfig, model_dir: Path) -> Any:
+def load_tokenizer(cfg: MrlConfig, model_dir: Path) -> "PreTrainedTokenizerBase":
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(cfg.policy.tokenizer or model_dir))
@@ -91,22 +101,29 @@ def load_tokenizer(cfg: MrlConfig, model_dir: Path) -> Any:
 
 @dataclass
 class Runtime:
-    """The started workers of one run; `shutdown()` stops them all (also after a failure)."""
+    """The started workers of one run; `shutdown()` stops them all (also after a failure). A command starts only
+    the parts it needs: `policy` is None for `mrl eval`, `engine` for `mrl sft` and `mrl score`."""
 
     cfg: MrlConfig
     model_dir: Path
-    tokenizer: Any
-    cluster: Any
-    placement: Any
-    policy: Any = None
-    engine: Any = None
+    tokenizer: "PreTrainedTokenizerBase"
+    cluster: RayCluster
+    placement: Optional[Placement] = None
+    policy: Optional[TrainablePolicy] = None
+    engine: Optional[RolloutEngine] = None
+    _broadcast: Optional[CollectiveTransport] = None
 
-    def refit(self) -> Any:
-        """Stream the policy's weights into the engine: shared-memory files when they share the devices (or the
-        engine is the driver's Megatron engine), a broadcast group when the engine has devices of its own."""
-        collective = not self.cfg.generation.colocated and self.cfg.generation.backend == "vllm"
-        return self.policy.refit(self.engine, self.cfg.generation.refit_bucket_mb << 20,
-                                 transport="collective" if collective else "shm_file")
+    def refit(self) -> RefitStats:
+        """Stream the policy's weights into the engine (see the module docstring for the transport)."""
+        assert self.policy is not None and self.engine is not None, "refit needs a policy and an engine"
+        return refit(self.policy, self.engine, self._transport(), bucket_bytes=self.cfg.generation.refit_bucket_mb << 20)
+
+    def _transport(self) -> WeightTransport:
+        if self.cfg.generation.colocated or self.cfg.generation.backend != "vllm":
+            return SharedMemoryFileTransport()
+        if self._broadcast is None:
+            self._broadcast = collective.connect(self.policy, self.engine)  # type: ignore[arg-type]
+        return self._broadcast
 
     def shutdown(self) -> None:
         for part in (self.engine, self.policy):
@@ -121,12 +138,10 @@ class Runtime:
 def start_runtime(cfg: MrlConfig, *, total_steps: int, policy: bool = True, engine: bool = True,
                   reference: bool = False, padded_vocab: Optional[int] = None) -> Runtime:
     """Start Ray, reserve the bundles, then the policy group and/or the engines (see the module docstring)."""
-    from mrl.distributed import RayCluster
-
     model_dir = resolve_model_dir(cfg)
     tokenizer = load_tokenizer(cfg, model_dir)
     cluster = RayCluster.from_config(cfg.cluster)
-    runtime = Runtime(cfg, model_dir, tokenizer, cluster, None)
+    runtime = Runtime(cfg, model_dir, tokenizer, cluster)
     try:
         runtime.placement = cluster.create_placement(
             f"{cfg.run.name}-workers", bundles_per_node=cfg.cluster.devices_per_node, num_nodes=cfg.cluster.num_nodes,

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from mrl.algorithms.loss import GRPOLoss, NLLLoss, clipped_pg_loss, importance_weights, kl_penalty, local_count
+from mrl.objectives.loss import GRPOLoss, NLLLoss, clipped_pg_loss, importance_weights, kl_penalty, local_count
 
 
 def close(actual: torch.Tensor, expected, tol: float = 1e-5) -> None:
@@ -222,3 +222,13 @@ def test_sequence_level_split_along_time_with_whole_sequence_counts():
         part["seq_num_tokens"] = seq_tokens
         total = total + fn(lp[:, cols], part, count)[0]
     close(total, full)
+
+
+def test_the_loss_section_of_the_config_builds_the_grpo_loss():
+    from dataclasses import fields
+
+    from mrl.config.schema import LossConfig
+
+    assert set(LossConfig.model_fields) == {f.name for f in fields(GRPOLoss)}
+    loss = GRPOLoss(**LossConfig(kl_beta=0.1, level="sequence").model_dump())
+    assert (loss.kl_beta, loss.level, loss.needs_reference) == (0.1, "sequence", True)

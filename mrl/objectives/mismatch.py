@@ -5,7 +5,7 @@ With gen = engine logprob and train = policy logprob of each sampled response to
     gen_kl_error          = sum(m * k3(gen, train)) / sum(m)              k3 estimate of KL(engine || policy)
                             k3 = exp(-x) - 1 + x with x = gen - train     (unbiased on tokens the engine sampled)
     max_abs_logprob_error = max over valid tokens of |gen - train|
-The same definitions as the loss metrics of mrl/algorithms/loss.py (`GRPOLoss` logs the first two weighted like
+The same definitions as the loss metrics of mrl/objectives/loss.py (`GRPOLoss` logs the first two weighted like
 its loss); this is the plain token mean the refit check logs every step. A fresh refit in fp32 should give
 token_mult_prob_error <= 1.0001; a drifting or stale engine shows here first.
 """
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from mrl.algorithms.loss import kl_penalty
+from mrl.objectives.loss import kl_penalty
 
 
 def mismatch_metrics(gen_logprobs: torch.Tensor, train_logprobs: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
@@ -37,3 +37,4 @@ def mismatch_metrics(gen_logprobs: torch.Tensor, train_logprobs: torch.Tensor, m
         "max_abs_logprob_error": float(diff.max()),
         "num_tokens": float(count),
     }
+

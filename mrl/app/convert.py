@@ -1,4 +1,4 @@
-"""File-level conversions behind `mrl convert hf-to-megatron` and `mrl convert megatron-to-hf`.
+"""`mrl convert`: file-level conversions between HF folders and Megatron distributed checkpoints.
 
 Megatron checkpoint folder written by `hf_to_megatron` (and read by `megatron_to_hf`):
     <out>/model/            Megatron distributed checkpoint (dist_checkpointing, torch_dist format)
@@ -19,66 +19,39 @@ is a multiple of tp*pp adds data-parallel replicas, which dist_checkpointing doe
 from __future__ import annotations
 
 import json
-import os
-import socket
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from converters import ConversionError, model_dims, resolve_padded_vocab
 from converters.hf_io import (DEFAULT_MAX_SHARD_BYTES, copy_model_metadata, load_hf_config, load_hf_state,
                               save_hf_state)
 from converters.mapping import megatron_to_hf as map_megatron_to_hf
-from converters.mapping import resolve_padded_vocab
-from converters.spec import ConversionError, model_dims
+from mrl.checkpoint.megatron import checkpoint_padded_vocab, load_megatron_checkpoint
+from mrl.model.build import build_gpt_model, load_hf_weights, transformer_config_from_hf
+from mrl.parallel.groups import init_process_groups, world_from_launcher
+from mrl.parallel.layout import ParallelDims, ParallelLayoutError
 
 MODEL_SUBDIR, HF_SUBDIR, META_FILE = "model", "hf", "conversion.json"
-_EMBEDDING_KEY = "embedding.word_embeddings.weight"
 
 
 def _log(message: str) -> None:
     print(f"[convert] {message}", flush=True)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def init_parallel(tp: int, pp: int, *, allow_data_parallel: bool = False) -> None:
-    """Process group (gloo on CPU, NCCL on GPU; world of 1 when not launched by torchrun) + Megatron groups.
-
-    The world must be tp*pp ranks, or a multiple of it with `allow_data_parallel` (replicas doing the same work).
-    """
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-
-    if not torch.cuda.is_available():
-        from mrl.parallel import cpu_compat
-
-        cpu_compat.apply()
-    if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-        if backend == "nccl":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group(backend, rank=rank, world_size=world)
-    world = dist.get_world_size()
-    if world != tp * pp and not (allow_data_parallel and world % (tp * pp) == 0):
-        raise ConversionError(f"running with {dist.get_world_size()} process(es) but tp*pp = {tp * pp}: run in one "
-                              f"process or under torchrun --nproc-per-node {tp * pp}")
-    parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
-    model_parallel_cuda_manual_seed(0)
+def init_parallel(tp: int, pp: int) -> None:
+    """Process groups for a conversion of tp x pp ranks (mrl.parallel.groups; a world of 1 when not launched by
+    torchrun). A world that is a multiple of tp*pp adds data-parallel replicas doing the same work."""
+    try:
+        dims = ParallelDims(tp=tp, pp=pp, world_size=world_from_launcher())
+    except ParallelLayoutError as err:
+        raise ConversionError(f"running with {world_from_launcher()} process(es) but tp*pp = {tp * pp}: run in one "
+                              f"process or under torchrun --nproc-per-node {tp * pp}") from err
+    init_process_groups(dims, seed=0)
 
 
 def _build(hf_config: dict[str, Any], padded_vocab: int, tp: int, pp: int) -> Any:
-    from mrl.policy.model import build_gpt_model, transformer_config_from_hf
-
     config = transformer_config_from_hf(hf_config, tensor_parallel=tp, pipeline_parallel=pp)
     return build_gpt_model(hf_config, config, padded_vocab=padded_vocab)
 
@@ -88,15 +61,12 @@ def hf_to_megatron(hf_dir: str | Path, out_dir: str | Path, tp: int = 1, pp: int
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
 
-    from mrl.policy.model import load_hf_weights
-
     hf_dir, out = Path(hf_dir), Path(out_dir)
     hf_config = load_hf_config(hf_dir)
     dims = model_dims(hf_config)
     padded = resolve_padded_vocab(dims, tp, None)
-    world = int(os.environ.get("WORLD_SIZE", 1))
-    build_tp, build_pp = (tp, pp) if world > 1 else (1, 1)
-    init_parallel(build_tp, build_pp, allow_data_parallel=True)  # extra ranks are replicas; they save nothing twice
+    build_tp, build_pp = (tp, pp) if world_from_launcher() > 1 else (1, 1)
+    init_parallel(build_tp, build_pp)  # extra ranks are data-parallel replicas; they save nothing twice
     if (out / MODEL_SUBDIR).exists() and any((out / MODEL_SUBDIR).iterdir()):
         raise ConversionError(f"{out / MODEL_SUBDIR} is not empty: choose a new --out folder")
     _log(f"{dims.family}: {dims.num_layers} layers, hidden {dims.hidden_size}, vocab {dims.vocab_size} -> "
@@ -116,31 +86,6 @@ def hf_to_megatron(hf_dir: str | Path, out_dir: str | Path, tp: int = 1, pp: int
     dist.barrier()
     _log("done")
     return out
-
-
-def checkpoint_padded_vocab(model_dir: str | Path) -> int:
-    """The padded vocabulary of a distributed checkpoint, read from its tensor metadata (global shapes)."""
-    from megatron.core import dist_checkpointing
-
-    metadata = dist_checkpointing.load_tensors_metadata(str(model_dir))
-    if _EMBEDDING_KEY in metadata:
-        return int(metadata[_EMBEDDING_KEY].global_shape[0])
-    if "output_layer.weight" in metadata:
-        return int(metadata["output_layer.weight"].global_shape[0])
-    raise ConversionError(f"{model_dir} holds no {_EMBEDDING_KEY}: not a GPT model checkpoint")
-
-
-def load_megatron_checkpoint(model: Any, model_dir: str | Path) -> None:
-    """Load a distributed checkpoint into a (TP/PP-sharded) model, resharding as needed; strict on weights."""
-    from megatron.core import dist_checkpointing
-
-    state = dist_checkpointing.load(model.sharded_state_dict(), str(model_dir))
-    result = model.load_state_dict(state, strict=False)
-    missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]
-    unexpected = [k for k in result.unexpected_keys if not k.endswith("_extra_state")]
-    if missing or unexpected:
-        raise ConversionError(f"checkpoint {model_dir} does not match the model: missing {missing[:8]}, "
-                              f"unexpected {unexpected[:8]}")
 
 
 def _resolve_dirs(megatron_dir: Path, hf_config_dir: str | Path | None) -> tuple[Path, Path]:
@@ -163,7 +108,7 @@ def megatron_to_hf(
     out = Path(out_dir)
     hf_config = load_hf_config(config_dir)
     dims = model_dims(hf_config)
-    init_parallel(1, 1, allow_data_parallel=True)  # under torchrun every rank loads the full model; rank 0 writes
+    init_parallel(1, 1)  # under torchrun every rank loads the full model; rank 0 writes
     padded = checkpoint_padded_vocab(model_dir)
     _log(f"{dims.family}: loading {model_dir} (padded vocab {padded})")
     model = _build(hf_config, padded, 1, 1)

@@ -1,0 +1,190 @@
+"""The `mrl grpo | sft | eval | score` commands: start the workers, run a loop, export the result, shut down.
+
+Every training command ends by exporting the final policy as an HF folder, `<run.output_dir>/final_hf` (marked
+complete by `final_hf/.complete`), which is what the next stage of a staged recipe starts from and what vLLM or
+transformers load. `mrl eval` writes `summary.json` and every sample to `samples.jsonl`, and prints a few.
+
+A worker that dies (or raises) ends the command with `RunFailed`: one message naming the group, rank and method,
+where the newest checkpoint is, and that re-running the same command resumes from it.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+from mrl.app.checkpointing import RunCheckpoints, resume_padded_vocab
+from mrl.app.errors import RunFailed
+from mrl.app.runtime import Runtime, start_runtime
+from mrl.config.errors import ConfigError
+from mrl.config.schema import MrlConfig
+from mrl.logging.metrics import MetricsLogger
+
+FINAL_HF_DIR = "final_hf"
+DONE_MARKER = ".complete"
+SUMMARY_FILE = "summary.json"
+def _say(message: str) -> None:
+    print(f"[mrl] {message}", file=sys.stderr, flush=True)
+
+
+def _logger(cfg: MrlConfig, total_steps: int, description: str, key_metrics) -> MetricsLogger:
+    return MetricsLogger.from_config(cfg.logger, total_steps=total_steps, description=description,
+                                     key_metrics=key_metrics, run_config=cfg.model_dump(mode="json"))
+
+
+def _resume_hint(cfg: MrlConfig) -> str:
+    """Where a re-run of this command starts from."""
+    from mrl.checkpoint.manager import CheckpointManager
+
+    command = "mrl " + shlex.join(sys.argv[1:])
+    if not (cfg.checkpointing.enabled and cfg.checkpointing.resume):
+        return f"checkpointing is off for this run: `{command}` starts it again from the beginning"
+    latest = CheckpointManager(cfg.checkpointing.dir, keep_last=cfg.checkpointing.keep_last).latest()
+    if latest is None:
+        return f"no checkpoint was written yet: `{command}` starts it again from the beginning"
+    return f"the newest checkpoint is {latest}; `{command}` resumes from it"
+
+
+@contextmanager
+def explained_failures(cfg: MrlConfig) -> Iterator[None]:
+    """Turn a worker failure into `RunFailed` (see the module docstring)."""
+    from mrl.distributed import WorkerDiedError, WorkerError
+
+    try:
+        yield
+    except WorkerError as error:
+        message = str(error).split("\n--- remote traceback ---")[0]
+        detail = "" if isinstance(error, WorkerDiedError) or not error.remote_traceback else \
+            f"\n--- remote traceback ---\n{error.remote_traceback}"
+        raise RunFailed(f"{message}\n  {_resume_hint(cfg)}{detail}") from error
+
+
+def export_final(runtime: Runtime, out_dir: Path) -> Path:
+    """The policy's current weights as an HF folder (safetensors + config + tokenizer), marked complete last."""
+    from converters.hf_io import copy_model_metadata, save_hf_state
+
+    out = out_dir / FINAL_HF_DIR
+    save_hf_state(runtime.policy.export_state().items(), out, log=lambda message: None)  # type: ignore[union-attr]
+    copy_model_metadata(runtime.model_dir, out)
+    (out / DONE_MARKER).write_text("")
+    return out
+
+
+def _curve(history: dict, name: str) -> list[float]:
+    return [value for _, value in history.get(name, [])]
+
+
+def _write_summary(out_dir: Path, summary: dict[str, Any]) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
+
+
+def _grpo_summary(history: dict, final: dict[str, float], seconds: float) -> dict[str, Any]:
+    rewards = _curve(history, "train/reward")
+    accuracy = _curve(history, "val/accuracy")
+    return {"algorithm": "grpo", "seconds": seconds, "reward_curve": rewards,
+            "reward_first10": sum(rewards[:10]) / max(1, len(rewards[:10])),
+            "reward_last10": sum(rewards[-10:]) / max(1, len(rewards[-10:])),
+            "val_accuracy_before": accuracy[0] if accuracy else None,
+            "val_accuracy_after": final.get("val/accuracy"),
+            "token_mult_prob_error_max": max(_curve(history, "train/token_mult_prob_error"), default=None),
+            "final": final}
+
+
+def run_grpo(cfg: MrlConfig) -> dict[str, Any]:
+    from mrl.algorithms.grpo import KEY_METRICS, grpo_train
+    from mrl.data.tasks import load_task_data
+    from mrl.environments.registry import build_environment
+
+    start = time.perf_counter()
+    data = load_task_data(cfg, val_source=cfg.eval.data)
+    runtime = start_runtime(cfg, total_steps=cfg.grpo.max_num_steps, reference=cfg.loss.kl_beta > 0,
+                            padded_vocab=resume_padded_vocab(cfg))
+    env = build_environment(cfg.env)
+    try:
+        with explained_failures(cfg), RunCheckpoints(cfg, runtime) as ckpt, \
+                _logger(cfg, cfg.grpo.max_num_steps, f"{cfg.run.name} grpo", KEY_METRICS) as logger:
+            final = grpo_train(cfg, runtime, env, data, logger, ckpt)  # type: ignore[arg-type]
+            history = logger.history
+            export_final(runtime, Path(cfg.run.output_dir))
+    finally:
+        env.shutdown()
+        runtime.shutdown()
+    summary = _grpo_summary(history, final, time.perf_counter() - start)
+    _write_summary(Path(cfg.run.output_dir), summary)
+    return summary
+
+
+def run_sft(cfg: MrlConfig) -> dict[str, Any]:
+    from mrl.algorithms.sft import KEY_METRICS, sft_train
+    from mrl.data.tasks import load_task_data
+
+    start = time.perf_counter()
+    data = load_task_data(cfg)
+    runtime = start_runtime(cfg, total_steps=cfg.sft.max_num_steps, engine=False,
+                            padded_vocab=resume_padded_vocab(cfg))
+    try:
+        with explained_failures(cfg), RunCheckpoints(cfg, runtime) as ckpt, \
+                _logger(cfg, cfg.sft.max_num_steps, f"{cfg.run.name} sft", KEY_METRICS) as logger:
+            final = sft_train(cfg, runtime, data, logger, ckpt)  # type: ignore[arg-type]
+            export_final(runtime, Path(cfg.run.output_dir))
+    finally:
+        runtime.shutdown()
+    summary = {"algorithm": "sft", "seconds": time.perf_counter() - start, "final": final}
+    _write_summary(Path(cfg.run.output_dir), summary)
+    return summary
+
+
+def run_eval(cfg: MrlConfig) -> dict[str, Any]:
+    from mrl.algorithms.evaluate import SAMPLES_FILE, format_examples, validate, write_samples
+    from mrl.data.tasks import load_task_data
+    from mrl.environments.registry import build_environment
+
+    start = time.perf_counter()
+    data = load_task_data(cfg, val_source=cfg.eval.data)
+    if not data.val:
+        raise ConfigError("nothing to evaluate", key="eval.data",
+                          fix="set eval.data (or data.val) to a problem/answer file (jsonl or parquet)")
+    runtime = start_runtime(cfg, total_steps=1, policy=False)
+    env = build_environment(cfg.env)
+    try:
+        with explained_failures(cfg):
+            result = validate(cfg, runtime.engine, env, runtime.tokenizer, data)  # type: ignore[arg-type]
+    finally:
+        env.shutdown()
+        runtime.shutdown()
+    if result is None:
+        raise ConfigError("no evaluation prompt fits data.max_prompt_length", key="data.max_prompt_length")
+    out = Path(cfg.run.output_dir)
+    samples = write_samples(out / SAMPLES_FILE, result.samples)
+    print(f"examples ({len(result.samples)} samples in {samples}):\n{format_examples(result.samples)}")
+    for name, value in result.metrics.items():
+        print(f"{name}: {value:.4f}")
+    summary = {"algorithm": "eval", "seconds": time.perf_counter() - start, "final": result.metrics}
+    _write_summary(out, summary)
+    return summary
+
+
+def run_score(cfg: MrlConfig, input_path: str, out_path: str) -> dict[str, float]:
+    """`mrl score`: logprobs of every row of `input_path` under the policy, in any parallel layout."""
+    from mrl.algorithms.score import read_inputs, score_rows, write_scores
+
+    if not Path(input_path).is_file():
+        raise FileNotFoundError(f"--input {input_path}: no such file")
+    runtime = start_runtime(cfg, total_steps=1, engine=False)
+    try:
+        with explained_failures(cfg):
+            rows = read_inputs(input_path, runtime.tokenizer, cfg.policy.max_total_sequence_length)
+            pad = runtime.tokenizer.pad_token_id if runtime.tokenizer.pad_token_id is not None else 0
+            scored = score_rows(runtime.policy, rows, pad)  # type: ignore[arg-type]
+    finally:
+        runtime.shutdown()
+    return write_scores(out_path, rows, scored)
+
+
+RUNNERS = {"grpo": run_grpo, "sft": run_sft, "eval": run_eval}

@@ -1,0 +1,3 @@
+"""The pure math of the objectives: policy losses (loss.py), group advantages and DAPO's reward shaping
+(advantages.py), run metrics (mismatch.py: engine vs trainer logprobs; passk.py: pass@k). Tensors in, tensors or
+floats out: no I/O, no Ray, no process groups; every other layer may use them."""

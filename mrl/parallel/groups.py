@@ -1,0 +1,102 @@
+"""Process groups: the only place mrl creates them (the policy's ranks, the Megatron engine, `mrl convert`).
+
+Model and loss code receive groups from `megatron.core.parallel_state` (or as arguments), never build their own.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+
+from mrl.parallel.layout import ParallelDims, ParallelLayoutError
+
+
+def free_port(host: str = "") -> int:
+    """A TCP port that is free on this machine right now (the OS picks it by binding port 0).
+
+    Hazard: the port is released before the rendezvous binds it, so another process may take it in between; the
+    window is milliseconds and the OS hands out ephemeral ports round-robin, so in practice this does not collide.
+    It must run on the node of the rendezvous host, not on the driver.
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def default_backend() -> str:
+    """NCCL when CUDA is available, gloo on CPU."""
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def _init_torch_distributed(dims: ParallelDims, backend: str, timeout_s: float) -> None:
+    """Start torch.distributed from the torchrun environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)."""
+    if not dist.is_initialized():
+        missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+        if missing and dims.world_size > 1:
+            raise RuntimeError(
+                f"torch.distributed is not initialised and {', '.join(missing)} not set: launch with torchrun "
+                "(or mrl.testing.distributed.run_on_ranks), or call torch.distributed.init_process_group first"
+            )
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        timeout = datetime.timedelta(seconds=timeout_s)
+        if missing:  # a single process: a private rendezvous on a free local port
+            init_method = f"tcp://127.0.0.1:{free_port('127.0.0.1')}"
+            dist.init_process_group(backend, init_method=init_method, rank=0, world_size=1, timeout=timeout)
+        else:
+            dist.init_process_group(backend, timeout=timeout)
+    if dist.get_world_size() != dims.world_size:
+        raise ParallelLayoutError(
+            f"torch.distributed runs {dist.get_world_size()} ranks but the layout {dims.describe()} expects "
+            f"{dims.world_size}: launch as many ranks as the layout's world_size"
+        )
+
+
+def init_process_groups(
+    dims: ParallelDims, backend: str | None = None, seed: int = 1234, timeout_s: float = 600.0
+) -> None:
+    """Create every Megatron process group for `dims` and seed the model-parallel RNG.
+
+    Initialises torch.distributed if needed (from the torchrun environment), applies the CPU compatibility
+    patches when CUDA is absent, then `parallel_state.initialize_model_parallel(tp, pp, cp, ep)` and
+    `model_parallel_cuda_manual_seed(seed)` (the same seed gives the same initial model for every layout:
+    Megatron draws full weights and slices them with `use_cpu_initialization=True`).
+    Re-initialising with new sizes first destroys the previous groups.
+    """
+    from mrl.parallel import cpu_compat
+
+    cpu_compat.apply()
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    _init_torch_distributed(dims, backend or default_backend(), timeout_s)
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=dims.tp,
+        pipeline_model_parallel_size=dims.pp,
+        context_parallel_size=dims.cp,
+        expert_model_parallel_size=dims.ep,
+    )
+    torch.manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed)
+
+
+def destroy_process_groups() -> None:
+    """Destroy Megatron's groups and torch.distributed's default group (safe to call when not initialised)."""
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def world_from_launcher() -> int:
+    """The number of processes torchrun started (1 when run as a plain process)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))

@@ -1,0 +1,99 @@
+"""The policy as the loops see it (`TrainablePolicy`), what it trains on (`RankBatch`) and with (`PolicyLoss`).
+
+Layout of a `RankBatch` (rows = sequences, right-padded):
+    input_ids   [N, T] token ids
+    loss_mask   [N, T] 1 on the tokens whose logprob enters the loss (the response tokens)
+    token_data  name -> [N, T] tensors aligned with the tokens (advantages, old/ref/engine logprobs)
+    seq_data    name -> [N] tensors (one value per sequence)
+    lengths     [N] real tokens (prompt + response); None = up to the last loss token
+Light on purpose (torch only): the loops build batches without importing Megatron. The implementation is
+`mrl.policy.group.Policy` (one Ray actor per rank, mrl/policy/worker.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+import torch
+
+
+class PolicyLoss(Protocol):
+    """A loss evaluated per micro-batch and normalised by the global count of the step."""
+
+    level: Literal["token", "sequence"]
+
+    def __call__(self, logprobs: torch.Tensor, batch: dict[str, torch.Tensor],
+                 global_count: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """logprobs [b, T'] of the target tokens; `batch` holds `loss_mask` [b, T'], the token data [b, T'], the
+        sequence data [b] and `seq_num_tokens` [b] (valid tokens per whole sequence, also under CP).
+        Returns (scalar loss = sum over this micro-batch / global_count, additive metrics)."""
+
+
+@dataclass
+class RankBatch:
+    input_ids: torch.Tensor
+    loss_mask: torch.Tensor
+    token_data: dict[str, torch.Tensor] = field(default_factory=dict)
+    seq_data: dict[str, torch.Tensor] = field(default_factory=dict)
+    lengths: torch.Tensor | None = None  # [N] real tokens (prompt + response); None = up to the last loss token
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    def slice(self, start: int, stop: int) -> "RankBatch":
+        return RankBatch(self.input_ids[start:stop], self.loss_mask[start:stop],
+                         {k: v[start:stop] for k, v in self.token_data.items()},
+                         {k: v[start:stop] for k, v in self.seq_data.items()},
+                         None if self.lengths is None else self.lengths[start:stop])
+
+    def select(self, rows: list[int], width: int) -> "RankBatch":
+        """Rows `rows` (in that order) with every [N, T] tensor cut or right-padded (zeros) to `width` columns."""
+        t = self.input_ids.shape[1]
+
+        def cols(x: torch.Tensor) -> torch.Tensor:  # [N, T] -> [len(rows), width]
+            return x[rows, :width] if width <= t else torch.nn.functional.pad(x[rows], (0, width - t))
+
+        return RankBatch(cols(self.input_ids), cols(self.loss_mask), {k: cols(v) for k, v in self.token_data.items()},
+                         {k: v[rows] for k, v in self.seq_data.items()},
+                         None if self.lengths is None else self.lengths[rows])
+
+    def micro_batches(self, size: int) -> list["RankBatch"]:
+        if len(self) % size:
+            # Pipeline schedules send fixed-shape activations between stages: every micro-batch has `size` rows.
+            raise ValueError(f"{len(self)} sequences on this rank do not split into micro-batches of {size}")
+        return [self.slice(i, i + size) for i in range(0, len(self), size)]
+
+
+def global_count(loss_mask: torch.Tensor, level: str) -> float:
+    """Valid tokens (token level) or sequences with at least one valid token (sequence level) in a whole step."""
+    if level == "token":
+        return float(loss_mask[:, 1:].sum())
+    return float((loss_mask[:, 1:].sum(dim=1) > 0).sum())
+
+
+class TrainablePolicy(Protocol):
+    """A sharded policy driven by the controller: every call covers all of its ranks."""
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Batches passed in need a multiple of this many rows (each data-parallel rank takes a share)."""
+        ...
+
+    def logprobs(self, batch: RankBatch, *, temperature: float = 1.0, reference: bool = False) -> torch.Tensor:
+        """[B, T] log-probabilities of `batch.input_ids` (position 0 is 0) under the policy or its reference."""
+        ...
+
+    def train(self, batch: RankBatch, loss_fn: PolicyLoss, *, temperature: float = 1.0) -> dict[str, float]:
+        """One optimizer step on the whole batch; the step's metrics."""
+        ...
+
+    def save(self, path: str) -> None: ...
+
+    def load(self, path: str, *, load_optimizer: bool = True) -> list[Any]: ...
+
+    def export_state(self) -> dict[str, torch.Tensor]:
+        """The whole model as HF-named full tensors."""
+        ...
+
+    def shutdown(self) -> None: ...
