@@ -144,6 +144,9 @@ def _run_convert(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from mrl.logging.known_noise import silence_known_noise
+
+    silence_known_noise()  # the dependencies' known-harmless warnings (the in-process engines run here)
     args = build_parser().parse_args(argv)
     try:
         if args.command == "config":

@@ -71,9 +71,15 @@ def build_initial_model(cfg: MrlConfig, build: ModelBuildConfig, out: Path) -> P
         max_position_embeddings=max(64, cfg.policy.max_total_sequence_length),
         tie_word_embeddings=build.tie_word_embeddings, eos_token_id=tokenizer.eos_token_id,
         bos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, dtype="float32", **extra)
+    from transformers.utils import logging as hf_logging
+
     torch.manual_seed(cfg.run.seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.save_pretrained(out)
+    hf_logging.disable_progress_bar()  # one tiny shard: a progress bar would be noise
+    try:
+        model.save_pretrained(out)
+    finally:
+        hf_logging.enable_progress_bar()
     GenerationConfig(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id).save_pretrained(out)
     return out
 

@@ -96,9 +96,10 @@ class RayCluster:
                 include_dashboard=False,
                 namespace=namespace,
                 log_to_driver=log_to_driver,
+                logging_level=logging.WARNING,  # not "Started a local Ray instance" on every command
             )
         else:
-            ray.init(address=address, namespace=namespace, log_to_driver=log_to_driver)
+            ray.init(address=address, namespace=namespace, log_to_driver=log_to_driver, logging_level=logging.WARNING)
 
     @classmethod
     def from_config(cls, config: "ClusterConfig") -> "RayCluster":

@@ -15,12 +15,14 @@ import ray
 
 from mrl.distributed.env import find_free_port
 from mrl.distributed.transport import decode, encode
+from mrl.logging.known_noise import silence_known_noise
 
 
 class WorkerHost:
     """One per actor; holds one instance of the worker class."""
 
     def __init__(self) -> None:
+        silence_known_noise()  # before the worker class imports Megatron or vLLM
         self._worker: Any = None
 
     def info(self) -> dict[str, Any]:

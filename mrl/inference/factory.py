@@ -19,7 +19,7 @@ from mrl.inference.interface import SamplingConfig
 
 if TYPE_CHECKING:
     from mrl.config.schema import MrlConfig
-    from mrl.inference.interface import GenerationBackend
+    from mrl.inference.interface import RolloutEngine
     from mrl.inference.megatron_backend import MegatronEngineConfig
     from mrl.inference.vllm_backend import VllmEngineConfig
     from mrl.inference.vllm_worker import VllmEngineGroup
@@ -136,7 +136,7 @@ def megatron_engine_config(cfg: "MrlConfig", model_path: str) -> "MegatronEngine
     )
 
 
-def build_generation(cfg: "MrlConfig", model_path: str, placement: Any) -> "GenerationBackend":
+def build_generation(cfg: "MrlConfig", model_path: str, placement: Any) -> "RolloutEngine":
     """The rollout backend `generation.backend` names: vLLM engines on `placement` (`build_vllm_engines`), or one
     Megatron static-inference engine in this process at TP1 (`placement` unused: it holds its own model copy)."""
     if cfg.generation.backend == "megatron":

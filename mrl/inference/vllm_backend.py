@@ -103,6 +103,7 @@ def _llm_kwargs(config: VllmEngineConfig) -> dict[str, Any]:
         enforce_eager=config.enforce_eager,
         logprobs_mode=config.logprobs_mode,
         worker_extension_cls=_EXTENSION,
+        use_tqdm_on_load=False,  # a progress bar per engine start and refit-free load: noise on every console
     )
     if torch.cuda.is_available():
         kwargs.update(gpu_memory_utilization=config.gpu_memory_utilization, enable_sleep_mode=config.sleep_when_idle)

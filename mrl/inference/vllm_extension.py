@@ -24,6 +24,10 @@ import os
 from pathlib import Path
 from typing import Any
 
+from mrl.logging.known_noise import silence_known_noise
+
+silence_known_noise()  # in vLLM's worker processes too (tensor parallel > 1), which mrl does not start itself
+
 #: vLLM loggers that warn about every module a reload call does not carry.
 _RELOAD_LOGGERS = (
     "vllm.model_executor.model_loader.reload.layerwise",

@@ -33,6 +33,7 @@ from mrl.inference.transports import CollectiveTransport, Payload, make_transpor
 from mrl.inference.vllm_backend import VllmBackend, VllmEngineConfig, checkpoint_tensor_names
 
 from mrl.distributed import GroupFuture, WorkerError, WorkerGroup
+from mrl.logging.known_noise import ENGINE_ENV
 
 log = logging.getLogger(__name__)
 
@@ -106,8 +107,7 @@ class VllmEngineGroup:
             bundle_indices=bundle_indices,
             resource_fraction=resource_fraction,
             omp_num_threads=omp_num_threads,
-            # vLLM logs every request batch and reload at INFO; through Ray that floods the driver's console.
-            env={"VLLM_LOGGING_LEVEL": "ERROR"},
+            env=dict(ENGINE_ENV),  # vLLM's INFO logs and torch's C++ notices, known to be harmless
         )
 
     @property

@@ -1,0 +1,1 @@
+"""Helpers for the tests only (production code never imports them): tiny models, multi-rank runs, CLI runs."""

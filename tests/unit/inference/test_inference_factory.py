@@ -23,6 +23,19 @@ def test_sampling_follows_the_generation_section_and_moves_the_seed_per_step():
     assert s.seed == 3 + 2 * STEP_SEED_STRIDE and s.logprobs
 
 
+def test_validation_samples_with_the_eval_count_and_temperature_and_generation_s_other_settings():
+    cfg = _cfg(
+        run={"seed": 3},
+        eval={"num_samples": 5, "temperature": 0.0, "pass_k": [1, 5]},
+        generation={"temperature": 0.7, "top_p": 0.9, "top_k": 20, "max_new_tokens": 33, "stop_token_ids": [7],
+                    "stop_strings": ["</answer>"], "overlong_prompt": "truncate"},
+    )
+    s = sampling_config(cfg, step=9, purpose="eval")
+    assert (s.n, s.temperature, s.top_p, s.top_k, s.max_new_tokens) == (5, 0.0, 0.9, 20, 33)
+    assert s.stop_token_ids == (7,) and s.stop_strings == ("</answer>",) and s.overlong_prompt == "truncate"
+    assert s.seed == sampling_config(cfg, step=1, purpose="eval").seed  # the same problems, the same draws
+
+
 def test_engine_settings():
     cfg = _cfg(policy={"precision": "float32", "max_total_sequence_length": 300},
                generation={"max_new_tokens": 100, "refit_bucket_mb": 8, "vllm": {"kv_cache_gib": 0.5}})

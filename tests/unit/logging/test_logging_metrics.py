@@ -42,12 +42,14 @@ def test_metric_names_need_a_known_prefix_and_numbers():
 
 def test_console_without_tty_prints_plain_lines_every_n_steps():
     out = io.StringIO()
-    sink = ConsoleSink(total_steps=4, description="grpo", key_metrics=["train/reward"], log_every=2, stream=out)
+    sink = ConsoleSink(total_steps=4, description="grpo", key_metrics=["train/reward", "val/reward"], log_every=2,
+                       stream=out)
     for step in range(1, 5):
-        sink.log({"train/reward": step / 10, "train/other": 9.0}, step)
+        sink.log({"train/reward": step / 10, "train/other": 9.0, **({"val/reward": 0.5} if step == 4 else {})}, step)
     lines = out.getvalue().splitlines()
     assert len(lines) == 2 and "\r" not in out.getvalue()
     assert lines[0].startswith("[grpo] step 2/4") and "reward=0.2" in lines[0] and "other" not in lines[0]
+    assert lines[1].endswith("reward=0.4 val/reward=0.5")  # train/ metrics by short name, others in full
     assert "eta" in lines[0] and lines[1].startswith("[grpo] step 4/4")
 
 

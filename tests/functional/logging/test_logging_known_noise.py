@@ -1,0 +1,34 @@
+"""The known-noise entries match what the dependencies really print: importing Megatron-Core and vLLM in a fresh
+process shows each known message without the filters and none of them with."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("vllm")
+
+# What an engine and a policy rank do at start-up that prints the known messages.
+IMPORTS = ("import torch.distributed, megatron.core.optimizer, megatron.core.models.gpt.gpt_layer_specs\n"
+           "from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec\n"
+           "get_gpt_layer_local_spec()\n"
+           "import vllm.v1.worker.cpu_worker\n"
+           "from vllm.platforms.cpu import CpuPlatform\n"
+           "CpuPlatform.register_triton_kernel_overrides()\n")
+KNOWN = ("Transformer Engine and Apex are not installed", "Apex is not installed. Falling back to Torch Norm",
+         "`torch.distributed.reduce_op` is deprecated", "Triton not available")
+
+
+def _stderr(silenced: bool) -> str:
+    prefix = "from mrl.logging.known_noise import silence_known_noise\nsilence_known_noise()\n" if silenced else ""
+    done = subprocess.run([sys.executable, "-c", prefix + IMPORTS], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stderr
+
+
+def test_known_messages_appear_without_the_filters_and_not_with_them():
+    loud, quiet = _stderr(silenced=False), _stderr(silenced=True)
+    assert all(message in loud for message in KNOWN), loud[-3000:]
+    assert not any(message in quiet for message in KNOWN), quiet[-3000:]

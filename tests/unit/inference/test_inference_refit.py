@@ -1,0 +1,68 @@
+"""The refit loop against hand-checked expectations: buckets in order, each released after every receiver loaded
+it, the sink told how the refit ended, incomplete refits refused, meeting transports only between collective ends."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mrl.inference.refit import LocalWeights, RefitError, refit
+from mrl.inference.transports import CollectiveTransport, SharedMemoryFileTransport, unpack_payload
+
+
+class RecordingSink:
+    """A sink that unpacks every payload as an engine's worker would and records what happened."""
+
+    def __init__(self, expected_names=None, fail_on: int | None = None) -> None:
+        self.expected_names = expected_names
+        self.fail_on = fail_on
+        self.loaded: list[list[str]] = []
+        self.finished: list[bool] = []
+
+    def load_payload(self, payload: dict) -> None:
+        if len(self.loaded) == self.fail_on:
+            raise RuntimeError("engine worker died")
+        self.loaded.append([name for name, _ in unpack_payload(payload)])
+
+    def finish_refit(self, complete: bool = True) -> None:
+        self.finished.append(complete)
+
+
+def _state(layers: int = 3) -> dict[str, torch.Tensor]:
+    state = {"model.embed_tokens.weight": torch.ones(4, 4)}  # 64 bytes
+    for i in range(layers):
+        state[f"model.layers.{i}.mlp.up_proj.weight"] = torch.ones(4, 4)
+        state[f"model.layers.{i}.mlp.down_proj.weight"] = torch.ones(4, 4)  # a layer: 128 bytes
+    return state
+
+
+def test_buckets_of_whole_layers_arrive_in_order_and_are_released(tmp_path):
+    state = _state()
+    sink = RecordingSink(expected_names=frozenset(state))
+    stats = refit(LocalWeights(state.items()), sink, SharedMemoryFileTransport(str(tmp_path)), bucket_bytes=150)
+    # 64 + 128 > 150: the embedding alone, then one layer per bucket (a file lists its tensors sorted)
+    assert sink.loaded == [["model.embed_tokens.weight"]] + [
+        [f"model.layers.{i}.mlp.down_proj.weight", f"model.layers.{i}.mlp.up_proj.weight"] for i in range(3)]
+    assert (stats.num_buckets, stats.num_tensors, stats.bytes, stats.max_bucket_bytes) == (4, 7, 448, 128)
+    assert sink.finished == [True]
+    assert list(tmp_path.iterdir()) == []  # every shared-memory file removed
+
+
+def test_a_failed_load_releases_the_bucket_and_tells_the_sink(tmp_path):
+    sink = RecordingSink(fail_on=1)
+    with pytest.raises(RuntimeError, match="engine worker died"):
+        refit(LocalWeights(_state()), sink, SharedMemoryFileTransport(str(tmp_path)), bucket_bytes=150)
+    assert sink.finished == [False] and list(tmp_path.iterdir()) == []
+
+
+def test_a_refit_missing_tensors_of_the_engine_is_refused(tmp_path):
+    state = _state()
+    sink = RecordingSink(expected_names=frozenset([*state, "lm_head.weight"]))
+    with pytest.raises(RefitError, match="lm_head.weight"):
+        refit(LocalWeights(state), sink, SharedMemoryFileTransport(str(tmp_path)), bucket_bytes=1 << 20)
+
+
+def test_a_broadcast_needs_collective_ends():
+    transport = CollectiveTransport("g", "127.0.0.1", 1, 2)
+    with pytest.raises(TypeError, match="CollectiveRefitSink"):
+        refit(LocalWeights(_state()), RecordingSink(), transport, bucket_bytes=1 << 20)
