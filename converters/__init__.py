@@ -1,4 +1,5 @@
-"""HF <-> Megatron-Core checkpoint conversion for dense decoder families (Llama, Qwen2, Qwen3).
+"""HF <-> Megatron-Core checkpoint conversion for decoder families: dense (Llama, Qwen2, Qwen3) and mixture of
+experts (Qwen3-MoE, DeepSeek-V3 with multi-latent attention).
 
 Public API (the single source of truth for parameter names and layouts):
 - `model_dims(hf_config)`: validated dimensions; unsupported families/features raise `ConversionError`.
@@ -6,7 +7,8 @@ Public API (the single source of truth for parameter names and layouts):
 - `megatron_to_hf(full_megatron_tensors, hf_config)`: iterator of (hf_name, tensor).
 - `rule_for(megatron_name, hf_config)`: the rule of one parameter; `.tp_dim` (0 column/vocab parallel, 1 row
   parallel, None replicated) and `.gated` tell how to split or gather it with `tp_shard` / `tp_unshard`.
-- `select_pp_stage(...)`: a pipeline stage's part of a full-model state, with local layer indices.
+- `select_pp_stage(...)` / `select_ep_experts(...)`: a pipeline stage's layers / an expert-parallel rank's experts
+  of a full-model state, with local indices.
 hf_io.py reads and writes HF folders. Imports nothing from mrl: the file-level commands (`mrl convert`) are
 `mrl.app.convert`, the Megatron model they build is `mrl.model`.
 """
@@ -16,22 +18,28 @@ from converters.mapping import (
     expected_hf_shapes,
     hf_to_megatron,
     layer_index,
+    experts_per_rank,
     megatron_to_hf,
     param_rules,
     resolve_padded_vocab,
     rule_for,
+    select_ep_experts,
     select_pp_stage,
+    to_local_expert,
 )
-from converters.family import ConversionError
+from converters.family import ConversionError, MLADims, MoEDims
 from converters.spec import ModelDims, detect_family, model_dims, supported_families
 from converters.transforms import padded_vocab_size, tp_shard, tp_unshard
 
 __all__ = [
     "ConversionError",
+    "MLADims",
+    "MoEDims",
     "ModelDims",
     "ParamRule",
     "detect_family",
     "expected_hf_shapes",
+    "experts_per_rank",
     "hf_to_megatron",
     "layer_index",
     "megatron_to_hf",
@@ -40,8 +48,10 @@ __all__ = [
     "param_rules",
     "resolve_padded_vocab",
     "rule_for",
+    "select_ep_experts",
     "select_pp_stage",
     "supported_families",
     "tp_shard",
+    "to_local_expert",
     "tp_unshard",
 ]

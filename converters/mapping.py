@@ -1,94 +1,52 @@
-"""The HF <-> Megatron-Core parameter map for dense decoders: the single source of truth for names and layouts.
+"""The HF <-> Megatron-Core parameter map of a whole model: the single source of truth for names and layouts.
 
 Used by the checkpoint converters, the policy loader (HF -> one TP rank's Megatron state), the HF export and the
 weight refit into rollout engines (Megatron full tensors -> HF names, streamed one tensor at a time).
 
-Per layer i (HF `model.layers.i.` <-> Megatron `decoder.layers.i.`):
-    self_attn.{q,k,v}_proj.weight/.bias -> self_attention.linear_qkv.weight/.bias    grouped QKV, TP dim 0
-    self_attn.o_proj.weight             -> self_attention.linear_proj.weight         row parallel, TP dim 1
-    self_attn.{q,k}_norm.weight         -> self_attention.{q,k}_layernorm.weight     replicated (Qwen3)
-    mlp.{gate,up}_proj.weight           -> mlp.linear_fc1.weight                     cat[gate, up], TP dim 0 gated
-    mlp.down_proj.weight                -> mlp.linear_fc2.weight                     row parallel, TP dim 1
-    input_layernorm.weight              -> input_layernorm.weight                    (local spec) or
-                                           self_attention.linear_qkv.layer_norm_weight (TE spec)
-    post_attention_layernorm.weight     -> pre_mlp_layernorm.weight                  (local spec) or
-                                           mlp.linear_fc1.layer_norm_weight           (TE spec)
+Per layer: the rules of `converters.layers` (attention: grouped-query or multi-latent; MLP: dense or experts).
 Model level: model.embed_tokens.weight -> embedding.word_embeddings.weight (vocab padded, TP dim 0),
 model.norm.weight -> decoder.final_layernorm.weight, lm_head.weight -> output_layer.weight (vocab padded, TP dim 0;
 absent when embeddings are tied: Megatron then shares the embedding).
+Parallel layouts: `hf_to_megatron` gives one TP rank's tensors (global layer and expert indices);
+`select_pp_stage` and `select_ep_experts` keep a pipeline stage's layers and an expert-parallel rank's experts,
+renamed to local indices.
 
 Nothing is dropped silently: an HF or Megatron tensor that no rule covers, a missing tensor or a wrong shape raises
 ConversionError naming it. The only names skipped on purpose are Megatron `_extra_state` entries (TE/FP8 metadata,
-not weights), HF `rotary_emb.inv_freq` buffers (recomputed from the config) and, with tied embeddings, an
-`output_layer.weight` / `lm_head.weight` copy that equals the embedding (checked when both are present).
+not weights), HF `rotary_emb.inv_freq` buffers (recomputed from the config), the multi-token-prediction layers
+of DeepSeek-V3 checkpoints (`model.layers.<num_hidden_layers + k>.*`: not part of the model transformers and vLLM
+build; dropped with a logged warning) and, with tied embeddings, an `output_layer.weight` / `lm_head.weight` copy
+that equals the embedding (checked when both are present). HF's in-memory fused experts (`mlp.experts.gate_up_proj`
+[E, 2f, h], `mlp.experts.down_proj` [E, h, f]) are read as the per-expert tensors checkpoints hold.
 """
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
 from converters import transforms as T
 from converters.family import ConversionError
+from converters.layers import ParamRule, SpecNames, layer_rules, layer_shapes
 from converters.spec import ModelDims, model_dims
-
-Kind = Literal["copy", "qkv", "gate_up", "vocab"]
-SpecNames = Literal["local", "te"]
 
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _SKIPPED_HF_SUFFIXES = ("rotary_emb.inv_freq",)
-
-
-@dataclass(frozen=True)
-class ParamRule:
-    """One Megatron parameter and the HF tensor(s) it is made of.
-
-    kind: copy (same tensor), qkv (grouped fusion of q/k/v), gate_up (cat[gate, up]), vocab (rows padded).
-    tp_dim: the dimension tensor parallelism splits (None = replicated); `gated` marks linear_fc1's layout.
-    """
-
-    megatron: str
-    hf: tuple[str, ...]
-    kind: Kind
-    tp_dim: int | None
-
-    @property
-    def gated(self) -> bool:
-        return self.kind == "gate_up"
-
-
-def _layer_rules(dims: ModelDims, i: int, names: SpecNames) -> list[ParamRule]:
-    m, h = f"decoder.layers.{i}.", f"model.layers.{i}."
-    attn, mlp = m + "self_attention.", m + "mlp."
-    qkv_hf = tuple(f"{h}self_attn.{p}_proj.weight" for p in "qkv")
-    input_norm = attn + "linear_qkv.layer_norm_weight" if names == "te" else m + "input_layernorm.weight"
-    mlp_norm = mlp + "linear_fc1.layer_norm_weight" if names == "te" else m + "pre_mlp_layernorm.weight"
-    rules = [
-        ParamRule(input_norm, (h + "input_layernorm.weight",), "copy", None),
-        ParamRule(attn + "linear_qkv.weight", qkv_hf, "qkv", 0),
-        ParamRule(attn + "linear_proj.weight", (h + "self_attn.o_proj.weight",), "copy", 1),
-        ParamRule(mlp_norm, (h + "post_attention_layernorm.weight",), "copy", None),
-        ParamRule(mlp + "linear_fc1.weight", (h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight"), "gate_up", 0),
-        ParamRule(mlp + "linear_fc2.weight", (h + "mlp.down_proj.weight",), "copy", 1),
-    ]
-    if dims.qkv_bias:
-        bias_hf = tuple(f"{h}self_attn.{p}_proj.bias" for p in "qkv")
-        rules.append(ParamRule(attn + "linear_qkv.bias", bias_hf, "qkv", 0))
-    if dims.qk_norm:
-        rules.append(ParamRule(attn + "q_layernorm.weight", (h + "self_attn.q_norm.weight",), "copy", None))
-        rules.append(ParamRule(attn + "k_layernorm.weight", (h + "self_attn.k_norm.weight",), "copy", None))
-    return rules
+_HF_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
+_EXPERT_RE = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.")
+_FUSED_EXPERTS_RE = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
+log = logging.getLogger(__name__)
 
 
 def param_rules(dims: ModelDims, names: SpecNames = "local") -> list[ParamRule]:
     """Every Megatron parameter of the full (unsplit) model, with global layer indices, in a stable order."""
     rules = [ParamRule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "vocab", 0)]
     for i in range(dims.num_layers):
-        rules += _layer_rules(dims, i, names)
+        rules += layer_rules(dims, i, names)
     rules.append(ParamRule("decoder.final_layernorm.weight", ("model.norm.weight",), "copy", None))
     if not dims.tied:
         rules.append(ParamRule("output_layer.weight", ("lm_head.weight",), "vocab", 0))
@@ -97,30 +55,38 @@ def param_rules(dims: ModelDims, names: SpecNames = "local") -> list[ParamRule]:
 
 def expected_hf_shapes(dims: ModelDims) -> dict[str, tuple[int, ...]]:
     """The HF tensors a checkpoint of `dims` must contain, with their shapes (lm_head only when untied)."""
-    h, hd, f = dims.hidden_size, dims.head_dim, dims.ffn_hidden_size
-    q_rows, kv_rows = dims.num_heads * hd, dims.num_kv_heads * hd
-    per_layer = {
-        "input_layernorm.weight": (h,),
-        "post_attention_layernorm.weight": (h,),
-        "self_attn.q_proj.weight": (q_rows, h),
-        "self_attn.k_proj.weight": (kv_rows, h),
-        "self_attn.v_proj.weight": (kv_rows, h),
-        "self_attn.o_proj.weight": (h, q_rows),
-        "mlp.gate_proj.weight": (f, h),
-        "mlp.up_proj.weight": (f, h),
-        "mlp.down_proj.weight": (h, f),
-    }
-    if dims.qkv_bias:
-        per_layer.update({"self_attn.q_proj.bias": (q_rows,), "self_attn.k_proj.bias": (kv_rows,),
-                          "self_attn.v_proj.bias": (kv_rows,)})
-    if dims.qk_norm:
-        per_layer.update({"self_attn.q_norm.weight": (hd,), "self_attn.k_norm.weight": (hd,)})
+    h = dims.hidden_size
     shapes = {"model.embed_tokens.weight": (dims.vocab_size, h), "model.norm.weight": (h,)}
     for i in range(dims.num_layers):
-        shapes.update({f"model.layers.{i}.{k}": v for k, v in per_layer.items()})
+        shapes.update({f"model.layers.{i}.{k}": v for k, v in layer_shapes(dims, i).items()})
     if not dims.tied:
         shapes["lm_head.weight"] = (dims.vocab_size, h)
     return shapes
+
+
+def per_expert_state(hf_state: Mapping[str, torch.Tensor], dims: ModelDims) -> dict[str, torch.Tensor]:
+    """The state with fused in-memory experts ([E, 2f, h] gate_up_proj, [E, h, f] down_proj) as per-expert tensors
+    (views) and the multi-token-prediction layers of a checkpoint dropped (with a logged warning)."""
+    out: dict[str, torch.Tensor] = {}
+    mtp: set[int] = set()
+    for name, tensor in hf_state.items():
+        layer = _HF_LAYER_RE.match(name)
+        if layer and int(layer.group(1)) >= dims.num_layers and dims.mla is not None:
+            mtp.add(int(layer.group(1)))
+            continue
+        fused = _FUSED_EXPERTS_RE.match(name)
+        if fused is None:
+            out[name] = tensor
+        elif fused.group(2) == "down_proj":
+            out.update({f"{fused.group(1)}.{e}.down_proj.weight": t for e, t in enumerate(tensor)})
+        else:
+            for e, t in enumerate(tensor):
+                out[f"{fused.group(1)}.{e}.gate_proj.weight"], out[f"{fused.group(1)}.{e}.up_proj.weight"] = \
+                    T.split_gate_up(t)
+    if mtp:
+        log.warning("dropping the multi-token-prediction layer(s) %s of the checkpoint: transformers and vLLM do not "
+                    "build them, so they are not part of the model", sorted(mtp))
+    return out
 
 
 def _as_dims(config: ModelDims | Mapping[str, Any] | Any) -> ModelDims:
@@ -184,6 +150,7 @@ def hf_to_megatron(
     Validates the HF key set and every shape first. Pipeline stages select their layers with `select_pp_stage`.
     """
     dims = _as_dims(hf_config)
+    hf_state = per_expert_state(hf_state, dims)
     _check_hf_state(hf_state, dims)
     vocab = resolve_padded_vocab(dims, tp_size, padded_vocab)
     out = {}
@@ -194,9 +161,11 @@ def hf_to_megatron(
 
 
 def _rule_index(dims: ModelDims) -> dict[str, ParamRule]:
-    """Megatron name -> rule for both naming conventions (local and TE spec), so either kind of state converts."""
+    """Megatron name -> rule for both naming conventions (local and TE spec), so either kind of state converts
+    (multi-latent attention: the local spec's names only)."""
     index = {r.megatron: r for r in param_rules(dims, "local")}
-    index.update({r.megatron: r for r in param_rules(dims, "te")})
+    if dims.mla is None:
+        index.update({r.megatron: r for r in param_rules(dims, "te")})
     return index
 
 
@@ -290,4 +259,38 @@ def select_pp_stage(
             out[name] = tensor
     if tied and post_process and not pre_process:
         out["output_layer.weight"] = state["embedding.word_embeddings.weight"]
+    return out
+
+
+def experts_per_rank(dims: ModelDims, ep_size: int) -> int:
+    """Routed experts each expert-parallel rank holds (a contiguous block: rank r holds [r * n, (r + 1) * n))."""
+    if dims.moe is None:
+        return 0
+    if dims.moe.num_experts % ep_size:
+        raise ConversionError(f"expert parallel size {ep_size} does not divide the {dims.moe.num_experts} experts")
+    return dims.moe.num_experts // ep_size
+
+
+def to_local_expert(name: str, ep_rank: int, per_rank: int) -> str | None:
+    """The name of routed-expert parameter `name` (global expert index) on expert-parallel rank `ep_rank`, None when
+    another rank holds that expert; other names are returned unchanged."""
+    match = _EXPERT_RE.search(name)
+    if match is None:
+        return name
+    local = int(match.group(1)) - ep_rank * per_rank
+    if not 0 <= local < per_rank:
+        return None
+    return name[:match.start(1)] + str(local) + name[match.end(1):]
+
+
+def select_ep_experts(state: Mapping[str, torch.Tensor], dims: ModelDims, ep_rank: int,
+                      ep_size: int) -> dict[str, torch.Tensor]:
+    """The part of a state an expert-parallel rank holds: its block of routed experts, renamed to local indices, and
+    every other (non-expert) tensor."""
+    per_rank = experts_per_rank(dims, ep_size)
+    out = {}
+    for name, tensor in state.items():
+        local = to_local_expert(name, ep_rank, per_rank)
+        if local is not None:
+            out[local] = tensor
     return out

@@ -10,16 +10,20 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
-from converters import llama, qwen2, qwen3
-from converters.family import ConversionError, Family
+from converters import deepseek_v3, llama, qwen2, qwen3, qwen3_moe
+from converters.family import ConversionError, Family, MLADims, MoEDims
 
 #: Rope types whose inverse frequencies Megatron's RoPE can use unchanged (no attention scaling factor).
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
+#: Rope types multi-latent attention adds: Megatron's YaRN reproduces DeepSeek-V3's (inverse frequencies, the cos/sin
+#: concentration factor and the softmax scale), applied by Megatron itself rather than through our frequencies.
+MLA_ROPE_TYPES = ("default", "yarn")
+
 #: Every family mrl converts, looked up by architecture first, then by model type.
-FAMILIES: tuple[Family, ...] = (llama.FAMILY, qwen2.FAMILY, qwen3.FAMILY)
+FAMILIES: tuple[Family, ...] = (llama.FAMILY, qwen2.FAMILY, qwen3.FAMILY, qwen3_moe.FAMILY, deepseek_v3.FAMILY)
 
 
 def supported_families() -> tuple[str, ...]:
@@ -49,7 +53,8 @@ def detect_family(config: Mapping[str, Any]) -> Family:
 
 @dataclass(frozen=True)
 class ModelDims:
-    """Shapes and numerics of a dense decoder, read from an HF config."""
+    """Shapes and numerics of a decoder, read from an HF config (`moe` / `mla` for the families that have them;
+    with MLA, `head_dim` is the value head dim and `num_kv_heads` the number of heads)."""
 
     family: str
     hidden_size: int
@@ -67,6 +72,10 @@ class ModelDims:
     rope_type: str
     rope_parameters: dict[str, Any]
     max_position_embeddings: int
+    moe: Optional[MoEDims] = None
+    """Routed experts (None: every layer has a dense MLP of ffn_hidden_size)."""
+    mla: Optional[MLADims] = None
+    """Multi-latent attention (None: grouped-query attention of num_kv_heads x head_dim)."""
 
 
 def config_dict(config: Mapping[str, Any] | Any) -> dict[str, Any]:
@@ -93,16 +102,20 @@ def rope_parameters(cfg: Mapping[str, Any]) -> dict[str, Any]:
     return params
 
 
-def _common_problems(cfg: Mapping[str, Any], rope: Mapping[str, Any]) -> list[str]:
+def _common_problems(cfg: Mapping[str, Any], rope: Mapping[str, Any], family: Family) -> list[str]:
     problems = []
     if cfg.get("hidden_act", "silu") != "silu":
         problems.append(f"hidden_act={cfg['hidden_act']!r} (only 'silu' / SwiGLU is supported)")
-    if rope["rope_type"] not in SUPPORTED_ROPE_TYPES:
-        problems.append(f"rope_type={rope['rope_type']!r} (supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
+    rope_types = MLA_ROPE_TYPES if family.mla else SUPPORTED_ROPE_TYPES
+    if rope["rope_type"] not in rope_types:
+        problems.append(f"rope_type={rope['rope_type']!r} (supported for {family.name}: {', '.join(rope_types)})")
+    elif rope["rope_type"] == "yarn" and not rope.get("mscale_all_dim") and rope.get("mscale", 1.0) != 1.0:
+        problems.append("yarn with mscale != 1 and no mscale_all_dim (transformers then ignores mscale, Megatron "
+                        "does not)")
     if cfg.get("use_sliding_window"):
         problems.append("use_sliding_window=true (sliding-window attention is not supported)")
-    if cfg.get("num_experts") or cfg.get("num_local_experts"):
-        problems.append("mixture-of-experts layers (this converter handles dense models)")
+    if family.moe is None and (cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts")):
+        problems.append(f"mixture-of-experts layers (the {family.name} family is dense)")
     return problems
 
 
@@ -111,7 +124,7 @@ def model_dims(config: Mapping[str, Any] | Any) -> ModelDims:
     cfg = config_dict(config)
     family = detect_family(cfg)
     rope = rope_parameters(cfg)
-    problems = _common_problems(cfg, rope) + family.unsupported(cfg)
+    problems = _common_problems(cfg, rope, family) + family.unsupported(cfg)
     if problems:
         raise ConversionError(f"{family.name} config cannot be converted: " + "; ".join(problems))
     num_heads = int(cfg["num_attention_heads"])
@@ -119,13 +132,14 @@ def model_dims(config: Mapping[str, Any] | Any) -> ModelDims:
     if num_heads % num_kv != 0:
         raise ConversionError(f"num_attention_heads={num_heads} is not a multiple of num_key_value_heads={num_kv}")
     hidden = int(cfg["hidden_size"])
+    mla = family.mla(cfg) if family.mla else None
     return ModelDims(
         family=family.name,
         hidden_size=hidden,
         num_layers=int(cfg["num_hidden_layers"]),
         num_heads=num_heads,
-        num_kv_heads=num_kv,
-        head_dim=int(cfg.get("head_dim") or hidden // num_heads),
+        num_kv_heads=num_heads if mla else num_kv,  # MLA: every head has its own keys and values
+        head_dim=mla.v_head_dim if mla else int(cfg.get("head_dim") or hidden // num_heads),
         ffn_hidden_size=int(cfg["intermediate_size"]),
         vocab_size=int(cfg["vocab_size"]),
         tied=bool(cfg.get("tie_word_embeddings", False)),
@@ -136,4 +150,6 @@ def model_dims(config: Mapping[str, Any] | Any) -> ModelDims:
         rope_type=str(rope["rope_type"]),
         rope_parameters=rope,
         max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+        moe=family.moe(cfg) if family.moe else None,
+        mla=mla,
     )

@@ -74,6 +74,7 @@ def _add_convert_parser(sub) -> None:
     to_meg.add_argument("--out", required=True, metavar="DIR", help="output folder")
     to_meg.add_argument("--tp", type=int, default=1, help="tensor parallel size of the written checkpoint")
     to_meg.add_argument("--pp", type=int, default=1, help="pipeline parallel size of the written checkpoint")
+    to_meg.add_argument("--ep", type=int, default=1, help="expert parallel size (mixture-of-experts models)")
     to_hf = conv_sub.add_parser("megatron-to-hf", help="Megatron checkpoint (or a training step) -> HF folder.")
     src = to_hf.add_mutually_exclusive_group(required=True)
     src.add_argument("--megatron", metavar="DIR", help="Megatron checkpoint folder written by hf-to-megatron")
@@ -126,7 +127,7 @@ def _run_convert(args: argparse.Namespace) -> int:
 
     try:
         if args.direction == "hf-to-megatron":
-            out = convert.hf_to_megatron(args.hf, args.out, tp=args.tp, pp=args.pp)
+            out = convert.hf_to_megatron(args.hf, args.out, tp=args.tp, pp=args.pp, ep=args.ep)
         elif args.megatron:
             out = convert.megatron_to_hf(args.megatron, args.out)
         else:

@@ -11,8 +11,9 @@ reshard happens in dist_checkpointing). Only the padded vocabulary is fixed at c
 Megatron's padding (a multiple of 128 * tp), and a later run needs a TP size that divides it.
 
 How to run: in one process (the whole model is built on this machine at TP=1, PP=1), or under
-`torchrun --nproc-per-node tp*pp` to spread the memory (each rank builds and writes only its shard; a world that
-is a multiple of tp*pp adds data-parallel replicas, which dist_checkpointing does not write twice).
+`torchrun --nproc-per-node tp*pp*ep` to spread the memory (each rank builds and writes only its shard, its experts
+with --ep; a world that is a multiple of tp*pp adds data-parallel replicas, which dist_checkpointing does not write
+twice).
 `megatron_to_hf` runs in one process: it loads the full model and streams it out as safetensors shards.
 """
 
@@ -29,7 +30,7 @@ from converters.hf_io import (DEFAULT_MAX_SHARD_BYTES, copy_model_metadata, load
                               save_hf_state)
 from converters.mapping import megatron_to_hf as map_megatron_to_hf
 from mrl.checkpoint.megatron import checkpoint_padded_vocab, load_megatron_checkpoint
-from mrl.model.build import build_gpt_model, load_hf_weights, transformer_config_from_hf
+from mrl.model.build import build_gpt_model, load_hf_weights, router_settings, transformer_config_from_hf
 from mrl.parallel.groups import init_process_groups, world_from_launcher
 from mrl.parallel.layout import ParallelDims, ParallelLayoutError
 
@@ -40,23 +41,30 @@ def _log(message: str) -> None:
     print(f"[convert] {message}", flush=True)
 
 
-def init_parallel(tp: int, pp: int) -> None:
-    """Process groups for a conversion of tp x pp ranks (mrl.parallel.groups; a world of 1 when not launched by
-    torchrun). A world that is a multiple of tp*pp adds data-parallel replicas doing the same work."""
+def init_parallel(tp: int, pp: int, ep: int = 1) -> None:
+    """Process groups for a conversion of tp x pp ranks, experts over ep of them (mrl.parallel.groups; a world of
+    1 when not launched by torchrun). A world that is a multiple of tp*pp adds data-parallel replicas doing the same
+    work (expert parallelism splits the experts over those)."""
     try:
-        dims = ParallelDims(tp=tp, pp=pp, world_size=world_from_launcher())
+        dims = ParallelDims(tp=tp, pp=pp, ep=ep, world_size=world_from_launcher())
     except ParallelLayoutError as err:
-        raise ConversionError(f"running with {world_from_launcher()} process(es) but tp*pp = {tp * pp}: run in one "
-                              f"process or under torchrun --nproc-per-node {tp * pp}") from err
+        raise ConversionError(f"running with {world_from_launcher()} process(es) cannot lay out tp={tp}, pp={pp}, "
+                              f"ep={ep}: run in one process or under torchrun --nproc-per-node {tp * pp * ep}") from err
     init_process_groups(dims, seed=0)
 
 
-def _build(hf_config: dict[str, Any], padded_vocab: int, tp: int, pp: int) -> Any:
-    config = transformer_config_from_hf(hf_config, tensor_parallel=tp, pipeline_parallel=pp)
+def _build(hf_config: dict[str, Any], padded_vocab: int, tp: int, pp: int, ep: int = 1) -> Any:
+    """The model of this rank; mixture-of-experts and MLA models are built sequence parallel under TP (Megatron
+    requires it for experts; it changes no weight)."""
+    dims = model_dims(hf_config)
+    sequence_parallel = tp > 1 and (dims.moe is not None or dims.mla is not None)
+    config = transformer_config_from_hf(hf_config, tensor_parallel=tp, pipeline_parallel=pp,
+                                        sequence_parallel=sequence_parallel,
+                                        **router_settings(dims, expert_parallel=ep))
     return build_gpt_model(hf_config, config, padded_vocab=padded_vocab)
 
 
-def hf_to_megatron(hf_dir: str | Path, out_dir: str | Path, tp: int = 1, pp: int = 1) -> Path:
+def hf_to_megatron(hf_dir: str | Path, out_dir: str | Path, tp: int = 1, pp: int = 1, ep: int = 1) -> Path:
     """Convert an HF folder into a Megatron distributed checkpoint folder (layout in the module docstring)."""
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
@@ -65,20 +73,21 @@ def hf_to_megatron(hf_dir: str | Path, out_dir: str | Path, tp: int = 1, pp: int
     hf_config = load_hf_config(hf_dir)
     dims = model_dims(hf_config)
     padded = resolve_padded_vocab(dims, tp, None)
-    build_tp, build_pp = (tp, pp) if world_from_launcher() > 1 else (1, 1)
-    init_parallel(build_tp, build_pp)  # extra ranks are data-parallel replicas; they save nothing twice
+    build_tp, build_pp, build_ep = (tp, pp, ep) if world_from_launcher() > 1 else (1, 1, 1)
+    init_parallel(build_tp, build_pp, build_ep)  # extra ranks are data-parallel replicas; they save nothing twice
     if (out / MODEL_SUBDIR).exists() and any((out / MODEL_SUBDIR).iterdir()):
         raise ConversionError(f"{out / MODEL_SUBDIR} is not empty: choose a new --out folder")
     _log(f"{dims.family}: {dims.num_layers} layers, hidden {dims.hidden_size}, vocab {dims.vocab_size} -> "
          f"padded {padded}; reading {hf_dir}")
     hf_state = load_hf_state(hf_dir)
-    model = _build(hf_config, padded, build_tp, build_pp)
+    model = _build(hf_config, padded, build_tp, build_pp, build_ep)
     load_hf_weights(model, hf_state, hf_config)
     del hf_state
     if dist.get_rank() == 0:
         (out / MODEL_SUBDIR).mkdir(parents=True, exist_ok=True)
         copy_model_metadata(hf_dir, out / HF_SUBDIR)
-        meta = {"family": dims.family, "padded_vocab_size": padded, "written_with": {"tp": build_tp, "pp": build_pp}}
+        meta = {"family": dims.family, "padded_vocab_size": padded,
+                "written_with": {"tp": build_tp, "pp": build_pp, "ep": build_ep}}
         (out / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
     dist.barrier()
     _log(f"saving distributed checkpoint to {out / MODEL_SUBDIR}")

@@ -8,8 +8,9 @@ this check accepts is one the workers run. Imports the schema for annotations on
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Optional
 
 from pydantic import BaseModel, ValidationError
 
@@ -31,19 +32,70 @@ def _from_rule(violation: Violation) -> ConfigError:
                        fix=violation.fix)
 
 
-def model_head_counts(policy: "PolicyConfig") -> tuple[int, int] | None:
-    """(query heads, kv heads) of the policy model when known before start-up: from `build` or config.json."""
+@dataclass(frozen=True)
+class ModelFacts:
+    """What the layout rules need to know of the policy model, before anything starts."""
+
+    heads: int
+    kv_heads: int
+    layers: Optional[int]  # None: not stated
+    experts: Optional[int]  # routed experts per MoE layer; None for a dense model
+    latent_attention: bool = False  # multi-latent attention (DeepSeek-V3)
+
+
+def model_facts(policy: "PolicyConfig") -> Optional[ModelFacts]:
+    """The policy model's facts when known before start-up: from `build`, or the HF folder's config.json."""
     if policy.build is not None:
-        heads = policy.build.num_attention_heads
-        return heads, policy.build.num_key_value_heads or heads
-    if policy.model_name:
-        cfg_file = Path(policy.model_name) / "config.json"
-        if cfg_file.is_file():
-            hf = json.loads(cfg_file.read_text())
-            heads = hf.get("num_attention_heads")
-            if isinstance(heads, int):
-                return heads, hf.get("num_key_value_heads") or heads
-    return None
+        b = policy.build
+        return ModelFacts(b.num_attention_heads, b.num_key_value_heads or b.num_attention_heads, b.num_layers,
+                          b.num_experts if b.family == "qwen3_moe" else None)
+    cfg_file = Path(policy.model_name) / "config.json" if policy.model_name else None
+    if cfg_file is None or not cfg_file.is_file():
+        return None
+    hf = json.loads(cfg_file.read_text())
+    heads, layers = hf.get("num_attention_heads"), hf.get("num_hidden_layers")
+    if not isinstance(heads, int):
+        return None
+    experts = hf.get("num_experts") or hf.get("num_local_experts") or hf.get("n_routed_experts")
+    return ModelFacts(heads, hf.get("num_key_value_heads") or heads, layers if isinstance(layers, int) else None,
+                      int(experts) if experts else None, latent_attention=bool(hf.get("kv_lora_rank")))
+
+
+def _model_problems(cfg: "MrlConfig", facts: ModelFacts) -> list[ConfigError]:
+    """The parallel sizes against the model: heads over TP, layers over PP, experts over EP."""
+    par = cfg.policy.parallel
+    tp, pp, ep = par.tensor_parallel_size, par.pipeline_parallel_size, par.expert_parallel_size
+    out = []
+    if facts.heads % tp:
+        out.append(ConfigError(f"tensor parallel size does not divide the model's {facts.heads} attention heads",
+                               key="policy.parallel.tensor_parallel_size", given=tp,
+                               allowed=f"a divisor of {facts.heads}: {_divisors(facts.heads)}"))
+    elif facts.kv_heads % tp:
+        out.append(ConfigError(f"tensor parallel size does not divide the model's {facts.kv_heads} key/value heads",
+                               key="policy.parallel.tensor_parallel_size", given=tp,
+                               allowed=f"a divisor of {facts.kv_heads}: {_divisors(facts.kv_heads)}"))
+    if facts.layers is not None and facts.layers % pp:
+        out.append(ConfigError(f"pipeline parallel size does not divide the model's {facts.layers} layers",
+                               key="policy.parallel.pipeline_parallel_size", given=pp,
+                               allowed=f"a divisor of {facts.layers}: {_divisors(facts.layers)}"))
+    if ep > 1 and facts.experts is None:
+        out.append(ConfigError("expert parallelism needs a mixture-of-experts model; this one is dense",
+                               key="policy.parallel.expert_parallel_size", given=ep, allowed="1"))
+    elif (facts.experts is not None or facts.latent_attention) and tp > 1 and not par.sequence_parallel:
+        out.append(ConfigError("mixture-of-experts and multi-latent-attention models train under tensor parallelism "
+                               "only with sequence parallelism (Megatron requires it for experts; MLA's rotary key "
+                               "gradient is summed over TP only then)", key="policy.parallel.sequence_parallel",
+                               given=False, fix="set policy.parallel.sequence_parallel=true"))
+    if facts.experts is not None and facts.experts % ep:
+        out.append(ConfigError(f"expert parallel size does not divide the model's {facts.experts} experts",
+                               key="policy.parallel.expert_parallel_size", given=ep,
+                               allowed=f"a divisor of {facts.experts}: {_divisors(facts.experts)}"))
+    vllm_tp = cfg.generation.vllm.tensor_parallel_size
+    if vllm_tp > 1 and facts.heads % vllm_tp:
+        out.append(ConfigError(f"vLLM tensor parallel size does not divide the model's {facts.heads} heads",
+                               key="generation.vllm.tensor_parallel_size", given=vllm_tp,
+                               allowed=f"a divisor of {facts.heads}: {_divisors(facts.heads)}"))
+    return out
 
 
 def _parallel_problems(cfg: "MrlConfig") -> list[ConfigError]:
@@ -57,22 +109,9 @@ def _parallel_problems(cfg: "MrlConfig") -> list[ConfigError]:
     out = [_from_rule(v) for v in layout_violations(
         tp=tp, pp=par.pipeline_parallel_size, cp=par.context_parallel_size, ep=par.expert_parallel_size,
         sequence_parallel=par.sequence_parallel, world_size=world)]
-    heads = model_head_counts(cfg.policy)
-    if heads is not None:
-        q_heads, kv_heads = heads
-        if q_heads % tp:
-            out.append(ConfigError(f"tensor parallel size does not divide the model's {q_heads} attention heads",
-                                   key="policy.parallel.tensor_parallel_size", given=tp,
-                                   allowed=f"a divisor of {q_heads}: {_divisors(q_heads)}"))
-        elif kv_heads % tp:
-            out.append(ConfigError(f"tensor parallel size does not divide the model's {kv_heads} key/value heads",
-                                   key="policy.parallel.tensor_parallel_size", given=tp,
-                                   allowed=f"a divisor of {kv_heads}: {_divisors(kv_heads)}"))
-    vllm_tp = cfg.generation.vllm.tensor_parallel_size
-    if vllm_tp > 1 and heads is not None and heads[0] % vllm_tp:
-        out.append(ConfigError(f"vLLM tensor parallel size does not divide the model's {heads[0]} heads",
-                               key="generation.vllm.tensor_parallel_size", given=vllm_tp,
-                               allowed=f"a divisor of {heads[0]}: {_divisors(heads[0])}"))
+    facts = model_facts(cfg.policy)
+    if facts is not None:
+        out += _model_problems(cfg, facts)
     return out
 
 

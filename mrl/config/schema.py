@@ -48,13 +48,26 @@ class ParallelConfig(Section):
 class ModelBuildConfig(Section):
     """A model built from scratch (random init) instead of loaded: used by the embedded CPU recipe and tests."""
 
-    family: Literal["llama", "qwen2", "qwen3"] = Field("qwen2", description="Architecture family.")
+    family: Literal["llama", "qwen2", "qwen3", "qwen3_moe"] = Field("qwen2", description="Architecture family.")
     num_layers: int = Field(4, ge=1, description="Transformer layers.")
     hidden_size: int = Field(128, ge=8, description="Hidden size.")
     num_attention_heads: int = Field(4, ge=1, description="Query heads.")
     num_key_value_heads: Optional[int] = Field(None, ge=1, description="Key/value heads (GQA); None = MHA.")
-    intermediate_size: int = Field(512, ge=8, description="MLP hidden size.")
+    intermediate_size: int = Field(512, ge=8, description="MLP hidden size (of the dense layers).")
     tie_word_embeddings: bool = Field(False, description="Share input embedding and output projection.")
+    num_experts: int = Field(8, ge=1, description="qwen3_moe: routed experts per MoE layer.")
+    num_experts_per_tok: int = Field(2, ge=1, description="qwen3_moe: experts each token is routed to.")
+    moe_intermediate_size: int = Field(128, ge=8, description="qwen3_moe: MLP hidden size of each expert.")
+
+
+class MoEConfig(Section):
+    """Router settings of mixture-of-experts policies (dense models ignore them), with RL defaults: the engine and the
+    trainer must route alike, so nothing moves the routing but the policy gradient through the experts."""
+
+    freeze_router: bool = Field(True, description="Keep the router weights (and expert bias) fixed during training.")
+    router_dtype: Literal["fp32", "fp64"] = Field("fp32", description="Dtype of the router's logits and top-k.")
+    aux_loss_coeff: float = Field(0.0, ge=0, description="Load-balancing loss weight; 0 = none (RL default).")
+    expert_bias_update_rate: float = Field(0.0, ge=0, description="DeepSeek-V3 expert-bias balancing rate; 0 = fixed.")
 
 
 class OptimizerConfig(Section):
@@ -101,6 +114,7 @@ class PolicyConfig(Section):
     sequence_packing: PackingConfig = Field(default_factory=PackingConfig)
     dynamic_batching: DynamicBatchingConfig = Field(default_factory=DynamicBatchingConfig)
     offload_reference: bool = Field(False, description="Keep the frozen reference model in CPU memory between uses (GPU).")
+    moe: MoEConfig = Field(default_factory=MoEConfig)
 
 
 # -------------------------------------------------------------------------------------------------------- generation

@@ -8,6 +8,13 @@ into a TransformerConfig + layer spec:
 - RoPE: base from the config; scaled rope types (linear, llama3) get the HF inverse frequencies installed on the
   model's RotaryEmbedding after construction, so every type goes through the one formula HF uses;
 - tied embeddings -> share_embeddings_and_output_weights; vocabulary padded (see converters.resolve_padded_vocab).
+- mixture of experts (`dims.moe`): the routed experts, router score function (softmax: Qwen3-MoE; sigmoid with a
+  selection bias, group-limited top-k and a scaling factor: DeepSeek-V3), shared expert and which layers are MoE,
+  with the RL router settings (`policy.moe`: router dtype, no auxiliary loss, frozen expert bias by default);
+- multi-latent attention (`dims.mla`): MLATransformerConfig with DeepSeek-V3's ranks and head dims; its YaRN (or
+  plain) rope is Megatron's own, which reproduces transformers' (inverse frequencies, cos/sin concentration factor,
+  softmax scale).
+Both build per-layer specs (`mrl.parallel.attention.gpt_layer_spec`), with `TorchCoreAttention` on CPU.
 
 Backends: the Megatron *local* spec on CPU (every fusion off; `mrl.parallel.cpu_compat.apply()` patches Megatron's
 unconditional CUDA calls), the Transformer Engine spec when TE is importable and CUDA is available.
@@ -21,7 +28,7 @@ from typing import Any
 
 import torch
 
-from converters import ModelDims, hf_to_megatron, model_dims, resolve_padded_vocab, select_pp_stage
+from converters import ModelDims, hf_to_megatron, model_dims, resolve_padded_vocab, select_ep_experts, select_pp_stage
 from mrl.parallel.attention import gpt_layer_spec, transformer_engine_available
 
 
@@ -32,7 +39,7 @@ def rope_inv_freq(dims: ModelDims) -> torch.Tensor:
     kept, the band between interpolated (wavelength thresholds from original_max_position_embeddings).
     """
     dim = dims.head_dim
-    inv_freq = 1.0 / (dims.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    inv_freq = 1.0 / (dims.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim))
     params = dims.rope_parameters
     if dims.rope_type == "default":
         return inv_freq
@@ -80,7 +87,7 @@ def transformer_config_from_hf(
         activation_func=torch.nn.functional.silu,
         add_bias_linear=False,
         add_qkv_bias=dims.qkv_bias,
-        qk_layernorm=dims.qk_norm,
+        qk_layernorm=dims.qk_norm or dims.mla is not None,  # MLA: the q/kv latent norms
         hidden_dropout=0.0,
         attention_dropout=0.0,
         attention_softmax_in_fp32=True,
@@ -101,8 +108,81 @@ def transformer_config_from_hf(
         apply_rope_fusion=fusions,
         persist_layer_norm=fusions,
     )
+    kwargs.update(_moe_kwargs(dims) if dims.moe else {})
+    kwargs.update(_mla_kwargs(dims) if dims.mla else {})
     kwargs.update(overrides)
+    if dims.mla:
+        from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+        return MLATransformerConfig(**kwargs)
     return TransformerConfig(**kwargs)
+
+
+def _moe_kwargs(dims: ModelDims) -> dict[str, Any]:
+    """TransformerConfig fields of the experts, reproducing the HF router (see converters/family.py `MoEDims`).
+
+    Defaults for RL (the router settings a run may override with `policy.moe`): router in fp32 (HF's DeepSeek-V3
+    router computes in fp32 too), no load-balancing loss, an expert bias that is not updated during training. The
+    all-to-all dispatcher with grouped GEMM and permute fusion off is the combination that runs on CPU.
+    """
+    moe = dims.moe
+    assert moe is not None
+    kwargs: dict[str, Any] = dict(
+        num_moe_experts=moe.num_experts, moe_router_topk=moe.topk, moe_ffn_hidden_size=moe.ffn_hidden_size,
+        moe_layer_freq=[int(is_moe) for is_moe in moe.layers],  # a list: Megatron reads an int N as i % N == 0
+        moe_router_score_function=moe.score_function, moe_token_dispatcher_type="alltoall", moe_grouped_gemm=False,
+        moe_permute_fusion=False, moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
+        moe_router_dtype="fp32")
+    if moe.score_function == "softmax":  # top-k of the logits, softmax over the k = HF's renormalised top-k
+        kwargs["moe_router_pre_softmax"] = not moe.normalize_topk
+    if moe.scaling_factor != 1.0:
+        kwargs["moe_router_topk_scaling_factor"] = moe.scaling_factor
+    if moe.expert_bias:
+        kwargs.update(moe_router_enable_expert_bias=True, moe_router_bias_update_rate=0.0)
+    if moe.num_groups:
+        kwargs.update(moe_router_num_groups=moe.num_groups, moe_router_group_topk=moe.group_topk)
+    if moe.shared_ffn_hidden_size:
+        kwargs["moe_shared_expert_intermediate_size"] = moe.shared_ffn_hidden_size
+    return kwargs
+
+
+def _mla_kwargs(dims: ModelDims) -> dict[str, Any]:
+    """MLATransformerConfig fields of multi-latent attention and its rope (Megatron applies it inside attention)."""
+    mla, rope = dims.mla, dims.rope_parameters
+    assert mla is not None
+    kwargs: dict[str, Any] = dict(
+        multi_latent_attention=True, q_lora_rank=mla.q_lora_rank, kv_lora_rank=mla.kv_lora_rank,
+        qk_head_dim=mla.qk_nope_head_dim, qk_pos_emb_head_dim=mla.qk_rope_head_dim, v_head_dim=mla.v_head_dim,
+        kv_channels=mla.v_head_dim, rotary_base=dims.rope_theta)
+    if dims.rope_type != "yarn":
+        return {**kwargs, "rope_type": "rope", "rotary_scaling_factor": 1.0}
+    return {**kwargs, "rope_type": "yarn", "rotary_scaling_factor": float(rope["factor"]),
+            "original_max_position_embeddings": int(rope["original_max_position_embeddings"]),
+            "beta_fast": float(rope.get("beta_fast") or 32), "beta_slow": float(rope.get("beta_slow") or 1),
+            "mscale": float(rope.get("mscale") or 1.0), "mscale_all_dim": float(rope.get("mscale_all_dim") or 0.0)}
+
+
+def router_settings(dims: ModelDims, *, expert_parallel: int = 1, router_dtype: str = "fp32",
+                    aux_loss_coeff: float = 0.0, expert_bias_update_rate: float = 0.0) -> dict[str, Any]:
+    """TransformerConfig overrides of a run's expert layout and router settings (`policy.moe`); {} for a dense
+    model. A load-balancing loss is added only with a positive coefficient."""
+    if dims.moe is None:
+        return {}
+    settings: dict[str, Any] = dict(
+        expert_model_parallel_size=expert_parallel, moe_router_dtype=router_dtype, moe_aux_loss_coeff=aux_loss_coeff,
+        moe_router_load_balancing_type="aux_loss" if aux_loss_coeff > 0 else "none")
+    if dims.moe.expert_bias:
+        settings["moe_router_bias_update_rate"] = expert_bias_update_rate
+    return settings
+
+
+def freeze_routers(model: Any) -> int:
+    """Routers get no gradient and no optimizer update (`policy.moe.freeze_router`: in RL the routing then moves
+    only through the experts, and the engine routes as the trainer does). Returns the number of frozen tensors."""
+    frozen = [param for name, param in model.named_parameters() if ".router." in name]
+    for param in frozen:
+        param.requires_grad_(False)
+    return len(frozen)
 
 
 def moe_transformer_config(
@@ -181,8 +261,9 @@ def build_gpt_model(
         rotary_base=dims.rope_theta,
         vp_stage=vp_stage,
     )
-    device = model.rotary_pos_emb.inv_freq.device
-    model.rotary_pos_emb.inv_freq = rope_inv_freq(dims).to(device)  # exact HF frequencies for every rope type
+    if dims.mla is None:  # MLA applies its own rope inside attention
+        device = model.rotary_pos_emb.inv_freq.device
+        model.rotary_pos_emb.inv_freq = rope_inv_freq(dims).to(device)  # exact HF frequencies for every rope type
     return model
 
 
@@ -193,11 +274,21 @@ def stage_layer_offset(model: Any) -> int:
     return get_transformer_layer_offset(model.config, vp_stage=getattr(model, "vp_stage", None))
 
 
+def check_expert_layout() -> None:
+    """Experts are split over TP like the dense layers (expert tensor parallel size = TP size, Megatron's default):
+    a rank's expert shard is the one its TP rank gives."""
+    from megatron.core import parallel_state as ps
+
+    if (ps.get_expert_tensor_parallel_world_size(), ps.get_expert_tensor_parallel_rank()) != \
+            (ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()):
+        raise ValueError("expert tensor parallelism other than the tensor-parallel layout is not supported")
+
+
 def load_hf_weights(
     model: Any, hf_state: Mapping[str, torch.Tensor], hf_config: Mapping[str, Any] | Any, *,
     names: str | None = None,
 ) -> None:
-    """Copy an HF state dict into this rank's GPTModel (its TP shard, its PP stage's layers).
+    """Copy an HF state dict into this rank's GPTModel (its TP shard, its PP stage's layers, its EP rank's experts).
 
     Every model parameter must be covered and every converted tensor used: a mismatch raises naming the keys.
     `names` ("local" | "te") defaults to the spec the model was built with.
@@ -215,6 +306,10 @@ def load_hf_weights(
     )
     stage = select_pp_stage(full, stage_layer_offset(model), len(model.decoder.layers),
                             pre_process=model.pre_process, post_process=model.post_process, tied=dims.tied)
+    if dims.moe is not None:
+        check_expert_layout()
+        stage = select_ep_experts(stage, dims, parallel_state.get_expert_model_parallel_rank(),
+                                  parallel_state.get_expert_model_parallel_world_size())
     if dims.tied and "output_layer.weight" not in own:
         stage.pop("output_layer.weight", None)
     if set(stage) != own:

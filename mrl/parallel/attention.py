@@ -96,7 +96,9 @@ class TorchCoreAttention(MegatronModule):
     """Core attention (softmax(QK^T * scale + mask) V) in plain torch, with CP, THD packing and GQA.
 
     Constructor matches megatron-core 0.16.1 `DotProductAttention`, so it drops into
-    `ModuleSpec(SelfAttention).submodules.core_attention`.
+    `ModuleSpec(SelfAttention).submodules.core_attention`, and takes what multi-latent attention passes as well
+    (`k_channels` for the query/key head dim, `v_channels` for the value head dim, `softmax_scale` with YaRN's
+    mscale): heads of any width work, the output has the value heads' width.
     """
 
     def __init__(
@@ -107,6 +109,8 @@ class TorchCoreAttention(MegatronModule):
         attention_type: str,
         attention_dropout: Optional[float] = None,
         softmax_scale: Optional[float] = None,
+        k_channels: Optional[int] = None,
+        v_channels: Optional[int] = None,
         cp_comm_type: Optional[str] = None,
         pg_collection: Any = None,
     ) -> None:
@@ -233,15 +237,35 @@ def transformer_engine_available() -> bool:
 
 def gpt_layer_spec(config: TransformerConfig, use_te: Optional[bool] = None):
     """The GPT layer spec for `config`: Transformer Engine's when TE is importable, else the local spec with
-    `TorchCoreAttention` in place of `DotProductAttention` (needed for CP and packed sequences on CPU)."""
+    `TorchCoreAttention` in place of `DotProductAttention` (needed for CP and packed sequences on CPU).
+
+    Mixture-of-experts and multi-latent-attention models get a per-layer block spec (dense and MoE layers differ:
+    `config.moe_layer_freq`), of this pipeline stage's layers.
+
+    Multi-latent attention on the local spec: megatron-core 0.16.1 builds the q/kv down projections as column-parallel
+    linears, then gathers their outputs over TP; the rotary key head taken from that gathered output is shared by the
+    heads of every TP rank, but the gather's backward only splits, so under TP each rank's k_pe gradient lacks the
+    other ranks' heads (measured: TP2 gradients off by 2e-2). The down projections are made replicated plain
+    linears here instead (`Linear`, parameters marked sequence-parallel), the layout the Transformer Engine spec has:
+    Megatron then gathers k_pe over the sequence-parallel region, whose backward sums over TP. That is exact with
+    sequence parallelism, which tensor parallelism of such models requires (`mrl.config.checks`).
+    """
     from megatron.core.models.gpt import gpt_layer_specs
 
     use_te = transformer_engine_available() if use_te is None else use_te
-    common = dict(
-        num_experts=config.num_moe_experts,
-        moe_grouped_gemm=config.moe_grouped_gemm,
-        qk_layernorm=config.qk_layernorm,
-    )
+    if config.num_moe_experts or config.multi_latent_attention:
+        block = gpt_layer_specs.get_gpt_decoder_block_spec(config, use_transformer_engine=use_te,
+                                                           normalization=config.normalization)
+        if not use_te:
+            for layer in block.layer_specs:
+                attention = layer.submodules.self_attention.submodules
+                attention.core_attention = TorchCoreAttention
+                if config.multi_latent_attention:
+                    from megatron.core.post_training.modelopt.layers import Linear
+
+                    attention.linear_q_down_proj = attention.linear_kv_down_proj = Linear
+        return block
+    common = dict(qk_layernorm=config.qk_layernorm)
     if use_te:
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(**common)
     spec = gpt_layer_specs.get_gpt_layer_local_spec(**common, normalization=config.normalization)

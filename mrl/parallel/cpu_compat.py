@@ -388,6 +388,20 @@ def moe_router_gemm_defined(patch: Patcher) -> None:
         patch.set(moe_utils, "te_general_gemm", None)
 
 
+def mla_without_transformer_engine(patch: Patcher) -> None:
+    """Multi-latent attention builds when Transformer Engine is absent.
+
+    Breaks: `multi_latent_attention` (0.16.1) sets `HAVE_TE = True` once `megatron.core.extensions.transformer_engine`
+    imports, and that module imports without TE: its TE classes are then MagicMock stand-ins, and the MLA
+    constructor's `isinstance(self.linear_proj, TELinear)` raises TypeError ("isinstance() arg 2 must be a type").
+    False is the truth (TE is not installed), and the code then takes its non-TE path.
+    """
+    from megatron.core.transformer import multi_latent_attention
+
+    if not isinstance(multi_latent_attention.TELinear, type):
+        patch.set(multi_latent_attention, "HAVE_TE", False)
+
+
 def _split_sizes_to_host(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
     """`maybe_move_tensor_to_cpu` that also converts CPU tensors to numpy when asked to."""
     if torch.is_tensor(tensor) and as_numpy:
@@ -529,6 +543,7 @@ PATCHES: dict[str, Callable[[Patcher], None]] = {
         rope_cp_slice_on_cpu,
         torch_norm_allows_sequence_parallel,
         moe_router_gemm_defined,
+        mla_without_transformer_engine,
         moe_split_sizes_on_host,
         gloo_uneven_all_gather,
         distributed_optimizer_torch_adam_state,

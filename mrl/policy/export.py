@@ -6,8 +6,11 @@ runs the same sequence of collectives; only global rank 0 ends up with the tenso
 Data flow for one Megatron parameter (rule from converters.mapping, the one source of names and layouts):
     owning pipeline stage, every TP rank:  all-gather its shard over the TP group -> full tensor
                                            (column/vocab parallel: dim 0; row parallel: dim 1; fc1: per gate/up half)
+                                           (a routed expert: only on the expert-parallel rank that holds it -- the
+                                           ranks of a TP group share their EP rank -- then broadcast over the EP group
+                                           to every EP rank, EP rank 0 being the one in rank 0's pipeline group)
     pipeline broadcast (only the ranks with tp = cp = dp = 0, which form rank 0's pipeline group):
-                                           owner stage -> every stage, shape first, then the data
+                                           owner stage -> every stage, shape and dtype first, then the data
     global rank 0:                         converters' rename/split (QKV per query group, fc1 -> gate/up, vocab
                                            padding stripped) -> (hf_name, tensor)
 
@@ -26,7 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from converters import ModelDims
+from converters import ModelDims, experts_per_rank, to_local_expert
 from converters import transforms as T
 from converters.mapping import ParamRule, expected_hf_shapes, layer_index, megatron_to_hf, param_rules
 
@@ -75,6 +78,23 @@ def plan_buckets(dims: ModelDims, names: str, bucket_bytes: int, element_size: i
     return buckets
 
 
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def _broadcast(tensor: torch.Tensor | None, src: int, group: Any) -> torch.Tensor:
+    """`tensor` from global rank `src` to every member of `group` (header with rank, shape and dtype first)."""
+    header = torch.zeros(9, dtype=torch.long)
+    if tensor is not None:
+        header[0], header[1] = tensor.dim(), _DTYPES.index(tensor.dtype)
+        header[2:2 + tensor.dim()] = torch.tensor(tensor.shape)
+    dist.broadcast(header, src=src, group=group)
+    if tensor is None:
+        shape = tuple(int(s) for s in header[2:2 + int(header[0])])
+        tensor = torch.empty(shape, dtype=_DTYPES[int(header[1])])
+    dist.broadcast(tensor.contiguous(), src=src, group=group)
+    return tensor
+
+
 class ShardedExporter:
     """Gathers full HF tensors from this rank's shards; construct on every rank (it exchanges stage layouts)."""
 
@@ -88,6 +108,10 @@ class ShardedExporter:
         self.pp_size = ps.get_pipeline_model_parallel_world_size()
         self.pp_rank = ps.get_pipeline_model_parallel_rank()
         self.pp_group = ps.get_pipeline_model_parallel_group()
+        self.ep_size = ps.get_expert_model_parallel_world_size()
+        self.ep_rank = ps.get_expert_model_parallel_rank()
+        self.ep_group = ps.get_expert_model_parallel_group()
+        self.experts_per_rank = experts_per_rank(dims, self.ep_size)
         self.in_root_pipeline = (ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0
                                  and ps.get_context_parallel_rank() == 0)
         self.is_root = dist.get_rank() == 0
@@ -99,16 +123,23 @@ class ShardedExporter:
         else:
             gathered = [local]
         self.stages = StageInfo(tuple(int(g[0]) for g in gathered), tuple(int(g[1]) for g in gathered))
-        self.params = dict(model.named_parameters())  # of this rank's unwrapped GPTModel
+        # parameters and persistent buffers (a router's expert bias) of this rank's unwrapped GPTModel
+        self.params = {**dict(model.named_buffers()), **dict(model.named_parameters())}
 
     def _local_name(self, megatron_name: str) -> str:
-        index = layer_index(megatron_name)
+        """This rank's name of a parameter: its stage's layer index, its expert-parallel rank's expert index."""
+        name = megatron_name
+        if self.experts_per_rank:
+            local = to_local_expert(name, self.ep_rank, self.experts_per_rank)
+            assert local is not None, f"{name} is held by another expert-parallel rank"
+            name = local
+        index = layer_index(name)
         if index is None:
-            return megatron_name
-        return megatron_name.replace(f"decoder.layers.{index}.", f"decoder.layers.{index - self.layer_offset}.", 1)
+            return name
+        return name.replace(f"decoder.layers.{index}.", f"decoder.layers.{index - self.layer_offset}.", 1)
 
     def _tp_gathered(self, rule: ParamRule) -> torch.Tensor:
-        """The full tensor of `rule` on every TP rank of the owning stage."""
+        """The full tensor of `rule` on every TP rank of the owning stage (and expert-parallel rank)."""
         local = self.params[self._local_name(rule.megatron)].detach()
         if rule.tp_dim is None or self.tp_size == 1:
             return local.clone()
@@ -116,31 +147,27 @@ class ShardedExporter:
         dist.all_gather(shards, local.contiguous(), group=self.tp_group)
         return T.tp_unshard(shards, rule.tp_dim, gated=rule.gated)
 
+    def _stage_tensor(self, rule: ParamRule) -> torch.Tensor:
+        """The full tensor of `rule` on every rank of its owning stage's EP group (without EP: its TP gather)."""
+        if rule.expert is None or self.ep_size == 1:
+            return self._tp_gathered(rule)
+        owner = rule.expert // self.experts_per_rank
+        full = self._tp_gathered(rule) if owner == self.ep_rank else None
+        return _broadcast(full, dist.get_global_rank(self.ep_group, owner), self.ep_group)
+
     def _pp_broadcast(self, tensor: torch.Tensor | None, owner: int) -> torch.Tensor | None:
-        """Owner stage -> every stage of rank 0's pipeline group (shape, then data). Others return None."""
+        """Owner stage -> every stage of rank 0's pipeline group. Others return None."""
         if self.pp_size == 1:
             return tensor
         if not self.in_root_pipeline:
             return None
-        src = dist.get_global_rank(self.pp_group, owner)
-        header = torch.zeros(8, dtype=torch.long)
-        if tensor is not None:
-            header[0] = tensor.dim()
-            header[1:1 + tensor.dim()] = torch.tensor(tensor.shape)
-        dist.broadcast(header, src=src, group=self.pp_group)
-        if tensor is None:
-            tensor = torch.empty(tuple(int(s) for s in header[1:1 + int(header[0])]), dtype=self._dtype())
-        dist.broadcast(tensor.contiguous(), src=src, group=self.pp_group)
-        return tensor
-
-    def _dtype(self) -> torch.dtype:
-        return next(iter(self.params.values())).dtype
+        return _broadcast(tensor, dist.get_global_rank(self.pp_group, owner), self.pp_group)
 
     def _full_tensors(self, rules: list[ParamRule]) -> Iterator[tuple[str, torch.Tensor]]:
         """(Megatron name, full tensor) of each rule; the tensors only on global rank 0 (others: nothing)."""
         for rule in rules:
             owner = self.stages.owner(rule.megatron)
-            full = self._tp_gathered(rule) if owner == self.pp_rank else None
+            full = self._stage_tensor(rule) if owner == self.pp_rank else None
             full = self._pp_broadcast(full, owner)
             if self.is_root and full is not None:
                 yield rule.megatron, full

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from mrl.config.schema import PolicyConfig
+from mrl.policy.expert_load import ExpertLoad
 from mrl.policy.interface import PolicyLoss, RankBatch
 from mrl.policy.train_step import StepContext, logprobs_of_batch, train_on_batch
 
@@ -74,7 +75,8 @@ class PolicyWorker:
 
         from converters import model_dims
         from converters.hf_io import load_hf_config, load_hf_state
-        from mrl.model.build import build_gpt_model, load_hf_weights, stage_layer_offset, transformer_config_from_hf
+        from mrl.model.build import (build_gpt_model, freeze_routers, load_hf_weights, router_settings,
+                                     stage_layer_offset, transformer_config_from_hf)
         from mrl.parallel.groups import init_process_groups
         from mrl.parallel.layout import ParallelDims
         from mrl.policy.optim import build_optimizer, build_scheduler
@@ -91,12 +93,18 @@ class PolicyWorker:
         dtype = _DTYPES[cfg.precision]
         recompute = (dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
                      if cfg.activation_checkpointing else {})
+        moe = router_settings(self.model_dims, expert_parallel=self.dims.ep, router_dtype=cfg.moe.router_dtype,
+                              aux_loss_coeff=cfg.moe.aux_loss_coeff,
+                              expert_bias_update_rate=cfg.moe.expert_bias_update_rate)
         self.tconfig = transformer_config_from_hf(
             self.hf_config, tensor_parallel=self.dims.tp, pipeline_parallel=self.dims.pp,
-            context_parallel=self.dims.cp, sequence_parallel=par.sequence_parallel, params_dtype=dtype, **recompute)
+            context_parallel=self.dims.cp, sequence_parallel=par.sequence_parallel, params_dtype=dtype, **recompute,
+            **moe)
         hf_state = load_hf_state(spec.hf_dir)
         module = build_gpt_model(self.hf_config, self.tconfig, padded_vocab=spec.padded_vocab)
         load_hf_weights(module, hf_state, self.hf_config)
+        if cfg.moe.freeze_router:
+            freeze_routers(module)  # before DDP and the optimizer collect the trainable parameters
         self.module = module
         self.layer_offset = stage_layer_offset(module)
         ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True,
@@ -114,6 +122,7 @@ class PolicyWorker:
             if cfg.offload_reference and torch.cuda.is_available():
                 self.reference.cpu()
         del hf_state
+        self.expert_load = ExpertLoad([module])
         self._exporter = None
         self._bucket_plan: list = []
         self.ps = ps
@@ -168,11 +177,13 @@ class PolicyWorker:
         size = _micro_batch_size(self.spec.policy.train_micro_batch_size, len(batch))
         for chunk in self.model:
             chunk.train()
+        self.expert_load.reset()  # logprob passes route tokens too: count this step's only
         metrics = train_on_batch(self.model, self.optimizer, self.scheduler, batch, loss_fn=loss_fn,
                                  count=global_count, micro_batch_size=size, ctx=self._context(temperature),
                                  packing=self.spec.policy.sequence_packing,
                                  dynamic_batching=self.spec.policy.dynamic_batching)
         scalars = {k: metrics.pop(k) for k in ("grad_norm", "lr")}
+        scalars.update(self._expert_load() or {})
         metrics = self._sum_over_data_parallel(metrics)
         if not self._is_leader():
             return None
@@ -182,6 +193,13 @@ class PolicyWorker:
         metrics["packing_efficiency"] = real / computed if computed else 1.0  # real tokens / tokens computed
         metrics["time_s"] = time.perf_counter() - start
         return metrics
+
+    def _expert_load(self) -> Optional[dict[str, float]]:
+        """The step's expert load (mrl/policy/expert_load.py), summed over the ranks that routed other tokens."""
+        groups = [self.ps.get_data_parallel_group(with_context_parallel=True)]
+        if self.dims.sequence_parallel:
+            groups.append(self.ps.get_tensor_model_parallel_group())
+        return self.expert_load.report(groups, self.ps.get_pipeline_model_parallel_group())
 
     def _sum_over_data_parallel(self, sums: dict[str, float]) -> dict[str, float]:
         """Metric sums of every data-parallel (and context-parallel) rank's micro-batches, on the last stage."""

@@ -19,21 +19,37 @@ import torch
 
 from mrl.data.tokenizers import build_tokenizer
 
-SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3")
+SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3")
+
+#: Family settings of the tiny MoE models (any of them can be overridden). The experts are small and few; DeepSeek-V3
+#: keeps its structure: a dense first layer, 2 groups of experts with top-1 group routing (top-2 experts, so a group
+#: scores by its top 2 as in DeepSeek-V3 itself), a shared expert, a q LoRA, YaRN rope with mscale, and the router
+#: keys vLLM needs (`topk_method`, `scoring_func`; transformers 5 does not write them).
+MOE_DEFAULTS: dict[str, dict[str, Any]] = {
+    "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
+                      decoder_sparse_step=1, mlp_only_layers=[]),
+    "deepseek_v3": dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
+                        n_group=2, topk_group=1, first_k_dense_replace=1, routed_scaling_factor=2.5,
+                        norm_topk_prob=True, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,
+                        qk_rope_head_dim=16, v_head_dim=16, topk_method="noaux_tc", scoring_func="sigmoid",
+                        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                         "original_max_position_embeddings": 64, "mscale": 1.0,
+                                         "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1}),
+}
 
 
 def _make_config(family: str, kwargs: dict[str, Any]) -> Any:
     """The transformers config object of `family` built from `kwargs`."""
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+    from transformers import AutoConfig
 
-    classes = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}
-    if family not in classes:
+    if family not in SUPPORTED_FAMILIES:
         raise ValueError(f"unknown tiny model family {family!r}; choose one of {SUPPORTED_FAMILIES}")
-    return classes[family](**kwargs)
+    return AutoConfig.for_model(family, **kwargs)
 
 
 def _init_weights(model: torch.nn.Module, std: float, seed: int) -> None:
-    """Matrices ~ N(0, std); norm weights ~ 1 + N(0, 0.1) and biases ~ N(0, std) so none is a trivial constant."""
+    """Matrices ~ N(0, std); norm weights ~ 1 + N(0, 0.1) and biases ~ N(0, std) so none is a trivial constant;
+    DeepSeek-V3's expert selection bias (a buffer) ~ N(0, 0.1), so it changes which experts are chosen."""
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in sorted(model.named_parameters()):
@@ -42,6 +58,9 @@ def _init_weights(model: torch.nn.Module, std: float, seed: int) -> None:
                 param.copy_(1.0 + 0.1 * noise)
             else:
                 param.copy_(std * noise)
+        for name, buffer in sorted(model.named_buffers()):
+            if name.endswith("e_score_correction_bias"):
+                buffer.copy_(0.1 * torch.randn(buffer.shape, generator=gen, dtype=torch.float32))
 
 
 def build_tiny_hf_model(
@@ -59,7 +78,7 @@ def build_tiny_hf_model(
     init_std: float = 0.15,
     **overrides: Any,
 ) -> Path:
-    """Build a random tiny causal LM of `family` ("llama" | "qwen2" | "qwen3") and save it in `out_dir`.
+    """Build a random tiny causal LM of `family` (`SUPPORTED_FAMILIES`) and save it in `out_dir`.
 
     `num_kv_heads=None` means MHA (= heads); fewer gives GQA. `vocab=None` uses the tokenizer's size (a tokenizer
     is always built into `out_dir`); a larger `vocab` leaves unused rows, as real checkpoints often do.
@@ -93,6 +112,7 @@ def build_tiny_hf_model(
     )
     if family == "qwen2":
         kwargs["use_sliding_window"] = False
+    kwargs.update(MOE_DEFAULTS.get(family, {}))
     kwargs.update(overrides)
     config = _make_config(family, kwargs)
     torch.manual_seed(seed)

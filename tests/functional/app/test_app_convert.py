@@ -5,6 +5,8 @@
   exported folder loads with AutoModelForCausalLM and gives the original logits exactly.
 - TP=2 (2 ranks): logits equal transformers'; a checkpoint converted at TP=1 loads at TP=2 and one converted at
   TP=2 loads at TP=1, both with the same logits; the TP=2 checkpoint exports back bit for bit.
+- Mixture of experts (Qwen3-MoE, DeepSeek-V3 with MLA): checkpoints written at TP1, EP2 and TP2 x EP2 (1, 2 and 4
+  ranks, experts saved by the rank that holds them) export back bit for bit, and load at TP1 with HF's logits.
 
 Each test runs its steps in fresh rank processes (`run_on_ranks`); the rank-side code is `run_plan_on_rank`.
 A step is one of
@@ -77,7 +79,7 @@ def run_step(step: dict, tokens: torch.Tensor) -> None:
         convert.load_megatron_checkpoint(model, model_dir)
         _save(_forward(model, tokens, config["vocab_size"]), step["out"])
     elif op == "hf_to_megatron":
-        convert.hf_to_megatron(step["hf"], step["meg"], tp=step["tp"])
+        convert.hf_to_megatron(step["hf"], step["meg"], tp=step["tp"], ep=step.get("ep", 1))
     elif op == "megatron_to_hf":
         convert.megatron_to_hf(step["meg"], step["out"], max_shard_bytes=step.get("max_shard_bytes", 5 * 1024**3))
     else:
@@ -184,3 +186,25 @@ def test_tp2_forward_and_cross_tp_checkpoints(tmp_path):
         original, back = load_file(src / "model.safetensors"), load_hf_state(tmp_path / "back" / name)
         assert original.keys() == back.keys(), name
         assert all(torch.equal(back[k], original[k]) for k in original), name
+
+
+def test_moe_checkpoints_written_under_expert_parallelism_export_bit_exact(tmp_path):
+    models = {fam: build_tiny_hf_model(tmp_path / "hf" / fam, fam, layers=2, seed=11)
+              for fam in ("qwen3_moe", "deepseek_v3")}
+    tokens = sample_tokens()
+    for world, layout in ((1, {"tp": 1}), (2, {"tp": 1, "ep": 2}), (4, {"tp": 2, "ep": 2})):
+        tag = "_".join(f"{k}{v}" for k, v in layout.items())
+        run_plan(tokens, [{"op": "hf_to_megatron", "hf": str(src), "meg": str(tmp_path / tag / fam), **layout}
+                          for fam, src in models.items()], world, timeout_s=400)
+        steps = []
+        for fam, src in models.items():
+            steps += [{"op": "megatron_to_hf", "meg": str(tmp_path / tag / fam), "out": str(tmp_path / "back" / tag / fam)},
+                      {"op": "forward_ckpt", "meg": str(tmp_path / tag / fam), "hf": str(src), "tp": 1,
+                       "out": str(tmp_path / f"{tag}.{fam}.pt")}]
+        run_plan(tokens, steps, 1)
+        for fam, src in models.items():
+            original, back = load_file(src / "model.safetensors"), load_hf_state(tmp_path / "back" / tag / fam)
+            assert original.keys() == back.keys(), (tag, fam)
+            assert all(torch.equal(back[k], original[k]) for k in original), (tag, fam)
+            reference = hf_logits(src, tokens)
+            assert (torch.load(tmp_path / f"{tag}.{fam}.pt") - reference).abs().max().item() <= TOL, (tag, fam)

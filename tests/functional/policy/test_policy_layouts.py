@@ -1,5 +1,7 @@
 """The policy train step under CP2, TP2+SP and a tiny MoE at EP2 equals the single-process result; micro-batching
-does not change the gradients or the weights of a step.
+does not change the gradients or the weights of a step. The MoE families (Qwen3-MoE, DeepSeek-V3 with MLA) loaded
+from HF checkpoints, routers frozen as in RL, do the same at EP2 and TP2, and their single-process logprobs equal
+HF transformers'.
 
 Every layout is compared with the same model and batch run in one process (TP1), the reference: logprobs before
 training, the losses of 3 Adam steps, the gradients of the 3rd step and every weight after it, gathered to full
@@ -84,6 +86,8 @@ def full_tensors(model, vocab_size: int, grads: bool = False) -> dict[str, torch
     offset = stage_layer_offset(model)
     local = {}
     for name, param in model.named_parameters():
+        if grads and not param.requires_grad:
+            continue  # a frozen router: no gradient
         full = _tp_gather(name, param, param.main_grad if grads else param, model.config.gated_linear_unit)
         if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
             full = full[:vocab_size]  # Megatron's padding rows (their number depends on TP) never train
@@ -146,10 +150,12 @@ def train_and_report(model_dir: str, *, sequence_parallel: bool = False, moe: bo
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
-    from safetensors.torch import load_file
 
+    from converters import model_dims
+    from converters.hf_io import load_hf_state
     from mrl.config.schema import OptimizerConfig, SchedulerConfig
-    from mrl.model.build import build_gpt_model, load_hf_weights, moe_transformer_config, transformer_config_from_hf
+    from mrl.model.build import (build_gpt_model, freeze_routers, load_hf_weights, moe_transformer_config,
+                                 router_settings, transformer_config_from_hf)
     from mrl.policy.optim import build_optimizer, build_scheduler
     from mrl.policy.interface import RankBatch, global_count
     from mrl.policy.train_step import StepContext, logprobs_of_batch, train_on_batch
@@ -164,10 +170,12 @@ def train_and_report(model_dir: str, *, sequence_parallel: bool = False, moe: bo
                                      expert_parallel=ps.get_expert_model_parallel_world_size(), **sizes)
         model = build_gpt_model(hf_config, cfg)
         init_by_global_name(model, seed=7)
-    else:
-        cfg = transformer_config_from_hf(hf_config, **sizes)
+    else:  # an HF checkpoint, dense or MoE (routers frozen, as the policy does by default)
+        experts = router_settings(model_dims(hf_config), expert_parallel=ps.get_expert_model_parallel_world_size())
+        cfg = transformer_config_from_hf(hf_config, **sizes, **experts)
         model = build_gpt_model(hf_config, cfg)
-        load_hf_weights(model, load_file(str(Path(model_dir) / "model.safetensors")), hf_config)
+        load_hf_weights(model, load_hf_state(model_dir), hf_config)
+        freeze_routers(model)
     ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(grad_reduce_in_fp32=True), module=model)
     cfg.finalize_model_grads_func = finalize_model_grads
     opt_cfg = OptimizerConfig(lr=LR, weight_decay=0.0, adam_eps=adam_eps)
@@ -254,6 +262,45 @@ def test_parallel_layouts_match_single_process(model_dir, references, layout):
     assert diffs["losses"] <= 1e-5, diffs
     assert diffs["grads"] <= 1e-6, diffs  # of the 3rd step; gradients reach ~5e-2
     assert diffs["weights"] <= 1e-5, diffs
+
+
+@pytest.fixture(scope="module", params=["qwen3_moe", "deepseek_v3"])
+def moe_family(request, tmp_path_factory):
+    """A tiny checkpoint of the family and its single-process result."""
+    path = str(build_tiny_hf_model(tmp_path_factory.mktemp(request.param), request.param, layers=2, seed=5))
+    (result,) = run_on_ranks(run, world_size=1, args=(path,))
+    return path, collect([result])
+
+
+def _hf_logprobs(model_dir: str, ids: torch.Tensor) -> torch.Tensor:
+    """[N, T] logprob of each token under transformers (position 0: 0), the independent reference."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager", experts_implementation="eager")
+    with torch.no_grad():
+        logits = hf.eval()(ids).logits.float()
+    out = torch.zeros(ids.shape)
+    out[:, 1:] = logits[:, :-1].log_softmax(-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+    return out
+
+
+def test_moe_family_single_process_logprobs_equal_hf(moe_family):
+    path, reference = moe_family
+    ids, mask, _ = make_batch()
+    hf = _hf_logprobs(path, ids)
+    assert ((reference["before"] - hf) * mask).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("layout", [dict(ep=2), dict(tp=2, sp=True)], ids=["ep2", "tp2-sp"])
+def test_moe_family_layouts_match_single_process(moe_family, layout):
+    """3 Adam steps with frozen routers: logprobs, losses, gradients and weights as in one process."""
+    path, reference = moe_family
+    diffs = differences(collect(run_on_ranks(run, world_size=2, args=(path,), kwargs=layout)), reference)
+    assert diffs["logprobs"] <= 1e-5, diffs
+    assert diffs["losses"] <= 1e-5, diffs
+    assert diffs["grads"] <= 1e-6, diffs
+    assert diffs["weights"] <= 1e-5, diffs
+    assert not any(".router." in name for name in reference["grads"])  # frozen: no gradient, no update
 
 
 def test_moe_model_routes_tokens_to_every_expert(references):

@@ -104,7 +104,7 @@ def test_tied_embeddings_copies_are_checked(tmp_path):
 def test_family_detection_and_unsupported_configs():
     assert C.detect_family({"architectures": ["Qwen3ForCausalLM"]}).name == "qwen3"
     assert C.detect_family({"model_type": "llama"}).name == "llama"
-    with pytest.raises(C.ConversionError, match=r"MistralForCausalLM.*Supported families: llama.*qwen2.*qwen3"):
+    with pytest.raises(C.ConversionError, match=r"MistralForCausalLM.*Supported families: deepseek_v3.*llama.*qwen2.*qwen3.*qwen3_moe"):
         C.detect_family({"architectures": ["MistralForCausalLM"], "model_type": "mistral"})
     base = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "num_hidden_layers": 2,
             "num_attention_heads": 4, "intermediate_size": 128, "vocab_size": 100}

@@ -208,6 +208,29 @@ def test_moe_router_gemm_defined():
     assert moe.router.weight.grad is not None and torch.isfinite(moe.router.weight.grad).all()
 
 
+def test_mla_without_transformer_engine():
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.core.transformer.multi_latent_attention import MLASelfAttention
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+    from mrl.parallel.attention import TorchCoreAttention
+
+    config = MLATransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=2, q_lora_rank=8,
+                                  kv_lora_rank=8, qk_head_dim=4, qk_pos_emb_head_dim=4, v_head_dim=4, kv_channels=4,
+                                  qk_layernorm=True, normalization="RMSNorm", rope_type="rope", **FUSIONS_OFF)
+    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
+    attention = spec.layer_specs[0].submodules.self_attention
+    attention.submodules.core_attention = TorchCoreAttention
+    build = lambda: MLASelfAttention(config, attention.submodules, layer_number=1)  # noqa: E731
+    without("mla_without_transformer_engine")
+    with pytest.raises(TypeError, match="isinstance"):
+        build()
+    cpu_compat.apply()
+    x = torch.randn(5, 2, 16)
+    out, _ = build()(x, attention_mask=None)
+    assert out.shape == (5, 2, 16) and torch.isfinite(out).all()
+
+
 def tiny_gpt(seq: int = 8, vocab: int = 32, **config_overrides):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
