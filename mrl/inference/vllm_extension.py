@@ -13,7 +13,8 @@ prepacked parameters no longer match the checkpoint layout) and editing paramete
 The vLLM 0.32 workarounds live here, each named, explained and tested (tests/unit/inference/
 test_inference_vllm_extension.py; the tied and TP2 cases also end to end in tests/functional/inference/):
 `PartialReloadWarningFilter` (log noise of bucketed reloads), `refresh_tied_modules` (a tied output projection
-keeps its stale CPU-packed weight after a reload), `remove_cpu_shm_segments` (leaked TP /dev/shm segments).
+keeps its stale CPU-packed weight after a reload), `repack_cpu_experts` (reloaded MoE experts are not re-packed
+for the CPU kernel), `remove_cpu_shm_segments` (leaked TP /dev/shm segments).
 """
 
 from __future__ import annotations
@@ -86,6 +87,31 @@ def refresh_tied_modules(model: Any, loaded_names: list[str]) -> list[str]:
     return refreshed
 
 
+def repack_cpu_experts(model: Any, loaded_names: list[str]) -> list[str]:
+    """Workaround for vLLM 0.32 (CPU): re-pack reloaded MoE experts into the CPU kernel's layout.
+
+    On the first load the CPU experts (`CPUUnquantizedExperts`) prepack w13/w2 into their grouped-GEMM layout. A
+    weight update re-runs `UnquantizedFusedMoEMethod.process_weights_after_loading`, which copies the new plain
+    weights into the existing (prepacked) storage and skips the prepack ("the kernel is already set up"): the kernel
+    then reads plain weights as if packed (measured: logprobs off by ~3 nats after a refit). So after each bucket,
+    every experts module whose tensors the bucket carried is packed again from the weights it now holds. Modules the
+    bucket did not carry are left alone (packing twice would scramble them). Returns the re-packed module names.
+    """
+    try:
+        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+    except ImportError:  # a vLLM build without the CPU kernels
+        return []
+    repacked = []
+    for name, module in model.named_modules():
+        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        parent = name.rsplit(".", 1)[0]  # `...mlp.experts` of `...mlp.experts.routed_experts`: the HF names' prefix
+        if isinstance(experts, CPUUnquantizedExperts) and any(n.startswith(parent + ".") for n in loaded_names):
+            experts.process_weights_after_loading(module)
+            repacked.append(name)
+    return repacked
+
+
 def remove_cpu_shm_segments(paths: list[str]) -> None:
     """Workaround for vLLM 0.32 (CPU, tensor parallel > 1): delete the engine's shared-memory segments.
 
@@ -119,7 +145,9 @@ class MrlWorkerExtension:
         install_partial_reload_filter()
         tensors = unpack_payload(payload)
         self.reload_weights(weights_iterator=iter(tensors), is_checkpoint_format=True)  # type: ignore[attr-defined]
-        refresh_tied_modules(self.model_runner.get_model(), [name for name, _ in tensors])  # type: ignore[attr-defined]
+        names = [name for name, _ in tensors]
+        refresh_tied_modules(self.model_runner.get_model(), names)  # type: ignore[attr-defined]
+        repack_cpu_experts(self.model_runner.get_model(), names)  # type: ignore[attr-defined]
         return len(tensors)
 
     def mrl_shm_segments(self) -> list[str]:

@@ -112,6 +112,8 @@ def build_tiny_hf_model(
     )
     if family == "qwen2":
         kwargs["use_sliding_window"] = False
+    if family == "deepseek_v3":
+        del kwargs["head_dim"]  # DeepSeek-V3's config derives it: head_dim is the rotary part (qk_rope_head_dim)
     kwargs.update(MOE_DEFAULTS.get(family, {}))
     kwargs.update(overrides)
     config = _make_config(family, kwargs)

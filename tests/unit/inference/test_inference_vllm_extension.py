@@ -1,4 +1,4 @@
-"""The two vLLM workarounds of vllm_extension.py, on plain torch modules (no engine needed)."""
+"""The vLLM workarounds of vllm_extension.py, on plain torch modules (no engine needed)."""
 
 import logging
 
@@ -53,3 +53,37 @@ def test_tied_output_projection_is_reprocessed_after_the_embedding_reloads():
 def test_untied_or_uncarried_modules_are_left_alone():
     model = _Model()
     assert refresh_tied_modules(model, ["norm.weight", "model.layers.0.mlp.up_proj.weight"]) == []
+
+
+def test_only_the_experts_a_bucket_carried_are_repacked():
+    """`repack_cpu_experts` repacks exactly the experts modules whose layer the bucket reloaded (repacking the others
+    would pack packed weights again). The end-to-end effect (engine logprobs after MoE refits) is checked in
+    tests/functional/policy/test_policy_group.py."""
+    import types
+
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+
+    from mrl.inference.vllm_extension import repack_cpu_experts
+
+    class Recording(CPUUnquantizedExperts):
+        def __init__(self):  # noqa: D107 -- no kernel set-up: only the call is recorded
+            self.calls = 0
+
+        def process_weights_after_loading(self, layer):
+            self.calls += 1
+
+    model = torch.nn.Module()
+    model.model = torch.nn.Module()
+    model.model.layers = torch.nn.ModuleList()
+    for _ in range(2):
+        layer = torch.nn.Module()
+        layer.mlp = torch.nn.Module()
+        layer.mlp.experts = torch.nn.Module()
+        layer.mlp.experts.routed_experts = torch.nn.Module()
+        kernel = types.SimpleNamespace(fused_experts=Recording())
+        layer.mlp.experts.routed_experts.quant_method = types.SimpleNamespace(moe_kernel=kernel)
+        model.model.layers.append(layer)
+    loaded = ["model.layers.1.mlp.experts.0.gate_proj.weight", "model.layers.0.mlp.shared_experts.up_proj.weight"]
+    assert repack_cpu_experts(model, loaded) == ["model.layers.1.mlp.experts.routed_experts"]
+    calls = [m.mlp.experts.routed_experts.quant_method.moe_kernel.fused_experts.calls for m in model.model.layers]
+    assert calls == [0, 1]
