@@ -52,27 +52,36 @@ def _build_tokenizer(cfg: MrlConfig, out: Path) -> Any:
     return PreTrainedTokenizerFast.from_pretrained(out)
 
 
+def _family_settings(build: ModelBuildConfig) -> dict[str, Any]:
+    """Config keys a family adds to the shared ones."""
+    if build.family == "qwen2":
+        return {"use_sliding_window": False}
+    if build.family == "qwen3_moe":
+        return {"num_experts": build.num_experts, "num_experts_per_tok": build.num_experts_per_tok,
+                "moe_intermediate_size": build.moe_intermediate_size, "norm_topk_prob": True}
+    return {}
+
+
 def build_initial_model(cfg: MrlConfig, build: ModelBuildConfig, out: Path) -> Path:
     """Write a random-init HF model of `build`'s size (transformers' default init, seeded by run.seed) to `out`."""
     import torch
-    from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig, Qwen2Config, Qwen3Config
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+    from transformers.utils import logging as hf_logging
 
     if (out / "config.json").is_file() and any(out.glob("*.safetensors")):
         return out  # written by an earlier (interrupted or resumed) run with the same config
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = _build_tokenizer(cfg, out)
-    classes = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}
-    extra = {"use_sliding_window": False} if build.family == "qwen2" else {}
-    config = classes[build.family](
-        vocab_size=len(tokenizer), hidden_size=build.hidden_size, intermediate_size=build.intermediate_size,
-        num_hidden_layers=build.num_layers, num_attention_heads=build.num_attention_heads,
+    config = AutoConfig.for_model(
+        build.family, vocab_size=len(tokenizer), hidden_size=build.hidden_size,
+        intermediate_size=build.intermediate_size, num_hidden_layers=build.num_layers,
+        num_attention_heads=build.num_attention_heads,
         num_key_value_heads=build.num_key_value_heads or build.num_attention_heads,
         head_dim=build.hidden_size // build.num_attention_heads,
         max_position_embeddings=max(64, cfg.policy.max_total_sequence_length),
         tie_word_embeddings=build.tie_word_embeddings, eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, dtype="float32", **extra)
-    from transformers.utils import logging as hf_logging
-
+        bos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, dtype="float32",
+        **_family_settings(build))
     torch.manual_seed(cfg.run.seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     hf_logging.disable_progress_bar()  # one tiny shard: a progress bar would be noise

@@ -44,6 +44,10 @@ WARNINGS = (
                "flash_attn)"),
     KnownNoise(r"vllm\.triton_utils\.dispatcher", r"`torch\.distributed\.reduce_op` is deprecated",
                "vLLM 0.32 touches torch's deprecated alias while scanning modules for Triton kernels"),
+    KnownNoise(r"torch\.distributed\.c10d_logger",
+               r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated",
+               "megatron-core 0.16.1 calls the collectives by their deprecated names (mixture-of-experts dispatch); "
+               "the operations are the same"),
 )
 
 LOG_RECORDS = (

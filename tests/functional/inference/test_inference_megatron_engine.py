@@ -211,3 +211,18 @@ def test_factory_builds_the_megatron_backend_from_the_config(backend, model_dir)
     greedy = SamplingConfig(temperature=0.0, max_new_tokens=5, ignore_eos=True)
     assert [s.token_ids for s in engine.generate(PROMPTS, greedy).samples] == \
         [s.token_ids for s in backend.generate(PROMPTS, greedy).samples]
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_moe_families_sample_with_transformers_logprobs(backend, tmp_path, family):
+    """Qwen3-MoE and DeepSeek-V3 (MLA, its YaRN rope and latent KV in the KV-cached decode) in the same engine."""
+    from transformers import AutoModelForCausalLM
+
+    from mrl.inference.megatron_backend import MegatronBackend, MegatronEngineConfig
+
+    path = build_tiny_hf_model(tmp_path, family, layers=2, seed=1)
+    engine = MegatronBackend(MegatronEngineConfig(str(path), max_model_len=MAX_MODEL_LEN, max_batch_size=5))
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager",
+                                              experts_implementation="eager").eval()
+    out = engine.generate(PROMPTS, SamplingConfig(n=2, max_new_tokens=8, seed=3))
+    assert max_logprob_error(hf, out) <= TOL

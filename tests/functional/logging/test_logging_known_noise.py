@@ -16,9 +16,14 @@ IMPORTS = ("import torch.distributed, megatron.core.optimizer, megatron.core.mod
            "get_gpt_layer_local_spec()\n"
            "import vllm.v1.worker.cpu_worker\n"
            "from vllm.platforms.cpu import CpuPlatform\n"
-           "CpuPlatform.register_triton_kernel_overrides()\n")
+           "CpuPlatform.register_triton_kernel_overrides()\n"
+           "import os, torch, torch.distributed as dist\n"  # Megatron's MoE dispatch gathers by the deprecated name
+           "from mrl.parallel.groups import free_port\n"
+           "dist.init_process_group('gloo', init_method=f'tcp://127.0.0.1:{free_port()}', rank=0, world_size=1)\n"
+           "dist.all_gather_into_tensor(torch.empty(2), torch.ones(2))\n")
 KNOWN = ("Transformer Engine and Apex are not installed", "Apex is not installed. Falling back to Torch Norm",
-         "`torch.distributed.reduce_op` is deprecated", "Triton not available")
+         "`torch.distributed.reduce_op` is deprecated", "Triton not available",
+         "`torch.distributed.all_gather_into_tensor` is deprecated")
 
 
 def _stderr(silenced: bool) -> str:
