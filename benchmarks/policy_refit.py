@@ -4,11 +4,14 @@ the engine's memory (USS of its process) drift, for both transports.
 
     colocated      policy TP2 on bundles 0-1, engine sharing bundle 0: buckets as shared-memory files
     non-colocated  policy TP1 on bundle 0, engine on bundle 1: buckets broadcast in a gloo group (collective)
+    moe-ep1        a Qwen3-MoE policy on bundles 0-1 (2 data-parallel replicas, every expert on each), colocated
+    moe-ep2        the same with its experts split over 2 expert-parallel ranks (gathered over EP for the refit)
 
 Each refit gathers the policy's shards into HF tensors bucket by bucket and the engine reloads every layer. The bar this
 project holds it to: engine memory within 5% over 50 refits.
 
     python benchmarks/policy_refit.py [--refits 50 --warmup 5 --hidden 512 --layers 8 --bucket-mb 16]
+    python benchmarks/policy_refit.py --layouts moe-ep1,moe-ep2 [--experts 16]
 """
 
 from __future__ import annotations
@@ -32,11 +35,13 @@ def _run(layout: str, model_dir: str, args: argparse.Namespace) -> None:
     from mrl.policy.group import Policy
     from mrl.policy.worker import PolicySpec
 
-    colocated = layout == "colocated"
+    colocated = layout != "non-colocated"
+    parallel = {"colocated": dict(tensor_parallel_size=2), "non-colocated": {},
+                "moe-ep1": {}, "moe-ep2": dict(expert_parallel_size=2)}[layout]
     cluster = RayCluster(num_cpus=2)
     try:
         placement = cluster.create_placement("refit", bundles_per_node=2, cpus_per_bundle=1)
-        cfg = PolicyConfig(precision="float32", parallel=ParallelConfig(tensor_parallel_size=2 if colocated else 1))
+        cfg = PolicyConfig(precision="float32", parallel=ParallelConfig(**parallel))
         policy = Policy(PolicySpec(model_dir, cfg, seed=0, total_steps=1), placement, world_size=2 if colocated else 1,
                         resource_fraction=0.5 if colocated else 1.0)
         engine = VllmEngineGroup(
@@ -72,15 +77,19 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--bucket-mb", type=float, default=16)
     parser.add_argument("--layouts", default="colocated,non-colocated")
+    parser.add_argument("--experts", type=int, default=16, help="routed experts per layer of the MoE layouts")
     args = parser.parse_args()
 
     from mrl.testing.tiny_models import build_tiny_hf_model
 
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = str(build_tiny_hf_model(tmp, hidden=args.hidden, layers=args.layers, heads=8, num_kv_heads=4,
-                                            intermediate=4 * args.hidden))
+        dense = str(build_tiny_hf_model(f"{tmp}/dense", hidden=args.hidden, layers=args.layers, heads=8,
+                                        num_kv_heads=4, intermediate=4 * args.hidden))
+        moe = str(build_tiny_hf_model(f"{tmp}/moe", "qwen3_moe", hidden=args.hidden, layers=args.layers, heads=8,
+                                      num_kv_heads=4, intermediate=4 * args.hidden, num_experts=args.experts,
+                                      moe_intermediate_size=args.hidden))
         for layout in args.layouts.split(","):
-            _run(layout, model_dir, args)
+            _run(layout, moe if layout.startswith("moe") else dense, args)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,8 @@ from pydantic import BaseModel, ValidationError
 
 from mrl.config.errors import ConfigError, suggest
 from mrl.objectives.passk import pass_k_problem
-from mrl.parallel.layout import Violation, layout_violations, length_multiple, micro_batching_violations
+from mrl.parallel.layout import (Violation, layout_violations, length_multiple, micro_batching_violations,
+                                 pipeline_split_violations)
 
 if TYPE_CHECKING:
     from mrl.config.schema import MrlConfig, PolicyConfig
@@ -74,10 +75,9 @@ def _model_problems(cfg: "MrlConfig", facts: ModelFacts) -> list[ConfigError]:
         out.append(ConfigError(f"tensor parallel size does not divide the model's {facts.kv_heads} key/value heads",
                                key="policy.parallel.tensor_parallel_size", given=tp,
                                allowed=f"a divisor of {facts.kv_heads}: {_divisors(facts.kv_heads)}"))
-    if facts.layers is not None and facts.layers % pp:
-        out.append(ConfigError(f"pipeline parallel size does not divide the model's {facts.layers} layers",
-                               key="policy.parallel.pipeline_parallel_size", given=pp,
-                               allowed=f"a divisor of {facts.layers}: {_divisors(facts.layers)}"))
+    if facts.layers is not None:
+        out += [_from_rule(v) for v in pipeline_split_violations(
+            layers=facts.layers, pp=pp, first=par.first_stage_layers, last=par.last_stage_layers)]
     if ep > 1 and facts.experts is None:
         out.append(ConfigError("expert parallelism needs a mixture-of-experts model; this one is dense",
                                key="policy.parallel.expert_parallel_size", given=ep, allowed="1"))

@@ -43,6 +43,10 @@ class ParallelConfig(Section):
     context_parallel_size: int = Field(1, ge=1, description="Context parallel size (sequence split across ranks).")
     expert_parallel_size: int = Field(1, ge=1, description="Expert parallel size for MoE models.")
     sequence_parallel: bool = Field(False, description="Megatron sequence parallelism; requires tensor_parallel_size > 1.")
+    first_stage_layers: Optional[int] = Field(None, ge=1, description="Decoder layers of the first pipeline stage "
+                                              "when they do not split evenly (DeepSeek-V3's 61); None = an even split.")
+    last_stage_layers: Optional[int] = Field(None, ge=1, description="Decoder layers of the last pipeline stage; "
+                                             "None = an even split of what the first stage leaves.")
 
 
 class ModelBuildConfig(Section):

@@ -100,6 +100,25 @@ def micro_batching_violations(*, packing: bool, dynamic_batching: bool, tokens_p
     return out
 
 
+def pipeline_split_violations(*, layers: int, pp: int, first: Optional[int],
+                              last: Optional[int]) -> list[Violation]:
+    """Decoder layers over pipeline stages: the first and last stage may hold a given number, the stages between
+    them an equal share of the rest (Megatron's num_layers_in_{first,last}_pipeline_stage)."""
+    if pp == 1:
+        given = [k for k, v in (("first_stage_layers", first), ("last_stage_layers", last)) if v is not None]
+        return [Violation(f"policy.parallel.{k}", "needs pipeline parallelism", fix="remove it or set "
+                          "policy.parallel.pipeline_parallel_size > 1") for k in given]
+    middle_layers = layers - (first or 0) - (last or 0)
+    middle_stages = pp - (first is not None) - (last is not None)
+    if middle_layers < 0 or (middle_stages == 0 and middle_layers) or (middle_stages and middle_layers % middle_stages):
+        split = f"first {first}, last {last}" if first or last else "an even split"
+        return [Violation("policy.parallel.pipeline_parallel_size",
+                          f"{layers} decoder layers do not split over {pp} pipeline stages ({split})", pp,
+                          fix="choose a size whose stages hold equal numbers of layers, or set "
+                              "policy.parallel.first_stage_layers / last_stage_layers")]
+    return []
+
+
 @dataclass(frozen=True)
 class ParallelDims:
     """Sizes of each parallel dimension; `dp` is derived. Construction validates the combination.

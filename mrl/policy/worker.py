@@ -57,6 +57,16 @@ def _pad_to_multiple(batch: RankBatch, multiple: int) -> RankBatch:
                      dict(batch.seq_data), lengths=batch.lengths)
 
 
+def _uneven_pipeline(par: Any) -> dict[str, int]:
+    """TransformerConfig fields of an uneven pipeline split (`policy.parallel.first/last_stage_layers`)."""
+    out = {}
+    if par.first_stage_layers is not None:
+        out["num_layers_in_first_pipeline_stage"] = par.first_stage_layers
+    if par.last_stage_layers is not None:
+        out["num_layers_in_last_pipeline_stage"] = par.last_stage_layers
+    return out
+
+
 def _micro_batch_size(wanted: int, rows: int) -> int:
     """The largest micro-batch size <= `wanted` that divides `rows` (pipeline schedules need equal micro-batches)."""
     size = max(1, min(wanted, rows))
@@ -99,7 +109,7 @@ class PolicyWorker:
         self.tconfig = transformer_config_from_hf(
             self.hf_config, tensor_parallel=self.dims.tp, pipeline_parallel=self.dims.pp,
             context_parallel=self.dims.cp, sequence_parallel=par.sequence_parallel, params_dtype=dtype, **recompute,
-            **moe)
+            **moe, **_uneven_pipeline(par))
         hf_state = load_hf_state(spec.hf_dir)
         module = build_gpt_model(self.hf_config, self.tconfig, padded_vocab=spec.padded_vocab)
         load_hf_weights(module, hf_state, self.hf_config)

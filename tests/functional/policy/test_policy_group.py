@@ -190,10 +190,16 @@ MOE_MODELS = {"qwen3_moe": dict(hidden=128, heads=4, layers=2),
                                   v_head_dim=32)}
 
 
-@pytest.mark.parametrize("family", list(MOE_MODELS))
-def test_moe_policy_at_ep2_exports_and_refits_into_vllm(cluster, tmp_path, family):
-    """Experts split over 2 expert-parallel ranks: trained, exported (experts gathered over EP) and refitted into a
-    vLLM engine whose logprobs then equal the policy's; the steps report their expert load."""
+MOE_LAYOUTS = {"qwen3_moe-ep2": ("qwen3_moe", dict(expert_parallel_size=2)),
+               "deepseek_v3-ep2": ("deepseek_v3", dict(expert_parallel_size=2)),
+               "qwen3_moe-tp2-sp": ("qwen3_moe", dict(tensor_parallel_size=2, sequence_parallel=True))}
+
+
+@pytest.mark.parametrize("family, parallel", list(MOE_LAYOUTS.values()), ids=list(MOE_LAYOUTS))
+def test_moe_policy_exports_and_refits_into_vllm(cluster, tmp_path, family, parallel):
+    """Experts split over 2 expert-parallel ranks (or every expert over 2 tensor-parallel ranks): trained, exported
+    (experts gathered over EP / TP) and refitted into a vLLM engine whose logprobs then equal the policy's; the steps
+    report their expert load."""
     from converters.hf_io import copy_model_metadata, save_hf_state
     from mrl.inference import SamplingConfig, refit
     from mrl.inference.transports import SharedMemoryFileTransport
@@ -201,7 +207,7 @@ def test_moe_policy_at_ep2_exports_and_refits_into_vllm(cluster, tmp_path, famil
     from mrl.policy.interface import RankBatch
 
     model_dir = build_tiny_hf_model(tmp_path / family, family, seed=4, **MOE_MODELS[family])
-    policy, placement = _policy(cluster, model_dir, f"moe-{family}", expert_parallel_size=2)
+    policy, placement = _policy(cluster, model_dir, f"moe-{family}-{len(parallel)}", **parallel)
     engine = _engine("vllm", model_dir, placement)
     try:
         batch = _batch()

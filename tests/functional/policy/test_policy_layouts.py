@@ -139,7 +139,8 @@ def run_micro_batchings(model_dir: str, sizes: tuple[int, ...], **kwargs) -> lis
 
 
 def train_and_report(model_dir: str, *, sequence_parallel: bool = False, moe: bool = False, steps: int = 3,
-                     micro_batch_size: int = 4, level: str = "token", adam_eps: float = ADAM_EPS):
+                     micro_batch_size: int = 4, level: str = "token", adam_eps: float = ADAM_EPS,
+                     first_stage_layers: int | None = None):
     """Logprobs before training, per-step losses, and the full weights and last-step gradients after training.
 
     Returns None on ranks that do not report (all but the last pipeline stage's TP-0/CP-0 rank of each DP rank).
@@ -165,6 +166,8 @@ def train_and_report(model_dir: str, *, sequence_parallel: bool = False, moe: bo
                  pipeline_parallel=ps.get_pipeline_model_parallel_world_size(),
                  context_parallel=ps.get_context_parallel_world_size(),
                  sequence_parallel=sequence_parallel)
+    if first_stage_layers is not None:  # an uneven pipeline split (policy.parallel.first_stage_layers)
+        sizes["num_layers_in_first_pipeline_stage"] = first_stage_layers
     if moe:
         cfg = moe_transformer_config(hf_config, num_experts=4, router_topk=2, moe_ffn_hidden_size=64,
                                      expert_parallel=ps.get_expert_model_parallel_world_size(), **sizes)
@@ -301,6 +304,15 @@ def test_moe_family_layouts_match_single_process(moe_family, layout):
     assert diffs["grads"] <= 1e-6, diffs
     assert diffs["weights"] <= 1e-5, diffs
     assert not any(".router." in name for name in reference["grads"])  # frozen: no gradient, no update
+
+
+def test_uneven_pipeline_stages_match_single_process(tmp_path):
+    """3 layers over 2 pipeline stages, 2 in the first (as DeepSeek-V3's 61 layers need an uneven split)."""
+    path = str(build_tiny_hf_model(tmp_path / "three", "qwen2", num_kv_heads=2, layers=3, seed=3))
+    reference = collect(run_on_ranks(run, world_size=1, args=(path,)))
+    got = collect(run_on_ranks(run, world_size=2, args=(path,), kwargs=dict(pp=2, first_stage_layers=2)))
+    diffs = differences(got, reference)
+    assert max(diffs.values()) <= 1e-5, diffs
 
 
 def test_moe_model_routes_tokens_to_every_expert(references):

@@ -136,3 +136,31 @@ def test_default_config_matches_the_snapshot():
     """The whole user-facing surface (every key and default) changes only on purpose: after a deliberate change,
     regenerate the snapshot with `mrl config show > tests/unit/config/default_config.yaml` and review the diff."""
     assert to_yaml(load_config(None)) == DEFAULTS_SNAPSHOT.read_text()
+
+
+CONFIGS = Path(__file__).parents[2] / "fixtures" / "hf_configs"
+MOE_RECIPES = {"grpo-qwen3-30b-a3b-2n8g.yaml": "Qwen--Qwen3-30B-A3B_config.json",
+               "grpo-deepseek-v3-32n8g.yaml": "deepseek-ai--DeepSeek-V3_config.json"}
+
+
+@pytest.mark.parametrize("recipe", list(MOE_RECIPES))
+def test_moe_recipes_fit_the_published_models(recipe, tmp_path):
+    """The cluster layouts of the MoE recipes against the real config.json (heads over TP, layers over the pipeline
+    stages, experts over EP, sequence parallelism with experts under TP); changing one size breaks a named rule."""
+    (tmp_path / "config.json").write_text((CONFIGS / MOE_RECIPES[recipe]).read_text())
+    model = [f"policy.model_name={tmp_path}"]
+    cfg = load_config(RECIPES_DIR / recipe, model)
+    assert cfg.policy.parallel.expert_parallel_size > 1 and cfg.policy.sequence_packing.enabled
+    for override, key in (("policy.parallel.expert_parallel_size=3", "policy.parallel.expert_parallel_size"),
+                          ("policy.parallel.sequence_parallel=false", "policy.parallel.sequence_parallel")):
+        with pytest.raises(ConfigError) as info:
+            load_config(RECIPES_DIR / recipe, [*model, override])
+        assert key in {p.key for p in (info.value.problems or [info.value])}, override
+
+
+def test_uneven_pipeline_split_is_checked_against_the_layers(tmp_path):
+    (tmp_path / "config.json").write_text((CONFIGS / "deepseek-ai--DeepSeek-V3_config.json").read_text())
+    recipe, model = RECIPES_DIR / "grpo-deepseek-v3-32n8g.yaml", f"policy.model_name={tmp_path}"
+    with pytest.raises(ConfigError) as info:  # 61 layers: 7 + 6 leave 48 for 6 stages; 5 + 6 leave 50
+        load_config(recipe, [model, "policy.parallel.first_stage_layers=5"])
+    assert "61 decoder layers do not split over 8 pipeline stages" in str(info.value.render())
