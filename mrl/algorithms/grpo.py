@@ -70,7 +70,7 @@ def grpo_step(cfg: MrlConfig, workers: Workers, env: Environment, data: TaskData
     with logger.timer("generation", m):
         workers.engine.prepare_for_generation()  # colocated on GPUs: the engine takes its memory back
         rollouts = generate_and_score(workers.engine, env, workers.tokenizer, problems, prompts,
-                                      sampling_config(cfg, step))
+                                      sampling_config(cfg, step, turn_end_id=data.template.turn_end_id(workers.tokenizer)))
         workers.engine.finish_generation()  # ... and releases it while the policy trains
     with logger.timer("reward", m):
         rewards = rollouts.rewards

@@ -109,9 +109,9 @@ def resolve_model_dir(cfg: MrlConfig) -> Path:
 
 
 def load_tokenizer(cfg: MrlConfig, model_dir: Path) -> "PreTrainedTokenizerBase":
-    from transformers import AutoTokenizer
+    from mrl.data.tokenizers import load_tokenizer as load
 
-    return AutoTokenizer.from_pretrained(str(cfg.policy.tokenizer or model_dir))
+    return load(cfg.policy.tokenizer or model_dir)
 
 
 @dataclass

@@ -1,8 +1,10 @@
 """Supervised examples as token ids with a loss mask on the response (the SFT warm-up and the SFT command).
 
 Layout (the policy's convention: a mask value sits on the token it scores):
-    input_ids  [N, T]  prompt tokens, response tokens, EOS, then right padding
-    loss_mask  [N, T]  1 on the response tokens and the EOS (the model must learn to stop), 0 elsewhere
+    input_ids  [N, T]  prompt tokens, response tokens, the end of the turn, then right padding
+    loss_mask  [N, T]  1 on the response tokens and the turn's end (the model must learn to stop), 0 elsewhere
+The end of the turn is the template's (`PromptTemplate.turn_end_id`: the chat template's end-of-turn token, e.g.
+Llama-3's <|eot_id|>, or EOS for plain prompts).
 """
 
 from __future__ import annotations
@@ -25,15 +27,16 @@ class SFTBatch:
 def build_sft_batch(prompts: Sequence[str], targets: Sequence[str], tokenizer: Any,
                     template: PromptTemplate) -> SFTBatch:
     """Tokenise (prompt, target) pairs; the target is tokenised on its own so the prompt/response boundary is
-    exact (no merge across it), and EOS is appended."""
+    exact (no merge across it), and the end-of-turn token is appended."""
     if len(prompts) != len(targets):
         raise ValueError(f"{len(prompts)} prompts but {len(targets)} targets")
-    if tokenizer.eos_token_id is None:
+    turn_end = template.turn_end_id(tokenizer)
+    if turn_end is None:
         raise ValueError("the tokenizer has no EOS token; SFT needs one to teach the model to stop")
     prompt_ids, _ = template.encode(prompts, tokenizer)
     rows, masks = [], []
     for p_ids, target in zip(prompt_ids, targets):
-        r_ids = list(tokenizer(target, add_special_tokens=False)["input_ids"]) + [tokenizer.eos_token_id]
+        r_ids = list(tokenizer(target, add_special_tokens=False)["input_ids"]) + [turn_end]
         rows.append(p_ids + r_ids)
         masks.append([0.0] * len(p_ids) + [1.0] * len(r_ids))
     width = max(map(len, rows))

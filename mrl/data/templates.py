@@ -5,6 +5,10 @@ Two templates:
            (the assistant header) so the model answers as the assistant;
 - "plain": "<problem> <instruction>" as raw text (base models, and the synthetic arithmetic task whose
            instruction is empty, so the prompt is the problem itself: "37+05=").
+
+A response ends with the token that closes the assistant's turn: the chat template's end-of-turn token (found by
+rendering a turn, so Llama-3's <|eot_id|> is found although its EOS is <|end_of_text|>), or EOS for plain prompts.
+Generation stops on it and SFT targets end with it.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, Optional, Sequence
 
 COT_INSTRUCTION = "Let's think step by step and output the final answer within \\boxed{}."
+_SENTINEL = "mrl-end-of-turn-probe"
 
 
 @dataclass(frozen=True)
@@ -56,3 +61,22 @@ class PromptTemplate:
             ids_out.append(list(ids))
             kept.append(i)
         return ids_out, kept
+
+    def turn_end_id(self, tokenizer: Any) -> Optional[int]:
+        """The token that ends a response: the chat template's end of the assistant turn, else EOS."""
+        if self.kind == "chat" and getattr(tokenizer, "chat_template", None):
+            found = chat_turn_end_id(tokenizer)
+            if found is not None:
+                return found
+        return tokenizer.eos_token_id
+
+
+def chat_turn_end_id(tokenizer: Any) -> Optional[int]:
+    """The special token the chat template writes right after an assistant message's content; None when the
+    template writes no special token there."""
+    messages = [{"role": "user", "content": "1+1"}, {"role": "assistant", "content": _SENTINEL}]
+    text = tokenizer.apply_chat_template(messages, tokenize=False)
+    after = text[text.rfind(_SENTINEL) + len(_SENTINEL):]
+    ids = tokenizer(after, add_special_tokens=False)["input_ids"] if after else []
+    special = set(tokenizer.all_special_ids) | {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
+    return ids[0] if ids and ids[0] in special else None

@@ -1,4 +1,5 @@
-"""A small byte-level BPE tokenizer trained locally, for models built from scratch (`policy.build`) and tests.
+"""Loading tokenizers (`load_tokenizer`, with the one workaround for a transformers bug), and a small byte-level
+BPE tokenizer trained locally, for models built from scratch (`policy.build`) and tests.
 
 No hub downloads are possible on the project's machines, so a run that builds a random model (without the arith
 task's character tokenizer, mrl.data.arith) trains this tokenizer on a fixed corpus with the `tokenizers` library:
@@ -7,7 +8,9 @@ deterministic, ~0.1 s, a ChatML chat template.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import Any
 
 #: Special tokens of the tiny tokenizer, in id order (ids 0, 1, 2).
 EOS_TOKEN = "<|endoftext|>"
@@ -22,6 +25,37 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
+
+
+def load_tokenizer(name_or_path: str | Path) -> Any:
+    """`AutoTokenizer.from_pretrained`, except for a tokenizer that transformers 5 silently breaks.
+
+    Workaround (transformers 5.x, huggingface/transformers#45488 and #48206, open): a tokenizer whose config names
+    `LlamaTokenizerFast` but whose tokenizer.json is byte-level BPE (DeepSeek-V3/R1, their distills) is loaded as
+    `LlamaTokenizer`, which replaces the file's ByteLevel pre-tokenizer and decoder with SentencePiece's Metaspace:
+    spaces vanish when encoding ("hello world" -> 3 wrong ids instead of 2) and when decoding. Such a tokenizer is
+    loaded again as a plain `PreTrainedTokenizerFast` (TokenizersBackend), which runs tokenizer.json as written and
+    keeps the special tokens and the chat template. Tested in tests/unit/data (and with the real DeepSeek-V3
+    tokenizer in tests/real)."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    tokenizer = AutoTokenizer.from_pretrained(str(name_or_path))
+    if _declares_byte_level(Path(name_or_path)) and "ByteLevel" not in repr(_backend(tokenizer)):
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(str(name_or_path))
+    return tokenizer
+
+
+def _backend(tokenizer: Any) -> Any:
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    return (backend.pre_tokenizer, backend.decoder) if backend is not None else None
+
+
+def _declares_byte_level(folder: Path) -> bool:
+    """Whether the folder's tokenizer.json decodes byte-level BPE (its decoder is, or contains, ByteLevel)."""
+    file = folder / "tokenizer.json"
+    if not file.is_file():
+        return False
+    return "ByteLevel" in json.dumps(json.loads(file.read_text(encoding="utf-8")).get("decoder"))
 
 
 def _corpus() -> list[str]:

@@ -4,6 +4,12 @@ The gold answer is wrapped in \\boxed{} when it is not already, so that math-ver
 same way it reads the model's final \\boxed{} answer; both are parsed with `math_verify.parse` and compared with
 `math_verify.verify` (symbolic equivalence: 0.5 == \\frac{1}{2} == 1/2). math-verify's own signal-based timeouts
 are off (they only work in a process's main thread): the pool's per-sample deadline replaces them.
+
+What real models write and math-verify reads (tests/unit/environments): "\\boxed{18}" (preferred when present),
+"The answer is 18", "#### 18" as the last number, "18 dollars", "$1,000", "\\$18.00" (see `readable`), "18%" (== 18
+or 0.18). Without a box it takes the number after "final answer is", else the LAST number, so "The final answer is
+800,000 - 100,000 = $70,000" reads 800000 and a model that rambles on after its answer is mis-read too: every sample
+records the text math-verify read (`extracted_answer`), so a mis-parse shows in the samples file.
 """
 
 from __future__ import annotations
@@ -21,20 +27,33 @@ def boxed_gold(answer: str) -> str:
     return answer if "\\boxed" in answer else f"\\boxed{{{answer}}}"
 
 
-def math_verify_reward(response: str, answer: str) -> float:
-    """1.0 when the response's final answer is mathematically equal to the gold `answer`, else 0.0."""
+def readable(response: str) -> str:
+    """The response as math-verify should read it: a LaTeX-escaped dollar (`\\$18.00`, a currency sign, never a
+    math delimiter) is dropped; math-verify finds no answer at all in "costs \\$18.00" otherwise."""
+    return response.replace("\\$", "")
+
+
+def math_verify_verdict(response: str, answer: str) -> tuple[float, Optional[str]]:
+    """(1.0 when the response's final answer is mathematically equal to the gold `answer`, else 0.0; the text
+    math-verify read as the response's answer, None when it found none)."""
     from math_verify import parse, verify
 
     gold = parse(boxed_gold(answer), parsing_timeout=None)
     if not gold:
         raise ValueError(f"math-verify cannot parse the gold answer {answer!r}")
-    predicted = parse(response, parsing_timeout=None)
-    return 1.0 if predicted and verify(gold, predicted, timeout_seconds=None) else 0.0
+    predicted = parse(readable(response), parsing_timeout=None)
+    extracted = str(predicted[-1]) if predicted else None  # parse gives [sympy form, the text it read]
+    return (1.0 if predicted and verify(gold, predicted, timeout_seconds=None) else 0.0), extracted
+
+
+def math_verify_reward(response: str, answer: str) -> float:
+    """1.0 when the response's final answer is mathematically equal to the gold `answer`, else 0.0."""
+    return math_verify_verdict(response, answer)[0]
 
 
 def last_boxed(response: str) -> Optional[str]:
-    """The content of the response's last \\boxed{...} (braces balanced), None when there is none: what a reader
-    takes as the final answer. Shown beside each sample; the reward itself is math-verify's reading."""
+    """The content of the text's last \\boxed{...} (braces balanced), None when there is none (or it is cut): the
+    gold answer of a MATH solution."""
     start = response.rfind("\\boxed{")
     if start < 0:
         return None
@@ -58,7 +77,7 @@ class MathEnvironment:
 
     def __init__(self, *, num_workers: int = 2, timeout_s: float = 10.0, verify_fn: Optional[VerifyFn] = None,
                  warmup: Any = warm_up_math_verify):
-        self.pool = VerifierPool(verify_fn or math_verify_reward, num_workers=num_workers, timeout_s=timeout_s,
+        self.pool = VerifierPool(verify_fn or math_verify_verdict, num_workers=num_workers, timeout_s=timeout_s,
                                  warmup=warmup)
 
     @classmethod
@@ -74,9 +93,9 @@ class MathEnvironment:
         result = self.pool.score([last_response(message_logs[i]) for i in todo], [answers[i] for i in todo])
         scores: list[float] = [0.0] * len(answers)
         errors: list[Optional[str]] = [None] * len(answers)
+        extracted: list[Optional[str]] = [None] * len(answers)
         for j, i in enumerate(todo):
-            scores[i], errors[i] = result.scores[j], result.errors[j]
-        extracted = [last_boxed(last_response(messages)) for messages in message_logs]
+            scores[i], errors[i], extracted[i] = result.scores[j], result.errors[j], result.extracted[j]
         return single_turn_step(scores, finished, metadata, errors, extracted)
 
     def shutdown(self) -> None:

@@ -9,6 +9,7 @@ imports and warm-up). `ray.wait` sleeps until a result arrives or the earliest d
   sample 0 with a timeout error, and starts a replacement that takes samples once it is ready;
 - an actor that dies: the sample scores 0 with an error and the actor is replaced.
 So one bad sample costs at most `timeout_s` of its actor's time and never blocks the other actors.
+A verifier returns a score, or a (score, extracted answer) pair when it can say what it read in the response.
 Hazard: a replacement that never becomes ready (its import fails) would stall the queue: after `startup_timeout_s`
 the pool raises with the actor's error instead.
 """
@@ -19,9 +20,9 @@ import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, Union
 
-VerifyFn = Callable[[str, str], float]
+VerifyFn = Callable[[str, str], Union[float, tuple[float, Optional[str]]]]
 
 
 class _VerifierActor:
@@ -36,20 +37,24 @@ class _VerifierActor:
             self._warmup()
         return True
 
-    def verify(self, response: str, answer: str) -> tuple[float, Optional[str]]:
+    def verify(self, response: str, answer: str) -> tuple[float, Optional[str], Optional[str]]:
+        """(score, error, extracted answer)."""
         try:
-            score = float(self._verify_fn(response, answer))
+            verdict = self._verify_fn(response, answer)
+            score, extracted = verdict if isinstance(verdict, tuple) else (verdict, None)
+            score = float(score)
         except Exception as err:  # any verifier failure scores 0 and is reported, by design
-            return 0.0, f"{type(err).__name__}: {err}"
+            return 0.0, f"{type(err).__name__}: {err}", None
         if not math.isfinite(score):
-            return 0.0, f"verifier returned {score}"
-        return score, None
+            return 0.0, f"verifier returned {score}", extracted
+        return score, None, extracted
 
 
 @dataclass
 class ScoreResult:
     scores: list[float]
     errors: list[Optional[str]]  # None where the verifier succeeded
+    extracted: list[Optional[str]] = field(default_factory=list)  # what the verifier read (None: nothing, or unsaid)
     num_restarts: int = 0
 
     @property
@@ -92,7 +97,7 @@ class VerifierPool:
         """Scores [N] in input order; every sample gets a score, failures 0 with their error."""
         if len(responses) != len(answers):
             raise ValueError(f"{len(responses)} responses but {len(answers)} answers")
-        result = ScoreResult([0.0] * len(responses), [None] * len(responses))
+        result = ScoreResult([0.0] * len(responses), [None] * len(responses), [None] * len(responses))
         queue = deque(range(len(responses)))
         running: dict[Any, tuple[_Slot, int]] = {}  # verify() ref -> (actor, sample index)
         while queue or running:
@@ -117,7 +122,7 @@ class VerifierPool:
                 continue
             slot, i = running.pop(ref)
             try:
-                result.scores[i], result.errors[i] = ray.get(ref)
+                result.scores[i], result.errors[i], result.extracted[i] = ray.get(ref)
                 self._idle.append(slot.actor)
             except ray.exceptions.RayError as err:  # the actor died under this sample
                 result.errors[i] = f"verifier worker died: {type(err).__name__}"

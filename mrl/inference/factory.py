@@ -13,7 +13,7 @@ broadcast in a group of the policy's rank 0 and the engines (mrl/inference/trans
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Optional
 
 from mrl.inference.interface import SamplingConfig
 
@@ -33,12 +33,14 @@ STEP_SEED_STRIDE = 10_000_019
 EVAL_SEED_OFFSET = 7
 
 
-def sampling_config(cfg: "MrlConfig", step: int = 0, *,
-                    purpose: Literal["train", "eval"] = "train") -> SamplingConfig:
+def sampling_config(cfg: "MrlConfig", step: int = 0, *, purpose: Literal["train", "eval"] = "train",
+                    turn_end_id: Optional[int] = None) -> SamplingConfig:
     """How the engine samples: for GRPO step `step` (n = grpo.num_generations_per_prompt, generation.temperature),
     or for evaluation (n = eval.num_samples, eval.temperature). Every other setting (top-p/k, stop tokens and
-    strings, length, overlong prompts) is generation.*'s in both, so validation sees what training sees."""
+    strings, length, overlong prompts) is generation.*'s in both, so validation sees what training sees.
+    `turn_end_id` (the prompt template's end of an assistant turn) is a stop token besides EOS."""
     gen = cfg.generation
+    stops = [*gen.stop_token_ids, *([turn_end_id] if turn_end_id is not None else [])]
     if purpose == "eval":
         n, temperature, seed = cfg.eval.num_samples, cfg.eval.temperature, cfg.run.seed + EVAL_SEED_OFFSET
     else:
@@ -50,7 +52,7 @@ def sampling_config(cfg: "MrlConfig", step: int = 0, *,
         top_p=gen.top_p,
         top_k=gen.top_k,
         max_new_tokens=gen.max_new_tokens,
-        stop_token_ids=tuple(gen.stop_token_ids),
+        stop_token_ids=tuple(dict.fromkeys(stops)),
         stop_strings=tuple(gen.stop_strings),
         seed=seed,
         overlong_prompt=gen.overlong_prompt,

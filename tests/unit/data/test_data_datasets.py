@@ -91,6 +91,26 @@ def test_chat_template_uses_the_tokenizer_template(tmp_path):
         PromptTemplate("chat").render("x", tok)
 
 
+def test_a_response_ends_with_the_templates_end_of_turn(tmp_path):
+    """ChatML closes a turn with <|im_end|>, not the EOS <|endoftext|>: chat responses stop (and SFT targets end)
+    there; plain prompts end with EOS."""
+    from transformers import AutoTokenizer
+
+    from mrl.data.sft import build_sft_batch
+    from mrl.testing.tiny_models import build_tokenizer
+
+    tok = AutoTokenizer.from_pretrained(build_tokenizer(tmp_path / "tok"))
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    assert im_end != tok.eos_token_id
+    assert PromptTemplate("chat").turn_end_id(tok) == im_end
+    assert PromptTemplate("plain").turn_end_id(tok) == tok.eos_token_id
+    batch = build_sft_batch(["What is 2+2?"], ["4"], tok, PromptTemplate("chat", instruction=""))
+    last = int(batch.lengths[0]) - 1
+    assert batch.input_ids[0, last] == im_end and batch.loss_mask[0, last] == 1
+    tok.chat_template = None
+    assert PromptTemplate("chat").turn_end_id(tok) == tok.eos_token_id
+
+
 def test_overlong_prompts_are_rejected_or_truncated_from_the_left():
     from mrl.data.arith import build_arith_tokenizer
 
@@ -135,3 +155,28 @@ def test_loader_without_drop_last_and_bad_sizes():
     assert [next(loader) for _ in range(4)] == [[0, 1], [2, 3], [4], [0, 1]]
     with pytest.raises(ValueError, match="num_prompts_per_step"):
         PromptDataLoader(list(range(3)), 4)
+
+
+def test_byte_level_tokenizer_declared_as_llama_is_loaded_as_written(tmp_path):
+    """transformers 5 loads a byte-level BPE tokenizer whose config says LlamaTokenizerFast (DeepSeek-V3's) with
+    SentencePiece's pre-tokenizer: spaces vanish. `load_tokenizer` (the workaround) keeps tokenizer.json's own."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    from mrl.data.tokenizers import load_tokenizer
+    from mrl.testing.tiny_models import build_tokenizer
+
+    folder = build_tokenizer(tmp_path / "tok")
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps(dict(config, tokenizer_class="LlamaTokenizerFast")))
+    text = "The quick brown fox 12 + 7"
+    broken = AutoTokenizer.from_pretrained(folder)
+    assert broken.decode(broken(text, add_special_tokens=False)["input_ids"]) != text  # the bug, still there
+    tok = load_tokenizer(folder)
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    assert tok.decode(ids) == text
+    plain = AutoTokenizer.from_pretrained(build_tokenizer(tmp_path / "plain"))
+    assert ids == plain(text, add_special_tokens=False)["input_ids"]
+    assert tok.chat_template and tok.eos_token == "<|endoftext|>"
+    assert load_tokenizer(tmp_path / "plain").decode(ids) == text  # an ordinary tokenizer is loaded as before

@@ -5,7 +5,7 @@ import pytest
 from mrl.config.schema import EnvConfig
 from mrl.environments.arith import ArithEnvironment, arith_reward
 from mrl.environments.base import last_response
-from mrl.environments.math import boxed_gold, math_verify_reward
+from mrl.environments.math import boxed_gold, math_verify_reward, math_verify_verdict, readable
 from mrl.environments.registry import build_environment
 
 
@@ -22,6 +22,28 @@ from mrl.environments.registry import build_environment
 ])
 def test_math_verify_on_real_answer_forms(response, gold, expected):
     assert math_verify_reward(response, gold) == expected
+
+
+# What real models write (SmolLM2, GSM8K-trained models): the answer math-verify reads, and its verdict, by hand.
+@pytest.mark.parametrize("response, gold, read, expected", [
+    ("She makes 9 * 2 = 18 dollars. The answer is 18.", "18", "18", 1.0),
+    ("16 - 3 - 4 = 9\n9 * 2 = 18\n#### 18", "18", "18", 1.0),                  # GSM8K's own format
+    ("So the answer is 1,000 dollars.", "1000", "1000", 1.0),                      # thousands separator, unit
+    ("The answer is $1,000.", "1,000", "1000", 1.0),                               # currency, gold with a comma
+    ("The total cost is \\$18.00.", "18", "18.00", 1.0),                         # escaped dollar (see readable)
+    ("It rose by 18%", "18", "18", 1.0),                                           # percent equals the number
+    ("The answer is: 40", "260", "40", 0.0),
+    ("The final answer is 800,000 - 100,000 = $70,000.", "70000", "800000", 0.0),  # math-verify's mis-read
+    ("#### 18\n\nQuestion: Tom has 5 apples", "18", "5", 0.0),                   # rambling on: the last number
+    ("The load time is 100%. The load time is", "160", "100", 0.0),
+    ("I do not know.", "7", None, 0.0),
+])
+def test_what_math_verify_reads_in_real_model_answers(response, gold, read, expected):
+    from math_verify import parse, verify
+
+    assert math_verify_verdict(response, gold) == (expected, read)
+    # The verdict is math-verify's own, on the readable response and the boxed gold.
+    assert expected == float(verify(parse(boxed_gold(gold)), parse(readable(response))))
 
 
 def test_gold_is_boxed_once():

