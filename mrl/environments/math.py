@@ -42,7 +42,7 @@ def math_verify_verdict(response: str, answer: str) -> tuple[float, Optional[str
     if not gold:
         raise ValueError(f"math-verify cannot parse the gold answer {answer!r}")
     predicted = parse(readable(response), parsing_timeout=None)
-    extracted = str(predicted[-1]) if predicted else None  # parse gives [sympy form, the text it read]
+    extracted = str(predicted[-1]) if predicted else None  # parse gives [sympy form, its string form]
     return (1.0 if predicted and verify(gold, predicted, timeout_seconds=None) else 0.0), extracted
 
 

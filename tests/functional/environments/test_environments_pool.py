@@ -86,8 +86,8 @@ def test_math_environment_through_the_pool():
         out = env.step(logs, meta)
         assert out.rewards.tolist() == [1.0, 1.0, 0.0, 0.0]  # the last one did not end with EOS
         assert out.num_errors == 0
-        # What math-verify read, for the verified samples; truncated ones are not read.
-        assert [m["extracted_answer"] for m in out.metadata] == ["0.5", "\\frac{1}{2}", "2", None]
+        # What math-verify read (its string form: 0.5 becomes \frac{1}{2}); truncated samples are not read.
+        assert [m["extracted_answer"] for m in out.metadata] == ["\\frac{1}{2}", "\\frac{1}{2}", "2", None]
     finally:
         env.shutdown()
 
