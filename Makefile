@@ -15,7 +15,7 @@ export RAY_USAGE_STATS_ENABLED := 0
 export TOKENIZERS_PARALLELISM := false
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: install demo test test-unit test-functional real test-real lint lock bench clean
+.PHONY: install demo test test-unit test-functional real test-real test-slurm lint lock bench clean
 
 install: $(STAMP)
 
@@ -47,6 +47,11 @@ real: install
 
 test-real: install
 	MRL_REAL_ASSETS=$(abspath $(REAL_ASSETS)) $(BIN)/python -m pytest tests/real -q
+
+# The Slurm launcher against a real one-node Slurm (installs slurm-wlm with apt-get when missing, as root; starts
+# and stops its daemons itself).
+test-slurm: install
+	$(BIN)/python -m pytest tests/slurm -q
 
 test-unit: install
 	$(BIN)/python -m pytest tests -q -m unit

@@ -13,7 +13,8 @@ import sys
 from pathlib import Path
 from typing import Callable, Sequence
 
-from mrl.app.errors import NOT_IMPLEMENTED_EXIT_CODE, RUN_FAILED_EXIT_CODE, CheckpointIncompatibleError, RunFailed
+from mrl.app.errors import (NOT_IMPLEMENTED_EXIT_CODE, RUN_FAILED_EXIT_CODE, CheckpointIncompatibleError, Preempted,
+                            RunFailed)
 from mrl.config import CONFIG_ERROR_EXIT_CODE, ConfigError, MrlConfig, load_config, to_yaml
 
 CONFIG_COMMANDS: dict[str, str] = {
@@ -53,6 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     score.add_argument("--config", metavar="FILE", help="optional YAML config (parallel layout, precision, ...)")
     score.add_argument("overrides", nargs="*", help=OVERRIDE_HELP)
     _add_convert_parser(sub)
+    _add_submit_parser(sub)
     config = sub.add_parser("config", help="Inspect configurations.")
     config_sub = config.add_subparsers(dest="config_command", required=True, metavar="ACTION")
     show = config_sub.add_parser("show", help="Print the resolved tree (defaults, inheritance and overrides applied).")
@@ -80,6 +82,41 @@ def _add_convert_parser(sub) -> None:
     src.add_argument("--megatron", metavar="DIR", help="Megatron checkpoint folder written by hf-to-megatron")
     src.add_argument("--checkpoint", metavar="DIR", help="a training checkpoint <checkpoint_dir>/step_N")
     to_hf.add_argument("--out", required=True, metavar="DIR", help="output folder")
+
+
+def _add_submit_parser(sub) -> None:
+    submit = sub.add_parser(
+        "submit", help="Check a command's config against a Slurm allocation, then sbatch it (slurm/ray-sbatch.sh).",
+        description="Preflight (the config is validated and the allocation checked against cluster.*), then "
+                    "`sbatch slurm/ray-sbatch.sh <command>`: a Ray head on the first node, a worker on each other, "
+                    "the command on the head. Example: mrl submit --time=04:00:00 --requeue -- mrl grpo --config X")
+    submit.add_argument("--nodes", type=int, help="nodes (default: cluster.num_nodes of the config)")
+    submit.add_argument("--gpus-per-node", type=int, help="GPUs per node (default: cluster.devices_per_node)")
+    submit.add_argument("--no-gpus", dest="gpus", action="store_false",
+                        help="request no GPUs (CPU clusters: devices are worker processes)")
+    submit.add_argument("--time", help="time limit (sbatch --time)")
+    submit.add_argument("--partition", help="sbatch --partition")
+    submit.add_argument("--account", help="sbatch --account")
+    submit.add_argument("--job-name", default="mrl", help="sbatch --job-name (default: mrl)")
+    submit.add_argument("--requeue", action="store_true",
+                        help="after a pre-emption (SIGTERM) the run saves, and the job is re-queued to resume")
+    submit.add_argument("--container-image", help="pyxis/enroot image for every step (default: bare, the venv)")
+    submit.add_argument("--container-mounts", help="pyxis container mounts (default: the submit folder)")
+    submit.add_argument("--log-root", default="slurm-logs", help="logs go to LOG_ROOT/<job id>/ (default: slurm-logs)")
+    submit.add_argument("--sbatch-arg", action="append", default=[], metavar="ARG", help="extra sbatch argument")
+    submit.add_argument("--dry-run", action="store_true", help="print the sbatch command instead of running it")
+    submit.add_argument("submitted", nargs=argparse.REMAINDER, metavar="COMMAND",
+                        help="-- mrl <command> --config FILE [overrides]")
+
+
+def _run_submit(args: argparse.Namespace) -> int:
+    from mrl.app.slurm import PreflightError, submit
+
+    try:
+        return submit(args)
+    except PreflightError as exc:
+        print(f"mrl submit: {exc}", file=sys.stderr)
+        return CONFIG_ERROR_EXIT_CODE
 
 
 def _handler(command: str) -> Callable[[MrlConfig], object]:
@@ -159,6 +196,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _run_convert(args)
         if args.command == "score":
             return _run_score(args)
+        if args.command == "submit":
+            return _run_submit(args)
         return _run_config_command(args)
     except ConfigError as exc:
         print(f"mrl: configuration error\n  {exc.render()}", file=sys.stderr)
@@ -169,6 +208,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except NotImplementedCommand as exc:
         print(f"mrl {exc.args[0]}: not implemented yet", file=sys.stderr)
         return NOT_IMPLEMENTED_EXIT_CODE
+    except Preempted as exc:
+        print(f"mrl: pre-empted: {exc}", file=sys.stderr)
+        return 0
     except RunFailed as exc:
         print(f"mrl: run failed: {exc}", file=sys.stderr)
         return RUN_FAILED_EXIT_CODE

@@ -1,38 +1,117 @@
 #!/usr/bin/env bash
-# Launch an mrl command on a Slurm allocation: one Ray head on the first node, one Ray worker per other node,
-# all inside the same container image, then the mrl command on the head.
+# Launch an mrl command on a Slurm allocation: a Ray head on the first node, one Ray worker per other node (each a
+# `srun` step), a bounded wait until every node has joined, then the mrl command on the head, RAY_ADDRESS set.
 #
-#   CONTAINER=registry/mrl:latest MOUNTS=/lustre:/lustre \
-#   sbatch --nodes=2 --gpus-per-node=8 --time=04:00:00 slurm/ray-sbatch.sh \
-#       mrl grpo --config recipes/grpo-deepscaler-1.5b-8K.yaml cluster.num_nodes=2 cluster.ray_address=auto
+#   sbatch --nodes=2 --gpus-per-node=8 --time=04:00:00 slurm/ray-sbatch.sh mrl grpo --config recipes/X.yaml ...
+#   mrl submit --time=04:00:00 -- mrl grpo --config recipes/X.yaml ...   (checks the config first, then sbatch)
 #
-# Needs the pyxis/enroot `srun --container-image` plugin. Slurm sends SIGTERM before the time limit; mrl saves
-# a checkpoint on SIGTERM, and re-submitting the same command resumes from it.
+# Environment (all optional):
+#   MRL_CONTAINER_IMAGE   run every step in this image (pyxis/enroot `srun --container-image`); unset: bare mode
+#   MRL_CONTAINER_MOUNTS  container mounts (default: the submit folder at the same path)
+#   MRL_VENV              bare mode: virtual environment to activate (default: $SLURM_SUBMIT_DIR/.venv if present)
+#   MRL_LOG_ROOT          logs go to $MRL_LOG_ROOT/<job id>[.<restart>]/ (default: $SLURM_SUBMIT_DIR/slurm-logs):
+#                         driver.log (the mrl command), ray-<node>.log (each node's Ray)
+#   MRL_RAY_PORT          Ray head port (default 6379); every other Ray port is fixed too, below the ephemeral range
+#   MRL_JOIN_TIMEOUT_S    how long to wait for every node to join the Ray cluster (default 300)
+#   MRL_REQUEUE=1         after a pre-emption (SIGTERM: the time limit via --signal, or scancel --signal=TERM) the
+#                         mrl command saves and exits 0; this launcher then re-queues the job (same options, same
+#                         command), which resumes from the newest checkpoint. At most MRL_MAX_REQUEUES (default 20).
+#   MRL_DRY_RUN=1         print the commands instead of running them (how the container commands are tested)
 #SBATCH --job-name=mrl
 #SBATCH --ntasks-per-node=1
-#SBATCH --exclusive
 #SBATCH --signal=B:TERM@300
+#SBATCH --open-mode=append
 set -euo pipefail
-: "${CONTAINER:?set CONTAINER to the mrl image}"
-MOUNTS=${MOUNTS:-$PWD:$PWD}
-RAY_PORT=${RAY_PORT:-6379}
-GPUS=${SLURM_GPUS_PER_NODE:-8}
-nodes=($(scontrol show hostnames "$SLURM_JOB_NODELIST"))
-head=${nodes[0]}
-head_ip=$(srun --nodes=1 --ntasks=1 -w "$head" hostname --ip-address | awk '{print $1}')
-run_on() {  # node, command...
-  local node=$1; shift
-  srun --nodes=1 --ntasks=1 -w "$node" --container-image="$CONTAINER" --container-mounts="$MOUNTS" \
-       --container-workdir="$PWD" bash -c "$*" &
+
+submit_dir=${SLURM_SUBMIT_DIR:-$PWD}
+restart=${SLURM_RESTART_COUNT:-0}
+log_dir=${MRL_LOG_ROOT:-$submit_dir/slurm-logs}/${SLURM_JOB_ID:?not inside a Slurm job}$([ "$restart" = 0 ] || echo ".$restart")
+ray_port=${MRL_RAY_PORT:-6379}
+# Fixed ports (Linux hands out ephemeral ports from 32768): several jobs on one node need distinct MRL_RAY_PORTs.
+ports=(--node-manager-port=$((ray_port + 1)) --object-manager-port=$((ray_port + 2))
+       --dashboard-agent-grpc-port=$((ray_port + 3)) --dashboard-agent-listen-port=$((ray_port + 4))
+       --metrics-export-port=$((ray_port + 5)) --runtime-env-agent-port=$((ray_port + 6))
+       --ray-client-server-port=$((ray_port + 7)) --min-worker-port=$((ray_port + 100))
+       --max-worker-port=$((ray_port + 999)))
+ray_ports="${ports[*]}"
+export RAY_USAGE_STATS_ENABLED=0 RAY_AUTH_MODE=disabled
+mkdir -p "$log_dir"
+say() { echo "[mrl-launcher $(date +%T)] $*"; }
+run() { if [ "${MRL_DRY_RUN:-0}" = 1 ]; then echo "+ $*"; else "$@"; fi; }
+
+mapfile -t nodes < <(scontrol show hostnames "$SLURM_JOB_NODELIST")
+head_node=${nodes[0]}
+if [ -n "${MRL_CONTAINER_IMAGE:-}" ]; then
+  container=(--container-image="$MRL_CONTAINER_IMAGE" --container-mounts="${MRL_CONTAINER_MOUNTS:-$submit_dir:$submit_dir}"
+             --container-workdir="$submit_dir")
+  setup=":"
+else
+  container=()
+  venv=${MRL_VENV:-$submit_dir/.venv}
+  setup=$([ -f "$venv/bin/activate" ] && echo "source '$venv/bin/activate'" || echo ":")
+  eval "$setup"
+fi
+on_head() {  # a command on the head node: a step in the image (container mode), else here (the batch script runs
+            # on the first node of the allocation)
+  if [ ${#container[@]} -gt 0 ]; then run srun --overlap --nodes=1 --ntasks=1 -w "$head_node" "${container[@]}" "$@"
+  else run "$@"; fi
 }
-run_on "$head" "ray start --head --node-ip-address=$head_ip --port=$RAY_PORT --num-gpus=$GPUS --block"
-sleep 10
+step() {  # node, log name, shell command: one srun step on that node, in the background
+  run srun --overlap --nodes=1 --ntasks=1 -w "$1" "${container[@]}" --output="$log_dir/$2" \
+      bash -c "$setup; $3; echo \"[mrl-launcher] stopped with status \$?\"" &
+  steps+=($!)
+}
+steps=()
+
+head_ip=$(on_head hostname --ip-address | awk '{print $1}')
+[ "${MRL_DRY_RUN:-0}" = 1 ] && head_ip=HEAD_IP
+address="$head_ip:$ray_port"
+say "job $SLURM_JOB_ID (restart $restart): ${#nodes[@]} node(s) ${nodes[*]}, Ray head $address, logs $log_dir"
+gpus="--num-gpus=${SLURM_GPUS_PER_NODE:-0}"
+step "$head_node" "ray-$head_node.log" "ray start --head --node-ip-address=$head_ip --port=$ray_port \
+  --dashboard-port=$((ray_port + 8)) $ray_ports $gpus --block"
 for node in "${nodes[@]:1}"; do
-  run_on "$node" "ray start --address=$head_ip:$RAY_PORT --num-gpus=$GPUS --block"
+  step "$node" "ray-$node.log" "ray start --address=$address $ray_ports $gpus --block"
 done
-sleep 10
-srun --overlap --nodes=1 --ntasks=1 -w "$head" --container-image="$CONTAINER" --container-mounts="$MOUNTS" \
-     --container-workdir="$PWD" env RAY_ADDRESS="$head_ip:$RAY_PORT" "$@" &
-main=$!
-trap 'kill -TERM $main; wait $main' TERM
-wait $main
+# Bounded wait: every node's Ray must be up; a node missing at the deadline is named and the job fails.
+on_head python -m mrl.app.slurm wait-for-nodes --address "$address" --nodes "${nodes[@]}" \
+    --timeout-s "${MRL_JOIN_TIMEOUT_S:-300}" --log-dir "$log_dir"
+
+preempted=0
+on_term() {
+  preempted=1
+  say "SIGTERM: passing it to the mrl command (it saves a checkpoint and exits)"
+  kill -TERM "${driver:-}" 2>/dev/null || true
+}
+trap on_term TERM
+say "running on $head_node: $*"
+# Bare: the driver is the batch script's child and gets the TERM from the trap. Container: a step on the head; the
+# trap's TERM reaches srun, which passes it on to the step.
+driver_command=(env RAY_ADDRESS="$address" "$@")
+if [ ${#container[@]} -gt 0 ]; then
+  driver_command=(srun --overlap --nodes=1 --ntasks=1 -w "$head_node" "${container[@]}" "${driver_command[@]}")
+fi
+status=0
+if [ "${MRL_DRY_RUN:-0}" = 1 ]; then
+  echo "+ ${driver_command[*]}"
+else
+  "${driver_command[@]}" > "$log_dir/driver.log" 2>&1 &
+  driver=$!
+  wait "$driver" || status=$?
+  while kill -0 "$driver" 2>/dev/null; do status=0; wait "$driver" || status=$?; done  # a trapped TERM ends `wait`
+fi
+say "the mrl command exited with status $status"
+# Stop this job's Ray nodes (their steps; srun passes the TERM on). Not `ray stop`: it would stop every Ray of the
+# user on the node, other jobs' included.
+kill -TERM "${steps[@]}" 2>/dev/null || true
+( sleep 10; kill -KILL "${steps[@]}" 2>/dev/null ) &
+wait "${steps[@]}" 2>/dev/null || true
+if [ "$preempted" = 1 ] && [ "$status" = 0 ] && [ "${MRL_REQUEUE:-0}" = 1 ]; then
+  if [ "$restart" -ge "${MRL_MAX_REQUEUES:-20}" ]; then
+    say "pre-empted, but the job was re-queued $restart times already (MRL_MAX_REQUEUES): not again"
+  else
+    say "pre-empted: re-queueing job $SLURM_JOB_ID; it resumes from the newest checkpoint"
+    run scontrol requeue "$SLURM_JOB_ID"
+  fi
+fi
+exit "$status"

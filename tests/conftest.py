@@ -1,5 +1,5 @@
 """Test-wide set-up: markers follow the folder (tests/unit -> unit, tests/functional -> functional, tests/real ->
-real)."""
+real, tests/slurm -> slurm)."""
 import os
 
 import pytest
@@ -20,3 +20,5 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.functional)
         elif "real" in parts:
             item.add_marker(pytest.mark.real)
+        elif "slurm" in parts:
+            item.add_marker(pytest.mark.slurm)

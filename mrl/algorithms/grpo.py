@@ -145,6 +145,6 @@ def grpo_train(cfg: MrlConfig, workers: Workers, env: Environment, data: TaskDat
         final = metrics
         if ckpt.due(step, last, final=done):
             ckpt.save(step, {"dataloader": loader.state_dict()}, metrics)
-        if done or ckpt.stop_requested:
+        if ckpt.stops_after(step, done=done):
             break
     return final

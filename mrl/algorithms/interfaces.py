@@ -46,3 +46,8 @@ class LoopCheckpoints(Protocol):
     def save(self, step: int, state: dict[str, Any], metrics: dict[str, float]) -> Path:
         """Write step `step`: the policy's shards and the controller `state`."""
         ...
+
+    def stops_after(self, step: int, *, done: bool) -> bool:
+        """Whether the loop ends after `step`: it is `done`, or a SIGTERM arrived (the run is then interrupted,
+        not finished: nothing after the loop may treat it as complete)."""
+        ...

@@ -111,6 +111,6 @@ def sft_train(cfg: MrlConfig, workers: Workers, data: TaskData, logger: MetricsL
         final = metrics
         if ckpt.due(step, last, final=done):
             ckpt.save(step, {"examples": examples.state_dict()}, metrics)
-        if done or ckpt.stop_requested:
+        if ckpt.stops_after(step, done=done):
             break
     return final

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from mrl.app.errors import CheckpointIncompatibleError
+from mrl.app.errors import CheckpointIncompatibleError, Preempted
 from mrl.app.runtime import Runtime
 from mrl.config import to_yaml
 from mrl.config.schema import MrlConfig
@@ -63,6 +63,7 @@ class RunCheckpoints:
                                          metric=ck.metric if ck.keep_best else None,
                                          higher_is_better=ck.higher_is_better)
         self.stop_requested = False
+        self.interrupted_at: Optional[int] = None  # the step after which a SIGTERM stopped an unfinished loop
         self._previous_handler: Any = None
 
     def _record(self) -> dict[str, Any]:
@@ -92,6 +93,20 @@ class RunCheckpoints:
         path = self.manager.commit(step, tmp, metrics)
         _say(f"saved checkpoint {path} ({time.perf_counter() - start:.1f} s)")
         return path
+
+    def stops_after(self, step: int, *, done: bool) -> bool:
+        """The loop ends after `step` when it is done or a SIGTERM arrived (then `interrupted_at` is set)."""
+        if self.stop_requested and not done:
+            self.interrupted_at = step
+        return done or self.stop_requested
+
+    def end_if_interrupted(self) -> None:
+        """Raise `Preempted` when a SIGTERM stopped the loop before its end: no export, no summary, no next stage."""
+        if self.interrupted_at is not None:
+            saved = self.manager.latest() if self.cfg.checkpointing.enabled else None
+            raise Preempted(f"stopped by SIGTERM after step {self.interrupted_at}; "
+                            + (f"saved {saved}: re-running the same command resumes from it" if saved else
+                               "checkpointing is off, so nothing was saved"))
 
     # -------------------------------------------------------------------------------------------------- resume
     def newest(self) -> Optional[Path]:

@@ -110,6 +110,7 @@ def run_grpo(cfg: MrlConfig) -> dict[str, Any]:
         with explained_failures(cfg), RunCheckpoints(cfg, runtime) as ckpt, \
                 _logger(cfg, cfg.grpo.max_num_steps, f"{cfg.run.name} grpo", KEY_METRICS) as logger:
             final = grpo_train(cfg, runtime, env, data, logger, ckpt)  # type: ignore[arg-type]
+            ckpt.end_if_interrupted()
             history = logger.history
             export_final(runtime, Path(cfg.run.output_dir))
     finally:
@@ -132,6 +133,7 @@ def run_sft(cfg: MrlConfig) -> dict[str, Any]:
         with explained_failures(cfg), RunCheckpoints(cfg, runtime) as ckpt, \
                 _logger(cfg, cfg.sft.max_num_steps, f"{cfg.run.name} sft", KEY_METRICS) as logger:
             final = sft_train(cfg, runtime, data, logger, ckpt)  # type: ignore[arg-type]
+            ckpt.end_if_interrupted()
             export_final(runtime, Path(cfg.run.output_dir))
     finally:
         runtime.shutdown()

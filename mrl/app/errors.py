@@ -1,8 +1,10 @@
 """Errors a command ends with, and their exit statuses (light: `mrl.cli` imports this before anything heavy).
 
-    0  done          2  configuration error (CONFIG_ERROR_EXIT_CODE)     3  command not implemented yet
-    1  a file or checkpoint the user named cannot be used                4  a worker died or raised (RunFailed):
-                                                                            re-running the command resumes
+    0  done, or pre-empted (`Preempted`: a SIGTERM stopped a loop, which saved; re-running the command resumes)
+    1  a file or checkpoint the user named cannot be used
+    2  configuration error (CONFIG_ERROR_EXIT_CODE)
+    3  command not implemented yet
+    4  a worker died or raised (RunFailed): re-running the command resumes
 """
 
 from __future__ import annotations
@@ -13,6 +15,11 @@ RUN_FAILED_EXIT_CODE = 4
 
 class CheckpointIncompatibleError(RuntimeError):
     """The newest checkpoint belongs to another model or tokenizer."""
+
+
+class Preempted(RuntimeError):
+    """A SIGTERM stopped a training loop before its end, after saving: exit 0 (Slurm's pre-emption), and nothing
+    that needs a finished run (export, summary, the next stage of a recipe) happens."""
 
 
 class RunFailed(RuntimeError):

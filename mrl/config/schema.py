@@ -31,7 +31,8 @@ class RunConfig(Section):
 class ClusterConfig(Section):
     num_nodes: int = Field(1, ge=1, description="Nodes in the Ray cluster.")
     devices_per_node: int = Field(1, ge=1, description="GPUs per node on GPU clusters; worker processes per node on CPU.")
-    ray_address: Optional[str] = Field(None, description="Address of a running Ray cluster; None starts a local one.")
+    ray_address: Optional[str] = Field(None, description="Address of a running Ray cluster; None: $RAY_ADDRESS if "
+                                       "set (the Slurm launcher sets it), else a local one.")
     cpus_per_worker: float = Field(1.0, gt=0, description="Ray CPUs reserved per worker.")
     omp_num_threads: int = Field(1, ge=1, description="OMP_NUM_THREADS of every worker process.")
 

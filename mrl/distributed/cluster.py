@@ -103,9 +103,11 @@ class RayCluster:
 
     @classmethod
     def from_config(cls, config: "ClusterConfig") -> "RayCluster":
-        """Join `config.ray_address`, or start a local instance sized for the configured workers."""
-        if config.ray_address is not None:
-            return cls(address=config.ray_address)
+        """Join `config.ray_address` (or $RAY_ADDRESS, which the Slurm launcher sets), or start a local instance
+        sized for the configured workers."""
+        address = config.ray_address or os.environ.get("RAY_ADDRESS")
+        if address:
+            return cls(address=address)
         workers = config.num_nodes * config.devices_per_node
         return cls(num_cpus=max(1, int(round(workers * config.cpus_per_worker))))
 

@@ -27,7 +27,8 @@ def test_sigterm_saves_a_checkpoint_and_exits_zero(tmp_path):
     os.kill(proc.pid, signal.SIGTERM)
     out = finish(proc, timeout=60)
     assert time.monotonic() - sent < 60
-    assert "SIGTERM" in out
+    assert "SIGTERM" in out and "pre-empted" in out
+    assert not (tmp_path / "final_hf").exists() and not (tmp_path / "summary.json").exists()  # not finished
     last = max(metrics(tmp_path / "logs"))
     saved = json.loads((tmp_path / "checkpoints" / f"step_{last}" / "COMPLETE").read_text())
     assert saved["step"] == last

@@ -1,0 +1,185 @@
+"""Slurm: `mrl submit` (preflight, then sbatch of slurm/ray-sbatch.sh) and the launcher's bounded wait for nodes.
+
+    mrl submit [--nodes N] [--gpus-per-node G] [--time T] [--requeue] [--container-image I] ... -- mrl grpo --config F
+      1. preflight, before anything is queued: the command's config is loaded and validated (a bad key exits 2 as
+         everywhere), and the allocation is checked against it: N must be cluster.num_nodes and G must be
+         cluster.devices_per_node (each defaults to the config's value), so a layout that cannot run is refused at
+         submission instead of after minutes in the queue;
+      2. `sbatch --nodes N --gpus-per-node G [options] slurm/ray-sbatch.sh <the mrl command>` (printed, not run, with
+         --dry-run); the job id is printed.
+    python -m mrl.app.slurm wait-for-nodes --address A --nodes n1 n2 ... --timeout-s S
+      used by the launcher: polls the Ray cluster at A until every node of the allocation has a live Ray node; at the
+      deadline it names the missing nodes and where their Ray logs are, and exits 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Sequence
+
+LAUNCHER = Path(__file__).resolve().parents[2] / "slurm" / "ray-sbatch.sh"
+CONFIG_COMMANDS = ("grpo", "sft", "eval", "dpo", "rm")
+
+
+class PreflightError(ValueError):
+    """The allocation asked for cannot run the command's config."""
+
+
+def _say(message: str) -> None:
+    print(f"[mrl submit] {message}", file=sys.stderr, flush=True)
+
+
+# ------------------------------------------------------------------------------------------------------- preflight
+@dataclass(frozen=True)
+class Allocation:
+    nodes: int
+    gpus_per_node: int
+
+
+def command_config(command: Sequence[str]):
+    """The validated config of `mrl <grpo|sft|eval|...> --config FILE [overrides]` or `mrl run RECIPE [overrides]`
+    (a staged recipe: its first stage's, which the later ones share the cluster of)."""
+    from mrl.config import load_config
+
+    words = list(command)
+    if words[:1] == ["mrl"]:
+        words = words[1:]
+    if len(words) >= 3 and words[0] in CONFIG_COMMANDS and words[1] == "--config":
+        return load_config(words[2], words[3:])
+    if len(words) >= 2 and words[0] == "run":
+        return load_config(words[1], words[2:])
+    raise PreflightError(f"cannot check `{shlex.join(command)}`: submit `mrl <{'|'.join(CONFIG_COMMANDS)}> --config "
+                         "FILE [overrides]` or `mrl run RECIPE [overrides]`")
+
+
+def check_allocation(cfg, nodes: Optional[int], gpus_per_node: Optional[int]) -> Allocation:
+    """The allocation to request: the config's cluster, where the submission does not say; refused when the two
+    disagree (the workers would not fit, or GPUs would sit idle)."""
+    want = Allocation(cfg.cluster.num_nodes, cfg.cluster.devices_per_node)
+    problems = []
+    if nodes is not None and nodes != want.nodes:
+        problems.append(f"--nodes {nodes} but cluster.num_nodes={want.nodes}")
+    if gpus_per_node is not None and gpus_per_node != want.gpus_per_node:
+        problems.append(f"--gpus-per-node {gpus_per_node} but cluster.devices_per_node={want.gpus_per_node}")
+    if problems:
+        raise PreflightError("the allocation does not match the config: " + "; ".join(problems) + ". Set the "
+                             "config's cluster.* (and its parallel layout) for the allocation, or drop the flags "
+                             "to request what the config says")
+    return want
+
+
+def sbatch_command(allocation: Allocation, command: Sequence[str], args: argparse.Namespace) -> list[str]:
+    """The sbatch command line that submits `command` through the launcher."""
+    line = ["sbatch", "--parsable", f"--nodes={allocation.nodes}", f"--job-name={args.job_name}"]
+    if args.gpus:
+        line.append(f"--gpus-per-node={allocation.gpus_per_node}")
+    for flag, value in (("--time", args.time), ("--partition", args.partition), ("--account", args.account)):
+        if value:
+            line.append(f"{flag}={value}")
+    if args.requeue:
+        line.append("--requeue")
+    log_root = Path(args.log_root).resolve()
+    line += [f"--output={log_root}/slurm-%j.out", *args.sbatch_arg, str(LAUNCHER), *command]
+    return line
+
+
+def launcher_env(args: argparse.Namespace) -> dict[str, str]:
+    """The launcher's settings (see slurm/ray-sbatch.sh) this submission gives."""
+    env = {"MRL_LOG_ROOT": str(Path(args.log_root).resolve())}
+    if args.requeue:
+        env["MRL_REQUEUE"] = "1"
+    if args.container_image:
+        env["MRL_CONTAINER_IMAGE"] = args.container_image
+    if args.container_mounts:
+        env["MRL_CONTAINER_MOUNTS"] = args.container_mounts
+    return env
+
+
+def submit(args: argparse.Namespace) -> int:
+    import os
+
+    command = list(args.submitted)
+    if command[:1] == ["--"]:
+        command = command[1:]
+    if not command:
+        raise PreflightError("nothing to submit: `mrl submit [options] -- mrl grpo --config FILE ...`")
+    allocation = check_allocation(command_config(command), args.nodes, args.gpus_per_node)
+    line, env = sbatch_command(allocation, command, args), launcher_env(args)
+    Path(args.log_root).mkdir(parents=True, exist_ok=True)
+    shown = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()) + " " + shlex.join(line)
+    if args.dry_run:
+        print(shown)
+        return 0
+    _say(f"preflight passed ({allocation.nodes} node(s) x {allocation.gpus_per_node} device(s)): {shown}")
+    done = subprocess.run(line, env={**os.environ, **env}, capture_output=True, text=True)
+    if done.returncode:
+        _say(f"sbatch failed: {done.stderr.strip()}")
+        return done.returncode
+    job = done.stdout.strip().split(";")[0]
+    print(job)
+    _say(f"job {job}: logs in {Path(args.log_root).resolve()}/{job}/ (driver.log, ray-<node>.log)")
+    return 0
+
+
+# -------------------------------------------------------------------------------------------------- node joining
+def _live_hosts(address: str) -> set[str]:
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(address=address, logging_level="ERROR", log_to_driver=False)
+    return {node["NodeManagerHostname"] for node in ray.nodes() if node["Alive"]}
+
+
+def _short(host: str) -> str:
+    return host.split(".")[0]
+
+
+def wait_for_nodes(address: str, nodes: Sequence[str], timeout_s: float, log_dir: str = "",
+                   poll_s: float = 2.0) -> None:
+    """Return once every node of `nodes` runs a live Ray node in the cluster at `address`; raise naming the missing
+    ones at the deadline (also when the head itself never came up)."""
+    deadline = time.monotonic() + timeout_s
+    missing, error = set(nodes), ""
+    while time.monotonic() < deadline:
+        try:
+            live = {_short(host) for host in _live_hosts(address)}
+            missing = {node for node in nodes if _short(node) not in live}
+            error = ""
+        except Exception as exc:  # the head's GCS is not up yet: any connection error, keep trying
+            error = f" (the Ray head at {address} did not answer: {type(exc).__name__}: {exc})"
+        if not missing:
+            return
+        time.sleep(poll_s)
+    logs = f"; see {log_dir}/ray-<node>.log" if log_dir else ""
+    raise TimeoutError(f"after {timeout_s:g} s, {len(missing)} of {len(nodes)} node(s) have not joined the Ray "
+                       f"cluster: {', '.join(sorted(missing))}{error}{logs}")
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m mrl.app.slurm")
+    sub = parser.add_subparsers(dest="action", required=True)
+    wait = sub.add_parser("wait-for-nodes", help="wait until every node has joined the Ray cluster")
+    wait.add_argument("--address", required=True)
+    wait.add_argument("--nodes", nargs="+", required=True)
+    wait.add_argument("--timeout-s", type=float, default=300.0)
+    wait.add_argument("--log-dir", default="")
+    args = parser.parse_args(argv)
+    start = time.monotonic()
+    try:
+        wait_for_nodes(args.address, args.nodes, args.timeout_s, args.log_dir)
+    except TimeoutError as exc:
+        print(f"[mrl-launcher] {exc}", file=sys.stderr, flush=True)
+        return 1
+    print(f"[mrl-launcher] all {len(args.nodes)} node(s) joined the Ray cluster in {time.monotonic() - start:.1f} s",
+          file=sys.stderr, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,45 @@
+"""`mrl submit`'s preflight and sbatch line, and the launcher's bounded wait naming the nodes that never joined."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from mrl.app import slurm
+from mrl.app.slurm import PreflightError, check_allocation, command_config, sbatch_command, wait_for_nodes
+from mrl.testing.runs import RECIPE
+
+
+def test_the_allocation_defaults_to_the_config_and_a_mismatch_is_refused():
+    cfg = command_config(["mrl", "grpo", "--config", RECIPE, "cluster.num_nodes=2", "cluster.devices_per_node=8",
+                          "grpo.num_prompts_per_step=256", "policy.train_global_batch_size=2048"])
+    assert check_allocation(cfg, None, None) == slurm.Allocation(2, 8)
+    assert check_allocation(cfg, 2, 8) == slurm.Allocation(2, 8)
+    with pytest.raises(PreflightError, match="--nodes 4 but cluster.num_nodes=2.*--gpus-per-node 4 but"):
+        check_allocation(cfg, 4, 4)
+
+
+def test_only_config_commands_can_be_checked():
+    assert command_config(["mrl", "run", RECIPE]).run.name == "arith-tiny-cpu"
+    with pytest.raises(PreflightError, match="cannot check `mrl convert"):
+        command_config(["mrl", "convert", "hf-to-megatron"])
+
+
+def test_sbatch_line():
+    args = argparse.Namespace(job_name="mrl", gpus=True, time="04:00:00", partition=None, account="a1", requeue=True,
+                              log_root="/logs", sbatch_arg=["--exclusive"])
+    line = sbatch_command(slurm.Allocation(2, 8), ["mrl", "grpo", "--config", "x.yaml"], args)
+    assert line == ["sbatch", "--parsable", "--nodes=2", "--job-name=mrl", "--gpus-per-node=8", "--time=04:00:00",
+                    "--account=a1", "--requeue", "--output=/logs/slurm-%j.out", "--exclusive", str(slurm.LAUNCHER),
+                    "mrl", "grpo", "--config", "x.yaml"]
+
+
+def test_wait_names_the_nodes_missing_at_the_deadline(monkeypatch):
+    seen = iter([{"node1"}, {"node1.cluster", "node3"}] + [{"node1", "node3"}] * 100)
+    monkeypatch.setattr(slurm, "_live_hosts", lambda address: next(seen))
+    with pytest.raises(TimeoutError, match=r"1 of 3 node\(s\) have not joined the Ray cluster: node2; see L/ray"):
+        wait_for_nodes("h:6379", ["node1", "node2", "node3"], timeout_s=0.05, log_dir="L", poll_s=0.01)
+    seen = iter([set(), {"node1", "node2"}])
+    monkeypatch.setattr(slurm, "_live_hosts", lambda address: next(seen))
+    wait_for_nodes("h:6379", ["node1", "node2"], timeout_s=5, poll_s=0.01)  # returns once both are there
