@@ -32,7 +32,7 @@ ports=(--node-manager-port=$((ray_port + 1)) --object-manager-port=$((ray_port +
        --dashboard-agent-grpc-port=$((ray_port + 3)) --dashboard-agent-listen-port=$((ray_port + 4))
        --metrics-export-port=$((ray_port + 5)) --runtime-env-agent-port=$((ray_port + 6))
        --ray-client-server-port=$((ray_port + 7)) --min-worker-port=$((ray_port + 100))
-       --max-worker-port=$((ray_port + 999)))
+       --max-worker-port=$((ray_port + 599)))
 ray_ports="${ports[*]}"
 export RAY_USAGE_STATS_ENABLED=0 RAY_AUTH_MODE=disabled
 mkdir -p "$log_dir"
@@ -63,7 +63,15 @@ step() {  # node, log name, shell command: one srun step on that node, in the ba
 }
 steps=()
 
-head_ip=$(on_head hostname --ip-address | awk '{print $1}')
+node_ip() {  # the IP Slurm reaches a node at (its NodeAddr: routable from the other nodes), else the head's own
+  local addr
+  addr=$(scontrol show node "$1" 2>/dev/null | grep -o 'NodeAddr=[^ ]*' | cut -d= -f2 || true)
+  if [[ "$addr" =~ ^[0-9.]+$ ]]; then echo "$addr"; return; fi
+  addr=$(getent ahostsv4 "${addr:-$1}" 2>/dev/null | awk '{print $1; exit}' || true)
+  if [ -n "$addr" ] && [ "${addr#127.}" = "$addr" ]; then echo "$addr"; return; fi
+  on_head hostname --ip-address | awk '{print $1}'
+}
+head_ip=$(node_ip "$head_node")
 [ "${MRL_DRY_RUN:-0}" = 1 ] && head_ip=HEAD_IP
 address="$head_ip:$ray_port"
 say "job $SLURM_JOB_ID (restart $restart): ${#nodes[@]} node(s) ${nodes[*]}, Ray head $address, logs $log_dir"

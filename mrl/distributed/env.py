@@ -4,13 +4,21 @@ These variables are what `torch.distributed.init_process_group(init_method="env:
 MASTER_ADDR/MASTER_PORT (rank 0's rendezvous), RANK/WORLD_SIZE, LOCAL_RANK/LOCAL_WORLD_SIZE (position among the
 ranks of the same node) and OMP_NUM_THREADS (without it each rank spawns one thread per core and a tiny step on a
 2-core machine takes 0.6 s instead of 14 ms, measured).
+
+Across nodes, gloo must not bind the address its host name resolves to: Debian's /etc/hosts maps the host name to
+127.0.1.1 (or 127.0.0.1), and the other nodes then "connect" to their own loopback (measured on a two-node Slurm:
+"connectFullMesh failed ... remote=[127.0.0.1]"). So when the ranks span several nodes, each rank binds gloo to the
+network interface that holds its Ray node's IP (`gloo_interface`), unless GLOO_SOCKET_IFNAME is set already.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 from mrl.parallel.groups import free_port as find_free_port  # noqa: F401  (the one implementation)
+
+#: Set in the rank environment when the ranks span several nodes (see the module docstring).
+BIND_GLOO_TO_NODE_IP = "MRL_BIND_GLOO_TO_NODE_IP"
 
 
 def local_ranks(node_of_rank: Sequence[str]) -> list[tuple[int, int]]:
@@ -42,6 +50,21 @@ def rank_environment(node_of_rank: Sequence[str], omp_num_threads: int) -> list[
                 "LOCAL_RANK": str(local_rank),
                 "LOCAL_WORLD_SIZE": str(local_world_size),
                 "OMP_NUM_THREADS": str(omp_num_threads),
+                **({BIND_GLOO_TO_NODE_IP: "1"} if len(set(node_of_rank)) > 1 else {}),
             }
         )
     return envs
+
+
+def gloo_interface(node_ip: str, addresses: Optional[dict] = None) -> Optional[str]:
+    """The network interface holding `node_ip` (`addresses`: psutil.net_if_addrs()), None when none does."""
+    import socket
+
+    if addresses is None:
+        import psutil
+
+        addresses = psutil.net_if_addrs()
+    for name, entries in addresses.items():
+        if any(entry.family == socket.AF_INET and entry.address == node_ip for entry in entries):
+            return name
+    return None

@@ -13,7 +13,7 @@ from typing import Any
 
 import ray
 
-from mrl.distributed.env import find_free_port
+from mrl.distributed.env import BIND_GLOO_TO_NODE_IP, find_free_port, gloo_interface
 from mrl.distributed.transport import decode, encode
 from mrl.logging.known_noise import silence_known_noise
 
@@ -40,6 +40,10 @@ class WorkerHost:
     def start(self, worker_cls: type, env: dict[str, str], payload: tuple[tuple, dict[str, Any]]) -> None:
         """Export `env` (rendezvous address) and build the worker: its __init__ may already join process groups."""
         os.environ.update(env)
+        if os.environ.get(BIND_GLOO_TO_NODE_IP) and "GLOO_SOCKET_IFNAME" not in os.environ:
+            interface = gloo_interface(ray.util.get_node_ip_address())
+            if interface:
+                os.environ["GLOO_SOCKET_IFNAME"] = interface
         args, kwargs = decode(payload)
         self._worker = worker_cls(*args, **kwargs)
 

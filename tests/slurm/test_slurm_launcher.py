@@ -1,7 +1,9 @@
-"""The launcher on a real Slurm (one node): `mrl submit` checks the config, sbatch runs slurm/ray-sbatch.sh, the Ray
-cluster forms, the staged tiny recipe (SFT -> GRPO -> eval) runs on it; a second run pre-empted during GRPO with
+"""The launcher on a real Slurm: `mrl submit` checks the config, sbatch runs slurm/ray-sbatch.sh, the Ray cluster
+forms, the staged tiny recipe (SFT -> GRPO -> eval) runs on it; a second run pre-empted during GRPO with
 `scancel --batch --signal=TERM` saves, is re-queued by the launcher and resumes, and logs exactly the metrics of the
-uninterrupted run. The container mode's commands are checked as text (no container runtime exists here)."""
+uninterrupted run. On two nodes (the second in a network namespace), data-parallel SFT across the nodes logs the
+losses of the same layout on one machine. The container mode's commands are checked as text (no container runtime
+exists here)."""
 
 from __future__ import annotations
 
@@ -93,6 +95,32 @@ def test_preempted_run_is_requeued_and_resumes_exactly(slurm, uninterrupted, tmp
     assert sorted(resumed) == sorted(reference)
     for step in reference:
         assert _comparable(resumed[step]) == _comparable(reference[step]), step
+
+
+SFT_DP2 = ("data.arith.digits=1", "data.arith.num_heldout=20", "sft.max_num_steps=8",
+           "policy.train_micro_batch_size=64", "policy.max_total_sequence_length=12", "logger.log_every=1",
+           "checkpointing.enabled=false")
+
+
+def test_two_nodes_train_like_one(two_node_slurm, tmp_path):
+    """SFT with DP2: one rank on each node through the launcher, and both ranks on this machine without Slurm."""
+    from mrl.testing.runs import finish, mrl
+
+    out, logs = tmp_path / "two-nodes", tmp_path / "logs"
+    command = [sys.executable, "-m", "mrl.cli", "submit", "--no-gpus", "--log-root", str(logs), "--", "mrl", "sft",
+               "--config", RECIPE, *SFT_DP2, "cluster.num_nodes=2", "cluster.devices_per_node=1",
+               f"run.output_dir={out}"]
+    done = subprocess.run(command, cwd=ROOT, env=two_node_slurm, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    job = done.stdout.strip()
+    state = _wait(two_node_slurm, job)
+    assert state == "COMPLETED", _output(logs, job) + (logs / job / "driver.log").read_text()[-3000:]
+    assert "all 2 node(s) joined the Ray cluster" in _output(logs, job)
+    finish(mrl("sft", "--config", RECIPE, *SFT_DP2, "cluster.devices_per_node=2", f"run.output_dir={tmp_path / 'one'}"))
+    two, one = metrics(out / "logs"), metrics(tmp_path / "one" / "logs")
+    assert sorted(two) == sorted(one) == list(range(1, 9))
+    for step in one:
+        assert abs(two[step]["train/loss"] - one[step]["train/loss"]) <= 1e-6, step
 
 
 def test_preflight_refuses_an_allocation_that_does_not_fit_the_config(slurm, tmp_path):

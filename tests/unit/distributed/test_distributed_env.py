@@ -4,7 +4,7 @@ import socket
 
 import pytest
 
-from mrl.distributed.env import find_free_port, local_ranks, rank_environment
+from mrl.distributed.env import BIND_GLOO_TO_NODE_IP, find_free_port, gloo_interface, local_ranks, rank_environment
 from mrl.distributed.worker_group import DataParallelLayout
 
 
@@ -26,6 +26,18 @@ def test_rank_environment_sets_torch_variables_and_threads():
     assert [env["LOCAL_RANK"] for env in envs] == ["0", "1", "0", "1"]
     with pytest.raises(ValueError, match="omp_num_threads"):
         rank_environment(["n0"], omp_num_threads=0)
+    assert all(env[BIND_GLOO_TO_NODE_IP] == "1" for env in envs)  # several nodes: gloo binds the node's IP
+    assert BIND_GLOO_TO_NODE_IP not in rank_environment(["n0", "n0"], omp_num_threads=1)[0]
+
+
+def test_gloo_interface_is_the_one_holding_the_node_ip():
+    from collections import namedtuple
+
+    Address = namedtuple("Address", "family address")
+    addresses = {"lo": [Address(socket.AF_INET, "127.0.0.1")],
+                 "veth0": [Address(socket.AF_INET6, "fe80::1"), Address(socket.AF_INET, "10.211.0.2")]}
+    assert gloo_interface("10.211.0.2", addresses) == "veth0"
+    assert gloo_interface("10.9.9.9", addresses) is None
 
 
 def test_layout_leaders_in_data_parallel_order():
