@@ -67,10 +67,10 @@ def grpo_step(cfg: MrlConfig, workers: Workers, env: Environment, data: TaskData
     m: dict[str, float] = {}
     n = cfg.grpo.num_generations_per_prompt
     problems, prompts = encode_prompts(problems, workers.tokenizer, data.template, cfg)
+    sampling = sampling_config(cfg, step, turn_end_id=data.template.turn_end_id(workers.tokenizer))
     with logger.timer("generation", m):
         workers.engine.prepare_for_generation()  # colocated on GPUs: the engine takes its memory back
-        rollouts = generate_and_score(workers.engine, env, workers.tokenizer, problems, prompts,
-                                      sampling_config(cfg, step, turn_end_id=data.template.turn_end_id(workers.tokenizer)))
+        rollouts = generate_and_score(workers.engine, env, workers.tokenizer, problems, prompts, sampling)
         workers.engine.finish_generation()  # ... and releases it while the policy trains
     with logger.timer("reward", m):
         rewards = rollouts.rewards

@@ -27,6 +27,7 @@ import argparse
 import gzip
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -111,8 +112,6 @@ def write_atomically(out: Path, make: Callable[[Path], None]) -> Path:
 
 
 def _remove(path: Path) -> None:
-    import shutil
-
     if path.is_dir():
         shutil.rmtree(path)
     elif path.exists():

@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import subprocess
 import sys
@@ -102,8 +103,6 @@ def launcher_env(args: argparse.Namespace) -> dict[str, str]:
 
 
 def submit(args: argparse.Namespace) -> int:
-    import os
-
     command = list(args.submitted)
     if command[:1] == ["--"]:
         command = command[1:]
@@ -111,11 +110,11 @@ def submit(args: argparse.Namespace) -> int:
         raise PreflightError("nothing to submit: `mrl submit [options] -- mrl grpo --config FILE ...`")
     allocation = check_allocation(command_config(command), args.nodes, args.gpus_per_node)
     line, env = sbatch_command(allocation, command, args), launcher_env(args)
-    Path(args.log_root).mkdir(parents=True, exist_ok=True)
     shown = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()) + " " + shlex.join(line)
     if args.dry_run:
         print(shown)
         return 0
+    Path(args.log_root).mkdir(parents=True, exist_ok=True)
     _say(f"preflight passed ({allocation.nodes} node(s) x {allocation.gpus_per_node} device(s)): {shown}")
     done = subprocess.run(line, env={**os.environ, **env}, capture_output=True, text=True)
     if done.returncode:

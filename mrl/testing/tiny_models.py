@@ -132,3 +132,13 @@ def build_tiny_hf_model(
 def read_config(model_dir: str | Path) -> dict[str, Any]:
     """config.json of a saved model as a dict."""
     return json.loads((Path(model_dir) / "config.json").read_text())
+
+
+def hf_token_logprobs(model_dir: str | Path, ids: list[int]) -> torch.Tensor:
+    """log p(token t | tokens < t) for t = 1..len-1 under HF transformers (fp32): the reference for `mrl score`."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0]
+    return torch.log_softmax(logits[:-1], dim=-1).gather(-1, torch.tensor(ids[1:])[:, None]).squeeze(-1)

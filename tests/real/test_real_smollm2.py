@@ -17,6 +17,7 @@ import torch
 
 from mrl.app.real_assets import MODEL_DIR
 from mrl.testing.runs import finish, metrics, mrl
+from mrl.testing.tiny_models import hf_token_logprobs
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPES = ROOT / "recipes"
@@ -45,14 +46,6 @@ def test_hf_megatron_hf_round_trip_is_bit_exact(model_dir, tmp_path):
     assert all(torch.equal(before[name], after[name]) for name in before)
 
 
-def _hf_logprobs(model_dir: Path, ids: list[int]) -> torch.Tensor:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-    with torch.no_grad():
-        logits = model(torch.tensor([ids])).logits[0]
-    return torch.log_softmax(logits[:-1], dim=-1).gather(-1, torch.tensor(ids[1:])[:, None]).squeeze(-1)
-
 
 def _gsm8k_rows(real_assets: Path, count: int) -> list[dict]:
     lines = (real_assets / "data" / "gsm8k_test.jsonl").read_text(encoding="utf-8").splitlines()[:count]
@@ -75,7 +68,7 @@ def test_score_equals_transformers_over_30_layers(model_dir, real_assets, tmp_pa
     for row, scored in zip(rows, [json.loads(line) for line in out.read_text().splitlines()]):
         prompt = tokenizer(row["prompt"], add_special_tokens=False)["input_ids"]
         full = prompt + tokenizer(row["completion"], add_special_tokens=False)["input_ids"]
-        expected = _hf_logprobs(model_dir, full)[len(prompt) - 1:]
+        expected = hf_token_logprobs(model_dir, full)[len(prompt) - 1:]
         assert scored["token_ids"] == full[len(prompt):]
         assert (torch.tensor(scored["logprobs"]) - expected).abs().max() <= 5e-5
 

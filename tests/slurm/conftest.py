@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from mrl.parallel.groups import free_port
+
 HERE = Path(__file__).resolve().parent
 
 
@@ -30,12 +32,6 @@ def _install_slurm() -> str:
         if done.returncode and command[1] == "install":
             return f"apt-get install slurm-wlm failed: {(done.stderr.strip().splitlines() or ['?'])[-1]}"
     return "" if shutil.which("slurmctld") else "slurm-wlm installed no slurmctld"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 HOST = socket.gethostname().split(".")[0]
@@ -54,7 +50,7 @@ def _write_config(folder: Path, nodes: dict[str, str]) -> Path:
     lines = [f"NodeName={name} NodeAddr={address} CPUs={cpus} RealMemory={memory_mb} State=UNKNOWN"
              for name, address in nodes.items()]
     text = (HERE / "slurm.conf.template").read_text().format(
-        host=HOST, controller_address=nodes[HOST], dir=folder, ctld_port=_free_port(), slurmd_port=_free_port(),
+        host=HOST, controller_address=nodes[HOST], dir=folder, ctld_port=free_port(), slurmd_port=free_port(),
         node_lines="\n".join(lines), node_names=",".join(nodes))
     conf = folder / "slurm.conf"
     conf.write_text(text)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from mrl.testing.runs import finish, mrl
-from mrl.testing.tiny_models import build_tiny_hf_model
+from mrl.testing.tiny_models import build_tiny_hf_model, hf_token_logprobs
 
 
 @pytest.fixture(scope="module")
@@ -18,15 +18,6 @@ def model_dir(tmp_path_factory):
     return build_tiny_hf_model(tmp_path_factory.mktemp("score"), seed=2, family="qwen3", hidden=64, heads=4,
                                num_kv_heads=2, intermediate=128, layers=2)
 
-
-def _hf_logprobs(model_dir, ids: list[int]) -> torch.Tensor:
-    """log p(token t | tokens < t) for t = 1..len-1 under HF transformers."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-    with torch.no_grad():
-        logits = model(torch.tensor([ids])).logits[0]
-    return torch.log_softmax(logits[:-1], dim=-1).gather(-1, torch.tensor(ids[1:])[:, None]).squeeze(-1)
 
 
 @pytest.mark.parametrize("layout", [[], ["cluster.devices_per_node=2", "policy.parallel.tensor_parallel_size=2"]],
@@ -47,16 +38,16 @@ def test_score_matches_hf_transformers(model_dir, tmp_path, layout):
     assert [r["index"] for r in result] == [0, 1, 2, 3] and "error" in result[3]
 
     text_ids = tokenizer(rows[0]["text"])["input_ids"]
-    expected = _hf_logprobs(model_dir, text_ids)
+    expected = hf_token_logprobs(model_dir, text_ids)
     assert result[0]["num_scored_tokens"] == len(text_ids) - 1
     assert (torch.tensor(result[0]["logprobs"]) - expected).abs().max() <= 1e-5
     assert result[0]["perplexity"] == pytest.approx(math.exp(-expected.double().mean().item()), rel=1e-5)
 
     prompt = tokenizer(rows[1]["prompt"])["input_ids"]
     full = prompt + tokenizer(rows[1]["completion"], add_special_tokens=False)["input_ids"]
-    expected = _hf_logprobs(model_dir, full)[len(prompt) - 1:]  # completion tokens only
+    expected = hf_token_logprobs(model_dir, full)[len(prompt) - 1:]  # completion tokens only
     assert result[1]["token_ids"] == full[len(prompt):]
     assert (torch.tensor(result[1]["logprobs"]) - expected).abs().max() <= 1e-5
 
-    expected = _hf_logprobs(model_dir, rows[2]["input_ids"])[2:]
+    expected = hf_token_logprobs(model_dir, rows[2]["input_ids"])[2:]
     assert (torch.tensor(result[2]["logprobs"]) - expected).abs().max() <= 1e-5
