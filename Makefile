@@ -53,7 +53,8 @@ test-real: install
 test-slurm: install
 	$(BIN)/python -m pytest tests/slurm -q
 
-# Learning checks that take minutes (the staged preference recipe: SFT -> DPO, reward model -> GRPO).
+# Learning checks that take minutes: the staged preference recipe (SFT -> DPO, reward model -> GRPO) and multi-turn
+# GRPO on the number-guessing server.
 test-learning: install
 	$(BIN)/python -m pytest tests/learning -q -s
 

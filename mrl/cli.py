@@ -97,6 +97,12 @@ def _add_env_parser(sub) -> None:
     rows.add_argument("--count", type=int, default=2000, help="rows (default 2000)")
     rows.add_argument("--seed", type=int, default=0, help="seed of the secrets")
     rows.add_argument("--max-turns", type=int, default=7, help="guesses allowed per game")
+    rows.add_argument("--low", type=int, default=0, help="smallest secret (default 0)")
+    rows.add_argument("--high", type=int, default=99, help="largest secret (default 99)")
+    rows.add_argument("--warmup", action="store_true",
+                      help="SFT rows of a naive player's games instead (random guesses: the format, not the strategy)")
+    rows.add_argument("--turn-end", default="<|endoftext|>",
+                      help="text of the token that ends a model turn, for --warmup (default: the tiny tokenizer's EOS)")
     rows.add_argument("--out", required=True, metavar="FILE", help="jsonl file written")
 
 
@@ -182,7 +188,9 @@ def _write_rows(args: argparse.Namespace) -> int:
         return CONFIG_ERROR_EXIT_CODE
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    rows = example.rows(args.count, seed=args.seed, max_turns=args.max_turns)
+    bounds = dict(max_turns=args.max_turns, low=args.low, high=args.high)
+    rows = (example.warmup_rows(args.count, seed=args.seed, turn_end=args.turn_end, **bounds) if args.warmup else
+            example.rows(args.count, seed=args.seed, **bounds))
     out.write_text("".join(json.dumps(row) + "\n" for row in rows))
     print(f"wrote {len(rows)} rows to {out}")
     return 0

@@ -2,12 +2,13 @@
 
 One episode per (dataset row, sample of its GRPO group):
     context  = the row's prompt ids (+ the server's first observation, masked)
-    repeat until the model makes no tool call or a turn/token budget is spent:
+    repeat until the model makes no tool call, the server says done or a turn/token budget is spent:
         the engine continues `context` until the turn ends      the model's own tokens: loss mask 1, engine logprobs
         parse a tool call from the turn's text                   (`ToolFormat`: a JSON call, or the bare text)
         call the tool over HTTP -> observation text
         append the observation as the template's tool turn       its tokens: loss mask 0 (never trained on)
-    verify(session, row, {"text": the last turn's text, ...}) -> reward
+    verify(session, row, {"text": the last turn's text, ...}) -> reward; the server's aggregate_metrics over the
+    step's verified episodes are logged as train/env/<name> (val/env/<name>)
 The model's tokens are never decoded and re-encoded: the row the policy trains on holds exactly the ids the engine
 sampled, so the trainer's logprobs of them equal the engine's (no retokenisation drift; measured by
 train/token_mult_prob_error like any rollout). All live episodes' turns go to the engine in one `generate` call per
@@ -27,7 +28,7 @@ import torch
 
 from mrl.algorithms.rollout import Rollouts
 from mrl.data.datasets import Problem
-from mrl.data.templates import PromptTemplate
+from mrl.data.templates import PLAIN_OBSERVATION, PromptTemplate
 from mrl.inference.interface import FinishReason, GenerationBackend, SamplingConfig
 
 if TYPE_CHECKING:
@@ -95,6 +96,8 @@ class Episode:
     truncated: bool = False
     finish_reason: FinishReason = FinishReason.STOP
     reward: float = 0.0
+    verified: Optional[dict] = None
+    """The server's verify result: {"reward": ..., <components>} (None when verify failed)."""
     server_error: Optional[str] = None
 
     def __post_init__(self) -> None:
@@ -117,7 +120,7 @@ def observation_tokens(text: str, tokenizer: "PreTrainedTokenizerBase", template
     assistant turn: the chat template's tool turn and assistant header, or, for plain prompts, the text and a
     newline."""
     if template.kind == "plain":
-        return list(tokenizer(f"\n{text}\n", add_special_tokens=False)["input_ids"])
+        return list(tokenizer(PLAIN_OBSERVATION.format(text), add_special_tokens=False)["input_ids"])
     marker = "mrl-agent-turn"
     messages = [{"role": "user", "content": "1"}, {"role": "assistant", "content": marker}]
     full = tokenizer.apply_chat_template(messages + [{"role": "tool", "content": text}], tokenize=False,
@@ -172,6 +175,8 @@ class AgentRunner:
             episode.tool_errors += result.error is not None
             text = result.output if result.error is None else f"error: {result.error}"
             episode.append(observation_tokens(str(text), self.tokenizer, self.template), model=False)
+            if result.done:
+                episode.end()
 
     def _verify(self, episodes: list[Episode]) -> None:
         live = [e for e in episodes if e.session is not None and e.server_error is None]
@@ -182,6 +187,15 @@ class AgentRunner:
                 episode.server_error = f"verify: {result.error}"
             else:
                 episode.reward = float(result.reward)
+                episode.verified = {"reward": episode.reward, **result.components}
+
+    def aggregate(self, episodes: Sequence[Episode]) -> dict[str, float]:
+        """The server's /aggregate_metrics over the episodes it verified ({} when none was or the call failed)."""
+        results = [e.verified for e in episodes if e.verified is not None]
+        if not results:
+            return {}
+        (metrics,) = self._gather([lambda c: c.aggregate_metrics(results)])
+        return {key: float(value) for key, value in metrics.items() if isinstance(value, (int, float))}
 
     # ------------------------------------------------------------------------------------------ the loop
     def _turn(self, engine: GenerationBackend, live: list[Episode], sampling: SamplingConfig) -> None:
@@ -271,9 +285,11 @@ def agent_rollouts(env: Any, engine: GenerationBackend, tokenizer: "PreTrainedTo
                    template: PromptTemplate, problems: Sequence[Problem], prompt_ids: Sequence[Sequence[int]],
                    sampling: SamplingConfig) -> tuple[Rollouts, dict[str, float]]:
     """`sampling.n` multi-turn episodes per problem as training rows, and the step's per-environment metrics."""
-    episodes = runner_for(env, tokenizer, template).run(engine, problem_rows(problems), prompt_ids, sampling)
+    runner = runner_for(env, tokenizer, template)
+    episodes = runner.run(engine, problem_rows(problems), prompt_ids, sampling)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    return rollouts_from_episodes(episodes, pad), episode_metrics(episodes)
+    server_metrics = {f"train/env/{key}": value for key, value in runner.aggregate(episodes).items()}
+    return rollouts_from_episodes(episodes, pad), {**episode_metrics(episodes), **server_metrics}
 
 
 def validate_episodes(cfg: Any, workers: Any, env: Any, data: Any) -> dict[str, float]:
@@ -287,8 +303,9 @@ def validate_episodes(cfg: Any, workers: Any, env: Any, data: Any) -> dict[str, 
         return {}
     problems, prompts = encode_prompts(problems, workers.tokenizer, data.template, cfg)
     sampling = sampling_config(cfg, purpose="eval", turn_end_id=data.template.turn_end_id(workers.tokenizer))
-    episodes = runner_for(env, workers.tokenizer, data.template).run(workers.engine, problem_rows(problems), prompts,
-                                                                     sampling)
+    runner = runner_for(env, workers.tokenizer, data.template)
+    episodes = runner.run(workers.engine, problem_rows(problems), prompts, sampling)
     rewards = [e.reward for e in episodes]
+    server_metrics = {f"val/env/{key}": value for key, value in runner.aggregate(episodes).items()}
     return {"val/reward": sum(rewards) / len(rewards), "val/accuracy": sum(r >= 1.0 for r in rewards) / len(rewards),
-            "val/server_errors": float(sum(e.server_error is not None for e in episodes))}
+            "val/server_errors": float(sum(e.server_error is not None for e in episodes)), **server_metrics}

@@ -16,6 +16,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal, Optional, Sequence
 
+#: How a multi-turn episode shows an observation after a model turn with a plain template (mrl/algorithms/agent.py):
+#: the text on its own line, then the model's next turn.
+PLAIN_OBSERVATION = "\n{}\n"
 COT_INSTRUCTION = "Let's think step by step and output the final answer within \\boxed{}."
 _SENTINEL = "mrl-end-of-turn-probe"
 

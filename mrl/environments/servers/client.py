@@ -34,7 +34,7 @@ from typing import Any, Callable, Generic, TypeVar
 
 import httpx
 
-from mrl.environments.servers.protocol import (AGGREGATE_METRICS, REWARD, REWARD_COMPONENTS, SEED_SESSION,
+from mrl.environments.servers.protocol import (AGGREGATE_METRICS, DONE, REWARD, REWARD_COMPONENTS, SEED_SESSION,
                                                SESSION_HEADER, TOOLS, VERIFY, ToolSpec, is_tool_name)
 
 R = TypeVar("R")
@@ -57,6 +57,7 @@ class ToolResult:
     output: str | None            # a tool's dict output arrives as its JSON text: what the model reads
     error: str | None = None      # the tool's own error (what the model did wrong), or a server problem
     error_kind: str | None = None  # "tool" (the tool raised), "http_422" (bad arguments), "down", "timeout", ...
+    done: bool = False            # the server says the episode is over
 
 
 @dataclass(frozen=True)
@@ -276,9 +277,10 @@ def _parse_seed(payload: Any) -> SessionHandle:
 def _parse_tool(payload: Any) -> ToolResult:
     output = _field(payload, "output", (str, dict, type(None)))
     error = _field(payload, "error", (str, type(None)), default=None)
+    done = _field(payload, DONE, bool, default=False)
     if isinstance(output, dict):
         output = json.dumps(output)
-    return ToolResult(output, error, "tool" if error is not None else None)
+    return ToolResult(output, error, "tool" if error is not None else None, done)
 
 
 def _parse_verify(payload: Any, row: dict) -> VerifyResult:

@@ -1,7 +1,8 @@
 """Two example resource servers, small enough to read whole, and the registry `mrl env serve NAME` serves from.
 
-GuessNumber: row {"secret": 0..99, "max_turns": N} -> guess(number) answers "higher" / "lower" / "correct" (the
-    secret is higher / lower than the guess) -> reward 1.0 when found, else up to 0.5 for a last guess near it.
+GuessNumber: row {"secret": 0..99, "max_turns": N} (optionally "low"/"high" for another range) -> guess(number)
+    answers "higher" / "lower" / "correct" (the secret is higher / lower than the guess), "done" once found or out of
+    guesses -> reward 1.0 when found, else up to 0.5 for a last guess near it.
 Calculator: row {"question": "12*7+3", "answer": "87"} -> calculate(expression) evaluates + - * / and parentheses
     exactly (an AST walk over fractions, never eval) -> reward 1.0 when the final text contains the answer.
 """
@@ -34,37 +35,40 @@ def parse_whole_number(value: Any) -> int:
 
 
 class GuessNumber(ResourceServer):
-    """Find a secret whole number from 0 to 99 in at most max_turns guesses."""
+    """Find a secret whole number from `low` to `high` (the row's, default 0 to 99) in at most max_turns guesses."""
 
     name = "guess_number"
     LOW, HIGH = 0, 99
     DEFAULT_MAX_TURNS = 7  # enough for a binary search over 100 numbers
 
     def seed_session(self, row: dict) -> dict:
+        low, high = _row_whole(row, "low", self.LOW), _row_whole(row, "high", self.HIGH)
         secret = _row_whole(row, "secret")
         max_turns = _row_whole(row, "max_turns", self.DEFAULT_MAX_TURNS)
-        if not self.LOW <= secret <= self.HIGH:
-            raise InputError(f"row['secret'] is {secret}: it must be from {self.LOW} to {self.HIGH}")
+        if low > high:
+            raise InputError(f"row['low'] is {low} and row['high'] is {high}: low must not exceed high")
+        if not low <= secret <= high:
+            raise InputError(f"row['secret'] is {secret}: it must be from {low} to {high}")
         if max_turns < 1:
             raise InputError(f"row['max_turns'] is {max_turns}: it must be at least 1")
-        return {"secret": secret, "max_turns": max_turns, "turns": 0, "last_guess": None, "found": False,
-                "tool_errors": 0}
+        return {"secret": secret, "low": low, "high": high, "max_turns": max_turns, "turns": 0, "last_guess": None,
+                "found": False, "tool_errors": 0}
 
     def observation(self, state: dict, row: dict) -> str:
-        return (f"I am thinking of a whole number from {self.LOW} to {self.HIGH}. You have {state['max_turns']} "
-                "guesses: call guess(number) and I answer higher, lower or correct.")
+        return (f"I am thinking of a whole number from {state['low']} to {state['high']}. You have "
+                f"{state['max_turns']} guesses: call guess(number) and I answer higher, lower or correct.")
 
     @tool
     def guess(self, state: dict, number: Any) -> str:
-        """Guess the secret number (0 to 99): "higher" or "lower" says where the secret is, "correct" ends the game."""
+        """Guess the secret number: "higher" or "lower" says where the secret is, "correct" ends the game."""
         if state["found"]:
             return "correct"
         if state["turns"] >= state["max_turns"]:
             return "no turns left"
         try:  # a bad guess costs no turn, but is counted (tool_errors)
             value = parse_whole_number(number)
-            if not self.LOW <= value <= self.HIGH:
-                raise ValueError(f"{value} is out of range: guess from {self.LOW} to {self.HIGH}")
+            if not state["low"] <= value <= state["high"]:
+                raise ValueError(f"{value} is out of range: guess from {state['low']} to {state['high']}")
         except ValueError:
             state["tool_errors"] += 1
             raise
@@ -75,23 +79,55 @@ class GuessNumber(ResourceServer):
             return "correct"
         return "higher" if state["secret"] > value else "lower"
 
+    def is_done(self, state: dict) -> bool:
+        """Found, or every guess spent."""
+        return state["found"] or state["turns"] >= state["max_turns"]
+
     @classmethod
-    def rows(cls, count: int, seed: int = 0, max_turns: int = DEFAULT_MAX_TURNS) -> list[dict]:
+    def rows(cls, count: int, seed: int = 0, max_turns: int = DEFAULT_MAX_TURNS, low: int = LOW,
+             high: int = HIGH) -> list[dict]:
         """`count` dataset rows (a random secret each) with the problem/answer columns mrl's data loader reads."""
         import random
 
         rng = random.Random(seed)
-        secrets = [rng.randint(cls.LOW, cls.HIGH) for _ in range(count)]
-        return [{"problem": "guess", "answer": str(s), "secret": s, "max_turns": max_turns} for s in secrets]
+        secrets = [rng.randint(low, high) for _ in range(count)]
+        bounds = {} if (low, high) == (cls.LOW, cls.HIGH) else {"low": low, "high": high}
+        return [{"problem": "guess", "answer": str(s), "secret": s, "max_turns": max_turns, **bounds}
+                for s in secrets]
+
+    @classmethod
+    def warmup_rows(cls, count: int, seed: int = 0, max_turns: int = DEFAULT_MAX_TURNS, low: int = LOW,
+                    high: int = HIGH, turn_end: str = "<|endoftext|>") -> list[dict]:
+        """SFT rows from a naive player's games, for a model that has never seen the game: the prompt "guess" and
+        0 .. max_turns-1 earlier turns (a guess drawn uniformly from the range, `turn_end`, the server's answer on its
+        own line: the plain-template layout of mrl's agent loop), the target another uniform draw. They teach the
+        format (a number after any answer), not the strategy: every target ignores the answers."""
+        import random
+
+        from mrl.data.templates import PLAIN_OBSERVATION
+
+        rng = random.Random(seed)
+        rows = []
+        for _ in range(count):
+            secret, text = rng.randint(low, high), "guess"
+            for _ in range(rng.randint(0, max_turns - 1)):
+                guess = rng.randint(low, high)
+                if guess == secret:
+                    break  # the game would be over
+                text += f"{guess}{turn_end}" + PLAIN_OBSERVATION.format("higher" if secret > guess else "lower")
+            rows.append({"problem": text, "answer": str(rng.randint(low, high))})
+        return rows
 
     def verify(self, state: dict, row: dict, response: dict) -> dict:
-        """1.0 when found; else (1 - |last guess - secret| / 100) * 0.5, a shaped partial reward (0 without guesses)."""
+        """1.0 when found; else (1 - |last guess - secret| / range size) * 0.5, a shaped partial reward (0 without
+        guesses)."""
         if state["found"]:
             reward = 1.0
         elif state["last_guess"] is None:
             reward = 0.0
         else:
-            reward = max(0.0, 1.0 - abs(state["last_guess"] - state["secret"]) / 100) * 0.5
+            size = state["high"] - state["low"] + 1
+            reward = max(0.0, 1.0 - abs(state["last_guess"] - state["secret"]) / size) * 0.5
         return {"reward": reward, "found": state["found"], "turns": state["turns"],
                 "tool_errors": state["tool_errors"]}
 

@@ -1,7 +1,8 @@
 """The HTTP contract between a resource server (resource.py) and its client (client.py), shared by both.
 
     POST /seed_session      {"row": {...}}                 -> {"session_id": str, "observation": str | null}
-    POST /<tool>            {<argument>: <value>, ...}     -> {"output": str | dict | null, "error": str | null}
+    POST /<tool>            {<argument>: <value>, ...}     -> {"output": str | dict | null, "error": str | null,
+                                                               "done": bool (the episode is over: no more turns)}
     POST /verify            {"row": {...}, "response": {}} -> {<row fields>, "reward": float, <components>,
                                                                "reward_components": [component names]}
     POST /aggregate_metrics {"results": [{...}, ...]}      -> {<metric>: float, ...}
@@ -27,6 +28,7 @@ HEALTH = "health"
 # Paths the framework owns: no tool may take these names, and the client never sends a tool call to them.
 RESERVED_NAMES = frozenset({SEED_SESSION, VERIFY, AGGREGATE_METRICS, TOOLS, HEALTH, "docs", "redoc", "openapi.json"})
 REWARD = "reward"
+DONE = "done"
 REWARD_COMPONENTS = "reward_components"
 
 

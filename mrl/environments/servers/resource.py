@@ -36,7 +36,7 @@ from fastapi import FastAPI, HTTPException, Request, Response
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
 
-from mrl.environments.servers.protocol import (AGGREGATE_METRICS, HEALTH, REWARD, REWARD_COMPONENTS, SEED_SESSION,
+from mrl.environments.servers.protocol import (AGGREGATE_METRICS, DONE, HEALTH, REWARD, REWARD_COMPONENTS, SEED_SESSION,
                                                SESSION_COOKIE, SESSION_HEADER, TOOLS, VERIFY, ToolSpec,
                                                is_tool_name)
 
@@ -72,6 +72,10 @@ class ResourceServer:
     def observation(self, state: dict, row: dict) -> str | None:
         """The first observation the model sees in a new session (None: the prompt comes from the row alone)."""
         return None
+
+    def is_done(self, state: dict) -> bool:
+        """Whether the episode is over after a tool call (sent as the call's "done"; the agent loop then stops it)."""
+        return False
 
     def verify(self, state: dict, row: dict, response: dict) -> dict:
         """{"reward": float} plus optional reward components, from the session's state and the final response."""
@@ -211,7 +215,7 @@ def build_app(server: ResourceServer, *, session_ttl_s: float = DEFAULT_SESSION_
     app.state.sessions = store
     _add_framework_routes(app, server, store, tools)
     for t in tools.values():
-        _add_tool_route(app, store, t)
+        _add_tool_route(app, server, store, t)
 
     @app.post("/{name}")
     async def unknown_tool(name: str) -> None:  # registered last: the real tools' routes match first
@@ -255,11 +259,11 @@ def _add_framework_routes(app: FastAPI, server: ResourceServer, store: SessionSt
         return {"status": "ok", "server": server.name, "sessions": len(store)}
 
 
-def _add_tool_route(app: FastAPI, store: SessionStore, t: _Tool) -> None:
+def _add_tool_route(app: FastAPI, server: ResourceServer, store: SessionStore, t: _Tool) -> None:
     async def call_tool(request: Request) -> dict:
         session = _session(request, store)
         arguments = _check_arguments(t, await request.body())
-        return await run_in_threadpool(_run_tool, t, session, arguments)
+        return await run_in_threadpool(_run_tool, server, t, session, arguments)
 
     app.add_api_route(f"/{t.spec.name}", call_tool, methods=["POST"], name=t.spec.name,
                       summary=t.spec.description.split("\n")[0] or None)
@@ -298,17 +302,19 @@ def _check_arguments(t: _Tool, body: bytes) -> dict:
     return arguments
 
 
-def _run_tool(t: _Tool, session: Session, arguments: dict) -> dict:
-    """{"output": ...} from the tool, or {"output": None, "error": message} when it raises: an observation."""
+def _run_tool(server: ResourceServer, t: _Tool, session: Session, arguments: dict) -> dict:
+    """{"output": ...} from the tool, or {"output": None, "error": message} when it raises: an observation; with
+    "done", the server's is_done after the call."""
     with session.lock:
         try:
-            output = t.fn(session.state, **arguments)
+            output, error = t.fn(session.state, **arguments), None
         except Exception as exc:  # noqa: BLE001 - the model made a bad call; it reads the message and tries again
             log.debug("tool %s raised", t.spec.name, exc_info=True)
-            return {"output": None, "error": str(exc) or type(exc).__name__}
-    if not isinstance(output, (str, dict)):
+            output, error = None, str(exc) or type(exc).__name__
+        done = _user_code(f"{type(server).__name__}.is_done", server.is_done, session.state)
+    if error is None and not isinstance(output, (str, dict)):
         raise HTTPException(500, f"tool {t.spec.name} returned {type(output).__name__}: return a str or a dict")
-    return {"output": output, "error": None}
+    return {"output": output, "error": error, DONE: bool(done)}
 
 
 def _seed(server: ResourceServer, row: dict) -> tuple[dict, str | None]:

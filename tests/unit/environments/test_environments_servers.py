@@ -69,17 +69,36 @@ def test_a_guess_number_episode_over_http(guess_server):
         assert partial.reward == pytest.approx((1 - 10 / 100) * 0.5)   # the last guess, 40, is 10 away
         assert partial.components == {"found": False, "turns": 2, "tool_errors": 0}
 
+        assert client.call_tool(other, "guess", {"number": 35}).done   # out of guesses: done with every call
+
         metrics = client.aggregate_metrics([{"reward": result.reward, **result.components},
                                             {"reward": partial.reward, **partial.components}])
         assert metrics["reward"] == pytest.approx(0.725) and metrics["found"] == 0.5
         assert client.errors == {}   # a tool's own error is an observation, not a server problem
 
 
+def test_a_row_sets_the_range_and_done_comes_with_the_call_that_ends_the_game(guess_server):
+    row = {"secret": 6, "low": 1, "high": 8, "max_turns": 3}
+    with ResourceClient(guess_server.url) as client:
+        session = client.seed_session(row)
+        assert "from 1 to 8" in session.observation
+        out_of_range = client.call_tool(session, "guess", {"number": 9})
+        assert (out_of_range.error_kind, out_of_range.done) == ("tool", False) and "from 1 to 8" in out_of_range.error
+        calls = [client.call_tool(session, "guess", {"number": n}) for n in (4, 6)]
+        assert [(c.output, c.done) for c in calls] == [("higher", False), ("correct", True)]
+        missed = {"secret": 1, "low": 1, "high": 8, "max_turns": 1}
+        other = client.seed_session(missed)
+        assert client.call_tool(other, "guess", {"number": 5}).done   # the one guess is spent
+        assert client.verify(other, missed, {}).reward == pytest.approx((1 - 4 / 8) * 0.5)   # 4 away in a range of 8
+        assert not client.seed_session({"secret": 0, "low": 1, "high": 8}).ok   # the secret out of its range: 422
+    assert client.errors == {"http_422": 1}
+
+
 def test_the_cookie_path_and_the_verify_answer_with_plain_httpx(guess_server):
     with httpx.Client(base_url=guess_server.url, trust_env=False) as http:
         seeded = http.post("/seed_session", json={"row": {"secret": 5, "max_turns": 3}})
         assert seeded.status_code == 200 and http.cookies["mrl_session"] == seeded.json()["session_id"]
-        assert http.post("/guess", json={"number": 5}).json() == {"output": "correct", "error": None}
+        assert http.post("/guess", json={"number": 5}).json() == {"output": "correct", "error": None, "done": True}
         verified = http.post("/verify", json={"row": {"secret": 5, "max_turns": 3, "id": "r1"}, "response": {}})
         assert verified.json() == {"secret": 5, "max_turns": 3, "id": "r1", "reward": 1.0, "found": True, "turns": 1,
                                    "tool_errors": 0, "reward_components": ["found", "tool_errors", "turns"]}
