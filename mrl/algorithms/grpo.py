@@ -6,10 +6,13 @@ reward, advantage A_i = group-normalised reward, and minimise the clipped surrog
     L = -mean_t min(r_t A, clip(r_t, 1 - eps_low, 1 + eps_high) A) + beta * KL_k(pi || pi_ref),  r_t = pi/pi_old
 over the batch, split into `policy.train_global_batch_size` rows per optimizer step. pi_old is the trainer's
 logprob of the sampled tokens before the step's updates (its difference with the engine's logprobs is the
-train/inference mismatch, logged every step as train/token_mult_prob_error and train/gen_kl_error).
+train/inference mismatch, logged every step as train/token_mult_prob_error and train/gen_kl_error); a step of one
+update takes it from its training forward, one forward fewer.
 
 Departures: a group whose rewards are all equal has zero advantage; with grpo.dynamic_sampling such groups are
-dropped instead of refilled (DAPO refills; here the step is just smaller).
+dropped instead of refilled (DAPO refills; here the step is just smaller). With grpo.max_off_policy_steps = 1 the
+samples come from the policy one update older than pi_old (generation overlaps training, mrl/algorithms/ahead.py);
+the loss's importance weights pi_old / pi_engine correct for it (loss.importance_sampling, required then).
 Validation (before the first step, every grpo.val_every steps and after the last) samples the held-out problems
 with the eval settings; a run without validation data skips it and says so once.
 """
@@ -23,6 +26,7 @@ from pathlib import Path
 import torch
 
 from mrl.algorithms.agent import agent_rollouts, validate_episodes
+from mrl.algorithms.ahead import RolloutsAhead
 from mrl.algorithms.evaluate import validate, write_samples
 from mrl.algorithms.interfaces import LoopCheckpoints, Workers
 from mrl.algorithms.rollout import Rollouts, generate_and_score
@@ -66,11 +70,10 @@ def run_validation(cfg: MrlConfig, workers: Workers, env: Environment, data: Tas
     return result.metrics
 
 
-def grpo_step(cfg: MrlConfig, workers: Workers, env: Environment, data: TaskData, problems, step: int,
-              loss_fn: GRPOLoss, logger: MetricsLogger) -> dict[str, float]:
-    """One GRPO step: generate -> reward -> advantage -> logprobs -> train -> refit. Returns the step's metrics."""
+def produce_rollouts(cfg: MrlConfig, workers: Workers, env: Environment, data: TaskData, problems, step: int,
+                     logger: MetricsLogger, policy_version: int) -> tuple[Rollouts, dict[str, float]]:
+    """Step `step`'s samples from the engine (which holds the weights after step `policy_version`), scored."""
     m: dict[str, float] = {}
-    n = cfg.grpo.num_generations_per_prompt
     problems, prompts = encode_prompts(problems, workers.tokenizer, data.template, cfg)
     sampling = sampling_config(cfg, step, turn_end_id=data.template.turn_end_id(workers.tokenizer))
     with logger.timer("generation", m):
@@ -82,6 +85,15 @@ def grpo_step(cfg: MrlConfig, workers: Workers, env: Environment, data: TaskData
         else:
             rollouts = generate_and_score(workers.engine, env, workers.tokenizer, problems, prompts, sampling)
         workers.engine.finish_generation()  # ... and releases it while the policy trains
+    rollouts.policy_version = policy_version
+    return rollouts, m
+
+
+def learn(cfg: MrlConfig, workers: Workers, rollouts: Rollouts, step: int, loss_fn: GRPOLoss,
+          logger: MetricsLogger) -> dict[str, float]:
+    """reward -> advantage -> logprobs -> train on step `step`'s rollouts. Returns the step's training metrics."""
+    m: dict[str, float] = {}
+    n = cfg.grpo.num_generations_per_prompt
     with logger.timer("reward", m):
         rewards = rollouts.rewards
         if cfg.grpo.overlong_buffer:
@@ -94,22 +106,33 @@ def grpo_step(cfg: MrlConfig, workers: Workers, env: Environment, data: TaskData
         keep = keep.repeat_interleave(n) & (rollouts.loss_mask.sum(dim=1) > 0)
         batch = training_rows(rollouts, advantages, keep, workers.policy.data_parallel_size)
     m.update(_rollout_metrics(rollouts, keep))
+    m["train/staleness"] = float(step - 1 - rollouts.policy_version)  # updates between generating and training
     if not bool(keep.any()):  # nothing to learn from (every group uniform, or every sample lost): no update
         return m
+    mismatch: dict[str, float] = {}
     with logger.timer("logprobs", m):
-        batch.token_data[PREV_LOGPROBS] = workers.policy.logprobs(batch)
+        if len(batch) > _rows_per_update(cfg, workers):  # pi_old must stay fixed over the step's updates
+            batch.token_data[PREV_LOGPROBS] = workers.policy.logprobs(batch)
+            mismatch = mismatch_metrics(batch.token_data[GENERATION_LOGPROBS], batch.token_data[PREV_LOGPROBS],
+                                        batch.loss_mask)
         if loss_fn.needs_reference:
             batch.token_data[REF_LOGPROBS] = workers.policy.logprobs(batch, reference=True)
-    mismatch = mismatch_metrics(batch.token_data[GENERATION_LOGPROBS], batch.token_data[PREV_LOGPROBS],
-                                batch.loss_mask)
     with logger.timer("train", m):
         train = _train_in_minibatches(cfg, workers, batch, loss_fn)
+    m.update({f"train/{k}": v for k, v in train.items()})
+    # One update per step: pi_old is the training forward's own logprobs (the policy has not moved yet; no second
+    # forward), and the mismatch is the loss's (token_mult_prob_error / gen_kl_error weighted like the loss: per
+    # sequence at sequence level). Several updates: the per-token means over the batch before any update.
+    # Asynchronous: they measure the engine/trainer mismatch plus one update of staleness.
+    m.update({f"train/{k}": v for k, v in mismatch.items() if k != "num_tokens"})
+    return m
+
+
+def refit_engine(workers: Workers, logger: MetricsLogger) -> dict[str, float]:
+    """Stream the policy's weights into the engine; the refit's metrics."""
+    m: dict[str, float] = {}
     with logger.timer("refit", m):
         refit = workers.refit()
-    m.update({f"train/{k}": v for k, v in train.items()})
-    # The loss reports token_mult_prob_error / gen_kl_error too, weighted like the loss (per sequence at sequence
-    # level); the logged ones are the per-token means over the whole batch, before any update (the definition).
-    m.update({f"train/{k}": v for k, v in mismatch.items() if k != "num_tokens"})
     m.update({f"train/refit_{k.split('/')[1]}": v for k, v in refit.as_metrics().items() if k != "timing/refit"})
     return m
 
@@ -121,11 +144,16 @@ def _rollout_metrics(rollouts: Rollouts, keep: torch.Tensor) -> dict[str, float]
             "train/prompts_rejected": float(rollouts.num_prompts_rejected), "train/kept_samples": float(keep.sum())}
 
 
+def _rows_per_update(cfg: MrlConfig, workers: Workers) -> int:
+    """Rows of one optimizer step: `policy.train_global_batch_size`, a multiple of the data-parallel size."""
+    dp = workers.policy.data_parallel_size
+    return max(cfg.policy.train_global_batch_size, dp) // dp * dp
+
+
 def _train_in_minibatches(cfg: MrlConfig, workers: Workers, batch: RankBatch, loss_fn: GRPOLoss) -> dict[str, float]:
     """One optimizer step per `policy.train_global_batch_size` rows; metrics averaged over the steps. The batch's
     rows are a multiple of the data-parallel size (`training_rows`), and so is every slice of it."""
-    dp = workers.policy.data_parallel_size
-    size = max(cfg.policy.train_global_batch_size, dp) // dp * dp
+    size = _rows_per_update(cfg, workers)
     steps = [batch.slice(i, i + size) for i in range(0, len(batch), size)]
     steps = [s for s in steps if s.loss_mask.sum() > 0]
     results = [workers.policy.train(s, loss_fn, temperature=1.0) for s in steps]
@@ -136,7 +164,8 @@ def _train_in_minibatches(cfg: MrlConfig, workers: Workers, batch: RankBatch, lo
 def grpo_train(cfg: MrlConfig, workers: Workers, env: Environment, data: TaskData, logger: MetricsLogger,
                ckpt: LoopCheckpoints, *, val_env: Environment | None = None) -> dict[str, float]:
     """The whole GRPO run (resumes from the newest checkpoint when there is one). Returns the final metrics.
-    `val_env` scores validation (default `env`; with a reward model as the training reward, the task's verifier)."""
+    `val_env` scores validation (default `env`; with a reward model as the training reward, the task's verifier).
+    `grpo.max_off_policy_steps: 1` generates step n+1 while step n trains (mrl/algorithms/ahead.py)."""
     val_env = val_env or env
     loader = PromptDataLoader(data.train, cfg.grpo.num_prompts_per_step, seed=cfg.run.seed)
     loss_fn = GRPOLoss(**cfg.loss.model_dump())  # loss.* are GRPOLoss's fields
@@ -150,18 +179,40 @@ def grpo_train(cfg: MrlConfig, workers: Workers, env: Environment, data: TaskDat
         workers.refit()  # the engine gets the resumed weights
     else:
         logger.log(run_validation(cfg, workers, val_env, data, step=0), step=0)
+    def produce(step: int, problems, version: int) -> tuple[Rollouts, dict[str, float]]:
+        return produce_rollouts(cfg, workers, env, data, problems, step, logger, version)
+
+    ahead = (RolloutsAhead(produce, lambda: refit_engine(workers, logger), engine_version=start)
+             if cfg.grpo.max_off_policy_steps else None)
+    if ahead is not None and state:
+        ahead.load_state_dict(state.get("in_flight"))
     final: dict[str, float] = {}
-    for step in range(start + 1, last + 1):
-        t0 = time.perf_counter()
-        metrics = grpo_step(cfg, workers, env, data, next(loader), step, loss_fn, logger)
-        done = step == last or loader.passes_done(cfg.grpo.max_num_epochs)
-        if done or (cfg.grpo.val_every and step % cfg.grpo.val_every == 0):
-            metrics.update(run_validation(cfg, workers, val_env, data, step))
-        metrics["timing/step"] = time.perf_counter() - t0
-        logger.log(metrics, step=step)
-        final = metrics
-        if ckpt.due(step, last, final=done):
-            ckpt.save(step, {"dataloader": loader.state_dict()}, metrics)
-        if ckpt.stops_after(step, done=done):
-            break
+    try:
+        for step in range(start + 1, last + 1):
+            t0 = time.perf_counter()
+            if ahead is None:
+                rollouts, metrics = produce(step, next(loader), step - 1)
+            else:
+                rollouts, metrics = ahead.take(step, lambda: next(loader))
+            done = step == last or loader.passes_done(cfg.grpo.max_num_epochs)
+            if ahead is not None and not done:  # step + 1 generates (from the weights before this step) ...
+                metrics.update(ahead.start(step + 1, next(loader), policy_version=step - 1))
+            metrics.update(learn(cfg, workers, rollouts, step, loss_fn, logger))  # ... while this step trains
+            if ahead is None:
+                metrics.update(refit_engine(workers, logger))
+            if done or (cfg.grpo.val_every and step % cfg.grpo.val_every == 0):
+                if ahead is not None:
+                    metrics.update(ahead.update_engine(step))
+                metrics.update(run_validation(cfg, workers, val_env, data, step))
+            metrics["timing/step"] = time.perf_counter() - t0
+            logger.log(metrics, step=step)
+            final = metrics
+            if ckpt.due(step, last, final=done):
+                in_flight = ahead.state_dict() if ahead is not None else None
+                ckpt.save(step, {"dataloader": loader.state_dict(), "in_flight": in_flight}, metrics)
+            if ckpt.stops_after(step, done=done):
+                break
+    finally:
+        if ahead is not None:
+            ahead.close()
     return final

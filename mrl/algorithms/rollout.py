@@ -36,6 +36,17 @@ class Rollouts:
     responses: list[str] = field(default_factory=list)                # [B] decoded responses
     extracted_answers: list[Optional[str]] = field(default_factory=list)  # [B] what the environment read as answer
     finish_reasons: list[FinishReason] = field(default_factory=list)  # [B]
+    policy_version: int = 0            # the training step whose weights generated them (0: the initial model)
+
+    def state_dict(self) -> dict:
+        """Tensors, numbers and strings only (a checkpoint's train state loads with weights_only=True)."""
+        state = {name: getattr(self, name) for name in self.__dataclass_fields__}
+        state["finish_reasons"] = [reason.value for reason in self.finish_reasons]
+        return state
+
+    @classmethod
+    def from_state_dict(cls, state: dict) -> "Rollouts":
+        return cls(**{**state, "finish_reasons": [FinishReason(value) for value in state["finish_reasons"]]})
 
 
 def rows_from_output(out: GenerationOutput, pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -195,9 +195,31 @@ def _misc_problems(cfg: "MrlConfig") -> list[ConfigError]:
     if not cfg.generation.colocated and cfg.generation.num_devices is None:
         out.append(ConfigError("a non-colocated engine needs its own devices", key="generation.num_devices",
                                fix="set generation.num_devices, or generation.colocated=true"))
+    if cfg.grpo.max_off_policy_steps and _runs(cfg, "grpo"):
+        out += _async_problems(cfg)
     if cfg.loss.icepop_low >= cfg.loss.icepop_high:
         out.append(ConfigError("ICE-POP needs icepop_low < icepop_high", key="loss.icepop_low",
                                given=cfg.loss.icepop_low, allowed=f"< {cfg.loss.icepop_high}"))
+    return out
+
+
+def _async_problems(cfg: "MrlConfig") -> list[ConfigError]:
+    """Asynchronous GRPO trains on samples of the policy before the last update: the loss must correct for that, and
+    the engine must generate while the policy trains (devices of its own)."""
+    out = []
+    if cfg.loss.importance_sampling == "none":
+        out.append(ConfigError("asynchronous GRPO trains on samples of an older policy: the loss must correct for it",
+                               key="loss.importance_sampling", given="none", allowed="tis, icepop",
+                               fix="set loss.importance_sampling=tis (or grpo.max_off_policy_steps=0)"))
+    if cfg.generation.colocated:
+        out.append(ConfigError("asynchronous GRPO generates while the policy trains, so the engine needs devices of "
+                               "its own", key="generation.colocated", given=True, allowed="false",
+                               fix="set generation.colocated=false and generation.num_devices (or "
+                                   "grpo.max_off_policy_steps=0)"))
+    if cfg.generation.backend != "vllm":
+        out.append(ConfigError("asynchronous GRPO needs engines in their own processes", key="generation.backend",
+                               given=cfg.generation.backend, allowed="vllm",
+                               fix="set generation.backend=vllm (or grpo.max_off_policy_steps=0)"))
     return out
 
 

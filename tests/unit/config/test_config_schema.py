@@ -129,6 +129,18 @@ def test_the_length_multiple_the_workers_need_is_the_one_checked():
     validate_tree(tree)
 
 
+def test_asynchronous_grpo_needs_importance_weights_and_an_engine_of_its_own():
+    keys = {p.key: p for p in problems({"grpo": {"max_off_policy_steps": 1}})}
+    assert set(keys) == {"loss.importance_sampling", "generation.colocated"}
+    assert "loss.importance_sampling=tis" in keys["loss.importance_sampling"].fix
+    assert "generation.num_devices" in keys["generation.colocated"].fix
+    ok = {"grpo": {"max_off_policy_steps": 1}, "loss": {"importance_sampling": "tis"}, "cluster": {"devices_per_node": 2},
+          "generation": {"colocated": False, "num_devices": 1}}
+    assert validate_tree(ok).grpo.max_off_policy_steps == 1
+    (p,) = problems({**ok, "grpo": {"max_off_policy_steps": 2}})
+    assert p.key == "grpo.max_off_policy_steps" and p.given == 2
+
+
 DEFAULTS_SNAPSHOT = Path(__file__).parent / "default_config.yaml"
 
 

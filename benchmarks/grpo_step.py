@@ -1,0 +1,312 @@
+"""Time of one GRPO step of the same small workload three ways: a bare HF + torch floor, mrl synchronous, mrl async.
+
+The workload: the arithmetic task of recipes/arith-tiny-cpu.yaml ("37+05=" -> "42", 0/1 exact-match reward) on its
+random-init 4-layer model (no SFT warm-up), P prompts x G samples x at most T new tokens per step, fp32, 2 cores.
+  floor: this process, torch.set_num_threads(2) (--floor-threads), HF transformers: `model.generate(do_sample,
+         temperature 1, num_return_sequences=G)` on left-padded prompts; mrl's reward (`build_environment(env)`,
+         a response without EOS scores 0); group-normalised advantages (`grpo_advantages`, no leave-one-out,
+         std-normalised); one forward with grad over prompt + response, loss = -mean over response tokens of
+         ratio * A with ratio = exp(logp - logp.detach()) (the clipped GRPO loss at ratio 1), backward, grad-norm
+         clip (as mrl does), torch.optim.AdamW step with the run's optimizer settings (lr 1e-3).
+         Prompts come from mrl's own task data, loader and template with the run's seed. The model folder is built
+         first, by mrl's `build_initial_model` from the same config, so it holds the weights mrl starts from
+         (checked byte for byte against mrl sync's own folder when both run).
+  sync : `mrl grpo --config recipes/arith-tiny-cpu.yaml` as a subprocess, with overrides giving the same P, G, T,
+         one optimizer step per step (global = micro batch = P*G), lr 1e-3 without warm-up, a small validation
+         (eval.max_problems=8), no checkpoints. The engine and the policy share one bundle (colocated) and, as in
+         the recipe's GRPO stage, each uses both cores (cluster.omp_num_threads=2: their phases never overlap).
+  async: the same plus grpo.max_off_policy_steps=1 loss.importance_sampling=tis, the engine on a bundle of its own
+         (generation.colocated=false, generation.num_devices=1, cluster.devices_per_node=2): one core each
+         (cluster.omp_num_threads=1).
+mrl's times are read from <output_dir>/logs/metrics.jsonl. A step's time is the median `timing/step` over steps
+2..N-1 for mrl (step 1 warms up, step N also validates; async's step 2 also makes the broadcast group of its first
+refit, so give it --steps 6 or more) and over steps 2..N for the floor. Tokens per step: generated tokens, stop
+token included (mrl: train/response_length * P*G). A mode that fails is reported as such; the others still run.
+Figures, not a timed test: other load on the machine shows in them, most in the floor's two OpenMP threads.
+
+    python benchmarks/grpo_step.py [--steps 8 --prompts 8 --generations 8 --tokens 32 --modes floor,sync,async
+                                    --floor-threads 2 --keep DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")  # the mrl subprocesses' workers, as in the Makefile
+os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
+os.environ["TOKENIZERS_PARALLELISM"] = "false"
+
+RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "arith-tiny-cpu.yaml"
+MODES = ("floor", "sync", "async")
+#: The recipe's GRPO-stage threads (`mrl grpo --config` does not apply stage overrides): phases never overlap, so
+#: the policy and the engine each use both cores; asynchronous, a core each.
+SYNC_OVERRIDES = ["cluster.omp_num_threads=2"]
+ASYNC_OVERRIDES = ["grpo.max_off_policy_steps=1", "loss.importance_sampling=tis", "generation.colocated=false",
+                   "generation.num_devices=1", "cluster.devices_per_node=2", "cluster.omp_num_threads=1"]
+
+
+@dataclass
+class Result:
+    """Medians over the steady steps (seconds), mean generated tokens per step and mean reward over all steps."""
+
+    step: float = float("nan")
+    generation: float = float("nan")
+    train: float = float("nan")
+    logprobs: float = float("nan")
+    refit: float = float("nan")
+    tokens: float = float("nan")
+    reward: float = float("nan")
+    error: Optional[str] = None
+
+
+def _parse() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--generations", type=int, default=8)
+    parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument("--modes", default=",".join(MODES), help="comma list of floor, sync, async")
+    parser.add_argument("--keep", metavar="DIR", help="write the runs' outputs here and keep them")
+    parser.add_argument("--floor-threads", type=int, default=2,
+                        help="torch threads of the floor (fewer than the free cores: OpenMP threads stall when a "
+                             "core is busy with other work)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="another override of both mrl runs (repeatable), e.g. --set cluster.omp_num_threads=2")
+    args = parser.parse_args()
+    args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    unknown = sorted(set(args.modes) - set(MODES))
+    if unknown:
+        parser.error(f"--modes: unknown {unknown}; pick from {', '.join(MODES)}")
+    return args
+
+
+def mrl_overrides(args: argparse.Namespace, out_dir: Path) -> list[str]:
+    """The recipe's settings changed to the benchmark's workload (the floor loads its config with these too)."""
+    batch = args.prompts * args.generations
+    max_len = args.tokens + 16  # the arith prompt is 6 tokens
+    return [f"grpo.max_num_steps={args.steps}", f"grpo.num_prompts_per_step={args.prompts}",
+            f"grpo.num_generations_per_prompt={args.generations}", f"generation.max_new_tokens={args.tokens}",
+            f"policy.max_total_sequence_length={max_len}", f"generation.vllm.max_model_len={max_len}",
+            f"policy.train_global_batch_size={batch}", f"policy.train_micro_batch_size={batch}",
+            f"policy.logprob_micro_batch_size={batch}", "policy.optimizer.lr=1e-3", "policy.scheduler.warmup_steps=0",
+            "grpo.val_every=0", "eval.max_problems=8", "checkpointing.enabled=false", f"run.output_dir={out_dir}",
+            *args.set]
+
+
+# ------------------------------------------------------------------------------------------------------------- mrl
+def run_mrl(args: argparse.Namespace, out_dir: Path, extra: list[str]) -> Result:
+    """`mrl grpo` on the recipe in a subprocess; its per-step times from metrics.jsonl."""
+    command = [sys.executable, "-m", "mrl.cli", "grpo", "--config", str(RECIPE), *mrl_overrides(args, out_dir), *extra]
+    log = out_dir.with_suffix(".log")
+    with log.open("w") as sink:
+        code = subprocess.run(command, stdout=sink, stderr=subprocess.STDOUT, cwd=RECIPE.parents[1]).returncode
+    if code:
+        tail = [line for line in log.read_text().splitlines() if line.strip()][-6:]
+        return Result(error=f"mrl grpo exited with {code}; the end of {log.name}:\n      " + "\n      ".join(tail))
+    records = [r for r in _read_jsonl(out_dir / "logs" / "metrics.jsonl") if "timing/step" in r]
+    if not records:
+        return Result(error=f"no step was logged in {out_dir / 'logs' / 'metrics.jsonl'}")
+    return _summarise(records, args.steps, args.prompts * args.generations)
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _steady(records: list[dict], steps: int, last_excluded: bool) -> list[dict]:
+    """Steps 2..N-1 (or 2..N), or every step when that leaves none."""
+    end = steps - 1 if last_excluded else steps
+    return [r for r in records if 2 <= r["step"] <= end] or records
+
+
+def _median(records: list[dict], key: str) -> float:
+    values = [r[key] for r in records if key in r]
+    return statistics.median(values) if values else float("nan")
+
+
+def _summarise(records: list[dict], steps: int, samples: int) -> Result:
+    steady = _steady(records, steps, last_excluded=True)
+    return Result(step=_median(steady, "timing/step"), generation=_median(steady, "timing/generation"),
+                  train=_median(steady, "timing/train"), logprobs=_median(steady, "timing/logprobs"),
+                  refit=_median(steady, "timing/refit"),
+                  tokens=statistics.mean(r["train/response_length"] * samples for r in steady),
+                  reward=statistics.mean(r["train/reward"] for r in records))
+
+
+# ----------------------------------------------------------------------------------------------------------- floor
+def run_floor(args: argparse.Namespace, out_dir: Path) -> Result:
+    """The bare loop (module docstring) on the model mrl builds from the same config; one record per step."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    from mrl.app.runtime import INITIAL_MODEL_DIR, build_initial_model
+    from mrl.config import load_config
+    from mrl.data.dataloader import PromptDataLoader
+    from mrl.data.tasks import load_task_data
+    from mrl.data.tokenizers import load_tokenizer
+    from mrl.environments.registry import build_environment
+
+    torch.set_num_threads(args.floor_threads)
+    cfg = load_config(RECIPE, mrl_overrides(args, out_dir))
+    model_dir = build_initial_model(cfg, cfg.policy.build, out_dir / INITIAL_MODEL_DIR)
+    hf_logging.disable_progress_bar()  # one tiny shard
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    tokenizer, data, env = load_tokenizer(model_dir), load_task_data(cfg), build_environment(cfg.env)
+    loader = PromptDataLoader(data.train, args.prompts, seed=cfg.run.seed)
+    opt = cfg.policy.optimizer
+    optimizer = torch.optim.AdamW(model.parameters(), lr=opt.lr, betas=(opt.adam_beta1, opt.adam_beta2),
+                                  eps=opt.adam_eps, weight_decay=opt.weight_decay)
+    records = []
+    for step in range(1, args.steps + 1):
+        record = _floor_step(model, optimizer, tokenizer, data, env, next(loader), cfg, args)
+        records.append({"step": step, **record})
+    steady = _steady(records, args.steps, last_excluded=False)
+    return Result(step=_median(steady, "timing/step"), generation=_median(steady, "timing/generation"),
+                  train=_median(steady, "timing/train"), tokens=statistics.mean(r["tokens"] for r in steady),
+                  reward=statistics.mean(r["reward"] for r in records))
+
+
+def _floor_step(model, optimizer, tokenizer, data, env, problems, cfg, args: argparse.Namespace) -> dict:
+    """generate -> reward -> advantages -> train, timed; returns the step's times, tokens and mean reward."""
+    import torch
+
+    from mrl.data.tasks import encode_prompts
+    from mrl.objectives.advantages import grpo_advantages
+
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    problems, prompts = encode_prompts(problems, tokenizer, data.template, cfg)
+    prompt_ids, prompt_mask = _left_pad(prompts, pad)  # [P, Lp] each
+    start = time.perf_counter()
+    model.eval()
+    out = model.generate(prompt_ids, attention_mask=prompt_mask, do_sample=True, temperature=1.0,
+                         max_new_tokens=args.tokens, num_return_sequences=args.generations, pad_token_id=pad,
+                         eos_token_id=eos)  # [P*G, Lp + L]; rows of a prompt are contiguous
+    responses = out[:, prompt_ids.shape[1]:]  # [P*G, L]
+    is_eos = (responses == eos).long()
+    response_mask = (is_eos.cumsum(dim=1) - is_eos == 0).float()  # [P*G, L]: up to and including the first EOS
+    generated = time.perf_counter()
+    rewards = _rewards(env, tokenizer, problems, responses, response_mask, is_eos, args.generations)  # [P*G]
+    advantages = grpo_advantages(rewards.view(-1, args.generations), leave_one_out=False,
+                                 normalize_std=True).view(-1)
+    scored = time.perf_counter()
+    _train(model, optimizer, prompt_ids.repeat_interleave(args.generations, dim=0),
+           prompt_mask.repeat_interleave(args.generations, dim=0), responses, response_mask, advantages,
+           cfg.policy.optimizer.clip_grad)
+    end = time.perf_counter()
+    return {"timing/step": end - start, "timing/generation": generated - start, "timing/reward": scored - generated,
+            "timing/train": end - scored, "tokens": float(response_mask.sum()), "reward": float(rewards.mean())}
+
+
+def _left_pad(prompts: list[list[int]], pad: int):
+    """Token ids and attention mask [P, Lp] of prompts padded on the left (generate appends on the right)."""
+    import torch
+
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], dtype=torch.long)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], dtype=torch.long)
+    return ids, mask
+
+
+def _rewards(env, tokenizer, problems, responses, response_mask, is_eos, group: int):
+    """mrl's environment on the decoded responses; a response without EOS is unfinished (scored 0). [P*G]"""
+    from mrl.environments.base import ANSWER, FINISHED
+
+    lengths = response_mask.sum(dim=1).long().tolist()
+    texts = [tokenizer.decode(row[:n].tolist(), skip_special_tokens=True) for row, n in zip(responses, lengths)]
+    finished = is_eos.any(dim=1).tolist()
+    meta = [{ANSWER: problems[i // group].answer, FINISHED: finished[i]} for i in range(len(texts))]
+    return env.step([[{"role": "assistant", "content": t}] for t in texts], meta).rewards.float()
+
+
+def _train(model, optimizer, prompt_ids, prompt_mask, responses, response_mask, advantages, clip_grad: float):
+    """One optimizer step on the on-policy clipped surrogate (ratio 1 in value, its gradient grad logp)."""
+    import torch
+
+    model.train()
+    ids = torch.cat([prompt_ids, responses], dim=1)  # [B, Lp + L]
+    mask = torch.cat([prompt_mask, response_mask.long()], dim=1)  # [B, Lp + L]
+    positions = (mask.cumsum(dim=1) - 1).clamp(min=0)  # left padding: the first real token is position 0
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits  # [B, Lp + L, V]
+    width = prompt_ids.shape[1]
+    logits = logits[:, width - 1:-1]  # [B, L, V]: the positions predicting the response tokens
+    logp = torch.log_softmax(logits.float(), dim=-1).gather(-1, responses.unsqueeze(-1)).squeeze(-1)  # [B, L]
+    ratio = torch.exp(logp - logp.detach())
+    loss = -(ratio * advantages[:, None] * response_mask).sum() / response_mask.sum()
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    if clip_grad > 0:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad)
+    optimizer.step()
+
+
+# ---------------------------------------------------------------------------------------------------------- report
+def _same_initial_model(root: Path) -> Optional[bool]:
+    """Whether the floor's model folder holds the same weights as mrl sync's (None when one is missing)."""
+    from mrl.app.runtime import INITIAL_MODEL_DIR
+
+    files = [root / mode / INITIAL_MODEL_DIR / "model.safetensors" for mode in ("floor", "sync")]
+    if not all(f.is_file() for f in files):
+        return None
+    return files[0].read_bytes() == files[1].read_bytes()
+
+
+def _fmt(value: float, width: int, digits: int) -> str:
+    text = "-" if value != value else f"{value:.{digits}f}"  # NaN: not measured in this mode
+    return text.rjust(width)
+
+
+def _print_report(args: argparse.Namespace, results: dict[str, Result], same_model: Optional[bool]) -> None:
+    print(f"settings: arith-tiny-cpu model (random init), {args.prompts} prompts x {args.generations} samples x "
+          f"<= {args.tokens} new tokens, {args.steps} steps; floor {args.floor_threads} threads in-process; mrl "
+          f"threads per worker: sync {SYNC_OVERRIDES[-1]}, async {ASYNC_OVERRIDES[-1]}")
+    if same_model is not None:
+        print(f"floor and mrl sync start from identical weights: {'yes' if same_model else 'NO'}")
+    print(f"{'mode':7}{'step s':>9}{'gen s':>9}{'logprob s':>11}{'train s':>9}{'refit s':>9}{'tokens/step':>13}"
+          f"{'reward':>8}")
+    for mode, r in results.items():
+        if r.error:
+            print(f"{mode:7}failed: {r.error}")
+            continue
+        print(f"{mode:7}{_fmt(r.step, 9, 3)}{_fmt(r.generation, 9, 3)}{_fmt(r.logprobs, 11, 3)}"
+              f"{_fmt(r.train, 9, 3)}{_fmt(r.refit, 9, 3)}{_fmt(r.tokens, 13, 0)}{_fmt(r.reward, 8, 3)}")
+    for top, bottom in (("sync", "floor"), ("async", "floor"), ("async", "sync")):
+        a, b = results.get(top), results.get(bottom)
+        if a and b and not (a.error or b.error):
+            print(f"step time {top} / {bottom} = {a.step / b.step:.2f}")
+
+
+def main() -> None:
+    args = _parse()
+    with tempfile.TemporaryDirectory(prefix="grpo-step-") as scratch:
+        root = Path(args.keep or scratch).resolve()
+        root.mkdir(parents=True, exist_ok=True)
+        taken = [m for m in args.modes if (root / m).exists()]
+        if taken:
+            sys.exit(f"{root} already holds outputs of {taken}: pick an empty --keep folder")
+        results: dict[str, Result] = {}
+        for mode in args.modes:
+            print(f"[bench] {mode} ...", file=sys.stderr, flush=True)
+            try:
+                if mode == "floor":
+                    results[mode] = run_floor(args, root / mode)
+                else:
+                    results[mode] = run_mrl(args, root / mode, ASYNC_OVERRIDES if mode == "async" else SYNC_OVERRIDES)
+            except Exception as error:  # noqa: BLE001 -- report the mode as failed, run the others
+                results[mode] = Result(error=f"{type(error).__name__}: {error}")
+        same_model = _same_initial_model(root)
+    _print_report(args, results, same_model)
+
+
+if __name__ == "__main__":
+    main()
