@@ -15,7 +15,7 @@ export RAY_USAGE_STATS_ENABLED := 0
 export TOKENIZERS_PARALLELISM := false
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: install demo test test-unit test-functional real test-real test-slurm test-learning lint lock bench clean
+.PHONY: install demo test test-unit test-functional real test-real test-slurm test-learning test-gpu lint lock bench clean
 
 install: $(STAMP)
 
@@ -57,6 +57,11 @@ test-slurm: install
 # GRPO on the number-guessing server.
 test-learning: install
 	$(BIN)/python -m pytest tests/learning -q -s
+
+# The GPU tier: Megatron on CUDA (fp32, bf16) against HF, the CUDA IPC transport between two processes, the converter
+# on device tensors. Skips in one line on a machine without CUDA.
+test-gpu: install
+	$(BIN)/python -m pytest tests/gpu -q -s
 
 test-unit: install
 	$(BIN)/python -m pytest tests -q -m unit

@@ -10,7 +10,8 @@ Both the policy (Megatron) and the engine (vLLM) start from that folder, so they
 
 Placement: `cluster.num_nodes x cluster.devices_per_node` bundles. Colocated (the default): the policy's ranks and
 the engines share the bundles, each taking half of a bundle's resources; the engine gets the policy's weights by
-refit after every step (mrl/inference/refit.py), as shared-memory files written by the policy's rank 0. An engine
+refit after every step (mrl/inference/refit.py), as shared-memory files written by the policy's rank 0 (on GPUs:
+device buffers the engine maps by CUDA IPC). An engine
 on devices of its own (`generation.colocated: false`) receives them by broadcast in a group of the policy's rank 0
 and the engines, made on the first refit.
 """
@@ -26,7 +27,8 @@ from mrl.config.schema import ModelBuildConfig, MrlConfig
 from mrl.distributed import Placement, RayCluster
 from mrl.inference.interface import RolloutEngine
 from mrl.inference.refit import RefitStats, refit
-from mrl.inference.transports import CollectiveTransport, SharedMemoryFileTransport, WeightTransport, collective
+from mrl.inference.transports import (CollectiveTransport, CudaIpcTransport, SharedMemoryFileTransport, WeightTransport,
+                                     collective)
 from mrl.policy.interface import TrainablePolicy
 
 if TYPE_CHECKING:
@@ -128,6 +130,7 @@ class Runtime:
     engine: Optional[RolloutEngine] = None
     reward_model: Optional[Any] = None  # a frozen reward model's worker group (env.reward_model), on the same bundles
     _broadcast: Optional[CollectiveTransport] = None
+    _local: Optional[WeightTransport] = None
 
     def refit(self) -> RefitStats:
         """Stream the policy's weights into the engine (see the module docstring for the transport)."""
@@ -136,7 +139,12 @@ class Runtime:
 
     def _transport(self) -> WeightTransport:
         if self.cfg.generation.colocated or self.cfg.generation.backend != "vllm":
-            return SharedMemoryFileTransport()
+            if self._local is None:  # one object for the run: a CUDA IPC sender keeps its buffers under its name
+                import torch
+
+                cuda = torch.cuda.is_available() and self.cfg.generation.backend == "vllm"
+                self._local = CudaIpcTransport() if cuda else SharedMemoryFileTransport()
+            return self._local
         if self._broadcast is None:
             self._broadcast = collective.connect(self.policy, self.engine)  # type: ignore[arg-type]
         return self._broadcast

@@ -90,3 +90,34 @@ def iter_buckets(
         size += layer_size
     if bucket:
         yield bucket
+
+
+# --------------------------------------------------------------------------------------------- one flat buffer
+#: Every tensor of a flat bucket starts at a multiple of this many bytes, so a receiver can view it in place.
+FLAT_ALIGN = 16
+#: One tensor of a flat bucket: [name, dtype name ("float32"), shape, byte offset, bytes]: plain JSON/msgpack data.
+FlatEntry = list
+
+
+def flat_layout(bucket: list[NamedTensor]) -> tuple[list[FlatEntry], int]:
+    """Where each tensor of `bucket` goes in one byte buffer (offsets aligned to FLAT_ALIGN), and the buffer's size."""
+    header, offset = [], 0
+    for name, tensor in bucket:
+        offset = -(-offset // FLAT_ALIGN) * FLAT_ALIGN
+        size = tensor_bytes(tensor)
+        header.append([name, str(tensor.dtype).removeprefix("torch."), list(tensor.shape), offset, size])
+        offset += size
+    return header, offset
+
+
+def pack_flat(bucket: list[NamedTensor], header: list[FlatEntry], buffer: torch.Tensor) -> None:
+    """Copy the bucket's bytes into `buffer` (uint8, at least the layout's size, on any device) at the header's
+    offsets."""
+    for (_, tensor), (_, _, _, start, size) in zip(bucket, header):
+        buffer[start:start + size] = tensor.detach().contiguous().view(-1).view(torch.uint8)
+
+
+def flat_views(buffer: torch.Tensor, header: list[FlatEntry]) -> list[NamedTensor]:
+    """The bucket's tensors as views of `buffer` (no copy): the receiving side of `pack_flat`."""
+    return [(name, buffer[start:start + size].view(getattr(torch, dtype)).view(shape))
+            for name, dtype, shape, start, size in header]

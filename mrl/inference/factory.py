@@ -90,7 +90,7 @@ def vllm_engine_config(cfg: "MrlConfig", model_path: str) -> "VllmEngineConfig":
         gpu_memory_utilization=gen.vllm.gpu_memory_utilization,
         sleep_when_idle=gen.colocated and torch.cuda.is_available(),
         multiprocessing=gen.vllm.tensor_parallel_size > 1,
-        refit_transport="shm_file",
+        refit_transport="cuda_ipc" if torch.cuda.is_available() else "shm_file",  # the engine's own hand-on
         refit_bucket_bytes=gen.refit_bucket_mb * 2**20,
     )
 

@@ -6,13 +6,15 @@
         transport.release(payload)                      before bucket i + 1 is gathered
     sink.finish_refit(complete=True)                    e.g. drop prefix caches computed with the old weights
     every tensor of the engine's checkpoint carried?    else RefitError
+Double-buffered transports (`in_flight` >= 2: shared-memory files, CUDA IPC buffers) with a sink that loads without
+waiting overlap the two halves: bucket i + 1 is gathered while the sink loads bucket i (`_pipelined`).
 With a meeting transport (collective broadcast), the sink starts receiving `transport.receiver_payload()` and the
 source sends bucket i at the same time, and both are awaited together.
 
 Sources: the sharded policy (mrl.policy.group.Policy: rank 0 gathers each bucket from the TP/PP shards) or
 `LocalWeights` (a stream or state dict in this process: `update_weights` of every engine). Sinks: the vLLM engine
 group (Ray actors), one vLLM engine, the Megatron engine. Peak extra memory is one bucket (one layer if a layer
-exceeds the bucket) on each side, unless the sink needs a whole state at once (the Megatron engine validates a
+exceeds the bucket) on each side (two on the sender's when double-buffered), unless the sink needs a whole state at once (the Megatron engine validates a
 complete state before loading anything).
 """
 
@@ -132,8 +134,10 @@ def refit(source: WeightSource, sink: RefitSink, transport: WeightTransport, *, 
     names: set[str] = set()
     sizes: list[int] = []
     try:
-        for index in source.plan_buckets(bucket_bytes):
-            payload = _move(source, sink, transport, index)
+        plan = source.plan_buckets(bucket_bytes)
+        moved = (_pipelined(source, sink, transport, plan) if _pipelines(sink, transport) else
+                 (_move(source, sink, transport, index) for index in plan))
+        for payload in moved:
             names.update(payload["names"])
             sizes.append(payload["bytes"])
     except BaseException:
@@ -164,6 +168,48 @@ def _move(source: WeightSource, sink: RefitSink, transport: WeightTransport, ind
     finally:
         transport.release(payload)
     return payload
+
+
+def _pipelines(sink: RefitSink, transport: WeightTransport) -> bool:
+    """Whether bucket i + 1 may be gathered while the sink loads bucket i: the transport keeps two payloads apart
+    (`in_flight` >= 2: two files, two device buffers) and the sink can load without waiting."""
+    return not transport.meets and getattr(transport, "in_flight", 1) >= 2 and hasattr(sink, "load_payload_async")
+
+
+def _pipelined(source: WeightSource, sink: RefitSink, transport: WeightTransport,
+               plan: Iterable[int]) -> Iterator[Payload]:
+    """Double-buffered: the source gathers and packs bucket i + 1 while every worker of the sink loads bucket i;
+    bucket i is released once loaded, before bucket i + 2 is packed (at most two payloads alive)."""
+    loading: Optional[tuple[Payload, Pending]] = None
+    try:
+        for index in plan:
+            payload = source.send_bucket(index, transport)
+            previous, loading = loading, None
+            try:
+                if previous is not None:
+                    _finish_loading(transport, *previous)
+            except BaseException:
+                transport.release(payload)  # packed, never handed to the sink
+                raise
+            loading = (payload, sink.load_payload_async(payload))  # type: ignore[attr-defined]
+            yield payload
+        previous, loading = loading, None
+        if previous is not None:
+            _finish_loading(transport, *previous)
+    finally:
+        if loading is not None:  # a failure while a load was under way: let it end, then free its payload
+            try:
+                loading[1].result()
+            except BaseException:  # noqa: BLE001 -- the first failure is the one raised
+                pass
+            transport.release(loading[0])
+
+
+def _finish_loading(transport: WeightTransport, payload: Payload, pending: Pending) -> None:
+    try:
+        pending.result()
+    finally:
+        transport.release(payload)
 
 
 def check_complete(expected_names: Optional[frozenset[str]], seen: set[str]) -> None:

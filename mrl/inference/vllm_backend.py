@@ -75,6 +75,8 @@ class VllmEngineConfig:
                 f"(multiprocessing=False, tensor_parallel_size=1; got {self.multiprocessing}, "
                 f"{self.tensor_parallel_size}); use refit_transport='shm_file'"
             )
+        if self.refit_transport == "cuda_ipc" and not torch.cuda.is_available():
+            raise ValueError("refit_transport='cuda_ipc' needs CUDA; on CPU use 'shm_file' (a shared-memory file)")
         if self.sleep_when_idle and not torch.cuda.is_available():
             raise ValueError("sleep_when_idle needs CUDA: vLLM has no sleep mode on CPU; set it to False")
 

@@ -44,6 +44,13 @@ class RankBatch:
     def __len__(self) -> int:
         return self.input_ids.shape[0]
 
+    def to(self, device: torch.device) -> "RankBatch":
+        """Every tensor on `device` (the rank's CUDA device on GPUs; batches travel between processes on the host)."""
+        move = lambda x: x.to(device, non_blocking=True)  # noqa: E731
+        return RankBatch(move(self.input_ids), move(self.loss_mask), {k: move(v) for k, v in self.token_data.items()},
+                         {k: move(v) for k, v in self.seq_data.items()},
+                         None if self.lengths is None else move(self.lengths), self.group_size)
+
     def slice(self, start: int, stop: int) -> "RankBatch":
         return RankBatch(self.input_ids[start:stop], self.loss_mask[start:stop],
                          {k: v[start:stop] for k, v in self.token_data.items()},

@@ -31,6 +31,11 @@ from mrl.policy.train_step import StepContext, logprobs_of_batch, train_on_batch
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
+def _device() -> torch.device:
+    """This rank's device: its CUDA device (set from LOCAL_RANK when the process group started), else the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
 @dataclass(frozen=True)
 class PolicySpec:
     """What every rank needs to build the policy (replicated to all ranks)."""
@@ -171,7 +176,7 @@ class PolicyWorker:
         if reference and self.reference is None:
             raise RuntimeError("reference logprobs asked for, but the policy was built without a reference model")
         width = shard.input_ids.shape[1]
-        batch = _pad_to_multiple(shard, self.dims.length_multiple)
+        batch = _pad_to_multiple(shard.to(_device()), self.dims.length_multiple)
         model = [self.reference] if reference else self.model
         offload = reference and self.spec.policy.offload_reference and torch.cuda.is_available()
         if offload:  # the frozen copy lives in host memory between uses (GPU memory goes to the policy and engine)
@@ -186,14 +191,14 @@ class PolicyWorker:
             chunk.train(not reference)
         if offload:
             self.reference.cpu()
-        return out[:, :width] if out is not None and self._is_leader() else None
+        return out[:, :width].cpu() if out is not None and self._is_leader() else None
 
     def train(self, shard: RankBatch, loss_fn: PolicyLoss, global_count: float,
               temperature: float = 1.0) -> Optional[dict[str, float]]:
         """One optimizer step on this data-parallel rank's shard; `global_count` is the whole step's count of valid
         tokens (or sequences) over all ranks. Returns the step's metrics (summed over data-parallel ranks) on leaders."""
         start = time.perf_counter()
-        batch = _pad_to_multiple(shard, self.dims.length_multiple)
+        batch = _pad_to_multiple(shard.to(_device()), self.dims.length_multiple)
         size = _micro_batch_size(self.spec.policy.train_micro_batch_size, len(batch), batch.group_size)
         for chunk in self.model:
             chunk.train()
@@ -226,7 +231,7 @@ class PolicyWorker:
         if not self.ps.is_pipeline_last_stage():
             return sums
         keys = sorted(sums)
-        values = torch.tensor([sums[k] for k in keys], dtype=torch.float64)
+        values = torch.tensor([sums[k] for k in keys], dtype=torch.float64, device=_device())  # NCCL: device only
         group = self.ps.get_data_parallel_group(with_context_parallel=True)
         if dist.get_world_size(group) > 1:
             dist.all_reduce(values, group=group)

@@ -31,6 +31,8 @@ class WeightTransport(Protocol):
     """The payload tag `unpack_payload` dispatches on."""
     meets: bool
     """Sender and receivers meet in a collective: the receivers must be receiving while the sender packs."""
+    in_flight: int
+    """Payloads that may be alive at once: 2 lets the refit loop pack bucket i + 1 while bucket i is loaded."""
 
     def pack(self, bucket: list[NamedTensor]) -> Payload:
         """Sender side: the payload of one bucket (for a meeting transport: send it, then return the announcement)."""

@@ -3,8 +3,8 @@
 Data flow (engines on devices or nodes of their own, where a shared-memory file is not an option):
     set-up   `connect(source, sink)`: the source names an address and a free port on its sending rank (the policy's
              rank 0); the sender joins as member 0, engine e (its Ray actor) as member 1 + e, of a process group
-             of their own: a TCPStore and a gloo group (NCCL on GPU clusters would take the same three
-             broadcasts), apart from the policy's and vLLM's worlds. Once per (source, sink) pair.
+             of their own: a TCPStore and a gloo group (an NCCL group where CUDA is present: the same three
+             broadcasts, of device buffers), apart from the policy's and vLLM's worlds. Once per (source, sink) pair.
     bucket   sender: [(name, tensor)] -> one flat byte buffer + a JSON header (names, dtypes, shapes, offsets)
              broadcast(header size) -> broadcast(header) -> broadcast(buffer)         every member takes part
              receiver: tensors are views of its received buffer -> the engine's own refit path (in-process reload,
@@ -20,21 +20,23 @@ import datetime
 import json
 import uuid
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, Optional
 
 import torch
 import torch.distributed as dist
 
+from mrl.inference.buckets import flat_layout, flat_views, pack_flat
 from mrl.inference.transports.base import NamedTensor, Payload, describe
 
 if TYPE_CHECKING:
     from mrl.inference.refit import CollectiveRefitSink, CollectiveWeightSource
 
 KIND = "collective"
-_ALIGN = 16
 #: Groups this process belongs to, by name (a process may serve several engines / runs in tests).
 _GROUPS: dict[str, Any] = {}
+_DEVICES: dict[str, torch.device] = {}
 _BUFFERS: dict[str, torch.Tensor] = {}
+Backend = Literal["gloo", "nccl"]
 
 
 @dataclass(frozen=True)
@@ -45,13 +47,16 @@ class CollectiveTransport:
     address: str
     port: int
     size: int
+    backend: Backend = "gloo"
+    """nccl: members broadcast device buffers (each member on its current CUDA device); not run on CPU machines."""
 
     kind = KIND
     meets = True
+    in_flight = 1
 
     def join(self, member: int, timeout_s: float = 600.0) -> None:
         """Join the group as `member` (run in the member's own process). Blocks until every member joined."""
-        join_group(self.group, self.address, self.port, member, self.size, timeout_s)
+        join_group(self.group, self.address, self.port, member, self.size, timeout_s, backend=self.backend)
 
     def pack(self, bucket: list[NamedTensor]) -> Payload:
         send_bucket(self.group, bucket)
@@ -68,26 +73,38 @@ def unpack(payload: Payload) -> list[NamedTensor]:
     return receive_bucket(payload["group"])
 
 
-def connect(source: "CollectiveWeightSource", sink: "CollectiveRefitSink") -> CollectiveTransport:
+def connect(source: "CollectiveWeightSource", sink: "CollectiveRefitSink",
+            backend: Optional[Backend] = None) -> CollectiveTransport:
     """Make the broadcast group of `source`'s sender and `sink`'s receivers (both join at once: they meet in the
-    store's rendezvous)."""
+    store's rendezvous). `backend` defaults to nccl where this process sees CUDA (a GPU cluster), else gloo."""
     from mrl.distributed import wait_all
 
     address, port = source.refit_address()
-    transport = CollectiveTransport(f"mrl-refit-{uuid.uuid4().hex[:12]}", address, port, 1 + sink.num_receivers)
+    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    transport = CollectiveTransport(f"mrl-refit-{uuid.uuid4().hex[:12]}", address, port, 1 + sink.num_receivers,
+                                    backend)
     wait_all([source.join_refit_group_async(transport), sink.join_refit_group_async(transport)])
     return transport
 
 
-def join_group(name: str, address: str, port: int, member: int, size: int, timeout_s: float = 600.0) -> None:
+def join_group(name: str, address: str, port: int, member: int, size: int, timeout_s: float = 600.0, *,
+               backend: Backend = "gloo") -> None:
     """Join refit group `name` as `member` of `size` (member 0 hosts the store). Blocks until all joined."""
     timeout = datetime.timedelta(seconds=timeout_s)
     store = dist.TCPStore(address, port, size, is_master=member == 0, timeout=timeout)
-    _GROUPS[name] = dist.ProcessGroupGloo(store, member, size, timeout)
+    if backend == "nccl":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        _GROUPS[name] = dist.ProcessGroupNCCL(store, member, size, options)
+        _DEVICES[name] = torch.device("cuda", torch.cuda.current_device())
+    else:
+        _GROUPS[name] = dist.ProcessGroupGloo(store, member, size, timeout)
+        _DEVICES[name] = torch.device("cpu")
 
 
 def leave_group(name: str) -> None:
     _GROUPS.pop(name, None)
+    _DEVICES.pop(name, None)
     _BUFFERS.pop(name, None)
 
 
@@ -107,35 +124,27 @@ def _buffer(name: str, size: int) -> torch.Tensor:
     tensors into its parameters before the next bucket is received."""
     buffer = _BUFFERS.get(name)
     if buffer is None or buffer.numel() < size:
-        buffer = _BUFFERS[name] = torch.empty(size, dtype=torch.uint8)
+        buffer = _BUFFERS[name] = torch.empty(size, dtype=torch.uint8, device=_DEVICES[name])
     return buffer[:size]
 
 
 def send_bucket(name: str, bucket: list[NamedTensor]) -> int:
     """Member 0: broadcast one bucket; returns the bytes sent."""
-    header, offset = [], 0
-    for tensor_name, tensor in bucket:
-        offset = -(-offset // _ALIGN) * _ALIGN  # every tensor starts aligned, so the receiver can view it in place
-        size = tensor.numel() * tensor.element_size()
-        header.append([tensor_name, str(tensor.dtype).removeprefix("torch."), list(tensor.shape), offset, size])
-        offset += size
-    buffer = _buffer(name, offset)
-    for (_, tensor), (_, _, _, start, size) in zip(bucket, header):
-        buffer[start:start + size] = tensor.detach().contiguous().view(-1).view(torch.uint8)
-    encoded = torch.frombuffer(bytearray(json.dumps(header).encode()), dtype=torch.uint8)
-    _broadcast(name, torch.tensor([len(encoded), offset], dtype=torch.long))
+    header, size = flat_layout(bucket)
+    buffer = _buffer(name, size)
+    pack_flat(bucket, header, buffer)
+    device = _DEVICES[name]
+    encoded = torch.frombuffer(bytearray(json.dumps(header).encode()), dtype=torch.uint8).to(device)
+    _broadcast(name, torch.tensor([len(encoded), size], dtype=torch.long, device=device))
     _broadcast(name, encoded)
     _broadcast(name, buffer)
-    return offset
+    return size
 
 
 def receive_bucket(name: str) -> list[NamedTensor]:
     """Members 1..: receive one bucket as (name, tensor) views of the received buffer."""
-    sizes = _broadcast(name, torch.zeros(2, dtype=torch.long))
-    encoded = _broadcast(name, torch.empty(int(sizes[0]), dtype=torch.uint8))
-    buffer = _broadcast(name, _buffer(name, int(sizes[1])))
-    out = []
-    for tensor_name, dtype, shape, start, size in json.loads(bytes(encoded.tolist()).decode()):
-        flat = buffer[start:start + size].view(getattr(torch, dtype))
-        out.append((tensor_name, flat.view(shape)))
-    return out
+    device = _DEVICES[name]
+    sizes = _broadcast(name, torch.zeros(2, dtype=torch.long, device=device)).tolist()
+    encoded = _broadcast(name, torch.empty(sizes[0], dtype=torch.uint8, device=device))
+    buffer = _broadcast(name, _buffer(name, sizes[1]))
+    return flat_views(buffer, json.loads(bytes(encoded.tolist()).decode()))

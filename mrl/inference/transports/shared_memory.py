@@ -33,6 +33,7 @@ def default_shm_dir() -> str:
 class SharedMemoryFileTransport:
     kind = KIND
     meets = False
+    in_flight = 2  # one file per bucket: two may exist at once
 
     def __init__(self, shm_dir: str | None = None) -> None:
         self.shm_dir = Path(shm_dir or default_shm_dir())

@@ -59,6 +59,27 @@ def test_chat_completion_returns_the_engines_tokens_and_logprobs(served):
     assert httpx.get(f"{url}/v1/models").json()["data"][0]["id"] == "mrl-policy"
 
 
+def test_responses_api_returns_the_engines_tokens_too(served):
+    url, engine, tokenizer = served
+    body = {"input": "guess a number", "instructions": "be brief", "max_output_tokens": 5, "seed": 3}
+    answer = httpx.post(f"{url}/v1/responses", json=body, timeout=60).json()
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "guess a number"}]
+    prompt = tokenizer(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
+                       add_special_tokens=False)["input_ids"]
+    (sample,) = engine.generate([prompt], SamplingConfig(
+        n=1, max_new_tokens=5, seed=3, stop_token_ids=(tokenizer.convert_tokens_to_ids("<|im_end|>"),))).samples
+    (message,) = answer["output"]
+    assert answer["object"] == "response" and message["type"] == "message" and message["role"] == "assistant"
+    assert message["prompt_token_ids"] == prompt and message["generation_token_ids"] == sample.token_ids
+    assert message["generation_log_probs"] == pytest.approx(sample.logprobs, abs=1e-6)
+    text = tokenizer.decode(sample.token_ids, skip_special_tokens=True)
+    assert message["content"] == [{"type": "output_text", "text": text, "annotations": []}] and answer["output_text"] == text
+    assert answer["status"] == ("completed" if sample.finish_reason.value == "stop" else "incomplete")
+    assert answer["usage"] == {"input_tokens": len(prompt), "output_tokens": len(sample.token_ids),
+                               "total_tokens": len(prompt) + len(sample.token_ids)}
+    assert httpx.post(f"{url}/v1/responses", json={"max_output_tokens": 3}, timeout=30).status_code == 422
+
+
 def test_bad_requests_name_the_problem(served):
     url = served[0]
     missing = httpx.post(f"{url}/v1/chat/completions", json={"max_tokens": 4}, timeout=30)

@@ -80,3 +80,22 @@ def test_input_is_consumed_lazily():
 def test_bucket_size_must_be_positive():
     with pytest.raises(ValueError, match="bucket_bytes"):
         list(iter_buckets(_model(), bucket_bytes=0))
+
+
+def test_a_flat_bucket_holds_every_tensor_aligned_and_its_views_are_bit_exact():
+    from mrl.inference.buckets import FLAT_ALIGN, flat_layout, flat_views, pack_flat
+
+    bucket = [("a", torch.arange(3, dtype=torch.float32)), ("b", torch.tensor([[1, -2]], dtype=torch.int64)),
+              ("c", torch.randn(5, 7).to(torch.bfloat16)), ("d", torch.randn(4, 6)[:, ::2])]  # a strided view
+    header, size = flat_layout(bucket)
+    assert [entry[3] for entry in header] == [0, 16, 32, 112]  # 12 B -> 16, 16 B -> 32, 70 B -> 112
+    assert all(offset % FLAT_ALIGN == 0 for *_, offset, _ in header) and size == 112 + 48
+    buffer = torch.full((size + 5,), 255, dtype=torch.uint8)  # a reused, larger buffer
+    pack_flat(bucket, header, buffer)
+    views = flat_views(buffer, header)
+    assert [name for name, _ in views] == ["a", "b", "c", "d"]
+    for (_, want), (_, got) in zip(bucket, views):
+        assert got.dtype == want.dtype and got.shape == want.shape
+        assert torch.equal(got.view(torch.uint8) if got.dtype == torch.bfloat16 else got,
+                           want.contiguous().view(torch.uint8) if want.dtype == torch.bfloat16 else want)
+        assert got.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()  # views, not copies

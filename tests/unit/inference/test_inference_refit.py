@@ -66,3 +66,55 @@ def test_a_broadcast_needs_collective_ends():
     transport = CollectiveTransport("g", "127.0.0.1", 1, 2)
     with pytest.raises(TypeError, match="CollectiveRefitSink"):
         refit(LocalWeights(_state()), RecordingSink(), transport, bucket_bytes=1 << 20)
+
+
+class Loading:
+    """A load under way: it runs when the refit loop waits for it (like a Ray call it does not block the caller)."""
+
+    def __init__(self, sink: "AsyncSink", payload: dict) -> None:
+        self.sink, self.payload = sink, payload
+
+    def result(self, timeout_s=None) -> None:
+        self.sink.events.append(f"loaded {len(self.sink.loaded)}")
+        self.sink.load_payload(self.payload)
+
+
+class AsyncSink(RecordingSink):
+    def __init__(self, shm_dir, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.shm_dir, self.events, self.most_files = shm_dir, [], 0
+
+    def load_payload_async(self, payload: dict) -> Loading:
+        self.events.append(f"load {len(self.loaded)} started")
+        return Loading(self, payload)
+
+
+class CountingWeights(LocalWeights):
+    def __init__(self, state, sink: AsyncSink) -> None:
+        super().__init__(state)
+        self.sink = sink
+
+    def send_bucket(self, index, transport):
+        self.sink.events.append(f"pack {index}")
+        payload = super().send_bucket(index, transport)
+        self.sink.most_files = max(self.sink.most_files, len(list(self.sink.shm_dir.iterdir())))
+        return payload
+
+
+def test_double_buffered_refit_packs_the_next_bucket_while_the_last_one_loads(tmp_path):
+    state = _state()
+    sink = AsyncSink(tmp_path, expected_names=frozenset(state))
+    stats = refit(CountingWeights(state.items(), sink), sink, SharedMemoryFileTransport(str(tmp_path)),
+                  bucket_bytes=150)
+    assert sink.events == ["pack 0", "load 0 started", "pack 1", "loaded 0", "load 1 started", "pack 2", "loaded 1",
+                           "load 2 started", "pack 3", "loaded 2", "load 3 started", "loaded 3"]
+    assert sink.loaded[0] == ["model.embed_tokens.weight"] and len(sink.loaded) == stats.num_buckets == 4
+    assert sink.most_files == 2 and list(tmp_path.iterdir()) == []  # two buckets alive at most, all removed
+    assert sink.finished == [True]
+
+
+def test_a_failed_load_under_double_buffering_frees_both_buckets(tmp_path):
+    sink = AsyncSink(tmp_path, fail_on=1)
+    with pytest.raises(RuntimeError, match="engine worker died"):
+        refit(LocalWeights(_state()), sink, SharedMemoryFileTransport(str(tmp_path)), bucket_bytes=150)
+    assert sink.finished == [False] and list(tmp_path.iterdir()) == []

@@ -1,6 +1,7 @@
 """Weight transports round-trip exactly and clean up after themselves."""
 
 import os
+import pickle
 
 import pytest
 import torch
@@ -43,7 +44,23 @@ def test_in_process_passes_the_same_tensors():
 def test_unknown_payload_and_transport_are_clear_errors(tmp_path):
     with pytest.raises(ValueError, match="unknown kind"):
         unpack_payload({"kind": "carrier-pigeon"})
-    with pytest.raises(ValueError, match="'in_process' or 'shm_file'"):
+    with pytest.raises(ValueError, match="'in_process', 'shm_file' or 'cuda_ipc'"):
         make_transport("nccl")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="does not exist"):
         make_transport("shm_file", shm_dir=str(tmp_path / "missing"))
+
+
+def test_cuda_ipc_is_refused_clearly_without_cuda():
+    """The CUDA IPC transport runs in make test-gpu; on CPU its misuse says what to use instead."""
+    from mrl.inference.transports import CudaIpcTransport, make_transport
+    from mrl.inference.vllm_backend import VllmEngineConfig
+
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is here: tests/gpu exercises the transport")
+    transport = make_transport("cuda_ipc")
+    assert isinstance(transport, CudaIpcTransport) and transport.in_flight == 2 and not transport.meets
+    with pytest.raises(ValueError, match="sends device tensors.*shm_file"):
+        transport.pack([("w", torch.ones(2))])
+    with pytest.raises(ValueError, match="needs CUDA.*shm_file"):
+        VllmEngineConfig(model_path="m", refit_transport="cuda_ipc")
+    assert pickle.loads(pickle.dumps(transport)) == transport  # settings only: it travels to the sender by pickle
