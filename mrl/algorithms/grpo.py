@@ -179,6 +179,7 @@ def grpo_train(cfg: MrlConfig, workers: Workers, env: Environment, data: TaskDat
         workers.refit()  # the engine gets the resumed weights
     else:
         logger.log(run_validation(cfg, workers, val_env, data, step=0), step=0)
+
     def produce(step: int, problems, version: int) -> tuple[Rollouts, dict[str, float]]:
         return produce_rollouts(cfg, workers, env, data, problems, step, logger, version)
 
