@@ -14,6 +14,7 @@ from typing import Callable, Sequence
 
 from mrl.app.errors import RUN_FAILED_EXIT_CODE, CheckpointIncompatibleError, Preempted, RunFailed
 from mrl.config import CONFIG_ERROR_EXIT_CODE, ConfigError, MrlConfig, load_config, to_yaml
+from mrl.data.tokenizers import EOS_TOKEN
 
 CONFIG_COMMANDS: dict[str, str] = {
     "grpo": "GRPO training: generate -> reward -> advantages -> train -> refit, on Ray.",
@@ -101,7 +102,7 @@ def _add_env_parser(sub) -> None:
     rows.add_argument("--high", type=int, default=99, help="largest secret (default 99)")
     rows.add_argument("--warmup", action="store_true",
                       help="SFT rows of a naive player's games instead (random guesses: the format, not the strategy)")
-    rows.add_argument("--turn-end", default="<|endoftext|>",
+    rows.add_argument("--turn-end", default=EOS_TOKEN,
                       help="text of the token that ends a model turn, for --warmup (default: the tiny tokenizer's EOS)")
     rows.add_argument("--out", required=True, metavar="FILE", help="jsonl file written")
 

@@ -14,8 +14,8 @@ source sends bucket i at the same time, and both are awaited together.
 Sources: the sharded policy (mrl.policy.group.Policy: rank 0 gathers each bucket from the TP/PP shards) or
 `LocalWeights` (a stream or state dict in this process: `update_weights` of every engine). Sinks: the vLLM engine
 group (Ray actors), one vLLM engine, the Megatron engine. Peak extra memory is one bucket (one layer if a layer
-exceeds the bucket) on each side (two on the sender's when double-buffered), unless the sink needs a whole state at once (the Megatron engine validates a
-complete state before loading anything).
+exceeds the bucket) on each side (two on the sender's when double-buffered), unless the sink needs a whole state at
+once (the Megatron engine validates a complete state before loading anything).
 """
 
 from __future__ import annotations
@@ -173,7 +173,7 @@ def _move(source: WeightSource, sink: RefitSink, transport: WeightTransport, ind
 def _pipelines(sink: RefitSink, transport: WeightTransport) -> bool:
     """Whether bucket i + 1 may be gathered while the sink loads bucket i: the transport keeps two payloads apart
     (`in_flight` >= 2: two files, two device buffers) and the sink can load without waiting."""
-    return not transport.meets and getattr(transport, "in_flight", 1) >= 2 and hasattr(sink, "load_payload_async")
+    return not transport.meets and transport.in_flight >= 2 and hasattr(sink, "load_payload_async")
 
 
 def _pipelined(source: WeightSource, sink: RefitSink, transport: WeightTransport,

@@ -22,23 +22,22 @@ def _bucket(seed: int, mb: float) -> list[tuple[str, torch.Tensor]]:
             (f"model.layers.{seed}.d", torch.randn(n + 3, device="cuda", generator=g).to(torch.float16))]
 
 
+def _checksums(named) -> dict:
+    """Per tensor: dtype, shape, the sum of its bytes and the sum of its values."""
+    return {name: (t.dtype, t.shape, t.contiguous().view(torch.uint8).sum().item(), t.float().sum().item())
+            for name, t in named}
+
+
 def _receiver(payloads, answers) -> None:
-    """Unpack each payload as an engine worker would, copy it into 'parameters', answer with checksums."""
+    """Unpack each payload as an engine worker would, copy it into 'parameters', answer with their checksums."""
     from mrl.inference.transports import unpack_payload
 
     params: dict[str, torch.Tensor] = {}
     while (payload := payloads.get()) is not None:
         for name, view in unpack_payload(payload):
-            target = params.setdefault(name, torch.empty_like(view))
-            target.copy_(view)
+            params.setdefault(name, torch.empty_like(view)).copy_(view)
         torch.cuda.synchronize()
-        answers.put({name: (t.dtype, t.shape, t.view(torch.uint8).sum().item() if t.dtype != torch.bool else 0,
-                            t.float().sum().item()) for name, t in params.items() if name.startswith(payload["names"][0][:16])})
-
-
-def _checksums(bucket):
-    return {name: (t.dtype, t.shape, t.contiguous().view(torch.uint8).sum().item(), t.float().sum().item())
-            for name, t in bucket}
+        answers.put(_checksums((name, params[name]) for name in payload["names"]))
 
 
 @pytest.fixture

@@ -15,6 +15,7 @@ import re
 from fractions import Fraction
 from typing import Any, Callable
 
+from mrl.data.tokenizers import EOS_TOKEN
 from mrl.environments.servers.resource import InputError, ResourceServer, tool
 
 _WHOLE = re.compile(r"[-+]?\d+(?:\.0*)?")
@@ -38,6 +39,7 @@ class GuessNumber(ResourceServer):
     """Find a secret whole number from `low` to `high` (the row's, default 0 to 99) in at most max_turns guesses."""
 
     name = "guess_number"
+    PROMPT = "guess"  # a dataset row's problem: the game needs no words (tiny models play it)
     LOW, HIGH = 0, 99
     DEFAULT_MAX_TURNS = 7  # enough for a binary search over 100 numbers
 
@@ -92,13 +94,13 @@ class GuessNumber(ResourceServer):
         rng = random.Random(seed)
         secrets = [rng.randint(low, high) for _ in range(count)]
         bounds = {} if (low, high) == (cls.LOW, cls.HIGH) else {"low": low, "high": high}
-        return [{"problem": "guess", "answer": str(s), "secret": s, "max_turns": max_turns, **bounds}
+        return [{"problem": cls.PROMPT, "answer": str(s), "secret": s, "max_turns": max_turns, **bounds}
                 for s in secrets]
 
     @classmethod
     def warmup_rows(cls, count: int, seed: int = 0, max_turns: int = DEFAULT_MAX_TURNS, low: int = LOW,
-                    high: int = HIGH, turn_end: str = "<|endoftext|>") -> list[dict]:
-        """SFT rows from a naive player's games, for a model that has never seen the game: the prompt "guess" and
+                    high: int = HIGH, turn_end: str = EOS_TOKEN) -> list[dict]:
+        """SFT rows from a naive player's games, for a model that has never seen the game: the prompt (PROMPT) and
         0 .. max_turns-1 earlier turns (a guess drawn uniformly from the range, `turn_end`, the server's answer on its
         own line: the plain-template layout of mrl's agent loop), the target another uniform draw. They teach the
         format (a number after any answer), not the strategy: every target ignores the answers."""
@@ -109,7 +111,7 @@ class GuessNumber(ResourceServer):
         rng = random.Random(seed)
         rows = []
         for _ in range(count):
-            secret, text = rng.randint(low, high), "guess"
+            secret, text = rng.randint(low, high), cls.PROMPT
             for _ in range(rng.randint(0, max_turns - 1)):
                 guess = rng.randint(low, high)
                 if guess == secret:

@@ -5,8 +5,8 @@ Data flow (a colocated GPU engine: the policy's rank and the engine's worker on 
              the buffer's IPC handle is made once per buffer (cached until the buffer grows)
     payload  {"kind", "slot", "handle": the handle's fields as plain bytes/ints, "header": names, dtypes, shapes,
              offsets}  --collective_rpc (msgpack, a few hundred bytes)--> every vLLM worker on the device
-    receiver the handle is opened once per buffer (cached by handle) -> views at the header's offsets -> the engine's
-             own reload copies them into its parameters
+    receiver the handle is opened once per buffer (cached per sender and slot; a grown buffer replaces the old
+             mapping) -> views at the header's offsets -> the engine's own reload copies them into its parameters
     release  nothing: the slots stay for the next bucket and the next refit.
 Two slots alternate, so the refit loop can pack bucket i + 1 while the workers still read bucket i (`in_flight = 2`,
 mrl/inference/refit.py); bucket i + 2 reuses slot i's buffer only after bucket i was loaded. The sender synchronises
@@ -33,8 +33,9 @@ SLOTS = 2
 #: the slots' buffers with their handles, and the slot of the next bucket.
 _SENT: dict[str, dict[int, tuple[torch.Tensor, dict[str, Any]]]] = {}
 _NEXT: dict[str, int] = {}
-#: Receiver side: buffers opened from handles, by (handle, offset in its allocation): each is mapped once.
-_OPENED: dict[tuple[bytes, int], torch.Tensor] = {}
+#: Receiver side: the buffer each (sender, slot) last sent, opened from its handle once; a grown buffer (a new
+#: handle) replaces the old mapping, which is then closed.
+_OPENED: dict[tuple[str, int], tuple[bytes, torch.Tensor]] = {}
 
 
 @dataclass(frozen=True)
@@ -54,7 +55,7 @@ class CudaIpcTransport:
         buffer, handle = _slot_buffer(self.name, slot, size, bucket[0][1].device)
         pack_flat(bucket, header, buffer)
         torch.cuda.current_stream(buffer.device).synchronize()  # the bytes are there before anyone is told
-        return describe({"kind": KIND, "slot": slot, "handle": handle, "header": header}, bucket)
+        return describe({"kind": KIND, "sender": self.name, "slot": slot, "handle": handle, "header": header}, bucket)
 
     def receiver_payload(self) -> Payload:
         raise TypeError("the CUDA IPC transport hands each bucket over after packing; it announces nothing")
@@ -89,18 +90,19 @@ def share(buffer: torch.Tensor) -> dict[str, Any]:
 
 
 def open_handle(shared: dict[str, Any]) -> torch.Tensor:
-    """The buffer a `share` handle names, mapped into this process (once per buffer)."""
+    """The buffer a `share` handle names, mapped into this process."""
     from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
-    key = (bytes(shared["handle"]), int(shared["storage_offset"]))
-    if key not in _OPENED:
-        _OPENED[key] = rebuild_cuda_tensor(
-            torch.Tensor, tuple(shared["size"]), tuple(shared["stride"]), shared["offset"], torch.storage.TypedStorage,
-            getattr(torch, shared["dtype"]), shared["device"], bytes(shared["handle"]), shared["storage_bytes"],
-            shared["storage_offset"], False, bytes(shared["ref_handle"]), shared["ref_offset"],
-            bytes(shared["event_handle"]), shared["event_sync"])
-    return _OPENED[key]
+    return rebuild_cuda_tensor(
+        torch.Tensor, tuple(shared["size"]), tuple(shared["stride"]), shared["offset"], torch.storage.TypedStorage,
+        getattr(torch, shared["dtype"]), shared["device"], bytes(shared["handle"]), shared["storage_bytes"],
+        shared["storage_offset"], False, bytes(shared["ref_handle"]), shared["ref_offset"],
+        bytes(shared["event_handle"]), shared["event_sync"])
 
 
 def unpack(payload: Payload) -> list[NamedTensor]:
-    return flat_views(open_handle(payload["handle"]), payload["header"])
+    key, handle = (payload["sender"], payload["slot"]), bytes(payload["handle"]["handle"])
+    opened = _OPENED.get(key)
+    if opened is None or opened[0] != handle:
+        _OPENED[key] = opened = (handle, open_handle(payload["handle"]))
+    return flat_views(opened[1], payload["header"])
