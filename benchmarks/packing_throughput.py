@@ -49,31 +49,17 @@ class PolicyGradientLoss:
 
 def measure(model_dir: str, lengths: list[int], rows: int, budget: int, reps: int) -> dict:
     """Runs on one rank: median seconds of a train step and of a logprob pass per mode, and the token counts."""
-    import json
-    from pathlib import Path
-
     from megatron.core import parallel_state as ps
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
-    from safetensors.torch import load_file
 
-    from mrl.config.schema import DynamicBatchingConfig, OptimizerConfig, PackingConfig, SchedulerConfig
+    from mrl.config.schema import DynamicBatchingConfig, PackingConfig
     from mrl.parallel.layout import ParallelDims
     from mrl.parallel.groups import init_process_groups
-    from mrl.model.build import build_gpt_model, load_hf_weights, transformer_config_from_hf
-    from mrl.policy.optim import build_optimizer, build_scheduler
     from mrl.policy.interface import RankBatch, global_count
     from mrl.policy.train_step import StepContext, logprobs_of_batch, train_on_batch
+    from mrl.testing.megatron import trainable_from_hf
 
     init_process_groups(ParallelDims(world_size=1))
-    hf_config = json.loads((Path(model_dir) / "config.json").read_text())
-    cfg = transformer_config_from_hf(hf_config)
-    model = build_gpt_model(hf_config, cfg)
-    load_hf_weights(model, load_file(str(Path(model_dir) / "model.safetensors")), hf_config)
-    model = DistributedDataParallel(cfg, DistributedDataParallelConfig(grad_reduce_in_fp32=True), module=model)
-    cfg.finalize_model_grads_func = finalize_model_grads
-    opt_cfg = OptimizerConfig(lr=1e-5, weight_decay=0.0)
-    optimizer = build_optimizer([model], opt_cfg, params_dtype=torch.float32)
-    scheduler = build_scheduler(optimizer, opt_cfg, SchedulerConfig(), total_steps=10 * reps)
+    model, optimizer, scheduler, hf_config = trainable_from_hf(model_dir, lr=1e-5, total_steps=10 * reps)
 
     width, n = max(lengths), len(lengths)
     g = torch.Generator().manual_seed(1)

@@ -15,8 +15,10 @@ from typing import Any, Optional
 from converters import deepseek_v3, llama, qwen2, qwen3, qwen3_moe
 from converters.family import ConversionError, Family, MLADims, MoEDims
 
-#: Rope types whose inverse frequencies Megatron's RoPE can use unchanged (no attention scaling factor).
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+#: Rope types whose inverse frequencies Megatron's RoPE can use unchanged. YaRN's cos/sin factor (`attention_factor`)
+#: is folded into the softmax scale instead (`mrl.model.build.rope_attention_factor`): with every head dim rotated,
+#: scaling q and k by m scales their scores by m^2.
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 #: Rope types multi-latent attention adds: Megatron's YaRN reproduces DeepSeek-V3's (inverse frequencies, the cos/sin
 #: concentration factor and the softmax scale), applied by Megatron itself rather than through our frequencies.
@@ -131,6 +133,8 @@ def _common_problems(cfg: Mapping[str, Any], rope: Mapping[str, Any], family: Fa
     elif rope["rope_type"] == "yarn" and not rope.get("mscale_all_dim") and rope.get("mscale", 1.0) != 1.0:
         problems.append("yarn with mscale != 1 and no mscale_all_dim (transformers then ignores mscale, Megatron "
                         "does not)")
+    if float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor") or 1.0)) != 1.0:
+        problems.append("partial_rotary_factor != 1 (mrl rotates every head dim)")
     if cfg.get("use_sliding_window"):
         problems.append("use_sliding_window=true (sliding-window attention is not supported)")
     if is_score_model(cfg) and int(cfg.get("num_labels", len(cfg.get("id2label") or [0]) or 1)) != 1:

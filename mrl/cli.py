@@ -43,7 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
                            description="Per-token logprobs and perplexity of texts (or token ids) under the Megatron "
                                        "policy, in any parallel layout (e.g. policy.parallel.tensor_parallel_size=2 "
                                        "cluster.devices_per_node=2).")
-    score.add_argument("--model", required=True, metavar="DIR", help="HF model folder")
+    score.add_argument("--model", required=True, metavar="DIR",
+                       help="HF model folder, or a Megatron checkpoint folder (`mrl convert hf-to-megatron` output, a "
+                            "training step_N or final_megatron)")
     score.add_argument("--input", required=True, metavar="FILE", help="jsonl: text | prompt+completion | input_ids")
     score.add_argument("--out", required=True, metavar="FILE", help="jsonl written with per-token logprobs")
     score.add_argument("--config", metavar="FILE", help="optional YAML config (parallel layout, precision, ...)")
@@ -169,7 +171,9 @@ def _run_score(args: argparse.Namespace) -> int:
     import torch
 
     from mrl.app.commands import run_score
+    from mrl.app.model_source import classify_model_path
 
+    classify_model_path(args.model, key="--model")  # a wrong folder is named as the user gave it
     overrides = [f"++policy.model_name={args.model}", f"++run.output_dir={tempfile.mkdtemp(prefix='mrl-score-')}"]
     if not torch.cuda.is_available() and not any(o.lstrip("+").startswith("policy.precision=") for o in args.overrides):
         overrides.append("++policy.precision=float32")  # bf16 on CPU: slow, and off by ~0.1 nats

@@ -140,6 +140,8 @@ def refit_engine(workers: Workers, logger: MetricsLogger) -> dict[str, float]:
 def _rollout_metrics(rollouts: Rollouts, keep: torch.Tensor) -> dict[str, float]:
     return {"train/reward": float(rollouts.rewards.mean()), "train/reward_errors": float(rollouts.num_reward_errors),
             "train/response_length": float(rollouts.response_lengths.float().mean()),
+            "train/sequence_length_max": float(rollouts.input_ids.shape[1] if rollouts.lengths is None
+                                               else rollouts.lengths.max()),
             "train/truncated_fraction": float(rollouts.truncated.float().mean()),
             "train/prompts_rejected": float(rollouts.num_prompts_rejected), "train/kept_samples": float(keep.sum())}
 

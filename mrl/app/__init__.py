@@ -1,6 +1,7 @@
 """The application layer: what parses a command, starts Ray and the workers, and wires checkpoints around a loop.
 
 commands.py (grpo | sft | eval | score runners), stages.py (`mrl run`), runtime.py (Ray, the policy group, the
-engine, refit transport), checkpointing.py (saving/resuming a loop, SIGTERM), convert.py (`mrl convert`),
-errors.py (what a command ends with). The command line itself is mrl/cli.py.
+engine, refit transport), model_source.py (an HF or a Megatron checkpoint folder to start from), checkpointing.py
+(saving/resuming a loop, SIGTERM), convert.py (`mrl convert`), errors.py (what a command ends with). The command
+line itself is mrl/cli.py.
 """

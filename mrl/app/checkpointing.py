@@ -9,7 +9,8 @@
 Resume (`checkpointing.resume=true`, the default): the newest complete step is loaded; a checkpoint of another
 model or tokenizer is refused with the reason; another parallel layout is fine (reshard on load). A SIGTERM
 (Slurm pre-emption) sets a flag: the loop saves after the step in flight and exits 0.
-`checkpointing.enabled=false`: nothing is written and nothing is resumed (the run's output, final_hf/, still is).
+`checkpointing.enabled=false`: nothing is written and nothing is resumed (the run's final export still is).
+A complete step_N/ is also a Megatron checkpoint folder that any command starts from (`policy.model_name`).
 """
 
 from __future__ import annotations
@@ -83,11 +84,12 @@ class RunCheckpoints:
         """Write step `step` (policy shards + controller state) and commit it atomically."""
         from converters.hf_io import copy_model_metadata
         from mrl.checkpoint.manager import capture_rng_state, save_train_state
+        from mrl.checkpoint.megatron import HF_SUBDIR
 
         start = time.perf_counter()
         tmp = self.manager.begin(step)
         self.runtime.policy.save(str(tmp))
-        copy_model_metadata(self.runtime.model_dir, tmp / "hf")
+        copy_model_metadata(self.runtime.model_dir, tmp / HF_SUBDIR)
         (tmp / "config.yaml").write_text(to_yaml(self.cfg))
         save_train_state(tmp, {**state, "step": step, "rng": capture_rng_state(), "model_record": self._record()})
         path = self.manager.commit(step, tmp, metrics)

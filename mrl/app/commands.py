@@ -1,8 +1,10 @@
 """The `mrl grpo | sft | dpo | rm | eval | score` commands: start the workers, run a loop, export the result, shut down.
 
-Every training command ends by exporting the final policy as an HF folder, `<run.output_dir>/final_hf` (marked
-complete by `final_hf/.complete`), which is what the next stage of a staged recipe starts from and what vLLM or
-transformers load. `mrl eval` writes `summary.json` and every sample to `samples.jsonl`, and prints a few.
+Every training command ends by exporting the final policy, marked complete by a `.complete` file written last, in
+`run.final_format`: an HF folder `<run.output_dir>/final_hf` (what vLLM or transformers load), or a Megatron
+checkpoint folder `<run.output_dir>/final_megatron` (model/ written by every rank in its layout, hf/ with config and
+tokenizer; no gather to one process, no HF export). Either is what the next stage of a staged recipe starts from.
+`mrl eval` writes `summary.json` and every sample to `samples.jsonl`, and prints a few.
 
 A worker that dies (or raises) ends the command with `RunFailed`: one message naming the group, rank and method,
 where the newest checkpoint is, and that re-running the same command resumes from it.
@@ -20,14 +22,22 @@ from typing import Any, Iterator
 
 from mrl.app.checkpointing import RunCheckpoints, resume_padded_vocab
 from mrl.app.errors import RunFailed
+from mrl.app.model_source import ModelSource, classify_model_path
 from mrl.app.runtime import Runtime, start_runtime
 from mrl.config.errors import ConfigError
 from mrl.config.schema import MrlConfig
 from mrl.logging.metrics import MetricsLogger
 
-FINAL_HF_DIR = "final_hf"
+FINAL_DIRS = {"hf": "final_hf", "megatron": "final_megatron"}  # by run.final_format
 DONE_MARKER = ".complete"
 SUMMARY_FILE = "summary.json"
+
+
+def final_dir(cfg: MrlConfig) -> Path:
+    """Where a training command leaves its result (see the module docstring)."""
+    return Path(cfg.run.output_dir) / FINAL_DIRS[cfg.run.final_format]
+
+
 def _say(message: str) -> None:
     print(f"[mrl] {message}", file=sys.stderr, flush=True)
 
@@ -64,15 +74,35 @@ def explained_failures(cfg: MrlConfig) -> Iterator[None]:
         raise RunFailed(f"{message}\n  {_resume_hint(cfg)}{detail}") from error
 
 
-def export_final(runtime: Runtime, out_dir: Path) -> Path:
-    """The policy's current weights as an HF folder (safetensors + config + tokenizer), marked complete last."""
-    from converters.hf_io import copy_model_metadata, save_hf_state
+def export_final(runtime: Runtime) -> Path:
+    """The policy's current weights in `run.final_format` (see the module docstring). Written under a temporary
+    name, marked complete, then renamed into place: an interrupted export never looks finished, and a run started
+    from its own earlier export still reads that one's config while writing."""
+    import os
+    import shutil
 
-    out = out_dir / FINAL_HF_DIR
-    save_hf_state(runtime.policy.export_state().items(), out, log=lambda message: None)  # type: ignore[union-attr]
-    copy_model_metadata(runtime.model_dir, out)
-    (out / DONE_MARKER).write_text("")
+    out = final_dir(runtime.cfg)
+    tmp = out.with_name(f".tmp-{out.name}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    _write_export(runtime, tmp)
+    (tmp / DONE_MARKER).write_text("")
+    shutil.rmtree(out, ignore_errors=True)
+    os.rename(tmp, out)
     return out
+
+
+def _write_export(runtime: Runtime, out: Path) -> None:
+    from converters.hf_io import copy_model_metadata, save_hf_state
+    from mrl.checkpoint.megatron import HF_SUBDIR
+
+    policy = runtime.policy
+    assert policy is not None, "an export needs the policy"
+    if runtime.cfg.run.final_format == "megatron":
+        policy.save(str(out), weights_only=True)  # every rank writes its own shards
+        copy_model_metadata(runtime.model_dir, out / HF_SUBDIR)
+    else:
+        save_hf_state(policy.export_state().items(), out, log=lambda message: None)
+        copy_model_metadata(runtime.model_dir, out)
 
 
 def _curve(history: dict, name: str) -> list[float]:
@@ -106,20 +136,20 @@ def _grpo_environment(cfg: MrlConfig, runtime: Runtime, template: Any) -> Any:
     if rm is None:
         return env
     tokenizer = runtime.tokenizer
-    _check_same_tokenizer(tokenizer, rm.model)
+    _check_same_tokenizer(tokenizer, classify_model_path(rm.model, key="env.reward_model.model").config_dir)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     ends = {template.turn_end_id(tokenizer), tokenizer.eos_token_id} - {None}
     return RewardModelEnvironment(env, runtime.reward_model, pad_id=pad, weight=rm.weight,
                                   verifier_weight=rm.verifier_weight, end_token_ids=ends)
 
 
-def _check_same_tokenizer(tokenizer: Any, reward_model: str) -> None:
+def _check_same_tokenizer(tokenizer: Any, reward_model: Path) -> None:
     """The reward model scores the policy's token ids: both must share one vocabulary."""
     from mrl.data.tokenizers import load_tokenizer
 
     if load_tokenizer(reward_model).get_vocab() != tokenizer.get_vocab():
         raise ConfigError("the reward model's tokenizer differs from the policy's; it scores the policy's token ids",
-                          key="env.reward_model.model", given=reward_model,
+                          key="env.reward_model.model", given=str(reward_model),
                           fix="train the reward model from the same base model (same tokenizer)")
 
 
@@ -143,7 +173,7 @@ def run_grpo(cfg: MrlConfig) -> dict[str, Any]:
                                val_env=getattr(env, "verifier", env))
             ckpt.end_if_interrupted()
             history = logger.history
-            export_final(runtime, Path(cfg.run.output_dir))
+            export_final(runtime)
     finally:
         env.shutdown()
         runtime.shutdown()
@@ -165,7 +195,7 @@ def run_sft(cfg: MrlConfig) -> dict[str, Any]:
                 _logger(cfg, cfg.sft.max_num_steps, f"{cfg.run.name} sft", KEY_METRICS) as logger:
             final = sft_train(cfg, runtime, data, logger, ckpt)  # type: ignore[arg-type]
             ckpt.end_if_interrupted()
-            export_final(runtime, Path(cfg.run.output_dir))
+            export_final(runtime)
     finally:
         runtime.shutdown()
     summary = {"algorithm": "sft", "seconds": time.perf_counter() - start, "final": final}
@@ -191,13 +221,13 @@ def _pair_summary(algorithm: str, history: dict, final: dict[str, float], second
 
 
 def _run_pairs(cfg: MrlConfig, algorithm: str, steps: int, train: Any, key_metrics: Any, accuracy: str, *,
-               reference: bool = False, model_dir: Path | None = None) -> dict[str, Any]:
+               reference: bool = False, source: ModelSource | None = None) -> dict[str, Any]:
     """Start the policy (no engine), train on preference pairs with `train`, export, summarise."""
     from mrl.algorithms.pairs import load_pair_data
 
     _check_pairs(cfg)
     start = time.perf_counter()
-    runtime = start_runtime(cfg, total_steps=steps, engine=False, reference=reference, model_dir=model_dir,
+    runtime = start_runtime(cfg, total_steps=steps, engine=False, reference=reference, source=source,
                             padded_vocab=resume_padded_vocab(cfg))
     try:
         data = load_pair_data(cfg, runtime.tokenizer)
@@ -206,7 +236,7 @@ def _run_pairs(cfg: MrlConfig, algorithm: str, steps: int, train: Any, key_metri
             final = train(cfg, runtime, data, logger, ckpt)
             ckpt.end_if_interrupted()
             history = logger.history
-            export_final(runtime, Path(cfg.run.output_dir))
+            export_final(runtime)
     finally:
         runtime.shutdown()
     summary = _pair_summary(algorithm, history, final, time.perf_counter() - start, accuracy)
@@ -224,14 +254,14 @@ def run_dpo(cfg: MrlConfig) -> dict[str, Any]:
 def run_rm(cfg: MrlConfig) -> dict[str, Any]:
     """`mrl rm`: a language model is first turned into a reward model (mrl/app/reward_model.py)."""
     from mrl.algorithms.rm import KEY_METRICS, rm_train
-    from mrl.app.reward_model import reward_model_dir
-    from mrl.app.runtime import load_tokenizer, resolve_model_dir
+    from mrl.app.reward_model import reward_model_source
+    from mrl.app.runtime import load_tokenizer, resolve_model
 
     _check_pairs(cfg)  # before the reward model's folder is written
-    lm_dir = resolve_model_dir(cfg)
-    pad = load_tokenizer(cfg, lm_dir).pad_token_id
-    model_dir = reward_model_dir(lm_dir, Path(cfg.run.output_dir), pad_token_id=pad, seed=cfg.run.seed)
-    return _run_pairs(cfg, "rm", cfg.rm.max_num_steps, rm_train, KEY_METRICS, "val/accuracy", model_dir=model_dir)
+    lm = resolve_model(cfg)
+    pad = load_tokenizer(cfg, lm).pad_token_id
+    source = reward_model_source(lm, Path(cfg.run.output_dir), pad_token_id=pad, seed=cfg.run.seed)
+    return _run_pairs(cfg, "rm", cfg.rm.max_num_steps, rm_train, KEY_METRICS, "val/accuracy", source=source)
 
 
 def run_eval(cfg: MrlConfig) -> dict[str, Any]:

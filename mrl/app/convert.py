@@ -29,12 +29,12 @@ from converters import ConversionError, model_dims, resolve_padded_vocab
 from converters.hf_io import (DEFAULT_MAX_SHARD_BYTES, copy_model_metadata, load_hf_config, load_hf_state,
                               save_hf_state)
 from converters.mapping import megatron_to_hf as map_megatron_to_hf
-from mrl.checkpoint.megatron import checkpoint_padded_vocab, load_megatron_checkpoint
+from mrl.checkpoint.megatron import HF_SUBDIR, MODEL_SUBDIR, checkpoint_padded_vocab, load_megatron_checkpoint
 from mrl.model.build import build_gpt_model, load_hf_weights, router_settings, transformer_config_from_hf
 from mrl.parallel.groups import init_process_groups, world_from_launcher
 from mrl.parallel.layout import ParallelDims, ParallelLayoutError
 
-MODEL_SUBDIR, HF_SUBDIR, META_FILE = "model", "hf", "conversion.json"
+META_FILE = "conversion.json"
 
 
 def _log(message: str) -> None:
@@ -107,6 +107,31 @@ def _resolve_dirs(megatron_dir: Path, hf_config_dir: str | Path | None) -> tuple
     return model_dir, config_dir
 
 
+def _load_whole_model(model_dir: Path, hf_config: dict[str, Any]) -> Any:
+    """The whole model (TP1, PP1; process groups made) holding a distributed checkpoint's weights."""
+    padded = checkpoint_padded_vocab(model_dir)
+    _log(f"{model_dims(hf_config).family}: loading {model_dir} (padded vocab {padded})")
+    model = _build(hf_config, padded, 1, 1)
+    load_megatron_checkpoint(model, model_dir)
+    return model
+
+
+def megatron_hf_state(megatron_dir: str | Path) -> dict[str, torch.Tensor]:
+    """A Megatron checkpoint folder's weights as HF-named tensors in this process's memory, nothing written: for
+    what needs the whole model in the controller (`mrl rm` making a reward model of a language model). The process
+    groups of a world of one are made for it and destroyed after."""
+    from mrl.parallel.groups import destroy_process_groups
+
+    model_dir, config_dir = _resolve_dirs(Path(megatron_dir), None)
+    hf_config = load_hf_config(config_dir)
+    init_parallel(1, 1)
+    try:
+        model = _load_whole_model(model_dir, hf_config)
+        return dict(map_megatron_to_hf(model.state_dict(), model_dims(hf_config)))
+    finally:
+        destroy_process_groups()
+
+
 def megatron_to_hf(
     megatron_dir: str | Path, out_dir: str | Path, *, hf_config_dir: str | Path | None = None,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
@@ -118,10 +143,7 @@ def megatron_to_hf(
     hf_config = load_hf_config(config_dir)
     dims = model_dims(hf_config)
     init_parallel(1, 1)  # under torchrun every rank loads the full model; rank 0 writes
-    padded = checkpoint_padded_vocab(model_dir)
-    _log(f"{dims.family}: loading {model_dir} (padded vocab {padded})")
-    model = _build(hf_config, padded, 1, 1)
-    load_megatron_checkpoint(model, model_dir)
+    model = _load_whole_model(model_dir, hf_config)
     if torch.distributed.get_rank() == 0:
         files = save_hf_state(map_megatron_to_hf(model.state_dict(), dims), out, max_shard_bytes=max_shard_bytes,
                               log=_log)

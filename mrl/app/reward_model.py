@@ -4,7 +4,9 @@
 head `score.weight` [1, h] drawn from N(0, initializer_range^2) (transformers' initialisation of that head; seeded
 by run.seed) is added. The result is written once to `<run.output_dir>/reward_model_init` (config with
 `architectures: [<Family>ForSequenceClassification]`, `num_labels: 1`, the tokenizer's pad id) and is what the
-policy loads and `final_hf` inherits its config from. A folder that already is a reward model is used as it is.
+policy loads and the final export inherits its config from. A model that already is a reward model is used as it is.
+A language model given as a Megatron checkpoint folder is read in the controller's memory (the whole model, as an
+HF language model folder would be) to make that new folder.
 
 Where the score is read: at the response's last token, with the end-of-turn token left off (in training batches and
 when the reward model scores GRPO rollouts). A response cut at the length limit has no end-of-turn token, so reading
@@ -25,6 +27,7 @@ import torch
 from converters import is_score_model
 from converters.hf_io import copy_model_metadata, load_hf_config, load_hf_state, save_hf_state
 from converters.spec import causal_lm_architecture
+from mrl.app.model_source import ModelSource
 
 REWARD_MODEL_INIT_DIR = "reward_model_init"
 DONE_MARKER = ".complete"
@@ -48,21 +51,30 @@ def score_head(hidden_size: int, std: float, seed: int) -> torch.Tensor:
     return torch.randn(1, hidden_size, generator=generator) * std
 
 
-def reward_model_dir(model_dir: Path, out_dir: Path, *, pad_token_id: int | None, seed: int) -> Path:
-    """`model_dir` itself when it is a reward model, else its reward-model variant written to
+def _lm_state(lm: ModelSource) -> dict[str, torch.Tensor]:
+    """The language model's HF-named tensors: its safetensors, or its Megatron checkpoint read in memory."""
+    if lm.megatron_dir is None:
+        return load_hf_state(lm.config_dir)
+    from mrl.app.convert import megatron_hf_state
+
+    return megatron_hf_state(lm.megatron_dir)
+
+
+def reward_model_source(lm: ModelSource, out_dir: Path, *, pad_token_id: int | None, seed: int) -> ModelSource:
+    """`lm` itself when it is a reward model, else its reward-model variant written as an HF folder to
     `out_dir / reward_model_init` (once; marked complete last, so an interrupted write is redone)."""
-    config = load_hf_config(model_dir)
+    config = load_hf_config(lm.config_dir)
     if is_score_model(config):
-        return model_dir
+        return lm
     out = out_dir / REWARD_MODEL_INIT_DIR
     if (out / DONE_MARKER).is_file():
-        return out
-    state = {k: v for k, v in load_hf_state(model_dir).items() if k != "lm_head.weight"}
+        return ModelSource(config_dir=out)
+    state = {k: v for k, v in _lm_state(lm).items() if k != "lm_head.weight"}
     rm_config = sequence_classification_config(config, pad_token_id)
     state["score.weight"] = score_head(int(config["hidden_size"]), float(config.get("initializer_range", 0.02)),
                                        seed).to(state["model.embed_tokens.weight"].dtype)
     save_hf_state(state.items(), out, log=lambda message: None)
-    copy_model_metadata(model_dir, out)
+    copy_model_metadata(lm.config_dir, out)
     (out / "config.json").write_text(json.dumps(rm_config, indent=2) + "\n")
     (out / DONE_MARKER).write_text("")
-    return out
+    return ModelSource(config_dir=out)

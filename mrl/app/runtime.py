@@ -5,8 +5,13 @@ The loops (mrl/algorithms) receive a `Runtime` as their `Workers` and never touc
 Model source (`policy.*`):
 - `policy.build`: a randomly initialised model of the given size is written once, as an HF folder with the task's
   tokenizer (the arithmetic character tokenizer when `data.arith` is set), to `<run.output_dir>/initial_model`;
-- `policy.model_name`: an HF folder (config.json + safetensors + tokenizer), e.g. the previous stage's export.
-Both the policy (Megatron) and the engine (vLLM) start from that folder, so they start from the same weights.
+- `policy.model_name`: an HF folder (config.json + safetensors + tokenizer), e.g. the previous stage's export, or a
+  Megatron checkpoint folder (mrl/app/model_source.py says which is which).
+From an HF folder, the policy (Megatron) and the engine (vLLM) both load its weights. From a Megatron folder, each
+policy rank reads its slices of the checkpoint (any layout: resharded on load), the tokenizer comes from its hf/
+part, and the engine starts from hf/'s config alone (random weights) and is refitted from the policy before anything
+else runs, so it never generates from other weights than the policy's and no HF safetensors are written. A command
+without a policy (`mrl eval`) starts a frozen one for that refit and stops it after.
 
 Placement: `cluster.num_nodes x cluster.devices_per_node` bundles. Colocated (the default): the policy's ranks and
 the engines share the bundles, each taking half of a bundle's resources; the engine gets the policy's weights by
@@ -23,6 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
+from mrl.app.model_source import ModelSource, classify_model_path
+from mrl.config.errors import ConfigError
 from mrl.config.schema import ModelBuildConfig, MrlConfig
 from mrl.distributed import Placement, RayCluster
 from mrl.inference.interface import RolloutEngine
@@ -33,6 +40,8 @@ from mrl.policy.interface import TrainablePolicy
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
+
+    from mrl.policy.worker import PolicySpec
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +73,19 @@ def _family_settings(build: ModelBuildConfig) -> dict[str, Any]:
     return {}
 
 
+def _rope_settings(cfg: MrlConfig, build: ModelBuildConfig) -> dict:
+    """max_position_embeddings and rope_parameters of `build`. The native length is the run's sequence length; with
+    YaRN max_position_embeddings holds the extended one (transformers derives the factor from it, vLLM its limit),
+    with linear scaling the native one (vLLM multiplies it by the factor)."""
+    native = max(64, cfg.policy.max_total_sequence_length)
+    if build.rope_scaling is None:
+        return {"max_position_embeddings": native}
+    extended = int(native * build.rope_scaling_factor) if build.rope_scaling == "yarn" else native
+    return {"max_position_embeddings": extended,
+            "rope_parameters": {"rope_type": build.rope_scaling, "rope_theta": 10000.0,
+                                "factor": build.rope_scaling_factor, "original_max_position_embeddings": native}}
+
+
 def build_initial_model(cfg: MrlConfig, build: ModelBuildConfig, out: Path) -> Path:
     """Write a random-init HF model of `build`'s size (transformers' default init, seeded by run.seed) to `out`."""
     import torch
@@ -80,7 +102,7 @@ def build_initial_model(cfg: MrlConfig, build: ModelBuildConfig, out: Path) -> P
         num_attention_heads=build.num_attention_heads,
         num_key_value_heads=build.num_key_value_heads or build.num_attention_heads,
         head_dim=build.hidden_size // build.num_attention_heads,
-        max_position_embeddings=max(64, cfg.policy.max_total_sequence_length),
+        **_rope_settings(cfg, build),
         tie_word_embeddings=build.tie_word_embeddings, eos_token_id=tokenizer.eos_token_id,
         bos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, dtype="float32",
         **_family_settings(build))
@@ -95,25 +117,41 @@ def build_initial_model(cfg: MrlConfig, build: ModelBuildConfig, out: Path) -> P
     return out
 
 
-def resolve_model_dir(cfg: MrlConfig) -> Path:
-    """The HF folder the run starts from (see the module docstring)."""
+def resolve_model(cfg: MrlConfig) -> ModelSource:
+    """The model the run starts from (see the module docstring)."""
     if cfg.policy.build is not None:
-        return build_initial_model(cfg, cfg.policy.build, Path(cfg.run.output_dir) / INITIAL_MODEL_DIR)
+        return ModelSource(build_initial_model(cfg, cfg.policy.build, Path(cfg.run.output_dir) / INITIAL_MODEL_DIR))
     if not cfg.policy.model_name:
-        raise ValueError("set policy.model_name (an HF model folder) or policy.build (a random model of a given size)")
-    path = Path(cfg.policy.model_name)
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(
-            f"policy.model_name={cfg.policy.model_name}: no config.json there. mrl loads HF folders from disk (hub "
-            "downloads are not done at run time); convert a training checkpoint with `mrl convert megatron-to-hf "
-            "--checkpoint DIR --out HF_DIR` first")
-    return path
+        raise ConfigError("no model to start from", key="policy.model_name",
+                          fix="set policy.model_name (an HF model folder or a Megatron checkpoint folder) or "
+                              "policy.build (a random model of a given size)")
+    return classify_model_path(cfg.policy.model_name, key="policy.model_name")
 
 
-def load_tokenizer(cfg: MrlConfig, model_dir: Path) -> "PreTrainedTokenizerBase":
+def _padded_vocab(cfg: MrlConfig, source: ModelSource, resume: Optional[int]) -> Optional[int]:
+    """The padded vocabulary the policy is built with: the resumed checkpoint's (`resume`), else the Megatron
+    source's (Megatron pads to a multiple of 128 x the TP size that wrote it, and the tensor shapes keep that size),
+    else None (this TP size's rule). Either must split over policy.parallel.tensor_parallel_size."""
+    from mrl.checkpoint.megatron import MODEL_SUBDIR, checkpoint_padded_vocab
+
+    start = None if source.megatron_dir is None else checkpoint_padded_vocab(source.megatron_dir / MODEL_SUBDIR)
+    if resume is not None and start is not None and resume != start:
+        raise ConfigError(f"the checkpoint to resume pads the vocabulary to {resume} rows, the Megatron checkpoint "
+                          f"the run starts from to {start}", key="policy.model_name", given=cfg.policy.model_name,
+                          fix="start from the model the run was started from, or set checkpointing.resume=false")
+    padded, tp = resume or start, cfg.policy.parallel.tensor_parallel_size
+    if padded is not None and padded % tp:
+        raise ConfigError(f"the checkpoint's vocabulary is padded to {padded} rows, which do not split over {tp} "
+                          "tensor-parallel ranks", key="policy.parallel.tensor_parallel_size", given=tp,
+                          fix="use a tensor parallel size that divides it (any that divides the size it was written "
+                              "with)")
+    return padded
+
+
+def load_tokenizer(cfg: MrlConfig, source: ModelSource) -> "PreTrainedTokenizerBase":
     from mrl.data.tokenizers import load_tokenizer as load
 
-    return load(cfg.policy.tokenizer or model_dir)
+    return load(cfg.policy.tokenizer or source.config_dir)
 
 
 @dataclass
@@ -122,7 +160,7 @@ class Runtime:
     the parts it needs: `policy` is None for `mrl eval`, `engine` for `mrl sft` and `mrl score`."""
 
     cfg: MrlConfig
-    model_dir: Path
+    source: ModelSource
     tokenizer: "PreTrainedTokenizerBase"
     cluster: RayCluster
     placement: Optional[Placement] = None
@@ -131,6 +169,11 @@ class Runtime:
     reward_model: Optional[Any] = None  # a frozen reward model's worker group (env.reward_model), on the same bundles
     _broadcast: Optional[CollectiveTransport] = None
     _local: Optional[WeightTransport] = None
+
+    @property
+    def model_dir(self) -> Path:
+        """The model's config.json and tokenizer (what every export and checkpoint copies beside the weights)."""
+        return self.source.config_dir
 
     def refit(self) -> RefitStats:
         """Stream the policy's weights into the engine (see the module docstring for the transport)."""
@@ -161,38 +204,72 @@ class Runtime:
 
 def start_runtime(cfg: MrlConfig, *, total_steps: int, policy: bool = True, engine: bool = True,
                   reference: bool = False, padded_vocab: Optional[int] = None,
-                  model_dir: Optional[Path] = None) -> Runtime:
+                  source: Optional[ModelSource] = None) -> Runtime:
     """Start Ray, reserve the bundles, then the policy group and/or the engines (see the module docstring).
-    `model_dir` replaces the configured model folder (a reward model's variant of it, `mrl rm`)."""
-    model_dir = model_dir or resolve_model_dir(cfg)
-    tokenizer = load_tokenizer(cfg, model_dir)
+    `padded_vocab`: that of a checkpoint to resume; `source` replaces the configured model (a reward model's variant
+    of it, `mrl rm`)."""
+    source = source or resolve_model(cfg)
+    feeder = engine and not policy and source.is_megatron  # a frozen policy brings the engine its weights
+    main = (_policy_spec(cfg, source, total_steps=total_steps, with_reference=reference, trainable=policy,
+                         padded_vocab=_padded_vocab(cfg, source, padded_vocab)) if policy or feeder else None)
+    scorer = _reward_model_spec(cfg) if policy and engine else None
+    tokenizer = load_tokenizer(cfg, source)  # every check that reads files, before Ray starts
     cluster = RayCluster.from_config(cfg.cluster)
-    runtime = Runtime(cfg, model_dir, tokenizer, cluster)
+    runtime = Runtime(cfg, source, tokenizer, cluster)
     try:
         runtime.placement = cluster.create_placement(
             f"{cfg.run.name}-workers", bundles_per_node=cfg.cluster.devices_per_node, num_nodes=cfg.cluster.num_nodes,
             cpus_per_bundle=cfg.cluster.cpus_per_worker)
-        from mrl.policy.group import Policy
-        from mrl.policy.worker import PolicySpec
-
-        scorer = cfg.env.reward_model if policy and engine else None
-        sharing = 1 + (engine and cfg.generation.colocated) + (scorer is not None)  # groups on one bundle
-        if policy:
-            spec = PolicySpec(hf_dir=str(model_dir), policy=cfg.policy, seed=cfg.run.seed, total_steps=total_steps,
-                              with_reference=reference, padded_vocab=padded_vocab)
-            runtime.policy = Policy(spec, runtime.placement, world_size=cfg.policy_world_size,
-                                    resource_fraction=1.0 / sharing, omp_num_threads=cfg.cluster.omp_num_threads)
+        share = 1.0 / (1 + (engine and cfg.generation.colocated) + (scorer is not None))  # groups on one bundle
+        if main is not None:
+            runtime.policy = _start_policy(cfg, main, runtime.placement, share)
         if scorer is not None:
-            runtime.reward_model = Policy(
-                PolicySpec(hf_dir=scorer.model, policy=cfg.policy, seed=cfg.run.seed, total_steps=1, trainable=False),
-                runtime.placement, world_size=cfg.policy_world_size, resource_fraction=1.0 / sharing,
-                omp_num_threads=cfg.cluster.omp_num_threads, name="reward_model")
-        if engine:  # vLLM engines in Ray actors on the placement, or the Megatron engine in this (driver) process
-            from mrl.inference.factory import build_generation
-
-            runtime.engine = build_generation(cfg, str(model_dir), runtime.placement, colocated_share=1.0 / sharing)
+            runtime.reward_model = _start_policy(cfg, scorer, runtime.placement, share, name="reward_model")
+        if engine:
+            _start_engine(runtime, share)
+        if feeder:
+            runtime.policy.shutdown()  # type: ignore[union-attr]
+            runtime.policy = None
     except BaseException:
         runtime.shutdown()
         raise
     return runtime
 
+
+def _policy_spec(cfg: MrlConfig, source: ModelSource, *, total_steps: int, padded_vocab: Optional[int],
+                 trainable: bool = True, with_reference: bool = False) -> "PolicySpec":
+    """What every rank of a policy (or reward model) group builds and loads (`padded_vocab`: `_padded_vocab`'s)."""
+    from mrl.policy.worker import PolicySpec
+
+    megatron = None if source.megatron_dir is None else str(source.megatron_dir)
+    return PolicySpec(hf_dir=str(source.config_dir), megatron_dir=megatron, policy=cfg.policy, seed=cfg.run.seed,
+                      total_steps=total_steps, with_reference=with_reference, trainable=trainable,
+                      padded_vocab=padded_vocab)
+
+
+def _reward_model_spec(cfg: MrlConfig) -> Optional["PolicySpec"]:
+    """The frozen reward model scoring GRPO's rollouts (env.reward_model), HF or Megatron; None without one."""
+    if cfg.env.reward_model is None:
+        return None
+    rm = classify_model_path(cfg.env.reward_model.model, key="env.reward_model.model")
+    return _policy_spec(cfg, rm, total_steps=1, trainable=False, padded_vocab=_padded_vocab(cfg, rm, None))
+
+
+def _start_policy(cfg: MrlConfig, spec: "PolicySpec", placement: Placement, share: float, *,
+                  name: str = "policy") -> TrainablePolicy:
+    from mrl.policy.group import Policy
+
+    return Policy(spec, placement, world_size=cfg.policy_world_size, resource_fraction=share,
+                  omp_num_threads=cfg.cluster.omp_num_threads, name=name)
+
+
+def _start_engine(runtime: Runtime, share: float) -> None:
+    """vLLM engines in Ray actors on the placement, or the Megatron engine in this (driver) process. Started from a
+    Megatron source's config alone, the engine is refitted from the policy here, before anything can generate."""
+    from mrl.inference.factory import build_generation
+
+    megatron = runtime.source.is_megatron
+    runtime.engine = build_generation(runtime.cfg, str(runtime.model_dir), runtime.placement, colocated_share=share,
+                                      load_weights=not megatron)
+    if megatron:
+        runtime.refit()

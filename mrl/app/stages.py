@@ -1,13 +1,16 @@
-"""`mrl run RECIPE`: the stages of a recipe in order, each starting from the previous stage's final HF export.
+"""`mrl run RECIPE`: the stages of a recipe in order, each starting from the previous stage's final export.
 
 For stage s (see `StageConfig`): the config is the stage's own recipe file (`config:`, relative to the staged
 recipe) or the staged recipe itself, then the stage's `overrides`, then the command line's, then
     run.output_dir=<root output dir>/<stage name>
-    policy.model_name=<previous stage dir>/final_hf, policy.build removed      (when init_from_previous)
-    policy.model_name=<stage `init_from`'s dir>/final_hf                      (when init_from names a stage)
-    env.reward_model.model=<stage `reward_model_from`'s dir>/final_hf        (when reward_model_from names one)
-A stage whose `final_hf/.complete` (training) or `summary.json` (eval) exists is done and skipped, so re-running the
-same command after a crash continues where it stopped (inside a stage, from its newest checkpoint).
+    policy.model_name=<previous stage's final export>, policy.build removed   (when init_from_previous)
+    policy.model_name=<stage `init_from`'s final export>                      (when init_from names a stage)
+    env.reward_model.model=<stage `reward_model_from`'s final export>         (when reward_model_from names one)
+A final export is the stage's `final_hf/`, or its `final_megatron/` when that stage's run.final_format is megatron
+(`run.final_format: megatron` in a staged recipe hands every stage on as a Megatron checkpoint: no HF export and no
+conversion between stages). A stage whose final export is complete (training) or whose `summary.json` exists (eval)
+is done and skipped, so re-running the same command after a crash continues where it stopped (inside a stage, from
+its newest checkpoint).
 
 At the end: a table (per stage: time, reward before/after, held-out accuracy before/after), `summary.json`, and
 `reward_curve.png` (GRPO training reward per step) in the root output dir.
@@ -20,7 +23,7 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-from mrl.app.commands import DONE_MARKER, FINAL_HF_DIR, RUNNERS, SUMMARY_FILE
+from mrl.app.commands import DONE_MARKER, RUNNERS, SUMMARY_FILE, final_dir
 from mrl.config import load_config
 from mrl.config.errors import ConfigError
 from mrl.config.schema import MrlConfig, StageConfig
@@ -30,12 +33,13 @@ def _earlier(stage: StageConfig, key: str, name: str, done: dict[str, Path]) -> 
     if name not in done:
         raise ConfigError(f"stage '{stage.name}': {key} names no earlier training stage", key=f"stages.{key}",
                           given=name, allowed=", ".join(done) or "none (it is the first stage)")
-    return done[name] / FINAL_HF_DIR
+    return done[name]
 
 
 def stage_config(recipe: Path, root: MrlConfig, stage: StageConfig, overrides: Sequence[str],
                  previous: Path | None, earlier: dict[str, Path] | None = None) -> MrlConfig:
-    """The resolved config of one stage (see the module docstring); `earlier` = the training stages before it."""
+    """The resolved config of one stage (see the module docstring); `previous` and `earlier` (by stage name) are the
+    final exports of the training stages before it."""
     source = recipe.parent / stage.config if stage.config else recipe
     earlier = earlier or {}
     extra = [f"++run.output_dir={Path(root.run.output_dir) / stage.name}"]
@@ -43,7 +47,7 @@ def stage_config(recipe: Path, root: MrlConfig, stage: StageConfig, overrides: S
         extra += [f"++policy.model_name={_earlier(stage, 'init_from', stage.init_from, earlier)}",
                   "++policy.build=null"]
     elif stage.init_from_previous and previous is not None:
-        extra += [f"++policy.model_name={previous / FINAL_HF_DIR}", "++policy.build=null"]
+        extra += [f"++policy.model_name={previous}", "++policy.build=null"]
     if stage.reward_model_from is not None:
         path = _earlier(stage, "reward_model_from", stage.reward_model_from, earlier)
         extra += [f"++env.reward_model.model={path}"]
@@ -54,7 +58,19 @@ def _stage_done(cfg: MrlConfig, stage: StageConfig) -> bool:
     out = Path(cfg.run.output_dir)
     if stage.algorithm == "eval":
         return (out / SUMMARY_FILE).is_file()
-    return (out / FINAL_HF_DIR / DONE_MARKER).is_file() and (out / SUMMARY_FILE).is_file()
+    return (final_dir(cfg) / DONE_MARKER).is_file() and (out / SUMMARY_FILE).is_file()
+
+
+def stage_configs(recipe: Path, root: MrlConfig, overrides: Sequence[str]) -> list[MrlConfig]:
+    """Every stage's resolved config, each training stage handing its final export on (see the module docstring)."""
+    configs: list[MrlConfig] = []
+    previous: Path | None = None
+    earlier: dict[str, Path] = {}
+    for stage in root.stages:
+        configs.append(stage_config(recipe, root, stage, overrides, previous, earlier))
+        if stage.algorithm != "eval":
+            previous = earlier[stage.name] = final_dir(configs[-1])
+    return configs
 
 
 def run_staged(recipe: str | Path, overrides: Sequence[str]) -> dict[str, Any]:
@@ -65,13 +81,7 @@ def run_staged(recipe: str | Path, overrides: Sequence[str]) -> dict[str, Any]:
                           fix="use `mrl grpo --config ...` for a single run")
     # Every stage's config is resolved and validated before the first stage starts: a mistake in the last stage
     # must not surface after hours of the first ones.
-    configs: list[MrlConfig] = []
-    previous: Path | None = None
-    earlier: dict[str, Path] = {}
-    for stage in root.stages:
-        configs.append(stage_config(recipe, root, stage, overrides, previous, earlier))
-        if stage.algorithm != "eval":
-            previous = earlier[stage.name] = Path(configs[-1].run.output_dir)
+    configs = stage_configs(recipe, root, overrides)
     summaries: dict[str, Any] = {}
     for index, (stage, cfg) in enumerate(zip(root.stages, configs), 1):
         out = Path(cfg.run.output_dir)

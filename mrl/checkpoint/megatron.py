@@ -35,6 +35,8 @@ import torch
 from mrl.checkpoint.manager import CheckpointError, capture_rng_state, restore_rng_state, write_atomic
 
 MODEL_SUBDIR, TRAINING_SUBDIR, RNG_SUBDIR, LAYOUT_FILE = "model", "optimizer", "rng", "layout.json"
+#: The HF config, generation config and tokenizer beside a checkpoint's model/ (what reads it needs the config).
+HF_SUBDIR = "hf"
 _EMBEDDING_KEY = "embedding.word_embeddings.weight"
 #: The distributed optimizer's state as one tensor per parameter, loadable under any layout.
 _SHARDED_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}

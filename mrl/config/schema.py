@@ -26,6 +26,11 @@ class RunConfig(Section):
     name: str = Field("mrl", description="Run name, used in log and checkpoint folder names.")
     seed: int = Field(42, description="Seed for every random source (data order, init, sampling).")
     output_dir: str = Field("results/${run.name}", description="Folder for logs, plots and checkpoints of the run.")
+    final_format: Literal["hf", "megatron"] = Field(
+        "hf", description="What a training command leaves as its result: final_hf/ (an HF folder: safetensors + "
+        "config + tokenizer, for vLLM or transformers) or final_megatron/ (the policy's weights as a Megatron "
+        "checkpoint folder, written by every rank, no HF export; any mrl command starts from it, so staged recipes "
+        "hand stages on without converting).")
 
 
 class ClusterConfig(Section):
@@ -63,6 +68,11 @@ class ModelBuildConfig(Section):
     num_experts: int = Field(8, ge=1, description="qwen3_moe: routed experts per MoE layer.")
     num_experts_per_tok: int = Field(2, ge=1, description="qwen3_moe: experts each token is routed to.")
     moe_intermediate_size: int = Field(128, ge=8, description="qwen3_moe: MLP hidden size of each expert.")
+    rope_scaling: Optional[Literal["linear", "yarn"]] = Field(
+        None, description="Scale RoPE past the native length (max(64, policy.max_total_sequence_length) at build "
+                          "time), as the HF config's rope_parameters; None = plain RoPE.")
+    rope_scaling_factor: float = Field(1.0, ge=1.0, description="Context extension factor of rope_scaling: the model "
+                                       "serves native length x factor tokens (later stages may grow into it).")
 
 
 class MoEConfig(Section):
@@ -104,7 +114,9 @@ class DynamicBatchingConfig(Section):
 
 
 class PolicyConfig(Section):
-    model_name: Optional[str] = Field(None, description="HF model folder (config.json + safetensors + tokenizer).")
+    model_name: Optional[str] = Field(None, description="HF model folder (config.json + safetensors + tokenizer), "
+                                      "or a Megatron checkpoint folder (`mrl convert hf-to-megatron` output, a "
+                                      "training step_N/ or final_megatron/): loaded in any parallel layout.")
     tokenizer: Optional[str] = Field(None, description="Tokenizer folder or name; None = model_name's.")
     build: Optional[ModelBuildConfig] = Field(None, description="Build a random model instead of loading model_name.")
     precision: Literal["float32", "bfloat16"] = Field("bfloat16", description="Parameter/compute dtype (fp32 on CPU).")
@@ -224,6 +236,9 @@ class ArithTaskConfig(Section):
     near_miss_fraction: float = Field(0.5, ge=0, le=1, description="SFT labels replaced by a near miss (a+b +-1/2).")
     label_offset: int = Field(0, ge=-2, le=2, description="A systematic error in the SFT labels (a+b+offset) and the "
                               "rejected answer of preference pairs (0: near misses are rejected).")
+    context_examples: int = Field(0, ge=0, description="Solved training pairs placed before every prompt "
+                                  "(\"12+30=42 05+17=22 37+05=\"): 9 tokens each at 2 digits, a long-prompt variant of "
+                                  "the task for long-context recipes.")
 
 
 class DataConfig(Section):
@@ -239,10 +254,11 @@ class DataConfig(Section):
 
 
 class RewardModelEnvConfig(Section):
-    """A trained reward model (an HF `*ForSequenceClassification` folder, e.g. `mrl rm`'s final_hf) scoring rollouts,
+    """A trained reward model (`*ForSequenceClassification`, e.g. `mrl rm`'s final export) scoring rollouts,
     served by its own Megatron worker group."""
 
-    model: str = Field(..., description="Reward model folder (config.json + safetensors + tokenizer).")
+    model: str = Field(..., description="Reward model folder: HF (config.json + safetensors + tokenizer) or a "
+                       "Megatron checkpoint folder.")
     weight: float = Field(1.0, description="Reward += weight * the model's score.")
     verifier_weight: float = Field(0.0, description="Reward += verifier_weight * the task verifier's 0/1 score "
                                    "(env.kind's math or arith check); 0 = the reward model alone.")

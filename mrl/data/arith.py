@@ -33,7 +33,7 @@ class ArithTask:
     """Two-operand addition with `digits`-digit zero-padded operands."""
 
     def __init__(self, digits: int = 2, num_heldout: int = 200, near_miss_fraction: float = 0.5, seed: int = 0,
-                 label_offset: int = 0):
+                 label_offset: int = 0, context_examples: int = 0):
         if digits < 1:
             raise ValueError(f"data.arith.digits must be >= 1, got {digits}")
         if not 0 <= near_miss_fraction <= 1:
@@ -41,6 +41,7 @@ class ArithTask:
         self.digits = digits
         self.near_miss_fraction = near_miss_fraction
         self.label_offset = label_offset
+        self.context_examples = context_examples
         largest = 10 ** digits - 1
         pairs = [(a, b) for a in range(largest + 1) for b in range(largest + 1)]
         if not 0 < num_heldout <= len(pairs) // 2:
@@ -53,10 +54,19 @@ class ArithTask:
     @classmethod
     def from_config(cls, cfg: Any, seed: int) -> "ArithTask":
         """From an `ArithTaskConfig` (data.arith) and the run's seed."""
-        return cls(cfg.digits, cfg.num_heldout, cfg.near_miss_fraction, seed, cfg.label_offset)
+        return cls(cfg.digits, cfg.num_heldout, cfg.near_miss_fraction, seed, cfg.label_offset, cfg.context_examples)
+
+    def question(self, a: int, b: int) -> str:
+        return f"{a:0{self.digits}d}+{b:0{self.digits}d}="
 
     def prompt(self, a: int, b: int) -> str:
-        return f"{a:0{self.digits}d}+{b:0{self.digits}d}="
+        """The question, after `context_examples` solved training pairs when set. The pairs are drawn with a seed of
+        the question itself, so a prompt is the same in every split, order and stage; held-out pairs never appear."""
+        if not self.context_examples:
+            return self.question(a, b)
+        rng = random.Random(a * 10**self.digits + b)
+        shots = [rng.choice(self.train_pairs) for _ in range(self.context_examples)]
+        return "".join(f"{self.question(x, y)}{x + y} " for x, y in shots) + self.question(a, b)
 
     def _problems(self, pairs: list[tuple[int, int]]) -> list[Problem]:
         return [Problem(self.prompt(a, b), str(a + b), i) for i, (a, b) in enumerate(pairs)]

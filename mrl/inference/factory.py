@@ -72,8 +72,9 @@ def num_generation_engines(cfg: "MrlConfig") -> int:
     return devices // tp
 
 
-def vllm_engine_config(cfg: "MrlConfig", model_path: str) -> "VllmEngineConfig":
-    """Settings of every vLLM engine of the run, starting from the HF folder `model_path`."""
+def vllm_engine_config(cfg: "MrlConfig", model_path: str, *, load_weights: bool = True) -> "VllmEngineConfig":
+    """Settings of every vLLM engine of the run, starting from the HF folder `model_path` (`load_weights=False`: its
+    config alone, the weights come by refit)."""
     import torch
 
     from mrl.inference.vllm_backend import VllmEngineConfig
@@ -81,6 +82,7 @@ def vllm_engine_config(cfg: "MrlConfig", model_path: str) -> "VllmEngineConfig":
     gen = cfg.generation
     return VllmEngineConfig(
         model_path=model_path,
+        load_weights=load_weights,
         tensor_parallel_size=gen.vllm.tensor_parallel_size,
         max_model_len=gen.vllm.max_model_len or cfg.policy.max_total_sequence_length,
         dtype=cfg.policy.precision,
@@ -95,8 +97,8 @@ def vllm_engine_config(cfg: "MrlConfig", model_path: str) -> "VllmEngineConfig":
     )
 
 
-def build_vllm_engines(cfg: "MrlConfig", model_path: str, placement: Any, *,
-                       colocated_share: float = 0.5) -> "VllmEngineGroup":
+def build_vllm_engines(cfg: "MrlConfig", model_path: str, placement: Any, *, colocated_share: float = 0.5,
+                       load_weights: bool = True) -> "VllmEngineGroup":
     """One engine per generation data-parallel rank on `placement` (which must hold that many bundles).
 
     Colocated engines take `colocated_share` of each bundle (half by default), leaving the rest to the policy group
@@ -120,7 +122,7 @@ def build_vllm_engines(cfg: "MrlConfig", model_path: str, placement: Any, *,
                          f"placement '{placement.name}' has {placement.num_bundles}: raise cluster.devices_per_node")
     fraction = colocated_share if cfg.generation.colocated else 1.0
     return VllmEngineGroup(
-        vllm_engine_config(cfg, model_path),
+        vllm_engine_config(cfg, model_path, load_weights=load_weights),
         placement,
         bundle_indices=list(range(first, first + engines)),
         resource_fraction=fraction,
@@ -128,25 +130,28 @@ def build_vllm_engines(cfg: "MrlConfig", model_path: str, placement: Any, *,
     )
 
 
-def megatron_engine_config(cfg: "MrlConfig", model_path: str) -> "MegatronEngineConfig":
-    """Settings of the Megatron static-inference engine, starting from the HF folder `model_path`."""
+def megatron_engine_config(cfg: "MrlConfig", model_path: str, *, load_weights: bool = True) -> "MegatronEngineConfig":
+    """Settings of the Megatron static-inference engine, starting from the HF folder `model_path` (`load_weights`:
+    as for vLLM)."""
     from mrl.inference.megatron_backend import MegatronEngineConfig
 
     return MegatronEngineConfig(
         model_path=model_path,
+        load_weights=load_weights,
         max_model_len=cfg.policy.max_total_sequence_length,
         dtype=cfg.policy.precision,
         seed=cfg.run.seed,
     )
 
 
-def build_generation(cfg: "MrlConfig", model_path: str, placement: Any, *,
-                     colocated_share: float = 0.5) -> "RolloutEngine":
+def build_generation(cfg: "MrlConfig", model_path: str, placement: Any, *, colocated_share: float = 0.5,
+                     load_weights: bool = True) -> "RolloutEngine":
     """The rollout backend `generation.backend` names: vLLM engines on `placement` (`build_vllm_engines`), or one
     Megatron static-inference engine in this process at TP1 (`placement` unused: it holds its own model copy).
-    `colocated_share`: the part of a shared bundle a colocated engine asks for."""
+    `colocated_share`: the part of a shared bundle a colocated engine asks for. `load_weights=False`: the engines
+    start from `model_path`'s config alone and must be refitted before they generate."""
     if cfg.generation.backend == "megatron":
         from mrl.inference.megatron_backend import MegatronBackend
 
-        return MegatronBackend(megatron_engine_config(cfg, model_path))
-    return build_vllm_engines(cfg, model_path, placement, colocated_share=colocated_share)
+        return MegatronBackend(megatron_engine_config(cfg, model_path, load_weights=load_weights))
+    return build_vllm_engines(cfg, model_path, placement, colocated_share=colocated_share, load_weights=load_weights)

@@ -65,7 +65,7 @@ from mrl.inference.interface import FinishReason, GeneratedSample, GenerationOut
 from mrl.inference.prompt_limits import assemble_output, fit_prompts, max_prompt_tokens
 from mrl.inference.refit import LocalWeights, RefitError, RefitStats, refit
 from mrl.inference.transports import InProcessTransport, Payload, unpack_payload
-from mrl.model.build import build_gpt_model, load_hf_weights, transformer_config_from_hf
+from mrl.model.build import build_gpt_model, context_length, load_hf_weights, transformer_config_from_hf
 from mrl.parallel.groups import init_process_groups
 from mrl.parallel.layout import ParallelDims
 
@@ -80,8 +80,11 @@ class MegatronEngineConfig:
 
     model_path: str
     """HF model folder (config.json, safetensors, optional generation_config.json) the engine starts from."""
+    load_weights: bool = True
+    """False: start from `model_path`'s config alone (random weights); the real ones come by refit before the
+    first generation (a run started from a Megatron checkpoint)."""
     max_model_len: Optional[int] = None
-    """Engine context: prompt + response tokens; None = the model's max_position_embeddings."""
+    """Engine context: prompt + response tokens; None = the model's (max_position_embeddings, times a rope factor)."""
     max_batch_size: int = 64
     """Rows (prompt x sample) per static batch; the KV cache holds max_batch_size x max_model_len tokens per layer."""
     dtype: str = "float32"
@@ -205,10 +208,11 @@ class MegatronBackend:
     def __init__(self, config: MegatronEngineConfig) -> None:
         self.config = config
         self.hf_config = load_hf_config(config.model_path)
-        self.max_model_len = config.max_model_len or int(self.hf_config["max_position_embeddings"])
+        self.max_model_len = config.max_model_len or context_length(model_dims(self.hf_config))
         self.eos_ids = eos_token_ids(config.model_path, self.hf_config)
         self.model = _build_model(self.hf_config, _DTYPES[config.dtype])
-        self._load(load_hf_state(config.model_path))
+        if config.load_weights:
+            self._load(load_hf_state(config.model_path))
         self.vocab_size = int(self.hf_config["vocab_size"])
         context = StaticInferenceContext(config.max_batch_size, self.max_model_len)
         wrapper_config = InferenceWrapperConfig(

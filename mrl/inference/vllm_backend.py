@@ -40,6 +40,9 @@ class VllmEngineConfig:
 
     model_path: str
     """HF model folder (config, tokenizer, safetensors) the engine starts from."""
+    load_weights: bool = True
+    """False: start from `model_path`'s config and tokenizer alone, with random weights (vLLM's load_format
+    "dummy"); the real ones come by refit before the first generation (a run started from a Megatron checkpoint)."""
     tensor_parallel_size: int = 1
     """vLLM tensor parallel size of this engine."""
     max_model_len: int = 1024
@@ -95,6 +98,17 @@ def checkpoint_tensor_names(model_path: str) -> Optional[frozenset[str]]:
     return frozenset(names)
 
 
+def expected_tensor_names(config: VllmEngineConfig) -> Optional[frozenset[str]]:
+    """The HF tensors a complete refit of the engine carries: its checkpoint's, or, for an engine started without
+    weights, every tensor of the config's model (one left out would generate from random weights)."""
+    if config.load_weights:
+        return checkpoint_tensor_names(config.model_path)
+    from converters import expected_hf_shapes, model_dims
+    from converters.hf_io import load_hf_config
+
+    return frozenset(expected_hf_shapes(model_dims(load_hf_config(config.model_path))))
+
+
 def _llm_kwargs(config: VllmEngineConfig) -> dict[str, Any]:
     kwargs: dict[str, Any] = dict(
         model=config.model_path,
@@ -107,6 +121,8 @@ def _llm_kwargs(config: VllmEngineConfig) -> dict[str, Any]:
         worker_extension_cls=_EXTENSION,
         use_tqdm_on_load=False,  # a progress bar per engine start and refit-free load: noise on every console
     )
+    if not config.load_weights:
+        kwargs["load_format"] = "dummy"
     if torch.cuda.is_available():
         kwargs.update(gpu_memory_utilization=config.gpu_memory_utilization, enable_sleep_mode=config.sleep_when_idle)
     else:
@@ -138,7 +154,7 @@ class VllmBackend:
 
     def __init__(self, config: VllmEngineConfig) -> None:
         self.config = config
-        self.expected_names = checkpoint_tensor_names(config.model_path)
+        self.expected_names = expected_tensor_names(config)
         self.transport: WeightTransport = make_transport(config.refit_transport)
         self.llm = build_llm(config)
         self._sleeping = False

@@ -30,7 +30,7 @@ from mrl.inference.buckets import NamedTensor
 from mrl.inference.interface import GeneratedSample, GenerationOutput, SamplingConfig
 from mrl.inference.refit import LocalWeights, RefitStats, refit
 from mrl.inference.transports import CollectiveTransport, Payload, make_transport
-from mrl.inference.vllm_backend import VllmBackend, VllmEngineConfig, checkpoint_tensor_names
+from mrl.inference.vllm_backend import VllmBackend, VllmEngineConfig, expected_tensor_names
 
 from mrl.distributed import GroupFuture, WorkerError, WorkerGroup
 from mrl.logging.known_noise import ENGINE_ENV
@@ -97,7 +97,7 @@ class VllmEngineGroup:
         omp_num_threads: int = 1,
     ) -> None:
         self.config = config
-        self.expected_names = checkpoint_tensor_names(config.model_path)
+        self.expected_names = expected_tensor_names(config)
         self._transport = make_transport(config.refit_transport)
         self.workers = WorkerGroup(
             name,

@@ -5,8 +5,9 @@ into a TransformerConfig + layer spec:
 - RMSNorm with the HF epsilon, SwiGLU MLP (gated_linear_unit, SiLU), no linear biases except QKV (Qwen2);
 - kv_channels = head_dim (Qwen3 and others decouple it from hidden/heads), num_query_groups = kv heads (GQA);
 - qk_layernorm for Qwen3's per-head q/k RMSNorm;
-- RoPE: base from the config; scaled rope types (linear, llama3) get the HF inverse frequencies installed on the
-  model's RotaryEmbedding after construction, so every type goes through the one formula HF uses;
+- RoPE: base from the config; scaled rope types (linear, llama3, yarn) get the HF inverse frequencies installed on
+  the model's RotaryEmbedding after construction, so every type goes through the one formula HF uses; YaRN's cos/sin
+  factor becomes the softmax scale (`rope_attention_factor`);
 - tied embeddings -> share_embeddings_and_output_weights; vocabulary padded (see converters.resolve_padded_vocab).
 - reward models (`*ForSequenceClassification`, `dims.score_head`): the output layer is a column-parallel [rows, h]
   score head (`converters.score_rows(tp)` rows, row 0 the score) instead of the vocabulary projection.
@@ -56,7 +57,70 @@ def rope_inv_freq(dims: ModelDims) -> torch.Tensor:
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         is_medium = ~(wavelen < old_len / high) * ~(wavelen > old_len / low)
         return torch.where(is_medium, smoothed, scaled)
+    if dims.rope_type == "yarn":
+        return _yarn_inv_freq(inv_freq, dims)
     raise ValueError(f"rope_type {dims.rope_type!r} is not supported")  # model_dims() rejects it earlier
+
+
+def _yarn_factor(dims: ModelDims) -> float:
+    """YaRN's context extension factor; a config without one implies max / original max positions (as HF)."""
+    params = dims.rope_parameters
+    if params.get("factor") is not None:
+        return float(params["factor"])
+    return dims.max_position_embeddings / _yarn_original_length(dims)
+
+
+def _yarn_original_length(dims: ModelDims) -> int:
+    return int(dims.rope_parameters.get("original_max_position_embeddings") or dims.max_position_embeddings)
+
+
+def _yarn_inv_freq(inv_freq: torch.Tensor, dims: ModelDims) -> torch.Tensor:
+    """YaRN (arXiv 2309.00071) as transformers computes it: frequencies that turn fewer than `beta_slow` times over
+    the original context are interpolated (divided by the factor), those turning more than `beta_fast` times are
+    kept, with a linear ramp over the dims between (the correction range, floored/ceiled unless truncate=False)."""
+    params, dim = dims.rope_parameters, dims.head_dim
+    base, factor, old_len = dims.rope_theta, _yarn_factor(dims), _yarn_original_length(dims)
+    beta_fast, beta_slow = params.get("beta_fast") or 32, params.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:  # the dim whose wavelength turns `rotations` times in old_len
+        return dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if params.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    high = high + 0.001 if low == high else high
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolate = 1 - ramp  # 1: keep the frequency, 0: interpolate it
+    return inv_freq / factor * (1 - extrapolate) + inv_freq * extrapolate
+
+
+def context_length(dims: ModelDims) -> int:
+    """Tokens the model serves, by vLLM's rule: max_position_embeddings, times the factor of linear rope scaling
+    (YaRN and llama3 configs carry the extended length in max_position_embeddings already)."""
+    if dims.rope_type == "linear":
+        return int(dims.max_position_embeddings * float(dims.rope_parameters["factor"]))
+    return dims.max_position_embeddings
+
+
+def rope_attention_factor(dims: ModelDims) -> float:
+    """The factor transformers multiplies RoPE's cos and sin by (YaRN's `attention_factor`, 1 otherwise).
+
+    Given, or from the factor: 0.1 ln(factor) + 1, or the ratio of that with `mscale` / `mscale_all_dim` when both
+    are set (DeepSeek's form). Multi-latent attention applies it inside Megatron's own YaRN instead."""
+    params = dims.rope_parameters
+    if dims.rope_type != "yarn":
+        return 1.0
+    if params.get("attention_factor") is not None:
+        return float(params["attention_factor"])
+    factor = _yarn_factor(dims)
+
+    def mscale(weight: float = 1.0) -> float:
+        return 1.0 if factor <= 1 else 0.1 * weight * math.log(factor) + 1.0
+
+    if params.get("mscale") and params.get("mscale_all_dim"):
+        return mscale(float(params["mscale"])) / mscale(float(params["mscale_all_dim"]))
+    return mscale()
 
 
 def transformer_config_from_hf(
@@ -111,13 +175,19 @@ def transformer_config_from_hf(
         persist_layer_norm=fusions,
     )
     kwargs.update(_moe_kwargs(dims) if dims.moe else {})
-    kwargs.update(_mla_kwargs(dims) if dims.mla else {})
+    kwargs.update(_mla_kwargs(dims) if dims.mla else _rope_scale_kwargs(dims))
     kwargs.update(overrides)
     if dims.mla:
         from megatron.core.transformer.transformer_config import MLATransformerConfig
 
         return MLATransformerConfig(**kwargs)
     return TransformerConfig(**kwargs)
+
+
+def _rope_scale_kwargs(dims: ModelDims) -> dict[str, Any]:
+    """YaRN's cos/sin factor m scales q and k, so q.k by m^2: the same as a softmax scale m^2 / sqrt(head_dim)."""
+    factor = rope_attention_factor(dims)
+    return {} if factor == 1.0 else {"softmax_scale": factor**2 / math.sqrt(dims.head_dim)}
 
 
 def _moe_kwargs(dims: ModelDims) -> dict[str, Any]:

@@ -15,6 +15,11 @@ the local spec (same constructor, same forward contract) and handles both:
 - GQA: each group of K/V heads is repeated for the query heads it serves (Megatron orders query heads
   group by group).
 
+- Long sequences: causal attention without an explicit mask or dropout goes through torch's CPU flash kernel
+  (`mrl.parallel.flash_attention`), O(sequence) memory in forward and backward: a 24K-token sequence needs no
+  [sq, sk] scores. The dense path below (which materialises them) serves explicit masks, non-causal mask types
+  (KV-cached decode steps), attention dropout and non-CPU tensors.
+
 Every case reduces to one rule: a query attends to a key iff both belong to the same sequence and (when
 causal) the key's position is not after the query's. The module computes a (sequence id, position) pair
 for every local query and every gathered key and builds that mask.
@@ -48,6 +53,8 @@ from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
+
+from mrl.parallel.flash_attention import causal_attention, flash_available
 
 _CAUSAL_TYPES = (AttnMaskType.causal, AttnMaskType.padding_causal)
 
@@ -189,7 +196,9 @@ class TorchCoreAttention(MegatronModule):
             key = key.repeat_interleave(heads // groups, dim=2)
             value = value.repeat_interleave(heads // groups, dim=2)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, np, s, hn]
-        if packed is not None:
+        if self._flash_applies(mask_type, attention_mask, q, k, v):
+            out = self._attend_flash(q, k, v, q_layout, k_layout)  # [b, np, sq, hn_v]
+        elif packed is not None:
             out = self._attend_per_sequence(q, k, v, q_layout, k_layout, mask_type)  # [1, np, sq, hn]
         else:
             allowed = self._allowed(q_layout, k_layout, mask_type).to(query.device)  # [sq, sk]
@@ -199,6 +208,24 @@ class TorchCoreAttention(MegatronModule):
         b, np_, sq, hn = out.shape
         out = out.permute(2, 0, 1, 3).reshape(sq, b, np_ * hn)  # [sq, b, np * hn]
         return out.squeeze(1) if packed is not None else out
+
+    def _flash_applies(self, mask_type: AttnMaskType, attention_mask, *tensors: torch.Tensor) -> bool:
+        """Causal attention without an explicit mask or live dropout, on CPU: the flash kernel's case."""
+        dropout = self.training and self.dropout_p > 0
+        return mask_type in _CAUSAL_TYPES and attention_mask is None and not dropout and flash_available(*tensors)
+
+    def _attend_flash(self, q, k, v, q_layout, k_layout) -> torch.Tensor:
+        """Each sequence's local queries over its keys, put in position order (CP gathers them in rank order),
+        with O(sequence) memory (`mrl.parallel.flash_attention`). q [b, np, sq, hn], k/v [b, np, sk, hn]."""
+        (q_ids, q_pos), (k_ids, k_pos) = q_layout, k_layout
+        outs = []
+        for seq_id in torch.unique_consecutive(q_ids).tolist():
+            qi = (q_ids == seq_id).nonzero().squeeze(1)  # contiguous: token_layout keeps a sequence together
+            ki = (k_ids == seq_id).nonzero().squeeze(1)
+            ki = ki[k_pos[ki].argsort()].to(k.device)  # key j of the sequence at position j
+            q_seq = q[:, :, int(qi[0]):int(qi[-1]) + 1]
+            outs.append(causal_attention(q_seq, k[:, :, ki], v[:, :, ki], q_pos[qi], self.softmax_scale))
+        return torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
 
     def _attend_per_sequence(self, q, k, v, q_layout, k_layout, mask_type: AttnMaskType) -> torch.Tensor:
         """Block-diagonal attention of a pack, one sequence at a time: sum of len^2 scores instead of the pack's

@@ -100,8 +100,9 @@ class Policy:
         """The whole model as HF-named full tensors (small models: HF export, tests)."""
         return self.workers.run_all("export_state")[0]
 
-    def save(self, path: str) -> None:
-        self.workers.run_all("save", path)
+    def save(self, path: str, *, weights_only: bool = False) -> None:
+        """Every rank writes its shards of checkpoint `path` (`weights_only`: no optimizer or LR schedule)."""
+        self.workers.run_all("save", path, weights_only=weights_only)
 
     def load(self, path: str, *, load_optimizer: bool = True) -> list[Any]:
         """Every rank loads its shards of checkpoint `path`; returns the ranks' load reports."""

@@ -1,7 +1,8 @@
 """The Megatron policy on one rank: a plain class that `mrl.distributed.WorkerGroup` runs in one Ray actor per rank.
 
 Each rank builds its shard of the model (TP/PP/CP from `policy.parallel`, data parallel = the rest of the world),
-loads the HF weights it owns, wraps the model in Megatron's DDP and builds Megatron's optimizer and LR schedule.
+loads the weights it owns (HF safetensors, or its slices of a Megatron checkpoint), wraps the model in Megatron's
+DDP and builds Megatron's optimizer and LR schedule.
 The controller (`mrl.policy.group.Policy`) shards batches over data-parallel ranks; every TP/PP/CP rank of a
 data-parallel group receives the same `RankBatch` and runs the same Megatron schedule.
 
@@ -18,7 +19,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -41,7 +42,7 @@ class PolicySpec:
     """What every rank needs to build the policy (replicated to all ranks)."""
 
     hf_dir: str
-    """HF folder (config.json, safetensors, tokenizer) the weights start from."""
+    """HF folder: config.json and the tokenizer, and the weights (safetensors) unless `megatron_dir` is set."""
     policy: PolicyConfig
     seed: int
     total_steps: int
@@ -51,7 +52,10 @@ class PolicySpec:
     trainable: bool = True
     """False: a frozen model that only scores or computes logprobs (a reward model serving GRPO): no optimizer."""
     padded_vocab: Optional[int] = None
-    """Padded vocabulary of a checkpoint to load later (another TP size pads differently); None = this TP's rule."""
+    """Padded vocabulary of a checkpoint to load (another TP size pads differently); None = this TP's rule."""
+    megatron_dir: Optional[str] = None
+    """A Megatron checkpoint folder whose model/ holds the starting weights (mrl/app/model_source.py): every rank
+    reads its slices of them, in any layout; None = the HF folder's safetensors."""
 
 
 def _pad_to_multiple(batch: RankBatch, multiple: int) -> RankBatch:
@@ -74,6 +78,20 @@ def _uneven_pipeline(par: Any) -> dict[str, int]:
     return out
 
 
+def _initial_weights(spec: PolicySpec, hf_config: dict[str, Any]) -> Callable[[Any], None]:
+    """What loads the starting weights into a freshly built model (the policy, then its reference): the Megatron
+    checkpoint's slices of this rank (resharded on load), or the HF state, read once for both models."""
+    if spec.megatron_dir is not None:
+        from mrl.checkpoint.megatron import MODEL_SUBDIR, load_megatron_checkpoint
+
+        return lambda module: load_megatron_checkpoint(module, Path(spec.megatron_dir) / MODEL_SUBDIR)
+    from converters.hf_io import load_hf_state
+    from mrl.model.build import load_hf_weights
+
+    hf_state = load_hf_state(spec.hf_dir)
+    return lambda module: load_hf_weights(module, hf_state, hf_config)
+
+
 def _micro_batch_size(wanted: int, rows: int, group_size: int = 1) -> int:
     """The largest micro-batch size <= `wanted` (but at least one group) that divides `rows` and is a multiple of
     `group_size` (pipeline schedules need equal micro-batches; a preference pair stays in one)."""
@@ -92,9 +110,9 @@ class PolicyWorker:
                                                finalize_model_grads)
 
         from converters import model_dims
-        from converters.hf_io import load_hf_config, load_hf_state
-        from mrl.model.build import (build_gpt_model, freeze_routers, load_hf_weights, router_settings,
-                                     stage_layer_offset, transformer_config_from_hf)
+        from converters.hf_io import load_hf_config
+        from mrl.model.build import (build_gpt_model, freeze_routers, router_settings, stage_layer_offset,
+                                     transformer_config_from_hf)
         from mrl.parallel.groups import init_process_groups
         from mrl.parallel.layout import ParallelDims
         from mrl.policy.optim import build_optimizer, build_scheduler
@@ -118,9 +136,9 @@ class PolicyWorker:
             self.hf_config, tensor_parallel=self.dims.tp, pipeline_parallel=self.dims.pp,
             context_parallel=self.dims.cp, sequence_parallel=par.sequence_parallel, params_dtype=dtype, **recompute,
             **moe, **_uneven_pipeline(par))
-        hf_state = load_hf_state(spec.hf_dir)
+        load_initial_weights = _initial_weights(spec, self.hf_config)
         module = build_gpt_model(self.hf_config, self.tconfig, padded_vocab=spec.padded_vocab)
-        load_hf_weights(module, hf_state, self.hf_config)
+        load_initial_weights(module)
         if cfg.moe.freeze_router:
             freeze_routers(module)  # before DDP and the optimizer collect the trainable parameters
         self.module = module
@@ -140,12 +158,12 @@ class PolicyWorker:
         self.reference = None
         if spec.with_reference:
             self.reference = build_gpt_model(self.hf_config, self.tconfig, padded_vocab=spec.padded_vocab)
-            load_hf_weights(self.reference, hf_state, self.hf_config)
+            load_initial_weights(self.reference)
             self.reference.requires_grad_(False)
             self.reference.eval()
             if cfg.offload_reference and torch.cuda.is_available():
                 self.reference.cpu()
-        del hf_state
+        del load_initial_weights  # the HF state it holds
         self.expert_load = ExpertLoad([module])
         self._exporter = None
         self._bucket_plan: list = []
@@ -275,11 +293,13 @@ class PolicyWorker:
         return dict(tensors) if dist.get_rank() == 0 else None
 
     # --------------------------------------------------------------------------------------------- checkpoint
-    def save(self, path: str) -> None:
-        """Model, optimizer, scheduler and RNG states as a reshardable distributed checkpoint under `path`."""
+    def save(self, path: str, weights_only: bool = False) -> None:
+        """Model, optimizer, scheduler and RNG states as a reshardable distributed checkpoint under `path`
+        (`weights_only`: the model and RNG states, a folder to start from rather than to resume)."""
         from mrl.checkpoint.megatron import save_megatron_state
 
-        save_megatron_state(Path(path), self.model, self.optimizer, self.scheduler)
+        training = (None, None) if weights_only else (self.optimizer, self.scheduler)
+        save_megatron_state(Path(path), self.model, *training)
 
     def load(self, path: str, load_optimizer: bool = True) -> Any:
         """Load a checkpoint written under any parallel layout; returns this rank's `MegatronLoadReport`."""

@@ -7,6 +7,7 @@ that is partly right, so GRPO groups carry a reward signal and the weights reall
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -18,10 +19,12 @@ SHORT_ARITH = ("data.arith.digits=1", "data.arith.num_heldout=20", "sft.max_num_
                "generation.vllm.max_model_len=12", "logger.log_every=1")
 
 
-def mrl(*args: str) -> subprocess.Popen:
-    """Start `python -m mrl.cli ARGS` in its own session (so a test can kill it with every Ray process it started)."""
+def mrl(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """Start `python -m mrl.cli ARGS` in its own session (so a test can kill it with every Ray process it started);
+    `env` adds to this process's environment."""
     return subprocess.Popen([sys.executable, "-m", "mrl.cli", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            env=None if env is None else {**os.environ, **env})
 
 
 def finish(proc: subprocess.Popen, timeout: float = 600) -> str:

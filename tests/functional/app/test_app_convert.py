@@ -97,6 +97,8 @@ def run_plan_on_rank(tokens: torch.Tensor, steps: list[dict]) -> None:
 
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+#: YaRN past the native length: the test's 24 tokens exceed original_max_position_embeddings
+YARN_ROPE = {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "original_max_position_embeddings": 16}
 #: (name, family, tied, kv heads (None = MHA), config overrides): every family, tied and untied, GQA and MHA.
 VARIANTS = [
     ("llama_gqa_llama3rope", "llama", False, 2, {"rope_parameters": LLAMA3_ROPE}),
@@ -104,7 +106,7 @@ VARIANTS = [
     ("qwen2_mha", "qwen2", False, None, {"rope_parameters": {"rope_type": "linear", "rope_theta": 1e6,
                                                               "factor": 2.0}}),
     ("qwen2_tied_gqa", "qwen2", True, 2, {}),
-    ("qwen3_gqa", "qwen3", False, 2, {"rms_norm_eps": 1e-5}),
+    ("qwen3_gqa_yarn", "qwen3", False, 2, {"rms_norm_eps": 1e-5, "rope_parameters": YARN_ROPE}),
     ("qwen3_tied_mha", "qwen3", True, None, {}),
 ]
 

@@ -1,16 +1,26 @@
 """`mrl score` through the command line: per-token logprobs equal HF transformers at TP1 and TP2, bad rows are
-reported and skipped, perplexity is exp(-mean logprob)."""
+reported and skipped, perplexity is exp(-mean logprob); a Megatron checkpoint folder of the same weights, written at
+the other TP size (`mrl convert hf-to-megatron`'s function on 2 ranks for TP2), scores bit for bit what the HF
+folder scores."""
 
 from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
 
+from mrl.testing.distributed import run_on_ranks
 from mrl.testing.runs import finish, mrl
 from mrl.testing.tiny_models import build_tiny_hf_model, hf_token_logprobs
+
+ROWS = [{"text": "The quick brown fox jumps over the lazy dog number 7."},
+        {"prompt": "Question: what is 3 plus 10?", "completion": " Answer: 13"},
+        {"input_ids": [5, 17, 42, 8, 9], "num_prompt_tokens": 3},
+        {"nothing": "here"}]
+LAYOUTS = {"tp1": [], "tp2": ["cluster.devices_per_node=2", "policy.parallel.tensor_parallel_size=2"]}
 
 
 @pytest.fixture(scope="module")
@@ -19,35 +29,77 @@ def model_dir(tmp_path_factory):
                                num_kv_heads=2, intermediate=128, layers=2)
 
 
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory) -> Path:
+    source = tmp_path_factory.mktemp("rows") / "in.jsonl"
+    source.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    return source
 
-@pytest.mark.parametrize("layout", [[], ["cluster.devices_per_node=2", "policy.parallel.tensor_parallel_size=2"]],
-                         ids=["tp1", "tp2"])
-def test_score_matches_hf_transformers(model_dir, tmp_path, layout):
+
+def _score_concurrently(runs: dict[str, tuple[Path, Path]], inputs: Path) -> dict[str, Path]:
+    """`mrl score` of {layout: (model, out)}, the runs started together (most of one is Ray and the ranks
+    starting); their outputs by layout."""
+    started = [mrl("score", "--model", str(model), "--input", str(inputs), "--out", str(out), *LAYOUTS[layout])
+               for layout, (model, out) in runs.items()]
+    for proc in started:
+        finish(proc)
+    return {layout: out for layout, (_, out) in runs.items()}
+
+
+@pytest.fixture(scope="module")
+def hf_scores(model_dir, inputs, tmp_path_factory) -> dict[str, Path]:
+    """The HF folder's scores at every layout."""
+    root = tmp_path_factory.mktemp("hf")
+    return _score_concurrently({layout: (model_dir, root / f"{layout}.jsonl") for layout in LAYOUTS}, inputs)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_score_matches_hf_transformers(model_dir, hf_scores, layout):
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    rows = [{"text": "The quick brown fox jumps over the lazy dog number 7."},
-            {"prompt": "Question: what is 3 plus 10?", "completion": " Answer: 13"},
-            {"input_ids": [5, 17, 42, 8, 9], "num_prompt_tokens": 3},
-            {"nothing": "here"}]
-    source = tmp_path / "in.jsonl"
-    source.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    out = tmp_path / "out.jsonl"
-    finish(mrl("score", "--model", str(model_dir), "--input", str(source), "--out", str(out), *layout))
-    result = [json.loads(line) for line in out.read_text().splitlines()]
+    result = [json.loads(line) for line in hf_scores[layout].read_text().splitlines()]
     assert [r["index"] for r in result] == [0, 1, 2, 3] and "error" in result[3]
 
-    text_ids = tokenizer(rows[0]["text"])["input_ids"]
+    text_ids = tokenizer(ROWS[0]["text"])["input_ids"]
     expected = hf_token_logprobs(model_dir, text_ids)
     assert result[0]["num_scored_tokens"] == len(text_ids) - 1
     assert (torch.tensor(result[0]["logprobs"]) - expected).abs().max() <= 1e-5
     assert result[0]["perplexity"] == pytest.approx(math.exp(-expected.double().mean().item()), rel=1e-5)
 
-    prompt = tokenizer(rows[1]["prompt"])["input_ids"]
-    full = prompt + tokenizer(rows[1]["completion"], add_special_tokens=False)["input_ids"]
+    prompt = tokenizer(ROWS[1]["prompt"])["input_ids"]
+    full = prompt + tokenizer(ROWS[1]["completion"], add_special_tokens=False)["input_ids"]
     expected = hf_token_logprobs(model_dir, full)[len(prompt) - 1:]  # completion tokens only
     assert result[1]["token_ids"] == full[len(prompt):]
     assert (torch.tensor(result[1]["logprobs"]) - expected).abs().max() <= 1e-5
 
-    expected = hf_token_logprobs(model_dir, rows[2]["input_ids"])[2:]
+    expected = hf_token_logprobs(model_dir, ROWS[2]["input_ids"])[2:]
     assert (torch.tensor(result[2]["logprobs"]) - expected).abs().max() <= 1e-5
+
+
+def convert_on_rank(hf_dir: str, outs: dict[int, str]) -> None:
+    """Rank side: `mrl convert hf-to-megatron` at each TP size (TP1 on 2 ranks: two data-parallel replicas)."""
+    from mrl.app import convert
+
+    for tp, out in outs.items():
+        convert.hf_to_megatron(hf_dir, out, tp=tp)
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def megatron_scores(model_dir, inputs, tmp_path_factory) -> dict[str, Path]:
+    """The HF model converted to Megatron checkpoint folders at TP1 and TP2, each scored at the other layout (loaded
+    resharded); the scores by the layout they were computed at."""
+    root = tmp_path_factory.mktemp("megatron")
+    written = {"tp1": root / "tp1", "tp2": root / "tp2"}
+    outs = {1: str(written["tp1"]), 2: str(written["tp2"])}
+    run_on_ranks(convert_on_rank, world_size=2, args=(str(model_dir), outs), timeout_s=240,
+                 env={"TOKENIZERS_PARALLELISM": "false"})
+    return _score_concurrently({"tp1": (written["tp2"], root / "tp1.jsonl"), "tp2": (written["tp1"], root / "tp2.jsonl")},
+                               inputs)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_a_megatron_folder_written_at_another_tp_scores_what_the_hf_folder_scores(hf_scores, megatron_scores, layout):
+    assert megatron_scores[layout].read_text() == hf_scores[layout].read_text()  # every logprob bit for bit

@@ -213,6 +213,27 @@ def test_factory_builds_the_megatron_backend_from_the_config(backend, model_dir)
         [s.token_ids for s in backend.generate(PROMPTS, greedy).samples]
 
 
+def test_an_engine_started_from_a_config_alone_generates_once_refitted(backend, model_dir, tmp_path):
+    """The engine of a run started from a Megatron checkpoint: config + tokenizer only, the weights by refit."""
+    from converters.hf_io import copy_model_metadata, load_hf_state
+    from mrl.config.schema import MrlConfig
+    from mrl.inference.factory import build_generation
+
+    config_only = tmp_path / "hf"
+    copy_model_metadata(model_dir, config_only)
+    cfg = MrlConfig.model_validate({"generation": {"backend": "megatron", "max_new_tokens": 8},
+                                    "policy": {"precision": "float32", "max_total_sequence_length": MAX_MODEL_LEN}})
+    engine = build_generation(cfg, str(config_only), placement=None, load_weights=False)
+    greedy = SamplingConfig(temperature=0.0, max_new_tokens=5, ignore_eos=True)
+    expected = [s.token_ids for s in backend.generate(PROMPTS, greedy).samples]
+    assert [s.token_ids for s in engine.generate(PROMPTS, greedy).samples] != expected  # random weights until then
+    state = load_hf_state(model_dir)
+    with pytest.raises(RefitError, match="missing"):
+        engine.update_weights({k: v for k, v in state.items() if "layers.1." not in k})
+    engine.update_weights(state)
+    assert [s.token_ids for s in engine.generate(PROMPTS, greedy).samples] == expected
+
+
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
 def test_moe_families_sample_with_transformers_logprobs(backend, tmp_path, family):
     """Qwen3-MoE and DeepSeek-V3 (MLA, its YaRN rope and latent KV in the KV-cached decode) in the same engine."""

@@ -36,26 +36,10 @@ def make_batch(vocab: int = 200, seed: int = 0):
 
 
 def _build(model_dir: str, tp: int, pp: int, cp: int, sp: bool):
-    import json
-    from pathlib import Path
+    from mrl.testing.megatron import trainable_from_hf
 
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
-    from safetensors.torch import load_file
-
-    from mrl.config.schema import OptimizerConfig, SchedulerConfig
-    from mrl.model.build import build_gpt_model, load_hf_weights, transformer_config_from_hf
-    from mrl.policy.optim import build_optimizer, build_scheduler
-
-    hf_config = json.loads((Path(model_dir) / "config.json").read_text())
-    cfg = transformer_config_from_hf(hf_config, tensor_parallel=tp, pipeline_parallel=pp, context_parallel=cp,
-                                     sequence_parallel=sp)
-    model = build_gpt_model(hf_config, cfg)
-    load_hf_weights(model, load_file(str(Path(model_dir) / "model.safetensors")), hf_config)
-    model = DistributedDataParallel(cfg, DistributedDataParallelConfig(grad_reduce_in_fp32=True), module=model)
-    cfg.finalize_model_grads_func = finalize_model_grads
-    opt_cfg = OptimizerConfig(lr=1e-3, weight_decay=0.0)
-    optimizer = build_optimizer([model], opt_cfg, params_dtype=torch.float32)
-    return model, optimizer, build_scheduler(optimizer, opt_cfg, SchedulerConfig(), total_steps=3), hf_config
+    return trainable_from_hf(model_dir, total_steps=3, tensor_parallel=tp, pipeline_parallel=pp, context_parallel=cp,
+                             sequence_parallel=sp)
 
 
 def _sum_over_context_parallel(metrics: dict) -> dict:

@@ -156,12 +156,13 @@ def hf_dpo(model_dir, ref_dir):
 # ---- tests ----
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory):
-    from mrl.app.reward_model import reward_model_dir
+    from mrl.app.model_source import ModelSource
+    from mrl.app.reward_model import reward_model_source
 
     root = tmp_path_factory.mktemp("pref")
     policy = build_tiny_hf_model(root / "policy", "qwen2", num_kv_heads=2, seed=3, tied=True)
     reference = build_tiny_hf_model(root / "reference", "qwen2", num_kv_heads=2, seed=4, tied=True)
-    rm = reward_model_dir(policy, root / "rm", pad_token_id=0, seed=5)
+    rm = reward_model_source(ModelSource(policy), root / "rm", pad_token_id=0, seed=5).config_dir
     return str(policy), str(reference), str(rm)
 
 
@@ -224,4 +225,7 @@ def test_preference_layouts_equal_tp1(dirs, single, hf_reference, layout):
             assert [m["loss"] for m in result["metrics"]] == pytest.approx(
                 [m["loss"] for m in reference["metrics"]], abs=1e-5)
             valid = torch.arange(reference["after"].shape[1])[None, :] < make_pairs()[2][:, None]
-            assert (result["after"] - reference["after"])[valid].abs().max() <= 1e-5
+            # fp32 summation order through three Adam steps: measured at TP2 up to 1.1e-5 on reward-model scores of
+            # ~0.9 (6e-6 with dense attention, 1.1e-5 with the flash path, which is per-head identical at TP1 and
+            # TP2); a sharding error (a missing reduction, a wrong normalisation) moves them by orders more.
+            assert (result["after"] - reference["after"])[valid].abs().max() <= 3e-5

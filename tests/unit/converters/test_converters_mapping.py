@@ -110,8 +110,10 @@ def test_family_detection_and_unsupported_configs():
             "num_attention_heads": 4, "intermediate_size": 128, "vocab_size": 100}
     with pytest.raises(C.ConversionError, match="attention_bias"):
         C.model_dims({**base, "attention_bias": True})
-    with pytest.raises(C.ConversionError, match="rope_type='yarn'"):
-        C.model_dims({**base, "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}})
+    with pytest.raises(C.ConversionError, match="rope_type='longrope'"):
+        C.model_dims({**base, "rope_parameters": {"rope_type": "longrope", "factor": 4.0, "rope_theta": 1e4}})
+    with pytest.raises(C.ConversionError, match="partial_rotary_factor"):
+        C.model_dims({**base, "partial_rotary_factor": 0.5})
     with pytest.raises(C.ConversionError, match="hidden_act='gelu'"):
         C.model_dims({**base, "hidden_act": "gelu"})
     legacy = C.model_dims({**base, "rope_theta": 5e5, "rope_scaling": {"type": "linear", "factor": 2.0}})

@@ -9,7 +9,8 @@ import torch
 
 from converters import hf_to_megatron, megatron_to_hf, model_dims, score_rows, tp_unshard
 from converters.hf_io import load_hf_config, load_hf_state
-from mrl.app.reward_model import reward_model_dir
+from mrl.app.model_source import ModelSource
+from mrl.app.reward_model import reward_model_source
 from mrl.testing.tiny_models import build_tiny_hf_model
 
 pytestmark = pytest.mark.unit
@@ -19,7 +20,7 @@ pytestmark = pytest.mark.unit
 def rm_dir(tmp_path_factory):
     root = tmp_path_factory.mktemp("rm")
     lm = build_tiny_hf_model(root / "lm", "llama", tied=True, seed=1)
-    return lm, reward_model_dir(lm, root / "out", pad_token_id=0, seed=7)
+    return lm, reward_model_source(ModelSource(lm), root / "out", pad_token_id=0, seed=7).config_dir
 
 
 def test_an_lm_becomes_a_reward_model_that_transformers_loads(rm_dir):
@@ -34,7 +35,8 @@ def test_an_lm_becomes_a_reward_model_that_transformers_loads(rm_dir):
     assert rm_state["score.weight"].shape == (1, 64) and 0.005 < float(rm_state["score.weight"].std()) < 0.05
     model = AutoModelForSequenceClassification.from_pretrained(rm, dtype=torch.float32)
     assert torch.equal(model.score.weight.detach(), rm_state["score.weight"])
-    assert reward_model_dir(rm, rm.parent, pad_token_id=0, seed=7) == rm  # a reward model is used as it is
+    source = ModelSource(rm)
+    assert reward_model_source(source, rm.parent, pad_token_id=0, seed=7) == source  # a reward model is used as is
 
 
 @pytest.mark.parametrize("tp", [1, 2, 8])

@@ -1,0 +1,33 @@
+"""Stage hand-on in staged recipes: each stage starts from the final export that its source stage's
+run.final_format names (final_hf/ or final_megatron/), resolved before any stage runs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from mrl.app.stages import stage_configs
+from mrl.config import load_config
+
+RECIPE = Path(__file__).resolve().parents[3] / "recipes" / "preference-arith-tiny-cpu.yaml"
+STAGED = """defaults: {recipe}
+run:
+  final_format: megatron
+stages:
+  - {{name: sft, algorithm: sft, init_from_previous: false, overrides: [run.final_format=hf]}}
+  - {{name: rm, algorithm: rm, init_from: sft}}
+  - {{name: grpo, algorithm: grpo, init_from: sft, reward_model_from: rm}}
+  - {{name: eval, algorithm: eval}}
+"""
+
+
+def test_each_stage_starts_from_the_export_its_source_stage_writes(tmp_path):
+    staged = tmp_path / "staged.yaml"
+    staged.write_text(STAGED.format(recipe=RECIPE))
+    overrides = [f"run.output_dir={tmp_path}"]
+    root = load_config(staged, overrides)
+    configs = {stage.name: cfg for stage, cfg in zip(root.stages, stage_configs(staged, root, overrides))}
+    assert [configs[name].run.final_format for name in ("sft", "rm", "grpo")] == ["hf", "megatron", "megatron"]
+    assert configs["rm"].policy.model_name == str(tmp_path / "sft" / "final_hf")
+    assert configs["grpo"].policy.model_name == str(tmp_path / "sft" / "final_hf")
+    assert configs["grpo"].env.reward_model.model == str(tmp_path / "rm" / "final_megatron")
+    assert configs["eval"].policy.model_name == str(tmp_path / "grpo" / "final_megatron")
