@@ -82,8 +82,8 @@ def _rope_settings(cfg: MrlConfig, build: ModelBuildConfig) -> dict:
         return {"max_position_embeddings": native}
     extended = int(native * build.rope_scaling_factor) if build.rope_scaling == "yarn" else native
     return {"max_position_embeddings": extended,
-            "rope_parameters": {"rope_type": build.rope_scaling, "rope_theta": 10000.0,
-                                "factor": build.rope_scaling_factor, "original_max_position_embeddings": native}}
+            "rope_parameters": {"rope_type": build.rope_scaling, "factor": build.rope_scaling_factor,
+                                "original_max_position_embeddings": native}}  # rope_theta: the family's default
 
 
 def build_initial_model(cfg: MrlConfig, build: ModelBuildConfig, out: Path) -> Path:

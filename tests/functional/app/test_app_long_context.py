@@ -45,7 +45,6 @@ def test_staged_long_context_twin_grows_the_context_and_hands_checkpoints_on(tmp
         if previous_stage is not None:
             assert Path(config["policy"]["model_name"]) == tmp_path / previous_stage / "final_hf"
         previous_budget, previous_stage = budget, stage
-    assert summary["grpo-4K"]["final"]["train/sequence_length_max"] > 2048
     cp = yaml.safe_load((tmp_path / "grpo-4K" / "checkpoints" / "step_2" / "config.yaml").read_text())
     assert cp["policy"]["parallel"]["context_parallel_size"] == 2
     # the first stage's updates moved the weights it handed on
