@@ -12,8 +12,9 @@ random-init 4-layer model (no SFT warm-up), P prompts x G samples x at most T ne
          first, by mrl's `build_initial_model` from the same config, so it holds the weights mrl starts from
          (checked byte for byte against mrl sync's own folder when both run).
   sync : `mrl grpo --config recipes/arith-tiny-cpu.yaml` as a subprocess, with overrides giving the same P, G, T,
-         one optimizer step per step (global = micro batch = P*G), lr 1e-3 without warm-up, a small validation
-         (eval.max_problems=8), no checkpoints. The engine and the policy share one bundle (colocated) and, as in
+         one optimizer step per step (global = micro batch = P*G; the recipe packs sequences: one pack holds the
+         whole batch, no padding), lr 1e-3 without warm-up, a small validation (eval.max_problems=8), no checkpoints.
+         The floor trains on its padded batch, as a plain HF train step does. The engine and the policy share one bundle (colocated) and, as in
          the recipe's GRPO stage, each uses both cores (cluster.omp_num_threads=2: their phases never overlap).
   async: the same plus grpo.max_off_policy_steps=1 loss.importance_sampling=tis, the engine on a bundle of its own
          (generation.colocated=false, generation.num_devices=1, cluster.devices_per_node=2): one core each
@@ -98,8 +99,10 @@ def mrl_overrides(args: argparse.Namespace, out_dir: Path) -> list[str]:
             f"grpo.num_generations_per_prompt={args.generations}", f"generation.max_new_tokens={args.tokens}",
             f"policy.max_total_sequence_length={max_len}", f"generation.vllm.max_model_len={max_len}",
             f"policy.train_global_batch_size={batch}", f"policy.train_micro_batch_size={batch}",
-            f"policy.logprob_micro_batch_size={batch}", "policy.optimizer.lr=1e-3", "policy.scheduler.warmup_steps=0",
-            "grpo.val_every=0", "eval.max_problems=8", "checkpointing.enabled=false", f"run.output_dir={out_dir}",
+            f"policy.logprob_micro_batch_size={batch}",
+            f"policy.sequence_packing.tokens_per_microbatch={batch * max_len}",
+            "policy.optimizer.lr=1e-3", "policy.scheduler.warmup_steps=0", "grpo.val_every=0", "eval.max_problems=8",
+            "checkpointing.enabled=false", f"run.output_dir={out_dir}",
             *args.set]
 
 

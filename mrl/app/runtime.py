@@ -13,6 +13,9 @@ part, and the engine starts from hf/'s config alone (random weights) and is refi
 else runs, so it never generates from other weights than the policy's and no HF safetensors are written. A command
 without a policy (`mrl eval`) starts a frozen one for that refit and stops it after.
 
+Start: the policy group, a reward model's group and the engines start side by side (threads of this process, each
+waiting on its Ray actors: imports and model building take seconds); a failure in one stops the others.
+
 Placement: `cluster.num_nodes x cluster.devices_per_node` bundles. Colocated (the default): the policy's ranks and
 the engines share the bundles, each taking half of a bundle's resources; the engine gets the policy's weights by
 refit after every step (mrl/inference/refit.py), as shared-memory files written by the policy's rank 0 (on GPUs:
@@ -24,6 +27,7 @@ and the engines, made on the first refit.
 from __future__ import annotations
 
 import logging
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
@@ -221,12 +225,19 @@ def start_runtime(cfg: MrlConfig, *, total_steps: int, policy: bool = True, engi
             f"{cfg.run.name}-workers", bundles_per_node=cfg.cluster.devices_per_node, num_nodes=cfg.cluster.num_nodes,
             cpus_per_bundle=cfg.cluster.cpus_per_worker)
         share = 1.0 / (1 + (engine and cfg.generation.colocated) + (scorer is not None))  # groups on one bundle
-        if main is not None:
-            runtime.policy = _start_policy(cfg, main, runtime.placement, share)
-        if scorer is not None:
-            runtime.reward_model = _start_policy(cfg, scorer, runtime.placement, share, name="reward_model")
-        if engine:
-            _start_engine(runtime, share)
+        # The worker groups start side by side (each spends seconds importing and building its model).
+        with ThreadPoolExecutor(max_workers=2, thread_name_prefix="mrl-start") as pool:
+            starting = {
+                "policy": pool.submit(_start_policy, cfg, main, runtime.placement, share) if main else None,
+                "reward_model": (pool.submit(_start_policy, cfg, scorer, runtime.placement, share, name="reward_model")
+                                 if scorer else None)}
+            try:
+                if engine:
+                    _start_engine(runtime, share)
+            finally:
+                _collect_started(runtime, starting)
+        if engine and runtime.source.is_megatron:  # an engine started from the config alone gets the weights now
+            runtime.refit()
         if feeder:
             runtime.policy.shutdown()  # type: ignore[union-attr]
             runtime.policy = None
@@ -264,12 +275,23 @@ def _start_policy(cfg: MrlConfig, spec: "PolicySpec", placement: Placement, shar
 
 
 def _start_engine(runtime: Runtime, share: float) -> None:
-    """vLLM engines in Ray actors on the placement, or the Megatron engine in this (driver) process. Started from a
-    Megatron source's config alone, the engine is refitted from the policy here, before anything can generate."""
+    """vLLM engines in Ray actors on the placement, or the Megatron engine in this (driver) process. From a Megatron
+    source the engine starts from the config alone (`start_runtime` refits it before anything can generate)."""
     from mrl.inference.factory import build_generation
 
-    megatron = runtime.source.is_megatron
     runtime.engine = build_generation(runtime.cfg, str(runtime.model_dir), runtime.placement, colocated_share=share,
-                                      load_weights=not megatron)
-    if megatron:
-        runtime.refit()
+                                      load_weights=not runtime.source.is_megatron)
+
+
+def _collect_started(runtime: Runtime, starting: dict[str, Optional[Future]]) -> None:
+    """Every group that started becomes the runtime's (so `shutdown` stops it); then the first failure is raised."""
+    failures = []
+    for name, future in starting.items():
+        if future is None:
+            continue
+        try:
+            setattr(runtime, name, future.result())
+        except BaseException as error:  # noqa: BLE001 -- collect every group before raising
+            failures.append(error)
+    if failures:
+        raise failures[0]

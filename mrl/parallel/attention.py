@@ -54,7 +54,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from mrl.parallel.flash_attention import causal_attention, flash_available
+from mrl.parallel.flash_attention import causal_attention, flash_available, padded_pack_attention
 
 _CAUSAL_TYPES = (AttnMaskType.causal, AttnMaskType.padding_causal)
 
@@ -183,9 +183,8 @@ class TorchCoreAttention(MegatronModule):
         packed = packed_seq_params if packed_seq_params is not None and packed_seq_params.qkv_format == "thd" else None
         if packed is not None:  # [t, heads, hn] -> [t, 1, heads, hn]: the pack is one batch row
             query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
-        n_query, n_key_local = query.shape[0], key.shape[0]
+        n_key_local = key.shape[0]
         key, value = self._gather_kv(key, value)  # [sk, b, ng, hn]
-        q_layout, k_layout = self._layouts(n_query, n_key_local, packed)
         # Megatron passes the mask type per call: static inference's KV-cached decode steps pass `no_mask` (the one
         # query is the newest token and sees every cached key; a causal layout would place it at position 0).
         mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
@@ -196,18 +195,31 @@ class TorchCoreAttention(MegatronModule):
             key = key.repeat_interleave(heads // groups, dim=2)
             value = value.repeat_interleave(heads // groups, dim=2)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, np, s, hn]
-        if self._flash_applies(mask_type, attention_mask, q, k, v):
-            out = self._attend_flash(q, k, v, q_layout, k_layout)  # [b, np, sq, hn_v]
-        elif packed is not None:
-            out = self._attend_per_sequence(q, k, v, q_layout, k_layout, mask_type)  # [1, np, sq, hn]
-        else:
-            allowed = self._allowed(q_layout, k_layout, mask_type).to(query.device)  # [sq, sk]
-            if attention_mask is not None:
-                allowed = allowed & ~attention_mask  # [b or 1, 1 or np, sq, sk], True = masked
-            out = self._attend(q, k, v, allowed)  # [b, np, sq, hn]
+        out = self._attend(q, k, v, n_key_local, packed, mask_type, attention_mask)  # [b, np, sq, hn_v]
         b, np_, sq, hn = out.shape
         out = out.permute(2, 0, 1, 3).reshape(sq, b, np_ * hn)  # [sq, b, np * hn]
         return out.squeeze(1) if packed is not None else out
+
+    def _attend(self, q, k, v, n_key_local: int, packed, mask_type: AttnMaskType, attention_mask) -> torch.Tensor:
+        """The attention path of a call: a pack without CP as one padded batch, else the flash kernel per sequence,
+        else the dense masked product (per sequence for a pack). q [b, np, sq, hn], k/v [b, np, sk, hn]."""
+        flash = self._flash_applies(mask_type, attention_mask, q, k, v)
+        if flash and packed is not None and self._cp()[0] == 1:
+            seq_lens = _packed_seq_lens(packed, "q")
+            if sum(seq_lens) != q.shape[2]:
+                raise ValueError(f"cu_seqlens describe {sum(seq_lens)} tokens but the pack holds {q.shape[2]}")
+            out = padded_pack_attention(q, k, v, seq_lens, self.softmax_scale)
+            if out is not None:
+                return out
+        q_layout, k_layout = self._layouts(q.shape[2], n_key_local, packed)
+        if flash:
+            return self._attend_flash(q, k, v, q_layout, k_layout)
+        if packed is not None:
+            return self._attend_per_sequence(q, k, v, q_layout, k_layout, mask_type)
+        allowed = self._allowed(q_layout, k_layout, mask_type).to(q.device)  # [sq, sk]
+        if attention_mask is not None:
+            allowed = allowed & ~attention_mask  # [b or 1, 1 or np, sq, sk], True = masked
+        return self._attend_dense(q, k, v, allowed)
 
     def _flash_applies(self, mask_type: AttnMaskType, attention_mask, *tensors: torch.Tensor) -> bool:
         """Causal attention without an explicit mask or live dropout, on CPU: the flash kernel's case."""
@@ -237,10 +249,10 @@ class TorchCoreAttention(MegatronModule):
             qi, ki = (q_ids == seq_id).nonzero().squeeze(1), (k_ids == seq_id).nonzero().squeeze(1)
             allowed = self._allowed((q_ids[qi], q_pos[qi]), (k_ids[ki], k_pos[ki]), mask_type).to(q.device)
             qi, ki = qi.to(q.device), ki.to(q.device)
-            outs.append(self._attend(q[:, :, qi], k[:, :, ki], v[:, :, ki], allowed))
+            outs.append(self._attend_dense(q[:, :, qi], k[:, :, ki], v[:, :, ki], allowed))
         return torch.cat(outs, dim=2) if outs else q.new_zeros(q.shape[:3] + (v.shape[-1],))
 
-    def _attend(self, q, k, v, allowed: torch.Tensor) -> torch.Tensor:
+    def _attend_dense(self, q, k, v, allowed: torch.Tensor) -> torch.Tensor:
         """softmax(q k^T * scale, masked) v, with attention dropout under the model-parallel RNG."""
         scores = torch.matmul(q, k.transpose(-2, -1)) * self.softmax_scale  # [b, np, sq, sk]
         probs = scores.masked_fill(~allowed, float("-inf")).softmax(dim=-1)

@@ -92,3 +92,30 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_positi
     outs = [_chunk(q[:, :, lo:hi], k, v, start, scale) for lo, hi, start in _position_runs(q_positions)]
     out = torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
     return out[..., :dv] if dq != dv else out
+
+
+def padded_pack_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: list[int],
+                          scale: float) -> torch.Tensor | None:
+    """A pack's causal attention as ONE kernel call over its sequences laid out as a right-padded batch.
+
+    q/k/v [1, h, t, d] hold whole sequences of `seq_lens` back to back (no context parallelism). Each sequence
+    becomes a row of [n, h, longest, d]; top-left causal attention of a row is exactly that sequence's attention,
+    because a row's padding comes after all of its real tokens (no real query sees it) and the padded queries'
+    outputs are dropped. Returns [1, h, t, d], or None where padding would more than double the tokens (long and
+    short sequences mixed: per-sequence calls cost less there) or v's head size differs from q's.
+    One call instead of one per sequence: a GRPO pack of 64 short responses spends its attention time in the kernel,
+    not in Python."""
+    n, longest, total = len(seq_lens), max(seq_lens), sum(seq_lens)
+    if n * longest > 2 * total or v.shape[-1] != q.shape[-1]:
+        return None
+    lens = torch.tensor(seq_lens)
+    seq = torch.repeat_interleave(torch.arange(n), lens)  # [t] the sequence of each token
+    starts = torch.cumsum(lens, 0) - lens
+    slot = (seq * longest + torch.arange(total) - starts[seq]).to(q.device)  # [t] its place in [n * longest]
+
+    def padded(x: torch.Tensor) -> torch.Tensor:  # [1, h, t, d] -> [n, h, longest, d]
+        rows = x.new_zeros(x.shape[1], n * longest, x.shape[3]).index_copy(1, slot, x[0])
+        return rows.view(x.shape[1], n, longest, x.shape[3]).transpose(0, 1)
+
+    out = F.scaled_dot_product_attention(padded(q), padded(k), padded(v), is_causal=True, scale=scale)
+    return out.transpose(0, 1).reshape(q.shape[1], n * longest, q.shape[3]).index_select(1, slot).unsqueeze(0)

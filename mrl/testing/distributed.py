@@ -6,7 +6,8 @@ Each rank is a fresh `python -m mrl.testing.distributed` process with the torchr
 (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT on a free port) and
 OMP_NUM_THREADS=1 (the test machines have 2 cores: more threads per rank make a tiny step ~40x slower).
 The worker imports the function from its source file (so test modules that are not packages work), calls
-`fn(*args, **kwargs)` and pickles the return value. Process groups are the function's business: it calls
+`fn(*args, **kwargs)`, pickles the return value and exits (after a barrier, when a process group is still up:
+`_leave`). Process groups are the function's business: it calls
 `torch.distributed.init_process_group` (env:// reads the variables above), e.g. via
 `mrl.parallel.groups.init_process_groups`.
 
@@ -133,6 +134,21 @@ def _worker_main(workdir: str, rank: str) -> None:
     source, qualname, args, kwargs = pickle.loads((work / "call.pkl").read_bytes())
     result = _load_function(source, qualname)(*args, **kwargs)
     (work / f"rank{rank}.result.pkl").write_bytes(pickle.dumps(result))
+    _leave()
+
+
+def _leave() -> None:
+    """End a rank whose result is written: the ranks leave their process group together, and the process exits
+    without the interpreter's teardown. Left to the teardown, a gloo group's threads could meet a peer that had
+    already exited and abort the rank ("terminate called without an active exception", seen under load)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

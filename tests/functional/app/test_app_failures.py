@@ -36,7 +36,7 @@ def _policy_worker_pid(driver_pid: int) -> int | None:
 
 
 def test_a_dead_policy_worker_ends_the_run_with_one_message_and_a_rerun_resumes(tmp_path):
-    args = ["sft", "--config", RECIPE, *SHORT_ARITH, f"run.output_dir={tmp_path}", "sft.max_num_steps=80",
+    args = ["sft", "--config", RECIPE, *SHORT_ARITH, f"run.output_dir={tmp_path}", "sft.max_num_steps=30",
             "checkpointing.save_every=10"]
     proc = mrl(*args)
     marker = tmp_path / "checkpoints" / "step_10" / "COMPLETE"
@@ -56,13 +56,14 @@ def test_a_dead_policy_worker_ends_the_run_with_one_message_and_a_rerun_resumes(
     assert "resumes from it" in out
     rerun = finish(mrl(*args))
     assert f"resuming from {tmp_path / 'checkpoints' / f'step_{newest}'}" in rerun
-    assert max(metrics(tmp_path / "logs")) == 80
+    assert max(metrics(tmp_path / "logs")) == 30
 
 
 def test_grpo_without_validation_data_and_without_checkpoints(tmp_path):
-    """Starts from a 1-digit SFT model trained here; prompts come from a file (no held-out set, no eval.data)."""
+    """Starts from a 1-digit SFT model made here (5 steps); prompts come from a file (no held-out set, no eval.data)."""
     sft_dir, out = tmp_path / "sft", tmp_path / "grpo"
-    finish(mrl("sft", "--config", RECIPE, *SHORT_ARITH, f"run.output_dir={sft_dir}", "checkpointing.enabled=false"))
+    finish(mrl("sft", "--config", RECIPE, *SHORT_ARITH, f"run.output_dir={sft_dir}", "checkpointing.enabled=false",
+               "sft.max_num_steps=5"))  # a model folder to start from; what it learned does not matter here
     assert not (sft_dir / "checkpoints").exists() and (sft_dir / "final_hf" / ".complete").is_file()
     train = tmp_path / "train.jsonl"
     train.write_text("".join(json.dumps({"problem": f"{a}+{b}=", "answer": str(a + b)}) + "\n"

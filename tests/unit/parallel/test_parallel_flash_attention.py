@@ -6,7 +6,7 @@ import resource
 import pytest
 import torch
 
-from mrl.parallel.flash_attention import _position_runs, causal_attention
+from mrl.parallel.flash_attention import _position_runs, causal_attention, padded_pack_attention
 
 
 def dense_reference(q, k, v, q_positions, scale):
@@ -50,6 +50,30 @@ def test_outputs_and_gradients_equal_dense_attention(layout, v_dim):
     assert (out.double() - expected).abs().max() <= 2e-6
     for got, want in zip(grads, expected_grads):
         assert (got.double() - want).abs().max() <= 2e-6
+
+
+def test_a_pack_as_one_padded_batch_equals_each_sequence_alone():
+    """A pack of 5 sequences (lengths 1..9) through one padded call: every sequence's outputs and q/k/v gradients
+    are those of its own float64 causal attention, and nothing crosses a sequence boundary."""
+    lens = [7, 1, 9, 4, 6]
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 3, sum(lens), 8, generator=g, requires_grad=True) for _ in range(3))
+    upstream = torch.randn(1, 3, sum(lens), 8, generator=g)
+    out = padded_pack_attention(q, k, v, lens, scale=0.3)
+    grads = torch.autograd.grad((out * upstream).sum(), (q, k, v))
+    expected = torch.cat([dense_reference(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], torch.arange(b - a), 0.3)
+                          for a, b in zip([0, 7, 8, 17, 21], [7, 8, 17, 21, 27])], dim=2)
+    expected_grads = torch.autograd.grad((expected * upstream.double()).sum(), (q, k, v))
+    assert (out.double() - expected).abs().max() <= 2e-6
+    for got, want in zip(grads, expected_grads):
+        assert (got.double() - want).abs().max() <= 2e-6
+
+
+def test_a_pack_too_uneven_to_pad_or_with_narrow_values_is_declined():
+    q = torch.randn(1, 2, 44, 8)
+    assert padded_pack_attention(q, q, q, [40, 2, 2], scale=0.3) is None  # 3 x 40 rows for 44 tokens
+    assert padded_pack_attention(q, q, q[..., :6], [20, 24], scale=0.3) is None  # MLA's narrower value heads
+    assert padded_pack_attention(q, q, q, [20, 24], scale=0.3) is not None
 
 
 def test_position_runs_split_at_gaps():
