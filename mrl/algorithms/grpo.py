@@ -128,11 +128,11 @@ def learn(cfg: MrlConfig, workers: Workers, rollouts: Rollouts, step: int, loss_
     return m
 
 
-def refit_engine(workers: Workers, logger: MetricsLogger) -> dict[str, float]:
-    """Stream the policy's weights into the engine; the refit's metrics."""
+def refit_engine(workers: Workers, logger: MetricsLogger, on_sent=None) -> dict[str, float]:
+    """Stream the policy's weights into the engine; the refit's metrics (`on_sent`: `Workers.refit`'s)."""
     m: dict[str, float] = {}
     with logger.timer("refit", m):
-        refit = workers.refit()
+        refit = workers.refit(on_sent)
     m.update({f"train/refit_{k.split('/')[1]}": v for k, v in refit.as_metrics().items() if k != "timing/refit"})
     return m
 
@@ -185,7 +185,7 @@ def grpo_train(cfg: MrlConfig, workers: Workers, env: Environment, data: TaskDat
     def produce(step: int, problems, version: int) -> tuple[Rollouts, dict[str, float]]:
         return produce_rollouts(cfg, workers, env, data, problems, step, logger, version)
 
-    ahead = (RolloutsAhead(produce, lambda: refit_engine(workers, logger), engine_version=start)
+    ahead = (RolloutsAhead(produce, lambda on_sent: refit_engine(workers, logger, on_sent), engine_version=start)
              if cfg.grpo.max_off_policy_steps else None)
     if ahead is not None and state:
         ahead.load_state_dict(state.get("in_flight"))
@@ -199,7 +199,7 @@ def grpo_train(cfg: MrlConfig, workers: Workers, env: Environment, data: TaskDat
                 rollouts, metrics = ahead.take(step, lambda: next(loader))
             done = step == last or loader.passes_done(cfg.grpo.max_num_epochs)
             if ahead is not None and not done:  # step + 1 generates (from the weights before this step) ...
-                metrics.update(ahead.start(step + 1, next(loader), policy_version=step - 1))
+                ahead.start(step + 1, next(loader), policy_version=step - 1)
             metrics.update(learn(cfg, workers, rollouts, step, loss_fn, logger))  # ... while this step trains
             if ahead is None:
                 metrics.update(refit_engine(workers, logger))

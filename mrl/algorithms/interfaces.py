@@ -7,7 +7,7 @@ objects of these shapes; the loops never see ranks, devices, Ray or files of a c
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol
 
 from mrl.inference.interface import RolloutEngine
 from mrl.inference.refit import RefitStats
@@ -24,8 +24,9 @@ class Workers(Protocol):
     policy: TrainablePolicy
     engine: RolloutEngine
 
-    def refit(self) -> RefitStats:
-        """Stream the policy's current weights into the engine."""
+    def refit(self, on_sent: Optional[Callable[[], None]] = None) -> RefitStats:
+        """Stream the policy's current weights into the engine; `on_sent` is called once the policy has sent them all
+        (it may train from then on while the engine still loads them)."""
         ...
 
 

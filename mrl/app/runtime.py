@@ -30,7 +30,7 @@ import logging
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from mrl.app.model_source import ModelSource, classify_model_path
 from mrl.config.errors import ConfigError
@@ -179,10 +179,12 @@ class Runtime:
         """The model's config.json and tokenizer (what every export and checkpoint copies beside the weights)."""
         return self.source.config_dir
 
-    def refit(self) -> RefitStats:
-        """Stream the policy's weights into the engine (see the module docstring for the transport)."""
+    def refit(self, on_sent: Optional[Callable[[], None]] = None) -> RefitStats:
+        """Stream the policy's weights into the engine (see the module docstring for the transport); `on_sent`: once
+        the policy has sent them all (`mrl.inference.refit.refit`)."""
         assert self.policy is not None and self.engine is not None, "refit needs a policy and an engine"
-        return refit(self.policy, self.engine, self._transport(), bucket_bytes=self.cfg.generation.refit_bucket_mb << 20)
+        return refit(self.policy, self.engine, self._transport(), on_sent=on_sent,
+                     bucket_bytes=self.cfg.generation.refit_bucket_mb << 20)
 
     def _transport(self) -> WeightTransport:
         if self.cfg.generation.colocated or self.cfg.generation.backend != "vllm":

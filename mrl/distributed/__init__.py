@@ -4,7 +4,8 @@
 from mrl.distributed.batch import merge_shards, replicated_field, split_batch
 from mrl.distributed.cluster import Bundle, Placement, RayCluster
 from mrl.distributed.errors import ClusterResourceError, WorkerDiedError, WorkerError, WorkerTimeoutError
-from mrl.distributed.worker_group import DataParallelLayout, GroupFuture, WorkerGroup, WorkerInfo, wait_all
+from mrl.distributed.worker_group import (DataParallelLayout, GroupFuture, WorkerGroup, WorkerInfo, result_watching,
+                                         wait_all)
 
 __all__ = [
     "Bundle",
@@ -20,6 +21,7 @@ __all__ = [
     "WorkerTimeoutError",
     "merge_shards",
     "replicated_field",
+    "result_watching",
     "split_batch",
     "wait_all",
 ]

@@ -21,7 +21,7 @@ once (the Megatron engine validates a complete state before loading anything).
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Optional, Protocol
 
@@ -128,15 +128,22 @@ class LocalWeights:
         return transport.pack(self._bucket)
 
 
-def refit(source: WeightSource, sink: RefitSink, transport: WeightTransport, *, bucket_bytes: int) -> RefitStats:
-    """Move every bucket of `source` into `sink` through `transport` (see the module docstring)."""
+def refit(source: WeightSource, sink: RefitSink, transport: WeightTransport, *, bucket_bytes: int,
+          on_sent: Optional[Callable[[], None]] = None) -> RefitStats:
+    """Move every bucket of `source` into `sink` through `transport` (see the module docstring). `on_sent` is called
+    once the source has handed over its last bucket: its weights may change from then on, while the sink may still
+    be loading that bucket (asynchronous GRPO trains the policy's next step meanwhile)."""
     start = time.perf_counter()
     names: set[str] = set()
     sizes: list[int] = []
     try:
         plan = source.plan_buckets(bucket_bytes)
-        moved = (_pipelined(source, sink, transport, plan) if _pipelines(sink, transport) else
-                 (_move(source, sink, transport, index) for index in plan))
+        if transport.meets:
+            moved = _met(source, sink, transport, plan, on_sent)
+        elif _pipelines(sink, transport):
+            moved = _pipelined(source, sink, transport, plan, on_sent)
+        else:
+            moved = _moved(source, sink, transport, plan, on_sent)
         for payload in moved:
             names.update(payload["names"])
             sizes.append(payload["bytes"])
@@ -151,23 +158,44 @@ def refit(source: WeightSource, sink: RefitSink, transport: WeightTransport, *, 
     return RefitStats(len(names), len(sizes), sum(sizes), max(sizes, default=0), time.perf_counter() - start)
 
 
-def _move(source: WeightSource, sink: RefitSink, transport: WeightTransport, index: int) -> Payload:
-    """One bucket from the source into every worker of the sink."""
-    if transport.meets:  # sender and receivers meet in the broadcast: start both, then wait for both
-        from mrl.distributed import wait_all
+def _moved(source: WeightSource, sink: RefitSink, transport: WeightTransport, plan: Iterable[int],
+           on_sent: Optional[Callable[[], None]]) -> Iterator[Payload]:
+    """One bucket at a time from the source into every worker of the sink (`on_sent` after the last is loaded)."""
+    for index in plan:
+        payload = source.send_bucket(index, transport)
+        try:
+            sink.load_payload(payload)
+        finally:
+            transport.release(payload)
+        yield payload
+    if on_sent is not None:
+        on_sent()
 
-        if not (hasattr(source, "send_bucket_async") and hasattr(sink, "load_payload_async")):
-            raise TypeError(f"a {transport.kind} transport needs a CollectiveWeightSource and a CollectiveRefitSink, "
-                            f"got {type(source).__name__} and {type(sink).__name__}")
+
+def _met(source: WeightSource, sink: RefitSink, transport: WeightTransport, plan: Iterable[int],
+         on_sent: Optional[Callable[[], None]]) -> Iterator[Payload]:
+    """Sender and receivers meet in one broadcast per bucket: both start, and both end before the next bucket (a
+    sender blocked in a broadcast whose receiver died would never return). Only the last bucket's receivers may
+    still be loading when `on_sent` is called: its sender is done, and a receiver that fails before then is
+    raised at once (`result_watching`)."""
+    from mrl.distributed import result_watching, wait_all
+
+    if not (hasattr(source, "send_bucket_async") and hasattr(sink, "load_payload_async")):
+        raise TypeError(f"a {transport.kind} transport needs a CollectiveWeightSource and a CollectiveRefitSink, "
+                        f"got {type(source).__name__} and {type(sink).__name__}")
+    indices = list(plan)  # a collective source plans from its config alone (`Policy.plan_buckets`: a range)
+    for position, index in enumerate(indices):
         sent = source.send_bucket_async(index, transport)  # type: ignore[attr-defined]
         received = sink.load_payload_async(transport.receiver_payload())  # type: ignore[attr-defined]
-        return wait_all([sent, received])[0]
-    payload = source.send_bucket(index, transport)
-    try:
-        sink.load_payload(payload)
-    finally:
-        transport.release(payload)
-    return payload
+        if position < len(indices) - 1 or on_sent is None:
+            yield wait_all([sent, received])[0]
+            continue
+        payload = result_watching(sent, [received])
+        on_sent()
+        received.result()
+        yield payload
+    if not indices and on_sent is not None:
+        on_sent()
 
 
 def _pipelines(sink: RefitSink, transport: WeightTransport) -> bool:
@@ -176,10 +204,11 @@ def _pipelines(sink: RefitSink, transport: WeightTransport) -> bool:
     return not transport.meets and transport.in_flight >= 2 and hasattr(sink, "load_payload_async")
 
 
-def _pipelined(source: WeightSource, sink: RefitSink, transport: WeightTransport,
-               plan: Iterable[int]) -> Iterator[Payload]:
+def _pipelined(source: WeightSource, sink: RefitSink, transport: WeightTransport, plan: Iterable[int],
+               on_sent: Optional[Callable[[], None]]) -> Iterator[Payload]:
     """Double-buffered: the source gathers and packs bucket i + 1 while every worker of the sink loads bucket i;
-    bucket i is released once loaded, before bucket i + 2 is packed (at most two payloads alive)."""
+    bucket i is released once loaded, before bucket i + 2 is packed (at most two payloads alive). `on_sent` comes
+    after the last bucket is packed, while the sink loads it."""
     loading: Optional[tuple[Payload, Pending]] = None
     try:
         for index in plan:
@@ -193,6 +222,8 @@ def _pipelined(source: WeightSource, sink: RefitSink, transport: WeightTransport
                 raise
             loading = (payload, sink.load_payload_async(payload))  # type: ignore[attr-defined]
             yield payload
+        if on_sent is not None:
+            on_sent()
         previous, loading = loading, None
         if previous is not None:
             _finish_loading(transport, *previous)

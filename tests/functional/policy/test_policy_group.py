@@ -167,9 +167,11 @@ def test_non_colocated_refit_by_broadcast(cluster, model_dir):
     try:
         policy.train(_batch(), GRPOLoss())
         transport = collective.connect(policy, engine)
-        for _ in range(2):  # the group is made once and reused
-            stats = refit(policy, engine, transport, bucket_bytes=200_000)
-        assert stats.num_buckets > 1 and stats.num_tensors == len(engine.expected_names)
+        sent: list[int] = []  # the second refit's last bucket is still loading when the sender is told it is free
+        for attempt in range(2):  # the group is made once and reused
+            stats = refit(policy, engine, transport, bucket_bytes=200_000,
+                          on_sent=None if attempt == 0 else lambda: sent.append(attempt))
+        assert stats.num_buckets > 1 and stats.num_tensors == len(engine.expected_names) and sent == [1]
         out = engine.generate([[5, 17, 42, 8]], SamplingConfig(n=2, max_new_tokens=8, seed=3))
         s = out.samples[0]
         ids = torch.tensor([s.prompt_token_ids + s.token_ids])

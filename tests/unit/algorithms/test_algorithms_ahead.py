@@ -26,8 +26,10 @@ def _rollouts(step: int, version: int) -> Rollouts:
 class Engine:
     """Records what the schedule asks of it; refit fails if it comes while a generation runs."""
 
-    def __init__(self, gate: threading.Event | None = None) -> None:
+    def __init__(self, gate: threading.Event | None = None, load_gate: threading.Event | None = None,
+                 fail_refit: bool = False) -> None:
         self.generating, self.calls, self.gate = False, [], gate
+        self.load_gate, self.fail_refit = load_gate, fail_refit
 
     def produce(self, step: int, problems: list, version: int):
         self.generating = True
@@ -37,9 +39,15 @@ class Engine:
         self.generating = False
         return _rollouts(step, version), {"timing/generation": 0.0}
 
-    def refit(self) -> dict[str, float]:
+    def refit(self, on_sent=None) -> dict[str, float]:
         assert not self.generating, "refit while the engine generates"
+        if self.fail_refit:
+            raise ConnectionError("broadcast failed")
         self.calls.append(("refit",))
+        if on_sent is not None:
+            on_sent()  # the policy's weights are sent; the engine loads them from here on
+        if self.load_gate is not None:
+            assert self.load_gate.wait(timeout=30), "training never ran while the engine loaded the weights"
         return {"train/refit_bytes": 1.0}
 
 
@@ -80,10 +88,34 @@ def test_validation_waits_for_the_generation_in_flight_then_refits():
     assert ahead.update_engine(1) == {}  # already current: no second refit
     rollouts, _ = ahead.take(2, lambda: [])
     assert rollouts.policy_version == 0  # generated before the refit: kept as they were
-    assert ahead.start(3, ["p3"], policy_version=1) == {}  # the engine holds step 1's weights already
+    ahead.start(3, ["p3"], policy_version=1)  # the engine holds step 1's weights already
+    _, metrics = ahead.take(3, lambda: [])
+    assert "train/refit_bytes" not in metrics and engine.calls.count(("refit",)) == 1
+    ahead.start(3, ["p3"], policy_version=1)  # in flight again, for the check below
     ahead.close()
     with pytest.raises(RuntimeError, match="step 3 are in flight, but step 4"):
         ahead.take(4, lambda: [])
+
+
+def test_training_starts_once_the_weights_are_sent_and_overlaps_their_loading():
+    """`start` returns when the refit reports the policy's weights sent; the engine's load of them (and then the
+    generation) runs beside training; the refit's metrics come with the rollouts it made."""
+    load_gate = threading.Event()
+    engine = Engine(load_gate=load_gate)
+    ahead = RolloutsAhead(engine.produce, engine.refit, engine_version=0)
+    ahead.start(2, ["p2"], policy_version=1)  # would never return if it waited for the whole refit
+    load_gate.set()  # "training"
+    rollouts, metrics = ahead.take(2, lambda: [])
+    ahead.close()
+    assert rollouts.policy_version == 1 and metrics["train/refit_bytes"] == 1.0
+    assert engine.calls == [("refit",), ("generate", 2, 1, ("p2",))]
+
+
+def test_a_refit_that_fails_before_the_weights_are_sent_is_raised_by_start():
+    ahead = RolloutsAhead(Engine().produce, Engine(fail_refit=True).refit, engine_version=0)
+    with pytest.raises(ConnectionError, match="broadcast failed"):
+        ahead.start(2, ["p2"], policy_version=1)
+    ahead.close()
 
 
 def test_in_flight_rollouts_survive_a_checkpoint_bit_for_bit():

@@ -113,6 +113,23 @@ def test_double_buffered_refit_packs_the_next_bucket_while_the_last_one_loads(tm
     assert sink.finished == [True]
 
 
+def test_the_source_is_free_once_its_last_bucket_is_packed_while_that_bucket_loads(tmp_path):
+    """`on_sent` (asynchronous GRPO trains from then on) comes after the last pack, before the last load ends."""
+    state = _state()
+    sink = AsyncSink(tmp_path, expected_names=frozenset(state))
+    refit(CountingWeights(state.items(), sink), sink, SharedMemoryFileTransport(str(tmp_path)), bucket_bytes=150,
+          on_sent=lambda: sink.events.append("sent"))
+    assert sink.events[-5:] == ["pack 3", "loaded 2", "load 3 started", "sent", "loaded 3"]
+    assert sink.events.count("sent") == 1 and sink.finished == [True]
+
+
+def test_without_double_buffering_the_source_is_free_after_the_last_load(tmp_path):
+    sink, events = RecordingSink(), []
+    refit(LocalWeights(_state()), sink, SharedMemoryFileTransport(str(tmp_path)), bucket_bytes=150,
+          on_sent=lambda: events.append(len(sink.loaded)))
+    assert events == [4] and sink.finished == [True]
+
+
 def test_a_failed_load_under_double_buffering_frees_both_buckets(tmp_path):
     sink = AsyncSink(tmp_path, fail_on=1)
     with pytest.raises(RuntimeError, match="engine worker died"):
