@@ -194,16 +194,20 @@ def test_moe_checkpoints_written_under_expert_parallelism_export_bit_exact(tmp_p
     models = {fam: build_tiny_hf_model(tmp_path / "hf" / fam, fam, layers=2, seed=11)
               for fam in ("qwen3_moe", "deepseek_v3")}
     tokens = sample_tokens()
-    for world, layout in ((1, {"tp": 1}), (2, {"tp": 1, "ep": 2}), (4, {"tp": 2, "ep": 2})):
-        tag = "_".join(f"{k}{v}" for k, v in layout.items())
-        run_plan(tokens, [{"op": "hf_to_megatron", "hf": str(src), "meg": str(tmp_path / tag / fam), **layout}
-                          for fam, src in models.items()], world, timeout_s=400)
-        steps = []
+    layouts = {"tp1": (1, {"tp": 1}), "tp1_ep2": (2, {"tp": 1, "ep": 2}), "tp2_ep2": (4, {"tp": 2, "ep": 2})}
+    writes = {tag: [{"op": "hf_to_megatron", "hf": str(src), "meg": str(tmp_path / tag / fam), **layout}
+                    for fam, src in models.items()] for tag, (_, layout) in layouts.items()}
+    for tag, (world, _) in layouts.items():
+        if world > 1:
+            run_plan(tokens, writes[tag], world, timeout_s=400)
+    steps = list(writes["tp1"])  # the single-process checkpoints, then every checkpoint read back, in one process
+    for tag in layouts:
         for fam, src in models.items():
             steps += [{"op": "megatron_to_hf", "meg": str(tmp_path / tag / fam), "out": str(tmp_path / "back" / tag / fam)},
                       {"op": "forward_ckpt", "meg": str(tmp_path / tag / fam), "hf": str(src), "tp": 1,
                        "out": str(tmp_path / f"{tag}.{fam}.pt")}]
-        run_plan(tokens, steps, 1)
+    run_plan(tokens, steps, 1)
+    for tag in layouts:
         for fam, src in models.items():
             original, back = load_file(src / "model.safetensors"), load_hf_state(tmp_path / "back" / tag / fam)
             assert original.keys() == back.keys(), (tag, fam)

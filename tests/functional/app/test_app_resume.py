@@ -36,8 +36,10 @@ def test_sigterm_saves_a_checkpoint_and_exits_zero(tmp_path):
 
 def test_tp1_checkpoint_resumes_at_tp2_with_the_same_losses(tmp_path):
     reference_dir, resumed_dir = tmp_path / "reference", tmp_path / "resumed"
-    finish(mrl(*_sft(reference_dir, "sft.max_num_steps=4", "checkpointing.save_every=2")))
-    finish(mrl(*_sft(resumed_dir, "sft.max_num_steps=2", "checkpointing.save_every=2")))
+    started = [mrl(*_sft(reference_dir, "sft.max_num_steps=4", "checkpointing.save_every=2")),
+               mrl(*_sft(resumed_dir, "sft.max_num_steps=2", "checkpointing.save_every=2"))]  # side by side
+    for proc in started:
+        finish(proc)
     out = finish(mrl(*_sft(resumed_dir, "sft.max_num_steps=4", "checkpointing.save_every=2",
                            "cluster.devices_per_node=2", "policy.parallel.tensor_parallel_size=2")))
     assert "resuming from" in out and "step_2" in out

@@ -86,12 +86,7 @@ def test_grpo_resumes_exactly_after_sigkill(staged, tmp_path, mode):
     """Asynchronous: the checkpoint after step 2 holds step 3's rollouts, generated during step 2's training."""
     extra = ASYNC if mode == "async" else ()
     reference_dir, crashed_dir = tmp_path / "reference", tmp_path / "crashed"
-    finish(mrl(*_grpo_args(staged, reference_dir, *extra)))
-    reference = metrics(reference_dir / "logs")
-    if mode == "async":  # step 1 samples the initial model; every later step the weights one update older
-        assert [reference[step]["train/staleness"] for step in (1, 2, 3, 4)] == [0, 1, 1, 1]
-        assert all(reference[step]["train/is_weight_mean"] != 1.0 for step in (2, 3, 4))  # the correction acts
-
+    uninterrupted = mrl(*_grpo_args(staged, reference_dir, *extra))  # the two runs start side by side
     proc = mrl(*_grpo_args(staged, crashed_dir, *extra))
     marker = crashed_dir / "checkpoints" / "step_2" / "COMPLETE"
     deadline = time.monotonic() + 300
@@ -100,6 +95,12 @@ def test_grpo_resumes_exactly_after_sigkill(staged, tmp_path, mode):
     assert marker.exists(), proc.communicate()[0][-3000:]
     os.killpg(proc.pid, signal.SIGKILL)  # the driver, and the Ray processes it started, die at once
     proc.wait()
+    finish(uninterrupted)
+    reference = metrics(reference_dir / "logs")
+    if mode == "async":  # step 1 samples the initial model; every later step the weights one update older
+        assert [reference[step]["train/staleness"] for step in (1, 2, 3, 4)] == [0, 1, 1, 1]
+        assert all(reference[step]["train/is_weight_mean"] != 1.0 for step in (2, 3, 4))  # the correction acts
+
     out = finish(mrl(*_grpo_args(staged, crashed_dir, *extra)))
     assert "resuming from" in out and "step_2" in out
     resumed = metrics(crashed_dir / "logs")
