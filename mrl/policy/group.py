@@ -15,7 +15,7 @@ Dispatch contract (what is split, what is replicated):
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -44,6 +44,7 @@ class Policy:
                                    bundle_indices=list(range(world_size)), resource_fraction=resource_fraction,
                                    omp_num_threads=omp_num_threads, start_timeout_s=300.0)
         self.workers.layout_from_workers("data_parallel_layout")
+        self._planned: Optional[tuple[int, int]] = None  # (bucket_bytes, buckets) of the plan the workers hold
 
     @property
     def data_parallel_size(self) -> int:
@@ -78,8 +79,11 @@ class Policy:
 
     # --------------------------------------------------------------------------------------- refit source
     def plan_buckets(self, bucket_bytes: int) -> range:
-        """Buckets of at most `bucket_bytes` of whole layers, planned on every rank from the config alone."""
-        return range(self.workers.run_all("plan_export", bucket_bytes)[0])
+        """Buckets of at most `bucket_bytes` of whole layers, planned on every rank from the config alone (once: the
+        ranks keep the plan until another bucket size is asked for, so a refit every step makes no call for it)."""
+        if self._planned is None or self._planned[0] != bucket_bytes:
+            self._planned = (bucket_bytes, self.workers.run_all("plan_export", bucket_bytes)[0])
+        return range(self._planned[1])
 
     def send_bucket(self, index: int, transport: Any) -> dict:
         return self.send_bucket_async(index, transport).result()
@@ -98,6 +102,7 @@ class Policy:
 
     def export_state(self) -> dict[str, torch.Tensor]:
         """The whole model as HF-named full tensors (small models: HF export, tests)."""
+        self._planned = None  # the ranks plan one bucket of everything for it
         return self.workers.run_all("export_state")[0]
 
     def save(self, path: str, *, weights_only: bool = False) -> None:
