@@ -22,6 +22,7 @@ from __future__ import annotations
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -128,7 +129,8 @@ def learn(cfg: MrlConfig, workers: Workers, rollouts: Rollouts, step: int, loss_
     return m
 
 
-def refit_engine(workers: Workers, logger: MetricsLogger, on_sent=None) -> dict[str, float]:
+def refit_engine(workers: Workers, logger: MetricsLogger,
+                 on_sent: Callable[[], None] | None = None) -> dict[str, float]:
     """Stream the policy's weights into the engine; the refit's metrics (`on_sent`: `Workers.refit`'s)."""
     m: dict[str, float] = {}
     with logger.timer("refit", m):

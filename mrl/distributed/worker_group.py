@@ -232,13 +232,11 @@ def wait_all(futures: Sequence[GroupFuture], timeout_s: Optional[float] = None) 
 def result_watching(future: GroupFuture, watched: Sequence[GroupFuture]) -> Any:
     """`future.result()`, but a failure of any of `watched` that ends first is raised at once (a broadcast's sender
     waits this way on its receivers: one that died would leave it blocked). `watched` stay pending otherwise."""
-    pause = 1e-4
-    while not future.done():
+    refs = future._refs
+    while len(ray.wait(refs, num_returns=len(refs), timeout=0.01, fetch_local=False)[0]) < len(refs):
         for other in watched:
             if other.done():
                 other.result()  # raises its failure; a success is kept for the caller's own result()
-        time.sleep(pause)
-        pause = min(2 * pause, 0.01)
     return future.result()
 
 

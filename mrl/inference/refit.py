@@ -6,6 +6,8 @@
         transport.release(payload)                      before bucket i + 1 is gathered
     sink.finish_refit(complete=True)                    e.g. drop prefix caches computed with the old weights
     every tensor of the engine's checkpoint carried?    else RefitError
+`on_sent` (optional) is called as soon as the source has handed over its last bucket, possibly while the sink still
+loads it: asynchronous GRPO lets the policy train from then on.
 Double-buffered transports (`in_flight` >= 2: shared-memory files, CUDA IPC buffers) with a sink that loads without
 waiting overlap the two halves: bucket i + 1 is gathered while the sink loads bucket i (`_pipelined`).
 With a meeting transport (collective broadcast), the sink starts receiving `transport.receiver_payload()` and the
