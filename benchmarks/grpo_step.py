@@ -14,8 +14,9 @@ random-init 4-layer model (no SFT warm-up), P prompts x G samples x at most T ne
   sync : `mrl grpo --config recipes/arith-tiny-cpu.yaml` as a subprocess, with overrides giving the same P, G, T,
          one optimizer step per step (global = micro batch = P*G; the recipe packs sequences: one pack holds the
          whole batch, no padding), lr 1e-3 without warm-up, a small validation (eval.max_problems=8), no checkpoints.
-         The floor trains on its padded batch, as a plain HF train step does. The engine and the policy share one bundle (colocated) and, as in
-         the recipe's GRPO stage, each uses both cores (cluster.omp_num_threads=2: their phases never overlap).
+         The floor trains on its padded batch, as a plain HF train step does. The engine and the policy share one
+         bundle (colocated) and, as in the recipe's GRPO stage, each uses both cores (cluster.omp_num_threads=2:
+         their phases never overlap).
   async: the same plus grpo.max_off_policy_steps=1 loss.importance_sampling=tis, the engine on a bundle of its own
          (generation.colocated=false, generation.num_devices=1, cluster.devices_per_node=2): one core each
          (cluster.omp_num_threads=1).

@@ -203,14 +203,15 @@ def test_moe_checkpoints_written_under_expert_parallelism_export_bit_exact(tmp_p
     steps = list(writes["tp1"])  # the single-process checkpoints, then every checkpoint read back, in one process
     for tag in layouts:
         for fam, src in models.items():
-            steps += [{"op": "megatron_to_hf", "meg": str(tmp_path / tag / fam), "out": str(tmp_path / "back" / tag / fam)},
-                      {"op": "forward_ckpt", "meg": str(tmp_path / tag / fam), "hf": str(src), "tp": 1,
+            meg = str(tmp_path / tag / fam)
+            steps += [{"op": "megatron_to_hf", "meg": meg, "out": str(tmp_path / "back" / tag / fam)},
+                      {"op": "forward_ckpt", "meg": meg, "hf": str(src), "tp": 1,
                        "out": str(tmp_path / f"{tag}.{fam}.pt")}]
     run_plan(tokens, steps, 1)
-    for tag in layouts:
-        for fam, src in models.items():
-            original, back = load_file(src / "model.safetensors"), load_hf_state(tmp_path / "back" / tag / fam)
+    for fam, src in models.items():
+        original, reference = load_file(src / "model.safetensors"), hf_logits(src, tokens)
+        for tag in layouts:
+            back = load_hf_state(tmp_path / "back" / tag / fam)
             assert original.keys() == back.keys(), (tag, fam)
             assert all(torch.equal(back[k], original[k]) for k in original), (tag, fam)
-            reference = hf_logits(src, tokens)
             assert (torch.load(tmp_path / f"{tag}.{fam}.pt") - reference).abs().max().item() <= TOL, (tag, fam)
