@@ -162,10 +162,14 @@ class VllmEngineGroup:
 
     # ---------------------------------------------------------------------------------------------------- memory
     def prepare_for_generation(self) -> None:
-        self.workers.run_all("prepare_for_generation")
+        """Wake the engines (GPU sleep mode). Engines that never sleep have nothing to do: no round trip."""
+        if self.config.sleep_when_idle:
+            self.workers.run_all("prepare_for_generation")
 
     def finish_generation(self) -> None:
-        self.workers.run_all("finish_generation")
+        """Put the engines to sleep (GPU sleep mode); a no-op, without a round trip, for engines that never sleep."""
+        if self.config.sleep_when_idle:
+            self.workers.run_all("finish_generation")
 
     def worker_uss_bytes(self) -> list[list[int]]:
         return self.workers.run_all("worker_uss_bytes")

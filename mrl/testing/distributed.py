@@ -4,7 +4,8 @@
 
 Each rank is a fresh `python -m mrl.testing.distributed` process with the torchrun environment contract
 (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT on a free port) and
-OMP_NUM_THREADS=1 (the test machines have 2 cores: more threads per rank make a tiny step ~40x slower).
+OMP_NUM_THREADS=1 (the test machines have 2 cores: more threads per rank make a tiny step ~40x slower) and the
+workers' malloc settings (`mrl.distributed.env.ALLOCATOR_ENVIRONMENT`).
 The worker imports the function from its source file (so test modules that are not packages work), calls
 `fn(*args, **kwargs)`, pickles the return value and exits (after a barrier, when a process group is still up:
 `_leave`). Process groups are the function's business: it calls
@@ -28,6 +29,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from mrl.distributed.env import ALLOCATOR_ENVIRONMENT
 from mrl.parallel.groups import free_port
 
 _STDERR_TAIL_CHARS = 6000
@@ -48,6 +50,7 @@ def _rank_env(rank: int, world_size: int, port: int, extra: dict[str, str] | Non
         MASTER_PORT=str(port),
         OMP_NUM_THREADS="1",
         PYTHONWARNINGS=env.get("PYTHONWARNINGS", "ignore"),
+        **ALLOCATOR_ENVIRONMENT,
     )
     env.update(extra or {})
     return env

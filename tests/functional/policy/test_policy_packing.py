@@ -97,6 +97,12 @@ def model_dir(tmp_path_factory):
     return str(build_tiny_hf_model(tmp_path_factory.mktemp("qwen2"), "qwen2", num_kv_heads=2, seed=3))
 
 
+#: Three Adam steps of lr 1e-3 (`trainable_from_hf`) move a weight by at most ~3e-3. Another grouping of the same
+#: sums (micro-batches, packs) changes the gradients at float32 rounding, and Adam's normalisation passes that on in
+#: full where a gradient component is near zero: the weights must agree to 1% of the largest move.
+WEIGHT_TOLERANCE = 0.01 * 3 * 1e-3
+
+
 def valid_positions() -> torch.Tensor:
     """[8, 24] True where a token exists (packed runs compute nothing past a sequence's length)."""
     return torch.arange(WIDTH)[None, :] < torch.tensor(LENGTHS)[:, None]
@@ -113,7 +119,7 @@ def assert_same_step(reference: dict, other: dict) -> None:
         assert [m["tokens"] for m in other["metrics"]] == [m["tokens"] for m in reference["metrics"]]
     assert reference["weights"].keys() == other["weights"].keys()
     for name, weight in reference["weights"].items():
-        assert (other["weights"][name] - weight).abs().max() <= 1e-5, name
+        assert (other["weights"][name] - weight).abs().max() <= WEIGHT_TOLERANCE, name
 
 
 @pytest.mark.parametrize("level", ["token", "sequence"])

@@ -24,6 +24,7 @@ def test_rank_environment_sets_torch_variables_and_threads():
     assert [env["RANK"] for env in envs] == ["0", "1", "2", "3"]
     assert {env["WORLD_SIZE"] for env in envs} == {"4"} and {env["OMP_NUM_THREADS"] for env in envs} == {"2"}
     assert [env["LOCAL_RANK"] for env in envs] == ["0", "1", "0", "1"]
+    assert all(env["MALLOC_MMAP_THRESHOLD_"] == str(32 * 1024 * 1024) for env in envs)
     with pytest.raises(ValueError, match="omp_num_threads"):
         rank_environment(["n0"], omp_num_threads=0)
     assert all(env[BIND_GLOO_TO_NODE_IP] == "1" for env in envs)  # several nodes: gloo binds the node's IP

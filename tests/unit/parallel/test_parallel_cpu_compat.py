@@ -427,3 +427,83 @@ def test_apply_restores_stand_ins_another_library_replaced():
         assert start.elapsed_time(end) >= 0.0
     finally:
         torch.cuda.Event = host_event
+
+
+# ---- speed patches: the same results, and the fast path runs ----
+def _ops_run(fn) -> set[str]:
+    """Names of the operators `fn()` ran (torch's profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    return {event.key for event in prof.key_averages()}
+
+
+def test_linear_gemms_on_onednn():
+    """Output, input gradient and weight gradient of Megatron's linear (trainable and frozen) match float64 to
+    float32 rounding with oneDNN as with MKL, and oneDNN is what runs."""
+    from megatron.core.tensor_parallel import layers
+
+    g = torch.Generator().manual_seed(0)
+    shapes = ((9, 2, 48), (40, 48), (9, 2, 40))  # x [s, b, in], w [out, in], dy [s, b, out]
+    x64, w64, dy64 = (torch.randn(*shape, generator=g, dtype=torch.float64) for shape in shapes)
+    expected = (x64 @ w64.t(), dy64 @ w64, dy64.flatten(0, 1).t() @ x64.flatten(0, 1))
+
+    def linear(frozen: bool):
+        x, w = x64.float().requires_grad_(), w64.float().requires_grad_(not frozen)
+        if frozen:
+            y = layers.linear_with_frozen_weight(x, w, None, False, False, False, None)
+        else:
+            y = layers.linear_with_grad_accumulation_and_async_allreduce(x, w, None, False, False, False)
+        y.backward(dy64.float())
+        return y, x.grad, w.grad
+
+    for frozen in (False, True):
+        for patched in (False, True):
+            cpu_compat.apply()
+            if not patched:
+                without("linear_gemms_on_onednn")
+            got = linear(frozen)
+            for value, reference in zip(got, expected[: 2 if frozen else 3]):
+                torch.testing.assert_close(value.double(), reference, rtol=1e-5, atol=1e-5)
+            ran = _ops_run(lambda: linear(frozen))
+            assert ("mkldnn::_linear_pointwise" in ran) == patched, (frozen, patched)
+    # The weight gradient dY^T @ X either way round (the swapped one copies X^T when it has fewer elements).
+    for width_in, width_out in ((40, 48), (48, 40)):
+        x, dy = torch.randn(18, width_in, generator=g), torch.randn(18, width_out, generator=g)
+        got = cpu_compat._onednn_matmul(dy.t(), x)
+        torch.testing.assert_close(got.double(), dy.double().t() @ x.double(), rtol=1e-5, atol=1e-5)
+    # Calls the mode does not serve keep torch's matmul: autograd through it, other dtypes, 1-D operands.
+    with cpu_compat._OneDnnMatmulMode():
+        a = torch.randn(3, 4, requires_grad=True)
+        torch.matmul(a, torch.randn(4, 2)).sum().backward()
+        assert a.grad is not None
+        double = torch.ones(2, 3, dtype=torch.float64)
+        assert torch.matmul(double, double.t()).dtype == torch.float64
+        assert torch.matmul(torch.ones(2, 3), torch.ones(3)).tolist() == [3.0, 3.0]
+        assert torch.equal(torch.ones(0, 3).t() @ torch.ones(0, 2), torch.zeros(3, 2))  # an expert without tokens
+
+
+def test_packed_rope_in_one_gather():
+    """Packed RoPE gives Megatron's loop's result bit for bit (both frequency layouts), without its loop."""
+    from megatron.core.models.common.embeddings import rope_utils
+    from megatron.core.parallel_state import get_context_parallel_group
+
+    g = torch.Generator().manual_seed(0)
+    lengths = [5, 1, 9, 3]
+    cu_seqlens = torch.tensor([0, 5, 6, 15, 18], dtype=torch.int32)
+    t = torch.randn(18, 2, 8, generator=g)
+    per_length = torch.randn(12, 1, 1, 8, generator=g)  # [max_s, 1, 1, d]: rows by position in a sequence
+    per_token = torch.randn(18, 1, 1, 8, generator=g)  # one row per packed token (Megatron's other branch)
+    group = get_context_parallel_group()
+
+    def rope(freqs):
+        return rope_utils._apply_rotary_pos_emb_thd(t, cu_seqlens, freqs, cp_group=group)
+
+    assert cpu_compat._packed_positions(cu_seqlens).tolist() == [i for n in lengths for i in range(n)]
+    without("packed_rope_in_one_gather")
+    loop = [rope(per_length), rope(per_token)]
+    cpu_compat.apply()
+    assert torch.equal(rope(per_length), loop[0]) and torch.equal(rope(per_token), loop[1])
+    assert "aten::split_with_sizes" in _ops_run(lambda: rope(per_token))  # Megatron's own branch
+    assert "aten::split_with_sizes" not in _ops_run(lambda: rope(per_length))

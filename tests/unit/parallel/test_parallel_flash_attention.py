@@ -6,6 +6,7 @@ import resource
 import pytest
 import torch
 
+from mrl.parallel import flash_attention
 from mrl.parallel.flash_attention import _position_runs, causal_attention, padded_pack_attention
 
 
@@ -52,9 +53,12 @@ def test_outputs_and_gradients_equal_dense_attention(layout, v_dim):
         assert (got.double() - want).abs().max() <= 2e-6
 
 
-def test_a_pack_as_one_padded_batch_equals_each_sequence_alone():
-    """A pack of 5 sequences (lengths 1..9) through one padded call: every sequence's outputs and q/k/v gradients
-    are those of its own float64 causal attention, and nothing crosses a sequence boundary."""
+@pytest.mark.parametrize("dense_max_length", [48, 0], ids=["dense-rows", "flash-rows"])
+def test_a_pack_as_one_padded_batch_equals_each_sequence_alone(monkeypatch, dense_max_length):
+    """A pack of 5 sequences (lengths 1..9) through one padded call, its rows attending densely or by the flash
+    kernel: every sequence's outputs and q/k/v gradients are those of its own float64 causal attention, and nothing
+    crosses a sequence boundary."""
+    monkeypatch.setattr(flash_attention, "DENSE_MAX_LENGTH", dense_max_length)
     lens = [7, 1, 9, 4, 6]
     g = torch.Generator().manual_seed(5)
     q, k, v = (torch.randn(1, 3, sum(lens), 8, generator=g, requires_grad=True) for _ in range(3))
