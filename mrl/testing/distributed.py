@@ -143,12 +143,19 @@ def _worker_main(workdir: str, rank: str) -> None:
 def _leave() -> None:
     """End a rank whose result is written: the ranks leave their process group together, and the process exits
     without the interpreter's teardown. Left to the teardown, a gloo group's threads could meet a peer that had
-    already exited and abort the rank ("terminate called without an active exception", seen under load)."""
+    already exited and abort the rank ("terminate called without an active exception", seen under load).
+    Skipping the teardown skips multiprocessing's too, which would stop the rank's child processes (the manager
+    servers Megatron's checkpointing starts): they are stopped here, or each would outlive the test (~300 MB)."""
+    import multiprocessing
+
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+    for child in multiprocessing.active_children():
+        child.terminate()
+        child.join(timeout=5)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
