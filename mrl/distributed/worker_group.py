@@ -33,6 +33,8 @@ from mrl.distributed.transport import decode, encode
 
 log = logging.getLogger(__name__)
 
+#: How long `WorkerGroup.shutdown(clean=...)` waits for the ranks' own clean-up before killing them.
+CLEAN_SHUTDOWN_S = 30.0
 # How often a wait wakes up when nothing finished; only bounds the overall-timeout check, not failure detection
 # (a finished or failed call wakes ray.wait at once).
 _POLL_S = 1.0
@@ -412,8 +414,17 @@ class WorkerGroup:
         return self.shard_and_run_async(method, batch, *args, allow_uneven=allow_uneven, **kwargs).result()
 
     # ------------------------------------------------------------------------------------------------- shutdown
-    def shutdown(self) -> None:
-        """Kill every actor (also ones blocked in a collective) and, if owned, remove the placement."""
+    def shutdown(self, clean: Optional[str] = None, timeout_s: float = CLEAN_SHUTDOWN_S) -> None:
+        """Kill every actor (also ones blocked in a collective) and, if owned, remove the placement. With `clean`,
+        every rank first runs that method (e.g. leaving its process groups) for at most `timeout_s`: a rank still
+        blocked in a collective whose peer failed mid-step would otherwise hold the shutdown until the collective's
+        own timeout (gloo: 10 minutes). Its failure or lateness is not raised (the run's own error, if any, is what
+        the user needs): the actors are killed anyway."""
+        if clean is not None and self._actors:
+            try:
+                self.run_all_async(clean).result(timeout_s)
+            except Exception as error:  # noqa: BLE001 -- dead, stuck or Ray gone: the kill below still applies
+                log.debug("worker group '%s': '%s' before shutdown: %s", self.name, clean, error)
         for actor in self._actors:
             try:
                 ray.kill(actor, no_restart=True)

@@ -19,7 +19,6 @@ CPUs (GPUs on clusters).
 from __future__ import annotations
 
 import dataclasses
-import logging
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Optional
@@ -32,10 +31,8 @@ from mrl.inference.refit import LocalWeights, RefitStats, refit
 from mrl.inference.transports import CollectiveTransport, Payload, make_transport
 from mrl.inference.vllm_backend import VllmBackend, VllmEngineConfig, expected_tensor_names
 
-from mrl.distributed import GroupFuture, WorkerError, WorkerGroup
+from mrl.distributed import GroupFuture, WorkerGroup
 from mrl.logging.known_noise import ENGINE_ENV
-
-log = logging.getLogger(__name__)
 
 
 class VllmEngineWorker:
@@ -175,9 +172,6 @@ class VllmEngineGroup:
         return self.workers.run_all("worker_uss_bytes")
 
     def shutdown(self) -> None:
-        """Stop every engine cleanly (vLLM worker processes, shared-memory segments), then kill the actors."""
-        try:
-            self.workers.run_all("shutdown")
-        except WorkerError as error:  # a dead engine cannot shut down; the others were asked, kill them all now
-            log.warning("generation engines: clean shutdown failed (%s); killing the actors", error)
-        self.workers.shutdown()
+        """Stop every engine cleanly (vLLM worker processes, shared-memory segments), then kill the actors; a dead
+        engine, or one still blocked in a failed refit's broadcast, is killed without."""
+        self.workers.shutdown(clean="shutdown")

@@ -114,8 +114,5 @@ class Policy:
         return self.workers.run_all("load", path, load_optimizer=load_optimizer)
 
     def shutdown(self) -> None:
-        try:
-            self.workers.run_all("shutdown")
-        except Exception:  # noqa: BLE001 -- a dead rank cannot leave its groups; the actors are killed below
-            pass
-        self.workers.shutdown()
+        """The ranks leave their process groups (bounded: a dead or stuck rank cannot), then their actors are killed."""
+        self.workers.shutdown(clean="shutdown")

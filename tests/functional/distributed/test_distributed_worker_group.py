@@ -191,6 +191,31 @@ def test_killed_worker_process_raises_died_error(fresh_group):
         group.run_all("fail_on", -1)
 
 
+def test_shutdown_asks_for_clean_up_but_does_not_wait_for_a_stuck_rank(fresh_group):
+    """Ranks still busy (as one blocked in a collective whose peer raised) get `timeout_s` for the clean-up call,
+    then every actor is killed."""
+    group = fresh_group
+    pids = [info.pid for info in group.info]
+    busy = group.run_all_async("sleep", 600)  # ten minutes: the shutdown must not wait for it
+    time.sleep(0.5)
+    start = time.monotonic()
+    group.shutdown(clean="env", timeout_s=2)
+    assert time.monotonic() - start < 10
+    deadline = time.monotonic() + 10
+    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(_alive(pid) for pid in pids)
+    del busy
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
+
+
 def test_colocated_groups_share_bundles_and_overlap(placement):
     policy = WorkerGroup("policy", Worker, placement, resource_fraction=0.5)
     rollout = WorkerGroup("rollout", Worker, placement, resource_fraction=0.5)
