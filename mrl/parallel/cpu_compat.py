@@ -569,12 +569,13 @@ def _onednn_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """`a @ b` through `_linear`. Leading dimensions of `a` are folded into rows, and the result is unfolded without
     making it a view (as `torch.matmul` does): Megatron modifies linear outputs in place, which autograd forbids on
     a view returned by a custom Function. A transposed 2-D `a` (the weight gradient's `dY^T @ X`) is computed as
-    `(b^T @ a^T)^T` when that copies less: the copy is then X^T [in, tokens] instead of dY^T [out, tokens]."""
+    `(b^T @ a^T)^T`, made contiguous, when that copies less: X^T [in, tokens] and the [out, in] result instead of
+    dY^T [out, tokens]."""
     if a.dim() == 2:
         copied_as_is = 0 if a.is_contiguous() else a.numel()
-        copied_swapped = 0 if b.t().is_contiguous() else b.numel()
+        copied_swapped = (0 if b.t().is_contiguous() else b.numel()) + a.shape[0] * b.shape[1]
         if copied_swapped < copied_as_is:
-            return _linear(b.t(), a).t()
+            return _linear(b.t(), a).t().contiguous()
         return _linear(a, b.t())
     out = _linear(a.reshape(-1, a.shape[-1]), b.t())
     return torch.ops.aten._unsafe_view(out, (*a.shape[:-1], b.shape[1]))

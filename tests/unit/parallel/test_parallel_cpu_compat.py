@@ -468,11 +468,13 @@ def test_linear_gemms_on_onednn():
                 torch.testing.assert_close(value.double(), reference, rtol=1e-5, atol=1e-5)
             ran = _ops_run(lambda: linear(frozen))
             assert ("mkldnn::_linear_pointwise" in ran) == patched, (frozen, patched)
-    # The weight gradient dY^T @ X either way round (the swapped one copies X^T when it has fewer elements).
-    for width_in, width_out in ((40, 48), (48, 40)):
-        x, dy = torch.randn(18, width_in, generator=g), torch.randn(18, width_out, generator=g)
+    # The weight gradient dY^T @ X either way round (swapped when copying X^T and the result is less than dY^T),
+    # a fresh tensor both ways (no view: Megatron may modify it in place).
+    for width_in, width_out in ((8, 48), (48, 8)):
+        x, dy = torch.randn(64, width_in, generator=g), torch.randn(64, width_out, generator=g)
         got = cpu_compat._onednn_matmul(dy.t(), x)
         torch.testing.assert_close(got.double(), dy.double().t() @ x.double(), rtol=1e-5, atol=1e-5)
+        assert got._base is None and got.is_contiguous()
     # Calls the mode does not serve keep torch's matmul: autograd through it, other dtypes, 1-D operands.
     with cpu_compat._OneDnnMatmulMode():
         a = torch.randn(3, 4, requires_grad=True)
