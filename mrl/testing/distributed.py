@@ -120,6 +120,25 @@ def run_on_ranks(
         return [pickle.loads((work / f"rank{rank}.result.pkl").read_bytes()) for rank in range(world_size)]
 
 
+def still_running(pids: Sequence[int], timeout_s: float = 10.0) -> list[int]:
+    """The processes of `pids` still running after waiting up to `timeout_s` for them to exit (a zombie has exited:
+    its parent has yet to reap it)."""
+    deadline = time.monotonic() + timeout_s
+    running = list(pids)
+    while running and time.monotonic() < deadline:
+        time.sleep(0.1)
+        running = [pid for pid in running if _running(pid)]
+    return running
+
+
+def _running(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state != "Z"
+
+
 def _load_function(source: str, qualname: str) -> Callable[..., Any]:
     spec = importlib.util.spec_from_file_location(f"_mrl_rank_target_{Path(source).stem}", source)
     assert spec is not None and spec.loader is not None, f"cannot import {source}"

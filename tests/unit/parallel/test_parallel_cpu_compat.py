@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mrl.parallel import cpu_compat
+from mrl.parallel import cpu_compat, cpu_speed
 from mrl.parallel.layout import ParallelDims
 from mrl.parallel.groups import destroy_process_groups, init_process_groups
 
@@ -472,11 +472,11 @@ def test_linear_gemms_on_onednn():
     # a fresh tensor both ways (no view: Megatron may modify it in place).
     for width_in, width_out in ((8, 48), (48, 8)):
         x, dy = torch.randn(64, width_in, generator=g), torch.randn(64, width_out, generator=g)
-        got = cpu_compat._onednn_matmul(dy.t(), x)
+        got = cpu_speed._onednn_matmul(dy.t(), x)
         torch.testing.assert_close(got.double(), dy.double().t() @ x.double(), rtol=1e-5, atol=1e-5)
         assert got._base is None and got.is_contiguous()
     # Calls the mode does not serve keep torch's matmul: autograd through it, other dtypes, 1-D operands.
-    with cpu_compat._OneDnnMatmulMode():
+    with cpu_speed._OneDnnMatmulMode():
         a = torch.randn(3, 4, requires_grad=True)
         torch.matmul(a, torch.randn(4, 2)).sum().backward()
         assert a.grad is not None
@@ -502,7 +502,7 @@ def test_packed_rope_in_one_gather():
     def rope(freqs):
         return rope_utils._apply_rotary_pos_emb_thd(t, cu_seqlens, freqs, cp_group=group)
 
-    assert cpu_compat._packed_positions(cu_seqlens).tolist() == [i for n in lengths for i in range(n)]
+    assert cpu_speed._packed_positions(cu_seqlens).tolist() == [i for n in lengths for i in range(n)]
     without("packed_rope_in_one_gather")
     loop = [rope(per_length), rope(per_token)]
     cpu_compat.apply()
