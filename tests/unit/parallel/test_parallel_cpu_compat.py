@@ -486,6 +486,37 @@ def test_linear_gemms_on_onednn():
         assert torch.equal(torch.ones(0, 3).t() @ torch.ones(0, 2), torch.zeros(3, 2))  # an expert without tokens
 
 
+def test_onednn_gemm_sizes_are_rounded():
+    """Token counts that change every step reach oneDNN as a few rounded sizes (one primitive each), and the results
+    still match float64: rows padded with zeros, the summed dimension split into a rounded part and a remainder."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Shapes(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen: set[tuple[int, int]] = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.mkldnn._linear_pointwise.default:
+                self.seen.add(tuple(args[0].shape))
+            return func(*args, **(kwargs or {}))
+
+    g = torch.Generator().manual_seed(1)
+    w64 = torch.randn(24, 40, generator=g, dtype=torch.float64)  # [out, in]
+    with Shapes() as shapes:
+        for tokens in range(1000, 1100):  # step 16 at this size: 7 rounded sizes for 100 token counts
+            x64 = torch.randn(tokens, 40, generator=g, dtype=torch.float64)
+            dy64 = torch.randn(tokens, 24, generator=g, dtype=torch.float64)
+            got = (cpu_speed._onednn_matmul(x64.float(), w64.float().t()),  # forward: `tokens` rows
+                   cpu_speed._onednn_matmul(dy64.float(), w64.float()),  # input gradient: `tokens` rows
+                   cpu_speed._onednn_matmul(dy64.float().t(), x64.float()))  # weight gradient: summed over tokens
+            for value, reference in zip(got, (x64 @ w64.t(), dy64 @ w64, dy64.t() @ x64)):
+                torch.testing.assert_close(value.double(), reference, rtol=1e-5, atol=1e-4)
+                assert value._base is None and value.is_contiguous()
+    sizes = {size for shape in shapes.seen for size in shape if size >= 1000}
+    assert all(size % 16 == 0 for size in sizes) and len(sizes) <= 8, sorted(sizes)
+
+
 def test_packed_rope_in_one_gather():
     """Packed RoPE gives Megatron's loop's result bit for bit (both frequency layouts), without its loop."""
     from megatron.core.models.common.embeddings import rope_utils
