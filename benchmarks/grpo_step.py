@@ -25,9 +25,9 @@ mrl's times are read from <output_dir>/logs/metrics.jsonl. A step's time is the 
 refit, so give it --steps 6 or more) and over steps 2..N for the floor. Tokens per step: generated tokens, stop
 token included (mrl: train/response_length * P*G). A mode that fails is reported as such; the others still run.
 The modes take turns: --rounds R runs floor, sync, async, then again, R times (each run from scratch, same seed),
-and a mode's medians pool the steady steps of its R runs. A slow minute of the machine (other load: this is a
-shared 2-core VM) then slows a run of every mode rather than all steps of one, and the ratios compare like with
-like. Figures, not a timed test: other load on the machine shows in them, most in the floor's two OpenMP threads.
+and a mode's medians pool the steady steps of its R runs. A ratio is the median over the rounds of that round's
+ratio: the two modes of a round ran minutes apart, so a slow minute of the machine (other load: this is a shared
+2-core VM) slows one round of the ratio, not the whole of one mode. Figures, not a timed test: other load on the machine shows in them, most in the floor's two OpenMP threads.
 
     python benchmarks/grpo_step.py [--steps 8 --rounds 3 --prompts 8 --generations 8 --tokens 32
                                     --modes floor,sync,async --floor-threads 2 --keep DIR]
@@ -298,8 +298,9 @@ def _print_report(args: argparse.Namespace, results: dict[str, Result], rounds: 
     for top, bottom in (("sync", "floor"), ("async", "floor"), ("async", "sync")):
         a, b = results.get(top), results.get(bottom)
         if a and b and not (a.error or b.error):
-            each = " ".join(f"{x.step / y.step:.2f}" for x, y in zip(rounds[top], rounds[bottom]))
-            print(f"step time {top} / {bottom} = {a.step / b.step:.2f}   (round by round: {each})")
+            each = [x.step / y.step for x, y in zip(rounds[top], rounds[bottom])]
+            print(f"step time {top} / {bottom} = {statistics.median(each):.2f}   (round by round: "
+                  f"{' '.join(f'{r:.2f}' for r in each)}; of the pooled medians: {a.step / b.step:.2f})")
 
 
 def _run_dir(mode: str, round_: int) -> str:
