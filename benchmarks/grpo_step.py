@@ -27,7 +27,8 @@ token included (mrl: train/response_length * P*G). A mode that fails is reported
 The modes take turns: --rounds R runs floor, sync, async, then again, R times (each run from scratch, same seed),
 and a mode's medians pool the steady steps of its R runs. A ratio is the median over the rounds of that round's
 ratio: the two modes of a round ran minutes apart, so a slow minute of the machine (other load: this is a shared
-2-core VM) slows one round of the ratio, not the whole of one mode. Figures, not a timed test: other load on the machine shows in them, most in the floor's two OpenMP threads.
+2-core VM) slows one round of the ratio, not the whole of one mode. Figures, not a timed test: other load on the
+machine shows in them, most in the floor's two OpenMP threads.
 
     python benchmarks/grpo_step.py [--steps 8 --rounds 3 --prompts 8 --generations 8 --tokens 32
                                     --modes floor,sync,async --floor-threads 2 --keep DIR]

@@ -72,8 +72,13 @@ class VllmEngineConfig:
     refit_bucket_bytes: int = 256 << 20
     """Upper bound of one refit bucket (a single layer larger than this goes alone)."""
 
+    @property
+    def workers_in_this_process(self) -> bool:
+        """vLLM's one worker runs in the engine's own process (no multiprocessing, tensor parallel size 1)."""
+        return not self.multiprocessing and self.tensor_parallel_size == 1
+
     def __post_init__(self) -> None:
-        if self.refit_transport == "in_process" and (self.multiprocessing or self.tensor_parallel_size > 1):
+        if self.refit_transport == "in_process" and not self.workers_in_this_process:
             raise ValueError(
                 "refit_transport='in_process' passes tensors by reference and needs the engine in this process "
                 f"(multiprocessing=False, tensor_parallel_size=1; got {self.multiprocessing}, "
@@ -157,8 +162,7 @@ class VllmBackend:
         self.config = config
         self.expected_names = expected_tensor_names(config)
         self.transport: WeightTransport = make_transport(config.refit_transport)
-        in_this_process = not config.multiprocessing and config.tensor_parallel_size == 1
-        self._hand_on = make_transport("in_process") if in_this_process else self.transport
+        self._hand_on = make_transport("in_process") if config.workers_in_this_process else self.transport
         """How a broadcast bucket reaches vLLM's workers from this process (see the module docstring)."""
         self.llm = build_llm(config)
         self._sleeping = False
@@ -192,7 +196,7 @@ class VllmBackend:
             ignore_eos=sampling.ignore_eos,
             seed=seed,
             logprobs=0 if sampling.logprobs else None,  # 0: only the sampled token's logprob
-            flat_logprobs=True,  # kept in flat lists, not a dict and an object per token (measured below)
+            flat_logprobs=True,  # flat lists, not a dict and an object per token (`_sampled_logprobs`)
             detokenize=bool(sampling.stop_strings),  # text is only needed to find stop strings
         )
 
