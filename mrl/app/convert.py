@@ -29,7 +29,8 @@ from converters import ConversionError, model_dims, resolve_padded_vocab
 from converters.hf_io import (DEFAULT_MAX_SHARD_BYTES, copy_model_metadata, load_hf_config, load_hf_state,
                               save_hf_state)
 from converters.mapping import megatron_to_hf as map_megatron_to_hf
-from mrl.checkpoint.megatron import HF_SUBDIR, MODEL_SUBDIR, checkpoint_padded_vocab, load_megatron_checkpoint
+from mrl.checkpoint.megatron import (HF_SUBDIR, MODEL_SUBDIR, checkpoint_padded_vocab, load_megatron_checkpoint,
+                                    save_sharded)
 from mrl.model.build import build_gpt_model, load_hf_weights, router_settings, transformer_config_from_hf
 from mrl.parallel.groups import init_process_groups, world_from_launcher
 from mrl.parallel.layout import ParallelDims, ParallelLayoutError
@@ -67,7 +68,6 @@ def _build(hf_config: dict[str, Any], padded_vocab: int, tp: int, pp: int, ep: i
 def hf_to_megatron(hf_dir: str | Path, out_dir: str | Path, tp: int = 1, pp: int = 1, ep: int = 1) -> Path:
     """Convert an HF folder into a Megatron distributed checkpoint folder (layout in the module docstring)."""
     import torch.distributed as dist
-    from megatron.core import dist_checkpointing
 
     hf_dir, out = Path(hf_dir), Path(out_dir)
     hf_config = load_hf_config(hf_dir)
@@ -91,7 +91,7 @@ def hf_to_megatron(hf_dir: str | Path, out_dir: str | Path, tp: int = 1, pp: int
         (out / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
     dist.barrier()
     _log(f"saving distributed checkpoint to {out / MODEL_SUBDIR}")
-    dist_checkpointing.save(model.sharded_state_dict(), str(out / MODEL_SUBDIR))
+    save_sharded(model.sharded_state_dict(), out / MODEL_SUBDIR)
     dist.barrier()
     _log("done")
     return out

@@ -48,6 +48,7 @@ def run(model_dir: str, steps: list[int], *, tp: int = 1, dropout: float = 0.0, 
     from `load_from` (fresh random init, another seed). Returns losses, lrs, final weights (and the saved ones),
     the load report."""
     import json
+    import multiprocessing
     import os
     from pathlib import Path
 
@@ -86,7 +87,7 @@ def run(model_dir: str, steps: list[int], *, tp: int = 1, dropout: float = 0.0, 
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     ctx = StepContext(dp_size=dp, cp_rank=0, cp_size=1, cp_group=ps.get_context_parallel_group(),
                       is_last_stage=True, vocab_size=hf_config["vocab_size"])
-    losses, lrs, saved = [], [], None
+    losses, lrs, saved, left_running = [], [], None, None
     weights_now = lambda: {k: v.detach().clone() for k, v in model.state_dict().items()  # noqa: E731
                            if not k.endswith("_extra_state")}
     for step in steps:
@@ -102,7 +103,9 @@ def run(model_dir: str, steps: list[int], *, tp: int = 1, dropout: float = 0.0, 
         if save_after is not None and step == save_after[0]:
             save_megatron_state(save_after[1], [ddp], optimizer, scheduler)
             saved = weights_now()
+            left_running = [child.name for child in multiprocessing.active_children()]
     result = {"losses": losses, "lrs": lrs, "weights": weights_now(), "saved_weights": saved, "report": report,
+              "processes_left_by_save": left_running,
               "optimizer_state_size": sum(len(inner.optimizer.state) for inner in optimizer.chained_optimizers),
               "lr_now": optimizer.param_groups[0]["lr"]}
     destroy_process_groups()
@@ -169,6 +172,13 @@ def test_resume_with_distributed_optimizer_at_dp2_is_bit_identical(model_dir, tm
         assert resumed[rank]["losses"] == reference[rank]["losses"][2:]
         assert resumed[rank]["lrs"] == reference[rank]["lrs"][2:]
         assert_same_weights(resumed[rank]["weights"], reference[rank]["weights"])
+
+
+def test_a_save_starts_no_process_that_outlives_it(tp1_reference):
+    """megatron-core's writer would start a multiprocessing Manager (a new interpreter, seconds) on a process's
+    first save and keep it running; `save_sharded` gives it an in-process queue instead."""
+    results, _ = tp1_reference
+    assert results[0]["processes_left_by_save"] == []
 
 
 def test_checkpoint_saved_at_tp1_resumes_at_tp2(model_dir, tp1_reference):
