@@ -11,7 +11,9 @@ imports and warm-up). `ray.wait` sleeps until a result arrives or the earliest d
 So one bad sample costs at most `timeout_s` of its actor's time and never blocks the other actors.
 A verifier returns a score, or a (score, extracted answer) pair when it can say what it read in the response.
 Hazard: a replacement that never becomes ready (its import fails) would stall the queue: after `startup_timeout_s`
-the pool raises with the actor's error instead.
+the pool raises with the actor's error instead. The deadlines are checked after collecting every result that has
+arrived: the first `score` may come minutes after the pool started (a long generation), when every deadline has
+passed and every actor is long ready.
 """
 
 from __future__ import annotations
@@ -115,7 +117,9 @@ class VerifierPool:
         deadlines += [slot.started + self.startup_timeout_s for slot in self._starting.values()]
         wait_s = max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
         refs = list(running) + list(self._starting)
-        done, _ = ray.wait(refs, num_returns=1, timeout=wait_s)
+        done, pending = ray.wait(refs, num_returns=1, timeout=wait_s)
+        if pending:  # everything else that has finished too: only what has not may miss its deadline below
+            done += ray.wait(pending, num_returns=len(pending), timeout=0)[0]
         for ref in done:
             if ref in self._starting:
                 self._on_ready(ref)

@@ -76,6 +76,18 @@ def test_one_hanging_sample_delays_the_batch_by_about_its_timeout():
         pool.shutdown()
 
 
+def test_a_first_batch_long_after_the_start_is_scored():
+    """The first batch can come after every start-up and sample deadline has passed (a generation of minutes):
+    actors that are ready and results that have arrived count, whatever their deadline."""
+    pool = VerifierPool(flaky_verify, num_workers=2, timeout_s=TIMEOUT_S, startup_timeout_s=2.0)
+    try:
+        time.sleep(6.0)  # both actors are up long before this (~1-2 s), and the start-up deadline has passed
+        result = pool.score(["1", "2", "3"], ["1", "2", "x"])
+        assert result.scores == [1.0, 1.0, 0.0] and result.num_errors == 0 and result.num_restarts == 0
+    finally:
+        pool.shutdown()
+
+
 def test_math_environment_through_the_pool():
     env = MathEnvironment(num_workers=2, timeout_s=10.0)
     try:
