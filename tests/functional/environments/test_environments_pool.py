@@ -81,7 +81,9 @@ def test_a_first_batch_long_after_the_start_is_scored():
     actors that are ready and results that have arrived count, whatever their deadline."""
     pool = VerifierPool(flaky_verify, num_workers=2, timeout_s=TIMEOUT_S, startup_timeout_s=2.0)
     try:
-        time.sleep(6.0)  # both actors are up long before this (~1-2 s), and the start-up deadline has passed
+        starting = list(pool._starting)  # the actors' ready() calls
+        assert len(ray.wait(starting, num_returns=len(starting), timeout=120)[0]) == 2  # both up, however loaded
+        time.sleep(2.5)  # ... and the start-up deadline has passed before the first batch
         result = pool.score(["1", "2", "3"], ["1", "2", "x"])
         assert result.scores == [1.0, 1.0, 0.0] and result.num_errors == 0 and result.num_restarts == 0
     finally:
