@@ -32,12 +32,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
+import torch
+
 from mrl.app.model_source import ModelSource, classify_model_path
 from mrl.config.errors import ConfigError
 from mrl.config.schema import ModelBuildConfig, MrlConfig
 from mrl.distributed import Placement, RayCluster
 from mrl.inference.interface import RolloutEngine
 from mrl.inference.refit import RefitStats, refit
+from mrl.parallel import cpu_isa
 from mrl.inference.transports import (CollectiveTransport, CudaIpcTransport, SharedMemoryFileTransport, WeightTransport,
                                      collective)
 from mrl.policy.interface import TrainablePolicy
@@ -220,6 +223,8 @@ def start_runtime(cfg: MrlConfig, *, total_steps: int, policy: bool = True, engi
                          padded_vocab=_padded_vocab(cfg, source, padded_vocab)) if policy or feeder else None)
     scorer = _reward_model_spec(cfg) if policy and engine else None
     tokenizer = load_tokenizer(cfg, source)  # every check that reads files, before Ray starts
+    if not torch.cuda.is_available():
+        cpu_isa.announce()
     cluster = RayCluster.from_config(cfg.cluster)
     runtime = Runtime(cfg, source, tokenizer, cluster)
     try:

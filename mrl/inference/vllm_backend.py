@@ -30,6 +30,7 @@ from mrl.inference.prompt_limits import assemble_output, fit_prompts, max_prompt
 from mrl.inference.refit import LocalWeights, RefitStats, refit
 from mrl.inference.transports import LocalTransportName, Payload, WeightTransport, collective, make_transport
 from mrl.inference.vllm_extension import remove_cpu_shm_segments
+from mrl.parallel import cpu_isa
 
 _EXTENSION = "mrl.inference.vllm_extension.MrlWorkerExtension"
 _FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH}
@@ -160,6 +161,8 @@ class VllmBackend:
 
     def __init__(self, config: VllmEngineConfig) -> None:
         self.config = config
+        if not torch.cuda.is_available():
+            cpu_isa.current()  # logs the kernel library and collectives this engine's CPU path takes, once
         self.expected_names = expected_tensor_names(config)
         self.transport: WeightTransport = make_transport(config.refit_transport)
         self._hand_on = make_transport("in_process") if config.workers_in_this_process else self.transport

@@ -155,6 +155,12 @@ class MrlWorkerExtension:
         ident = os.environ.get("VLLM_DIST_IDENT")
         return sorted(glob.glob(f"/dev/shm/{glob.escape(ident)}-*cpushm*")) if ident else []
 
+    def mrl_vllm_kernels(self) -> str | None:
+        """The vLLM kernel library this worker's process loaded (`mrl.parallel.cpu_isa.loaded_vllm_kernels`)."""
+        from mrl.parallel.cpu_isa import loaded_vllm_kernels
+
+        return loaded_vllm_kernels()
+
     def mrl_worker_uss_bytes(self) -> int:
         """USS of the worker's process (for memory checks of repeated refits)."""
         return process_uss_bytes()

@@ -39,6 +39,7 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 from torch.overrides import TorchFunctionMode
 
+from mrl.parallel import cpu_isa
 from mrl.parallel.cpu_speed import linear_gemms_on_onednn, packed_rope_in_one_gather
 
 SUPPORTED_MEGATRON_VERSION = "0.16.1"
@@ -601,6 +602,7 @@ def apply(skip: Iterable[str] = ()) -> None:
         raise ValueError(f"unknown cpu_compat patch(es) {sorted(unknown)}; known: {sorted(PATCHES)}")
     with _lock:
         _check_megatron_version()
+        cpu_isa.current()  # logs this process's instruction-set path once
         for name, patch_fn in PATCHES.items():
             if name in skip:
                 continue

@@ -120,9 +120,12 @@ def linear_gemms_on_onednn(patch: Patcher) -> None:
     How: the forward and backward of `LinearWithGradAccumulationAndAsyncCommunication` (every parallel linear and
     the output layer) and `LinearWithFrozenWeight` (reference and frozen models) run under `_OneDnnMatmulMode`,
     which computes their `matmul` calls with `torch.ops.mkldnn._linear_pointwise`; their communication and
-    gradient bookkeeping are Megatron's own. A torch build without oneDNN keeps MKL.
+    gradient bookkeeping are Megatron's own. Where `mrl.parallel.cpu_isa` picks torch's own GEMMs (a torch build
+    without oneDNN, a CPU below AVX2), the patch does nothing.
     """
-    if not torch.backends.mkldnn.is_available():
+    from mrl.parallel.cpu_isa import current
+
+    if current().linear_gemm != "onednn":
         return
     from megatron.core.tensor_parallel import layers
 

@@ -57,17 +57,35 @@ def _config(model_dir, **kw):
     return VllmEngineConfig(model_path=str(model_dir), max_model_len=64, kv_cache_bytes=128 << 20, **kw)
 
 
-@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="a tensor-parallel-2 engine binds one core per worker")
-def test_tensor_parallel_engine_refit_through_shared_memory(models):
-    """vLLM multiprocessing (engine core + 2 TP worker processes): each worker reads the bucket file and takes its
-    tensor-parallel shard of every HF tensor; the result must still equal the unsharded HF forward."""
-    from mrl.inference.vllm_backend import VllmBackend
+def _isa_paths() -> list[str | None]:
+    """The CPU's own instruction-set path, and the AVX2-only machine's where this CPU can be forced down to it."""
+    from mrl.parallel.cpu_isa import detect
 
+    native = detect({}).native
+    return [native] if native in (None, "avx2") else [native, "avx2"]
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="a tensor-parallel-2 engine binds one core per worker")
+@pytest.mark.parametrize("isa", _isa_paths())
+def test_tensor_parallel_engine_refit_through_shared_memory(models, isa, monkeypatch):
+    """vLLM multiprocessing (engine core + 2 TP worker processes): each worker reads the bucket file and takes its
+    tensor-parallel shard of every HF tensor; the result must still equal the unsharded HF forward. On each
+    instruction-set path: the workers load the kernel library of that path (`_C_AVX2` forced: the real AVX2-only
+    library), whose TP collectives are vLLM's shared memory (segments that shutdown must remove) or, with `_C_AVX2`,
+    torch.distributed (no segments)."""
+    from mrl.inference.vllm_backend import VllmBackend
+    from mrl.parallel.cpu_isa import detect, forced_environment
+
+    if isa != detect({}).native:
+        for key, value in forced_environment(isa).items():
+            monkeypatch.setenv(key, value)  # inherited by the engine's processes
+    expected = detect()
     backend = VllmBackend(
         _config(models[0], tensor_parallel_size=2, multiprocessing=True, cpu_threads_bind="0|1",
                 refit_transport="shm_file")
     )
     try:
+        assert backend.llm.collective_rpc("mrl_vllm_kernels") == [expected.vllm_kernels] * 2
         before = backend.generate(PROMPTS, SAMPLING)
         assert _hf_max_diff(models[0], before.samples) <= TOL
         stats = backend.update_weights(_state(models[1]).items())
@@ -80,8 +98,9 @@ def test_tensor_parallel_engine_refit_through_shared_memory(models):
         segments = [path for paths in backend.llm.collective_rpc("mrl_shm_segments") for path in paths]
     finally:
         backend.shutdown()
+    assert bool(segments) == expected.vllm_shm_collectives, (isa, segments)
     # vLLM leaves its TP communicator's /dev/shm segments behind; shutdown() must remove them.
-    assert segments and not [path for path in segments if os.path.exists(path)]
+    assert not [path for path in segments if os.path.exists(path)]
 
 
 @pytest.fixture(scope="module")

@@ -6,6 +6,7 @@ import pytest
 
 from mrl.distributed.env import BIND_GLOO_TO_NODE_IP, find_free_port, gloo_interface, local_ranks, rank_environment
 from mrl.distributed.worker_group import DataParallelLayout
+from mrl.parallel import groups
 
 
 def test_free_port_can_be_bound_and_is_not_a_privileged_port():
@@ -13,6 +14,27 @@ def test_free_port_can_be_bound_and_is_not_a_privileged_port():
     assert 1024 < port < 65536
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("", port))  # raises if the port were in use
+
+
+@pytest.mark.skipif(len(groups._ports_to_pick_from()) < 1000, reason="the ephemeral range leaves no ports to pick")
+def test_free_port_is_never_one_the_os_hands_out_itself(monkeypatch):
+    """Below the ephemeral range (where bind(0) and outgoing connections take theirs), and a port in use is skipped."""
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        ephemeral_start = int(f.read().split()[0])
+    assert all(groups.PICKED_PORTS[0] <= find_free_port() < ephemeral_start for _ in range(50))
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taken:
+        taken.bind(("", find_free_port()))
+        taken.listen()
+        busy = taken.getsockname()[1]
+        picks = iter([busy, busy, busy + 1 if busy + 1 < ephemeral_start else busy - 1])
+
+        class Picker:
+            def choice(self, candidates):
+                return next(picks)
+
+        monkeypatch.setattr(groups.random, "SystemRandom", Picker)
+        assert find_free_port() not in (busy, None)
 
 
 def test_local_ranks_count_positions_per_node_in_rank_order():
