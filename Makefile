@@ -50,8 +50,10 @@ REAL_ASSETS ?= .cache/real
 real: install
 	$(BIN)/python -m mrl.app.real_assets --dir $(REAL_ASSETS)
 
+# Two test processes, as in make test: a file's tests in one (the SmolLM2 runs, the DPO runs and the tokenizers); the
+# first to need the assets prepares them while the other waits (a lock in tests/real/conftest.py).
 test-real: install
-	MRL_REAL_ASSETS=$(abspath $(REAL_ASSETS)) $(BIN)/python -m pytest tests/real -q
+	MRL_REAL_ASSETS=$(abspath $(REAL_ASSETS)) $(BIN)/python -m pytest tests/real -q -n $(TEST_PROCESSES) --dist loadfile
 
 # The Slurm launcher against a real one-node Slurm (installs slurm-wlm with apt-get when missing, as root; starts
 # and stops its daemons itself).
@@ -60,8 +62,10 @@ test-slurm: install
 
 # Learning checks that take minutes: the staged preference recipe (SFT -> DPO, reward model -> GRPO) and multi-turn
 # GRPO on the number-guessing server.
+# Two test processes, a file each: each recipe keeps one core busy, the other mostly idle (measured: 55% of 2 cores).
+# The figures are printed at the end (tests/learning/conftest.py).
 test-learning: install
-	$(BIN)/python -m pytest tests/learning -q -s
+	$(BIN)/python -m pytest tests/learning -q -n $(TEST_PROCESSES) --dist loadfile
 
 # The GPU tier: Megatron on CUDA (fp32, bf16) against HF, the CUDA IPC transport between two processes, the converter
 # on device tensors. Skips in one line on a machine without CUDA.

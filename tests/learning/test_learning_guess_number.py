@@ -42,10 +42,10 @@ def summary(tmp_path_factory):
     return json.loads((root / "run" / "summary.json").read_text())["grpo"]
 
 
-def test_grpo_learns_to_use_the_servers_answers(summary):
+def test_grpo_learns_to_use_the_servers_answers(summary, figure):
     first, last = summary["reward_first10"], summary["reward_last10"]
     before, after = summary["val_accuracy_before"], summary["val_accuracy_after"]
-    print(f"guess-number GRPO reward, first 10 steps {first:.3f} -> last 10 {last:.3f}; held-out games found "
+    figure(f"guess-number GRPO reward, first 10 steps {first:.3f} -> last 10 {last:.3f}; held-out games found "
           f"{before:.3f} -> {after:.3f}")
     assert last - first >= 0.1
     assert after - before >= 0.2

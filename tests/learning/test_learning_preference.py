@@ -28,26 +28,26 @@ def summaries(tmp_path_factory):
     return out, json.loads((out / "summary.json").read_text())
 
 
-def test_dpo_raises_held_out_preference_accuracy(summaries):
+def test_dpo_raises_held_out_preference_accuracy(summaries, figure):
     dpo = summaries[1]["dpo"]
     before, after = dpo["val/preference_accuracy_before"], dpo["val/preference_accuracy_after"]
-    print(f"DPO held-out preference accuracy {before:.3f} -> {after:.3f}")
+    figure(f"DPO held-out preference accuracy {before:.3f} -> {after:.3f}")
     assert after - before >= 0.3
 
 
-def test_reward_model_separates_held_out_pairs_and_exports_for_transformers(summaries):
+def test_reward_model_separates_held_out_pairs_and_exports_for_transformers(summaries, figure):
     import torch
     from transformers import AutoModelForSequenceClassification
 
     out, s = summaries
-    print(f"reward model held-out pair accuracy {s['rm']['val/accuracy_before']:.3f} -> {s['rm']['val/accuracy_after']:.3f}")
+    figure(f"reward model held-out pair accuracy {s['rm']['val/accuracy_before']:.3f} -> {s['rm']['val/accuracy_after']:.3f}")
     assert s["rm"]["val/accuracy_after"] >= 0.9
     model = AutoModelForSequenceClassification.from_pretrained(out / "rm" / "final_hf", dtype=torch.float32)
     assert model.score.weight.shape[0] == 1
 
 
-def test_grpo_with_the_reward_model_raises_its_score(summaries):
+def test_grpo_with_the_reward_model_raises_its_score(summaries, figure):
     curve = summaries[1]["grpo"]["reward_curve"]
     first, last = sum(curve[:5]) / 5, sum(curve[-5:]) / 5
-    print(f"GRPO reward-model score, first 5 steps {first:.3f} -> last 5 {last:.3f}")
+    figure(f"GRPO reward-model score, first 5 steps {first:.3f} -> last 5 {last:.3f}")
     assert last > first

@@ -5,6 +5,7 @@ line saying so; the suite never fails for that."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 import subprocess
 import sys
@@ -23,8 +24,11 @@ def real_assets() -> Path:
     MRL_REAL_ASSETS,...}` paths point at it in every command the tests start."""
     root = Path(os.environ.get("MRL_REAL_ASSETS") or ROOT / DEFAULT_DIR).resolve()
     os.environ["MRL_REAL_ASSETS"] = str(root)
-    done = subprocess.run([sys.executable, "-m", "mrl.app.real_assets", "--dir", str(root)], capture_output=True,
-                          text=True)
+    root.parent.mkdir(parents=True, exist_ok=True)
+    with open(root.parent / f".{root.name}.lock", "w") as lock:  # make test-real's test processes: one prepares
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        done = subprocess.run([sys.executable, "-m", "mrl.app.real_assets", "--dir", str(root)], capture_output=True,
+                              text=True)
     if done.returncode == UNREACHABLE_EXIT_CODE:
         pytest.skip(f"real assets unavailable here: {done.stderr.strip().splitlines()[-1]}")
     assert done.returncode == 0, f"preparing the real assets failed:\n{done.stderr[-3000:]}"

@@ -98,13 +98,26 @@ def test_grpo_steps_with_the_real_model(real_assets, tmp_path):
         assert sample["prompt"] == PromptTemplate("chat").render(row["problem"], tokenizer)
 
 
-@pytest.mark.parametrize("recipe", ["eval-smollm2-135m-gsm8k.yaml", "eval-smollm2-135m-math500.yaml"])
-def test_eval_accuracy_equals_math_verify_on_its_own_samples(recipe, tmp_path):
+EVAL_RECIPES = ("eval-smollm2-135m-gsm8k.yaml", "eval-smollm2-135m-math500.yaml")
+
+
+@pytest.fixture(scope="module")
+def evals(real_assets, tmp_path_factory) -> dict[str, Path]:
+    """Both evals, started side by side: each generates on one core (the recipes' one device, one thread)."""
+    outs = {recipe: tmp_path_factory.mktemp(recipe.removesuffix(".yaml")) for recipe in EVAL_RECIPES}
+    started = [mrl("eval", "--config", str(RECIPES / recipe), f"run.output_dir={out}") for recipe, out in outs.items()]
+    for proc in started:
+        finish(proc, timeout=1200)
+    return outs
+
+
+@pytest.mark.parametrize("recipe", EVAL_RECIPES)
+def test_eval_accuracy_equals_math_verify_on_its_own_samples(recipe, evals):
     from math_verify import parse, verify
 
     from mrl.environments.math import boxed_gold, readable
 
-    finish(mrl("eval", "--config", str(RECIPES / recipe), f"run.output_dir={tmp_path}"), timeout=1200)
+    tmp_path = evals[recipe]
     samples = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
     assert len(samples) == 64 and [s["problem_index"] for s in samples] == list(range(64))
     recomputed = []
