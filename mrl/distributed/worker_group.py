@@ -345,7 +345,7 @@ class WorkerGroup:
         refs = [actor.start.remote(cls_ref, rendezvous, payload) for actor in self._actors]
         GroupFuture(self, f"{self.worker_cls.__name__}.__init__", refs, range(self.world_size)).result()
         self.master_addr, self.master_port = rendezvous["MASTER_ADDR"], port
-        log.info("worker group '%s': %d ranks up, rendezvous %s:%d", self.name, self.world_size, *rendezvous.values())
+        log.info("worker group '%s': %d ranks up, rendezvous %s:%s", self.name, self.world_size, *rendezvous.values())
 
     # ---------------------------------------------------------------------------------------------- data layout
     def set_layout(self, layout: DataParallelLayout) -> None:

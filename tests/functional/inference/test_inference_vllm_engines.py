@@ -6,6 +6,7 @@ HF transformers is the reference for every logprob (<= 1e-4 in fp32), as in test
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 
@@ -35,11 +36,16 @@ def _state(path) -> dict[str, torch.Tensor]:
     return load_file(str(path / "model.safetensors"))
 
 
-def _hf_max_diff(model_dir, samples) -> float:
-    """Max |engine logprob - HF forward logprob| over every sampled token of `samples`."""
+@functools.lru_cache(maxsize=2)
+def _hf_model(model_dir):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+
+
+def _hf_max_diff(model_dir, samples) -> float:
+    """Max |engine logprob - HF forward logprob| over every sampled token of `samples`."""
+    model = _hf_model(model_dir)
     worst = 0.0
     with torch.no_grad():
         for s in samples:
