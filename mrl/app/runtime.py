@@ -40,9 +40,9 @@ from mrl.config.schema import ModelBuildConfig, MrlConfig
 from mrl.distributed import Placement, RayCluster
 from mrl.inference.interface import RolloutEngine
 from mrl.inference.refit import RefitStats, refit
-from mrl.parallel import cpu_isa
 from mrl.inference.transports import (CollectiveTransport, CudaIpcTransport, SharedMemoryFileTransport, WeightTransport,
                                      collective)
+from mrl.parallel import cpu_isa
 from mrl.policy.interface import TrainablePolicy
 
 if TYPE_CHECKING:
