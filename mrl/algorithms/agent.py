@@ -228,6 +228,7 @@ class AgentRunner:
         episodes = [Episode(dict(row), list(ids), len(ids)) for row, ids in zip(rows, prompt_ids)
                     for _ in range(sampling.n)]
         self._seed(episodes)
+        engine.prepare_for_generation()  # a colocated engine may be asleep (validation after a refit)
         base = replace(sampling, n=1, max_new_tokens=self.limits.max_new_tokens)
         for turn in range(self.limits.max_turns):
             live = [e for e in episodes if not e.done]

@@ -57,6 +57,7 @@ def evaluate(engine: GenerationBackend, env: Environment, tokenizer: "PreTrained
     problem = pass_k_problem(pass_k, sampling.n)
     if problem:
         raise ValueError(f"eval.pass_k: {problem}; raise eval.num_samples or lower k")
+    engine.prepare_for_generation()  # a colocated engine may be asleep (a start-up or a refit left it so)
     rollouts = generate_and_score(engine, env, tokenizer, problems, prompt_ids, sampling)
     correct = (rollouts.rewards > 0.5).view(len(prompt_ids), sampling.n).sum(dim=1).tolist()
     metrics = {"val/accuracy": float(rollouts.rewards.mean()),

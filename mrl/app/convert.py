@@ -32,6 +32,7 @@ from converters.mapping import megatron_to_hf as map_megatron_to_hf
 from mrl.checkpoint.megatron import (HF_SUBDIR, MODEL_SUBDIR, checkpoint_padded_vocab, load_megatron_checkpoint,
                                     save_sharded)
 from mrl.model.build import build_gpt_model, load_hf_weights, router_settings, transformer_config_from_hf
+from mrl.parallel import collectives
 from mrl.parallel.groups import init_process_groups, world_from_launcher
 from mrl.parallel.layout import ParallelDims, ParallelLayoutError
 
@@ -67,8 +68,6 @@ def _build(hf_config: dict[str, Any], padded_vocab: int, tp: int, pp: int, ep: i
 
 def hf_to_megatron(hf_dir: str | Path, out_dir: str | Path, tp: int = 1, pp: int = 1, ep: int = 1) -> Path:
     """Convert an HF folder into a Megatron distributed checkpoint folder (layout in the module docstring)."""
-    import torch.distributed as dist
-
     hf_dir, out = Path(hf_dir), Path(out_dir)
     hf_config = load_hf_config(hf_dir)
     dims = model_dims(hf_config)
@@ -83,16 +82,16 @@ def hf_to_megatron(hf_dir: str | Path, out_dir: str | Path, tp: int = 1, pp: int
     model = _build(hf_config, padded, build_tp, build_pp, build_ep)
     load_hf_weights(model, hf_state, hf_config)
     del hf_state
-    if dist.get_rank() == 0:
+    if collectives.rank() == 0:
         (out / MODEL_SUBDIR).mkdir(parents=True, exist_ok=True)
         copy_model_metadata(hf_dir, out / HF_SUBDIR)
         meta = {"family": dims.family, "padded_vocab_size": padded,
                 "written_with": {"tp": build_tp, "pp": build_pp, "ep": build_ep}}
         (out / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
-    dist.barrier()
+    collectives.barrier()
     _log(f"saving distributed checkpoint to {out / MODEL_SUBDIR}")
     save_sharded(model.sharded_state_dict(), out / MODEL_SUBDIR)
-    dist.barrier()
+    collectives.barrier()
     _log("done")
     return out
 
@@ -144,10 +143,10 @@ def megatron_to_hf(
     dims = model_dims(hf_config)
     init_parallel(1, 1)  # under torchrun every rank loads the full model; rank 0 writes
     model = _load_whole_model(model_dir, hf_config)
-    if torch.distributed.get_rank() == 0:
+    if collectives.rank() == 0:
         files = save_hf_state(map_megatron_to_hf(model.state_dict(), dims), out, max_shard_bytes=max_shard_bytes,
                               log=_log)
         copy_model_metadata(config_dir, out)
         _log(f"wrote {len(files)} safetensors file(s) and {', '.join(sorted(p.name for p in out.glob('*.json')))}")
-    torch.distributed.barrier()
+    collectives.barrier()
     return out

@@ -14,10 +14,15 @@ else runs, so it never generates from other weights than the policy's and no HF 
 without a policy (`mrl eval`) starts a frozen one for that refit and stops it after.
 
 Start: the policy group, a reward model's group and the engines start side by side (threads of this process, each
-waiting on its Ray actors: imports and model building take seconds); a failure in one stops the others.
+waiting on its Ray actors: imports and model building take seconds); a failure in one stops the others. Colocated,
+the policy and the reward model build their workers only once the engine has started and gone to sleep: vLLM sizes
+its KV cache from the device memory it finds free while it profiles, and refuses to start (or asserts) when another
+process changes it meanwhile (vllm/v1/worker/gpu_worker.py), so the engine starts on a clean device, releases its
+memory, and only then do the other groups build (their actors import meanwhile: `WorkerGroup(wait_before_init=...)`).
 
-Placement: `cluster.num_nodes x cluster.devices_per_node` bundles. Colocated (the default): the policy's ranks and
-the engines share the bundles, each taking half of a bundle's resources; the engine gets the policy's weights by
+Placement: `cluster.num_nodes x cluster.devices_per_node` bundles, each holding one GPU when the Ray cluster has
+GPUs (each rank then uses the device Ray gave it: mrl/parallel/devices.py). Colocated (the default): the policy's
+ranks and the engines share the bundles, each taking half of a bundle's resources (a third each with a reward model); the engine gets the policy's weights by
 refit after every step (mrl/inference/refit.py), as shared-memory files written by the policy's rank 0 (on GPUs:
 device buffers the engine maps by CUDA IPC). An engine
 on devices of its own (`generation.colocated: false`) receives them by broadcast in a group of the policy's rank 0
@@ -27,10 +32,13 @@ and the engines, made on the first refit.
 from __future__ import annotations
 
 import logging
+import sys
+import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional, cast
 
 import torch
 
@@ -39,11 +47,12 @@ from mrl.config.errors import ConfigError
 from mrl.config.schema import ModelBuildConfig, MrlConfig
 from mrl.distributed import Placement, RayCluster
 from mrl.inference.interface import RolloutEngine
+from mrl.inference.lifecycle import EngineState
 from mrl.inference.refit import RefitStats, refit
 from mrl.inference.transports import (CollectiveTransport, CudaIpcTransport, SharedMemoryFileTransport, WeightTransport,
                                      collective)
 from mrl.parallel import cpu_isa
-from mrl.policy.interface import TrainablePolicy
+from mrl.policy.interface import ReleasesMemory, TrainablePolicy
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -186,15 +195,22 @@ class Runtime:
         """Stream the policy's weights into the engine (see the module docstring for the transport); `on_sent`: once
         the policy has sent them all (`mrl.inference.refit.refit`)."""
         assert self.policy is not None and self.engine is not None, "refit needs a policy and an engine"
-        return refit(self.policy, self.engine, self._transport(), on_sent=on_sent,
-                     bucket_bytes=self.cfg.generation.refit_bucket_mb << 20)
+        # Colocated: the policy hands its optimizer states and gradients over before the engine wakes its weights
+        # (the refit's first step); its weights too, after the export, when configured (policy.offload_when_generating)
+        handover = self.cfg.generation.colocated and hasattr(self.policy, "release_memory")
+        if handover:
+            cast(ReleasesMemory, self.policy).release_memory()
+        stats = refit(self.policy, self.engine, self._transport(), on_sent=on_sent,
+                      bucket_bytes=self.cfg.generation.refit_bucket_mb << 20)
+        if handover and self.cfg.policy.offload_when_generating.weights:
+            cast(ReleasesMemory, self.policy).release_memory()
+        return stats
 
     def _transport(self) -> WeightTransport:
         if self.cfg.generation.colocated or self.cfg.generation.backend != "vllm":
             if self._local is None:  # one object for the run: a CUDA IPC sender keeps its buffers under its name
-                import torch
-
-                cuda = torch.cuda.is_available() and self.cfg.generation.backend == "vllm"
+                # The workers' devices decide, not this process's: the placement's bundles hold GPUs or not.
+                cuda = self.placement is not None and self.placement.on_gpus and self.cfg.generation.backend == "vllm"
                 self._local = CudaIpcTransport() if cuda else SharedMemoryFileTransport()
             return self._local
         if self._broadcast is None:
@@ -227,22 +243,31 @@ def start_runtime(cfg: MrlConfig, *, total_steps: int, policy: bool = True, engi
         cpu_isa.announce()
     cluster = RayCluster.from_config(cfg.cluster)
     runtime = Runtime(cfg, source, tokenizer, cluster)
+    started = time.time()
     try:
-        runtime.placement = cluster.create_placement(
-            f"{cfg.run.name}-workers", bundles_per_node=cfg.cluster.devices_per_node, num_nodes=cfg.cluster.num_nodes,
-            cpus_per_bundle=cfg.cluster.cpus_per_worker)
-        share = 1.0 / (1 + (engine and cfg.generation.colocated) + (scorer is not None))  # groups on one bundle
-        # The worker groups start side by side (each spends seconds importing and building its model).
+        runtime.placement = reserve_placement(cfg, cluster)
+        share = group_share(cfg, engine=engine, reward_model=scorer is not None)
+        # The worker groups start side by side (each spends seconds importing and building its model); colocated,
+        # the others build theirs once the engine sleeps (see the module docstring).
+        asleep = _EngineAsleep() if engine and cfg.generation.colocated and (main or scorer) else None
+        wait = asleep.wait if asleep else None
         with ThreadPoolExecutor(max_workers=2, thread_name_prefix="mrl-start") as pool:
             starting = {
-                "policy": pool.submit(_start_policy, cfg, main, runtime.placement, share) if main else None,
-                "reward_model": (pool.submit(_start_policy, cfg, scorer, runtime.placement, share, name="reward_model")
-                                 if scorer else None)}
+                "policy": pool.submit(_start_policy, cfg, main, runtime.placement, share, wait=wait) if main else None,
+                "reward_model": (pool.submit(_start_policy, cfg, scorer, runtime.placement, share, wait=wait,
+                                             name="reward_model") if scorer else None)}
             try:
                 if engine:
                     _start_engine(runtime, share)
+                    if asleep:
+                        runtime.engine.finish_generation()  # type: ignore[union-attr]
+                        asleep.set()
             finally:
+                if asleep:
+                    asleep.fail()  # a no-op once set: the groups waiting on a failed engine give up
                 _collect_started(runtime, starting)
+        if asleep:
+            _report_start_order(runtime, started)
         if engine and runtime.source.is_megatron:  # an engine started from the config alone gets the weights now
             runtime.refit()
         if feeder:
@@ -273,12 +298,53 @@ def _reward_model_spec(cfg: MrlConfig) -> Optional["PolicySpec"]:
     return _policy_spec(cfg, rm, total_steps=1, trainable=False, padded_vocab=_padded_vocab(cfg, rm, None))
 
 
+def reserve_placement(cfg: MrlConfig, cluster: RayCluster) -> Placement:
+    """`cluster.num_nodes` x `cluster.devices_per_node` bundles, each with one GPU when the cluster has GPUs."""
+    return cluster.create_placement(
+        f"{cfg.run.name}-workers", bundles_per_node=cfg.cluster.devices_per_node, num_nodes=cfg.cluster.num_nodes,
+        cpus_per_bundle=cfg.cluster.cpus_per_worker, gpus_per_bundle=1.0 if cluster.has_gpus() else 0.0)
+
+
+def group_share(cfg: MrlConfig, *, engine: bool, reward_model: bool) -> float:
+    """The part of a bundle each group takes: the policy, a colocated engine and a reward model share it evenly."""
+    return 1.0 / (1 + (engine and cfg.generation.colocated) + reward_model)
+
+
+def _report_start_order(runtime: Runtime, started: float) -> None:
+    """One line with the colocated start-up's order, as measured: when the engine was asleep, when the first worker
+    of the groups sharing its devices began to build (never before)."""
+    slept = max(t for state, t in runtime.engine.lifecycle.history if state is EngineState.ASLEEP)  # type: ignore
+    built = min(t for part in (runtime.policy, runtime.reward_model) if part is not None
+                for t in part.workers.init_started)  # type: ignore[union-attr]
+    print(f"[mrl] colocated start-up: engine up and asleep at +{slept - started:.1f} s, policy built from "
+          f"+{built - started:.1f} s", file=sys.stderr)
+
+
+class _EngineAsleep:
+    """Set once the colocated engine has started and gone to sleep; `wait()` raises if the engine failed instead."""
+
+    def __init__(self) -> None:
+        self._event, self._ok = threading.Event(), False
+
+    def set(self) -> None:
+        self._ok = True
+        self._event.set()
+
+    def fail(self) -> None:
+        self._event.set()
+
+    def wait(self) -> None:
+        self._event.wait()
+        if not self._ok:
+            raise RuntimeError("the colocated engine did not start, so the groups sharing its devices were not built")
+
+
 def _start_policy(cfg: MrlConfig, spec: "PolicySpec", placement: Placement, share: float, *,
-                  name: str = "policy") -> TrainablePolicy:
+                  wait: Optional[Callable[[], None]] = None, name: str = "policy") -> TrainablePolicy:
     from mrl.policy.group import Policy
 
     return Policy(spec, placement, world_size=cfg.policy_world_size, resource_fraction=share,
-                  omp_num_threads=cfg.cluster.omp_num_threads, name=name)
+                  omp_num_threads=cfg.cluster.omp_num_threads, name=name, wait_before_init=wait)
 
 
 def _start_engine(runtime: Runtime, share: float) -> None:

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from mrl.checkpoint.manager import CheckpointError, capture_rng_state, restore_rng_state, write_atomic
+from mrl.parallel import collectives
 
 MODEL_SUBDIR, TRAINING_SUBDIR, RNG_SUBDIR, LAYOUT_FILE = "model", "optimizer", "rng", "layout.json"
 #: The HF config, generation config and tokenizer beside a checkpoint's model/ (what reads it needs the config).
@@ -57,7 +58,7 @@ def _parallel_layout() -> dict[str, int]:
 
     return {"tp": ps.get_tensor_model_parallel_world_size(), "pp": ps.get_pipeline_model_parallel_world_size(),
             "cp": ps.get_context_parallel_world_size(), "ep": ps.get_expert_model_parallel_world_size(),
-            "dp": ps.get_data_parallel_world_size(), "world_size": torch.distributed.get_world_size()}
+            "dp": ps.get_data_parallel_world_size(), "world_size": collectives.world_size()}
 
 
 def _model_sharded_state_dict(model_chunks: list) -> dict:
@@ -108,16 +109,14 @@ def save_megatron_state(path: str | Path, model_chunks: list, optimizer: Any, sc
 
     Collective: every rank of the policy calls it with the same `path`. Returns after all ranks finished.
     """
-    import torch.distributed as dist
-
     folder = Path(path)
     model_dir, train_dir, rng_dir = folder / MODEL_SUBDIR, folder / TRAINING_SUBDIR, folder / RNG_SUBDIR
     rng = _rank_rng_state()  # before anything below could draw random numbers
     training_state = optimizer is not None or scheduler is not None
-    if dist.get_rank() == 0:
+    if collectives.rank() == 0:
         for subdir in (model_dir, rng_dir, *([train_dir] if training_state else [])):
             subdir.mkdir(parents=True, exist_ok=False)
-    dist.barrier()
+    collectives.barrier()
     # dist_checkpointing.save/load consume the sharded dict they get (factories applied in place), and the
     # optimizer's sharded dict maps its state to the model's ShardedTensors: each call gets its own model dict.
     save_sharded(_model_sharded_state_dict(model_chunks), model_dir)
@@ -126,11 +125,11 @@ def save_megatron_state(path: str | Path, model_chunks: list, optimizer: Any, sc
                                                 is_loading=False)
         content = {**_SHARDED_METADATA, "distributed_optimizer": _is_distributed(optimizer)}
         save_sharded(training, train_dir, content_metadata=content)
-    write_atomic(rng_dir / f"rank_{dist.get_rank():05d}.pt", lambda f: torch.save(rng, f))
-    if dist.get_rank() == 0:
+    write_atomic(rng_dir / f"rank_{collectives.rank():05d}.pt", lambda f: torch.save(rng, f))
+    if collectives.rank() == 0:
         layout = json.dumps(_parallel_layout(), indent=2).encode() + b"\n"
         write_atomic(rng_dir / LAYOUT_FILE, lambda f: f.write(layout))
-    dist.barrier()
+    collectives.barrier()
 
 
 def load_megatron_state(path: str | Path, model_chunks: list, optimizer: Any, scheduler: Any, *,
@@ -248,7 +247,6 @@ def _rank_rng_state() -> dict[str, Any]:
 
 def _restore_rank_rng(rng_dir: Path) -> tuple[bool, str]:
     """Restore this rank's generators if the checkpoint was written under this very layout (same on all ranks)."""
-    import torch.distributed as dist
     from megatron.core import tensor_parallel
 
     layout = _parallel_layout()
@@ -258,7 +256,7 @@ def _restore_rank_rng(rng_dir: Path) -> tuple[bool, str]:
         return False, f"RNG states not restored: {rng_dir / LAYOUT_FILE} is missing or unreadable"
     if saved != layout:
         return False, f"RNG states not restored: written under {json.dumps(saved)}, running under {json.dumps(layout)}"
-    state = torch.load(rng_dir / f"rank_{dist.get_rank():05d}.pt", weights_only=True)
+    state = torch.load(rng_dir / f"rank_{collectives.rank():05d}.pt", weights_only=True)
     restore_rng_state(state["process"])
     tensor_parallel.get_cuda_rng_tracker().set_states(dict(state["tracker"]))
     return True, ""

@@ -113,6 +113,20 @@ class DynamicBatchingConfig(Section):
     tokens_per_microbatch: int = Field(4096, ge=1, description="Token budget of one micro-batch.")
 
 
+class OffloadConfig(Section):
+    """What each policy rank moves to host memory before a colocated engine wakes (`Policy.release_memory`) and takes
+    back when it next computes (train, logprobs, refit, save); the CUDA cache is emptied either way; on CPU nothing
+    moves. Why the defaults fit DeepScaleR 8K on one 80 GB GPU: README, "Memory on a shared GPU"."""
+
+    optimizer_states: bool = Field(True, description="Adam's two moments and the fp32 main weights of bf16 training "
+                                   "(12 B per parameter, per data-parallel shard with the distributed optimizer); "
+                                   "copied to pinned host memory and back, bit for bit.")
+    gradients: bool = Field(True, description="Free the fp32 gradient buffers (4 B per parameter); not copied: every "
+                            "step zeroes them before its first backward.")
+    weights: bool = Field(False, description="Also the model weights (2 B per parameter in bf16); a refit's export "
+                          "and a logprob pass bring them back, so release again after the refit.")
+
+
 class PolicyConfig(Section):
     model_name: Optional[str] = Field(None, description="HF model folder (config.json + safetensors + tokenizer), "
                                       "or a Megatron checkpoint folder (`mrl convert hf-to-megatron` output, a "
@@ -131,6 +145,8 @@ class PolicyConfig(Section):
     sequence_packing: PackingConfig = Field(default_factory=PackingConfig)
     dynamic_batching: DynamicBatchingConfig = Field(default_factory=DynamicBatchingConfig)
     offload_reference: bool = Field(False, description="Keep the frozen reference model in CPU memory between uses (GPU).")
+    offload_when_generating: OffloadConfig = Field(
+        default_factory=OffloadConfig, description="What moves to host memory while a colocated engine generates.")
     moe: MoEConfig = Field(default_factory=MoEConfig)
 
 
@@ -155,6 +171,11 @@ class GenerationConfig(Section):
     stop_strings: list[str] = Field(default_factory=list, description="Strings that end a response.")
     overlong_prompt: Literal["truncate", "reject"] = Field("reject", description="What to do with a prompt that does not fit.")
     refit_bucket_mb: int = Field(256, ge=1, description="Weights streamed to the engine in buckets of this size.")
+    seeded_sampling: Optional[bool] = Field(
+        None, description="Seed every request (prompt i, sample k: seed + i * n + k): reproducible samples, an exact "
+                          "resume. On GPUs seeded requests leave vLLM's fused FlashInfer top-k/top-p sampler (its V1 model "
+                          "runner even samples them one by one: vllm/v1/sample/ops/topk_topp_sampler.py). None: seeded "
+                          "where the engine runs on CPU, unseeded on GPUs (not bitwise reproducible there anyway).")
     vllm: VllmConfig = Field(default_factory=VllmConfig)
 
 

@@ -53,6 +53,11 @@ class Placement:
     def num_bundles(self) -> int:
         return len(self.bundles)
 
+    @property
+    def on_gpus(self) -> bool:
+        """Whether its bundles hold GPUs (then every actor placed on it asks for a share of one)."""
+        return bool(self.bundles and self.bundles[0].resources.get("GPU", 0.0))
+
 
 def _format_resources(resources: dict[str, float]) -> str:
     keys = [key for key in ("CPU", "GPU") if key in resources]
@@ -114,6 +119,10 @@ class RayCluster:
     # ------------------------------------------------------------------------------------------------ resources
     def total_resources(self) -> dict[str, float]:
         return {key: value for key, value in ray.cluster_resources().items() if key in ("CPU", "GPU")}
+
+    def has_gpus(self) -> bool:
+        """Whether the cluster's nodes report GPUs (Ray counts them at start, or is told `num_gpus`)."""
+        return self.total_resources().get("GPU", 0.0) >= 1.0
 
     def available_resources(self) -> dict[str, float]:
         """Resources not reserved by placement groups or held by running actors/tasks."""

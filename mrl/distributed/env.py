@@ -43,8 +43,8 @@ def local_ranks(node_of_rank: Sequence[str]) -> list[tuple[int, int]]:
 def rank_environment(node_of_rank: Sequence[str], omp_num_threads: int) -> list[dict[str, str]]:
     """Per-rank environment without the rendezvous address (added once rank 0's port is known).
 
-    On GPUs, Ray sets CUDA_VISIBLE_DEVICES to the device(s) of the actor's bundle; a worker then uses `cuda:0`
-    (its only visible device) rather than indexing devices by LOCAL_RANK.
+    On GPUs, Ray sets CUDA_VISIBLE_DEVICES to the GPU of the actor's bundle; a worker then picks its device by the
+    device rule (mrl/parallel/devices.py: its one visible GPU is device 0), not by LOCAL_RANK alone.
     """
     if omp_num_threads < 1:
         raise ValueError(f"omp_num_threads must be >= 1, got {omp_num_threads}")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from typing import Any
 
 import ray
@@ -37,8 +38,14 @@ class WorkerHost:
     def free_port(self) -> int:
         return find_free_port()
 
-    def start(self, worker_cls: type, env: dict[str, str], payload: tuple[tuple, dict[str, Any]]) -> None:
-        """Export `env` (rendezvous address) and build the worker: its __init__ may already join process groups."""
+    def preload(self, worker_cls: type) -> None:
+        """Nothing but receiving the worker class: Ray imports its module (Megatron, vLLM: seconds) on the way in, so
+        a group that must wait before building its workers (`WorkerGroup(wait_before_init=...)`) imports meanwhile."""
+
+    def start(self, worker_cls: type, env: dict[str, str], payload: tuple[tuple, dict[str, Any]]) -> float:
+        """Export `env` (rendezvous address) and build the worker: its __init__ may already join process groups.
+        Returns the wall time at which the build began."""
+        began = time.time()
         os.environ.update(env)
         if os.environ.get(BIND_GLOO_TO_NODE_IP) and "GLOO_SOCKET_IFNAME" not in os.environ:
             interface = gloo_interface(ray.util.get_node_ip_address())
@@ -46,6 +53,7 @@ class WorkerHost:
                 os.environ["GLOO_SOCKET_IFNAME"] = interface
         args, kwargs = decode(payload)
         self._worker = worker_cls(*args, **kwargs)
+        return began
 
     def call(self, method: str, payload: tuple[tuple, dict[str, Any]]) -> Any:
         args, kwargs = decode(payload)

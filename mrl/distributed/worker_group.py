@@ -256,9 +256,14 @@ class WorkerGroup:
     bundles in order).
 
     Each actor asks for `resource_fraction` of its bundle's resources: 1.0 gives a group its bundles alone; two
-    groups with 0.5 each share the same bundles (colocation). `env` adds variables to every rank (not for control
+    groups with 0.5 each share the same bundles (colocation). `gpu_fraction` sets the GPU share apart (0: an actor
+    that holds no GPU itself, e.g. a vLLM engine whose own Ray workers hold them). `env` adds variables to every rank (not for control
     flags: those are arguments). The worker's __init__ gets `init_args`/`init_kwargs`, and MASTER_ADDR/PORT are
     already set then.
+
+    `wait_before_init` (optional) is called after the actors are up and have imported the worker class's module,
+    and before any worker is built: colocated groups on GPUs build theirs only once the engine sleeps
+    (mrl/app/runtime.py). `init_started[r]` is the wall time rank r's __init__ began.
 
     The group does not own the placement (other groups may share it): `shutdown()` kills the actors and removes the
     placement only when `owns_placement=True` was given.
@@ -278,9 +283,14 @@ class WorkerGroup:
         env: Optional[dict[str, str]] = None,
         start_timeout_s: float = 120.0,
         owns_placement: bool = False,
+        wait_before_init: Optional[Callable[[], None]] = None,
+        gpu_fraction: Optional[float] = None,
     ):
         if not 0.0 < resource_fraction <= 1.0:
             raise ValueError(f"worker group '{name}': resource_fraction must be in (0, 1], got {resource_fraction}")
+        if gpu_fraction is not None and not 0.0 <= gpu_fraction <= 1.0:
+            raise ValueError(f"worker group '{name}': gpu_fraction must be in [0, 1], got {gpu_fraction}")
+        self._gpu_fraction = resource_fraction if gpu_fraction is None else gpu_fraction
         indices = list(range(placement.num_bundles)) if bundle_indices is None else list(bundle_indices)
         bad = [index for index in indices if not 0 <= index < placement.num_bundles]
         if bad or len(set(indices)) != len(indices) or not indices:
@@ -296,6 +306,8 @@ class WorkerGroup:
         self._owns_placement = owns_placement
         self._actors: list[Any] = []
         self.info: list[WorkerInfo] = []
+        self.init_started: list[float] = []
+        self._wait_before_init = wait_before_init
         try:
             self._start(init_args, init_kwargs or {}, resource_fraction, omp_num_threads, env or {}, start_timeout_s)
         except BaseException:
@@ -317,7 +329,7 @@ class WorkerGroup:
             strategy = PlacementGroupSchedulingStrategy(bundle.group, placement_group_bundle_index=bundle.index)
             actor = host_cls.options(
                 num_cpus=bundle.resources.get("CPU", 0.0) * fraction,
-                num_gpus=bundle.resources.get("GPU", 0.0) * fraction,
+                num_gpus=bundle.resources.get("GPU", 0.0) * self._gpu_fraction,
                 scheduling_strategy=strategy,
                 max_restarts=0,
                 runtime_env={"env_vars": {**extra_env, **envs[rank]}},
@@ -325,7 +337,8 @@ class WorkerGroup:
             self._actors.append(actor)
         # Placeholder infos so a failure while starting can already name the rank.
         self.info = [WorkerInfo(rank, bundle.node_ip, bundle.node_id, -1) for rank, bundle in enumerate(self.bundles)]
-        wanted = {key: value * fraction for key, value in self.bundles[0].resources.items()}
+        wanted = {key: value * (self._gpu_fraction if key == "GPU" else fraction)
+                  for key, value in self.bundles[0].resources.items()}
         try:
             reports = GroupFuture(self, "start", [a.info.remote() for a in self._actors], range(self.world_size))
             reports = reports.result(timeout_s)
@@ -342,8 +355,13 @@ class WorkerGroup:
         rendezvous = {"MASTER_ADDR": self.info[0].node_ip, "MASTER_PORT": str(port)}
         payload = ray.put(encode((tuple(init_args), init_kwargs)))
         cls_ref = ray.put(self.worker_cls)
+        if self._wait_before_init is not None:
+            preloads = [actor.preload.remote(cls_ref) for actor in self._actors]  # imports while we wait
+            self._wait_before_init()
+            GroupFuture(self, "import", preloads, range(self.world_size)).result(timeout_s)
         refs = [actor.start.remote(cls_ref, rendezvous, payload) for actor in self._actors]
-        GroupFuture(self, f"{self.worker_cls.__name__}.__init__", refs, range(self.world_size)).result()
+        self.init_started = GroupFuture(self, f"{self.worker_cls.__name__}.__init__", refs,
+                                        range(self.world_size)).result()
         self.master_addr, self.master_port = rendezvous["MASTER_ADDR"], port
         log.info("worker group '%s': %d ranks up, rendezvous %s:%s", self.name, self.world_size, *rendezvous.values())
 

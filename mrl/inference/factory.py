@@ -13,6 +13,7 @@ broadcast in a group of the policy's rank 0 and the engines (mrl/inference/trans
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Optional
 
 from mrl.inference.interface import SamplingConfig
@@ -72,14 +73,52 @@ def num_generation_engines(cfg: "MrlConfig") -> int:
     return devices // tp
 
 
-def vllm_engine_config(cfg: "MrlConfig", model_path: str, *, load_weights: bool = True) -> "VllmEngineConfig":
+@dataclass(frozen=True)
+class EngineSeats:
+    """Where the engines sit on a placement (global bundle indices)."""
+
+    actors: tuple[int, ...]
+    """Engine e's actor: on this bundle."""
+    workers: tuple[tuple[int, ...], ...]
+    """GPUs, TP k > 1: engine e's k vLLM workers, on these bundles (one node); empty otherwise."""
+    share: float
+    """The part of each bundle the engine takes (colocated: shared with the policy)."""
+
+
+def engine_seats(cfg: "MrlConfig", placement: Any, *, colocated_share: float = 0.5) -> EngineSeats:
+    """One engine per generation data-parallel rank. Colocated engines take the policy's bundles from the first;
+    others the bundles after the policy's ranks. On GPUs an engine of tensor parallel k spans k consecutive bundles
+    of one node (one GPU per vLLM worker); on CPU each engine is one bundle (its workers are its processes)."""
+    engines, tp = num_generation_engines(cfg), cfg.generation.vllm.tensor_parallel_size
+    span = tp if placement.on_gpus else 1
+    first = 0 if cfg.generation.colocated else cfg.policy_world_size
+    if placement.num_bundles < first + engines * span:
+        after = f" after {first} policy ranks" if first else ""
+        raise ValueError(f"{engines} generation engines of {span} bundle(s){after} need {first + engines * span} "
+                         f"bundles, placement '{placement.name}' has {placement.num_bundles}: raise "
+                         "cluster.devices_per_node or cluster.num_nodes")
+    actors = tuple(first + e * span for e in range(engines))
+    workers = tuple(tuple(range(a, a + span)) for a in actors) if span > 1 else ()
+    for bundles in workers:
+        if len({placement.bundles[b].group.id for b in bundles}) != 1:
+            raise ValueError(f"a vLLM engine of tensor_parallel_size={tp} needs {tp} GPUs of one node, but bundles "
+                             f"{list(bundles)} span nodes: make generation.vllm.tensor_parallel_size divide "
+                             "cluster.devices_per_node (and, not colocated, the policy's ranks on the first node)")
+    return EngineSeats(actors, workers, colocated_share if cfg.generation.colocated else 1.0)
+
+
+def vllm_engine_config(cfg: "MrlConfig", model_path: str, *, load_weights: bool = True,
+                       seats: Optional[EngineSeats] = None, placement: Any = None) -> "VllmEngineConfig":
     """Settings of every vLLM engine of the run, starting from the HF folder `model_path` (`load_weights=False`: its
-    config alone, the weights come by refit)."""
+    config alone, the weights come by refit); `seats` on `placement`: where the engines' workers go, whose devices
+    decide GPU settings (None: this process's)."""
     import torch
 
     from mrl.inference.vllm_backend import VllmEngineConfig
 
     gen = cfg.generation
+    gpus = placement.on_gpus if placement is not None else torch.cuda.is_available()
+    executor = () if seats is None else tuple(tuple(placement.bundles[b].index for b in w) for w in seats.workers)
     return VllmEngineConfig(
         model_path=model_path,
         load_weights=load_weights,
@@ -90,10 +129,13 @@ def vllm_engine_config(cfg: "MrlConfig", model_path: str, *, load_weights: bool 
         enforce_eager=gen.vllm.enforce_eager,
         kv_cache_bytes=int(gen.vllm.kv_cache_gib * 2**30),
         gpu_memory_utilization=gen.vllm.gpu_memory_utilization,
-        sleep_when_idle=gen.colocated and torch.cuda.is_available(),
-        multiprocessing=gen.vllm.tensor_parallel_size > 1,
-        refit_transport="cuda_ipc" if torch.cuda.is_available() else "shm_file",  # the engine's own hand-on
+        sleep_when_idle=gen.colocated,  # on CPU the contract alone (mrl/inference/cpu_sleep_mode.py)
+        seeded_sampling=gen.seeded_sampling,
+        multiprocessing=gen.vllm.tensor_parallel_size > 1 and not executor,
+        refit_transport="cuda_ipc" if gpus else "shm_file",  # the engine's own hand-on
         refit_bucket_bytes=gen.refit_bucket_mb * 2**20,
+        ray_executor_bundles=executor,
+        ray_worker_gpus=seats.share if seats is not None else 1.0,
     )
 
 
@@ -108,24 +150,12 @@ def build_vllm_engines(cfg: "MrlConfig", model_path: str, placement: Any, *, col
 
     if cfg.generation.backend != "vllm":
         raise ValueError(f"generation.backend={cfg.generation.backend!r}: build_vllm_engines builds vLLM engines only")
-    engines = num_generation_engines(cfg)
-    if placement.num_bundles < engines:
-        raise ValueError(
-            f"{engines} generation engines need {engines} bundles, placement '{placement.name}' has "
-            f"{placement.num_bundles}"
-        )
-    # Colocated: engine e shares bundle e with a policy rank (half of it each). Not colocated: the engines take the
-    # bundles after the policy's ranks, whole.
-    first = 0 if cfg.generation.colocated else cfg.policy_world_size
-    if placement.num_bundles < first + engines:
-        raise ValueError(f"{engines} generation engines after {first} policy ranks need {first + engines} bundles, "
-                         f"placement '{placement.name}' has {placement.num_bundles}: raise cluster.devices_per_node")
-    fraction = colocated_share if cfg.generation.colocated else 1.0
+    seats = engine_seats(cfg, placement, colocated_share=colocated_share)
     return VllmEngineGroup(
-        vllm_engine_config(cfg, model_path, load_weights=load_weights),
+        vllm_engine_config(cfg, model_path, load_weights=load_weights, seats=seats, placement=placement),
         placement,
-        bundle_indices=list(range(first, first + engines)),
-        resource_fraction=fraction,
+        bundle_indices=list(seats.actors),
+        resource_fraction=seats.share,
         omp_num_threads=cfg.cluster.omp_num_threads,
     )
 
@@ -141,6 +171,7 @@ def megatron_engine_config(cfg: "MrlConfig", model_path: str, *, load_weights: b
         max_model_len=cfg.policy.max_total_sequence_length,
         dtype=cfg.policy.precision,
         seed=cfg.run.seed,
+        sleep_when_idle=cfg.generation.colocated,
     )
 
 

@@ -151,11 +151,12 @@ class GenerationBackend(Protocol):
         ...
 
     def prepare_for_generation(self) -> None:
-        """Take the engine's memory back (colocated engines release it while the policy trains)."""
+        """Weights and KV cache resident (colocated engines release them while the policy trains); `generate`
+        refuses an engine that is not (mrl/inference/lifecycle.py)."""
         ...
 
     def finish_generation(self) -> None:
-        """Release what memory the platform allows until the next `prepare_for_generation`."""
+        """Release what memory the platform allows until the next `prepare_for_refit` / `prepare_for_generation`."""
         ...
 
 

@@ -62,6 +62,7 @@ from converters import ConversionError, expected_hf_shapes, model_dims
 from converters.hf_io import load_hf_config, load_hf_state
 from mrl.inference.buckets import NamedTensor
 from mrl.inference.interface import FinishReason, GeneratedSample, GenerationOutput, SamplingConfig
+from mrl.inference.lifecycle import EngineLifecycle
 from mrl.inference.prompt_limits import assemble_output, fit_prompts, max_prompt_tokens
 from mrl.inference.refit import LocalWeights, RefitError, RefitStats, refit
 from mrl.inference.transports import InProcessTransport, Payload, unpack_payload
@@ -91,6 +92,9 @@ class MegatronEngineConfig:
     """Parameter and compute dtype: float32 or bfloat16 (CPU: float32, there are no bf16 units)."""
     seed: int = 0
     """Seed of the sampling generator for calls whose SamplingConfig has no seed."""
+    sleep_when_idle: bool = False
+    """Colocated with the policy: the life cycle of mrl/inference/lifecycle.py (asleep it gives back the memory the
+    allocator caches; its weights stay)."""
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -227,10 +231,15 @@ class MegatronBackend:
         self.controller = _StopSetController(wrapper, _TokenIdTokenizer())
         self.controller.sampling_rng.manual_seed(config.seed)
         self._pending: dict[str, torch.Tensor] = {}
+        # The same state machine as vLLM's engines; asleep it holds its weights still, and gives back what the
+        # allocator caches (the KV context and activations are allocated per generation).
+        self.lifecycle = EngineLifecycle("Megatron engine", sleeps=config.sleep_when_idle,
+                                         sleep=_release_cached_memory)
 
     # ------------------------------------------------------------------------------------------------ generation
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig) -> GenerationOutput:
         """Sample `sampling.n` responses per prompt; overlong prompts handled per `sampling.overlong_prompt`."""
+        self.lifecycle.check_generate()
         if sampling.stop_strings:
             raise ValueError(
                 "the Megatron generation backend works on token ids and cannot match stop strings "
@@ -293,6 +302,7 @@ class MegatronBackend:
 
     def load_payload(self, payload: Payload) -> None:
         """Collect one bucket; the model changes only in `finish_refit`, once the state is complete."""
+        self.lifecycle.check_load()
         self._pending.update(unpack_payload(payload))
 
     def finish_refit(self, complete: bool = True) -> None:
@@ -313,11 +323,19 @@ class MegatronBackend:
             load_hf_weights(self.model, hf_state, self.hf_config)  # validates every name and shape, then copies
 
     # ---------------------------------------------------------------------------------------------------- memory
+    def prepare_for_refit(self) -> None:
+        self.lifecycle.wake_weights()
+
     def prepare_for_generation(self) -> None:
-        """Nothing to do: the engine's weights and KV cache stay resident (CPU, in-process)."""
+        self.lifecycle.wake_all()
 
     def finish_generation(self) -> None:
-        """Nothing to do on CPU (see `prepare_for_generation`)."""
+        self.lifecycle.sleep()
+
+
+def _release_cached_memory() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def _build_model(hf_config: Mapping[str, Any], dtype: torch.dtype) -> Any:

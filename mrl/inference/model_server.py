@@ -132,6 +132,7 @@ def build_model_app(engine: GenerationBackend, tokenizer: Any, *, model_name: st
 
     def generate(prompt_ids: list[int], sampling: SamplingConfig, field: str) -> Any:
         with lock:
+            engine.prepare_for_generation()  # a no-op once awake; a colocated engine asleep is woken to answer
             out = engine.generate([prompt_ids], sampling)
         if out.num_prompts_rejected:
             raise HTTPException(400, f"{field}: the prompt has {len(prompt_ids)} tokens, more than the engine takes")

@@ -1,5 +1,6 @@
 """The one refit loop: weights move from a source to a sink, bucket by bucket, through a transport.
 
+    sink.prepare_for_refit()                            a sleeping engine wakes its weights (lifecycle.py)
     for each bucket i of source.plan_buckets(bucket_bytes):
         payload = source.send_bucket(i, transport)      the sender gathers bucket i and packs it
         sink.load_payload(payload)                      every worker of every engine loads it
@@ -81,6 +82,10 @@ class RefitSink(Protocol):
     expected_names: Optional[frozenset[str]]
     """The HF tensor names a complete refit carries (None: not checked)."""
 
+    def prepare_for_refit(self) -> None:
+        """Before the first bucket: the engine's weights resident (a sleeping engine wakes them)."""
+        ...
+
     def load_payload(self, payload: Payload) -> None:
         """Every worker of the engine loads one bucket; returns once all did."""
         ...
@@ -138,6 +143,7 @@ def refit(source: WeightSource, sink: RefitSink, transport: WeightTransport, *, 
     start = time.perf_counter()
     names: set[str] = set()
     sizes: list[int] = []
+    sink.prepare_for_refit()
     try:
         plan = source.plan_buckets(bucket_bytes)
         if transport.meets:

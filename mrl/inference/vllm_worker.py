@@ -9,6 +9,8 @@
   keeps the global prompt indices, so per-prompt seeds do not depend on how many engines there are.
 - refit (the group is a sink of mrl/inference/refit.py): every bucket is REPLICATED to all engines (each loads
   the full model; vLLM's loaders cut their tensor-parallel shards); all engines finish a bucket before the next.
+- life cycle (mrl/inference/lifecycle.py): the group's state machine is the one the controller checks; each
+  transition runs on every engine at once (REPLICATED), and each engine checks its own state again.
 - An engine actor that dies surfaces as `mrl.distributed.WorkerDiedError` naming the group ("generation"), the
   engine's rank and its node/pid.
 
@@ -27,6 +29,7 @@ import torch
 
 from mrl.inference.buckets import NamedTensor
 from mrl.inference.interface import GeneratedSample, GenerationOutput, SamplingConfig
+from mrl.inference.lifecycle import WEIGHTS, EngineLifecycle
 from mrl.inference.refit import LocalWeights, RefitStats, refit
 from mrl.inference.transports import CollectiveTransport, Payload, make_transport
 from mrl.inference.vllm_backend import VllmBackend, VllmEngineConfig, expected_tensor_names
@@ -39,7 +42,7 @@ class VllmEngineWorker:
     """Lives in one Ray actor: one vLLM engine."""
 
     def __init__(self, config: VllmEngineConfig) -> None:
-        self.backend = VllmBackend(config)
+        self.backend = VllmBackend(config.for_engine(int(os.environ.get("RANK", "0"))))
 
     def generate_shard(self, shard: dict[str, list], sampling: SamplingConfig) -> dict[str, list]:
         """shard: {"prompts": [P_i token ids], "prompt_index": [global index of each]} (contiguous indices).
@@ -67,17 +70,32 @@ class VllmEngineWorker:
     def finish_refit(self, complete: bool = True) -> None:
         self.backend.finish_refit(complete)
 
+    def prepare_for_refit(self) -> None:
+        self.backend.prepare_for_refit()
+
     def prepare_for_generation(self) -> None:
         self.backend.prepare_for_generation()
 
     def finish_generation(self) -> None:
         self.backend.finish_generation()
 
+    def sleep_events(self) -> list[tuple[str, float]]:
+        return self.backend.sleep_events()
+
     def worker_uss_bytes(self) -> list[int]:
         return self.backend.worker_uss_bytes()
 
     def shutdown(self) -> None:
         self.backend.shutdown()
+
+
+def engine_actor_options(config: VllmEngineConfig) -> dict[str, Any]:
+    """What an engine's actor asks of its bundle beyond the group's share (`WorkerGroup` keywords). With vLLM's Ray
+    executor the actor holds no GPU (its workers do) and sees its node's GPUs, as vLLM's platform code expects."""
+    executor = bool(config.ray_executor_bundles)
+    return {"gpu_fraction": 0.0 if executor else None,
+            "env": {**ENGINE_ENV,  # vLLM's INFO logs and torch's C++ notices, known to be harmless
+                    **({"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"} if executor else {})}}
 
 
 class VllmEngineGroup:
@@ -93,19 +111,18 @@ class VllmEngineGroup:
         resource_fraction: float = 1.0,
         omp_num_threads: int = 1,
     ) -> None:
+        """`bundle_indices[e]`: engine e's actor. With `config.ray_executor_bundles` (GPUs, TP > 1) the actor holds
+        no GPU itself: vLLM's Ray workers hold them, on the bundles listed there, and the actor sees every GPU of
+        its node (RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES), as vLLM's platform code expects."""
         self.config = config
         self.expected_names = expected_tensor_names(config)
         self._transport = make_transport(config.refit_transport)
-        self.workers = WorkerGroup(
-            name,
-            VllmEngineWorker,
-            placement,
-            init_args=(config,),
-            bundle_indices=bundle_indices,
-            resource_fraction=resource_fraction,
-            omp_num_threads=omp_num_threads,
-            env=dict(ENGINE_ENV),  # vLLM's INFO logs and torch's C++ notices, known to be harmless
-        )
+        self.lifecycle = EngineLifecycle(f"engine group '{name}'", sleeps=config.sleep_when_idle,
+                                         sleep=lambda: self.workers.run_all("finish_generation"),
+                                         wake=self._wake)
+        self.workers = WorkerGroup(name, VllmEngineWorker, placement, init_args=(config,),
+                                   bundle_indices=bundle_indices, resource_fraction=resource_fraction,
+                                   omp_num_threads=omp_num_threads, **engine_actor_options(config))
 
     @property
     def num_engines(self) -> int:
@@ -114,6 +131,7 @@ class VllmEngineGroup:
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig) -> GenerationOutput:
         """Shard the prompts over the engines. Fewer prompts than engines: the batch is padded with one-token
         prompts whose samples are dropped (every data-parallel rank needs a row)."""
+        self.lifecycle.check_generate()
         count = len(prompts)
         if count == 0:
             return GenerationOutput([], num_prompts=0, n=sampling.n)
@@ -144,11 +162,13 @@ class VllmEngineGroup:
 
     def load_payload(self, payload: Payload) -> None:
         """Every engine loads one refit payload."""
+        self.lifecycle.check_load()
         self.workers.run_all("load_payload", payload)
 
     def load_payload_async(self, payload: Payload) -> GroupFuture:
         """`load_payload` without waiting (collective transport: the engines must be receiving while the sender
         sends)."""
+        self.lifecycle.check_load()
         return self.workers.run_all_async("load_payload", payload)
 
     def join_refit_group_async(self, transport: CollectiveTransport) -> GroupFuture:
@@ -158,15 +178,24 @@ class VllmEngineGroup:
         self.workers.run_all("finish_refit", complete)
 
     # ---------------------------------------------------------------------------------------------------- memory
+    def _wake(self, tags: Sequence[str]) -> None:
+        self.workers.run_all("prepare_for_refit" if tuple(tags) == (WEIGHTS,) else "prepare_for_generation")
+
+    def prepare_for_refit(self) -> None:
+        """Wake the engines' weights (the refit loop, before its first bucket); a no-op unless asleep."""
+        self.lifecycle.wake_weights()
+
     def prepare_for_generation(self) -> None:
-        """Wake the engines (GPU sleep mode). Engines that never sleep have nothing to do: no round trip."""
-        if self.config.sleep_when_idle:
-            self.workers.run_all("prepare_for_generation")
+        """Wake the engines' weights and KV cache; a no-op, without a round trip, for engines that are awake."""
+        self.lifecycle.wake_all()
 
     def finish_generation(self) -> None:
-        """Put the engines to sleep (GPU sleep mode); a no-op, without a round trip, for engines that never sleep."""
-        if self.config.sleep_when_idle:
-            self.workers.run_all("finish_generation")
+        """Put the engines to sleep (colocated); a no-op, without a round trip, for engines that never sleep."""
+        self.lifecycle.sleep()
+
+    def sleep_events(self) -> list[list[tuple[str, float]]]:
+        """Each engine's record of its sleep-mode calls (the CPU stand-in's; [] on GPUs)."""
+        return self.workers.run_all("sleep_events")
 
     def worker_uss_bytes(self) -> list[list[int]]:
         return self.workers.run_all("worker_uss_bytes")

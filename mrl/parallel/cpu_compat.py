@@ -39,7 +39,7 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 from torch.overrides import TorchFunctionMode
 
-from mrl.parallel import cpu_isa
+from mrl.parallel import collectives, cpu_isa
 from mrl.parallel.cpu_speed import linear_gemms_on_onednn, packed_rope_in_one_gather
 
 SUPPORTED_MEGATRON_VERSION = "0.16.1"
@@ -456,7 +456,6 @@ def gloo_uneven_all_gather(patch: Patcher) -> None:
     few more bytes moved. Even gathers keep the original path. (The uneven reduce-scatter next to it works
     on gloo in torch 2.13 and is left alone.)
     """
-    import torch.distributed as dist
     from megatron.core.tensor_parallel import mappings
 
     original_gather = mappings._gather_along_first_dim
@@ -469,7 +468,7 @@ def gloo_uneven_all_gather(patch: Patcher) -> None:
         padded = input_.new_zeros((largest, *rest))  # [max_split, ...]
         padded[: input_.shape[0]] = input_
         gathered = input_.new_empty((largest * group.size(), *rest))  # [world * max_split, ...]
-        dist.all_gather_into_tensor(gathered, padded, group=group)
+        collectives.all_gather_into_tensor(gathered, padded, group=group)
         return torch.cat([gathered[i * largest : i * largest + s] for i, s in enumerate(sizes)], dim=0)
 
     patch.set(mappings, "_gather_along_first_dim", _gather_along_first_dim)

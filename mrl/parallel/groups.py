@@ -1,4 +1,5 @@
-"""Process groups: the only place mrl creates them (the policy's ranks, the Megatron engine, `mrl convert`).
+"""Process groups: the only place mrl creates them (the policy's ranks, the Megatron engine, `mrl convert`, the
+refit broadcast groups). Collectives over them go through mrl/parallel/collectives.py.
 
 Model and loss code receive groups from `megatron.core.parallel_state` (or as arguments), never build their own.
 """
@@ -9,6 +10,7 @@ import datetime
 import os
 import random
 import socket
+import sys
 
 import torch
 import torch.distributed as dist
@@ -76,7 +78,9 @@ def _init_torch_distributed(dims: ParallelDims, backend: str, timeout_s: float) 
                 "(or mrl.testing.distributed.run_on_ranks), or call torch.distributed.init_process_group first"
             )
         if backend == "nccl":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            from mrl.parallel.devices import local_cuda_device
+
+            torch.cuda.set_device(local_cuda_device())  # the device rule: a Ray actor's one GPU is device 0
         timeout = datetime.timedelta(seconds=timeout_s)
         if missing:  # a single process: a private rendezvous on a free local port
             init_method = f"tcp://127.0.0.1:{free_port('127.0.0.1')}"
@@ -121,13 +125,37 @@ def init_process_groups(
 
 
 def destroy_process_groups() -> None:
-    """Destroy Megatron's groups and torch.distributed's default group (safe to call when not initialised)."""
-    from megatron.core import parallel_state
-
-    if parallel_state.model_parallel_is_initialized():
+    """Destroy Megatron's groups and torch.distributed's default group (safe to call when not initialised; a
+    process that never imported Megatron has no Megatron groups, and does not import it here: seconds)."""
+    parallel_state = sys.modules.get("megatron.core.parallel_state")
+    if parallel_state is not None and parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def standalone_group(address: str, port: int, member: int, size: int, backend: str,
+                     timeout_s: float = 600.0) -> dist.ProcessGroup:
+    """A process group of `size` members outside torch.distributed's world (no init_process_group: the policy's
+    and vLLM's worlds are left alone), joined as `member`; member 0 hosts its TCPStore at address:port. One gloo or
+    NCCL backend, registered for the device type it serves (gloo: the CPU; NCCL: CUDA), as torch's own group
+    factories do (torch 2.13 distributed/_dist2.py:64-119), so collectives.group_device applies to it. Its
+    collectives name ranks with `group_src` (members), as it has no global ranks. Blocks until every member
+    connected to the store."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = dist.TCPStore(address, port, size, is_master=member == 0, timeout=timeout)
+    group = dist.ProcessGroup(store, member, size)
+    if backend == "nccl":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        kind, device, backend_group = (dist.ProcessGroup.BackendType.NCCL, torch.device("cuda"),
+                                       dist.ProcessGroupNCCL(store, member, size, options))
+    else:
+        kind, device, backend_group = (dist.ProcessGroup.BackendType.GLOO, torch.device("cpu"),
+                                       dist.ProcessGroupGloo(store, member, size, timeout))
+    group._register_backend(device, kind, backend_group)
+    group._set_default_backend(kind)
+    return group
 
 
 def world_from_launcher() -> int:

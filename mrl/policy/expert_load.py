@@ -15,7 +15,8 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import torch
-import torch.distributed as dist
+
+from mrl.parallel import collectives
 
 
 class ExpertLoad:
@@ -44,12 +45,10 @@ class ExpertLoad:
         if not self.handles:
             return None
         counts = torch.stack([self.counts[i] for i in sorted(self.counts)]) if self.counts else torch.zeros(0, 1)
-        for group in sum_groups:
-            if dist.get_world_size(group) > 1:
-                dist.all_reduce(counts, group=group)
+        for group in sum_groups:  # reduced over groups of one too: once a step (collectives.py)
+            collectives.all_reduce(counts, group=group)
         mean = counts.mean(dim=1).clamp(min=1e-12)
         worst = torch.tensor([float((counts.max(dim=1).values / mean).max()) if len(counts) else 0.0])
-        if dist.get_world_size(pipeline_group) > 1:  # stages hold different layers
-            dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=pipeline_group)
+        collectives.all_reduce(worst, op="max", group=pipeline_group)  # stages hold different layers
         self.reset()
         return {"expert_load_max_over_mean": float(worst)}

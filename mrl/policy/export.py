@@ -27,11 +27,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from converters import ModelDims, experts_per_rank, to_local_expert
 from converters import transforms as T
 from converters.mapping import ParamRule, expected_hf_shapes, layer_index, megatron_to_hf, param_rules
+from mrl.parallel import collectives
 
 
 @dataclass(frozen=True)
@@ -78,23 +78,6 @@ def plan_buckets(dims: ModelDims, names: str, bucket_bytes: int, element_size: i
     return buckets
 
 
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-
-
-def _broadcast(tensor: torch.Tensor | None, src: int, group: Any) -> torch.Tensor:
-    """`tensor` from global rank `src` to every member of `group` (header with rank, shape and dtype first)."""
-    header = torch.zeros(9, dtype=torch.long)
-    if tensor is not None:
-        header[0], header[1] = tensor.dim(), _DTYPES.index(tensor.dtype)
-        header[2:2 + tensor.dim()] = torch.tensor(tensor.shape)
-    dist.broadcast(header, src=src, group=group)
-    if tensor is None:
-        shape = tuple(int(s) for s in header[2:2 + int(header[0])])
-        tensor = torch.empty(shape, dtype=_DTYPES[int(header[1])])
-    dist.broadcast(tensor.contiguous(), src=src, group=group)
-    return tensor
-
-
 class ShardedExporter:
     """Gathers full HF tensors from this rank's shards; construct on every rank (it exchanges stage layouts)."""
 
@@ -114,17 +97,20 @@ class ShardedExporter:
         self.experts_per_rank = experts_per_rank(dims, self.ep_size)
         self.in_root_pipeline = (ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0
                                  and ps.get_context_parallel_rank() == 0)
-        self.is_root = dist.get_rank() == 0
+        self.is_root = collectives.rank() == 0
         self.layer_offset = layer_offset
-        local = torch.tensor([layer_offset, len(model.decoder.layers)], dtype=torch.long)
-        if self.pp_size > 1:
-            gathered = [torch.zeros_like(local) for _ in range(self.pp_size)]
-            dist.all_gather(gathered, local, group=self.pp_group)
-        else:
-            gathered = [local]
+        # every stage's (first layer, layer count); gathered over a pipeline group of one too (collectives.py)
+        gathered = collectives.all_gather(torch.tensor([layer_offset, len(model.decoder.layers)]), self.pp_group)
         self.stages = StageInfo(tuple(int(g[0]) for g in gathered), tuple(int(g[1]) for g in gathered))
         # parameters and persistent buffers (a router's expert bias) of this rank's unwrapped GPTModel
         self.params = {**dict(model.named_buffers()), **dict(model.named_parameters())}
+        self._a_parameter = next(model.parameters())
+
+    @property
+    def device(self) -> torch.device:
+        """Where this rank's parameters are now (memory offload moves them): broadcast receivers put what they
+        receive there too, so every full tensor of a bucket is on one device."""
+        return self._a_parameter.device
 
     def _local_name(self, megatron_name: str) -> str:
         """This rank's name of a parameter: its stage's layer index, its expert-parallel rank's expert index."""
@@ -143,8 +129,7 @@ class ShardedExporter:
         local = self.params[self._local_name(rule.megatron)].detach()
         if rule.tp_dim is None or self.tp_size == 1:
             return local.clone()
-        shards = [torch.empty_like(local) for _ in range(self.tp_size)]
-        dist.all_gather(shards, local.contiguous(), group=self.tp_group)
+        shards = collectives.all_gather(local, self.tp_group)
         return T.tp_unshard(shards, rule.tp_dim, gated=rule.gated)
 
     def _stage_tensor(self, rule: ParamRule) -> torch.Tensor:
@@ -153,7 +138,7 @@ class ShardedExporter:
             return self._tp_gathered(rule)
         owner = rule.expert // self.experts_per_rank
         full = self._tp_gathered(rule) if owner == self.ep_rank else None
-        return _broadcast(full, dist.get_global_rank(self.ep_group, owner), self.ep_group)
+        return collectives.broadcast_tensor(full, owner, self.ep_group, device=self.device)
 
     def _pp_broadcast(self, tensor: torch.Tensor | None, owner: int) -> torch.Tensor | None:
         """Owner stage -> every stage of rank 0's pipeline group. Others return None."""
@@ -161,7 +146,7 @@ class ShardedExporter:
             return tensor
         if not self.in_root_pipeline:
             return None
-        return _broadcast(tensor, dist.get_global_rank(self.pp_group, owner), self.pp_group)
+        return collectives.broadcast_tensor(tensor, owner, self.pp_group, device=self.device)
 
     def _full_tensors(self, rules: list[ParamRule]) -> Iterator[tuple[str, torch.Tensor]]:
         """(Megatron name, full tensor) of each rule; the tensors only on global rank 0 (others: nothing)."""

@@ -11,11 +11,14 @@ Dispatch contract (what is split, what is replicated):
   shared-memory file, or a broadcast to the engines) and returns the payload: the value is REPLICATED work, one
   output. The loop hands it to the engine before asking for the next bucket, so extra memory stays at one bucket.
 - `save`/`load`: every rank writes/reads its shards of one distributed checkpoint folder.
+- `release_memory()` / `reclaim_memory()`: no data; every rank moves its own shards off / back on its device
+  (mrl/policy/memory.py). The release's report: GB moved SUMMED over ranks, CUDA memory reserved the MAX over ranks
+  (the fullest GPU).
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -38,11 +41,13 @@ class Policy:
     """`world_size` PolicyWorker actors on the first bundles of `placement`."""
 
     def __init__(self, spec: PolicySpec, placement: Any, *, world_size: int, resource_fraction: float = 1.0,
-                 omp_num_threads: int = 1, name: str = "policy") -> None:
+                 omp_num_threads: int = 1, name: str = "policy",
+                 wait_before_init: Optional[Callable[[], None]] = None) -> None:
         self.spec = spec
         self.workers = WorkerGroup(name, PolicyWorker, placement, init_args=(spec,),
                                    bundle_indices=list(range(world_size)), resource_fraction=resource_fraction,
-                                   omp_num_threads=omp_num_threads, start_timeout_s=300.0)
+                                   omp_num_threads=omp_num_threads, start_timeout_s=300.0,
+                                   wait_before_init=wait_before_init)
         self.workers.layout_from_workers("data_parallel_layout")
         self._planned: Optional[tuple[int, int]] = None  # (bucket_bytes, buckets) of the plan the workers hold
 
@@ -76,6 +81,20 @@ class Policy:
         count = global_count(batch.loss_mask, loss_fn.level)
         merged = self.workers.shard_and_run("train", batch, loss_fn, count, temperature=temperature)
         return _merge_metrics(merged)
+
+    # ------------------------------------------------------------------------------------ memory hand-over
+    def release_memory(self) -> dict[str, float]:
+        """Before a colocated engine wakes: every rank moves what `policy.offload_when_generating` names to host
+        memory and empties its CUDA cache (on CPU: nothing moves). No caller has to undo it: train, logprobs, the
+        refit export, save and load take back what they need first. Idempotent; with the weights configured to go,
+        call it again after the refit (its export brought them back)."""
+        reports = self.workers.run_all("release_memory")
+        return {k: (max if k.startswith("reserved") else sum)(r[k] for r in reports) for k in reports[0]}
+
+    def reclaim_memory(self) -> None:
+        """Every rank takes back what `release_memory` moved (train does it itself; this is for callers that want
+        the transfer outside a timed phase)."""
+        self.workers.run_all("reclaim_memory")
 
     # --------------------------------------------------------------------------------------- refit source
     def plan_buckets(self, bucket_bytes: int) -> range:

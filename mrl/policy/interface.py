@@ -110,3 +110,17 @@ class TrainablePolicy(Protocol):
         ...
 
     def shutdown(self) -> None: ...
+
+
+class ReleasesMemory(Protocol):
+    """A policy that shares its devices with a rollout engine (colocated): it hands memory over around generation."""
+
+    def release_memory(self) -> dict[str, float]:
+        """Move optimizer states, gradients (and the weights when configured) off the devices and empty the CUDA
+        caches, before the engine wakes; the policy's next call that needs them takes them back itself. Returns the
+        GB moved per part and the CUDA memory reserved before and after."""
+        ...
+
+    def reclaim_memory(self) -> None:
+        """Take back everything `release_memory` moved."""
+        ...

@@ -83,13 +83,12 @@ def split_for_context_parallel(tensor: torch.Tensor, cp_rank: int, cp_size: int,
 
 def merge_from_context_parallel(local: torch.Tensor, cp_group, dim: int = 1) -> torch.Tensor:
     """Inverse of `split_for_context_parallel`: all-gather every rank's two chunks and put them back in order."""
-    import torch.distributed as dist
+    from mrl.parallel import collectives
 
-    cp_size = dist.get_world_size(cp_group)
+    cp_size = collectives.world_size(cp_group)
     if cp_size == 1:
         return local
-    gathered = [torch.empty_like(local) for _ in range(cp_size)]
-    dist.all_gather(gathered, local.contiguous(), group=cp_group)
+    gathered = collectives.all_gather(local, cp_group)
     chunks: list[torch.Tensor | None] = [None] * (2 * cp_size)
     for rank, piece in enumerate(gathered):
         first, second = cp_chunk_order(rank, cp_size)

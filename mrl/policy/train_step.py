@@ -51,6 +51,7 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 
 from mrl.data.packing import MicroBatchPlan, dynamic_batches, local_token_positions, pack_sequences
+from mrl.parallel import collectives
 from mrl.parallel.layout import length_multiple, micro_batching_violations
 from mrl.policy.interface import PolicyLoss, RankBatch
 from mrl.policy.logprobs import (merge_from_context_parallel, next_token_targets, score_values,
@@ -248,10 +249,7 @@ def _merge_rows(rows: torch.Tensor, plan: MicroBatchPlan, index: int, ctx: StepC
         return merge_from_context_parallel(rows, ctx.cp_group)
     if ctx.cp_size == 1:
         return rows
-    import torch.distributed as dist
-
-    gathered = [torch.empty_like(rows) for _ in range(ctx.cp_size)]
-    dist.all_gather(gathered, rows.contiguous(), group=ctx.cp_group)
+    gathered = collectives.all_gather(rows, ctx.cp_group)
     seqs = plan.bins[index]
     out = rows.new_zeros(len(seqs), max(plan.padded_lengths[j] for j in seqs))
     for rank, piece in enumerate(gathered):

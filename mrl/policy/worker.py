@@ -22,18 +22,19 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
-import torch.distributed as dist
 
 from mrl.config.schema import PolicyConfig
+from mrl.parallel import collectives
 from mrl.policy.expert_load import ExpertLoad
 from mrl.policy.interface import PolicyLoss, RankBatch
+from mrl.policy.memory import PARTS, HostOffload
 from mrl.policy.train_step import StepContext, logprobs_of_batch, train_on_batch
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def _device() -> torch.device:
-    """This rank's device: its CUDA device (set from LOCAL_RANK when the process group started), else the CPU."""
+    """This rank's device: its CUDA device (set by the device rule, mrl/parallel/devices.py, when the process group started), else the CPU."""
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
@@ -164,6 +165,9 @@ class PolicyWorker:
             if cfg.offload_reference and torch.cuda.is_available():
                 self.reference.cpu()
         del load_initial_weights  # the HF state it holds
+        # On CUDA the hand-over moves what `policy.offload_when_generating` names; on CPU it only keeps the flag.
+        self.memory = HostOffload(self.model, self.optimizer, cfg.offload_when_generating,
+                                  active=torch.cuda.is_available())
         self.expert_load = ExpertLoad([module])
         self._exporter = None
         self._bucket_plan: list = []
@@ -193,6 +197,7 @@ class PolicyWorker:
         model's score at every token; leaders only."""
         if reference and self.reference is None:
             raise RuntimeError("reference logprobs asked for, but the policy was built without a reference model")
+        self.memory.reclaim(("weights",))  # a logprob pass reads the weights alone
         width = shard.input_ids.shape[1]
         batch = _pad_to_multiple(shard.to(_device()), self.dims.length_multiple)
         model = [self.reference] if reference else self.model
@@ -216,6 +221,7 @@ class PolicyWorker:
         """One optimizer step on this data-parallel rank's shard; `global_count` is the whole step's count of valid
         tokens (or sequences) over all ranks. Returns the step's metrics (summed over data-parallel ranks) on leaders."""
         start = time.perf_counter()
+        self.memory.reclaim()
         batch = _pad_to_multiple(shard.to(_device()), self.dims.length_multiple)
         size = _micro_batch_size(self.spec.policy.train_micro_batch_size, len(batch), batch.group_size)
         for chunk in self.model:
@@ -251,9 +257,24 @@ class PolicyWorker:
         keys = sorted(sums)
         values = torch.tensor([sums[k] for k in keys], dtype=torch.float64, device=_device())  # NCCL: device only
         group = self.ps.get_data_parallel_group(with_context_parallel=True)
-        if dist.get_world_size(group) > 1:
-            dist.all_reduce(values, group=group)
+        if collectives.world_size(group) > 1:
+            collectives.all_reduce(values, group=group)
         return dict(zip(keys, values.tolist()))
+
+    # ------------------------------------------------------------------------------------- memory hand-over
+    def release_memory(self) -> dict[str, float]:
+        """Before a colocated engine wakes: optimizer states, gradient buffers and (when configured) the weights off
+        the device, then gc + empty_cache (mrl/policy/memory.py). Idempotent; every call that needs a part back
+        reclaims it first. Returns the GB moved per part and the CUDA memory reserved before and after."""
+        return self.memory.release()
+
+    def reclaim_memory(self) -> None:
+        """Everything `release_memory` moved back on the device (train, load and a full save do it themselves)."""
+        self.memory.reclaim()
+
+    def memory_released(self) -> bool:
+        """Whether `release_memory` ran and no full reclaim since (also on CPU ranks, where nothing moves)."""
+        return self.memory.released
 
     # ------------------------------------------------------------------------------------------------- export
     def plan_export(self, bucket_bytes: int) -> int:
@@ -272,8 +293,9 @@ class PolicyWorker:
         """Gather bucket `index` of the plan (every rank takes part); rank 0 packs it with `transport` and returns the
         payload (with the tensor names and bytes), the other ranks None. A shared-memory payload is released by the
         controller once the engines loaded it; a collective one was broadcast to the engines while packing."""
+        self.memory.reclaim(("weights",))  # the optimizer states stay on the host while the engine is awake
         tensors = self._exporter.bucket(self._bucket_plan[index])  # type: ignore[union-attr]
-        return transport.pack(tensors) if dist.get_rank() == 0 else None
+        return transport.pack(tensors) if collectives.rank() == 0 else None
 
     def refit_port(self) -> int:
         """A free port on this rank's node (rank 0 hosts the refit group's store)."""
@@ -283,14 +305,15 @@ class PolicyWorker:
 
     def join_refit_group(self, transport: Any) -> None:
         """Rank 0 joins the refit broadcast group as member 0 (the sender); the other ranks take no part."""
-        if dist.get_rank() == 0:
+        if collectives.rank() == 0:
             transport.join(0)
 
     def export_state(self) -> Optional[dict[str, torch.Tensor]]:
         """The whole model as HF-named tensors on rank 0 (None elsewhere): for HF exports of small models."""
         self.plan_export(1 << 62)
+        self.memory.reclaim(("weights",))
         tensors = self._exporter.bucket(self._bucket_plan[0])  # type: ignore[union-attr]
-        return dict(tensors) if dist.get_rank() == 0 else None
+        return dict(tensors) if collectives.rank() == 0 else None
 
     # --------------------------------------------------------------------------------------------- checkpoint
     def save(self, path: str, weights_only: bool = False) -> None:
@@ -298,6 +321,7 @@ class PolicyWorker:
         (`weights_only`: the model and RNG states, a folder to start from rather than to resume)."""
         from mrl.checkpoint.megatron import save_megatron_state
 
+        self.memory.reclaim(("weights",) if weights_only else PARTS)
         training = (None, None) if weights_only else (self.optimizer, self.scheduler)
         save_megatron_state(Path(path), self.model, *training)
 
@@ -305,6 +329,7 @@ class PolicyWorker:
         """Load a checkpoint written under any parallel layout; returns this rank's `MegatronLoadReport`."""
         from mrl.checkpoint.megatron import load_megatron_state
 
+        self.memory.reclaim()  # the load writes into every tensor
         return load_megatron_state(Path(path), self.model, self.optimizer, self.scheduler,
                                    load_optimizer=load_optimizer)
 

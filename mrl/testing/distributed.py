@@ -167,11 +167,12 @@ def _leave() -> None:
     servers Megatron's checkpointing starts): they are stopped here, or each would outlive the test (~300 MB)."""
     import multiprocessing
 
-    import torch.distributed as dist
+    from mrl.parallel import collectives
+    from mrl.parallel.groups import destroy_process_groups
 
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+    if collectives.is_initialized():
+        collectives.barrier()
+        destroy_process_groups()
     for child in multiprocessing.active_children():
         child.terminate()
         child.join(timeout=5)

@@ -16,17 +16,17 @@ through the controller. Peak extra memory: one bucket on each side (buffers reus
 
 from __future__ import annotations
 
-import datetime
 import json
 import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Optional
 
 import torch
-import torch.distributed as dist
 
 from mrl.inference.buckets import flat_layout, flat_views, pack_flat
 from mrl.inference.transports.base import NamedTensor, Payload, describe
+from mrl.parallel import collectives
+from mrl.parallel.groups import standalone_group
 
 if TYPE_CHECKING:
     from mrl.inference.refit import CollectiveRefitSink, CollectiveWeightSource
@@ -90,16 +90,8 @@ def connect(source: "CollectiveWeightSource", sink: "CollectiveRefitSink",
 def join_group(name: str, address: str, port: int, member: int, size: int, timeout_s: float = 600.0, *,
                backend: Backend = "gloo") -> None:
     """Join refit group `name` as `member` of `size` (member 0 hosts the store). Blocks until all joined."""
-    timeout = datetime.timedelta(seconds=timeout_s)
-    store = dist.TCPStore(address, port, size, is_master=member == 0, timeout=timeout)
-    if backend == "nccl":
-        options = dist.ProcessGroupNCCL.Options()
-        options._timeout = timeout
-        _GROUPS[name] = dist.ProcessGroupNCCL(store, member, size, options)
-        _DEVICES[name] = torch.device("cuda", torch.cuda.current_device())
-    else:
-        _GROUPS[name] = dist.ProcessGroupGloo(store, member, size, timeout)
-        _DEVICES[name] = torch.device("cpu")
+    _GROUPS[name] = standalone_group(address, port, member, size, backend, timeout_s)
+    _DEVICES[name] = collectives.group_device(_GROUPS[name])  # NCCL: this member's current CUDA device
 
 
 def leave_group(name: str) -> None:
@@ -112,9 +104,7 @@ def _broadcast(name: str, tensor: torch.Tensor) -> torch.Tensor:
     group = _GROUPS.get(name)
     if group is None:
         raise RuntimeError(f"this process is not in refit group {name!r}: join it first (CollectiveTransport.join)")
-    options = dist.BroadcastOptions()
-    options.rootRank = 0
-    group.broadcast([tensor], options).wait()
+    collectives.broadcast(tensor, 0, group)  # from member 0; the buffers are on the group's device already
     return tensor
 
 

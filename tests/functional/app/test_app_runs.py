@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import time
 from pathlib import Path
@@ -47,6 +48,10 @@ def test_staged_recipe_runs_every_stage_and_hands_checkpoints_on(staged):
     assert (staged / "reward_curve.png").stat().st_size > 1000
     rewards = [grpo[s]["train/reward"] for s in range(1, 5)]
     assert 0 < sum(rewards) / 4 < 1  # a partly right policy: the groups carry signal
+    # colocated: the engine started and went to sleep before the policy built its model (measured in the workers)
+    asleep, built = map(float, re.search(r"colocated start-up: engine up and asleep at \+([\d.]+) s, policy built "
+                                         r"from \+([\d.]+) s", (staged / "console.txt").read_text()).groups())
+    assert asleep <= built
 
 
 def test_eval_writes_every_sample_and_shows_a_few(staged):

@@ -1,5 +1,6 @@
-"""One policy rank in a process of its own: activation recomputation changes nothing but memory, and the learning
-rate follows warm-up + cosine decay exactly as computed by hand."""
+"""One policy rank in a process of its own: activation recomputation changes nothing but memory, neither does the
+memory hand-over around generation (mrl/policy/memory.py), and the learning rate follows warm-up + cosine decay
+exactly as computed by hand."""
 
 from __future__ import annotations
 
@@ -13,13 +14,18 @@ from mrl.testing.tiny_models import build_tiny_hf_model
 
 
 # ---- rank side ----
-def train_steps(model_dir: str, steps: int, recompute: bool, scheduler: dict) -> dict:
+def train_steps(model_dir: str, steps: int, recompute: bool, scheduler: dict, handover: bool = False,
+                precision: str = "float32") -> dict:
+    """`handover`: after every step, release the memory as before an engine wakes, with the CUDA mechanism made
+    active on the host (parked storages are really resized to 0 bytes), and, after odd steps, a logprob pass
+    (takes the weights back alone) and a second release; the next step takes everything back."""
     from mrl.objectives.loss import GRPOLoss
-    from mrl.config.schema import OptimizerConfig, PolicyConfig, SchedulerConfig
+    from mrl.config.schema import OffloadConfig, OptimizerConfig, PolicyConfig, SchedulerConfig
     from mrl.policy.interface import RankBatch
+    from mrl.policy.memory import HostOffload, optimizer_states
     from mrl.policy.worker import PolicySpec, PolicyWorker
 
-    cfg = PolicyConfig(precision="float32", activation_checkpointing=recompute, train_micro_batch_size=4,
+    cfg = PolicyConfig(precision=precision, activation_checkpointing=recompute, train_micro_batch_size=4,
                        optimizer=OptimizerConfig(lr=1e-2, weight_decay=0.0), scheduler=SchedulerConfig(**scheduler))
     worker = PolicyWorker(PolicySpec(model_dir, cfg, seed=0, total_steps=steps))
     g = torch.Generator().manual_seed(1)
@@ -27,9 +33,32 @@ def train_steps(model_dir: str, steps: int, recompute: bool, scheduler: dict) ->
     mask = torch.zeros(8, 12)
     mask[:, 5:] = 1
     batch = RankBatch(ids, mask, {"advantages": torch.randn(8, generator=g)[:, None].expand(8, 12).contiguous()})
-    metrics = [worker.train(batch, GRPOLoss(), float(mask[:, 1:].sum())) for _ in range(steps)]
+    if handover:
+        worker.memory = HostOffload(worker.model, worker.optimizer, OffloadConfig(weights=True), active=True)
+    metrics, parked = [], []
+    for step in range(steps):
+        metrics.append(worker.train(batch, GRPOLoss(), float(mask[:, 1:].sum())))
+        if handover:
+            moved = worker.release_memory()
+            held = [t.untyped_storage().nbytes() for t in [*worker.module.parameters(),
+                                                            *optimizer_states(worker.optimizer)]]
+            parked.append((moved, sum(held), worker.memory_released()))
+            if step % 2:
+                worker.logprobs(batch)
+                worker.release_memory()
+    params = list(worker.module.parameters())
     return {"loss": [m["loss"] for m in metrics], "lr": [m["lr"] for m in metrics],
-            "logprobs": worker.logprobs(batch)}
+            "grad_norm": [m["grad_norm"] for m in metrics], "logprobs": worker.logprobs(batch), "parked": parked,
+            "released": worker.memory_released(), "params": sum(p.numel() for p in params),
+            "bf16_params": sum(p.numel() for p in params if p.dtype == torch.bfloat16),
+            "param_bytes": sum(p.numel() * p.element_size() for p in params)}
+
+
+def handover_and_plain(model_dir: str) -> tuple[dict, dict]:
+    """bf16 steps (fp32 main weights in Megatron's mixed-precision optimizer, as on GPUs) with and without the
+    hand-over, by two workers built one after the other in this process (the second re-creates the groups)."""
+    return tuple(train_steps(model_dir, 3, False, {"style": "constant"}, handover, "bfloat16")
+                 for handover in (True, False))
 
 
 # ---- tests ----
@@ -44,6 +73,21 @@ def test_activation_recomputation_gives_the_same_steps(model_dir):
     recomputed = run_on_ranks(train_steps, 1, args=(model_dir, 3, True, schedule))[0]
     assert recomputed["loss"] == plain["loss"]
     assert torch.equal(recomputed["logprobs"], plain["logprobs"])
+
+
+def test_memory_handover_between_steps_changes_nothing(model_dir):
+    cycled, plain = run_on_ranks(handover_and_plain, 1, args=(model_dir,))[0]
+    n, n_bf16 = cycled["params"], cycled["bf16_params"]
+    for moved, held, released in cycled["parked"]:
+        # Adam's two moments (8 B a parameter), fp32 main weights of the bf16 parameters (4 B; the norms are fp32
+        # and their own main weights), the fp32 gradient buffer (4 B) and the weights go; every parked storage
+        # holds 0 bytes.
+        assert round(moved["optimizer_states_gb"] * 1e9) >= 8 * n + 4 * n_bf16
+        assert round(moved["gradients_gb"] * 1e9) >= 4 * n
+        assert round(moved["weights_gb"] * 1e9) == cycled["param_bytes"] and held == 0 and released
+    assert cycled["released"]  # the logprob pass at the end took the weights alone back
+    assert cycled["loss"] == plain["loss"] and cycled["grad_norm"] == plain["grad_norm"]
+    assert torch.equal(cycled["logprobs"], plain["logprobs"])
 
 
 def test_warmup_then_cosine_learning_rates(model_dir):

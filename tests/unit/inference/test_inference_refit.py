@@ -11,15 +11,21 @@ from mrl.inference.transports import CollectiveTransport, SharedMemoryFileTransp
 
 
 class RecordingSink:
-    """A sink that unpacks every payload as an engine's worker would and records what happened."""
+    """A sink that unpacks every payload as an engine's worker would and records what happened. It starts asleep
+    (a colocated engine after generating) and refuses a payload before its weights were woken."""
 
     def __init__(self, expected_names=None, fail_on: int | None = None) -> None:
         self.expected_names = expected_names
         self.fail_on = fail_on
         self.loaded: list[list[str]] = []
         self.finished: list[bool] = []
+        self.weights_awake = False
+
+    def prepare_for_refit(self) -> None:
+        self.weights_awake = True
 
     def load_payload(self, payload: dict) -> None:
+        assert self.weights_awake, "a bucket arrived before the refit woke the engine's weights"
         if len(self.loaded) == self.fail_on:
             raise RuntimeError("engine worker died")
         self.loaded.append([name for name, _ in unpack_payload(payload)])

@@ -61,6 +61,9 @@ def test_cuda_ipc_is_refused_clearly_without_cuda():
     assert isinstance(transport, CudaIpcTransport) and transport.in_flight == 2 and not transport.meets
     with pytest.raises(ValueError, match="sends device tensors.*shm_file"):
         transport.pack([("w", torch.ones(2))])
+    from mrl.inference.vllm_backend import VllmBackend
+
+    config = VllmEngineConfig(model_path="m", refit_transport="cuda_ipc")  # a driver without CUDA may plan it
     with pytest.raises(ValueError, match="needs CUDA.*shm_file"):
-        VllmEngineConfig(model_path="m", refit_transport="cuda_ipc")
+        VllmBackend(config)  # the engine, where the device is known, refuses it before building anything
     assert pickle.loads(pickle.dumps(transport)) == transport  # settings only: it travels to the sender by pickle

