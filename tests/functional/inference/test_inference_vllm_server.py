@@ -29,13 +29,24 @@ def served(tmp_path_factory):
     gc.collect()
     model = build_tiny_hf_model(tmp_path_factory.mktemp("served"), "qwen2", hidden=128, heads=4, num_kv_heads=2,
                                 intermediate=256, seed=2)
-    engine = VllmBackend(VllmEngineConfig(model_path=str(model), max_model_len=MAX_MODEL_LEN, kv_cache_bytes=64 << 20))
+    # As a colocated engine: it sleeps between generations (on CPU, vLLM's sleep contract alone: CpuSleepMode)
+    engine = VllmBackend(VllmEngineConfig(model_path=str(model), max_model_len=MAX_MODEL_LEN, kv_cache_bytes=64 << 20,
+                                          sleep_when_idle=True))
     tokenizer = PreTrainedTokenizerFast.from_pretrained(model)
     try:
         with serve(build_model_app(engine, tokenizer, default_max_tokens=8)) as running:
             yield running.url, engine, tokenizer
     finally:
         engine.shutdown()
+
+
+def test_a_request_wakes_a_sleeping_engine(served):
+    url, engine, _ = served
+    engine.finish_generation()  # as GRPO leaves it after generating
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    assert httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60).status_code == 200
+    events = [what for what, _ in engine.sleep_events()]
+    assert events[-3:] == ["sleep(level=1)", "wake_up(['kv_cache', 'weights'])", "generate"]
 
 
 def test_chat_completion_returns_the_engines_tokens_and_logprobs(served):
