@@ -314,10 +314,11 @@ def _report_start_order(runtime: Runtime, started: float) -> None:
     """One line with the colocated start-up's order, as measured: when the engine was asleep, when the first worker
     of the groups sharing its devices began to build (never before)."""
     slept = max(t for state, t in runtime.engine.lifecycle.history if state is EngineState.ASLEEP)  # type: ignore
-    built = min(t for part in (runtime.policy, runtime.reward_model) if part is not None
-                for t in part.workers.init_started)  # type: ignore[union-attr]
+    parts = [part.workers for part in (runtime.policy, runtime.reward_model) if part is not None]  # type: ignore
+    built = min(t for workers in parts for t in workers.init_started)
+    done = max(workers.init_finished for workers in parts)
     print(f"[mrl] colocated start-up: engine up and asleep at +{slept - started:.1f} s, policy built from "
-          f"+{built - started:.1f} s", file=sys.stderr)
+          f"+{built - started:.1f} s to +{done - started:.1f} s", file=sys.stderr)
 
 
 class _EngineAsleep:

@@ -39,8 +39,12 @@ class WorkerHost:
         return find_free_port()
 
     def preload(self, worker_cls: type) -> None:
-        """Nothing but receiving the worker class: Ray imports its module (Megatron, vLLM: seconds) on the way in, so
-        a group that must wait before building its workers (`WorkerGroup(wait_before_init=...)`) imports meanwhile."""
+        """Import ahead what building the worker needs, so that a group that must wait before building its workers
+        (`WorkerGroup(wait_before_init=...)`) imports meanwhile: Ray imports the class's module on the way in, and
+        the class's own `preload()` (a static method, if it has one) the rest (Megatron, vLLM: seconds)."""
+        hook = getattr(worker_cls, "preload", None)
+        if callable(hook):
+            hook()
 
     def start(self, worker_cls: type, env: dict[str, str], payload: tuple[tuple, dict[str, Any]]) -> float:
         """Export `env` (rendezvous address) and build the worker: its __init__ may already join process groups.

@@ -263,7 +263,8 @@ class WorkerGroup:
 
     `wait_before_init` (optional) is called after the actors are up and have imported the worker class's module,
     and before any worker is built: colocated groups on GPUs build theirs only once the engine sleeps
-    (mrl/app/runtime.py). `init_started[r]` is the wall time rank r's __init__ began.
+    (mrl/app/runtime.py). `init_started[r]` is the wall time rank r's __init__ began, `init_finished` when the last
+    one returned.
 
     The group does not own the placement (other groups may share it): `shutdown()` kills the actors and removes the
     placement only when `owns_placement=True` was given.
@@ -307,6 +308,7 @@ class WorkerGroup:
         self._actors: list[Any] = []
         self.info: list[WorkerInfo] = []
         self.init_started: list[float] = []
+        self.init_finished = 0.0
         self._wait_before_init = wait_before_init
         try:
             self._start(init_args, init_kwargs or {}, resource_fraction, omp_num_threads, env or {}, start_timeout_s)
@@ -362,6 +364,7 @@ class WorkerGroup:
         refs = [actor.start.remote(cls_ref, rendezvous, payload) for actor in self._actors]
         self.init_started = GroupFuture(self, f"{self.worker_cls.__name__}.__init__", refs,
                                         range(self.world_size)).result()
+        self.init_finished = time.time()
         self.master_addr, self.master_port = rendezvous["MASTER_ADDR"], port
         log.info("worker group '%s': %d ranks up, rendezvous %s:%s", self.name, self.world_size, *rendezvous.values())
 

@@ -95,44 +95,61 @@ def _config(recipe: str, *overrides: str, cpus: float = 0.25):
 
 
 TINY_BATCH = "policy.train_micro_batch_size=1"  # divides every data-parallel size below
-# (recipe, overrides): the layouts whose workers are started; bigger recipes are checked as plans below.
+
+
+def _one_node(cfg):
+    """The recipe's layout on its first node alone (every node is laid out alike): the config copied with
+    cluster.num_nodes = 1, unvalidated, since the policy's parallel sizes are the whole cluster's."""
+    return cfg.model_copy(update={"cluster": cfg.cluster.model_copy(update={"num_nodes": 1})})
+
+
+# (recipe, overrides, big): layouts whose workers are started, on Ray told it has 8 GPUs (one node). `big`: the first
+# node of a recipe of several, its engines alone (the policy's ranks sit as in every layout: rank r on bundle r,
+# half of its GPU; each whole recipe is also checked as a plan, further below).
 STARTED = {
-    "tiny, reward model": ("arith-tiny-cpu.yaml", ("cluster.devices_per_node=2", "env.reward_model.model=rm", TINY_BATCH)),
-    "tiny, engine TP2": ("arith-tiny-cpu.yaml", ("cluster.devices_per_node=4", "generation.vllm.tensor_parallel_size=2", TINY_BATCH)),
-    "tiny, own engine devices": ("arith-tiny-cpu.yaml", ("cluster.devices_per_node=4", "generation.colocated=false", TINY_BATCH,
-                                                        "generation.num_devices=2")),
+    "tiny, reward model": ("arith-tiny-cpu.yaml", ("cluster.devices_per_node=2", "env.reward_model.model=rm",
+                                                   TINY_BATCH), False),
+    "tiny, own engine devices": ("arith-tiny-cpu.yaml", ("cluster.devices_per_node=4", "generation.colocated=false",
+                                                         "generation.num_devices=2", TINY_BATCH), False),
+    "Qwen3-30B-A3B 2n8g, node 0: 4 engines of TP2": ("grpo-qwen3-30b-a3b-2n8g.yaml", (), True),
+    "DeepSeek-V3 32n8g, node 0: 1 engine of TP8": ("grpo-deepseek-v3-32n8g.yaml", (), True),
 }
 
 
 @pytest.mark.parametrize("layout", list(STARTED))
 def test_every_worker_holds_the_gpu_share_its_layout_implies(cluster, layout):
-    recipe, overrides = STARTED[layout]
+    recipe, overrides, big = STARTED[layout]
     cfg = _config(recipe, *overrides)
+    cfg = _one_node(cfg) if big else cfg
     placement = reserve_placement(cfg, cluster)
     groups = []
     try:
         assert placement.on_gpus and all(b.resources["GPU"] == 1.0 for b in placement.bundles)
         reward_model = cfg.env.reward_model is not None
         share = group_share(cfg, engine=True, reward_model=reward_model)
-        policy = WorkerGroup("policy", Probe, placement, bundle_indices=range(cfg.policy_world_size),
-                             resource_fraction=share)
-        groups.append(policy)
+        if not big:
+            policy = WorkerGroup("policy", Probe, placement, bundle_indices=range(cfg.policy_world_size),
+                                 resource_fraction=share)
+            groups.append(policy)
         seats = engine_seats(cfg, placement, colocated_share=share)
         engine_cfg = vllm_engine_config(cfg, "model", seats=seats, placement=placement)
         engines = WorkerGroup("generation", Probe, placement, init_args=(engine_cfg,), bundle_indices=seats.actors,
                               resource_fraction=seats.share, **engine_actor_options(engine_cfg))
         groups.append(engines)
-        _check_ranks(policy.run_all("seen"), placement, range(cfg.policy_world_size), share)
+        gpu_of = {} if big else _check_ranks(policy.run_all("seen"), placement, range(cfg.policy_world_size), share)
         tp = cfg.generation.vllm.tensor_parallel_size
         if tp == 1:
-            _check_ranks(engines.run_all("seen"), placement, seats.actors, seats.share)
+            engine_gpus = _check_ranks(engines.run_all("seen"), placement, seats.actors, seats.share)
         else:
-            _check_tensor_parallel_engines(engines, placement, seats, tp)
+            engine_gpus = _check_tensor_parallel_engines(engines, placement, seats, tp)
+        shared = {b: g for b, g in engine_gpus.items() if b in gpu_of}
+        assert all(gpu_of[b] == g for b, g in shared.items()), "a colocated engine is not on its policy rank's GPU"
+        assert bool(shared) == (cfg.generation.colocated and not big)
         if reward_model:
             scorer = WorkerGroup("reward_model", Probe, placement, bundle_indices=range(cfg.policy_world_size),
                                  resource_fraction=share)
             groups.append(scorer)
-            _check_ranks(scorer.run_all("seen"), placement, range(cfg.policy_world_size), share)
+            assert _check_ranks(scorer.run_all("seen"), placement, range(cfg.policy_world_size), share) == gpu_of
         if not cfg.generation.colocated:  # the engines' bundles are not the policy's
             assert set(seats.actors).isdisjoint(range(cfg.policy_world_size))
     finally:
@@ -141,9 +158,9 @@ def test_every_worker_holds_the_gpu_share_its_layout_implies(cluster, layout):
         cluster.remove_placement(placement)
 
 
-def _check_ranks(seen: list[dict], placement, bundles, share: float) -> None:
+def _check_ranks(seen: list[dict], placement, bundles, share: float) -> dict[int, int]:
     """Rank r holds `share` of the GPU of bundle bundles[r], sees it as its one device, and the device rule gives
-    it device 0 whatever its LOCAL_RANK (up to 7 here)."""
+    it device 0 whatever its LOCAL_RANK (up to 7 here). Returns bundle -> GPU id."""
     for rank, (report, bundle) in enumerate(zip(seen, bundles)):
         assert len(report["gpu_ids"]) == 1, f"rank {rank} holds {report['gpu_ids']}: no GPU worker may hold none"
         assert report["visible"] == str(report["gpu_ids"][0]) and report["device"] == 0
@@ -151,11 +168,12 @@ def _check_ranks(seen: list[dict], placement, bundles, share: float) -> None:
     gpus = [report["gpu_ids"][0] for report in seen]
     assert len(set(gpus)) == len(gpus), f"two ranks of one group share a GPU: {gpus}"
     assert 0 < share <= 1
+    return dict(zip(bundles, gpus))
 
 
-def _check_tensor_parallel_engines(engines, placement, seats, tp: int) -> None:
+def _check_tensor_parallel_engines(engines, placement, seats, tp: int) -> dict[int, int]:
     """Each engine's actor holds no GPU and sees every GPU (vLLM's platform code looks at them); its tp workers
-    hold one GPU share each, tp different GPUs on bundles of one node."""
+    hold one GPU share each, tp different GPUs on bundles of one node. Returns bundle -> GPU id of the workers."""
     outer = engines.run_all("seen")
     workers = engines.run_all("start_engine_workers")
     used = []
@@ -166,6 +184,7 @@ def _check_tensor_parallel_engines(engines, placement, seats, tp: int) -> None:
         assert len({placement.bundles[b].group.id for b in bundles}) == 1  # one node's bundles
         used += [w["gpu_ids"][0] for w in team]
     assert len(set(used)) == len(used), f"two engines' workers on one GPU: {used}"
+    return dict(zip((b for bundles in seats.workers for b in bundles), used))
 
 
 def test_device_rule_gives_a_ray_actor_its_one_gpu_and_torchrun_its_local_rank():
