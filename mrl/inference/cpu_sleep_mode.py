@@ -14,12 +14,13 @@ CPU tests run every call in the order a DGX run needs. The contract, from vLLM 0
   never scheduled: the call hangs). This stand-in raises `SleepContractError` for both instead.
 
 Level 1 only (what mrl uses: `VllmBackend`); level 2 (weights discarded) is refused rather than pretended.
-`events` records (what, wall time) for tests and logs.
+`events` records the last 64 (what, wall time) for tests and logs.
 """
 
 from __future__ import annotations
 
 import time
+from collections import deque
 from typing import Any, Optional, Sequence
 
 TAGS = ("weights", "kv_cache")
@@ -39,7 +40,7 @@ class CpuSleepMode:
     def __init__(self, llm: Any) -> None:
         self._llm = llm
         self.released: set[str] = set()
-        self.events: list[tuple[str, float]] = []
+        self.events: deque[tuple[str, float]] = deque(maxlen=64)  # the last calls (a run makes several a step)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._llm, name)

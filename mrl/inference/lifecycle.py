@@ -14,13 +14,15 @@ had it landed, the wake-up would restore the old weights), and a sleeping engine
 `EngineStateError` naming the state, never a hang or corrupt weights.
 
 An engine that never sleeps (not colocated, or a platform without sleep mode) stays FULLY AWAKE: `sleep()` keeps it
-so and every call is allowed. `history` keeps each transition (state, wall time) for logs and tests.
+so and every call is allowed. `history` keeps the last 16 transitions (state, wall time) for logs and tests
+(bounded: a long run makes three a step).
 """
 
 from __future__ import annotations
 
 import enum
 import time
+from collections import deque
 from typing import Callable, Sequence
 
 
@@ -51,7 +53,7 @@ class EngineLifecycle:
         self.sleeps = sleeps
         self._sleep, self._wake = sleep, wake
         self.state = EngineState.FULLY_AWAKE
-        self.history: list[tuple[EngineState, float]] = [(self.state, time.time())]
+        self.history: deque[tuple[EngineState, float]] = deque([(self.state, time.time())], maxlen=16)
 
     def _enter(self, state: EngineState) -> None:
         self.state = state

@@ -46,7 +46,9 @@ def _seen() -> dict:
     ids = [int(i) for i in ray.get_gpu_ids()]
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     count = len(visible.split(",")) if visible else 0  # what torch.cuda.device_count() would say on a GPU node
-    return {"gpu_ids": ids, "visible": visible, "device": local_cuda_device(count) if count else None,
+    # the share Ray accounts to it (Ray keeps resource amounts to 1e-4: a third is 0.3333)
+    held = ray.get_runtime_context().get_assigned_resources().get("GPU", 0.0)
+    return {"gpu_ids": ids, "held": held, "visible": visible, "device": local_cuda_device(count) if count else None,
             "node": ray.get_runtime_context().get_node_id(),
             "noset": os.environ.get("RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES")}
 
@@ -163,11 +165,11 @@ def _check_ranks(seen: list[dict], placement, bundles, share: float) -> dict[int
     it device 0 whatever its LOCAL_RANK (up to 7 here). Returns bundle -> GPU id."""
     for rank, (report, bundle) in enumerate(zip(seen, bundles)):
         assert len(report["gpu_ids"]) == 1, f"rank {rank} holds {report['gpu_ids']}: no GPU worker may hold none"
+        assert report["held"] == pytest.approx(share, abs=1e-4), f"rank {rank} holds {report['held']} of a GPU, not {share}"
         assert report["visible"] == str(report["gpu_ids"][0]) and report["device"] == 0
         assert report["node"] == placement.bundles[bundle].node_id
     gpus = [report["gpu_ids"][0] for report in seen]
     assert len(set(gpus)) == len(gpus), f"two ranks of one group share a GPU: {gpus}"
-    assert 0 < share <= 1
     return dict(zip(bundles, gpus))
 
 
@@ -178,9 +180,10 @@ def _check_tensor_parallel_engines(engines, placement, seats, tp: int) -> dict[i
     workers = engines.run_all("start_engine_workers")
     used = []
     for engine, (report, team, bundles) in enumerate(zip(outer, workers, seats.workers)):
-        assert report["gpu_ids"] == [] and report["noset"] == "1", f"engine {engine}'s actor: {report}"
+        assert report["gpu_ids"] == [] and report["held"] == 0 and report["noset"] == "1", f"engine {engine}: {report}"
         assert len(team) == tp and len({w["gpu_ids"][0] for w in team}) == tp, team
-        assert all(len(w["gpu_ids"]) == 1 and w["noset"] == "1" for w in team)
+        assert all(len(w["gpu_ids"]) == 1 and w["held"] == pytest.approx(seats.share, abs=1e-4) and w["noset"] == "1"
+                   for w in team), team
         assert len({placement.bundles[b].group.id for b in bundles}) == 1  # one node's bundles
         used += [w["gpu_ids"][0] for w in team]
     assert len(set(used)) == len(used), f"two engines' workers on one GPU: {used}"
