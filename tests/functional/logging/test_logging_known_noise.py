@@ -20,7 +20,10 @@ IMPORTS = ("import torch.distributed, megatron.core.optimizer, megatron.core.mod
            "import os, torch, torch.distributed as dist\n"  # Megatron's MoE dispatch gathers by the deprecated name
            "from mrl.parallel.groups import free_port\n"
            "dist.init_process_group('gloo', init_method=f'tcp://127.0.0.1:{free_port()}', rank=0, world_size=1)\n"
-           "dist.all_gather_into_tensor(torch.empty(2), torch.ones(2))\n")
+           "dist.all_gather_into_tensor(torch.empty(2), torch.ones(2))\n"
+           # A gloo group still alive at interpreter exit races its threads against C++ static destructors: the
+           # process once aborted there ("terminate called without an active exception", exit -6).
+           "dist.destroy_process_group()\n")
 KNOWN = ("Transformer Engine and Apex are not installed", "Apex is not installed. Falling back to Torch Norm",
          "`torch.distributed.reduce_op` is deprecated", "Triton not available",
          "`torch.distributed.all_gather_into_tensor` is deprecated")
