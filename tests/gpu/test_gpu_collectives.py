@@ -87,7 +87,7 @@ def test_nccl_refuses_host_tensors_and_collectives_carry_them(world_of_one):
     assert seen["layout"].tolist() == [0, 2] and seen["layout"].device.type == "cpu"
 
 
-def test_export_and_expert_load_run_over_nccl(world_of_one, moe_dir):
+def test_export_and_expert_load_run_over_nccl(world_of_one, moe_dir, figure):
     seen = export_and_expert_load(moe_dir)
     assert seen["device"].startswith("cuda")
     assert sorted(seen["exported"]) == sorted(seen["hf"])
@@ -96,6 +96,6 @@ def test_export_and_expert_load_run_over_nccl(world_of_one, moe_dir):
     assert not differing, f"exported tensors differ from the HF weights: {differing}"
     assert seen["metrics"]["expert_load_max_over_mean"] >= 1.0  # reduced over the step's groups, on the GPU
     assert any(not torch.equal(seen["after_step"][n].cpu(), t) for n, t in seen["hf"].items())  # the step moved it
-    print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}: expert load max/mean "
-          f"{seen['metrics']['expert_load_max_over_mean']:.3f}; {len(seen['exported'])} tensors exported bit-exact")
+    figure("collectives.expert_load_max_over_mean", seen["metrics"]["expert_load_max_over_mean"], "ratio",
+           tensors_exported_bit_exact=len(seen["exported"]))
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from converters import mapping as C
+import converters as C
 from converters.hf_io import load_hf_config, load_hf_state
 from mrl.testing.tiny_models import build_tiny_hf_model
 

@@ -68,7 +68,7 @@ def test_buckets_arrive_bit_exact_through_two_alternating_slots(receiver):
     assert seen[0][1] == seen[2][1] and seen[1][1] == seen[3][1] and seen[0][1] != seen[1][1]  # handles reused
 
 
-def test_refit_throughput_of_a_1gb_model(receiver):
+def test_refit_throughput_of_a_1gb_model(receiver, figure):
     from mrl.inference.transports import CudaIpcTransport
 
     payloads, answers = receiver
@@ -82,6 +82,6 @@ def test_refit_throughput_of_a_1gb_model(receiver):
         payloads.put(transport.pack(bucket))
         answers.get(timeout=300)
     seconds = time.perf_counter() - start
-    print(f"cuda_ipc refit: {total / 2**30:.2f} GiB in {seconds:.3f} s = {total / 2**30 / seconds:.1f} GiB/s "
-          f"(buckets of {BUCKET_MB} MiB, pack + map + copy into the receiver's tensors)")
+    figure("cuda_ipc.refit_gib_s", total / 2**30 / seconds, "GiB/s", gib=total / 2**30, seconds=seconds,
+           bucket_mib=BUCKET_MB, what="pack + map + copy into the receiver's tensors")
     assert seconds > 0

@@ -86,7 +86,7 @@ def model_dir(tmp_path_factory):
 @pytest.mark.parametrize("distributed_optimizer,weights", [(False, False), (True, False), (False, True)],
                          ids=["adam", "distributed-adam", "adam-and-weights"])
 def test_release_gives_back_states_and_gradients_and_changes_no_step(model_dir, monkeypatch, distributed_optimizer,
-                                                                     weights):
+                                                                     weights, figure):
     monkeypatch.setenv("WORLD_SIZE", "1")  # one rank in this process: a private rendezvous (mrl.parallel.groups)
     kw = dict(distributed_optimizer=distributed_optimizer, weights=weights)
     cycled = _run(model_dir, handover=True, **kw)
@@ -96,9 +96,11 @@ def test_release_gives_back_states_and_gradients_and_changes_no_step(model_dir, 
     # local spec, are their own main weights), fp32 gradients (4 B), and the weights when they go too.
     states = 8 * n + 4 * cycled["bf16_params"]
     expected = states + 4 * n + (cycled["param_bytes"] if weights else 0)
-    print(f"{n / 1e6:.1f}M parameters: torch.cuda.memory_reserved dropped {cycled['dropped'] / 1e9:.3f} GB "
-          f"(at least {expected / 1e9:.3f} GB expected), {cycled['cached'] / 1e6:.1f} MB left cached, "
-          f"{cycled['grown_back'] / 1e9:.3f} GB taken back; report {report}; torch {torch.__version__}")
+    tag = f"memory_handover.{'distributed-adam' if distributed_optimizer else 'adam'}{'+weights' if weights else ''}"
+    figure(f"{tag}.reserved_dropped_gb", cycled["dropped"] / 1e9, "GB", expected_at_least_gb=expected / 1e9,
+           parameters=n, report=report)
+    figure(f"{tag}.left_cached_mb", cycled["cached"] / 1e6, "MB")
+    figure(f"{tag}.taken_back_gb", cycled["grown_back"] / 1e9, "GB")
     assert cycled["released"] and not cycled["flag_after_reclaim"]
     assert round(report["optimizer_states_gb"] * 1e9) >= states and round(report["gradients_gb"] * 1e9) >= 4 * n
     assert round(report["weights_gb"] * 1e9) == (cycled["param_bytes"] if weights else 0)

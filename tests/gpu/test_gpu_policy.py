@@ -14,12 +14,15 @@ from mrl.testing.tiny_models import build_tiny_hf_model
 TOLERANCE = {"float32": 1e-4, "bfloat16": 0.15}
 
 
-def _batch(vocab: int):
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(2, vocab, (8, 24), generator=g)
+def _mask() -> torch.Tensor:
     mask = torch.zeros(8, 24)
     mask[:, 6:20] = 1
-    return ids, mask
+    return mask
+
+
+def _batch(vocab: int):
+    g = torch.Generator().manual_seed(0)
+    return torch.randint(2, vocab, (8, 24), generator=g), _mask()
 
 
 def policy_side(model_dir: str, precision: str) -> dict:
@@ -82,17 +85,18 @@ def model_dir(tmp_path_factory):
 
 
 @pytest.mark.parametrize("precision", ["float32", "bfloat16"])
-def test_policy_on_cuda_equals_hf_before_and_after_a_step(model_dir, precision):
+def test_policy_on_cuda_equals_hf_before_and_after_a_step(model_dir, precision, figure):
     mrl = run_on_ranks(policy_side, 1, args=(model_dir, precision), timeout_s=600)[0]
     hf = hf_side(model_dir, precision)
-    mask = _batch(2)[1]  # HF's logprobs come masked; mrl's come for every token
+    mask = _mask()  # HF's logprobs come masked; mrl's come for every token
     mrl["before"], mrl["after"] = mrl["before"] * mask, mrl["after"] * mask
     assert mrl["device"].startswith("cuda") and mrl["dtype"] == f"torch.{precision}"
     tol = TOLERANCE[precision]
     before = (mrl["before"] - hf["before"]).abs().max().item()
     after = (mrl["after"] - hf["after"]).abs().max().item()
     moved = (hf["after"] - hf["before"]).abs().max().item()
-    print(f"{precision}: max |logprob mrl - hf| before {before:.2e}, after one step {after:.2e}; the step moved "
-          f"them by up to {moved:.2e}; loss mrl {mrl['loss']:.5f} hf {hf['loss']:.5f}")
+    figure(f"policy.{precision}.max_logprob_diff_before_step", before, "nats", tolerance=tol)
+    figure(f"policy.{precision}.max_logprob_diff_after_step", after, "nats", step_moved_by=moved,
+           loss_mrl=mrl["loss"], loss_hf=hf["loss"])
     assert before <= tol and after <= tol and moved > tol
     assert mrl["loss"] == pytest.approx(hf["loss"], abs=tol)
