@@ -19,14 +19,24 @@ MLP, experts (routed expert e of E, global index; expert parallelism keeps a con
     mlp.gate.weight [E, h] -> mlp.router.weight; mlp.gate.e_score_correction_bias [E] -> mlp.router.expert_bias
     mlp.experts.{e}.{gate,up,down}_proj.weight -> mlp.experts.local_experts.{e}.linear_fc1 / linear_fc2
     mlp.shared_experts.{gate,up,down}_proj.weight -> mlp.shared_experts.linear_fc1 / linear_fc2
-Norms: input_layernorm -> input_layernorm, post_attention_layernorm -> pre_mlp_layernorm (local spec); the
-Transformer Engine spec fuses them into linear_qkv / linear_fc1 (`*.layer_norm_weight`) where those exist.
+Norms: input_layernorm -> input_layernorm, post_attention_layernorm -> pre_mlp_layernorm (local spec).
+
+Transformer Engine names (`names="te"`): the TE layer spec fuses some norms into the linear that follows them
+(TELayerNormColumnParallelLinear, whose norm is its `layer_norm_weight`); `TE_RENAMES` lists each such name with the
+lines of megatron-core 0.16.1's models/gpt/gpt_layer_specs.py it comes from (the same four renames as megatron-core's
+own TE -> local load hook, post_training/modelopt/gpt/state_dict_hooks.py L39-52). Every other parameter is named
+alike in both specs: MLA's input_layernorm (a separate TENorm, L248: not fused into the down projections), qk-norm
+(TENorm q/k_layernorm, L282-287), the MLA down projections (TELinear, L254/L256), linear_q_proj without a q LoRA
+(L253), linear_proj (L259/L281), a MoE layer's pre_mlp_layernorm (TENorm, L265/L291), the router, the routed experts
+(a SequentialMLP of TE linears with moe_grouped_gemm=False, as mrl builds them: TESpecProvider.grouped_mlp_modules,
+extensions/transformer_engine_spec_provider.py L89-91), the shared experts (TE column / row parallel linears,
+models/gpt/moe_module_specs.py L42-60), the embedding, the final norm and the output layer.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal, Optional
 
 from converters.family import ConversionError
@@ -36,6 +46,37 @@ Kind = Literal["copy", "qkv", "gate_up", "vocab", "score"]
 SpecNames = Literal["local", "te"]
 
 _EXPERT_RE = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.")
+Where = Literal["gqa", "mla", "dense"]
+
+
+@dataclass(frozen=True)
+class TERename:
+    """A layer parameter the Transformer Engine spec names differently from the local spec (names relative to the
+    layer). where: the layers it applies to (gqa / mla: by attention, dense: a layer with a dense MLP); source: the
+    megatron-core 0.16.1 models/gpt/gpt_layer_specs.py lines (get_gpt_layer_with_transformer_engine_spec unless
+    named) that make it so."""
+
+    local: str
+    te: str
+    where: Where
+    source: str
+
+
+TE_RENAMES: tuple[TERename, ...] = (
+    TERename("input_layernorm.weight", "self_attention.linear_qkv.layer_norm_weight", "gqa",
+             "L274-289: no input_layernorm (the IdentityOp default); L279 linear_qkv = "
+             "backend.column_parallel_layer_norm_linear() (TELayerNormColumnParallelLinear)"),
+    TERename("self_attention.q_layernorm.weight", "self_attention.linear_q_up_proj.layer_norm_weight", "mla",
+             "L260 q_layernorm=IdentityOp; L235-239 linear_q_up_proj = column_parallel_layer_norm_linear() when "
+             "qk_layernorm (mrl sets it for MLA); with no q LoRA there is neither (MLASelfAttention builds "
+             "linear_q_proj, L253)"),
+    TERename("self_attention.kv_layernorm.weight", "self_attention.linear_kv_up_proj.layer_norm_weight", "mla",
+             "L261 kv_layernorm=IdentityOp; L240-244 linear_kv_up_proj = column_parallel_layer_norm_linear() when "
+             "qk_layernorm"),
+    TERename("pre_mlp_layernorm.weight", "mlp.linear_fc1.layer_norm_weight", "dense",
+             "L265/L291 pre_mlp_layernorm=IdentityOp without experts (TENorm with them); L492-497 a dense MLP's "
+             "linear_fc1 = column_parallel_layer_norm_linear() (TESpecProvider.fuse_layernorm_and_linear)"),
+)
 
 
 @dataclass(frozen=True)
@@ -63,12 +104,11 @@ class ParamRule:
         return int(match.group(1)) if match else None
 
 
-def _gqa_rules(dims: ModelDims, m: str, h: str, names: SpecNames) -> list[ParamRule]:
+def _gqa_rules(dims: ModelDims, m: str, h: str) -> list[ParamRule]:
     attn = m + "self_attention."
     qkv_hf = tuple(f"{h}self_attn.{p}_proj.weight" for p in "qkv")
-    input_norm = attn + "linear_qkv.layer_norm_weight" if names == "te" else m + "input_layernorm.weight"
     rules = [
-        ParamRule(input_norm, (h + "input_layernorm.weight",), "copy", None),
+        ParamRule(m + "input_layernorm.weight", (h + "input_layernorm.weight",), "copy", None),
         ParamRule(attn + "linear_qkv.weight", qkv_hf, "qkv", 0),
         ParamRule(attn + "linear_proj.weight", (h + "self_attn.o_proj.weight",), "copy", 1),
     ]
@@ -81,10 +121,7 @@ def _gqa_rules(dims: ModelDims, m: str, h: str, names: SpecNames) -> list[ParamR
     return rules
 
 
-def _mla_rules(dims: ModelDims, m: str, h: str, names: SpecNames) -> list[ParamRule]:
-    if names == "te":
-        raise ConversionError("multi-latent attention is mapped for Megatron's local layer spec only; the Transformer "
-                              "Engine spec's MLA names are not mapped yet")
+def _mla_rules(dims: ModelDims, m: str, h: str) -> list[ParamRule]:
     attn, hf = m + "self_attention.", h + "self_attn."
     rules = [ParamRule(m + "input_layernorm.weight", (h + "input_layernorm.weight",), "copy", None)]
     if dims.mla.q_lora_rank is None:  # type: ignore[union-attr]
@@ -107,11 +144,9 @@ def _swiglu_rules(m: str, h: str) -> list[ParamRule]:
             ParamRule(m + "linear_fc2.weight", (h + "down_proj.weight",), "copy", 1)]
 
 
-def _mlp_rules(dims: ModelDims, i: int, m: str, h: str, names: SpecNames) -> list[ParamRule]:
-    moe = dims.moe is not None and dims.moe.layers[i]
-    fused_norm = names == "te" and not moe  # TE fuses the norm into a dense linear_fc1 only
-    mlp_norm = m + ("mlp.linear_fc1.layer_norm_weight" if fused_norm else "pre_mlp_layernorm.weight")
-    rules = [ParamRule(mlp_norm, (h + "post_attention_layernorm.weight",), "copy", None)]
+def _mlp_rules(dims: ModelDims, i: int, m: str, h: str) -> list[ParamRule]:
+    moe = _is_moe_layer(dims, i)
+    rules = [ParamRule(m + "pre_mlp_layernorm.weight", (h + "post_attention_layernorm.weight",), "copy", None)]
     if not moe:
         return rules + _swiglu_rules(m + "mlp.", h + "mlp.")
     rules.append(ParamRule(m + "mlp.router.weight", (h + "mlp.gate.weight",), "copy", None))
@@ -124,11 +159,30 @@ def _mlp_rules(dims: ModelDims, i: int, m: str, h: str, names: SpecNames) -> lis
     return rules
 
 
+def _is_moe_layer(dims: ModelDims, i: int) -> bool:
+    return dims.moe is not None and dims.moe.layers[i]
+
+
+def te_renames(dims: ModelDims, i: int) -> dict[str, str]:
+    """Local -> Transformer Engine name of the parameters of decoder layer `i` the two specs name differently
+    (relative to the layer); every other parameter keeps its name."""
+    where = {"mla" if dims.mla else "gqa"} | (set() if _is_moe_layer(dims, i) else {"dense"})
+    renames = {r.local: r.te for r in TE_RENAMES if r.where in where}
+    if dims.mla is not None and dims.mla.q_lora_rank is None:
+        renames.pop("self_attention.q_layernorm.weight")  # no q LoRA: no q norm in either spec
+    return renames
+
+
 def layer_rules(dims: ModelDims, i: int, names: SpecNames) -> list[ParamRule]:
-    """The rules of decoder layer `i`, attention first."""
+    """The rules of decoder layer `i`, attention first, with the parameter names of spec `names`."""
+    if names not in ("local", "te"):
+        raise ConversionError(f"unknown Megatron layer spec names {names!r}: 'local' or 'te'")
     m, h = f"decoder.layers.{i}.", f"model.layers.{i}."
-    attention = _mla_rules(dims, m, h, names) if dims.mla else _gqa_rules(dims, m, h, names)
-    return attention + _mlp_rules(dims, i, m, h, names)
+    rules = (_mla_rules(dims, m, h) if dims.mla else _gqa_rules(dims, m, h)) + _mlp_rules(dims, i, m, h)
+    if names == "local":
+        return rules
+    renames = {m + local: m + te for local, te in te_renames(dims, i).items()}
+    return [replace(r, megatron=renames.get(r.megatron, r.megatron)) for r in rules]
 
 
 def _gqa_shapes(dims: ModelDims) -> dict[str, tuple[int, ...]]:

@@ -175,11 +175,9 @@ def hf_to_megatron(
 
 
 def _rule_index(dims: ModelDims) -> dict[str, ParamRule]:
-    """Megatron name -> rule for both naming conventions (local and TE spec), so either kind of state converts
-    (multi-latent attention: the local spec's names only)."""
+    """Megatron name -> rule for both naming conventions (local and TE spec), so either kind of state converts."""
     index = {r.megatron: r for r in param_rules(dims, "local")}
-    if dims.mla is None:
-        index.update({r.megatron: r for r in param_rules(dims, "te")})
+    index.update({r.megatron: r for r in param_rules(dims, "te")})
     return index
 
 

@@ -300,6 +300,8 @@ class VllmBackend:
         leaked: set[str] = set()
         if self.config.tensor_parallel_size > 1 and not torch.cuda.is_available():
             leaked = {path for paths in self.llm.collective_rpc("mrl_shm_segments") for path in paths}
+        if self.config.refit_transport == "cuda_ipc":  # the policy's refit buffers, freed once no worker maps them
+            self.llm.collective_rpc("mrl_drop_ipc_mappings")
         self.llm.llm_engine.engine_core.shutdown()
         remove_cpu_shm_segments(sorted(leaked))
 

@@ -15,6 +15,8 @@ test_inference_vllm_extension.py; the tied and TP2 cases also end to end in test
 `PartialReloadWarningFilter` (log noise of bucketed reloads), `refresh_tied_modules` (a tied output projection
 keeps its stale CPU-packed weight after a reload), `repack_cpu_experts` (reloaded MoE experts are not re-packed
 for the CPU kernel), `remove_cpu_shm_segments` (leaked TP /dev/shm segments).
+
+Each bucket ends with `fence`: the worker answers only once its copies ran on the GPU (the sender reuses the buffer).
 """
 
 from __future__ import annotations
@@ -131,24 +133,55 @@ def process_uss_bytes() -> int:
     return int(psutil.Process().memory_full_info().uss)
 
 
+def fence(stream: Any = None) -> None:
+    """Wait until the copies this worker queued on its stream have run (CPU: nothing is queued, nothing to wait for).
+
+    A worker that answers while its copies of a bucket are still queued lets the sender repack that bucket's buffer
+    (CUDA IPC: the slot comes round again two buckets later, mrl.inference.refit._pipelined) under the copies: silent,
+    random weight corruption. slime's colocated refit warns of the same race; vLLM's own IPC receiver and verl
+    synchronise before they answer. `stream`: the stream to wait for (default: this device's current one).
+    """
+    if stream is None:
+        import torch
+
+        if not torch.cuda.is_available():
+            return
+        stream = torch.cuda.current_stream()
+    stream.synchronize()
+
+
+def load_bucket(worker: Any, payload: dict[str, Any], *, stream: Any = None) -> int:
+    """One refit bucket into a vLLM worker: unpack, reload, re-process what the CPU kernels need, then `fence`, so
+    the answer leaves only once the bytes were read. Returns the number of tensors loaded."""
+    from mrl.inference.transports import unpack_payload
+
+    install_partial_reload_filter()
+    tensors = unpack_payload(payload)
+    worker.reload_weights(weights_iterator=iter(tensors), is_checkpoint_format=True)
+    names = [name for name, _ in tensors]
+    refresh_tied_modules(worker.model_runner.get_model(), names)
+    repack_cpu_experts(worker.model_runner.get_model(), names)
+    del tensors  # the views into the sender's buffer: no reference outlives the call
+    fence(stream)
+    return len(names)
+
+
 class MrlWorkerExtension:
     """Methods vLLM mixes into its Worker class (`self` is the vLLM worker)."""
 
     def mrl_load_bucket(self, payload: dict[str, Any]) -> int:
-        """Reload the layers in one refit bucket; returns the number of tensors loaded.
+        """Reload the layers in one refit bucket (`load_bucket`); returns the number of tensors loaded.
 
         Modules absent from the bucket keep their weights; the caller must call `reset_prefix_cache` after the last
         bucket (cached KV blocks were computed with the old weights).
         """
-        from mrl.inference.transports import unpack_payload
+        return load_bucket(self, payload)
 
-        install_partial_reload_filter()
-        tensors = unpack_payload(payload)
-        self.reload_weights(weights_iterator=iter(tensors), is_checkpoint_format=True)  # type: ignore[attr-defined]
-        names = [name for name, _ in tensors]
-        refresh_tied_modules(self.model_runner.get_model(), names)  # type: ignore[attr-defined]
-        repack_cpu_experts(self.model_runner.get_model(), names)  # type: ignore[attr-defined]
-        return len(tensors)
+    def mrl_drop_ipc_mappings(self) -> int:
+        """Before the engine shuts down: give every CUDA IPC mapping back to its sender (cuda_ipc.drop_mappings)."""
+        from mrl.inference.transports import cuda_ipc
+
+        return cuda_ipc.drop_mappings()
 
     def mrl_shm_segments(self) -> list[str]:
         """Paths of this engine's CPU tensor-parallel shared-memory segments (see `remove_cpu_shm_segments`)."""

@@ -389,7 +389,7 @@ def load_hf_weights(
     dims = model_dims(hf_config)
     own = {k for k in model.state_dict() if not k.endswith("_extra_state")}
     if names is None:
-        names = "te" if any(k.endswith("linear_qkv.layer_norm_weight") for k in own) else "local"
+        names = "te" if any(k.endswith("layer_norm_weight") for k in own) else "local"  # TE fuses norms (MLA too)
     full = hf_to_megatron(
         hf_state, dims, parallel_state.get_tensor_model_parallel_rank(),
         parallel_state.get_tensor_model_parallel_world_size(),

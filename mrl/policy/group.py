@@ -9,7 +9,8 @@ Dispatch contract (what is split, what is replicated):
 - refit source (`plan_buckets`, `send_bucket[_async]`, for the loop of mrl/inference/refit.py): every rank joins
   the gathers of a bucket (TP all-gathers, PP broadcasts); rank 0 alone packs it with the given transport (a
   shared-memory file, or a broadcast to the engines) and returns the payload: the value is REPLICATED work, one
-  output. The loop hands it to the engine before asking for the next bucket, so extra memory stays at one bucket.
+  output. CUDA IPC: rank 0's packed bucket is broadcast to every rank, each shares its own GPU's copy, and the parts
+  are MERGED into one payload with a handle per GPU (mrl/inference/transports/cuda_ipc.py). The loop hands it to the engine before asking for the next bucket, so extra memory stays at one bucket.
 - `save`/`load`: every rank writes/reads its shards of one distributed checkpoint folder.
 - `release_memory()` / `reclaim_memory()`: no data; every rank moves its own shards off / back on its device
   (mrl/policy/memory.py). The release's report: GB moved SUMMED over ranks, CUDA memory reserved the MAX over ranks
@@ -108,8 +109,10 @@ class Policy:
         return self.send_bucket_async(index, transport).result()
 
     def send_bucket_async(self, index: int, transport: Any) -> GroupFuture:
-        """Every rank gathers bucket `index`; rank 0 packs it with `transport`; the result is rank 0's payload."""
-        return self.workers.run_all_async("export_bucket", index, transport).then(_rank0)
+        """Every rank gathers bucket `index`; rank 0 packs it with `transport`; the result is rank 0's payload (a
+        transport that packs on every rank, CUDA IPC: the ranks' parts merged, one handle per GPU)."""
+        merge = transport.merge if getattr(transport, "every_rank", False) else _rank0
+        return self.workers.run_all_async("export_bucket", index, transport).then(merge)
 
     def refit_address(self) -> tuple[str, int]:
         """Rank 0's node and a free port there: the rendezvous of a refit broadcast group."""

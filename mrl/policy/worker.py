@@ -299,10 +299,13 @@ class PolicyWorker:
 
     def export_bucket(self, index: int, transport: Any) -> Optional[dict]:
         """Gather bucket `index` of the plan (every rank takes part); rank 0 packs it with `transport` and returns the
-        payload (with the tensor names and bytes), the other ranks None. A shared-memory payload is released by the
+        payload (with the tensor names and bytes), the other ranks None; a transport that packs on `every_rank`
+        (CUDA IPC) gets every rank's part, which the controller merges (`transport.merge`). A shared-memory payload is released by the
         controller once the engines loaded it; a collective one was broadcast to the engines while packing."""
         self.memory.reclaim(("weights",))  # the optimizer states stay on the host while the engine is awake
         tensors = self._exporter.bucket(self._bucket_plan[index])  # type: ignore[union-attr]
+        if getattr(transport, "every_rank", False):  # CUDA IPC: each rank exports for the engine worker on its GPU
+            return transport.pack_on_ranks(tensors if collectives.rank() == 0 else None)
         return transport.pack(tensors) if collectives.rank() == 0 else None
 
     def refit_port(self) -> int:

@@ -10,8 +10,10 @@ import torch
 from mrl.testing.distributed import run_on_ranks
 from mrl.testing.tiny_models import build_tiny_hf_model
 
-#: max |logprob difference| allowed: fp32 kernels differ in summation order only; bf16 rounds every activation.
-TOLERANCE = {"float32": 1e-4, "bfloat16": 0.15}
+#: max |logprob difference| allowed: fp32 kernels differ in summation order only. bf16 rounds every activation:
+#: mrl's error against HF in fp32 may be BF16_RATIO times HF bf16's own, plus BF16_FLOOR nats.
+TOLERANCE = {"float32": 1e-4}
+BF16_RATIO, BF16_FLOOR = 2.0, 0.02
 
 
 def _mask() -> torch.Tensor:
@@ -86,17 +88,23 @@ def model_dir(tmp_path_factory):
 
 @pytest.mark.parametrize("precision", ["float32", "bfloat16"])
 def test_policy_on_cuda_equals_hf_before_and_after_a_step(model_dir, precision, figure):
+    """fp32: mrl equals HF to summation order. bf16: both round differently (HF's norms and attention against
+    Megatron's local spec), so each is compared with HF in fp32: mrl's bf16 error may be at most twice HF's own."""
     mrl = run_on_ranks(policy_side, 1, args=(model_dir, precision), timeout_s=600)[0]
     hf = hf_side(model_dir, precision)
+    ref = hf if precision == "float32" else hf_side(model_dir, "float32")
     mask = _mask()  # HF's logprobs come masked; mrl's come for every token
     mrl["before"], mrl["after"] = mrl["before"] * mask, mrl["after"] * mask
     assert mrl["device"].startswith("cuda") and mrl["dtype"] == f"torch.{precision}"
-    tol = TOLERANCE[precision]
-    before = (mrl["before"] - hf["before"]).abs().max().item()
-    after = (mrl["after"] - hf["after"]).abs().max().item()
     moved = (hf["after"] - hf["before"]).abs().max().item()
-    figure(f"policy.{precision}.max_logprob_diff_before_step", before, "nats", tolerance=tol)
-    figure(f"policy.{precision}.max_logprob_diff_after_step", after, "nats", step_moved_by=moved,
-           loss_mrl=mrl["loss"], loss_hf=hf["loss"])
-    assert before <= tol and after <= tol and moved > tol
-    assert mrl["loss"] == pytest.approx(hf["loss"], abs=tol)
+    for when in ("before", "after"):
+        error = (mrl[when] - ref[when]).abs().max().item()
+        allowed = TOLERANCE["float32"] if precision == "float32" else BF16_RATIO * (
+            hf[when] - ref[when]).abs().max().item() + BF16_FLOOR
+        figure(f"policy.{precision}.max_logprob_error_{when}_step", error, "nats", allowed=allowed,
+               reference="HF transformers in fp32", hf_same_precision_error=(hf[when] - ref[when]).abs().max().item())
+        assert error <= allowed, f"{precision} {when} the step: mrl is {error:.3g} nats off HF fp32, allowed {allowed:.3g}"
+    assert moved > 0.1  # the step moved the logprobs far more than the tolerances
+    loss_allowed = TOLERANCE["float32"] if precision == "float32" else BF16_RATIO * abs(hf["loss"] - ref["loss"]) + 1e-2
+    figure(f"policy.{precision}.loss_error", abs(mrl["loss"] - ref["loss"]), "nats", allowed=loss_allowed)
+    assert abs(mrl["loss"] - ref["loss"]) <= loss_allowed
