@@ -1,4 +1,4 @@
-"""HF-named full tensors from the sharded Megatron policy, in bounded whole-layer buckets (rank side).
+"""HF-named full tensors from the sharded Megatron policy, in bounded buckets (rank side).
 
 Used by the weight refit into the rollout engines and by the HF export of a training step. Every rank of the policy
 runs the same sequence of collectives; only global rank 0 ends up with the tensors.
@@ -7,17 +7,63 @@ Data flow for one Megatron parameter (rule from converters.mapping, the one sour
     owning pipeline stage, every TP rank:  all-gather its shard over the TP group -> full tensor
                                            (column/vocab parallel: dim 0; row parallel: dim 1; fc1: per gate/up half)
                                            (a routed expert: only on the expert-parallel rank that holds it -- the
-                                           ranks of a TP group share their EP rank -- then broadcast over the EP group
-                                           to every EP rank, EP rank 0 being the one in rank 0's pipeline group)
+                                           ranks of a TP group share their EP rank -- then broadcast over the EP group,
+                                           EP rank 0 being the one in rank 0's pipeline group; the other EP ranks drop
+                                           it at once)
     pipeline broadcast (only the ranks with tp = cp = dp = 0, which form rank 0's pipeline group):
                                            owner stage -> every stage, shape and dtype first, then the data
     global rank 0:                         converters' rename/split (QKV per query group, fc1 -> gate/up, vocab
-                                           padding stripped) -> (hf_name, tensor)
+                                           padding stripped) -> (hf_name, tensor); the Megatron tensor is dropped
+                                           before the next parameter is gathered
+Parameters are gathered one at a time, and only those of the bucket asked for (experts too: a bucket holding half of
+a layer's experts gathers that half), so no rank ever holds more than one bucket of full tensors plus the one
+parameter in flight.
 
 Buckets are planned before any tensor moves, from the config alone (shapes are known), so every rank agrees on
-where a bucket ends without talking: a bucket is a run of whole units (embedding, one decoder layer, the final
-norm, the output layer) whose HF tensors add up to at most `bucket_bytes` (a unit larger than that goes alone).
-Peak extra memory on rank 0 is one bucket of full tensors.
+where a bucket ends without talking. A bucket is a run of whole units (embedding, one decoder layer, the final norm,
+the output layer) whose HF tensors add up to at most `bucket_bytes`. A unit larger than that:
+    split_units=False (default): goes alone, a bucket of one unit, whatever its size (a DeepSeek-V3 MoE layer:
+        ~22.5 GB in bf16), so the bound only holds for models whose layers fit in it;
+    split_units=True: is cut at tensor granularity into buckets of at most `bucket_bytes`: each Megatron parameter
+        whole where it fits (q/k/v, gate/up and a weight stay together), a parameter larger than the bound cut
+        between its HF tensors (gathered once per bucket that carries part of it, each bucket keeping its part),
+        and a single HF tensor larger than the bound alone in its bucket (the one case a bucket exceeds it: e.g.
+        DeepSeek-V3's embedding, 1.85 GB in bf16).
+
+What a split bucket requires of the receiver (vLLM 0.32, vllm/model_executor/model_loader/reload/):
+    `Worker.reload_weights(weights_iterator, is_checkpoint_format=True)` (gpu_model_runner.py:5287 ->
+    reload/inplace.py:92-96) runs initialize_layerwise_reload + model.load_weights + finalize_layerwise_reload in
+    EACH call. The unit of completeness is a vLLM module with parameters (qkv_proj fusing q/k/v, gate_up_proj,
+    `mlp.experts`: a FusedMoE holding w13/w2 of ALL the layer's local experts): its loaders buffer what arrives
+    (layerwise.py:185) and process the module once its elements are all in (layerwise.py:217-219,
+    `load_numel >= load_numel_total`). The call's finalize (layerwise.py:226-284) keeps the old weights of a module
+    that got nothing (`_place_kernel_tensors`, L256-267), but processes a module that got part of its elements as
+    "Delayed processing" (L273-275): materialised fresh (meta.py:145-153, torch.empty_strided at meta.py:53), only
+    the arrived part loaded, the whole copied over the live weights -- the rest is garbage. So with one
+    reload_weights call per bucket a bucket must not split a vLLM module: a split unit (split_units=True) is only
+    safe if the receiver keeps ONE layerwise session open over the buckets, as vLLM's own chunked weight transfer
+    does (vllm/distributed/weight_transfer/nccl_engine.py:159-173 and ipc_engine.py:160-174:
+    initialize_layerwise_reload in start_weight_update, model.load_weights per chunk (nccl_engine.py:227,
+    ipc_engine.py:245), finalize_layerwise_reload in finish_weight_update; the per-module count
+    `LayerReloadingInfo.load_numel`, reload/types.py, carries over between load_weights calls). In such a session
+    the tensors of a module that is not complete yet stay referenced by vLLM (`info.loaded_weights`,
+    layerwise.py:185: the checkpoint tensor as passed, before the TP narrow) until its last tensor arrives: the
+    receiver must not reuse or free a buffer whose views it passed for a module still incomplete (copy them, or
+    keep the buffer), and it holds up to one module's checkpoint tensors (all routed experts of a layer, on every
+    vLLM worker) until the module is processed.
+
+Memory bound (measured on the tiny Qwen3-MoE at EP2, fp32, bound 160,000 bytes < one MoE layer of 264,832:
+tests/functional/policy/test_policy_export_memory.py, the CPU allocator's peak per bucket): on every rank the
+exporter holds at most one bucket of HF tensors (its planned bytes: <= `bucket_bytes`, unless it is a single larger
+HF tensor) plus the working copies of the one parameter in flight -- its full Megatron tensor while it is converted
+(q/k/v and gate/up are copied out of it), under TP its gathered shards while they are concatenated (the gated fc1:
+its gate and up halves concatenated separately first), and for a parameter cut between buckets the HF parts that
+other buckets carry. Slack: <= 2 x the largest Megatron parameter of the bucket (1 x for one kept whole, outside a
+gated TP concatenation). Measured: rank 0 peaks at 158,424 bytes with split buckets, 264,976 with whole-layer ones;
+rank 1 (EP rank 1, which sends its experts and keeps nothing) at 49,152, one parameter. The other EP ranks receive
+every routed expert of the bucket (a broadcast over the EP group, the one collective mrl.parallel.collectives has
+for it) and drop it at once. `ShardedExporter.peak_bytes` counts the same on rank 0 (not the TP shard list). The
+transport's slots (the packed payload, two when double-buffered) come on top, on rank 0.
 """
 
 from __future__ import annotations
@@ -51,35 +97,95 @@ class StageInfo:
         raise ValueError(f"no pipeline stage holds layer {index} ({megatron_name})")
 
 
+@dataclass(frozen=True)
+class Piece:
+    """One Megatron parameter of a bucket and the HF tensors of it the bucket carries: all of them, unless the
+    parameter is larger than the bound and cut between its HF tensors (then every bucket with a part gathers it)."""
+
+    rule: ParamRule
+    hf: tuple[str, ...]
+
+
+#: The plan of one bucket: its pieces in model order.
+Bucket = list[Piece]
+
+
 def _unit(rule: ParamRule) -> str:
     index = layer_index(rule.megatron)
     return f"layer{index}" if index is not None else rule.megatron.split(".")[0]
 
 
-def plan_buckets(dims: ModelDims, names: str, bucket_bytes: int, element_size: int) -> list[list[ParamRule]]:
-    """The Megatron parameters of each refit bucket, in model order (identical on every rank)."""
-    hf_shapes = expected_hf_shapes(dims)
+def _units(dims: ModelDims, names: str) -> list[list[ParamRule]]:
     units: list[list[ParamRule]] = []
     for rule in param_rules(dims, names):  # type: ignore[arg-type]
         if units and _unit(units[-1][-1]) == _unit(rule):
             units[-1].append(rule)
         else:
             units.append([rule])
-    buckets: list[list[ParamRule]] = []
+    return units
+
+
+def plan_buckets(dims: ModelDims, names: str, bucket_bytes: int, element_size: int, *,
+                 split_units: bool = False) -> list[Bucket]:
+    """The pieces of each refit bucket, in model order (identical on every rank): whole units packed up to
+    `bucket_bytes` of HF tensors; a larger unit alone (`split_units=False`) or cut at tensor granularity into
+    buckets of at most `bucket_bytes` (`split_units=True`; the receiver must then keep one layerwise reload
+    session over the buckets: module docstring). Only a single HF tensor larger than the bound makes a bucket exceed
+    it, alone in that bucket."""
+    if bucket_bytes < 1:
+        raise ValueError(f"bucket_bytes={bucket_bytes}: must be >= 1")
+    hf_bytes = {name: torch.Size(shape).numel() * element_size for name, shape in expected_hf_shapes(dims).items()}
+    buckets: list[Bucket] = []
     size = 0
-    for unit in units:
-        unit_bytes = sum(torch.Size(hf_shapes[h]).numel() * element_size for r in unit for h in r.hf)
-        if buckets and size + unit_bytes <= bucket_bytes:
-            buckets[-1].extend(unit)
-            size += unit_bytes
+
+    def add(piece: Piece, piece_bytes: int) -> None:
+        """`piece` into the last bucket if it is empty or the piece fits (merged with the previous piece of the same
+        parameter), else into a new bucket."""
+        nonlocal size
+        if buckets and (not buckets[-1] or size + piece_bytes <= bucket_bytes):
+            last = buckets[-1][-1] if buckets[-1] else None
+            if last is not None and last.rule == piece.rule:  # the next HF tensors of a parameter cut in two
+                buckets[-1][-1] = Piece(piece.rule, last.hf + piece.hf)
+            else:
+                buckets[-1].append(piece)
+            size += piece_bytes
         else:
-            buckets.append(list(unit))
-            size = unit_bytes
+            buckets.append([piece])
+            size = piece_bytes
+
+    for unit in _units(dims, names):
+        unit_bytes = sum(hf_bytes[h] for rule in unit for h in rule.hf)
+        if unit_bytes <= bucket_bytes or not split_units:  # whole: with the previous units if it fits, else alone
+            if not (buckets and size + unit_bytes <= bucket_bytes):
+                buckets.append([])
+                size = 0
+            buckets[-1].extend(Piece(rule, rule.hf) for rule in unit)
+            size += unit_bytes
+            continue
+        buckets.append([])  # a unit larger than the bound, cut at tensor granularity from a bucket of its own
+        size = 0
+        for rule in unit:
+            rule_bytes = sum(hf_bytes[h] for h in rule.hf)
+            if rule_bytes <= bucket_bytes:  # a parameter's HF tensors together where they fit
+                add(Piece(rule, rule.hf), rule_bytes)
+            else:
+                for h in rule.hf:  # a single HF tensor larger than the bound ends up alone
+                    add(Piece(rule, (h,)), hf_bytes[h])
     return buckets
 
 
+def bucket_names(bucket: Bucket) -> list[str]:
+    """The HF tensor names a planned bucket carries, in order."""
+    return [h for piece in bucket for h in piece.hf]
+
+
 class ShardedExporter:
-    """Gathers full HF tensors from this rank's shards; construct on every rank (it exchanges stage layouts)."""
+    """Gathers full HF tensors from this rank's shards; construct on every rank (it exchanges stage layouts).
+
+    `peak_bytes`: the most bytes of full tensors it held at once on this rank since construction (or the last
+    `reset_peak`): the bucket's HF tensors so far plus the parameter in flight (its full Megatron tensor and its HF
+    parts while it is converted); the TP all-gather's shard list, concatenated right away, is not counted (it is
+    measured with the CPU allocator in tests/functional/policy/test_policy_export_memory.py)."""
 
     def __init__(self, model: Any, dims: ModelDims, *, layer_offset: int, names: str):
         from megatron.core import parallel_state as ps
@@ -105,6 +211,13 @@ class ShardedExporter:
         # parameters and persistent buffers (a router's expert bias) of this rank's unwrapped GPTModel
         self.params = {**dict(model.named_buffers()), **dict(model.named_parameters())}
         self._a_parameter = next(model.parameters())
+        self.peak_bytes = 0
+
+    def reset_peak(self) -> None:
+        self.peak_bytes = 0
+
+    def _held(self, nbytes: int) -> None:
+        self.peak_bytes = max(self.peak_bytes, nbytes)
 
     @property
     def device(self) -> torch.device:
@@ -148,18 +261,35 @@ class ShardedExporter:
             return None
         return collectives.broadcast_tensor(tensor, owner, self.pp_group, device=self.device)
 
-    def _full_tensors(self, rules: list[ParamRule]) -> Iterator[tuple[str, torch.Tensor]]:
-        """(Megatron name, full tensor) of each rule; the tensors only on global rank 0 (others: nothing)."""
-        for rule in rules:
-            owner = self.stages.owner(rule.megatron)
-            full = self._stage_tensor(rule) if owner == self.pp_rank else None
-            full = self._pp_broadcast(full, owner)
-            if self.is_root and full is not None:
-                yield rule.megatron, full
+    def _full_tensor(self, rule: ParamRule) -> torch.Tensor | None:
+        """The full Megatron tensor of `rule` on global rank 0 (None elsewhere; every rank runs the collectives)."""
+        owner = self.stages.owner(rule.megatron)
+        full = self._stage_tensor(rule) if owner == self.pp_rank else None
+        full = self._pp_broadcast(full, owner)
+        return full if self.is_root else None
 
-    def bucket(self, rules: list[ParamRule]) -> list[tuple[str, torch.Tensor]]:
+    def _hf_tensors(self, pieces: list[Piece]) -> Iterator[tuple[str, torch.Tensor]]:
+        """(hf_name, tensor) of each piece, one parameter gathered at a time; nothing off rank 0."""
+        held = 0  # bytes of the HF tensors of earlier pieces (the caller keeps them)
+        for piece in pieces:
+            full = self._full_tensor(piece.rule)
+            if full is None:  # off rank 0: the received tensor is dropped before the next one is gathered
+                continue
+            base, in_flight, kept, tensor = full.untyped_storage().data_ptr(), _nbytes(full), 0, None
+            for hf_name, tensor in megatron_to_hf([(piece.rule.megatron, full)], self.dims, require_complete=False):
+                if tensor.untyped_storage().data_ptr() != base:  # a converted copy (q/k/v, gate/up, vocab cut)
+                    in_flight += _nbytes(tensor)
+                self._held(held + in_flight)
+                if hf_name in piece.hf:
+                    kept += _nbytes(tensor)
+                    yield hf_name, tensor
+            held += kept
+            del full, tensor  # neither kept past its piece (a part another bucket carries is dropped here)
+
+    def bucket(self, pieces: list[Piece]) -> list[tuple[str, torch.Tensor]]:
         """HF-named tensors of one planned bucket on rank 0 (empty list elsewhere); collective on every rank."""
-        full = list(self._full_tensors(rules))  # every rank runs every collective, whatever it keeps
-        if not self.is_root:
-            return []
-        return list(megatron_to_hf(full, self.dims, require_complete=False))
+        return list(self._hf_tensors(pieces))
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()

@@ -99,3 +99,26 @@ def test_a_flat_bucket_holds_every_tensor_aligned_and_its_views_are_bit_exact():
         assert torch.equal(got.view(torch.uint8) if got.dtype == torch.bfloat16 else got,
                            want.contiguous().view(torch.uint8) if want.dtype == torch.bfloat16 else want)
         assert got.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()  # views, not copies
+
+
+def test_split_layers_cuts_inside_a_layer_within_the_bound():
+    tensors = _model(num_layers=2) + [("model.layers.2.mlp.experts.weight", torch.zeros(8, 4))]  # 128 bytes
+    for bound in (1, 64, 100, 3 * 64, 1000):
+        buckets = list(iter_buckets(iter(tensors), bucket_bytes=bound, split_layers=True))
+        assert [n for b in buckets for n, _ in b] == [n for n, _ in tensors]
+        assert all(sum(t.numel() * 4 for _, t in b) <= bound or len(b) == 1 for b in buckets)
+        if bound < 7 * 64:
+            assert len({index for index, b in enumerate(buckets) for n, _ in b if ".layers.0." in n}) > 1
+    assert [len(b) for b in iter_buckets(tensors, bucket_bytes=3 * 64, split_layers=True)] == [3, 3, 3, 3, 3, 2, 1]
+
+
+def test_split_layers_consumes_a_stream_one_tensor_past_the_bucket():
+    pulled = []
+
+    def source():
+        for name, tensor in _model(num_layers=3):
+            pulled.append(name)
+            yield name, tensor
+
+    first = next(iter_buckets(source(), bucket_bytes=2 * 64, split_layers=True))
+    assert len(first) == 2 and len(pulled) == 3
