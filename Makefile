@@ -15,7 +15,7 @@ export RAY_USAGE_STATS_ENABLED := 0
 export TOKENIZERS_PARALLELISM := false
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: install demo test test-unit test-functional real test-real test-slurm test-learning test-gpu gpu-wheelhouse lint lock bench clean
+.PHONY: install demo test test-unit test-functional real test-real test-slurm test-learning test-gpu gpu-wheelhouse lint lock bench clean lock-gpu check-gpu-lock
 
 install: $(STAMP)
 
@@ -102,3 +102,14 @@ lock:
 
 clean:
 	rm -rf $(VENV) results .pytest_cache
+
+# The GPU image's lock (requirements/gpu.lock, installed by the Dockerfile): pip's resolver for CPython 3.12 on
+# manylinux x86_64, from pyproject.toml ([project.dependencies] and the gpu extra) and requirements/gpu.in, in report
+# mode (it reads the wheels' metadata and downloads none; needs PyPI and a python3.12, pyenv's will do).
+# lock-gpu re-makes it; check-gpu-lock resolves the lock's pins again and fails unless they resolve, to exactly the
+# lock (about 50 s; it skips in one line where PyPI cannot be reached).
+lock-gpu:
+	bash requirements/lock_gpu.sh lock
+
+check-gpu-lock:
+	bash requirements/lock_gpu.sh check
