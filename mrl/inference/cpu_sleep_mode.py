@@ -35,7 +35,7 @@ class CpuSleepMode:
     the engine's API passes through."""
 
     #: collective_rpc methods that write the weights (mrl/inference/vllm_extension.py).
-    WEIGHT_WRITES = frozenset({"mrl_load_bucket"})
+    WEIGHT_WRITES = frozenset({"mrl_begin_refit", "mrl_load_bucket", "mrl_finish_refit"})
 
     def __init__(self, llm: Any) -> None:
         self._llm = llm

@@ -8,8 +8,9 @@ has no sleep mode; there the engine keeps its memory and `CpuSleepMode` holds it
 
 Refit: the engine is a sink of the one refit loop (mrl/inference/refit.py; buckets.py says why buckets hold whole
 layers). Each payload goes to every worker of the engine:
-    payload --LLM.collective_rpc("mrl_load_bucket")--> every worker: reload_weights(bucket)   (vllm_extension.py)
-    ... last bucket --> finish_refit: reset_prefix_cache (cached KV came from the old weights).
+    prepare_for_refit --collective_rpc("mrl_begin_refit")--> every worker opens one reload session (vllm_extension.py)
+    payload --LLM.collective_rpc("mrl_load_bucket")--> every worker: the bucket's tensors into the session
+    ... last bucket --> finish_refit: mrl_finish_refit (the session closed), reset_prefix_cache (old KV).
 A collective payload's data arrives by broadcast in this process (the group member), not in vLLM's workers: it is
 received here and handed on by reference when vLLM's worker runs in this process (tensor parallel size 1, no
 multiprocessing), else with the engine's own transport (a shared-memory file, CUDA IPC).
@@ -274,13 +275,28 @@ class VllmBackend:
             self._hand_on.release(local)
 
     def finish_refit(self, complete: bool = True) -> None:
-        """Cached KV blocks were computed with the old weights: drop them (after a failed refit too)."""
-        self.llm.reset_prefix_cache()
+        """Close the workers' reload session (vllm_extension.finish_refit), then drop cached KV blocks: they were
+        computed with the old weights (after a failed refit too)."""
+        try:
+            self.llm.collective_rpc("mrl_finish_refit")
+        finally:
+            self.llm.reset_prefix_cache()
 
     # ---------------------------------------------------------------------------------------------------- memory
     def prepare_for_refit(self) -> None:
-        """Wake a sleeping engine's weights (level 1 restores their host copy; the refit then overwrites it)."""
+        """Wake a sleeping engine's weights (level 1 restores their host copy; the refit then overwrites it), then
+        open the workers' reload session for the refit's buckets."""
+        self.wake_weights()
+        self.begin_refit()
+
+    def wake_weights(self) -> None:
+        """A sleeping engine's weights resident, its KV cache still released (a no-op for one that is awake)."""
         self.lifecycle.wake_weights()
+
+    def begin_refit(self) -> None:
+        """Every worker opens one reload session for the refit's buckets (vllm_extension.begin_refit)."""
+        self.lifecycle.check_load()
+        self.llm.collective_rpc("mrl_begin_refit")
 
     def prepare_for_generation(self) -> None:
         """Weights and KV cache resident (a no-op for an engine that is awake)."""

