@@ -11,10 +11,12 @@
 loads it: asynchronous GRPO lets the policy train from then on.
 Double-buffered transports (`in_flight` >= 2: shared-memory files, CUDA IPC buffers) with a sink that loads without
 waiting overlap the two halves: bucket i + 1 is gathered while the sink loads bucket i (`_pipelined`).
-With a meeting transport (collective broadcast), the sink starts receiving `transport.receiver_payload()` and the
-source sends bucket i at the same time, and both are awaited together.
+With a meeting transport (collective broadcast), the sink starts receiving `transport.receiver_payload(sender)` and
+the source sends bucket i at the same time, and both are awaited together; `sender` is the bucket's sender when the
+transport has several (one per pipeline stage: `source.bucket_sender(i)`), else 0.
 
-Sources: the sharded policy (mrl.policy.group.Policy: rank 0 gathers each bucket from the TP/PP shards) or
+Sources: the sharded policy (mrl.policy.group.Policy: rank 0 gathers each bucket from the TP/PP shards, or with a
+collective transport of one sender per pipeline stage each stage's first rank its own buckets) or
 `LocalWeights` (a stream or state dict in this process: `update_weights` of every engine). Sinks: the vLLM engine
 group (Ray actors), one vLLM engine, the Megatron engine. Peak extra memory is one bucket (one layer if a layer
 exceeds the bucket) on each side (two on the sender's when double-buffered), unless the sink needs a whole state at
@@ -106,6 +108,9 @@ class CollectiveWeightSource(WeightSource, Protocol):
 
     def send_bucket_async(self, index: int, transport: WeightTransport) -> Pending: ...
 
+    # Optional, for several senders (pipeline stages; collective.connect checks for it):
+    # refit_addresses() -> list[(address, port)], one per sender; bucket_sender(index) -> the sender of a bucket.
+
 
 class CollectiveRefitSink(RefitSink, Protocol):
     """A sink whose receivers can join a broadcast group (collective transport)."""
@@ -192,9 +197,12 @@ def _met(source: WeightSource, sink: RefitSink, transport: WeightTransport, plan
         raise TypeError(f"a {transport.kind} transport needs a CollectiveWeightSource and a CollectiveRefitSink, "
                         f"got {type(source).__name__} and {type(sink).__name__}")
     indices = list(plan)  # a collective source plans from its config alone (`Policy.plan_buckets`: a range)
+    several = getattr(transport, "senders", 1) > 1 and hasattr(source, "bucket_sender")
     for position, index in enumerate(indices):
         sent = source.send_bucket_async(index, transport)  # type: ignore[attr-defined]
-        received = sink.load_payload_async(transport.receiver_payload())  # type: ignore[attr-defined]
+        sender = source.bucket_sender(index) if several else 0  # type: ignore[attr-defined]
+        receiving = transport.receiver_payload(sender) if sender else transport.receiver_payload()
+        received = sink.load_payload_async(receiving)  # type: ignore[attr-defined]
         if position < len(indices) - 1 or on_sent is None:
             yield wait_all([sent, received])[0]
             continue

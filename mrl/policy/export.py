@@ -1,7 +1,10 @@
 """HF-named full tensors from the sharded Megatron policy, in bounded buckets (rank side).
 
 Used by the weight refit into the rollout engines and by the HF export of a training step. Every rank of the policy
-runs the same sequence of collectives; only global rank 0 ends up with the tensors.
+runs the same sequence of collectives; only global rank 0 ends up with the tensors (the default), or, with
+`bucket(..., local=True)`, the first rank of the bucket's owning pipeline stage (tp = cp = dp = 0 of that stage):
+the collective refit transport with one sender per stage, where each stage sends its own layers and nothing crosses
+the pipeline group.
 
 Data flow for one Megatron parameter (rule from converters.mapping, the one source of names and layouts):
     owning pipeline stage, every TP rank:  all-gather its shard over the TP group -> full tensor
@@ -10,9 +13,11 @@ Data flow for one Megatron parameter (rule from converters.mapping, the one sour
                                            ranks of a TP group share their EP rank -- then broadcast over the EP group,
                                            EP rank 0 being the one in rank 0's pipeline group; the other EP ranks drop
                                            it at once)
-    pipeline broadcast (only the ranks with tp = cp = dp = 0, which form rank 0's pipeline group):
+    pipeline broadcast (only the ranks with tp = cp = dp = 0, which form rank 0's pipeline group; skipped with
+                        `local=True`):
                                            owner stage -> every stage, shape and dtype first, then the data
-    global rank 0:                         converters' rename/split (QKV per query group, fc1 -> gate/up, vocab
+    global rank 0 (`local=True`: the owner stage's first rank):
+                                           converters' rename/split (QKV per query group, fc1 -> gate/up, vocab
                                            padding stripped) -> (hf_name, tensor); the Megatron tensor is dropped
                                            before the next parameter is gathered
 Parameters are gathered one at a time, and only those of the bucket asked for (experts too: a bucket holding half of
@@ -21,7 +26,9 @@ parameter in flight.
 
 Buckets are planned before any tensor moves, from the config alone (shapes are known), so every rank agrees on
 where a bucket ends without talking. A bucket is a run of whole units (embedding, one decoder layer, the final norm,
-the output layer) whose HF tensors add up to at most `bucket_bytes`. A unit larger than that:
+the output layer) whose HF tensors add up to at most `bucket_bytes`, all of one pipeline stage when the plan is given
+the stages (`stages=`: a bucket never spans two stages, so one stage's first rank can hold and send it alone;
+`bucket_stage` names its owner). A unit larger than that:
     split_units=False (default): goes alone, a bucket of one unit, whatever its size (a DeepSeek-V3 MoE layer:
         ~22.5 GB in bf16), so the bound only holds for models whose layers fit in it;
     split_units=True: is cut at tensor granularity into buckets of at most `bucket_bytes`: each Megatron parameter
@@ -63,7 +70,8 @@ gated TP concatenation). Measured: rank 0 peaks at 158,424 bytes with split buck
 rank 1 (EP rank 1, which sends its experts and keeps nothing) at 49,152, one parameter. The other EP ranks receive
 every routed expert of the bucket (a broadcast over the EP group, the one collective mrl.parallel.collectives has
 for it) and drop it at once. `ShardedExporter.peak_bytes` counts the same on rank 0 (not the TP shard list). The
-transport's slots (the packed payload, two when double-buffered) come on top, on rank 0.
+transport's slots (the packed payload, two when double-buffered) come on top, on rank 0 (with `local=True`: on
+each stage's first rank, which then holds its own stage's buckets only).
 """
 
 from __future__ import annotations
@@ -126,17 +134,19 @@ def _units(dims: ModelDims, names: str) -> list[list[ParamRule]]:
 
 
 def plan_buckets(dims: ModelDims, names: str, bucket_bytes: int, element_size: int, *,
-                 split_units: bool = False) -> list[Bucket]:
+                 split_units: bool = False, stages: StageInfo | None = None) -> list[Bucket]:
     """The pieces of each refit bucket, in model order (identical on every rank): whole units packed up to
     `bucket_bytes` of HF tensors; a larger unit alone (`split_units=False`) or cut at tensor granularity into
     buckets of at most `bucket_bytes` (`split_units=True`; the receiver must then keep one layerwise reload
     session over the buckets: module docstring). Only a single HF tensor larger than the bound makes a bucket exceed
-    it, alone in that bucket."""
+    it, alone in that bucket. With `stages`, a unit of another pipeline stage than the previous one starts a new
+    bucket (`bucket_stage` of every bucket is then defined)."""
     if bucket_bytes < 1:
         raise ValueError(f"bucket_bytes={bucket_bytes}: must be >= 1")
     hf_bytes = {name: torch.Size(shape).numel() * element_size for name, shape in expected_hf_shapes(dims).items()}
     buckets: list[Bucket] = []
     size = 0
+    stage = None  # the pipeline stage of the last unit planned
 
     def add(piece: Piece, piece_bytes: int) -> None:
         """`piece` into the last bucket if it is empty or the piece fits (merged with the previous piece of the same
@@ -155,8 +165,10 @@ def plan_buckets(dims: ModelDims, names: str, bucket_bytes: int, element_size: i
 
     for unit in _units(dims, names):
         unit_bytes = sum(hf_bytes[h] for rule in unit for h in rule.hf)
+        unit_stage = stages.owner(unit[0].megatron) if stages is not None else None
+        same_stage, stage = unit_stage == stage, unit_stage
         if unit_bytes <= bucket_bytes or not split_units:  # whole: with the previous units if it fits, else alone
-            if not (buckets and size + unit_bytes <= bucket_bytes):
+            if not (buckets and same_stage and size + unit_bytes <= bucket_bytes):
                 buckets.append([])
                 size = 0
             buckets[-1].extend(Piece(rule, rule.hf) for rule in unit)
@@ -174,6 +186,15 @@ def plan_buckets(dims: ModelDims, names: str, bucket_bytes: int, element_size: i
     return buckets
 
 
+def bucket_stage(bucket: Bucket, stages: StageInfo) -> int:
+    """The pipeline stage that holds every parameter of `bucket` (a plan made with `stages=`); ValueError if the
+    bucket spans two stages."""
+    owners = {stages.owner(piece.rule.megatron) for piece in bucket}
+    if len(owners) != 1:
+        raise ValueError(f"a bucket spans pipeline stages {sorted(owners)}: plan it with plan_buckets(stages=...)")
+    return owners.pop()
+
+
 def bucket_names(bucket: Bucket) -> list[str]:
     """The HF tensor names a planned bucket carries, in order."""
     return [h for piece in bucket for h in piece.hf]
@@ -181,6 +202,10 @@ def bucket_names(bucket: Bucket) -> list[str]:
 
 class ShardedExporter:
     """Gathers full HF tensors from this rank's shards; construct on every rank (it exchanges stage layouts).
+
+    `bucket(pieces)` ends on global rank 0 (every stage's tensors broadcast over rank 0's pipeline group);
+    `bucket(pieces, local=True)` (a bucket of one stage) ends on that stage's first rank (`is_stage_first`) and
+    nothing crosses the pipeline group: the ranks of other stages take no part at all.
 
     `peak_bytes`: the most bytes of full tensors it held at once on this rank since construction (or the last
     `reset_peak`): the bucket's HF tensors so far plus the parameter in flight (its full Megatron tensor and its HF
@@ -203,6 +228,7 @@ class ShardedExporter:
         self.experts_per_rank = experts_per_rank(dims, self.ep_size)
         self.in_root_pipeline = (ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0
                                  and ps.get_context_parallel_rank() == 0)
+        """tp = cp = dp = 0 (hence EP rank 0): the first rank of this stage, in rank 0's pipeline group."""
         self.is_root = collectives.rank() == 0
         self.layer_offset = layer_offset
         # every stage's (first layer, layer count); gathered over a pipeline group of one too (collectives.py)
@@ -261,19 +287,27 @@ class ShardedExporter:
             return None
         return collectives.broadcast_tensor(tensor, owner, self.pp_group, device=self.device)
 
-    def _full_tensor(self, rule: ParamRule) -> torch.Tensor | None:
-        """The full Megatron tensor of `rule` on global rank 0 (None elsewhere; every rank runs the collectives)."""
+    def is_stage_first(self, stage: int) -> bool:
+        """Whether this rank is the first rank (tp = cp = dp = 0) of pipeline stage `stage`."""
+        return self.in_root_pipeline and self.pp_rank == stage
+
+    def _full_tensor(self, rule: ParamRule, local: bool = False) -> torch.Tensor | None:
+        """The full Megatron tensor of `rule` on global rank 0, or with `local` on the owner stage's first rank (None
+        elsewhere; every rank runs the collectives, with `local` only the owner stage's)."""
         owner = self.stages.owner(rule.megatron)
         full = self._stage_tensor(rule) if owner == self.pp_rank else None
+        if local:
+            return full if self.is_stage_first(owner) else None
         full = self._pp_broadcast(full, owner)
         return full if self.is_root else None
 
-    def _hf_tensors(self, pieces: list[Piece]) -> Iterator[tuple[str, torch.Tensor]]:
-        """(hf_name, tensor) of each piece, one parameter gathered at a time; nothing off rank 0."""
+    def _hf_tensors(self, pieces: list[Piece], local: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+        """(hf_name, tensor) of each piece, one parameter gathered at a time; nothing off rank 0 (with `local`: off
+        the owner stage's first rank)."""
         held = 0  # bytes of the HF tensors of earlier pieces (the caller keeps them)
         for piece in pieces:
-            full = self._full_tensor(piece.rule)
-            if full is None:  # off rank 0: the received tensor is dropped before the next one is gathered
+            full = self._full_tensor(piece.rule, local)
+            if full is None:  # off the holder: the received tensor is dropped before the next one is gathered
                 continue
             base, in_flight, kept, tensor = full.untyped_storage().data_ptr(), _nbytes(full), 0, None
             for hf_name, tensor in megatron_to_hf([(piece.rule.megatron, full)], self.dims, require_complete=False):
@@ -286,9 +320,13 @@ class ShardedExporter:
             held += kept
             del full, tensor  # neither kept past its piece (a part another bucket carries is dropped here)
 
-    def bucket(self, pieces: list[Piece]) -> list[tuple[str, torch.Tensor]]:
-        """HF-named tensors of one planned bucket on rank 0 (empty list elsewhere); collective on every rank."""
-        return list(self._hf_tensors(pieces))
+    def bucket(self, pieces: list[Piece], local: bool = False) -> list[tuple[str, torch.Tensor]]:
+        """HF-named tensors of one planned bucket on rank 0 (empty list elsewhere); collective on every rank.
+        `local` (a bucket of one stage: `plan_buckets(stages=...)`): on the owner stage's first rank instead, without
+        the pipeline broadcast (collective on the owner stage's ranks only)."""
+        if local and len({self.stages.owner(piece.rule.megatron) for piece in pieces}) > 1:
+            raise ValueError("a local export needs a bucket of one pipeline stage: plan_buckets(stages=...)")
+        return list(self._hf_tensors(pieces, local))
 
 
 def _nbytes(tensor: torch.Tensor) -> int:

@@ -9,8 +9,10 @@ Dispatch contract (what is split, what is replicated):
 - refit source (`plan_buckets`, `send_bucket[_async]`, for the loop of mrl/inference/refit.py): every rank joins
   the gathers of a bucket (TP all-gathers, PP broadcasts); rank 0 alone packs it with the given transport (a
   shared-memory file, or a broadcast to the engines) and returns the payload: the value is REPLICATED work, one
-  output. CUDA IPC: rank 0's packed bucket is broadcast to every rank, each shares its own GPU's copy, and the parts
-  are MERGED into one payload with a handle per GPU (mrl/inference/transports/cuda_ipc.py). The loop hands it to the engine before asking for the next bucket, so extra memory stays at one bucket.
+  output. A collective transport made with `refit_addresses` has one sender per pipeline stage: only the bucket's
+  owner stage gathers it (no PP broadcast) and that stage's first rank packs it as sender `bucket_sender(index)`;
+  its payload is the output (every bucket lies within one stage: the plan never spans two). CUDA IPC: rank 0's
+  packed bucket is broadcast to every rank, each shares its own GPU's copy, and the parts are MERGED into one payload with a handle per GPU (mrl/inference/transports/cuda_ipc.py). The loop hands it to the engine before asking for the next bucket, so extra memory stays at one bucket.
 - `save`/`load`: every rank writes/reads its shards of one distributed checkpoint folder.
 - `release_memory()` / `reclaim_memory()`: no data; every rank moves its own shards off / back on its device
   (mrl/policy/memory.py). The release's report: GB moved SUMMED over ranks, CUDA memory reserved the MAX over ranks
@@ -25,7 +27,7 @@ import torch
 
 from mrl.distributed import GroupFuture, WorkerGroup
 from mrl.policy.interface import PolicyLoss, RankBatch, global_count
-from mrl.policy.worker import PolicySpec, PolicyWorker
+from mrl.policy.worker import PolicySpec, PolicyWorker, sends_by_stage
 
 
 def _merge_metrics(value: Any) -> dict[str, float]:
@@ -50,7 +52,8 @@ class Policy:
                                    omp_num_threads=omp_num_threads, start_timeout_s=300.0,
                                    wait_before_init=wait_before_init)
         self.workers.layout_from_workers("data_parallel_layout")
-        self._planned: Optional[tuple[int, int]] = None  # (bucket_bytes, buckets) of the plan the workers hold
+        self._planned: Optional[tuple[int, list[int]]] = None  # (bucket_bytes, each bucket's owner stage) held
+        self._stage_ranks: Optional[list[int]] = None  # the global rank of each pipeline stage's first rank
 
     @property
     def data_parallel_size(self) -> int:
@@ -102,24 +105,57 @@ class Policy:
         """Buckets of at most `bucket_bytes` of whole layers, planned on every rank from the config alone (once: the
         ranks keep the plan until another bucket size is asked for, so a refit every step makes no call for it)."""
         if self._planned is None or self._planned[0] != bucket_bytes:
-            self._planned = (bucket_bytes, self.workers.run_all("plan_export", bucket_bytes)[0])
-        return range(self._planned[1])
+            self.workers.run_all("plan_export", bucket_bytes)
+            self._planned = (bucket_bytes, self.workers.run_all("bucket_owners")[0])
+        return range(len(self._planned[1]))
+
+    def bucket_sender(self, index: int) -> int:
+        """The pipeline stage that owns bucket `index` of the current plan (`plan_buckets` first): the sender of a
+        collective transport with one sender per stage."""
+        if self._planned is None:
+            raise RuntimeError("bucket_sender before plan_buckets")
+        return self._planned[1][index]
+
+    def _pipeline_stages(self) -> int:
+        return self.spec.policy.parallel.pipeline_parallel_size
+
+    def _sender_ranks(self) -> list[int]:
+        """Global rank of each pipeline stage's first rank (tp = cp = dp = 0), in stage order."""
+        if self._stage_ranks is None:
+            stages = self.workers.run_all("refit_stage")
+            self._stage_ranks = [rank for _, rank in sorted((s, r) for r, s in enumerate(stages) if s is not None)]
+            assert len(self._stage_ranks) == self._pipeline_stages(), stages
+        return self._stage_ranks
 
     def send_bucket(self, index: int, transport: Any) -> dict:
         return self.send_bucket_async(index, transport).result()
 
     def send_bucket_async(self, index: int, transport: Any) -> GroupFuture:
         """Every rank gathers bucket `index`; rank 0 packs it with `transport`; the result is rank 0's payload (a
-        transport that packs on every rank, CUDA IPC: the ranks' parts merged, one handle per GPU)."""
-        merge = transport.merge if getattr(transport, "every_rank", False) else _rank0
+        transport that packs on every rank, CUDA IPC: the ranks' parts merged, one handle per GPU). A transport with
+        one sender per pipeline stage: the owner stage's first rank packs and its payload is the result."""
+        if getattr(transport, "every_rank", False):
+            merge = transport.merge
+        elif sends_by_stage(transport, self._pipeline_stages()):
+            sender = self._sender_ranks()[self.bucket_sender(index)]
+            merge = lambda payloads: payloads[sender]  # noqa: E731
+        else:
+            merge = _rank0
         return self.workers.run_all_async("export_bucket", index, transport).then(merge)
 
+    def refit_addresses(self) -> list[tuple[str, int]]:
+        """Each pipeline stage's first rank's node and a free port there, in stage order: the rendezvous of each
+        sender's sub-group of a refit broadcast group (stage 0's first rank is rank 0)."""
+        ports = self.workers.run_all("refit_port")
+        return [(self.workers.info[rank].node_ip or "127.0.0.1", ports[rank]) for rank in self._sender_ranks()]
+
     def refit_address(self) -> tuple[str, int]:
-        """Rank 0's node and a free port there: the rendezvous of a refit broadcast group."""
-        return self.workers.info[0].node_ip or "127.0.0.1", self.workers.run_all("refit_port")[0]
+        """Rank 0's node and a free port there: the rendezvous of a refit broadcast group with one sender."""
+        return self.refit_addresses()[0]
 
     def join_refit_group_async(self, transport: Any) -> GroupFuture:
-        """Rank 0 joins the broadcast group as its sender (member 0); the other ranks take no part."""
+        """The senders join the broadcast group: each stage's first rank (one sender per stage) or rank 0 (member
+        0); the other ranks take no part."""
         return self.workers.run_all_async("join_refit_group", transport)
 
     def export_state(self) -> dict[str, torch.Tensor]:

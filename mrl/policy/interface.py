@@ -1,6 +1,7 @@
 """The policy as the loops see it (`TrainablePolicy`), what it trains on (`RankBatch`) and with (`PolicyLoss`).
 
 Layout of a `RankBatch` (rows = sequences, right-padded):
+
     input_ids   [N, T] token ids
     loss_mask   [N, T] 1 on the tokens whose logprob enters the loss (the response tokens)
     token_data  name -> [N, T] tensors aligned with the tokens (advantages, old/ref/engine logprobs)
@@ -8,6 +9,7 @@ Layout of a `RankBatch` (rows = sequences, right-padded):
     lengths     [N] real tokens (prompt + response); None = up to the last loss token
     group_size  rows come in consecutive groups of this size that one loss term couples (2: a DPO or reward-model
                 pair, chosen then rejected); a group never straddles a micro-batch or a data-parallel shard
+
 Light on purpose (torch only): the loops build batches without importing Megatron. The implementation is
 `mrl.policy.group.Policy` (one Ray actor per rank, mrl/policy/worker.py).
 """

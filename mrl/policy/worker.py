@@ -59,6 +59,13 @@ class PolicySpec:
     reads its slices of them, in any layout; None = the HF folder's safetensors."""
 
 
+def sends_by_stage(transport: Any, pipeline_stages: int) -> bool:
+    """Whether `transport` has one sender per pipeline stage (a collective transport made with the policy's
+    `refit_addresses`): then each stage's first rank converts and sends its own buckets (`export_bucket`). With one
+    stage it is the same as rank 0 sending."""
+    return hasattr(transport, "join_sender") and getattr(transport, "senders", 1) == pipeline_stages
+
+
 def _pad_to_multiple(batch: RankBatch, multiple: int) -> RankBatch:
     """Right-pad every [N, T] tensor to T' = ceil(T / multiple) * multiple (pad id 0, mask 0, data 0)."""
     extra = -batch.input_ids.shape[1] % multiple
@@ -179,6 +186,7 @@ class PolicyWorker:
         self.expert_load = ExpertLoad([module])
         self._exporter = None
         self._bucket_plan: list = []
+        self._bucket_owners: list[int] = []
         self.ps = ps
 
     # ------------------------------------------------------------------------------------------------- layout
@@ -286,45 +294,80 @@ class PolicyWorker:
 
     # ------------------------------------------------------------------------------------------------- export
     def plan_export(self, bucket_bytes: int) -> int:
-        """Prepare a weight export in buckets of at most `bucket_bytes`; returns the number of buckets."""
-        from mrl.policy.export import ShardedExporter, plan_buckets
+        """Prepare a weight export in buckets of at most `bucket_bytes`, each of one pipeline stage (its owner,
+        `bucket_owners`); returns the number of buckets."""
+        from mrl.policy.export import ShardedExporter, bucket_stage, plan_buckets
 
         if self._exporter is None:
             names = "te" if any(k.endswith("layer_norm_weight") for k in self.module.state_dict()) else "local"
             self._exporter = ShardedExporter(self.module, self.model_dims, layer_offset=self.layer_offset,
                                              names=names)
         element = next(self.module.parameters()).element_size()
-        self._bucket_plan = plan_buckets(self.model_dims, self._exporter.names, bucket_bytes, element)
+        # A layer larger than the bucket is cut (bounded memory for any model): every sink takes part-layers, vLLM's
+        # workers in one reload session per refit (vllm_extension.begin_refit), the Megatron engine whole states.
+        self._bucket_plan = plan_buckets(self.model_dims, self._exporter.names, bucket_bytes, element,
+                                         split_units=True, stages=self._exporter.stages)
+        self._bucket_owners = [bucket_stage(bucket, self._exporter.stages) for bucket in self._bucket_plan]
         return len(self._bucket_plan)
 
+    def bucket_owners(self) -> list[int]:
+        """The pipeline stage that owns each bucket of the plan (`plan_export` first); the same on every rank."""
+        return list(self._bucket_owners)
+
     def export_bucket(self, index: int, transport: Any) -> Optional[dict]:
-        """Gather bucket `index` of the plan (every rank takes part); rank 0 packs it with `transport` and returns the
-        payload (with the tensor names and bytes), the other ranks None; a transport that packs on `every_rank`
-        (CUDA IPC) gets every rank's part, which the controller merges (`transport.merge`). A shared-memory payload is released by the
-        controller once the engines loaded it; a collective one was broadcast to the engines while packing."""
+        """Gather bucket `index` of the plan; one rank packs it with `transport` and returns the payload (with the
+        tensor names and bytes), the other ranks None:
+        - a transport with one sender per pipeline stage (`sends_by_stage`: the collective transport made with
+          `Policy.refit_addresses`): the owner stage's ranks gather it, its first rank converts it and packs it as
+          sender `owner` (no pipeline broadcast; the other stages take no part);
+        - any other: every rank takes part, rank 0 packs; a transport that packs on `every_rank` (CUDA IPC) gets
+          every rank's part, which the controller merges (`transport.merge`).
+        A shared-memory payload is released by the controller once the engines loaded it; a collective one was
+        broadcast to the engines while packing."""
         self.memory.reclaim(("weights",))  # the optimizer states stay on the host while the engine is awake
-        tensors = self._exporter.bucket(self._bucket_plan[index])  # type: ignore[union-attr]
+        exporter = self._exporter
+        assert exporter is not None, "plan_export first"
+        if sends_by_stage(transport, self.dims.pp):
+            owner = self._bucket_owners[index]
+            tensors = exporter.bucket(self._bucket_plan[index], local=True)
+            return transport.pack(tensors, sender=owner) if exporter.is_stage_first(owner) else None
+        tensors = exporter.bucket(self._bucket_plan[index])
         if getattr(transport, "every_rank", False):  # CUDA IPC: each rank exports for the engine worker on its GPU
             return transport.pack_on_ranks(tensors if collectives.rank() == 0 else None)
         return transport.pack(tensors) if collectives.rank() == 0 else None
 
-    def refit_port(self) -> int:
-        """A free port on this rank's node (rank 0 hosts the refit group's store)."""
+    def refit_stage(self) -> Optional[int]:
+        """This rank's pipeline stage if it is the stage's first rank (tp = cp = dp = 0: a refit sender), else None."""
+        ps = self.ps
+        first = (ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0
+                 and ps.get_context_parallel_rank() == 0)
+        return ps.get_pipeline_model_parallel_rank() if first else None
+
+    def refit_port(self) -> Optional[int]:
+        """A free port on this rank's node if it is a stage's first rank (it hosts its stage's refit sub-group's
+        store), else None."""
         from mrl.parallel.groups import free_port
 
-        return free_port()
+        return free_port() if self.refit_stage() is not None else None
 
     def join_refit_group(self, transport: Any) -> None:
-        """Rank 0 joins the refit broadcast group as member 0 (the sender); the other ranks take no part."""
-        if collectives.rank() == 0:
+        """The senders join the refit broadcast group: each stage's first rank as sender `stage` of a transport with
+        one sender per stage (`sends_by_stage`), else rank 0 alone as member 0; the other ranks take no part."""
+        stage = self.refit_stage()
+        if sends_by_stage(transport, self.dims.pp):
+            if stage is not None:
+                transport.join_sender(stage)
+        elif collectives.rank() == 0:
             transport.join(0)
 
     def export_state(self) -> Optional[dict[str, torch.Tensor]]:
         """The whole model as HF-named tensors on rank 0 (None elsewhere): for HF exports of small models."""
-        self.plan_export(1 << 62)
+        buckets = self.plan_export(1 << 62)  # one bucket per pipeline stage
         self.memory.reclaim(("weights",))
-        tensors = self._exporter.bucket(self._bucket_plan[0])  # type: ignore[union-attr]
-        return dict(tensors) if collectives.rank() == 0 else None
+        state = {}
+        for index in range(buckets):
+            state.update(self._exporter.bucket(self._bucket_plan[index]))  # type: ignore[union-attr]
+        return state if collectives.rank() == 0 else None
 
     # --------------------------------------------------------------------------------------------- checkpoint
     def save(self, path: str, weights_only: bool = False) -> None:

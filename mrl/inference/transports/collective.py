@@ -37,7 +37,11 @@ buckets on each member (buffers grown to the largest bucket and reused).
 Several senders (each pipeline stage's first rank sending its own layers, docs/weight-transfer.md): a transport with
 `stages` has one sub-group per sender: sender k is member 0 of sub-group k and the engines join every sub-group as
 members 1 + e; `pack(bucket, sender=k)` / `receiver_payload(sender=k)` name the sub-group of a bucket. Every
-sub-group keeps its own chain and buffers. The default (no `stages`) is the single sender of today.
+sub-group keeps its own chain and buffers. The default (no `stages`) is a single sender. The policy
+(mrl/policy/group.py) gives one address per pipeline stage (`refit_addresses`): its buckets never span two stages,
+the owner stage's first rank packs each one as sender `bucket_sender(index)` with no pipeline broadcast
+(mrl/policy/worker.py `export_bucket`), and the refit loop points the engines at that sender's sub-group
+(mrl/inference/refit.py `_met`).
 """
 
 from __future__ import annotations

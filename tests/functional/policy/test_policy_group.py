@@ -148,9 +148,11 @@ def test_refit_from_tp2_policy_into_engine(cluster, model_dir, kind):
 
 
 def test_non_colocated_refit_by_broadcast(cluster, model_dir):
-    """Policy on bundle 0, vLLM engine on bundle 1 (each whole): the weights travel by the collective transport
-    (a gloo broadcast group of the policy's rank 0 and the engine) and land exactly as by shared memory."""
-    from mrl.config.schema import OptimizerConfig, PolicyConfig
+    """A PP2 policy (ranks on bundles 0 and 1) and a vLLM engine (bundle 1): the weights travel by the collective
+    transport, each pipeline stage's first rank sending its own layers in a gloo broadcast group of its own with the
+    engine, and land exactly as by shared memory (tests/functional/policy/test_policy_refit_stages.py checks the
+    bytes and the senders at rank level)."""
+    from mrl.config.schema import OptimizerConfig, ParallelConfig, PolicyConfig
     from mrl.inference import SamplingConfig, refit
     from mrl.inference.transports import collective
     from mrl.inference.vllm_backend import VllmEngineConfig
@@ -161,14 +163,18 @@ def test_non_colocated_refit_by_broadcast(cluster, model_dir):
     from mrl.policy.worker import PolicySpec
 
     placement = cluster.create_placement("policy-collective", bundles_per_node=2, cpus_per_bundle=1)
-    cfg = PolicyConfig(precision="float32", train_micro_batch_size=2, optimizer=OptimizerConfig(lr=1e-2))
-    policy = Policy(PolicySpec(hf_dir=str(model_dir), policy=cfg, seed=1, total_steps=10), placement, world_size=1)
+    cfg = PolicyConfig(precision="float32", parallel=ParallelConfig(pipeline_parallel_size=2),
+                       train_micro_batch_size=2, optimizer=OptimizerConfig(lr=1e-2))
+    policy = Policy(PolicySpec(hf_dir=str(model_dir), policy=cfg, seed=1, total_steps=10), placement, world_size=2,
+                    resource_fraction=0.5)
     engine = VllmEngineGroup(VllmEngineConfig(model_path=str(model_dir), max_model_len=64, kv_cache_bytes=64 << 20,
                                               refit_transport="shm_file"),
-                             placement, bundle_indices=[1], name="generation-collective")
+                             placement, bundle_indices=[1], resource_fraction=0.5, name="generation-collective")
     try:
         policy.train(_batch(), GRPOLoss())
         transport = collective.connect(policy, engine)
+        assert transport.senders == 2  # one per pipeline stage
+        assert sorted({policy.bucket_sender(i) for i in policy.plan_buckets(200_000)}) == [0, 1]
         sent: list[int] = []  # the second refit's last bucket is still loading when the sender is told it is free
         for attempt in range(2):  # the group is made once and reused
             stats = refit(policy, engine, transport, bucket_bytes=200_000,

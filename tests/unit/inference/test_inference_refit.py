@@ -141,3 +141,52 @@ def test_a_failed_load_under_double_buffering_frees_both_buckets(tmp_path):
     with pytest.raises(RuntimeError, match="engine worker died"):
         refit(LocalWeights(_state()), sink, SharedMemoryFileTransport(str(tmp_path)), bucket_bytes=150)
     assert sink.finished == [False] and list(tmp_path.iterdir()) == []
+
+
+class Done:
+    """A call that already finished (stands in for a GroupFuture)."""
+
+    def __init__(self, value) -> None:
+        self.value = value
+
+    def result(self, timeout_s=None):
+        return self.value
+
+
+class StageSource:
+    """A collective source whose buckets belong to pipeline stages 0, 1, 1 (`bucket_sender`)."""
+
+    owners = [0, 1, 1]
+
+    def plan_buckets(self, bucket_bytes):
+        return range(len(self.owners))
+
+    def bucket_sender(self, index):
+        return self.owners[index]
+
+    def send_bucket_async(self, index, transport):
+        return Done({"names": [f"t{index}"], "bytes": 4})
+
+
+class ReceivingSink(RecordingSink):
+    def __init__(self) -> None:
+        super().__init__()
+        self.receiving: list[dict] = []
+
+    def load_payload_async(self, payload):
+        self.receiving.append(payload)
+        return Done(None)
+
+
+@pytest.mark.parametrize("stages", [(("127.0.0.1", 2),), ()], ids=["sender-per-stage", "one-sender"])
+def test_receivers_meet_each_bucket_in_its_senders_sub_group(monkeypatch, stages):
+    """With one sender per pipeline stage the engines receive each bucket in its owner stage's sub-group; with one
+    sender (a transport without stages) every bucket in the group itself, whatever the source's stages."""
+    import mrl.distributed
+
+    monkeypatch.setattr(mrl.distributed, "wait_all", lambda futures: [f.result() for f in futures])
+    sink = ReceivingSink()
+    transport = CollectiveTransport("g", "127.0.0.1", 1, 2, stages=stages)
+    stats = refit(StageSource(), sink, transport, bucket_bytes=1 << 20)
+    groups = ["g", "g/s1", "g/s1"] if stages else ["g", "g", "g"]
+    assert [p["group"] for p in sink.receiving] == groups and stats.num_buckets == 3

@@ -8,7 +8,7 @@ import torch
 
 from converters import model_dims
 from converters.mapping import expected_hf_shapes, param_rules
-from mrl.policy.export import Piece, bucket_names, plan_buckets
+from mrl.policy.export import Piece, StageInfo, bucket_names, bucket_stage, plan_buckets
 
 #: The tiny Qwen3-MoE of mrl.testing.tiny_models (fp32): a MoE layer is 264,832 bytes, the embedding 128,000.
 CONFIG = dict(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], hidden_size=64, num_hidden_layers=2,
@@ -71,3 +71,22 @@ def test_experts_of_a_split_layer_spread_over_buckets():
 def test_bound_must_be_positive():
     with pytest.raises(ValueError, match="bucket_bytes"):
         plan_buckets(DIMS, "local", 0, 4)
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_a_bucket_never_spans_two_pipeline_stages(split):
+    """Stage 0: the embedding and layer 0; stage 1: layer 1, the final norm and the output layer. A bound that would
+    put both layers (or the embedding and everything) in one bucket still cuts at the stage boundary."""
+    stages = StageInfo(offsets=(0, 1), counts=(1, 1))
+    for bound in (1 << 40, 2 * LAYER, 160_000):
+        plan = plan_buckets(DIMS, "local", bound, 4, split_units=split, stages=stages)
+        _check(plan, bound if split else max(bound, LAYER))
+        owners = [bucket_stage(bucket, stages) for bucket in plan]
+        assert owners == sorted(owners) and set(owners) == {0, 1}
+        stage1 = {n for bucket, owner in zip(plan, owners) if owner == 1 for n in bucket_names(bucket)}
+        assert stage1 == {n for n in ORDER if n.startswith("model.layers.1.") or not n.startswith(("model.layers.",
+                                                                                                   "model.embed"))}
+    assert len(plan_buckets(DIMS, "local", 1 << 40, 4, split_units=split, stages=stages)) == 2
+    whole = plan_buckets(DIMS, "local", 1 << 40, 4, split_units=split)  # no stages: one bucket, both stages in it
+    with pytest.raises(ValueError, match="spans pipeline stages"):
+        bucket_stage(whole[0], stages)
