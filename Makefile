@@ -15,7 +15,7 @@ export RAY_USAGE_STATS_ENABLED := 0
 export TOKENIZERS_PARALLELISM := false
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: install demo test test-unit test-functional real test-real test-slurm test-learning test-gpu gpu-wheelhouse lint lock bench clean lock-gpu check-gpu-lock
+.PHONY: install docs test-docs demo test test-unit test-functional real test-real test-slurm test-learning test-gpu gpu-wheelhouse lint lock bench clean lock-gpu check-gpu-lock
 
 install: $(STAMP)
 
@@ -101,7 +101,7 @@ lock:
 	mv requirements/cpu.lock.new requirements/cpu.lock && rm -rf .venv-lock
 
 clean:
-	rm -rf $(VENV) results .pytest_cache
+	rm -rf $(VENV) results .pytest_cache site
 
 # The GPU image's lock (requirements/gpu.lock, installed by the Dockerfile): pip's resolver for CPython 3.12 on
 # manylinux x86_64, from pyproject.toml ([project.dependencies] and the gpu extra) and requirements/gpu.in, in report
@@ -113,3 +113,20 @@ lock-gpu:
 
 check-gpu-lock:
 	bash requirements/lock_gpu.sh check
+
+# The docs site (mkdocs.yml): MkDocs + Material + mkdocstrings at requirements/docs.lock's versions, installed into
+# .venv with --no-deps (again only when the lock changed), then built with --strict into site/; the configuration
+# reference is generated from the schema during the build (docs/hooks/config_reference.py). NO_MKDOCS_2_WARNING
+# mutes Material's end-of-life banner printed on every build (see mkdocs.yml's header).
+DOCS_STAMP := $(VENV)/.docs-installed
+$(DOCS_STAMP): requirements/docs.lock $(STAMP)
+	$(BIN)/python -m pip install -q --no-deps -r requirements/docs.lock
+	touch $(DOCS_STAMP)
+
+docs: install $(DOCS_STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
+
+# The built site in headless Chromium (tests/docs): the home page, a guide and the configuration reference render
+# with their navigation; screenshots in results/docs/. Skips in one line without chromium (apt-get install chromium).
+test-docs: docs
+	$(BIN)/python -m pytest tests/docs -q -m docs

@@ -171,10 +171,10 @@ class GenerationConfig(Section):
     stop_strings: list[str] = Field(default_factory=list, description="Strings that end a response.")
     overlong_prompt: Literal["truncate", "reject"] = Field("reject", description="What to do with a prompt that does not fit.")
     refit_bucket_mb: int = Field(
-        256, ge=1, description="Most MiB of HF tensors per refit bucket. A decoder layer larger than this goes alone (vLLM "
-                               "0.32 reloads each bucket as a session of its own and needs every module whole); extra "
-                               "memory per policy rank is about one bucket plus one parameter in flight, plus the "
-                               "transport's slots.")
+        256, ge=1, description="Most MiB of HF tensors per refit bucket, a bound on every policy rank: a layer larger than "
+                               "this is cut into several buckets (the engine loads them in one reload session), only "
+                               "a single tensor larger than this goes alone; extra memory per policy rank is about "
+                               "one bucket plus one parameter in flight, plus the transport's slots.")
     seeded_sampling: Optional[bool] = Field(
         None, description="Seed every request (prompt i, sample k: seed + i * n + k): reproducible samples, an exact "
                           "resume. On GPUs seeded requests leave vLLM's fused FlashInfer top-k/top-p sampler (its V1 model "
