@@ -4,7 +4,7 @@
     step_N/hf/               config.json, tokenizer, generation config: `mrl convert megatron-to-hf` reads them
     step_N/config.yaml       the run's resolved config
     step_N/train_state.pt    step, data loader position, controller RNG states, metric history, model record
-    step_N/.complete         written last by CheckpointManager.commit; a folder without it is never loaded
+    step_N/COMPLETE          written last by CheckpointManager.commit; a folder without it is never loaded
 
 Resume (`checkpointing.resume=true`, the default): the newest complete step is loaded; a checkpoint of another
 model or tokenizer is refused with the reason; another parallel layout is fine (reshard on load). A SIGTERM
