@@ -66,7 +66,9 @@ HF tensor) plus the working copies of the one parameter in flight -- its full Me
 (q/k/v and gate/up are copied out of it), under TP its gathered shards while they are concatenated (the gated fc1:
 its gate and up halves concatenated separately first), and for a parameter cut between buckets the HF parts that
 other buckets carry. Slack: <= 2 x the largest Megatron parameter of the bucket (1 x for one kept whole, outside a
-gated TP concatenation). Measured: rank 0 peaks at 158,424 bytes with split buckets, 264,976 with whole-layer ones;
+gated TP concatenation), 3 x for a parameter cut between buckets under TP: its gathered shards, the concatenated
+tensor and the HF parts of the other buckets can be alive at once (a clean CI run measured 147,456 = 3 x 49,152
+bytes for the k part of the tiny model's fused q/k/v at TP2). Measured: rank 0 peaks at 158,424 bytes with split buckets, 264,976 with whole-layer ones;
 rank 1 (EP rank 1, which sends its experts and keeps nothing) at 49,152, one parameter. The other EP ranks receive
 every routed expert of the bucket (a broadcast over the EP group, the one collective mrl.parallel.collectives has
 for it) and drop it at once. `ShardedExporter.peak_bytes` counts the same on rank 0 (not the TP shard list). The

@@ -157,4 +157,7 @@ def test_parameters_cut_between_buckets_under_tp2(reports, tp2_reports):
     assert any(r["names"] == ["model.layers.0.self_attn.k_proj.weight"] for r in rows)  # q, k, v apart
     for rank, report in enumerate(tp2_reports):
         for row in report[True]["buckets"]:
-            assert row["allocated"] <= max(20_000, row["planned"]) + 2 * row["largest_param"], (rank, row)
+            # a parameter cut under TP: its TP shards, the concatenated tensor and the other buckets' HF parts can be
+            # alive at once (export.py's memory bound): 3 x, not 2 x, the largest parameter
+            assert row["allocated"] <= max(20_000, row["planned"]) + 3 * row["largest_param"], (rank, row)
+            assert row["counted"] <= max(20_000, row["planned"]) + 2 * row["largest_param"], (rank, row)
