@@ -231,7 +231,9 @@ def test_fifty_refits_keep_memory_flat(engine, models, restore_a):
     growth = (end - start) / start
     print(f"50 refits: USS {start / 2**20:.1f} -> {end / 2**20:.1f} MiB ({growth:+.2%}), "
           f"refit {1000 * sum(seconds) / len(seconds):.1f} ms mean, {1000 * max(seconds):.1f} ms max")
-    assert abs(growth) <= 0.05
+    # A leak shows as growth; the process may give memory back (a clean CI run: -5.03%, the reload session's bucket
+    # copies returned to the allocator), which is no leak.
+    assert growth <= 0.05
 
 
 def test_tied_qwen3_refit_moves_the_shared_output_projection(tmp_path):
