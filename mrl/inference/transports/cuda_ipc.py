@@ -168,7 +168,6 @@ def _slot_buffer(name: str, slot: int, size: int, device: torch.device) -> tuple
     if current is None or current[0].numel() < size or current[0].device != device:
         grown = current is not None
         slots.pop(slot, None)
-        current = None
         buffer = torch.empty(max(size, 1), dtype=torch.uint8, device=device)
         slots[slot] = current = (buffer, share(buffer))
         if grown:
