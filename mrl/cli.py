@@ -37,20 +37,22 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="Run a staged recipe (e.g. sft -> grpo 8K -> grpo 16K), handing checkpoints on.",
                          description="Run every stage of a recipe in order; each stage starts from the previous "
                                      "stage's final checkpoint.")
-    run.add_argument("recipe", help="recipe YAML file with a `stages:` list")
+    run.add_argument("recipe", help="recipe YAML file with a `stages:` list, or a shipped recipe's name "
+                                    "(e.g. arith-tiny-cpu)")
     run.add_argument("overrides", nargs="*", help=OVERRIDE_HELP)
     score = sub.add_parser("score", help="Per-token logprobs and perplexity of texts under the Megatron model.",
                            description="Per-token logprobs and perplexity of texts (or token ids) under the Megatron "
                                        "policy, in any parallel layout (e.g. policy.parallel.tensor_parallel_size=2 "
                                        "cluster.devices_per_node=2).")
-    score.add_argument("--model", required=True, metavar="DIR",
-                       help="HF model folder, or a Megatron checkpoint folder (`mrl convert hf-to-megatron` output, a "
-                            "training step_N or final_megatron)")
+    score.add_argument("--model", required=True, metavar="MODEL",
+                       help="HF model folder, a hub id (org/name[@revision]), or a Megatron checkpoint folder (`mrl "
+                            "convert hf-to-megatron` output, a training step_N or final_megatron)")
     score.add_argument("--input", required=True, metavar="FILE", help="jsonl: text | prompt+completion | input_ids")
     score.add_argument("--out", required=True, metavar="FILE", help="jsonl written with per-token logprobs")
     score.add_argument("--config", metavar="FILE", help="optional YAML config (parallel layout, precision, ...)")
     score.add_argument("overrides", nargs="*", help=OVERRIDE_HELP)
     _add_convert_parser(sub)
+    _add_download_parser(sub)
     _add_submit_parser(sub)
     _add_env_parser(sub)
     config = sub.add_parser("config", help="Inspect configurations.")
@@ -62,7 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_config_args(cmd: argparse.ArgumentParser) -> None:
-    cmd.add_argument("--config", required=True, metavar="FILE", help="YAML config or recipe")
+    cmd.add_argument("--config", required=True, metavar="FILE",
+                     help="YAML config or recipe file, or a shipped recipe's name (e.g. arith-tiny-cpu.yaml)")
     cmd.add_argument("overrides", nargs="*", help=OVERRIDE_HELP)
 
 
@@ -70,7 +73,7 @@ def _add_convert_parser(sub) -> None:
     convert = sub.add_parser("convert", help="Convert checkpoints between Hugging Face and Megatron formats.")
     conv_sub = convert.add_subparsers(dest="direction", required=True, metavar="DIRECTION")
     to_meg = conv_sub.add_parser("hf-to-megatron", help="HF folder -> Megatron distributed checkpoint.")
-    to_meg.add_argument("--hf", required=True, metavar="DIR", help="HF model folder (config.json + safetensors)")
+    to_meg.add_argument("--hf", required=True, metavar="DIR", help="HF model folder (config.json + safetensors) or hub id (org/name[@revision])")
     to_meg.add_argument("--out", required=True, metavar="DIR", help="output folder")
     to_meg.add_argument("--tp", type=int, default=1, help="tensor parallel size of the written checkpoint")
     to_meg.add_argument("--pp", type=int, default=1, help="pipeline parallel size of the written checkpoint")
@@ -80,6 +83,36 @@ def _add_convert_parser(sub) -> None:
     src.add_argument("--megatron", metavar="DIR", help="Megatron checkpoint folder written by hf-to-megatron")
     src.add_argument("--checkpoint", metavar="DIR", help="a training checkpoint <checkpoint_dir>/step_N")
     to_hf.add_argument("--out", required=True, metavar="DIR", help="output folder")
+
+
+def _add_download_parser(sub) -> None:
+    text = ("Fill the hub cache (HF_HOME / HF_HUB_CACHE) with what runs read of a model or dataset: on a login node "
+            "with network, before runs on compute nodes without (HF_HUB_OFFLINE=1).")
+    download = sub.add_parser("download", help=text, description=text)
+    download.add_argument("id", metavar="MODEL_OR_DATASET", help="hub id, org/name[@revision]")
+    download.add_argument("--revision", help="branch, tag or commit (default: main, or the id's @revision)")
+    download.add_argument("--dataset", action="store_true", help="a dataset repo (default: a model repo)")
+
+
+def _run_download(args: argparse.Namespace) -> int:
+    from mrl.data import hub
+
+    ref = hub.parse_hub_id(args.id)
+    if ref is None:
+        raise ConfigError("not a hub id (org/name[@revision]), or a local path that exists",
+                          key="MODEL_OR_DATASET", given=args.id)
+    if args.revision:
+        ref = hub.HubRef(ref.repo_id, args.revision)
+    if hub.offline():
+        raise ConfigError("HF_HUB_OFFLINE=1 forbids fetching", key="HF_HUB_OFFLINE", given="1",
+                          fix="unset it for `mrl download` (on a machine with network)")
+    kind = "dataset" if args.dataset else "model"
+    result = hub.resolve(ref, repo_type=kind, key="MODEL_OR_DATASET")
+    files = [p for p in Path(result.path).rglob("*") if p.is_file()]
+    size = sum(p.stat().st_size for p in files)
+    print(f"{ref} ({kind}): commit {result.commit}, {len(files)} files, {size / 2**20:.1f} MiB in {result.path}\n"
+          f"runs with the same HF_HOME read it offline (HF_HUB_OFFLINE=1) as {ref}")
+    return 0
 
 
 def _add_env_parser(sub) -> None:
@@ -171,10 +204,12 @@ def _run_score(args: argparse.Namespace) -> int:
     import torch
 
     from mrl.app.commands import run_score
+    from mrl.app.hub_ids import resolve_model_argument
     from mrl.app.model_source import classify_model_path
 
-    classify_model_path(args.model, key="--model")  # a wrong folder is named as the user gave it
-    overrides = [f"++policy.model_name={args.model}", f"++run.output_dir={tempfile.mkdtemp(prefix='mrl-score-')}"]
+    model = resolve_model_argument(args.model, "--model")
+    classify_model_path(model, key="--model")  # a wrong folder is named as the user gave it
+    overrides = [f"++policy.model_name={model}", f"++run.output_dir={tempfile.mkdtemp(prefix='mrl-score-')}"]
     if not torch.cuda.is_available() and not any(o.lstrip("+").startswith("policy.precision=") for o in args.overrides):
         overrides.append("++policy.precision=float32")  # bf16 on CPU: slow, and off by ~0.1 nats
     run_score(load_config(args.config, [*overrides, *args.overrides]), args.input, args.out)
@@ -245,7 +280,10 @@ def _run_convert(args: argparse.Namespace) -> int:
 
     try:
         if args.direction == "hf-to-megatron":
-            out = convert.hf_to_megatron(args.hf, args.out, tp=args.tp, pp=args.pp, ep=args.ep)
+            from mrl.app.hub_ids import resolve_model_argument
+
+            hf = resolve_model_argument(args.hf, "--hf")
+            out = convert.hf_to_megatron(hf, args.out, tp=args.tp, pp=args.pp, ep=args.ep)
         elif args.megatron:
             out = convert.megatron_to_hf(args.megatron, args.out)
         else:
@@ -277,6 +315,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _run_convert(args)
         if args.command == "score":
             return _run_score(args)
+        if args.command == "download":
+            return _run_download(args)
         if args.command == "submit":
             return _run_submit(args)
         if args.command == "env":

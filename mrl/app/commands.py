@@ -12,16 +12,18 @@ where the newest checkpoint is, and that re-running the same command resumes fro
 
 from __future__ import annotations
 
+import functools
 import json
 import shlex
 import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from mrl.app.checkpointing import RunCheckpoints, resume_padded_vocab
 from mrl.app.errors import RunFailed
+from mrl.app.hub_ids import resolve_hub_ids
 from mrl.app.model_source import ModelSource, classify_model_path
 from mrl.app.runtime import Runtime, start_runtime
 from mrl.config.errors import ConfigError
@@ -311,4 +313,20 @@ def run_score(cfg: MrlConfig, input_path: str, out_path: str) -> dict[str, float
     return write_scores(out_path, rows, scored)
 
 
-RUNNERS = {"grpo": run_grpo, "sft": run_sft, "dpo": run_dpo, "rm": run_rm, "eval": run_eval}
+def with_hub_ids(run: Callable[[MrlConfig], dict[str, Any]]) -> Callable[[MrlConfig], dict[str, Any]]:
+    """`run` on the config with its hub ids resolved to snapshot folders first (mrl/app/hub_ids.py); what they
+    resolved to goes into summary.json as `hub`."""
+    @functools.wraps(run)
+    def resolved_run(cfg: MrlConfig) -> dict[str, Any]:
+        cfg, resolved = resolve_hub_ids(cfg)
+        summary = run(cfg)
+        if resolved:
+            summary["hub"] = resolved
+            _write_summary(Path(cfg.run.output_dir), summary)
+        return summary
+
+    return resolved_run
+
+
+RUNNERS = {name: with_hub_ids(run) for name, run in
+           {"grpo": run_grpo, "sft": run_sft, "dpo": run_dpo, "rm": run_rm, "eval": run_eval}.items()}

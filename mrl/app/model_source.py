@@ -1,4 +1,5 @@
-"""What a command starts from: an HF model folder or a Megatron checkpoint folder (`classify_model_path`).
+"""What a command starts from: an HF model folder or a Megatron checkpoint folder (`classify_model_path`). A hub id
+was resolved to its snapshot folder, an HF folder, before this is asked (mrl/app/hub_ids.py).
 
     HF folder         config.json + model.safetensors (or shards + model.safetensors.index.json) + tokenizer files
     Megatron folder   model/metadata.json (a torch_dist distributed checkpoint) + hf/config.json + tokenizer in hf/:
@@ -98,6 +99,5 @@ def _fix(folder: Path) -> str:
         return f"pass one complete step folder, e.g. the newest, {folder / _step_folders(folder)[-1]}"
     if folder.name == HF_SUBDIR and _is_megatron_folder(folder.parent):
         return f"pass the Megatron checkpoint folder {folder.parent} (its hf/ holds the config, model/ the weights)"
-    return ("pass an HF folder (config.json + *.safetensors + tokenizer), the --out folder of `mrl convert "
-            "hf-to-megatron`, or a complete training checkpoint <checkpointing.dir>/step_N (hub names are not "
-            "downloaded at run time)")
+    return ("pass an HF folder (config.json + *.safetensors + tokenizer), a hub id (org/name[@revision]), the --out "
+            "folder of `mrl convert hf-to-megatron`, or a complete training checkpoint <checkpointing.dir>/step_N")

@@ -246,6 +246,7 @@ def start_runtime(cfg: MrlConfig, *, total_steps: int, policy: bool = True, engi
     started = time.time()
     try:
         runtime.placement = reserve_placement(cfg, cluster)
+        _models_on_every_node(runtime.placement, _model_folders(cfg, source))
         share = group_share(cfg, engine=engine, reward_model=scorer is not None)
         # The worker groups start side by side (each spends seconds importing and building its model); colocated,
         # the others build theirs once the engine sleeps (see the module docstring).
@@ -277,6 +278,40 @@ def start_runtime(cfg: MrlConfig, *, total_steps: int, policy: bool = True, engi
         runtime.shutdown()
         raise
     return runtime
+
+
+def _model_folders(cfg: MrlConfig, source: ModelSource) -> list[str]:
+    """The model folders the workers read that are hub snapshots (mrl/app/hub_ids.py resolved them)."""
+    from mrl.data.hub import is_snapshot
+
+    folders = [str(source.config_dir)]
+    if cfg.env.reward_model is not None:
+        folders.append(cfg.env.reward_model.model)
+    return [folder for folder in folders if is_snapshot(folder)]
+
+
+def _models_on_every_node(placement: Placement, folders: list[str]) -> None:
+    """Every node of the placement holds the hub snapshots its workers will read before any of them starts: a node
+    whose cache lacks one (HF_HOME not shared between nodes) fetches it by its commit. A no-op without hub models."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from mrl.data.hub import ensure_model_snapshot
+
+    if not folders:
+        return
+    task = ray.remote(num_cpus=0, max_retries=0)(_ensure_snapshots)
+    nodes = sorted({bundle.node_id for bundle in placement.bundles})
+    done = ray.get([task.options(name="mrl-fetch-models",
+                                 scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False))
+                    .remote(folders, ensure_model_snapshot) for node in nodes])
+    for node, outcome in zip(nodes, done):
+        if any(line != "present" for line in outcome):
+            print(f"[mrl] node {node[:12]}: {'; '.join(outcome)}", file=sys.stderr, flush=True)
+
+
+def _ensure_snapshots(folders: list[str], ensure: Any) -> list[str]:
+    return [ensure(folder) for folder in folders]
 
 
 def _policy_spec(cfg: MrlConfig, source: ModelSource, *, total_steps: int, padded_vocab: Optional[int],

@@ -24,7 +24,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
-LAUNCHER = Path(__file__).resolve().parents[2] / "slurm" / "ray-sbatch.sh"
+from mrl.config.recipes import SLURM_LAUNCHER
+
+LAUNCHER = SLURM_LAUNCHER.resolve()  # slurm/ray-sbatch.sh of the checkout, or its copy inside an installed wheel
 CONFIG_COMMANDS = ("grpo", "sft", "eval", "dpo", "rm")
 
 

@@ -26,6 +26,7 @@ from typing import Any, Sequence
 from mrl.app.commands import DONE_MARKER, RUNNERS, SUMMARY_FILE, final_dir
 from mrl.config import load_config
 from mrl.config.errors import ConfigError
+from mrl.config.recipes import find_recipe
 from mrl.config.schema import MrlConfig, StageConfig
 
 
@@ -74,7 +75,7 @@ def stage_configs(recipe: Path, root: MrlConfig, overrides: Sequence[str]) -> li
 
 
 def run_staged(recipe: str | Path, overrides: Sequence[str]) -> dict[str, Any]:
-    recipe = Path(recipe)
+    recipe = find_recipe(recipe)  # a shipped recipe by name: its stages' `config:` files are found beside it
     root = load_config(recipe, overrides)
     if not root.stages:
         raise ConfigError("a staged recipe needs a non-empty `stages:` list", key="stages",

@@ -11,6 +11,7 @@ from pydantic import ValidationError
 from mrl.config.checks import errors_from_validation
 from mrl.config.errors import CONFIG_ERROR_EXIT_CODE, ConfigError
 from mrl.config.loader import apply_overrides, deep_merge, load_yaml_tree, resolve
+from mrl.config.recipes import find_recipe
 from mrl.config.schema import MrlConfig
 
 __all__ = ["CONFIG_ERROR_EXIT_CODE", "ConfigError", "MrlConfig", "load_config", "validate_tree", "to_yaml"]
@@ -25,12 +26,13 @@ def validate_tree(tree: dict[str, Any]) -> MrlConfig:
 
 
 def load_config(path: str | Path | None, overrides: Iterable[str] = ()) -> MrlConfig:
-    """Load, override, resolve and validate a config file (None: the schema defaults and the overrides alone).
+    """Load, override, resolve and validate a config file (None: the schema defaults and the overrides alone); a
+    path that names no file may name a shipped recipe (`mrl.config.recipes.find_recipe`).
 
     The schema defaults are merged under the file before interpolations resolve, so `${run.output_dir}` works
     whether or not the file sets it.
     """
-    tree = apply_overrides({} if path is None else load_yaml_tree(path), overrides)
+    tree = apply_overrides({} if path is None else load_yaml_tree(find_recipe(path)), overrides)
     return validate_tree(resolve(deep_merge(schema_defaults(), tree)))
 
 

@@ -129,9 +129,11 @@ class OffloadConfig(Section):
 
 class PolicyConfig(Section):
     model_name: Optional[str] = Field(None, description="HF model folder (config.json + safetensors + tokenizer), "
-                                      "or a Megatron checkpoint folder (`mrl convert hf-to-megatron` output, a "
-                                      "training step_N/ or final_megatron/): loaded in any parallel layout.")
-    tokenizer: Optional[str] = Field(None, description="Tokenizer folder or name; None = model_name's.")
+                                      "a hub id (org/name[@revision], fetched into the HF cache before the run, "
+                                      "read from it with HF_HUB_OFFLINE=1), or a Megatron checkpoint folder (`mrl "
+                                      "convert hf-to-megatron` output, a training step_N/ or final_megatron/): "
+                                      "loaded in any parallel layout.")
+    tokenizer: Optional[str] = Field(None, description="Tokenizer folder or hub id; None = model_name's.")
     build: Optional[ModelBuildConfig] = Field(None, description="Build a random model instead of loading model_name.")
     precision: Literal["float32", "bfloat16"] = Field("bfloat16", description="Parameter/compute dtype (fp32 on CPU).")
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
@@ -245,7 +247,8 @@ class RMConfig(Section):
 
 
 class EvalConfig(Section):
-    data: Optional[str] = Field(None, description="jsonl/parquet file of problems and answers.")
+    data: Optional[str] = Field(None, description="Problems and answers: a jsonl/json/parquet file, a dataset folder "
+                                "or a hub dataset id (its test split).")
     num_samples: int = Field(1, ge=1, description="Samples per problem (k).")
     pass_k: list[int] = Field(default_factory=lambda: [1], description="k values reported as pass@k (each <= num_samples).")
     temperature: float = Field(0.0, ge=0, description="Sampling temperature of evaluation.")
@@ -267,8 +270,10 @@ class ArithTaskConfig(Section):
 
 
 class DataConfig(Section):
-    train: Optional[str] = Field(None, description="Training prompts: jsonl/parquet path (or HF dataset name when a hub is reachable).")
-    val: Optional[str] = Field(None, description="Validation prompts, same format.")
+    train: Optional[str] = Field(None, description="Training prompts: a jsonl/json/parquet file, a dataset folder, or "
+                                 "a hub dataset id (org/name[@revision]; its train split).")
+    val: Optional[str] = Field(None, description="Validation prompts, same forms (a hub dataset's test split, else "
+                               "its validation split, else its only one).")
     problem_key: str = Field("problem", description="Column holding the problem text.")
     answer_key: str = Field("answer", description="Column holding the gold answer.")
     prompt_template: Literal["chat", "plain"] = Field("chat", description="Tokenizer chat template, or plain text.")
@@ -282,8 +287,8 @@ class RewardModelEnvConfig(Section):
     """A trained reward model (`*ForSequenceClassification`, e.g. `mrl rm`'s final export) scoring rollouts,
     served by its own Megatron worker group."""
 
-    model: str = Field(..., description="Reward model folder: HF (config.json + safetensors + tokenizer) or a "
-                       "Megatron checkpoint folder.")
+    model: str = Field(..., description="Reward model: an HF folder (config.json + safetensors + tokenizer), a hub "
+                       "id (org/name[@revision]) or a Megatron checkpoint folder.")
     weight: float = Field(1.0, description="Reward += weight * the model's score.")
     verifier_weight: float = Field(0.0, description="Reward += verifier_weight * the task verifier's 0/1 score "
                                    "(env.kind's math or arith check); 0 = the reward model alone.")

@@ -1,5 +1,6 @@
-"""Problem/answer datasets: local jsonl or parquet files (DeepScaleR's `problem`, `answer` columns by default), or
-a Hugging Face dataset name when the `datasets` package and a hub (or its cache) are available.
+"""Problem/answer datasets: local jsonl, json or parquet files (DeepScaleR's `problem`, `answer` columns by default),
+or a dataset folder laid out as a hub repo (a hub id is resolved to its snapshot folder before the run starts,
+mrl/app/hub_ids.py; the asked split's files are read, mrl/data/hub.py `split_files`).
 
 Bad rows never crash a run: a row that is not a JSON object, lacks the problem or the answer, or has an empty
 problem is skipped and counted by reason (`ProblemSet.skipped`); only a source with no usable row at all is an
@@ -14,6 +15,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Optional
+
+from mrl.data.hub import local_split
 
 logger = logging.getLogger(__name__)
 
@@ -94,21 +97,46 @@ def _scalar_text(value: Any) -> Optional[str]:
 
 
 def read_rows(source: str, split: str) -> tuple[Iterable[tuple[int, Any]], set[str]]:
+    """Every row of a data file, or of `split`'s files in a dataset folder (numbered on across files)."""
     path = Path(source)
-    if path.is_file():
-        if path.suffix.lower() in JSONL_SUFFIXES:
-            rows = list(_jsonl_rows(path))
-        elif path.suffix.lower() in PARQUET_SUFFIXES:
-            rows = list(enumerate(_parquet_rows(path)))
-        else:
-            raise ValueError(f"{source}: unknown data format {path.suffix!r}; use .jsonl (one JSON object per line) "
-                             "or .parquet")
-    elif path.suffix.lower() in JSONL_SUFFIXES + PARQUET_SUFFIXES or path.is_dir():
+    if path.is_dir():
+        rows = []
+        for file in local_split(path, split, source=source):
+            rows += [(len(rows) + i, row) for i, (_, row) in enumerate(_file_rows(file))]
+    elif path.is_file():
+        rows = list(_file_rows(path))
+    elif path.suffix.lower() in JSONL_SUFFIXES + PARQUET_SUFFIXES:
         raise FileNotFoundError(f"data file {source} does not exist (check data.train / data.val / eval.data)")
     else:
-        rows = list(enumerate(_hf_rows(source, split)))
+        raise FileNotFoundError(f"{source!r} is neither a data file (.jsonl / .json / .parquet), a dataset folder nor "
+                                "a hub id (org/name[@revision]) resolved before the run: check data.train / data.val "
+                                "/ eval.data")
     columns = {k for _, r in rows[:100] if isinstance(r, dict) for k in r}
     return rows, columns
+
+
+def _file_rows(path: Path) -> list[tuple[int, Any]]:
+    suffix = path.suffix.lower()
+    if suffix in JSONL_SUFFIXES:
+        array = _json_array(path) if suffix == ".json" else None
+        return list(enumerate(array)) if array is not None else list(_jsonl_rows(path))
+    if suffix in PARQUET_SUFFIXES:
+        return list(enumerate(_parquet_rows(path)))
+    raise ValueError(f"{path}: unknown data format {path.suffix!r}; use .jsonl (one JSON object per line), .json or "
+                     ".parquet")
+
+
+def _json_array(path: Path) -> Optional[list]:
+    """The rows of a .json file holding one array (how some hub datasets ship, e.g. DeepScaleR's deepscaler.json);
+    None for a file of one row per line (jsonl under a .json name, even one whose first line is a list)."""
+    text = path.read_text(encoding="utf-8")
+    if not text.lstrip("\ufeff \t\r\n").startswith("["):
+        return None
+    try:
+        array = json.loads(text)
+    except json.JSONDecodeError:
+        return None
+    return array if isinstance(array, list) else None
 
 
 def _jsonl_rows(path: Path) -> Iterator[tuple[int, Any]]:
@@ -128,18 +156,3 @@ def _parquet_rows(path: Path) -> list[dict]:
     except ImportError as err:
         raise ImportError(f"reading {path} needs pyarrow (pip install pyarrow), or convert it to jsonl") from err
     return pq.read_table(path).to_pylist()
-
-
-def _hf_rows(name: str, split: str) -> Iterable[dict]:
-    try:
-        import datasets
-    except ImportError as err:
-        raise FileNotFoundError(f"{name!r} is neither a local .jsonl/.parquet file nor loadable as a Hugging Face "
-                                "dataset (the `datasets` package is not installed); point data.train at a local "
-                                "file") from err
-    try:
-        return datasets.load_dataset(name, split=split)
-    except Exception as err:  # the hub being unreachable surfaces as many different exception types
-        raise FileNotFoundError(f"could not load Hugging Face dataset {name!r} (split {split!r}): {err}; with no hub "
-                                "access, download it elsewhere and point data.train at a local jsonl/parquet "
-                                "file") from err

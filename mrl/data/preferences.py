@@ -23,7 +23,6 @@ Batches (`build_preference_batch`) follow the SFT layout (mrl/data/sft.py), chos
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 from collections import Counter
@@ -77,9 +76,9 @@ class PreferenceSet:
 
 # ------------------------------------------------------------------------------------------------------- loading
 def load_preferences(source: str | Path, *, max_rows: Optional[int] = None, split: str = "train") -> PreferenceSet:
-    """Read a jsonl/json/parquet file (or an HF dataset name) into `PreferencePair`s, skipping and counting bad
+    """Read a jsonl/json/parquet file (or a dataset folder) into `PreferencePair`s, skipping and counting bad
     rows; at most `max_rows` pairs."""
-    rows, columns = _read_preference_rows(str(source), split)
+    rows, columns = read_rows(str(source), split)
     result = PreferenceSet([], str(source))
     for index, row in rows:
         pair, reason = _to_pair(index, row)
@@ -96,23 +95,6 @@ def load_preferences(source: str | Path, *, max_rows: Optional[int] = None, spli
     if result.num_skipped:
         logger.warning("%s: skipped %d bad rows %s", source, result.num_skipped, dict(result.skipped))
     return result
-
-
-def _read_preference_rows(source: str, split: str) -> tuple[list[tuple[int, Any]], set[str]]:
-    """Rows of a `.json` file holding one JSON array, else what `read_rows` reads (jsonl, parquet, HF)."""
-    path = Path(source)
-    if path.is_file() and path.suffix.lower() == ".json":
-        text = path.read_text(encoding="utf-8")
-        if text.lstrip().startswith("["):
-            try:
-                array = json.loads(text)
-            except json.JSONDecodeError:
-                array = None  # e.g. jsonl whose first line is a list: read line by line below
-            if isinstance(array, list):
-                rows = list(enumerate(array))
-                return rows, {k for _, r in rows[:100] if isinstance(r, dict) for k in r}
-    rows, columns = read_rows(source, split)
-    return list(rows), columns
 
 
 def _to_pair(index: int, row: Any) -> tuple[Optional[PreferencePair], str]:

@@ -1,7 +1,7 @@
 """`mrl score` through the command line: per-token logprobs equal HF transformers at TP1 and TP2, bad rows are
 reported and skipped, perplexity is exp(-mean logprob); a Megatron checkpoint folder of the same weights, written at
 the other TP size (`mrl convert hf-to-megatron`'s function on 2 ranks for TP2), scores bit for bit what the HF
-folder scores."""
+folder scores, and so does its hub id from a hub cache holding the same files."""
 
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ import pytest
 import torch
 
 from mrl.testing.distributed import run_on_ranks
+from mrl.testing.hub_cache import folder_files, place
+from mrl.testing.hub_server import client_env
 from mrl.testing.runs import finish, mrl
 from mrl.testing.tiny_models import build_tiny_hf_model, hf_token_logprobs
 
@@ -20,6 +22,7 @@ ROWS = [{"text": "The quick brown fox jumps over the lazy dog number 7."},
         {"prompt": "Question: what is 3 plus 10?", "completion": " Answer: 13"},
         {"input_ids": [5, 17, 42, 8, 9], "num_prompt_tokens": 3},
         {"nothing": "here"}]
+HUB_ID = "tiny-org/score-model"
 LAYOUTS = {"tp1": [], "tp2": ["cluster.devices_per_node=2", "policy.parallel.tensor_parallel_size=2"]}
 
 
@@ -36,10 +39,12 @@ def inputs(tmp_path_factory) -> Path:
     return source
 
 
-def _score_concurrently(runs: dict[str, tuple[Path, Path]], inputs: Path) -> dict[str, Path]:
+def _score_concurrently(runs: dict[str, tuple[Path | str, Path]], inputs: Path,
+                        env: dict[str, str] | None = None) -> dict[str, Path]:
     """`mrl score` of {layout: (model, out)}, the runs started together (most of one is Ray and the ranks
-    starting); their outputs by layout."""
-    started = [mrl("score", "--model", str(model), "--input", str(inputs), "--out", str(out), *LAYOUTS[layout])
+    starting); their outputs by layout (a layout not in LAYOUTS runs at TP1)."""
+    started = [mrl("score", "--model", str(model), "--input", str(inputs), "--out", str(out),
+                   *LAYOUTS.get(layout, []), env=env)
                for layout, (model, out) in runs.items()]
     for proc in started:
         finish(proc)
@@ -48,9 +53,18 @@ def _score_concurrently(runs: dict[str, tuple[Path, Path]], inputs: Path) -> dic
 
 @pytest.fixture(scope="module")
 def hf_scores(model_dir, inputs, tmp_path_factory) -> dict[str, Path]:
-    """The HF folder's scores at every layout."""
+    """The HF folder's scores at every layout, and (as "hub") those of the same files placed in a hub cache as
+    `hf download` leaves them, scored by their id with HF_HUB_OFFLINE=1."""
     root = tmp_path_factory.mktemp("hf")
-    return _score_concurrently({layout: (model_dir, root / f"{layout}.jsonl") for layout in LAYOUTS}, inputs)
+    home = root / "hf_home"
+    place(home / "hub", HUB_ID, folder_files(model_dir))
+    runs: dict[str, tuple[Path | str, Path]] = {layout: (model_dir, root / f"{layout}.jsonl") for layout in LAYOUTS}
+    runs["hub"] = (HUB_ID, root / "hub.jsonl")
+    return _score_concurrently(runs, inputs, env=client_env(None, home, offline=True))
+
+
+def test_a_hub_id_scores_what_the_same_files_as_a_folder_score(hf_scores):
+    assert hf_scores["hub"].read_text() == hf_scores["tp1"].read_text()  # every logprob bit for bit
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
