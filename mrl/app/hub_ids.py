@@ -33,8 +33,35 @@ def resolve_hub_ids(cfg: MrlConfig) -> tuple[MrlConfig, dict[str, dict[str, str]
     docstring); `cfg` itself when it names none."""
     out = Path(cfg.run.output_dir)
     recorded = read_records(out)
-    resolved: dict[str, dict[str, str]] = {}
     new = cfg.model_copy(deep=True)
+    resolved = {}
+    for key, result in _resolve_all(cfg, recorded, out):
+        _set(new, key, result.path)
+        resolved[key] = hub.as_record(result)
+    if not resolved:
+        return cfg, {}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / RECORD_FILE).write_text(json.dumps({**recorded, **resolved}, indent=2) + "\n")
+    return new, resolved
+
+
+def fetch_hub_ids(cfg: MrlConfig, *, dry_run: bool = False) -> list[str]:
+    """`mrl submit` on a login node: every hub id of `cfg` fetched into the cache the job will read (an error before
+    anything is queued when one cannot be); the keys fetched. Nothing is recorded: the run records what it reads.
+    `dry_run`: fetch nothing, say per id whether the cache holds it."""
+    if dry_run:
+        for key, repo_type, _ in _places():
+            value = _get(cfg, key)
+            ref = hub.parse_hub_id(value) if isinstance(value, str) else None
+            if ref is not None:
+                commit = hub.cached_commit(ref, repo_type)
+                state = f"in the hub cache (commit {commit})" if commit else "not in the hub cache: submitting fetches it"
+                print(f"[mrl] {key}: {ref} {state}", file=sys.stderr, flush=True)
+        return []
+    return [key for key, _ in _resolve_all(cfg, {}, Path(cfg.run.output_dir))]
+
+
+def _resolve_all(cfg: MrlConfig, recorded: dict[str, dict[str, str]], out: Path) -> Iterator[tuple[str, hub.Resolved]]:
     for key, repo_type, split in _places():
         value = _get(cfg, key)
         ref = hub.parse_hub_id(value) if isinstance(value, str) else None
@@ -42,14 +69,8 @@ def resolve_hub_ids(cfg: MrlConfig) -> tuple[MrlConfig, dict[str, dict[str, str]
             continue
         pinned = _pinned(recorded.get(key), ref, repo_type, key, out)
         result = hub.resolve(ref, repo_type=repo_type, key=key, split=split, pinned=pinned)
-        _set(new, key, result.path)
-        resolved[key] = hub.as_record(result)
         print(f"[mrl] {key}: {ref} -> commit {result.commit} ({result.path})", file=sys.stderr, flush=True)
-    if not resolved:
-        return cfg, {}
-    out.mkdir(parents=True, exist_ok=True)
-    (out / RECORD_FILE).write_text(json.dumps({**recorded, **resolved}, indent=2) + "\n")
-    return new, resolved
+        yield key, result
 
 
 def resolve_model_argument(value: str, key: str) -> str:

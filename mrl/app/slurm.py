@@ -4,7 +4,10 @@
       1. preflight, before anything is queued: the command's config is loaded and validated (a bad key exits 2 as
          everywhere), and the allocation is checked against it: N must be cluster.num_nodes and G must be
          cluster.devices_per_node (each defaults to the config's value), so a layout that cannot run is refused at
-         submission instead of after minutes in the queue;
+         submission instead of after minutes in the queue; every hub id of the config (policy.model_name,
+         data.train, ...) is fetched into the hub cache, or found there with HF_HUB_OFFLINE=1 (mrl/app/hub_ids.py):
+         compute nodes without network read it from there when HF_HOME is on a shared file system (--dry-run only
+         says which are cached);
       2. `sbatch --nodes N --gpus-per-node G [options] slurm/ray-sbatch.sh <the mrl command>` (printed, not run, with
          --dry-run); the job id is printed.
     python -m mrl.app.slurm wait-for-nodes --address A --nodes n1 n2 ... --timeout-s S
@@ -24,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
+from mrl.app.hub_ids import fetch_hub_ids
 from mrl.config.recipes import SLURM_LAUNCHER
 
 LAUNCHER = SLURM_LAUNCHER.resolve()  # slurm/ray-sbatch.sh of the checkout, or its copy inside an installed wheel
@@ -110,7 +114,9 @@ def submit(args: argparse.Namespace) -> int:
         command = command[1:]
     if not command:
         raise PreflightError("nothing to submit: `mrl submit [options] -- mrl grpo --config FILE ...`")
-    allocation = check_allocation(command_config(command), args.nodes, args.gpus_per_node)
+    cfg = command_config(command)
+    allocation = check_allocation(cfg, args.nodes, args.gpus_per_node)
+    fetch_hub_ids(cfg, dry_run=args.dry_run)  # into the cache the job reads (HF_HOME on a shared file system), before anything is queued
     line, env = sbatch_command(allocation, command, args), launcher_env(args)
     shown = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()) + " " + shlex.join(line)
     if args.dry_run:

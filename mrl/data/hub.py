@@ -166,9 +166,10 @@ def _download(ref: HubRef, repo_type: str, key: str, split: Optional[str], pinne
                                  allow_patterns=patterns, ignore_patterns=ignore, cache_dir=cache)
     except ConfigError:
         raise
-    except ValueError as error:  # split_files: no such split
+    except ValueError as error:  # split_files: no such split; huggingface_hub: not a valid repo id
         raise ConfigError(str(error), key=key, given=str(ref),
-                          fix="name a dataset that has it, or download its files and pass the one to read") from error
+                          fix="check the id (org/name[@revision]); for a dataset, name one with the split it reads, "
+                              "or download its files and pass the file to read") from error
     except Exception as error:  # the hub's errors: gated, missing repo or revision, unreachable
         answered = isinstance(error, (RepositoryNotFoundError, RevisionNotFoundError))  # gated is one too
         cached = None if answered else _cached_snapshot(ref, repo_type, pinned)

@@ -43,3 +43,33 @@ def test_wait_names_the_nodes_missing_at_the_deadline(monkeypatch):
     seen = iter([set(), {"node1", "node2"}])
     monkeypatch.setattr(slurm, "_live_hosts", lambda address: next(seen))
     wait_for_nodes("h:6379", ["node1", "node2"], timeout_s=5, poll_s=0.01)  # returns once both are there
+
+
+def _submit_args(command: list[str], tmp_path, dry_run: bool = False) -> argparse.Namespace:
+    return argparse.Namespace(submitted=["--", *command], nodes=None, gpus_per_node=None, dry_run=dry_run,
+                              job_name="mrl", gpus=False, time=None, partition=None, account=None, requeue=False,
+                              log_root=str(tmp_path / "logs"), sbatch_arg=[], container_image=None,
+                              container_mounts=None)
+
+
+def test_submit_fetches_the_hub_ids_first_and_queues_nothing_when_one_is_missing(tmp_path, monkeypatch, capsys):
+    from huggingface_hub import constants
+
+    from mrl.config.errors import ConfigError
+    from mrl.testing.hub_cache import place
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    queued = []
+    monkeypatch.setattr(slurm.subprocess, "run", lambda line, **kw: queued.append(line) or argparse.Namespace(
+        returncode=0, stdout="42\n", stderr=""))
+    command = ["mrl", "grpo", "--config", RECIPE, "policy.model_name=org/model", "~policy.build",
+               f"run.output_dir={tmp_path / 'run'}"]
+    with pytest.raises(ConfigError, match="org/model .*not in the hub cache"):
+        slurm.submit(_submit_args(command, tmp_path))
+    assert queued == []
+    assert slurm.submit(_submit_args(command, tmp_path, dry_run=True)) == 0 and queued == []
+    assert "org/model not in the hub cache: submitting fetches it" in capsys.readouterr().err
+    commit = place(tmp_path / "hub", "org/model", {"config.json": b"{}", "model.safetensors": b"w"})
+    assert slurm.submit(_submit_args(command, tmp_path)) == 0 and len(queued) == 1
+    assert f"org/model -> commit {commit}" in capsys.readouterr().err
