@@ -1,5 +1,5 @@
 """Test-wide set-up: markers follow the folder (tests/unit -> unit, tests/functional -> functional, tests/real ->
-real, tests/slurm -> slurm)."""
+real, tests/slurm -> slurm, tests/faults -> faults)."""
 import os
 
 import pytest
@@ -22,3 +22,5 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.real)
         elif "slurm" in parts:
             item.add_marker(pytest.mark.slurm)
+        elif "faults" in parts:
+            item.add_marker(pytest.mark.faults)

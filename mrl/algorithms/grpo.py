@@ -14,7 +14,8 @@ dropped instead of refilled (DAPO refills; here the step is just smaller). With 
 samples come from the policy one update older than pi_old (generation overlaps training, mrl/algorithms/ahead.py);
 the loss's importance weights pi_old / pi_engine correct for it (loss.importance_sampling, required then).
 Validation (before the first step, every grpo.val_every steps and after the last) samples the held-out problems
-with the eval settings; a run without validation data skips it and says so once.
+with the eval settings; a run without validation data skips it and says so once. An update whose loss or gradients
+are not finite is skipped, and so is the refit after a step of only such updates (mrl/algorithms/guards.py).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import torch
 from mrl.algorithms.agent import agent_rollouts, validate_episodes
 from mrl.algorithms.ahead import RolloutsAhead
 from mrl.algorithms.evaluate import validate, write_samples
+from mrl.algorithms.guards import NonFiniteGuard
 from mrl.algorithms.interfaces import LoopCheckpoints, Workers
 from mrl.algorithms.rollout import Rollouts, generate_and_score
 from mrl.config.schema import MrlConfig
@@ -196,6 +198,7 @@ def grpo_train(cfg: MrlConfig, workers: Workers, env: Environment, data: TaskDat
     if ahead is not None and state:
         ahead.load_state_dict(state.get("in_flight"))
     final: dict[str, float] = {}
+    guard = NonFiniteGuard(cfg.policy.max_nonfinite_steps)
     try:
         for step in range(start + 1, last + 1):
             t0 = time.perf_counter()
@@ -207,7 +210,8 @@ def grpo_train(cfg: MrlConfig, workers: Workers, env: Environment, data: TaskDat
             if ahead is not None and not done:  # step + 1 generates (from the weights before this step) ...
                 ahead.start(step + 1, next(loader), policy_version=step - 1)
             metrics.update(learn(cfg, workers, rollouts, step, loss_fn, logger))  # ... while this step trains
-            if ahead is None:
+            skipped = guard.observe(step, metrics)  # a non-finite step changed no weight: nothing to refit
+            if ahead is None and not skipped:
                 metrics.update(refit_engine(workers, logger))
             if done or (cfg.grpo.val_every and step % cfg.grpo.val_every == 0):
                 if ahead is not None:
@@ -216,6 +220,7 @@ def grpo_train(cfg: MrlConfig, workers: Workers, env: Environment, data: TaskDat
             metrics["timing/step"] = time.perf_counter() - t0
             logger.log(metrics, step=step)
             final = metrics
+            guard.stop_if_exhausted()
             if ckpt.due(step, last, final=done):
                 in_flight = ahead.state_dict() if ahead is not None else None
                 ckpt.save(step, {"dataloader": loader.state_dict(), "in_flight": in_flight}, metrics)

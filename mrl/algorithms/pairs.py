@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import torch
 
+from mrl.algorithms.guards import NonFiniteGuard
 from mrl.config.schema import MrlConfig
 from mrl.data.preferences import (PreferencePair, build_preference_batch, encode_prompt_messages, load_preferences,
                                   prompt_fits)
@@ -169,6 +170,7 @@ def train_on_pairs(cfg: MrlConfig, section: "DPOConfig | RMConfig", workers: "Wo
     else:  # the starting model's validation metrics, the baseline the run is judged against
         logger.log(validate(), step=0)
     final: dict[str, float] = {}
+    guard = NonFiniteGuard(cfg.policy.max_nonfinite_steps)
     for step in range(int(state["step"]) + 1 if state else 1, last + 1):
         t0 = time.perf_counter()
         metrics = step_fn(pair_batch(next(stream), workers.tokenizer, data.template,
@@ -176,9 +178,11 @@ def train_on_pairs(cfg: MrlConfig, section: "DPOConfig | RMConfig", workers: "Wo
         done = step == last or stream.passes_done(section.max_num_epochs)
         if done or (section.val_every and step % section.val_every == 0):
             metrics.update(validate())
+        guard.observe(step, metrics)
         metrics["timing/step"] = time.perf_counter() - t0
         logger.log(metrics, step=step)
         final = metrics
+        guard.stop_if_exhausted()
         if ckpt.due(step, last, final=done):
             ckpt.save(step, {"pairs": stream.state_dict()}, metrics)
         if ckpt.stops_after(step, done=done):

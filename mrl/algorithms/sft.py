@@ -18,6 +18,7 @@ import time
 from typing import Optional
 
 
+from mrl.algorithms.guards import NonFiniteGuard
 from mrl.algorithms.interfaces import LoopCheckpoints, Workers
 from mrl.config.schema import MrlConfig
 from mrl.data.dataloader import PromptDataLoader
@@ -97,6 +98,7 @@ def sft_train(cfg: MrlConfig, workers: Workers, data: TaskData, logger: MetricsL
     if state:
         examples.load_state_dict(state["examples"])
     final: dict[str, float] = {}
+    guard = NonFiniteGuard(cfg.policy.max_nonfinite_steps)
     for step in range(int(state["step"]) + 1 if state else 1, last + 1):
         t0 = time.perf_counter()
         prompts, targets = examples.next()
@@ -106,9 +108,11 @@ def sft_train(cfg: MrlConfig, workers: Workers, data: TaskData, logger: MetricsL
         done = step == last or examples.passes_done(cfg.sft.max_num_epochs)
         if _validation_due(cfg, step, done):
             metrics.update(validation_loss(workers, data))
+        guard.observe(step, metrics)
         metrics["timing/step"] = time.perf_counter() - t0
         logger.log(metrics, step=step)
         final = metrics
+        guard.stop_if_exhausted()
         if ckpt.due(step, last, final=done):
             ckpt.save(step, {"examples": examples.state_dict()}, metrics)
         if ckpt.stops_after(step, done=done):

@@ -10,6 +10,8 @@ Resume (`checkpointing.resume=true`, the default): the newest complete step is l
 model or tokenizer is refused with the reason; another parallel layout is fine (reshard on load). A SIGTERM
 (Slurm pre-emption) sets a flag: the loop saves after the step in flight and exits 0.
 `checkpointing.enabled=false`: nothing is written and nothing is resumed (the run's final export still is).
+A save that storage refuses (disk full, quota, permissions) removes its partial folder and ends the run with the
+folder, the reason and the free space (mrl/app/storage.py); a re-run resumes from the newest complete step.
 A complete step_N/ is also a Megatron checkpoint folder that any command starts from (`policy.model_name`).
 """
 
@@ -24,6 +26,7 @@ from typing import Any, Optional
 
 from mrl.app.errors import CheckpointIncompatibleError, Preempted
 from mrl.app.runtime import Runtime
+from mrl.app.storage import storage_guard
 from mrl.config import to_yaml
 from mrl.config.schema import MrlConfig
 
@@ -87,12 +90,19 @@ class RunCheckpoints:
         from mrl.checkpoint.megatron import HF_SUBDIR
 
         start = time.perf_counter()
-        tmp = self.manager.begin(step)
-        self.runtime.policy.save(str(tmp))
-        copy_model_metadata(self.runtime.model_dir, tmp / HF_SUBDIR)
-        (tmp / "config.yaml").write_text(to_yaml(self.cfg))
-        save_train_state(tmp, {**state, "step": step, "rng": capture_rng_state(), "model_record": self._record()})
-        path = self.manager.commit(step, tmp, metrics)
+        tmp: Optional[Path] = None
+
+        def discard() -> None:
+            if tmp is not None:
+                self.manager.discard(tmp)
+
+        with storage_guard(f"checkpoint step {step}", self.manager.root, discard):
+            tmp = self.manager.begin(step)
+            self.runtime.policy.save(str(tmp))
+            copy_model_metadata(self.runtime.model_dir, tmp / HF_SUBDIR)
+            (tmp / "config.yaml").write_text(to_yaml(self.cfg))
+            save_train_state(tmp, {**state, "step": step, "rng": capture_rng_state(), "model_record": self._record()})
+            path = self.manager.commit(step, tmp, metrics)
         _say(f"saved checkpoint {path} ({time.perf_counter() - start:.1f} s)")
         return path
 

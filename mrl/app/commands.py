@@ -22,10 +22,11 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from mrl.app.checkpointing import RunCheckpoints, resume_padded_vocab
-from mrl.app.errors import RunFailed
+from mrl.app.errors import RunFailed, StorageFailed
 from mrl.app.hub_ids import resolve_hub_ids
 from mrl.app.model_source import ModelSource, classify_model_path
 from mrl.app.runtime import Runtime, start_runtime
+from mrl.app.storage import storage_guard
 from mrl.config.errors import ConfigError
 from mrl.config.schema import MrlConfig
 from mrl.logging.metrics import MetricsLogger
@@ -65,10 +66,15 @@ def _resume_hint(cfg: MrlConfig) -> str:
 @contextmanager
 def explained_failures(cfg: MrlConfig) -> Iterator[None]:
     """Turn a worker failure into `RunFailed` (see the module docstring)."""
+    from mrl.algorithms.guards import NonFiniteTraining
     from mrl.distributed import WorkerDiedError, WorkerError
 
     try:
         yield
+    except StorageFailed as error:
+        raise RunFailed(f"{error}.\n  {_resume_hint(cfg)}") from error
+    except NonFiniteTraining as error:
+        raise NonFiniteTraining(f"{error}\n  {_resume_hint(cfg)}, once the settings are changed") from error
     except WorkerError as error:
         message = str(error).split("\n--- remote traceback ---")[0]
         detail = "" if isinstance(error, WorkerDiedError) or not error.remote_traceback else \
@@ -86,8 +92,9 @@ def export_final(runtime: Runtime) -> Path:
     out = final_dir(runtime.cfg)
     tmp = out.with_name(f".tmp-{out.name}")
     shutil.rmtree(tmp, ignore_errors=True)
-    _write_export(runtime, tmp)
-    (tmp / DONE_MARKER).write_text("")
+    with storage_guard(f"the final export {out.name}", out.parent, lambda: shutil.rmtree(tmp, ignore_errors=True)):
+        _write_export(runtime, tmp)
+        (tmp / DONE_MARKER).write_text("")
     shutil.rmtree(out, ignore_errors=True)
     os.rename(tmp, out)
     return out

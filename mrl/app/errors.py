@@ -3,6 +3,7 @@
     0  done, or pre-empted (`Preempted`: a SIGTERM stopped a loop, which saved; re-running the command resumes)
     1  a file or checkpoint the user named cannot be used
     2  configuration error (CONFIG_ERROR_EXIT_CODE)
+    3  non-finite loss or gradients on policy.max_nonfinite_steps steps in a row (mrl.algorithms.guards.NonFiniteTraining): change the settings, then re-running resumes
     4  a worker died or raised (RunFailed): re-running the command resumes
 """
 
@@ -22,3 +23,8 @@ class Preempted(RuntimeError):
 
 class RunFailed(RuntimeError):
     """A worker died or raised; the message says where the run can resume from."""
+
+
+class StorageFailed(RuntimeError):
+    """A checkpoint or export could not be written (disk full, permissions, read-only file system): the message
+    names the folder, the reason and the free space; the controller adds where a re-run resumes (exit 4)."""

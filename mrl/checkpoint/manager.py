@@ -169,6 +169,13 @@ class CheckpointManager:
         self.clean_stale()
         return final
 
+    def discard(self, tmp: str | os.PathLike) -> None:
+        """Remove an uncommitted temporary folder of `begin` (a failed write: its space back, nothing visible
+        changes; best effort, what remains is cleaned as stale later)."""
+        tmp = Path(tmp)
+        self._open.discard(tmp)
+        shutil.rmtree(tmp, ignore_errors=True)
+
     # -- reading
     def steps(self) -> list[int]:
         """Steps with a complete checkpoint, ascending."""

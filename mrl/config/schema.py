@@ -150,6 +150,9 @@ class PolicyConfig(Section):
     offload_when_generating: OffloadConfig = Field(
         default_factory=OffloadConfig, description="What moves to host memory while a colocated engine generates.")
     moe: MoEConfig = Field(default_factory=MoEConfig)
+    max_nonfinite_steps: int = Field(3, ge=1, description="A step whose loss or gradients are not finite is skipped "
+                                     "(no update; GRPO does not refit the engine); this many such steps in a row "
+                                     "stop the run (exit 3) before anything more is saved.")
 
 
 # -------------------------------------------------------------------------------------------------------- generation

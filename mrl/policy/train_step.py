@@ -280,7 +280,8 @@ def train_on_batch(model: list, optimizer, scheduler, batch: RankBatch, *, loss_
     (only meaningful on the last pipeline stage; reduce them over data- and context-parallel ranks,
     `get_data_parallel_group(with_context_parallel=True)`: a CP rank sums only its chunks of each sequence).
     With `packing` or `dynamic_batching` enabled, micro-batches follow a token budget and `micro_batch_size` is
-    not used (see the module docstring)."""
+    not used (see the module docstring). A step whose gradients or loss are not finite on any rank is skipped on
+    every rank (no update, no scheduler step; `nonfinite` 1 in the metrics, `grad_norm` NaN)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     plan = plan_micro_batches(batch, model, ctx, packing=packing, dynamic_batching=dynamic_batching)
@@ -306,14 +307,34 @@ def train_on_batch(model: list, optimizer, scheduler, batch: RankBatch, *, loss_
         forward_step_func=forward_step, data_iterator=iter(mbs), model=model, num_microbatches=len(mbs),
         seq_length=seq_length, micro_batch_size=mb_rows, forward_only=False)
     lr = optimizer.param_groups[0]["lr"]  # the rate this step uses (the scheduler moves it for the next one below)
-    ok, grad_norm, _ = optimizer.step()
-    if not ok:
-        raise FloatingPointError("optimizer step skipped: non-finite gradients")
-    scheduler.step(increment=1)
     metrics = _sum_metrics(outputs)
-    metrics.update({"grad_norm": float(grad_norm or 0.0), "lr": lr})
     metrics.update(_token_counts(batch, mbs, ctx))
+    ok, grad_norm = False, float("nan")
+    if not nonfinite_anywhere(model, metrics.get("loss", 0.0)):
+        ok, grad_norm, _ = optimizer.step()  # False: the mixed-precision scaler found inf after unscaling
+    if not ok:  # skipped on every rank alike: no update, the scheduler stays (as Megatron's trainer does)
+        optimizer.zero_grad()
+        metrics.update({"grad_norm": float("nan"), "lr": lr, "nonfinite": 1.0})
+        return metrics
+    scheduler.step(increment=1)
+    metrics.update({"grad_norm": float(grad_norm or 0.0), "lr": lr, "nonfinite": 0.0})
     return metrics
+
+
+def nonfinite_anywhere(model: list, loss: float) -> bool:
+    """Whether any rank's gradients or loss hold inf or NaN after the backward, the same answer on every rank (a MAX
+    over the default group, which every rank of the step's train call belongs to). The optimizer must then not step:
+    Megatron's fp32 optimizer has no such check (FP32Optimizer.step always returns success; with clip_grad, a NaN
+    norm makes the clip coefficient NaN, `clip_coeff < 1.0` is false, and Adam applies the NaN gradients), and one
+    such update poisons every later step. Reads each parameter's `main_grad` (DDP's gradient buffer) or `.grad`."""
+    grads = [getattr(p, "main_grad", None) if getattr(p, "main_grad", None) is not None else p.grad
+             for chunk in model for p in chunk.parameters()]
+    local = [g.isfinite().all() for g in grads if g is not None and g.numel()]
+    bad = torch.stack(local).logical_not().any().float() if local else torch.zeros(())
+    flag = (bad + (0.0 if torch.isfinite(torch.tensor(float(loss))) else 1.0)).reshape(1)
+    if collectives.is_initialized():
+        collectives.all_reduce(flag, op="max")
+    return bool(flag.item() > 0)
 
 
 def _sum_metrics(outputs: list[dict]) -> dict[str, float]:

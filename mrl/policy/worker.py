@@ -33,6 +33,19 @@ from mrl.policy.train_step import StepContext, logprobs_of_batch, train_on_batch
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
+def _refuse_nonfinite_weights(model: list, path: str) -> None:
+    """Raise on every rank alike (a MAX over the default group) when any rank's weights hold inf or NaN: no
+    checkpoint or export is ever written with them (a skipped non-finite step leaves the weights finite; this is the
+    last line should anything else put them there)."""
+    bad = next((name for chunk in model for name, p in chunk.named_parameters() if not bool(p.isfinite().all())), None)
+    flag = torch.tensor([0.0 if bad is None else 1.0])
+    collectives.all_reduce(flag, op="max")
+    if flag.item() > 0:
+        where = f"parameter {bad} holds" if bad else "another rank's parameters hold"
+        raise FloatingPointError(f"refusing to write {path}: {where} inf or NaN, and no checkpoint or export is "
+                                 "written with non-finite weights")
+
+
 def _device() -> torch.device:
     """This rank's device: its CUDA device (set by the device rule, mrl/parallel/devices.py, when the process group started), else the CPU."""
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
@@ -247,7 +260,7 @@ class PolicyWorker:
                                  count=global_count, micro_batch_size=size, ctx=self._context(temperature),
                                  packing=self.spec.policy.sequence_packing,
                                  dynamic_batching=self.spec.policy.dynamic_batching)
-        scalars = {k: metrics.pop(k) for k in ("grad_norm", "lr")}
+        scalars = {k: metrics.pop(k) for k in ("grad_norm", "lr", "nonfinite")}  # the same on every rank
         scalars.update(self._expert_load() or {})
         metrics = self._sum_over_data_parallel(metrics)
         if not self._is_leader():
@@ -376,6 +389,7 @@ class PolicyWorker:
         from mrl.checkpoint.megatron import save_megatron_state
 
         self.memory.reclaim(("weights",) if weights_only else PARTS)
+        _refuse_nonfinite_weights(self.model, path)
         training = (None, None) if weights_only else (self.optimizer, self.scheduler)
         save_megatron_state(Path(path), self.model, *training)
 

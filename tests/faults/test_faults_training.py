@@ -1,0 +1,103 @@
+"""Faults injected for real into whole runs of the command line (`make test-faults`), with what the run must do.
+
+- A learning rate that overflows (1e30): the first update drives the weights so large that every later forward is
+  inf/NaN. Each such step is skipped (no update, said on a line), `policy.max_nonfinite_steps` of them in a row
+  stop the run with exit 3 and the fix; the checkpoints written hold finite weights, the skipped steps' equal to
+  those of the last applied update.
+- A full disk under `checkpointing.dir` (a 20 MB tmpfs: one checkpoint of the tiny model fits, a second does not):
+  the save stops the run with exit 4 naming the folder, the reason and the free space; the partial folder is gone,
+  the earlier checkpoint loads, and once there is room a re-run resumes from it and repeats the same losses.
+"""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from mrl.algorithms.guards import NONFINITE_EXIT_CODE
+from mrl.app.errors import RUN_FAILED_EXIT_CODE
+from mrl.testing.runs import RECIPE, SHORT_ARITH, finish, metrics, mrl
+
+SFT = ("sft", "--config", RECIPE, *SHORT_ARITH)
+
+
+def _model_tensors(step_dir: Path, tmp_path: Path) -> dict[str, torch.Tensor]:
+    """The model tensors of a checkpoint's distributed checkpoint, read in this process (torch's DCP converter)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out = tmp_path / f"{step_dir.name}.pt"
+    dcp_to_torch_save(str(step_dir / "model"), str(out))
+    state = torch.load(out, weights_only=False)
+    return {k: v for k, v in state.items() if isinstance(v, torch.Tensor) and v.is_floating_point()}
+
+
+def _run(*args: str) -> tuple[int, str]:
+    proc = mrl(*args)
+    out, _ = proc.communicate(timeout=600)
+    return proc.returncode, out
+
+
+def test_an_overflowing_learning_rate_skips_its_updates_and_stops_the_run(tmp_path):
+    code, out = _run(*SFT, f"run.output_dir={tmp_path}", "sft.max_num_steps=10", "checkpointing.save_every=1",
+                     "checkpointing.keep_last=10", "policy.optimizer.lr=1e30")
+    assert code == NONFINITE_EXIT_CODE, out[-3000:]
+    assert "Traceback" not in out, out[-3000:]
+    logged = metrics(tmp_path / "logs")
+    skipped = [step for step, row in sorted(logged.items()) if row.get("train/nonfinite") == 1.0]
+    limit = 3  # policy.max_nonfinite_steps' default
+    assert len(skipped) == limit and skipped == list(range(skipped[0], skipped[0] + limit)), logged
+    first, last = skipped[0], skipped[-1]
+    assert first >= 2 and all(logged[s]["train/nonfinite"] == 0.0 for s in range(1, first)), logged
+    assert f"steps {first}..{last}: the loss" in out and "lower policy.optimizer.lr" in out, out[-3000:]
+    assert out.count("its update was skipped") == limit
+    assert logged[last]["train/nonfinite_steps"] == limit
+    checkpoints = sorted(int(p.name.split("_")[1]) for p in (tmp_path / "checkpoints").glob("step_*"))
+    assert checkpoints == list(range(1, last)), checkpoints  # the last skipped step stops before its save
+    applied = _model_tensors(tmp_path / "checkpoints" / f"step_{first - 1}", tmp_path)
+    for step in range(first, last):
+        saved = _model_tensors(tmp_path / "checkpoints" / f"step_{step}", tmp_path)
+        assert saved.keys() == applied.keys()
+        for name, value in saved.items():
+            assert torch.isfinite(value).all(), (step, name)
+            assert torch.equal(value, applied[name]), (step, name)
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 20 MB tmpfs (root and mount(2) needed: skips in one line elsewhere); unmounted after the test."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=20m", "tmpfs", str(mount)], capture_output=True,
+                          text=True)
+    if made.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here ({made.stderr.strip() or 'not root'})")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def test_a_full_disk_stops_the_save_with_the_free_space_and_a_rerun_resumes(tmp_path, small_disk):
+    ckpt = small_disk / "checkpoints"
+    args = (*SFT, f"run.output_dir={tmp_path / 'run'}", "sft.max_num_steps=6", "checkpointing.save_every=2",
+            "checkpointing.keep_last=1", f"checkpointing.dir={ckpt}")
+    code, out = _run(*args)
+    assert code == RUN_FAILED_EXIT_CODE, out[-3000:]
+    message = out[out.index("mrl: run failed:"):]
+    assert f"could not write checkpoint step 4 under {ckpt}: No space left on device" in message, message
+    assert "free of 21.0 MB" in message and f"the newest checkpoint is {ckpt / 'step_2'}" in message, message
+    assert "Traceback" not in message, message
+    assert sorted(p.name for p in ckpt.iterdir()) == ["step_2"]  # the partial step 4 was removed
+    first = metrics(tmp_path / "run" / "logs")
+    assert all(torch.isfinite(v).all() for v in _model_tensors(ckpt / "step_2", tmp_path).values())
+
+    subprocess.run(["mount", "-o", "remount,size=40m", str(small_disk)], check=True)  # room for two
+    rerun = finish(mrl(*args))
+    assert f"resuming from {ckpt / 'step_2'}" in rerun
+    again = metrics(tmp_path / "run" / "logs")
+    assert sorted(again) == list(range(1, 7)) and sorted(p.name for p in ckpt.iterdir()) == ["step_6"]
+    for step in (3, 4):  # re-done after the resume, exactly
+        assert again[step]["train/loss"] == first[step]["train/loss"], (step, again[step], first[step])
