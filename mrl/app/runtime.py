@@ -269,6 +269,7 @@ def start_runtime(cfg: MrlConfig, *, total_steps: int, policy: bool = True, engi
                 _collect_started(runtime, starting)
         if asleep:
             _report_start_order(runtime, started)
+        _arm_watchdogs(runtime)
         if engine and runtime.source.is_megatron:  # an engine started from the config alone gets the weights now
             runtime.refit()
         if feeder:
@@ -373,6 +374,23 @@ class _EngineAsleep:
         self._event.wait()
         if not self._ok:
             raise RuntimeError("the colocated engine did not start, so the groups sharing its devices were not built")
+
+
+def _arm_watchdogs(runtime: Runtime) -> None:
+    """Every worker group of the run gets `run.watchdog`'s deadlines (mrl/distributed/deadlines.py): a call past
+    its deadline ends the run naming the group, ranks and method, with their stacks. The Megatron engine runs in
+    this process and has no group."""
+    from mrl.distributed import Deadlines, WorkerGroup
+
+    watchdog = runtime.cfg.run.watchdog
+    if not watchdog.enabled:
+        return
+    deadlines = Deadlines(floor_s=watchdog.floor_s, tokens_per_s=watchdog.tokens_per_s,
+                          bytes_per_s=watchdog.mb_per_s * 1e6, overrides=dict(watchdog.overrides))
+    for part in (runtime.policy, runtime.engine, runtime.reward_model):
+        group = getattr(part, "workers", None)
+        if isinstance(group, WorkerGroup):
+            group.deadlines = deadlines
 
 
 def _start_policy(cfg: MrlConfig, spec: "PolicySpec", placement: Placement, share: float, *,

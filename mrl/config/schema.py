@@ -22,6 +22,23 @@ class Section(BaseModel):
 
 
 # ----------------------------------------------------------------------------------------------------- run, cluster
+class WatchdogConfig(Section):
+    """How long the controller waits on a call to a worker group (train, logprobs, generation, each refit bucket,
+    save, load, the reward model) before it ends the run as hung, naming the group, ranks and method with each late
+    rank's Python stack (exit 4; a re-run resumes). The deadline grows with the call's work:
+    floor_s + tokens / tokens_per_s + megabytes / mb_per_s; the rates are floors far below any machine's speed, so
+    only a call that has stopped reaches its deadline."""
+
+    enabled: bool = Field(True, description="Deadlines on every call the controller waits on; false: wait forever.")
+    floor_s: float = Field(600.0, gt=0, description="Seconds every call may take whatever its work.")
+    tokens_per_s: float = Field(20.0, gt=0, description="Slowest accepted speed of a call's tokens (generation: "
+                                "prompt plus generated tokens; train: 3 x its tokens, forward and backward).")
+    mb_per_s: float = Field(10.0, gt=0, description="Slowest accepted speed of a call's bytes (refit bucket, save, "
+                            "load), in MB/s.")
+    overrides: dict[str, float] = Field(default_factory=dict, description="A worker method's fixed deadline in "
+                                        "seconds, e.g. {train: 3600, generate_shard: 1800, save: 7200}.")
+
+
 class RunConfig(Section):
     name: str = Field("mrl", description="Run name, used in log and checkpoint folder names.")
     seed: int = Field(42, description="Seed for every random source (data order, init, sampling).")
@@ -31,6 +48,7 @@ class RunConfig(Section):
         "config + tokenizer, for vLLM or transformers) or final_megatron/ (the policy's weights as a Megatron "
         "checkpoint folder, written by every rank, no HF export; any mrl command starts from it, so staged recipes "
         "hand stages on without converting).")
+    watchdog: WatchdogConfig = Field(default_factory=WatchdogConfig)
 
 
 class ClusterConfig(Section):

@@ -13,7 +13,7 @@ _HOMES = {
     "merge_shards": "batch", "replicated_field": "batch", "split_batch": "batch",
     "Bundle": "cluster", "Placement": "cluster", "RayCluster": "cluster",
     "ClusterResourceError": "errors", "WorkerDiedError": "errors", "WorkerError": "errors",
-    "WorkerTimeoutError": "errors",
+    "WorkerTimeoutError": "errors", "Deadlines": "deadlines", "Work": "deadlines",
     "DataParallelLayout": "worker_group", "GroupFuture": "worker_group", "WorkerGroup": "worker_group",
     "WorkerInfo": "worker_group", "result_watching": "worker_group", "wait_all": "worker_group",
 }
@@ -21,6 +21,7 @@ _HOMES = {
 if TYPE_CHECKING:
     from mrl.distributed.batch import merge_shards, replicated_field, split_batch
     from mrl.distributed.cluster import Bundle, Placement, RayCluster
+    from mrl.distributed.deadlines import Deadlines, Work
     from mrl.distributed.errors import ClusterResourceError, WorkerDiedError, WorkerError, WorkerTimeoutError
     from mrl.distributed.worker_group import (DataParallelLayout, GroupFuture, WorkerGroup, WorkerInfo,
                                              result_watching, wait_all)
@@ -36,8 +37,10 @@ __all__ = [
     "Bundle",
     "ClusterResourceError",
     "DataParallelLayout",
+    "Deadlines",
     "GroupFuture",
     "Placement",
+    "Work",
     "RayCluster",
     "WorkerDiedError",
     "WorkerError",

@@ -11,7 +11,9 @@ its __init__ or any later method. On GPUs, Ray sets CUDA_VISIBLE_DEVICES to the 
 
 Failure: every wait watches all ranks at once, so the first rank that raises or dies ends the call at once with a
 `WorkerError` / `WorkerDiedError` naming the group, the rank and its node/pid -- even while the other ranks are
-blocked in a collective waiting for the dead one (they are killed by `shutdown()`).
+blocked in a collective waiting for the dead one (they are killed by `shutdown()`). A hang (a rank stopped, or
+blocked in a collective whose peer will never come) ends at the call's deadline (`deadlines`, from the work the
+caller declares: mrl/distributed/deadlines.py) with a `WorkerTimeoutError` holding each late rank's Python stack.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from mrl.distributed.batch import merge_shards, split_batch
 from mrl.distributed.cluster import Placement
+from mrl.distributed.deadlines import Deadlines, Work
 from mrl.distributed.env import rank_environment
 from mrl.distributed.errors import WorkerDiedError, WorkerError, WorkerTimeoutError
 from mrl.distributed.host import WorkerHost
@@ -39,6 +42,8 @@ CLEAN_SHUTDOWN_S = 30.0
 # How often a wait wakes up when nothing finished; only bounds the overall-timeout check, not failure detection
 # (a finished or failed call wakes ray.wait at once).
 _POLL_S = 1.0
+# Late ranks whose stacks a timeout's message shows (the rest are named).
+_STACKS_SHOWN = 8
 # After a rank raises, how long to look for a rank that died: a dead peer makes the others' collectives raise
 # "connection closed" first, and the death is the error worth reporting.
 _DEATH_GRACE_S = 1.0
@@ -132,6 +137,8 @@ class GroupFuture:
         refs: Sequence[ray.ObjectRef],
         ranks: Sequence[int],
         finish: Callable[[list[Any]], Any] = list,
+        deadline_s: Optional[float] = None,
+        started: Optional[float] = None,
     ):
         self._group = group
         self._method = method
@@ -139,6 +146,14 @@ class GroupFuture:
         self._ranks = list(ranks)
         self._finish = finish
         self._values: Optional[list[Any]] = None
+        self._deadline_s = deadline_s  # seconds from `started` (the dispatch); None: wait as long as it takes
+        self._started = time.monotonic() if started is None else started
+
+    def _end(self, timeout_s: Optional[float], now: float) -> Optional[float]:
+        """When waiting ends: `timeout_s` from now if given, else the call's deadline from its dispatch."""
+        if timeout_s is not None:
+            return now + timeout_s
+        return None if self._deadline_s is None else self._started + self._deadline_s
 
     def done(self) -> bool:
         if self._values is not None:
@@ -148,10 +163,12 @@ class GroupFuture:
 
     def then(self, fn: Callable[[Any], Any]) -> "GroupFuture":
         """The same pending calls, their post-processed values passed through `fn` too."""
-        return GroupFuture(self._group, self._method, self._refs, self._ranks, lambda values: fn(self._finish(values)))
+        return GroupFuture(self._group, self._method, self._refs, self._ranks, lambda values: fn(self._finish(values)),
+                           self._deadline_s, self._started)
 
     def result(self, timeout_s: Optional[float] = None) -> Any:
-        """Values of the call, post-processed. Raises the first rank's failure as soon as Ray reports it."""
+        """Values of the call, post-processed. Raises the first rank's failure as soon as Ray reports it, and
+        `WorkerTimeoutError` (with the late ranks' stacks) once `timeout_s`, else the call's deadline, has passed."""
         if self._values is None:
             self._values = _wait_refs([self], timeout_s)[0]
         return self._finish(self._values)
@@ -166,16 +183,19 @@ def _shared(value: Any, readers: int) -> Any:
 
 
 def _wait_refs(futures: Sequence[GroupFuture], timeout_s: Optional[float]) -> list[list[Any]]:
-    """Wait on the refs of several futures together, failing on the first error of any of them."""
+    """Wait on the refs of several futures together, failing on the first error of any of them, or once one of them
+    is past its end (`GroupFuture._end`)."""
     owner: dict[ray.ObjectRef, tuple[int, int]] = {}
     for f_index, future in enumerate(futures):
         for slot, ref in enumerate(future._refs):
             owner[ref] = (f_index, slot)
     values: list[list[Any]] = [[None] * len(future._refs) for future in futures]
     pending = list(owner)
-    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    now = time.monotonic()
+    ends = [future._end(timeout_s, now) for future in futures]
     while pending:
-        wait_s = _POLL_S if deadline is None else max(0.0, min(_POLL_S, deadline - time.monotonic()))
+        soonest = min((end for end in ends if end is not None), default=None)
+        wait_s = _POLL_S if soonest is None else max(0.0, min(_POLL_S, soonest - time.monotonic()))
         ready, pending = ray.wait(pending, num_returns=1, timeout=wait_s)
         for ref in ready:
             f_index, slot = owner[ref]
@@ -191,17 +211,31 @@ def _wait_refs(futures: Sequence[GroupFuture], timeout_s: Optional[float]) -> li
                 _consume_errors([other for other in pending if other != ref])
                 info = future._group.info[future._ranks[slot]]
                 raise _worker_exception(future._group.name, future._method, info, error) from error
-        if pending and deadline is not None and time.monotonic() >= deadline:
-            late = sorted(futures[owner[ref][0]]._ranks[owner[ref][1]] for ref in pending)
-            first = futures[owner[pending[0]][0]]
-            raise WorkerTimeoutError(
-                f"worker group '{first._group.name}': '{first._method}' did not finish within {timeout_s:g} s on "
-                f"ranks {late}",
-                group=first._group.name,
-                rank=late[0],
-                method=first._method,
-            )
+        now = time.monotonic()
+        late = [i for i, end in enumerate(ends) if end is not None and now >= end
+                and any(owner[ref][0] == i for ref in pending)]
+        if pending and late:
+            future = futures[late[0]]
+            ranks = sorted(future._ranks[owner[ref][1]] for ref in pending if owner[ref][0] == late[0])
+            limit = timeout_s if timeout_s is not None else future._deadline_s
+            raise _timeout_error(future, ranks, now - future._started, float(limit or 0.0))
     return values
+
+
+def _timeout_error(future: GroupFuture, ranks: list[int], waited_s: float, limit_s: float) -> WorkerTimeoutError:
+    """The error of a call past its end: the group, ranks, method, the wait, and each late rank's stack."""
+    from mrl.distributed.stacks import stacks_of
+
+    group = future._group
+    group.hung = True  # its shutdown asks no clean-up of ranks that do not answer
+    shown = [rank for rank in ranks if group.info[rank].pid > 0][:_STACKS_SHOWN]
+    dumps = stacks_of([(group.info[rank].node_id, group.info[rank].pid) for rank in shown]) if shown else []
+    text = "".join(f"\n--- stack of rank {rank} ({group.info[rank].where()}) ---\n{dump}"
+                   for rank, dump in zip(shown, dumps))
+    return WorkerTimeoutError(
+        f"worker group '{group.name}': '{future._method}' did not finish within {limit_s:g} s on ranks {ranks} "
+        f"(waited {waited_s:.0f} s; a hang: a stopped rank, or a collective waiting for one){text}",
+        group=group.name, rank=ranks[0], method=future._method)
 
 
 def _find_death(refs: Sequence[ray.ObjectRef], grace_s: float) -> Optional[tuple[ray.ObjectRef, BaseException]]:
@@ -244,10 +278,13 @@ def result_watching(future: GroupFuture, watched: Sequence[GroupFuture]) -> Any:
     """`future.result()`, but a failure of any of `watched` that ends first is raised at once (a broadcast's sender
     waits this way on its receivers: one that died would leave it blocked). `watched` stay pending otherwise."""
     refs = future._refs
+    end = future._end(None, time.monotonic())
     while len(ray.wait(refs, num_returns=len(refs), timeout=0.01, fetch_local=False)[0]) < len(refs):
         for other in watched:
             if other.done():
                 other.result()  # raises its failure; a success is kept for the caller's own result()
+        if end is not None and time.monotonic() >= end:
+            break  # result() below raises the timeout
     return future.result()
 
 
@@ -310,6 +347,8 @@ class WorkerGroup:
         self.init_started: list[float] = []
         self.init_finished = 0.0
         self._wait_before_init = wait_before_init
+        self.deadlines: Optional[Deadlines] = None  # per-call deadlines once set (the runtime sets them); None: none
+        self.hung = False  # a call passed its deadline: the ranks may never answer again
         try:
             self._start(init_args, init_kwargs or {}, resource_fraction, omp_num_threads, env or {}, start_timeout_s)
         except BaseException:
@@ -389,21 +428,26 @@ class WorkerGroup:
         if not callable(getattr(self.worker_cls, method, None)):
             raise AttributeError(f"worker group '{self.name}': {self.worker_cls.__name__} has no method '{method}'")
 
+    def _deadline(self, method: str, work: Optional[Work]) -> Optional[float]:
+        return None if self.deadlines is None else self.deadlines.seconds(method, work)
+
     def _payload(self, args: tuple, kwargs: dict[str, Any], readers: Optional[int] = None) -> Any:
         return _shared(encode((args, kwargs)), self.world_size if readers is None else readers)
 
-    def run_all_async(self, method: str, /, *args: Any, **kwargs: Any) -> GroupFuture:
+    def run_all_async(self, method: str, /, *args: Any, work: Optional[Work] = None, **kwargs: Any) -> GroupFuture:
         """Every rank runs `method(*args, **kwargs)` with the same (replicated) arguments; the future's result is
-        the list of per-rank return values in rank order."""
+        the list of per-rank return values in rank order. `work` (reserved, not passed on): what the call computes
+        and moves, for its deadline (`deadlines`)."""
         self._check_method(method)
         payload = self._payload(args, kwargs)
         refs = [actor.call.remote(method, payload) for actor in self._actors]
-        return GroupFuture(self, method, refs, range(self.world_size))
+        return GroupFuture(self, method, refs, range(self.world_size), deadline_s=self._deadline(method, work))
 
-    def run_all(self, method: str, /, *args: Any, **kwargs: Any) -> list[Any]:
-        return self.run_all_async(method, *args, **kwargs).result()
+    def run_all(self, method: str, /, *args: Any, work: Optional[Work] = None, **kwargs: Any) -> list[Any]:
+        return self.run_all_async(method, *args, work=work, **kwargs).result()
 
-    def run_on_leaders_async(self, method: str, /, *args: Any, **kwargs: Any) -> GroupFuture:
+    def run_on_leaders_async(self, method: str, /, *args: Any, work: Optional[Work] = None,
+                             **kwargs: Any) -> GroupFuture:
         """Only the leader of each data-parallel group runs the method (replicated arguments); the result is the
         list of leader return values in data-parallel order. The method must not enter collectives that need the
         other ranks: they are not called."""
@@ -411,19 +455,20 @@ class WorkerGroup:
         leaders = self.layout.leaders
         payload = self._payload(args, kwargs, readers=len(leaders))
         refs = [self._actors[rank].call.remote(method, payload) for rank in leaders]
-        return GroupFuture(self, method, refs, leaders)
+        return GroupFuture(self, method, refs, leaders, deadline_s=self._deadline(method, work))
 
-    def run_on_leaders(self, method: str, /, *args: Any, **kwargs: Any) -> list[Any]:
-        return self.run_on_leaders_async(method, *args, **kwargs).result()
+    def run_on_leaders(self, method: str, /, *args: Any, work: Optional[Work] = None, **kwargs: Any) -> list[Any]:
+        return self.run_on_leaders_async(method, *args, work=work, **kwargs).result()
 
     def shard_and_run_async(
-        self, method: str, batch: Any, /, *args: Any, allow_uneven: bool = False, **kwargs: Any
+        self, method: str, batch: Any, /, *args: Any, allow_uneven: bool = False, work: Optional[Work] = None,
+        **kwargs: Any
     ) -> GroupFuture:
         """Split `batch` along axis 0 over the data-parallel ranks (contract in mrl.distributed.batch), call
         `method(shard, *args, **kwargs)` on every rank -- all ranks of a data-parallel group get the same shard;
         `args`/`kwargs` are replicated -- and merge the leaders' results in data-parallel order, i.e. batch order:
-        row i of a merged array output belongs to row i of the input batch. `allow_uneven` is reserved by this
-        method (not passed to the worker)."""
+        row i of a merged array output belongs to row i of the input batch. `allow_uneven` and `work` are reserved
+        by this method (not passed to the worker)."""
         self._check_method(method)
         shards = split_batch(batch, self.layout.dp_size, allow_uneven)
         readers = Counter(self.layout.dp_rank[rank] for rank in range(self.world_size))  # ranks per shard
@@ -438,10 +483,13 @@ class WorkerGroup:
         def gather_leaders(values: list[Any]) -> Any:  # values in global rank order; keep one per DP group
             return merge_shards([values[rank] for rank in leaders])
 
-        return GroupFuture(self, method, refs, range(self.world_size), gather_leaders)
+        return GroupFuture(self, method, refs, range(self.world_size), gather_leaders,
+                           deadline_s=self._deadline(method, work))
 
-    def shard_and_run(self, method: str, batch: Any, /, *args: Any, allow_uneven: bool = False, **kwargs: Any) -> Any:
-        return self.shard_and_run_async(method, batch, *args, allow_uneven=allow_uneven, **kwargs).result()
+    def shard_and_run(self, method: str, batch: Any, /, *args: Any, allow_uneven: bool = False,
+                      work: Optional[Work] = None, **kwargs: Any) -> Any:
+        return self.shard_and_run_async(method, batch, *args, allow_uneven=allow_uneven, work=work,
+                                        **kwargs).result()
 
     # ------------------------------------------------------------------------------------------------- shutdown
     def shutdown(self, clean: Optional[str] = None, timeout_s: float = CLEAN_SHUTDOWN_S) -> None:
@@ -449,8 +497,9 @@ class WorkerGroup:
         every rank first runs that method (e.g. leaving its process groups) for at most `timeout_s`: a rank still
         blocked in a collective whose peer failed mid-step would otherwise hold the shutdown until the collective's
         own timeout (gloo: 10 minutes). Its failure or lateness is not raised (the run's own error, if any, is what
-        the user needs): the actors are killed anyway."""
-        if clean is not None and self._actors:
+        the user needs): the actors are killed anyway. A group that hung (a call passed its deadline) is killed
+        without asking."""
+        if clean is not None and self._actors and not self.hung:
             try:
                 self.run_all_async(clean).result(timeout_s)
             except Exception as error:  # noqa: BLE001 -- dead, stuck or Ray gone: the kill below still applies

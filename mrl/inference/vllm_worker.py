@@ -34,7 +34,7 @@ from mrl.inference.refit import LocalWeights, RefitStats, refit
 from mrl.inference.transports import CollectiveTransport, Payload, make_transport
 from mrl.inference.vllm_backend import VllmBackend, VllmEngineConfig, expected_tensor_names
 
-from mrl.distributed import GroupFuture, WorkerGroup
+from mrl.distributed import GroupFuture, Work, WorkerGroup
 from mrl.logging.known_noise import ENGINE_ENV
 
 
@@ -147,7 +147,9 @@ class VllmEngineGroup:
             "prompt_index": list(range(count + pads)),
         }
         uneven = (count + pads) % self.num_engines != 0
-        merged = self.workers.shard_and_run("generate_shard", batch, sampling, allow_uneven=uneven)
+        tokens = sum(len(p) for p in prompts) + count * sampling.n * sampling.max_new_tokens
+        merged = self.workers.shard_and_run("generate_shard", batch, sampling, allow_uneven=uneven,
+                                            work=Work(tokens=tokens))
         samples: list[GeneratedSample] = [s for s in merged["samples"] if s.prompt_index < count]
         return GenerationOutput(
             samples=samples,

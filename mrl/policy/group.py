@@ -25,7 +25,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from mrl.distributed import GroupFuture, WorkerGroup
+from mrl.distributed import GroupFuture, Work, WorkerGroup
 from mrl.policy.interface import PolicyLoss, RankBatch, global_count
 from mrl.policy.worker import PolicySpec, PolicyWorker, sends_by_stage
 
@@ -54,6 +54,7 @@ class Policy:
         self.workers.layout_from_workers("data_parallel_layout")
         self._planned: Optional[tuple[int, list[int]]] = None  # (bucket_bytes, each bucket's owner stage) held
         self._stage_ranks: Optional[list[int]] = None  # the global rank of each pipeline stage's first rank
+        self._checkpoint_bytes: Optional[int] = None
 
     @property
     def data_parallel_size(self) -> int:
@@ -63,7 +64,8 @@ class Policy:
         """[B, T] log-probabilities of `batch.input_ids` (position 0 is 0) under the policy or its reference; for a
         reward model, its score at every token (the sequence's score at position length - 1)."""
         self._check_groups(batch)
-        return self.workers.shard_and_run("logprobs", batch, temperature=temperature, reference=reference)
+        return self.workers.shard_and_run("logprobs", batch, temperature=temperature, reference=reference,
+                                          work=Work(tokens=batch.input_ids.numel()))
 
     def scores(self, batch: RankBatch) -> torch.Tensor:
         """[B] a reward model's score of each sequence: its value at the last real token (`batch.lengths`)."""
@@ -83,7 +85,8 @@ class Policy:
         """One optimizer step on the whole batch (all rows, every data-parallel rank)."""
         self._check_groups(batch)
         count = global_count(batch.loss_mask, loss_fn.level)
-        merged = self.workers.shard_and_run("train", batch, loss_fn, count, temperature=temperature)
+        merged = self.workers.shard_and_run("train", batch, loss_fn, count, temperature=temperature,
+                                            work=Work(tokens=3 * batch.input_ids.numel()))  # forward + backward
         return _merge_metrics(merged)
 
     # ------------------------------------------------------------------------------------ memory hand-over
@@ -141,7 +144,8 @@ class Policy:
             merge = lambda payloads: payloads[sender]  # noqa: E731
         else:
             merge = _rank0
-        return self.workers.run_all_async("export_bucket", index, transport).then(merge)
+        bucket_bytes = self._planned[0] if self._planned is not None else 0
+        return self.workers.run_all_async("export_bucket", index, transport, work=Work(bytes=bucket_bytes)).then(merge)
 
     def refit_addresses(self) -> list[tuple[str, int]]:
         """Each pipeline stage's first rank's node and a free port there, in stage order: the rendezvous of each
@@ -165,11 +169,18 @@ class Policy:
 
     def save(self, path: str, *, weights_only: bool = False) -> None:
         """Every rank writes its shards of checkpoint `path` (`weights_only`: no optimizer or LR schedule)."""
-        self.workers.run_all("save", path, weights_only=weights_only)
+        self.workers.run_all("save", path, weights_only=weights_only, work=Work(bytes=self._state_bytes()))
 
     def load(self, path: str, *, load_optimizer: bool = True) -> list[Any]:
         """Every rank loads its shards of checkpoint `path`; returns the ranks' load reports."""
-        return self.workers.run_all("load", path, load_optimizer=load_optimizer)
+        return self.workers.run_all("load", path, load_optimizer=load_optimizer, work=Work(bytes=self._state_bytes()))
+
+    def _state_bytes(self) -> int:
+        """Bytes of a checkpoint of every rank's shards (weights and optimizer states), asked once: a save's or a
+        load's work, for its deadline."""
+        if self._checkpoint_bytes is None:
+            self._checkpoint_bytes = int(sum(self.workers.run_all("state_bytes")))
+        return self._checkpoint_bytes
 
     def shutdown(self) -> None:
         """The ranks leave their process groups (bounded: a dead or stuck rank cannot), then their actors are killed."""

@@ -393,6 +393,11 @@ class PolicyWorker:
         training = (None, None) if weights_only else (self.optimizer, self.scheduler)
         save_megatron_state(Path(path), self.model, *training)
 
+    def state_bytes(self) -> int:
+        """This rank's bytes of a checkpoint: its parameters and, per parameter, Adam's two fp32 moments and an fp32
+        main copy (what a save writes; an upper bound for fp32 parameters and the distributed optimizer)."""
+        return sum(p.numel() * (p.element_size() + 12) for chunk in self.model for p in chunk.parameters())
+
     def load(self, path: str, load_optimizer: bool = True) -> Any:
         """Load a checkpoint written under any parallel layout; returns this rank's `MegatronLoadReport`."""
         from mrl.checkpoint.megatron import load_megatron_state

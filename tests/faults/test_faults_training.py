@@ -4,6 +4,9 @@
   inf/NaN. Each such step is skipped (no update, said on a line), `policy.max_nonfinite_steps` of them in a row
   stop the run with exit 3 and the fix; the checkpoints written hold finite weights, the skipped steps' equal to
   those of the last applied update.
+- A policy rank stopped by SIGSTOP (a hang: the other rank waits for it in a collective): the call's deadline
+  (`run.watchdog`) ends the run with exit 4, naming the group, the method and the late ranks, with the stopped
+  rank's state and the waiting rank's Python stack, and where a re-run resumes; the re-run does.
 - A full disk under `checkpointing.dir` (a 20 MB tmpfs: one checkpoint of the tiny model fits, a second does not):
   the save stops the run with exit 4 naming the folder, the reason and the free space; the partial folder is gone,
   the earlier checkpoint loads, and once there is room a re-run resumes from it and repeats the same losses.
@@ -11,8 +14,13 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
+import time
 from pathlib import Path
+
+import psutil
 
 import pytest
 import torch
@@ -101,3 +109,46 @@ def test_a_full_disk_stops_the_save_with_the_free_space_and_a_rerun_resumes(tmp_
     assert sorted(again) == list(range(1, 7)) and sorted(p.name for p in ckpt.iterdir()) == ["step_6"]
     for step in (3, 4):  # re-done after the resume, exactly
         assert again[step]["train/loss"] == first[step]["train/loss"], (step, again[step], first[step])
+
+
+def _policy_ranks(driver_pid: int) -> list[int]:
+    """The pids of the Ray actors hosting policy ranks (titled `ray::WorkerHost...`), descendants of the driver."""
+    found = []
+    for child in psutil.Process(driver_pid).children(recursive=True):
+        try:
+            if "WorkerHost" in " ".join(child.cmdline()):
+                found.append(child.pid)
+        except psutil.Error:
+            continue
+    return found
+
+
+def test_a_stopped_policy_rank_is_a_hang_that_its_deadline_names_with_the_stacks(tmp_path):
+    args = (*SFT, f"run.output_dir={tmp_path}", "sft.max_num_steps=12", "checkpointing.save_every=4",
+            "cluster.devices_per_node=2", "policy.train_micro_batch_size=64",
+            "+run.watchdog.overrides={train: 15, save: 15, logprobs: 15}")
+    proc = mrl(*args)
+    marker = tmp_path / "checkpoints" / "step_4" / "COMPLETE"
+    deadline = time.monotonic() + 300
+    while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert marker.exists(), proc.communicate()[0][-3000:]
+    ranks = _policy_ranks(proc.pid)
+    assert len(ranks) == 2, ranks
+    os.kill(ranks[0], signal.SIGSTOP)
+    stopped = time.monotonic()
+    out, _ = proc.communicate(timeout=300)
+    detected = time.monotonic() - stopped
+    assert proc.returncode == RUN_FAILED_EXIT_CODE, out[-3000:]
+    message = out[out.index("mrl: run failed:"):]
+    assert "worker group 'policy': '" in message and "did not finish within 15 s on ranks [" in message, message
+    assert f"pid {ranks[0]}) ---\nno stack: the process is stopped" in message, message
+    assert f"pid {ranks[1]}) ---\n" in message and "most recent call first" in message, message
+    assert "Traceback" not in message and "resumes from it" in message, message
+    newest = max(int(p.name.split("_")[1]) for p in (tmp_path / "checkpoints").glob("step_*"))
+    assert f"the newest checkpoint is {tmp_path / 'checkpoints' / f'step_{newest}'}" in message
+    assert detected < 15 + 30, detected  # the deadline, the stacks, the shutdown
+    print(f"hang detected and the run ended {detected:.1f} s after the SIGSTOP (deadline 15 s)")
+    rerun = finish(mrl(*args[:-1], "+run.watchdog.overrides={train: 600}"))
+    assert f"resuming from {tmp_path / 'checkpoints' / f'step_{newest}'}" in rerun
+    assert max(metrics(tmp_path / "logs")) == 12

@@ -15,6 +15,8 @@ import torch
 from mrl.distributed import (
     ClusterResourceError,
     DataParallelLayout,
+    Deadlines,
+    Work,
     RayCluster,
     WorkerDiedError,
     WorkerError,
@@ -81,6 +83,16 @@ class Worker:
     def sleep(self, seconds: float) -> int:
         time.sleep(seconds)
         return self.rank
+
+    def all_reduce_after_a_stop(self, stopped: int) -> float:
+        """The stopped rank is stopped by the test; the other waits in the collective for it."""
+        if self.rank == stopped:
+            time.sleep(600)
+        return _waiting_in_the_collective(self)
+
+
+def _waiting_in_the_collective(worker: "Worker") -> float:
+    return worker.all_reduce_rank()
 
 
 @pytest.fixture(scope="module")
@@ -190,6 +202,41 @@ def test_killed_worker_process_raises_died_error(fresh_group):
     assert caught.value.rank == 0 and time.monotonic() - start < 10
     with pytest.raises(WorkerDiedError, match="rank 0"):  # a later call fails at once too
         group.run_all("fail_on", -1)
+
+
+def test_a_call_past_its_deadline_names_the_late_ranks_with_their_stacks(fresh_group):
+    """A hang: rank 0 is stopped (SIGSTOP) before it joins an all-reduce, rank 1 waits in the all-reduce for it.
+    The deadline ends the call with rank 1's stack (in the collective) and rank 0's state (it cannot run a handler)."""
+    group = fresh_group
+    group.run_all("init_gloo")
+    group.deadlines = Deadlines(floor_s=3.0, tokens_per_s=100.0, overrides={"sleep": 60.0})
+    assert group.deadlines.seconds("all_reduce_after_a_stop", Work(tokens=200)) == 5.0  # the floor + the work
+    future = group.run_all_async("all_reduce_after_a_stop", 0, work=Work(tokens=200))
+    time.sleep(0.5)
+    os.kill(group.info[0].pid, signal.SIGSTOP)
+    start = time.monotonic()
+    try:
+        with pytest.raises(WorkerTimeoutError) as caught:
+            future.result()
+    finally:
+        os.kill(group.info[0].pid, signal.SIGCONT)
+    text = str(caught.value)
+    assert "'all_reduce_after_a_stop' did not finish within 5 s on ranks [0, 1]" in text, text
+    assert f"stack of rank 0 (node {group.info[0].node_ip}, pid {group.info[0].pid})" in text
+    assert "no stack: the process is stopped" in text, text
+    rank1 = text[text.index("stack of rank 1"):]
+    assert "_waiting_in_the_collective" in rank1 and "all_reduce" in rank1, rank1
+    assert caught.value.rank == 0 and caught.value.method == "all_reduce_after_a_stop"
+    assert time.monotonic() - start < 5.0 + 25  # the deadline, then the stacks (a Ray task per rank)
+
+
+def test_a_slow_call_within_its_deadline_and_an_explicit_timeout(fresh_group):
+    group = fresh_group
+    group.deadlines = Deadlines(floor_s=0.5, overrides={"sleep": 30.0})
+    assert group.run_all("sleep", 1.0) == [0, 1]  # past the floor, within its override
+    with pytest.raises(WorkerTimeoutError, match=r"'sleep' did not finish within 0\.5 s") as caught:
+        group.run_all_async("sleep", 5.0).result(timeout_s=0.5)  # the caller's own timeout wins
+    assert "stack of rank 0" in str(caught.value) and "in sleep" in str(caught.value)
 
 
 def test_shutdown_asks_for_clean_up_but_does_not_wait_for_a_stuck_rank(fresh_group):
