@@ -39,3 +39,22 @@ def metrics(log_dir: Path) -> dict[int, dict]:
     """metrics.jsonl by step; a step logged twice (re-run after a resume) keeps its last record."""
     rows = [json.loads(line) for line in (Path(log_dir) / "metrics.jsonl").read_text().splitlines()]
     return {row["step"]: row for row in rows}
+
+
+def worker_pids(driver_pid: int) -> list[int]:
+    """The Ray actor processes hosting worker ranks (titled `ray::WorkerHost...`) among the driver's descendants,
+    in the order psutil lists them."""
+    import psutil
+
+    try:
+        children = psutil.Process(driver_pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+    found = []
+    for child in children:
+        try:
+            if "WorkerHost" in " ".join(child.cmdline()):
+                found.append(child.pid)
+        except psutil.Error:
+            continue
+    return found

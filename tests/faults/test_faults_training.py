@@ -20,14 +20,13 @@ import subprocess
 import time
 from pathlib import Path
 
-import psutil
 
 import pytest
 import torch
 
 from mrl.algorithms.guards import NONFINITE_EXIT_CODE
 from mrl.app.errors import RUN_FAILED_EXIT_CODE
-from mrl.testing.runs import RECIPE, SHORT_ARITH, finish, metrics, mrl
+from mrl.testing.runs import RECIPE, SHORT_ARITH, finish, metrics, mrl, worker_pids
 
 SFT = ("sft", "--config", RECIPE, *SHORT_ARITH)
 
@@ -111,18 +110,6 @@ def test_a_full_disk_stops_the_save_with_the_free_space_and_a_rerun_resumes(tmp_
         assert again[step]["train/loss"] == first[step]["train/loss"], (step, again[step], first[step])
 
 
-def _policy_ranks(driver_pid: int) -> list[int]:
-    """The pids of the Ray actors hosting policy ranks (titled `ray::WorkerHost...`), descendants of the driver."""
-    found = []
-    for child in psutil.Process(driver_pid).children(recursive=True):
-        try:
-            if "WorkerHost" in " ".join(child.cmdline()):
-                found.append(child.pid)
-        except psutil.Error:
-            continue
-    return found
-
-
 def test_a_stopped_policy_rank_is_a_hang_that_its_deadline_names_with_the_stacks(tmp_path):
     args = (*SFT, f"run.output_dir={tmp_path}", "sft.max_num_steps=12", "checkpointing.save_every=4",
             "cluster.devices_per_node=2", "policy.train_micro_batch_size=64",
@@ -133,7 +120,7 @@ def test_a_stopped_policy_rank_is_a_hang_that_its_deadline_names_with_the_stacks
     while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
     assert marker.exists(), proc.communicate()[0][-3000:]
-    ranks = _policy_ranks(proc.pid)
+    ranks = worker_pids(proc.pid)  # the policy's two ranks (SFT starts no engine)
     assert len(ranks) == 2, ranks
     os.kill(ranks[0], signal.SIGSTOP)
     stopped = time.monotonic()

@@ -14,25 +14,8 @@ import signal
 import time
 from pathlib import Path
 
-import psutil
-
 from mrl.app.errors import RUN_FAILED_EXIT_CODE
-from mrl.testing.runs import RECIPE, SHORT_ARITH, finish, metrics, mrl
-
-
-def _policy_worker_pid(driver_pid: int) -> int | None:
-    """The Ray actor process hosting a policy rank: a descendant of the driver titled `ray::WorkerHost...`."""
-    try:
-        children = psutil.Process(driver_pid).children(recursive=True)
-    except psutil.NoSuchProcess:
-        return None
-    for child in children:
-        try:
-            if "WorkerHost" in " ".join(child.cmdline()):
-                return child.pid
-        except psutil.Error:
-            continue
-    return None
+from mrl.testing.runs import RECIPE, SHORT_ARITH, finish, metrics, mrl, worker_pids
 
 
 def test_a_dead_policy_worker_ends_the_run_with_one_message_and_a_rerun_resumes(tmp_path):
@@ -44,8 +27,9 @@ def test_a_dead_policy_worker_ends_the_run_with_one_message_and_a_rerun_resumes(
     while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
     assert marker.exists(), proc.communicate()[0][-3000:]
-    worker = _policy_worker_pid(proc.pid)
-    assert worker is not None
+    workers = worker_pids(proc.pid)  # SFT starts the policy's one rank, no engine
+    assert len(workers) == 1, workers
+    worker = workers[0]
     os.kill(worker, signal.SIGKILL)
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == RUN_FAILED_EXIT_CODE, out[-3000:]
