@@ -31,12 +31,13 @@ GRPO = ("grpo", "--config", str(ROOT / "recipes" / "arith-tiny-cpu.yaml"), "data
 def _report(name: str, series: list[int], step_bytes: int | None) -> None:
     from mrl.testing.memory import growth_per_step
 
-    growth = growth_per_step(series)
+    growth, late = growth_per_step(series), growth_per_step(series[len(series) // 2:])
     marks = sorted({0, len(series) // 4, len(series) // 2, 3 * len(series) // 4, len(series) - 1})
     at = ", ".join(f"{i}: {series[i] / 2**20:.1f}" for i in marks)
     ratio = f" ({growth / step_bytes:.3%} of a step's {step_bytes / 2**20:.2f} MiB)" if step_bytes else ""
     print(f"  {name:<24} USS MiB at step {at}; {(series[-1] - series[0]) / series[0]:+.2%} first -> last; "
-          f"growth {growth / 1024:+.2f} KiB per step{ratio}", flush=True)
+          f"growth {growth / 1024:+.2f} KiB per step{ratio}, {late / 1024:+.2f} over the second half (a ramp slows, "
+          "a leak does not)", flush=True)
 
 
 def soak_refits(refits: int) -> None:
