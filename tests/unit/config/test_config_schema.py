@@ -141,6 +141,15 @@ def test_asynchronous_grpo_needs_importance_weights_and_an_engine_of_its_own():
     assert p.key == "grpo.max_off_policy_steps" and p.given == 2
 
 
+def test_the_arith_task_holds_out_at_most_half_of_its_pairs():
+    """1-digit addition has 10 x 10 pairs: 50 may be held out, not the default 200 (mrl/data/arith.py would raise a
+    ValueError with a traceback after the checks)."""
+    (p,) = problems({"data": {"arith": {"digits": 1}}})
+    assert p.key == "data.arith.num_heldout" and p.given == 200 and p.allowed == "1..50"
+    assert "data.arith.num_heldout=20" in p.fix
+    assert validate_tree({"data": {"arith": {"digits": 1, "num_heldout": 50}}}).data.arith.num_heldout == 50
+
+
 DEFAULTS_SNAPSHOT = Path(__file__).parent / "default_config.yaml"
 
 
