@@ -326,15 +326,28 @@ def nonfinite_anywhere(model: list, loss: float) -> bool:
     over the default group, which every rank of the step's train call belongs to). The optimizer must then not step:
     Megatron's fp32 optimizer has no such check (FP32Optimizer.step always returns success; with clip_grad, a NaN
     norm makes the clip coefficient NaN, `clip_coeff < 1.0` is false, and Adam applies the NaN gradients), and one
-    such update poisons every later step. Reads each parameter's `main_grad` (DDP's gradient buffer) or `.grad`."""
-    grads = [getattr(p, "main_grad", None) if getattr(p, "main_grad", None) is not None else p.grad
-             for chunk in model for p in chunk.parameters()]
-    local = [g.isfinite().all() for g in grads if g is not None and g.numel()]
+    such update poisons every later step. One reduction per contiguous gradient buffer (`_gradients`)."""
+    local = [g.isfinite().all() for g in _gradients(model) if g.numel()]
     bad = torch.stack(local).logical_not().any().float() if local else torch.zeros(())
     flag = (bad + (0.0 if torch.isfinite(torch.tensor(float(loss))) else 1.0)).reshape(1)
     if collectives.is_initialized():
         collectives.all_reduce(flag, op="max")
     return bool(flag.item() > 0)
+
+
+def _gradients(model: list) -> Iterator[torch.Tensor]:
+    """Every gradient of `model`: Megatron DDP's contiguous buffers (`grad_data`, dense and expert, which every
+    parameter's `main_grad` views), else each parameter's `main_grad` or `.grad`."""
+    for chunk in model:
+        buffers = getattr(chunk, "expert_parallel_buffers", None)
+        if isinstance(buffers, list) and isinstance(getattr(chunk, "buffers", None), list):
+            yield from (buffer.grad_data for buffer in [*chunk.buffers, *buffers])
+            continue
+        for p in chunk.parameters():
+            grad = getattr(p, "main_grad", None)
+            grad = p.grad if grad is None else grad
+            if grad is not None:
+                yield grad
 
 
 def _sum_metrics(outputs: list[dict]) -> dict[str, float]:

@@ -41,6 +41,17 @@ def metrics(log_dir: Path) -> dict[int, dict]:
     return {row["step"]: row for row in rows}
 
 
+def wait_for_file(proc: subprocess.Popen, path: Path, timeout_s: float = 300) -> None:
+    """Wait until `path` exists (e.g. a checkpoint's COMPLETE marker) while `proc` runs; fail with its output's tail
+    if it ends first or the time runs out."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not path.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert path.exists(), proc.communicate()[0][-3000:]
+
+
 def worker_pids(driver_pid: int) -> list[int]:
     """The Ray actor processes hosting worker ranks (titled `ray::WorkerHost...`) among the driver's descendants,
     in the order psutil lists them."""

@@ -26,7 +26,7 @@ import torch
 
 from mrl.algorithms.guards import NONFINITE_EXIT_CODE
 from mrl.app.errors import RUN_FAILED_EXIT_CODE
-from mrl.testing.runs import RECIPE, SHORT_ARITH, finish, metrics, mrl, worker_pids
+from mrl.testing.runs import RECIPE, SHORT_ARITH, finish, metrics, mrl, wait_for_file, worker_pids
 
 SFT = ("sft", "--config", RECIPE, *SHORT_ARITH)
 
@@ -116,10 +116,7 @@ def test_a_stopped_policy_rank_is_a_hang_that_its_deadline_names_with_the_stacks
             "+run.watchdog.overrides={train: 15, save: 15, logprobs: 15}")
     proc = mrl(*args)
     marker = tmp_path / "checkpoints" / "step_4" / "COMPLETE"
-    deadline = time.monotonic() + 300
-    while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert marker.exists(), proc.communicate()[0][-3000:]
+    wait_for_file(proc, marker)
     ranks = worker_pids(proc.pid)  # the policy's two ranks (SFT starts no engine)
     assert len(ranks) == 2, ranks
     os.kill(ranks[0], signal.SIGSTOP)

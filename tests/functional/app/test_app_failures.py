@@ -11,11 +11,10 @@ from __future__ import annotations
 import json
 import os
 import signal
-import time
 from pathlib import Path
 
 from mrl.app.errors import RUN_FAILED_EXIT_CODE
-from mrl.testing.runs import RECIPE, SHORT_ARITH, finish, metrics, mrl, worker_pids
+from mrl.testing.runs import RECIPE, SHORT_ARITH, finish, metrics, mrl, wait_for_file, worker_pids
 
 
 def test_a_dead_policy_worker_ends_the_run_with_one_message_and_a_rerun_resumes(tmp_path):
@@ -23,10 +22,7 @@ def test_a_dead_policy_worker_ends_the_run_with_one_message_and_a_rerun_resumes(
             "checkpointing.save_every=10"]
     proc = mrl(*args)
     marker = tmp_path / "checkpoints" / "step_10" / "COMPLETE"
-    deadline = time.monotonic() + 300
-    while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert marker.exists(), proc.communicate()[0][-3000:]
+    wait_for_file(proc, marker)
     workers = worker_pids(proc.pid)  # SFT starts the policy's one rank, no engine
     assert len(workers) == 1, workers
     worker = workers[0]

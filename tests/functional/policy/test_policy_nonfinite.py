@@ -59,6 +59,11 @@ def steps_after(model_dir: str, poisoned_first: bool) -> dict:
     if poisoned_first:
         skipped = step(poison=True)
         out["skipped"] = {k: skipped[k] for k in ("nonfinite", "grad_norm", "loss")}
+        from mrl.policy.train_step import _gradients
+
+        grads = list(_gradients([model]))  # DDP's buffers, which the guard reads: NaN on both ranks after the reduce
+        out["gradients_read"] = sum(g.numel() for g in grads) >= sum(p.numel() for p in model.parameters())
+        out["gradients_nonfinite"] = any(not bool(g.isfinite().all()) for g in grads)
         out["unchanged"] = all(torch.equal(before[n], p) for n, p in model.named_parameters())
         out["optimizer_state_empty"] = not any(optimizer.optimizer.state.values())  # Adam never stepped
         out["scheduler_steps"] = scheduler.num_steps
@@ -80,6 +85,7 @@ def test_a_nan_on_one_rank_skips_the_update_everywhere_and_the_next_step_is_as_i
         skipped = got["skipped"]
         assert skipped["nonfinite"] == 1.0 and skipped["grad_norm"] != skipped["grad_norm"], (rank, skipped)
         assert got["unchanged"] and got["optimizer_state_empty"] and got["scheduler_steps"] == 0, rank
+        assert got["gradients_read"] and got["gradients_nonfinite"], rank
         assert got["clean_nonfinite"] == 0.0 and got["lr"] == want["lr"], rank
         for name, value in want["params"].items():
             assert torch.isfinite(got["params"][name]).all(), (rank, name)
