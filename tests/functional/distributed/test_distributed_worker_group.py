@@ -6,6 +6,8 @@ import signal
 import sys
 import time
 from datetime import timedelta
+from pathlib import Path
+from typing import Optional
 
 import numpy as np
 import pytest
@@ -80,7 +82,9 @@ class Worker:
             os._exit(7)
         return self.all_reduce_rank()
 
-    def sleep(self, seconds: float) -> int:
+    def sleep(self, seconds: float, started: Optional[str] = None) -> int:
+        if started:  # a marker per rank: the call has begun (not still queued behind Ray's dispatch)
+            Path(f"{started}.{self.rank}").touch()
         time.sleep(seconds)
         return self.rank
 
@@ -230,12 +234,18 @@ def test_a_call_past_its_deadline_names_the_late_ranks_with_their_stacks(fresh_g
     assert time.monotonic() - start < 5.0 + 25  # the deadline, then the stacks (a Ray task per rank)
 
 
-def test_a_slow_call_within_its_deadline_and_an_explicit_timeout(fresh_group):
+def test_a_slow_call_within_its_deadline_and_an_explicit_timeout(fresh_group, tmp_path):
     group = fresh_group
     group.deadlines = Deadlines(floor_s=0.5, overrides={"sleep": 30.0})
     assert group.run_all("sleep", 1.0) == [0, 1]  # past the floor, within its override
+    future = group.run_all_async("sleep", 20.0, started=str(tmp_path / "started"))
+    # The stacks must show the ranks inside the call: wait until both have begun it (on a loaded machine Ray may
+    # still be dispatching it half a second after the submit, and the stack would show the idle worker loop).
+    deadline = time.monotonic() + 60
+    while not all((tmp_path / f"started.{r}").exists() for r in (0, 1)) and time.monotonic() < deadline:
+        time.sleep(0.05)
     with pytest.raises(WorkerTimeoutError, match=r"'sleep' did not finish within 0\.5 s") as caught:
-        group.run_all_async("sleep", 5.0).result(timeout_s=0.5)  # the caller's own timeout wins
+        future.result(timeout_s=0.5)  # the caller's own timeout wins
     assert "stack of rank 0" in str(caught.value) and "in sleep" in str(caught.value)
 
 
