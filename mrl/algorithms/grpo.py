@@ -217,6 +217,7 @@ def grpo_train(cfg: MrlConfig, workers: Workers, env: Environment, data: TaskDat
                 if ahead is not None:
                     metrics.update(ahead.update_engine(step))
                 metrics.update(run_validation(cfg, workers, val_env, data, step))
+            metrics["train/engine_restarts"] = float(workers.engine_restarts)
             metrics["timing/step"] = time.perf_counter() - t0
             logger.log(metrics, step=step)
             final = metrics

@@ -23,6 +23,8 @@ class Workers(Protocol):
     tokenizer: "PreTrainedTokenizerBase"
     policy: TrainablePolicy
     engine: RolloutEngine
+    engine_restarts: int
+    """Engines replaced after a death so far (mrl/app/engine_restarts.py)."""
 
     def refit(self, on_sent: Optional[Callable[[], None]] = None) -> RefitStats:
         """Stream the policy's current weights into the engine; `on_sent` is called once the policy has sent them all

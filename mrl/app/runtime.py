@@ -42,10 +42,11 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, cast
 
 import torch
 
+from mrl.app.engine_restarts import RestartingEngine
 from mrl.app.model_source import ModelSource, classify_model_path
 from mrl.config.errors import ConfigError
 from mrl.config.schema import ModelBuildConfig, MrlConfig
-from mrl.distributed import Placement, RayCluster
+from mrl.distributed import Placement, RayCluster, WorkerDiedError
 from mrl.inference.interface import RolloutEngine
 from mrl.inference.lifecycle import EngineState
 from mrl.inference.refit import RefitStats, refit
@@ -185,6 +186,8 @@ class Runtime:
     reward_model: Optional[Any] = None  # a frozen reward model's worker group (env.reward_model), on the same bundles
     _broadcast: Optional[CollectiveTransport] = None
     _local: Optional[WeightTransport] = None
+    engine_restarts: int = 0
+    """Engines replaced after a death so far (mrl/app/engine_restarts.py)."""
 
     @property
     def model_dir(self) -> Path:
@@ -193,7 +196,15 @@ class Runtime:
 
     def refit(self, on_sent: Optional[Callable[[], None]] = None) -> RefitStats:
         """Stream the policy's weights into the engine (see the module docstring for the transport); `on_sent`: once
-        the policy has sent them all (`mrl.inference.refit.refit`)."""
+        the policy has sent them all (`mrl.inference.refit.refit`). An engine that dies meanwhile is replaced and
+        the refit done again (mrl/app/engine_restarts.py)."""
+        while True:
+            try:
+                return self._refit_once(on_sent)
+            except WorkerDiedError as error:
+                self.replace_engine(error)  # raises `error` when the engine is not to be replaced
+
+    def _refit_once(self, on_sent: Optional[Callable[[], None]]) -> RefitStats:
         assert self.policy is not None and self.engine is not None, "refit needs a policy and an engine"
         # Colocated: the policy hands its optimizer states and gradients over before the engine wakes its weights
         # (the refit's first step); its weights too, after the export, when configured (policy.offload_when_generating)
@@ -205,6 +216,33 @@ class Runtime:
         if handover and self.cfg.policy.offload_when_generating.weights:
             cast(ReleasesMemory, self.policy).release_memory()
         return stats
+
+    def replace_engine(self, error: WorkerDiedError) -> None:
+        """Replace the engines after `error`, the death of one of them, and give them the policy's weights; raise
+        `error` when it is another group's, or the engine is not to be replaced (mrl/app/engine_restarts.py)."""
+        from mrl.app.engine_restarts import announce, engine_died, restart_refusal
+
+        if not engine_died(error, self.engine):
+            raise error
+        refusal = restart_refusal(self.cfg, self.engine_restarts)
+        if refusal or (self.policy is None and self.source.is_megatron):
+            print(f"[mrl] the engine is not restarted: "
+                  f"{refusal or 'its weights came from a policy that is no longer running'}", file=sys.stderr)
+            raise error
+        self.engine_restarts += 1
+        announce(error, self.engine_restarts, self.cfg.generation.max_restarts)
+        engine = cast(RestartingEngine, self.engine)
+        try:
+            engine.current.shutdown()
+        except Exception as failure:  # noqa: BLE001 -- the dead group is killed whatever its clean-up says
+            log.warning("shutdown of the dead engine group: %s", failure)
+        self._broadcast = None  # a new broadcast group with the new engines, on the next refit
+        share = group_share(self.cfg, engine=True, reward_model=self.reward_model is not None)
+        # From the config alone when the policy refits them next; from the model's files for a run without one.
+        engine.current = _build_engine(self, share, load_weights=self.policy is None)
+        _arm_watchdogs(self, only=engine.current)
+        if self.policy is not None:
+            self.refit()
 
     def _transport(self) -> WeightTransport:
         if self.cfg.generation.colocated or self.cfg.generation.backend != "vllm":
@@ -376,10 +414,10 @@ class _EngineAsleep:
             raise RuntimeError("the colocated engine did not start, so the groups sharing its devices were not built")
 
 
-def _arm_watchdogs(runtime: Runtime) -> None:
-    """Every worker group of the run gets `run.watchdog`'s deadlines (mrl/distributed/deadlines.py): a call past
-    its deadline ends the run naming the group, ranks and method, with their stacks. The Megatron engine runs in
-    this process and has no group."""
+def _arm_watchdogs(runtime: Runtime, only: Any = None) -> None:
+    """Every worker group of the run (`only`: that part's) gets `run.watchdog`'s deadlines
+    (mrl/distributed/deadlines.py): a call past its deadline ends the run naming the group, ranks and method, with
+    their stacks. The Megatron engine runs in this process and has no group."""
     from mrl.distributed import Deadlines, WorkerGroup
 
     watchdog = runtime.cfg.run.watchdog
@@ -387,7 +425,7 @@ def _arm_watchdogs(runtime: Runtime) -> None:
         return
     deadlines = Deadlines(floor_s=watchdog.floor_s, tokens_per_s=watchdog.tokens_per_s,
                           bytes_per_s=watchdog.mb_per_s * 1e6, overrides=dict(watchdog.overrides))
-    for part in (runtime.policy, runtime.engine, runtime.reward_model):
+    for part in (only,) if only is not None else (runtime.policy, runtime.engine, runtime.reward_model):
         group = getattr(part, "workers", None)
         if isinstance(group, WorkerGroup):
             group.deadlines = deadlines
@@ -403,11 +441,17 @@ def _start_policy(cfg: MrlConfig, spec: "PolicySpec", placement: Placement, shar
 
 def _start_engine(runtime: Runtime, share: float) -> None:
     """vLLM engines in Ray actors on the placement, or the Megatron engine in this (driver) process. From a Megatron
-    source the engine starts from the config alone (`start_runtime` refits it before anything can generate)."""
+    source the engine starts from the config alone (`start_runtime` refits it before anything can generate). vLLM
+    engines that die are replaced (`Runtime.replace_engine`)."""
+    engine = _build_engine(runtime, share, load_weights=not runtime.source.is_megatron)
+    runtime.engine = RestartingEngine(engine, runtime.replace_engine) if hasattr(engine, "workers") else engine
+
+
+def _build_engine(runtime: Runtime, share: float, *, load_weights: bool) -> RolloutEngine:
     from mrl.inference.factory import build_generation
 
-    runtime.engine = build_generation(runtime.cfg, str(runtime.model_dir), runtime.placement, colocated_share=share,
-                                      load_weights=not runtime.source.is_megatron)
+    return build_generation(runtime.cfg, str(runtime.model_dir), runtime.placement, colocated_share=share,
+                            load_weights=load_weights)
 
 
 def _collect_started(runtime: Runtime, starting: dict[str, Optional[Future]]) -> None:

@@ -203,6 +203,11 @@ class GenerationConfig(Section):
                           "resume. On GPUs seeded requests leave vLLM's fused FlashInfer top-k/top-p sampler (its V1 model "
                           "runner even samples them one by one: vllm/v1/sample/ops/topk_topp_sampler.py). None: seeded "
                           "where the engine runs on CPU, unseeded on GPUs (not bitwise reproducible there anyway).")
+    max_restarts: int = Field(
+        2, ge=0, description="vLLM engines that die (a process killed, a crash) are replaced this many times in a run: "
+                             "new engines on the same devices get the policy's current weights and the interrupted "
+                             "generation or refit is done again (seeded: the same samples). 0: a death ends the run "
+                             "(re-running resumes). Not with grpo.max_off_policy_steps=1.")
     vllm: VllmConfig = Field(default_factory=VllmConfig)
 
 

@@ -25,6 +25,7 @@ once (the Megatron engine validates a complete state before loading anything).
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -34,6 +35,8 @@ import torch
 
 from mrl.inference.buckets import iter_buckets
 from mrl.inference.transports.base import NamedTensor, Payload, WeightTransport
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -164,11 +167,20 @@ def refit(source: WeightSource, sink: RefitSink, transport: WeightTransport, *, 
         # Hazard: after a failed broadcast the receivers may still be blocked in it, and a call queued behind that
         # would never run; the caller shuts those engines down instead.
         if not transport.meets:
-            sink.finish_refit(complete=False)
+            _close_after_failure(sink)
         raise
     sink.finish_refit(complete=True)
     check_complete(sink.expected_names, names)
     return RefitStats(len(names), len(sizes), sum(sizes), max(sizes, default=0), time.perf_counter() - start)
+
+
+def _close_after_failure(sink: RefitSink) -> None:
+    """`finish_refit(complete=False)` after a failed refit; its own failure (a sink that died fails this call too)
+    is logged, so that the refit's first failure, the cause, is the one raised."""
+    try:
+        sink.finish_refit(complete=False)
+    except Exception as error:  # noqa: BLE001 -- the failure being raised is the refit's
+        log.warning("closing the failed refit: %s", error)
 
 
 def _moved(source: WeightSource, sink: RefitSink, transport: WeightTransport, plan: Iterable[int],

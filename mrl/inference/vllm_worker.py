@@ -12,7 +12,8 @@
 - life cycle (mrl/inference/lifecycle.py): the group's state machine is the one the controller checks; each
   transition runs on every engine at once (REPLICATED), and each engine checks its own state again.
 - An engine actor that dies surfaces as `mrl.distributed.WorkerDiedError` naming the group ("generation"), the
-  engine's rank and its node/pid.
+  engine's rank and its node/pid; the run replaces the engines (mrl/app/engine_restarts.py). The fault suite kills
+  an engine at the named points `engine.generate` and `engine.refit_bucket` (mrl/distributed/faults.py).
 
 An engine with tensor_parallel_size > 1 runs vLLM's own worker processes inside its actor: give its bundle that many
 CPUs (GPUs on clusters).
@@ -35,6 +36,7 @@ from mrl.inference.transports import CollectiveTransport, Payload, make_transpor
 from mrl.inference.vllm_backend import VllmBackend, VllmEngineConfig, expected_tensor_names
 
 from mrl.distributed import GroupFuture, Work, WorkerGroup
+from mrl.distributed.faults import inject
 from mrl.logging.known_noise import ENGINE_ENV
 
 
@@ -49,6 +51,7 @@ class VllmEngineWorker:
 
         Returns lists only, so the group's merge concatenates them in data-parallel (= prompt) order.
         """
+        inject("engine.generate")
         offset = shard["prompt_index"][0]
         # Shift the base seed so local prompt i draws the seeds of global prompt offset + i.
         seed = None if sampling.seed is None else sampling.seed + offset * sampling.n
@@ -61,6 +64,7 @@ class VllmEngineWorker:
         }
 
     def load_payload(self, payload: Payload) -> None:
+        inject("engine.refit_bucket")
         self.backend.load_payload(payload)
 
     def join_refit_group(self, transport: CollectiveTransport) -> None:

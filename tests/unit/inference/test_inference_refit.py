@@ -61,6 +61,19 @@ def test_a_failed_load_releases_the_bucket_and_tells_the_sink(tmp_path):
     assert sink.finished == [False] and list(tmp_path.iterdir()) == []
 
 
+class DeadSink(RecordingSink):
+    """An engine that died while loading: every later call to it fails too, with its own error."""
+
+    def finish_refit(self, complete: bool = True) -> None:
+        raise ConnectionError("the engine is gone (this call)")
+
+
+def test_a_sink_that_died_in_a_load_is_reported_by_that_load_not_by_the_clean_up(tmp_path):
+    with pytest.raises(RuntimeError, match="engine worker died"):
+        refit(LocalWeights(_state()), DeadSink(fail_on=1), SharedMemoryFileTransport(str(tmp_path)), bucket_bytes=150)
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_refit_missing_tensors_of_the_engine_is_refused(tmp_path):
     state = _state()
     sink = RecordingSink(expected_names=frozenset([*state, "lm_head.weight"]))

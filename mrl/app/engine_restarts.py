@@ -1,0 +1,69 @@
+"""Engine restarts: a vLLM engine process that dies while generating or loading a refit is replaced, and the run goes
+on as if nothing had happened.
+
+    engine.generate(...)  --WorkerDiedError of the engine group-->  Runtime.replace_engine:
+        every engine actor of the old group stopped (the dead one is gone; the others would hold stale KV caches)
+        new engines started on the same bundles from the model's config alone (random weights, no file read)
+        the run's watchdog deadlines armed on them
+        refit from the policy's current weights (Runtime.refit; a death in this refit is one more restart)
+    -> the same generate call again: the same prompts and sampling settings, so where requests are seeded (CPU, or
+       generation.seeded_sampling) the samples are those the dead engine would have returned.
+    Runtime.refit  --WorkerDiedError of the engine group-->  Runtime.replace_engine, then the refit again.
+
+At most `generation.max_restarts` replacements in a run (a process's life); past that, or where a restart cannot
+reproduce the engine's state, the death ends the run as before (exit 4, "re-running resumes from step N"):
+- asynchronous GRPO (grpo.max_off_policy_steps: 1): the engine generates while the policy trains, so the policy's
+  weights at the moment of a death are not those the engine held;
+- the Megatron engine runs in the driver: its death is the run's.
+`train/engine_restarts` (GRPO's metrics) counts the replacements so far.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from typing import Any, Callable
+
+from mrl.distributed import WorkerDiedError
+from mrl.inference.interface import GenerationOutput, SamplingConfig
+
+
+class RestartingEngine:
+    """The run's rollout engine (a vLLM engine group), replaced through `replace(error)` when it dies in `generate`.
+    Every other attribute is the current engine's, so the refit loop and the lifecycle see the engine itself."""
+
+    def __init__(self, engine: Any, replace: Callable[[WorkerDiedError], None]) -> None:
+        self.current = engine
+        self._replace = replace
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.current, name)
+
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig) -> GenerationOutput:
+        while True:
+            try:
+                return self.current.generate(prompts, sampling)
+            except WorkerDiedError as error:
+                self._replace(error)  # raises `error` when the engine is not to be replaced
+
+
+def engine_died(error: BaseException, engine: Any) -> bool:
+    """Whether `error` is the death of a process of `engine`'s worker group."""
+    workers = getattr(engine, "workers", None)
+    return isinstance(error, WorkerDiedError) and workers is not None and error.group == workers.name
+
+
+def restart_refusal(cfg: Any, restarts: int) -> str:
+    """Why a dead engine is not replaced ("" when it is)."""
+    if cfg.grpo.max_off_policy_steps:
+        return ("engines are not restarted with grpo.max_off_policy_steps=1 (the policy trains while they generate, "
+                "so its weights are not those the engine held)")
+    if restarts >= cfg.generation.max_restarts:
+        return f"generation.max_restarts={cfg.generation.max_restarts} restart(s) used up"
+    return ""
+
+
+def announce(error: WorkerDiedError, restarts: int, limit: int) -> None:
+    where = f" in '{error.method}'" if error.method else ""
+    print(f"[mrl] engine rank {error.rank} died{where}; restarting the engines with the policy's current weights "
+          f"(restart {restarts} of at most {limit}: generation.max_restarts)", file=sys.stderr, flush=True)

@@ -1,0 +1,82 @@
+"""The vLLM engine killed (SIGKILL) in the middle of a generation and in the middle of a refit, in one GRPO run of the
+command line: both times the run replaces the engine, refits it with the policy's current weights, does the
+interrupted work again, and ends with the metrics of an uninterrupted run of the same seed (requests are seeded on
+CPU), `train/engine_restarts` counting the replacements. The kills come from the named fault points of
+mrl/distributed/faults.py (`MRL_INJECT_FAULT`): a real SIGKILL of the engine's process, at a chosen place.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from mrl.testing.runs import RECIPE, SHORT_ARITH, finish, metrics, mrl
+
+# The SFT warm-up, then the two GRPO runs side by side: minutes on an AVX2-only EPYC.
+pytestmark = pytest.mark.timeout(1500)
+
+
+@pytest.fixture(scope="module")
+def warm(tmp_path_factory) -> Path:
+    """A policy that is partly right (150 SFT steps): GRPO's groups carry signal and its weights move, so an engine
+    refitted with anything but the current weights would sample differently."""
+    out = tmp_path_factory.mktemp("sft")
+    finish(mrl("sft", "--config", RECIPE, *SHORT_ARITH, f"run.output_dir={out}"))
+    return out / "final_hf"
+
+
+def _grpo(warm: Path, out: Path, env: dict[str, str] | None = None):
+    return mrl("grpo", "--config", RECIPE, *SHORT_ARITH, f"policy.model_name={warm}", "~policy.build",
+               "grpo.val_every=0", "policy.optimizer.lr=1e-3", f"run.output_dir={out}", env=env)
+
+
+def _lines_with_times(proc) -> list[tuple[float, str]]:
+    """The command's output lines with the wall time each arrived (read on a thread while it runs)."""
+    lines: list[tuple[float, str]] = []
+
+    def read() -> None:
+        for line in proc.stdout:
+            lines.append((time.time(), line))
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    proc.wait(timeout=900)
+    reader.join(timeout=30)
+    return lines
+
+
+def test_an_engine_killed_mid_generation_and_mid_refit_is_replaced_and_the_run_is_unchanged(warm, tmp_path):
+    generation_kill, refit_kill = tmp_path / "killed-generating", tmp_path / "killed-refitting"
+    # Counted in each engine process: the 1st engine validates at step 0 (generation 1), generates step 1 (2), loads
+    # step 1's refit (bucket 1) and dies generating step 2 (generation 3). Its replacement loads the replacement's
+    # refit (bucket 1), generates step 2, loads step 2's refit (2), generates step 3 and dies in step 3's refit (3).
+    faults = f"engine.generate@3:{generation_kill},engine.refit_bucket@3:{refit_kill}"
+    reference_run = _grpo(warm, tmp_path / "reference")
+    faulted_run = _grpo(warm, tmp_path / "faulted", env={"MRL_INJECT_FAULT": faults})
+    finish(reference_run)
+    lines = _lines_with_times(faulted_run)
+    out = "".join(line for _, line in lines)
+    assert faulted_run.returncode == 0, out[-4000:]
+
+    reference, faulted = metrics(tmp_path / "reference" / "logs"), metrics(tmp_path / "faulted" / "logs")
+    assert reference[1]["train/refit_buckets"] == 1.0  # the counts above assume one bucket per refit
+    kills = [json.loads(path.read_text()) for path in (generation_kill, refit_kill)]
+    assert [k["point"] for k in kills] == ["engine.generate", "engine.refit_bucket"]
+    assert kills[0]["pid"] != kills[1]["pid"]  # the second death is the replacement's
+    died = [(t, line) for t, line in lines if "[mrl] engine rank 0 died" in line]
+    assert [("'generate_shard'" in line, "'load_payload'" in line) for _, line in died] == [(1, 0), (0, 1)], out
+    for kill, (seen, _) in zip(kills, died):
+        assert seen - kill["time"] < 30  # Ray reports the actor's death in about a second
+
+    assert [faulted[step]["train/engine_restarts"] for step in (1, 2, 3, 4)] == [0.0, 1.0, 2.0, 2.0]
+    assert [reference[step]["train/engine_restarts"] for step in (1, 2, 3, 4)] == [0.0] * 4
+    for step in (1, 2, 3, 4):
+        same = {k: v for k, v in reference[step].items()
+                if k.startswith("train/") and k != "train/engine_restarts"
+                and "time" not in k}
+        assert {k: faulted[step][k] for k in same} == same, step
+    assert faulted[4]["val/accuracy"] == reference[4]["val/accuracy"]
