@@ -1,8 +1,10 @@
 """The Python stack of a worker that does not answer, for the message of a call past its deadline.
 
 Data flow:
-    worker start: `register()` -- faulthandler writes every thread's stack to <tmp>/mrl-stack-<pid>.txt on SIGUSR1
-                  (a C-level handler: it runs while the main thread is blocked in a collective, holding no GIL)
+    worker start: `register()` -- faulthandler writes every thread's stack to a file on SIGUSR1 (a C-level handler:
+                  it runs while the main thread is blocked in a collective, holding no GIL). The file is unlinked
+                  as soon as it is open, so nothing is left behind however the worker ends (SIGKILL included);
+                  it stays reachable as /proc/<pid>/fd/<n>, whose link names it <tmp>/mrl-stack-<pid>-*.txt
     controller, at a deadline: `stacks_of([(node_id, pid), ...])` -- one Ray task per worker, pinned to its node
                   (NodeAffinitySchedulingStrategy, so this works across nodes), sends SIGUSR1, waits for the file
                   to fill and returns it; a process that cannot run its handler (stopped by SIGSTOP, a zombie) is
@@ -27,16 +29,33 @@ _MAX_CHARS = 6000  # of one worker's stacks in a message
 _file: Optional[IO[str]] = None  # kept open for faulthandler, which writes to its file descriptor
 
 
-def stack_file(pid: int) -> Path:
-    return Path(tempfile.gettempdir()) / f"mrl-stack-{pid}.txt"
+def _prefix(pid: int) -> str:
+    return f"mrl-stack-{pid}-"
 
 
 def register() -> None:
-    """In a worker process: dump every thread's stack to `stack_file(pid)` on SIGUSR1 (idempotent)."""
+    """In a worker process: dump every thread's stack to an unlinked file on SIGUSR1 (idempotent)."""
     global _file
     if _file is None:
-        _file = open(stack_file(os.getpid()), "w")  # noqa: SIM115 -- lives as long as the process
+        _file = tempfile.NamedTemporaryFile("w", prefix=_prefix(os.getpid()), suffix=".txt", delete=False)
+        os.unlink(_file.name)  # the open descriptor keeps it; /proc/<pid>/fd/<n> reaches it (`stack_file`)
         faulthandler.register(_STACK_SIGNAL, file=_file, all_threads=True, chain=False)
+
+
+def stack_file(pid: int) -> Optional[Path]:
+    """Process `pid`'s stack file as /proc/<pid>/fd/<n> (None: it registered none, or it is gone)."""
+    try:
+        descriptors = list(Path(f"/proc/{pid}/fd").iterdir())
+    except OSError:
+        return None
+    for descriptor in descriptors:
+        try:
+            target = os.readlink(descriptor)
+        except OSError:
+            continue
+        if Path(target.removesuffix(" (deleted)")).name.startswith(_prefix(pid)):
+            return descriptor
+    return None
 
 
 def _dump(pid: int) -> str:
@@ -50,7 +69,7 @@ def _dump(pid: int) -> str:
     if status in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP, psutil.STATUS_ZOMBIE):
         return f"no stack: the process is {status} (it cannot run; a SIGSTOP, a debugger or a dead process)"
     path = stack_file(pid)
-    if not path.exists():
+    if path is None:
         return "no stack: the worker registered no stack dump"
     before = path.stat().st_size
     os.kill(pid, _STACK_SIGNAL)
