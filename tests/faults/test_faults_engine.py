@@ -16,17 +16,8 @@ import pytest
 
 from mrl.testing.runs import RECIPE, SHORT_ARITH, finish, metrics, mrl
 
-# The SFT warm-up, then the two GRPO runs side by side: minutes on an AVX2-only EPYC.
+# The SFT warm-up (`warm`, tests/faults/conftest.py), then two GRPO runs side by side: minutes on an AVX2-only EPYC.
 pytestmark = pytest.mark.timeout(1500)
-
-
-@pytest.fixture(scope="module")
-def warm(tmp_path_factory) -> Path:
-    """A policy that is partly right (150 SFT steps): GRPO's groups carry signal and its weights move, so an engine
-    refitted with anything but the current weights would sample differently."""
-    out = tmp_path_factory.mktemp("sft")
-    finish(mrl("sft", "--config", RECIPE, *SHORT_ARITH, f"run.output_dir={out}"))
-    return out / "final_hf"
 
 
 def _grpo(warm: Path, out: Path, env: dict[str, str] | None = None):
@@ -69,8 +60,11 @@ def test_an_engine_killed_mid_generation_and_mid_refit_is_replaced_and_the_run_i
     assert kills[0]["pid"] != kills[1]["pid"]  # the second death is the replacement's
     died = [(t, line) for t, line in lines if "[mrl] engine rank 0 died" in line]
     assert [("'generate_shard'" in line, "'load_payload'" in line) for _, line in died] == [(1, 0), (0, 1)], out
-    for kill, (seen, _) in zip(kills, died):
-        assert seen - kill["time"] < 30  # Ray reports the actor's death in about a second
+    detected = [seen - kill["time"] for kill, (seen, _) in zip(kills, died)]
+    print(f"deaths reported {detected[0]:.1f} s and {detected[1]:.1f} s after the kills; steps 2 and 3 took "
+          f"{faulted[2]['timing/step']:.1f} s and {faulted[3]['timing/step']:.1f} s (uninterrupted: "
+          f"{reference[2]['timing/step']:.1f} s, {reference[3]['timing/step']:.1f} s)")
+    assert max(detected) < 30  # Ray reports the actor's death in about a second
 
     assert [faulted[step]["train/engine_restarts"] for step in (1, 2, 3, 4)] == [0.0, 1.0, 2.0, 2.0]
     assert [reference[step]["train/engine_restarts"] for step in (1, 2, 3, 4)] == [0.0] * 4

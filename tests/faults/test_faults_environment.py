@@ -69,4 +69,5 @@ def test_a_server_that_stops_answering_costs_its_episodes_and_the_run_goes_on(tm
     assert steps[2]["train/env_server_errors"] == EPISODES and steps[2]["train/reward"] == 0.0
     assert steps[4]["train/env_server_errors"] == 0 and steps[4]["train/env_turns"] > 1.5
     # each episode's calls give up after env.server.timeout_s (2 s); the episodes wait side by side
+    print(f"step 2 with the server stopped: {steps[2]['timing/step']:.1f} s (step 3: {steps[3]['timing/step']:.1f} s)")
     assert stopped_for < 60, stopped_for

@@ -1,0 +1,87 @@
+"""Runs killed for real, and re-run: the same command resumes from the newest checkpoint and goes on exactly.
+
+- The whole run killed with SIGKILL (the driver and every Ray process it started) after step 2's checkpoint, in
+  synchronous and asynchronous GRPO: the re-run resumes from step 2 and logs for steps 3-4 the training metrics of an
+  uninterrupted run of the same seed.
+- One policy worker killed mid-run: one message naming the group, rank and method, where the newest checkpoint is and
+  that re-running the same command resumes, exit status 4; re-running it does resume.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from mrl.app.errors import RUN_FAILED_EXIT_CODE
+from mrl.testing.runs import RECIPE, SHORT_ARITH, finish, metrics, mrl, wait_for_file, worker_pids
+
+# Two GRPO runs side by side, then a third: minutes each on an AVX2-only EPYC.
+pytestmark = pytest.mark.timeout(1500)
+
+
+#: Asynchronous GRPO on 2 cores: the engine and the policy on a bundle (a core) each.
+ASYNC = ("grpo.max_off_policy_steps=1", "loss.importance_sampling=tis", "generation.colocated=false",
+         "generation.num_devices=1", "cluster.devices_per_node=2", "cluster.omp_num_threads=1")
+
+
+def _grpo_args(warm: Path, out: Path, *extra: str) -> list[str]:
+    return ["grpo", "--config", RECIPE, *SHORT_ARITH, f"policy.model_name={warm}",
+            "~policy.build", "checkpointing.save_every=1", "grpo.val_every=0", f"run.output_dir={out}",
+            "policy.optimizer.lr=1e-3", *extra]
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_grpo_resumes_exactly_after_sigkill(warm, tmp_path, mode):
+    """Asynchronous: the checkpoint after step 2 holds step 3's rollouts, generated during step 2's training."""
+    extra = ASYNC if mode == "async" else ()
+    reference_dir, crashed_dir = tmp_path / "reference", tmp_path / "crashed"
+    uninterrupted = mrl(*_grpo_args(warm, reference_dir, *extra))  # the two runs start side by side
+    proc = mrl(*_grpo_args(warm, crashed_dir, *extra))
+    marker = crashed_dir / "checkpoints" / "step_2" / "COMPLETE"
+    deadline = time.monotonic() + 300
+    while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert marker.exists(), proc.communicate()[0][-3000:]
+    os.killpg(proc.pid, signal.SIGKILL)  # the driver, and the Ray processes it started, die at once
+    proc.wait()
+    finish(uninterrupted)
+    reference = metrics(reference_dir / "logs")
+    if mode == "async":  # step 1 samples the initial model; every later step the weights one update older
+        assert [reference[step]["train/staleness"] for step in (1, 2, 3, 4)] == [0, 1, 1, 1]
+        assert all(reference[step]["train/is_weight_mean"] != 1.0 for step in (2, 3, 4))  # the correction acts
+
+    out = finish(mrl(*_grpo_args(warm, crashed_dir, *extra)))
+    assert "resuming from" in out and "step_2" in out
+    resumed = metrics(crashed_dir / "logs")
+    for step in (3, 4):
+        # Asynchronous: the resumed run's engine got step 2's weights at resume, so its refits come a step apart.
+        train = {k: v for k, v in reference[step].items()
+                 if k.startswith("train/") and "time" not in k and not (mode == "async" and "refit" in k)}
+        assert {k: resumed[step][k] for k in train} == train, step
+
+
+
+def test_a_dead_policy_worker_ends_the_run_with_one_message_and_a_rerun_resumes(tmp_path):
+    args = ["sft", "--config", RECIPE, *SHORT_ARITH, f"run.output_dir={tmp_path}", "sft.max_num_steps=30",
+            "checkpointing.save_every=10"]
+    proc = mrl(*args)
+    marker = tmp_path / "checkpoints" / "step_10" / "COMPLETE"
+    wait_for_file(proc, marker)
+    workers = worker_pids(proc.pid)  # SFT starts the policy's one rank, no engine
+    assert len(workers) == 1, workers
+    worker = workers[0]
+    os.kill(worker, signal.SIGKILL)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == RUN_FAILED_EXIT_CODE, out[-3000:]
+    assert "Traceback" not in out, out[-3000:]
+    assert "worker group 'policy' rank 0" in out and "died while running 'train'" in out, out[-3000:]
+    newest = max(int(p.name.split("_")[1]) for p in (tmp_path / "checkpoints").glob("step_*"))
+    assert f"the newest checkpoint is {tmp_path / 'checkpoints' / f'step_{newest}'}" in out, out[-3000:]
+    assert "resumes from it" in out
+    rerun = finish(mrl(*args))
+    assert f"resuming from {tmp_path / 'checkpoints' / f'step_{newest}'}" in rerun
+    assert max(metrics(tmp_path / "logs")) == 30
