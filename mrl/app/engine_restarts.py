@@ -1,14 +1,14 @@
 """Engine restarts: a vLLM engine process that dies while generating or loading a refit is replaced, and the run goes
 on as if nothing had happened.
 
-    engine.generate(...)  --WorkerDiedError of the engine group-->  Runtime.replace_engine:
+    engine.generate(...)  --WorkerDiedError of the engine group-->  Runtime.restart_engine:
         every engine actor of the old group stopped (the dead one is gone; the others would hold stale KV caches)
         new engines started on the same bundles from the model's config alone (random weights, no file read)
         the run's watchdog deadlines armed on them
         refit from the policy's current weights (Runtime.refit; a death in this refit is one more restart)
     -> the same generate call again: the same prompts and sampling settings, so where requests are seeded (CPU, or
        generation.seeded_sampling) the samples are those the dead engine would have returned.
-    Runtime.refit  --WorkerDiedError of the engine group-->  Runtime.replace_engine, then the refit again.
+    Runtime.refit  --WorkerDiedError of the engine group-->  the engines replaced, then the refit again (once).
 
 At most `generation.max_restarts` replacements in a run (a process's life); past that, or where a restart cannot
 reproduce the engine's state, the death ends the run as before (exit 4, "re-running resumes from step N"):

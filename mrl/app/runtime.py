@@ -202,7 +202,7 @@ class Runtime:
             try:
                 return self._refit_once(on_sent)
             except WorkerDiedError as error:
-                self.replace_engine(error)  # raises `error` when the engine is not to be replaced
+                self._replace_engine(error)  # then the refit again, into the new engines
 
     def _refit_once(self, on_sent: Optional[Callable[[], None]]) -> RefitStats:
         assert self.policy is not None and self.engine is not None, "refit needs a policy and an engine"
@@ -217,9 +217,15 @@ class Runtime:
             cast(ReleasesMemory, self.policy).release_memory()
         return stats
 
-    def replace_engine(self, error: WorkerDiedError) -> None:
+    def restart_engine(self, error: WorkerDiedError) -> None:
         """Replace the engines after `error`, the death of one of them, and give them the policy's weights; raise
         `error` when it is another group's, or the engine is not to be replaced (mrl/app/engine_restarts.py)."""
+        self._replace_engine(error)
+        if self.policy is not None:
+            self.refit()
+
+    def _replace_engine(self, error: WorkerDiedError) -> None:
+        """New engines in place of the group `error` says died (no weights yet where a policy will refit them)."""
         from mrl.app.engine_restarts import announce, engine_died, restart_refusal
 
         if not engine_died(error, self.engine):
@@ -241,8 +247,6 @@ class Runtime:
         # From the config alone when the policy refits them next; from the model's files for a run without one.
         engine.current = _build_engine(self, share, load_weights=self.policy is None)
         _arm_watchdogs(self, only=engine.current)
-        if self.policy is not None:
-            self.refit()
 
     def _transport(self) -> WeightTransport:
         if self.cfg.generation.colocated or self.cfg.generation.backend != "vllm":
@@ -442,9 +446,9 @@ def _start_policy(cfg: MrlConfig, spec: "PolicySpec", placement: Placement, shar
 def _start_engine(runtime: Runtime, share: float) -> None:
     """vLLM engines in Ray actors on the placement, or the Megatron engine in this (driver) process. From a Megatron
     source the engine starts from the config alone (`start_runtime` refits it before anything can generate). vLLM
-    engines that die are replaced (`Runtime.replace_engine`)."""
+    engines that die are replaced (`Runtime.restart_engine`)."""
     engine = _build_engine(runtime, share, load_weights=not runtime.source.is_megatron)
-    runtime.engine = RestartingEngine(engine, runtime.replace_engine) if hasattr(engine, "workers") else engine
+    runtime.engine = RestartingEngine(engine, runtime.restart_engine) if hasattr(engine, "workers") else engine
 
 
 def _build_engine(runtime: Runtime, share: float, *, load_weights: bool) -> RolloutEngine:
