@@ -53,8 +53,11 @@ def engine_died(error: BaseException, engine: Any) -> bool:
     return isinstance(error, WorkerDiedError) and workers is not None and error.group == workers.name
 
 
-def restart_refusal(cfg: Any, restarts: int) -> str:
-    """Why a dead engine is not replaced ("" when it is)."""
+def restart_refusal(cfg: Any, restarts: int, *, weights_reachable: bool) -> str:
+    """Why a dead engine is not replaced ("" when it is). `weights_reachable`: a policy is running to refit new
+    engines, or the model's HF files hold their weights."""
+    if not weights_reachable:
+        return "its weights came from a policy that is no longer running"
     if cfg.grpo.max_off_policy_steps:
         return ("engines are not restarted with grpo.max_off_policy_steps=1 (the policy trains while they generate, "
                 "so its weights are not those the engine held)")

@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, cast
 
 import torch
 
-from mrl.app.engine_restarts import RestartingEngine
+from mrl.app.engine_restarts import RestartingEngine, announce, engine_died, restart_refusal
 from mrl.app.model_source import ModelSource, classify_model_path
 from mrl.config.errors import ConfigError
 from mrl.config.schema import ModelBuildConfig, MrlConfig
@@ -226,14 +226,12 @@ class Runtime:
 
     def _replace_engine(self, error: WorkerDiedError) -> None:
         """New engines in place of the group `error` says died (no weights yet where a policy will refit them)."""
-        from mrl.app.engine_restarts import announce, engine_died, restart_refusal
-
         if not engine_died(error, self.engine):
             raise error
-        refusal = restart_refusal(self.cfg, self.engine_restarts)
-        if refusal or (self.policy is None and self.source.is_megatron):
-            print(f"[mrl] the engine is not restarted: "
-                  f"{refusal or 'its weights came from a policy that is no longer running'}", file=sys.stderr)
+        refusal = restart_refusal(self.cfg, self.engine_restarts,
+                                  weights_reachable=self.policy is not None or not self.source.is_megatron)
+        if refusal:
+            print(f"[mrl] the engine is not restarted: {refusal}", file=sys.stderr)
             raise error
         self.engine_restarts += 1
         announce(error, self.engine_restarts, self.cfg.generation.max_restarts)

@@ -201,8 +201,8 @@ def _misc_problems(cfg: "MrlConfig") -> list[ConfigError]:
         out.append(ConfigError("ICE-POP needs icepop_low < icepop_high", key="loss.icepop_low",
                                given=cfg.loss.icepop_low, allowed=f"< {cfg.loss.icepop_high}"))
     arith = cfg.data.arith
-    if arith is not None and arith.num_heldout > (10 ** arith.digits) ** 2 // 2:  # mrl/data/arith.py's pairs
-        half = (10 ** arith.digits) ** 2 // 2
+    half = (10 ** arith.digits) ** 2 // 2 if arith is not None else 0  # half of mrl/data/arith.py's pairs
+    if arith is not None and arith.num_heldout > half:
         out.append(ConfigError(f"{arith.digits}-digit addition has {2 * half} pairs; at most half may be held out",
                                key="data.arith.num_heldout", given=arith.num_heldout, allowed=f"1..{half}",
                                fix=f"data.arith.num_heldout={min(half, 20)}, or raise data.arith.digits"))
