@@ -109,8 +109,8 @@ def learn(cfg: MrlConfig, workers: Workers, rollouts: Rollouts, step: int, loss_
         grouped = rewards.view(-1, n)  # [P, G]
         advantages = grpo_advantages(grouped, leave_one_out=cfg.grpo.leave_one_out,
                                      normalize_std=cfg.grpo.normalize_std).view(-1)
-        keep = (dynamic_sampling_keep(grouped) if cfg.grpo.dynamic_sampling else torch.ones(len(grouped), dtype=torch.bool))
-        keep = keep.repeat_interleave(n) & (rollouts.loss_mask.sum(dim=1) > 0)
+        keep = _groups_kept(grouped, cfg.grpo.dynamic_sampling).repeat_interleave(n)
+        keep &= rollouts.loss_mask.sum(dim=1) > 0
         batch = training_rows(rollouts, advantages, keep, workers.policy.data_parallel_size)
     m.update(_rollout_metrics(rollouts, keep))
     m["train/staleness"] = float(step - 1 - rollouts.policy_version)  # updates between generating and training
@@ -152,6 +152,15 @@ def _rollout_metrics(rollouts: Rollouts, keep: torch.Tensor) -> dict[str, float]
                                                else rollouts.lengths.max()),
             "train/truncated_fraction": float(rollouts.truncated.float().mean()),
             "train/prompts_rejected": float(rollouts.num_prompts_rejected), "train/kept_samples": float(keep.sum())}
+
+
+def _groups_kept(grouped_rewards: torch.Tensor, dynamic_sampling: bool) -> torch.Tensor:
+    """[P] bool: the groups trained on; with dynamic sampling only those whose rewards are not all equal."""
+    keep = torch.ones(len(grouped_rewards), dtype=torch.bool)
+    if dynamic_sampling:
+        keep[:] = False
+        keep[dynamic_sampling_keep(grouped_rewards)] = True
+    return keep
 
 
 def _rows_per_update(cfg: MrlConfig, workers: Workers) -> int:

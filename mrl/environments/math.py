@@ -10,11 +10,15 @@ What real models write and math-verify reads (tests/unit/environments): "\\boxed
 or 0.18). Without a box it takes the number after "final answer is", else the LAST number, so "The final answer is
 800,000 - 100,000 = $70,000" reads 800000 and a model that rambles on after its answer is mis-read too: every sample
 records the text math-verify read (`extracted_answer`), so a mis-parse shows in the samples file.
+
+One departure from math-verify (`restates_without_value`): where the gold is a plain number, an answer that is
+arithmetic left undone ("3 * 4" for 12) scores 0, although its value is right.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 from typing import Any, Mapping, Optional, Sequence
 
 from mrl.environments.base import (EnvironmentStep, Message, last_response, read_answers_and_finished,
@@ -43,7 +47,25 @@ def math_verify_verdict(response: str, answer: str) -> tuple[float, Optional[str
         raise ValueError(f"math-verify cannot parse the gold answer {answer!r}")
     predicted = parse(readable(response), parsing_timeout=None)
     extracted = str(predicted[-1]) if predicted else None  # parse gives [sympy form, its string form]
+    if extracted is not None and restates_without_value(extracted, answer):
+        return 0.0, extracted
     return (1.0 if predicted and verify(gold, predicted, timeout_seconds=None) else 0.0), extracted
+
+
+_PLAIN_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+_NUMBERS_WITH_AN_OPERATOR = re.compile(r"\d\s*(?:[*+\-^×·÷]|\\times|\\cdot|\\div)\s*[-(]?\s*\d")
+
+
+def restates_without_value(extracted: str, answer: str) -> bool:
+    """Whether the answer read is arithmetic on numbers left undone ("3 * 4", "2 + 5", "3 \\cdot 4") where the gold
+    is a plain number: the question restated, not answered.
+
+    math-verify compares values, so "What is 3 times 4?" answered "3 * 4 =" reads `3*4`, which equals 12: a
+    policy learns that restating the question earns the reward (GRPO on SmolLM2-135M-Instruct did within 40 steps,
+    100% on held-out questions with not one product computed). A fraction ("1/2", "\\frac{1}{2}") is a value and
+    stays right; a gold that is itself an expression is compared by math-verify alone."""
+    gold = answer.replace(",", "").strip()
+    return bool(_PLAIN_NUMBER.fullmatch(gold)) and bool(_NUMBERS_WITH_AN_OPERATOR.search(extracted))
 
 
 def math_verify_reward(response: str, answer: str) -> float:

@@ -83,3 +83,23 @@ def test_last_response_is_the_last_assistant_message():
            {"role": "environment", "content": "c"}]
     assert last_response(log) == "b"
     assert last_response([{"role": "user", "content": "a"}]) == ""
+
+
+# Arithmetic left undone is not an answer (restates_without_value): math-verify alone scores all of these 1.0.
+@pytest.mark.parametrize("response, gold, read, expected", [
+    ("3 * 4 =", "12", "3 * 4", 0.0),                 # what GRPO on SmolLM2 learned when this scored 1
+    ("It is 3 * 4.", "12", "3 * 4.", 0.0),
+    ("\\boxed{3 \\cdot 4}", "12", "3 \\cdot 4", 0.0),
+    ("$3\\times 4$", "12", "3\\times 4", 0.0),
+    ("2^3", "8", "2^3", 0.0),
+    ("10 - -2", "12", "10 - -2", 0.0),
+    ("3 * 4 = 12", "12", "12", 1.0),                 # the work shown, then the value
+    ("-1", "-1", "-1", 1.0),                         # a sign is not an operation
+    ("1/2", "0.5", "1/2", 1.0),                      # a fraction is a value
+    ("The answer is 1,000.", "1,000", "1000", 1.0),
+])
+def test_arithmetic_left_undone_scores_zero_where_the_gold_is_a_number(response, gold, read, expected):
+    from math_verify import parse, verify
+
+    assert math_verify_verdict(response, gold) == (expected, read)
+    assert verify(parse(boxed_gold(gold)), parse(readable(response)))  # math-verify alone: right in every case
