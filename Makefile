@@ -15,7 +15,7 @@ export RAY_USAGE_STATS_ENABLED := 0
 export TOKENIZERS_PARALLELISM := false
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: install docs test-docs demo test test-unit test-functional real test-real test-slurm test-faults test-learning test-gpu gpu-wheelhouse lint lock bench clean lock-gpu check-gpu-lock
+.PHONY: learn-real install docs test-docs demo test test-unit test-functional real test-real test-slurm test-faults test-learning test-gpu gpu-wheelhouse lint lock bench clean lock-gpu check-gpu-lock
 
 install: $(STAMP)
 
@@ -54,6 +54,13 @@ real: install
 # first to need the assets prepares them while the other waits (a lock in tests/real/conftest.py).
 test-real: install
 	MRL_REAL_ASSETS=$(abspath $(REAL_ASSETS)) $(BIN)/python -m pytest tests/real -q -n $(TEST_PROCESSES) --dist loadfile
+
+# RL on the real SmolLM2-135M-Instruct, judged on held-out questions never trained on: GRPO on times-table
+# questions with two seeds (each at most 40 minutes on 2 cores), and DPO on the model's own answers, right over wrong
+# (recipes/grpo-smollm2-135m-times-cpu.yaml, recipes/dpo-smollm2-135m-times-cpu.yaml). About 90 minutes on 2 cores,
+# so outside CI; the figures are printed at the end and written in the README.
+learn-real: install
+	MRL_REAL_ASSETS=$(abspath $(REAL_ASSETS)) $(BIN)/python -m pytest tests/learn_real -q
 
 # The Slurm launcher against a real one-node Slurm (installs slurm-wlm with apt-get when missing, as root; starts
 # and stops its daemons itself).

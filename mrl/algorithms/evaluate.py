@@ -36,7 +36,8 @@ class SampleRecord:
 
     problem_index: int  # the row of the problem in its source file (arith: in the held-out set)
     sample_index: int
-    prompt: str
+    problem: str  # the problem as its source gives it (no template, no instruction)
+    prompt: str  # what the engine was given
     response: str
     gold_answer: str
     extracted_answer: Optional[str]
@@ -65,7 +66,8 @@ def evaluate(engine: GenerationBackend, env: Environment, tokenizer: "PreTrained
     for k in pass_k:
         metrics[f"val/pass@{k}"] = sum(pass_at_k(sampling.n, c, k) for c in correct) / len(correct)
     prompts = [tokenizer.decode(list(ids), skip_special_tokens=False) for ids in prompt_ids]
-    samples = [SampleRecord(problems[row // sampling.n].row, row % sampling.n, prompts[row // sampling.n],
+    samples = [SampleRecord(problems[row // sampling.n].row, row % sampling.n, problems[row // sampling.n].problem,
+                            prompts[row // sampling.n],
                             rollouts.responses[row], problems[row // sampling.n].answer,
                             rollouts.extracted_answers[row], float(rollouts.rewards[row]),
                             rollouts.finish_reasons[row].value)

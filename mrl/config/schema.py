@@ -158,6 +158,8 @@ class PolicyConfig(Section):
     train_global_batch_size: int = Field(256, ge=1, description="Sequences per optimizer step (all DP ranks).")
     train_micro_batch_size: int = Field(4, ge=1, description="Sequences per forward/backward micro-batch per rank.")
     logprob_micro_batch_size: int = Field(8, ge=1, description="Sequences per micro-batch when computing logprobs.")
+    logprob_chunk_tokens: int = Field(1024, ge=1, description="Tokens whose fp32 logits the log-softmax holds at once "
+                                      "(forward and backward); the full [tokens, vocabulary] fp32 copy never exists.")
     max_total_sequence_length: int = Field(4096, ge=2, description="Prompt + response tokens, at most.")
     activation_checkpointing: bool = Field(False, description="Recompute activations in the backward pass.")
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)

@@ -3,9 +3,10 @@
 Convention used throughout mrl: `logprobs[b, t] = log p(token[b, t] | token[b, :t])`, so position 0 (no prefix)
 is 0 and a response's logprobs sit on the response's own token positions.
 
-The log-softmax is computed without gathering the vocabulary across tensor-parallel ranks: Megatron's
-`vocab_parallel_cross_entropy` all-reduces the max, the sum of exponentials and the target logit over the TP group
-(three [B, T] all-reduces instead of one [B, T, V] all-gather), and has the matching backward.
+The log-softmax is computed without gathering the vocabulary across tensor-parallel ranks: as Megatron's
+`vocab_parallel_cross_entropy`, it all-reduces the max, the sum of exponentials and the target logit over the TP
+group (three [B, T] all-reduces instead of one [B, T, V] all-gather), and has the matching backward; unlike it, it
+works through the tokens a chunk at a time, so the full fp32 logits and softmax never exist (LOGPROB_CHUNK_TOKENS).
 """
 
 from __future__ import annotations
@@ -20,30 +21,105 @@ def next_token_targets(input_ids: torch.Tensor) -> torch.Tensor:
     return targets
 
 
+#: Tokens whose fp32 logits exist at once in the log-softmax. The logits stay in the model's dtype; each chunk of
+#: rows is upcast, reduced and dropped, in the forward and again in the backward. Unchunked, an 8K-token micro-batch
+#: over Qwen's 151,936-token vocabulary is 8192 x 151,936 x 4 B = 5 GB of fp32 logits, and Megatron's kernel keeps
+#: as much again for its backward (the softmax); a 1024-token chunk is 0.6 GB, held only while it is computed.
+LOGPROB_CHUNK_TOKENS = 1024
+
+
 def vocab_parallel_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
-                            vocab_size: int | None = None) -> torch.Tensor:
+                            vocab_size: int | None = None, chunk_tokens: int = LOGPROB_CHUNK_TOKENS) -> torch.Tensor:
     """log p(targets) under softmax(logits / temperature), with the vocabulary split over the TP group.
 
-    logits:     [B, T, V_padded / tp] this rank's slice of the padded vocabulary
-    targets:    [B, T] global token ids
-    vocab_size: the real vocabulary; the padding rows Megatron adds (to divide by TP) are excluded from the
-                softmax, else every logprob is off by log(1 + pad * e^0 / Z) compared with the HF model.
-    returns:    [B, T] float32, differentiable
+    logits:       [B, T, V_padded / tp] this rank's slice of the padded vocabulary, in the model's dtype
+    targets:      [B, T] global token ids
+    vocab_size:   the real vocabulary; the padding rows Megatron adds (to divide by TP) are excluded from the
+                  softmax, else every logprob is off by log(1 + pad * e^0 / Z) compared with the HF model.
+    chunk_tokens: rows of fp32 logits computed at once (LOGPROB_CHUNK_TOKENS)
+    returns:      [B, T] float32, differentiable
+
+    The arithmetic is Megatron's `vocab_parallel_cross_entropy` (megatron-core 0.16.1,
+    tensor_parallel/cross_entropy.py): the max, the sum of exponentials and the target logit all-reduced over the
+    TP group, logprob = (target - max) - log(sum exp(logits - max)), gradient (onehot - softmax) / temperature; done
+    chunk by chunk of tokens, so neither the fp32 logits nor the fp32 softmax of the whole micro-batch ever exist.
     """
     from megatron.core import parallel_state
-    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
-    logits = logits.float()
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+    local = logits.shape[-1]
+    start = parallel_state.get_tensor_model_parallel_rank() * local
+    padded_from = vocab_size - start if vocab_size is not None and start + local > vocab_size else local
+    group = parallel_state.get_tensor_model_parallel_group()
+    flat = _ChunkedVocabParallelLogprobs.apply(logits.reshape(-1, local), targets.reshape(-1), float(temperature),
+                                               start, padded_from, group, chunk_tokens)
+    return flat.view(targets.shape)
+
+
+def _scaled_chunk(logits: torch.Tensor, temperature: float, padded_from: int) -> torch.Tensor:
+    """A new fp32 copy of one chunk of rows (never a view: it is worked on in place), divided by the temperature,
+    the vocabulary's padding columns at -inf."""
+    chunk = logits.to(torch.float32, copy=True)
     if temperature != 1.0:
-        logits = logits / temperature
-    if vocab_size is not None:
-        local = logits.shape[-1]
-        start = parallel_state.get_tensor_model_parallel_rank() * local
-        if start + local > vocab_size:
-            padding = torch.arange(start, start + local, device=logits.device) >= vocab_size
-            logits = logits.masked_fill(padding, float("-inf"))
-    # Megatron's kernel expects [S, B, V]; it is elementwise over the leading dims, so [B, T, V] works as well.
-    return -vocab_parallel_cross_entropy(logits, targets)
+        chunk /= temperature
+    if padded_from < chunk.shape[-1]:
+        chunk[:, padded_from:] = float("-inf")
+    return chunk
+
+
+def _local_targets(targets: torch.Tensor, start: int, local: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(column of each target in this rank's slice, clamped to a valid column; whether the target is in the slice)."""
+    inside = (targets >= start) & (targets < start + local)
+    return (targets - start).clamp(0, local - 1), inside
+
+
+class _ChunkedVocabParallelLogprobs(torch.autograd.Function):
+    """[N, V/tp] logits (any float dtype), [N] targets -> [N] fp32 logprobs; see `vocab_parallel_logprobs`."""
+
+    @staticmethod
+    def forward(ctx, logits, targets, temperature, start, padded_from, group, chunk_tokens):  # noqa: D102
+        from mrl.parallel import collectives
+
+        reduce = collectives.world_size(group) > 1  # per micro-batch: a group of one keeps its shortcut
+        n, local = logits.shape
+        out = torch.empty(n, dtype=torch.float32, device=logits.device)
+        top_all, sum_exp_all = torch.empty_like(out), torch.empty_like(out)  # the max and sum of exps, for the backward
+        for first in range(0, n, chunk_tokens):
+            rows = slice(first, first + chunk_tokens)
+            chunk = _scaled_chunk(logits[rows], temperature, padded_from)
+            top = chunk.max(dim=-1).values
+            if reduce:
+                collectives.all_reduce(top, "max", group)
+            chunk -= top[:, None]
+            column, inside = _local_targets(targets[rows], start, local)
+            predicted = torch.where(inside, chunk.gather(1, column[:, None]).squeeze(1), torch.zeros_like(top))
+            sum_exp = chunk.exp_().sum(dim=-1)
+            if reduce:
+                collectives.all_reduce(predicted, "sum", group)
+                collectives.all_reduce(sum_exp, "sum", group)
+            out[rows] = predicted - torch.log(sum_exp)
+            top_all[rows], sum_exp_all[rows] = top, sum_exp
+        ctx.save_for_backward(logits, targets, top_all, sum_exp_all)
+        ctx.temperature, ctx.start, ctx.padded_from, ctx.chunk_tokens = temperature, start, padded_from, chunk_tokens
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):  # noqa: D102
+        logits, targets, top, sum_exp = ctx.saved_tensors
+        n, local = logits.shape
+        grad = torch.empty_like(logits)
+        for first in range(0, n, ctx.chunk_tokens):
+            rows = slice(first, first + ctx.chunk_tokens)
+            chunk = _scaled_chunk(logits[rows], ctx.temperature, ctx.padded_from)
+            softmax = chunk.sub_(top[rows, None]).exp_().div_(sum_exp[rows, None])  # padding: exp(-inf) = 0
+            column, inside = _local_targets(targets[rows], ctx.start, local)
+            softmax[torch.arange(len(column), device=column.device), column] -= inside.float()
+            softmax.mul_(-grad_out[rows].float()[:, None])  # d logprob / d logits = (onehot - softmax) / T
+            if ctx.temperature != 1.0:
+                softmax /= ctx.temperature
+            grad[rows] = softmax.to(grad.dtype)
+        return grad, None, None, None, None, None, None
 
 
 def score_values(output: torch.Tensor) -> torch.Tensor:

@@ -54,7 +54,7 @@ from mrl.data.packing import MicroBatchPlan, dynamic_batches, local_token_positi
 from mrl.parallel import collectives
 from mrl.parallel.layout import length_multiple, micro_batching_violations
 from mrl.policy.interface import PolicyLoss, RankBatch
-from mrl.policy.logprobs import (merge_from_context_parallel, next_token_targets, score_values,
+from mrl.policy.logprobs import (LOGPROB_CHUNK_TOKENS, merge_from_context_parallel, next_token_targets, score_values,
                                  shift_to_token_positions, split_for_context_parallel, vocab_parallel_logprobs)
 
 if TYPE_CHECKING:
@@ -73,6 +73,7 @@ class StepContext:
     vocab_size: int | None = None  # real vocabulary (without Megatron's padding)
     temperature: float = 1.0
     head: str = "lm"  # "lm": logprobs of the next tokens; "score": a reward model's value per position
+    logprob_chunk_tokens: int = LOGPROB_CHUNK_TOKENS  # rows of fp32 logits at once (mrl.policy.logprobs)
 
     def to_token_positions(self, values: torch.Tensor) -> torch.Tensor:
         """[N, T] results at predicting positions -> at token positions (logprobs move by one; scores stay)."""
@@ -106,7 +107,8 @@ def _target_logprobs(output: torch.Tensor, data: dict, ctx: StepContext) -> torc
     if ctx.head == "score":
         logprobs = score_values(output)
     else:
-        logprobs = vocab_parallel_logprobs(output, data["targets"], ctx.temperature, ctx.vocab_size)
+        logprobs = vocab_parallel_logprobs(output, data["targets"], ctx.temperature, ctx.vocab_size,
+                                           ctx.logprob_chunk_tokens)
     if "unpack_index" not in data:
         return logprobs
     rows = logprobs[0][data["unpack_index"]]  # [b, W]; differentiable gather

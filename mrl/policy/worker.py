@@ -218,7 +218,8 @@ class PolicyWorker:
         return StepContext(dp_size=ps.get_data_parallel_world_size(), cp_rank=ps.get_context_parallel_rank(),
                            cp_size=ps.get_context_parallel_world_size(), cp_group=ps.get_context_parallel_group(),
                            is_last_stage=ps.is_pipeline_last_stage(), vocab_size=self.model_dims.vocab_size,
-                           temperature=temperature, head="score" if self.model_dims.score_head else "lm")
+                           temperature=temperature, head="score" if self.model_dims.score_head else "lm",
+                           logprob_chunk_tokens=self.spec.policy.logprob_chunk_tokens)
 
     # ------------------------------------------------------------------------------------------------ compute
     def logprobs(self, shard: RankBatch, temperature: float = 1.0, reference: bool = False) -> Optional[torch.Tensor]:

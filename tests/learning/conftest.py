@@ -1,23 +1,4 @@
 """The learning checks (`make test-learning`): each test hands its figures to the `figure` fixture, and they are
-printed together at the end of the run, also from pytest-xdist's test processes (which print nothing themselves)."""
+printed together at the end of the run (mrl.testing.figures)."""
 
-from __future__ import annotations
-
-from typing import Callable
-
-import pytest
-
-
-@pytest.fixture
-def figure(record_property) -> Callable[[str], None]:
-    """`figure("reward 0.4 -> 0.9")`: a line for the run's summary."""
-    return lambda text: record_property("figure", text)
-
-
-def pytest_terminal_summary(terminalreporter) -> None:
-    reports = [r for outcome in ("passed", "failed") for r in terminalreporter.stats.get(outcome, [])]
-    lines = [value for report in reports for name, value in report.user_properties if name == "figure"]
-    if lines:
-        terminalreporter.section("learning figures")
-        for line in lines:
-            terminalreporter.write_line(line)
+from mrl.testing.figures import figure, pytest_terminal_summary  # noqa: F401  (a fixture and a hook, for pytest)

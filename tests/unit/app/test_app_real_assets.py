@@ -7,6 +7,7 @@ from __future__ import annotations
 import gzip
 import io
 import json
+import re
 import subprocess
 import tarfile
 from pathlib import Path
@@ -111,3 +112,28 @@ def test_unreachable_registries_exit_with_their_own_status(tmp_path, monkeypatch
     monkeypatch.setattr(real_assets, "install_packages", unreachable)
     assert real_assets.main(["--dir", str(tmp_path)]) == real_assets.UNREACHABLE_EXIT_CODE
     assert "No matching distribution" in capsys.readouterr().err
+
+
+def test_times_tables_hold_out_whole_operand_pairs_and_every_product_is_right():
+    train, heldout = real_assets.times_tables()
+    pair = lambda row: frozenset(int(n) for n in re.findall(r"\d+", row["problem"]))  # noqa: E731
+    assert {pair(row) for row in train}.isdisjoint({pair(row) for row in heldout})
+    for row in train + heldout:
+        a, b = (int(n) for n in re.findall(r"\d+", row["problem"]))
+        assert row["answer"] == str(a * b) and 2 <= a <= 12 and 2 <= b <= 12
+    # 66 unordered pairs of 2..12, a third held out; each pair in both orders (a square in one) and both phrasings
+    assert len({pair(row) for row in train + heldout}) == 66 and len({pair(row) for row in heldout}) == 22
+    squares = sum(1 for row in train + heldout if len(pair(row)) == 1)
+    assert len(train) + len(heldout) == (66 - 11) * 4 + squares == (66 - 11) * 4 + 11 * 2
+    assert real_assets.times_tables() == (train, heldout)  # deterministic
+
+
+def test_times_table_files_are_written_once(tmp_path: Path):
+    counts = real_assets.write_times_tables(tmp_path)
+    train, heldout = real_assets.times_tables()
+    assert counts == {"times_train.jsonl": len(train), "times_heldout.jsonl": len(heldout)}
+    rows = [json.loads(line) for line in open(tmp_path / "times_heldout.jsonl", encoding="utf-8")]
+    assert rows == heldout
+    (tmp_path / "times_train.jsonl").write_text("kept\n")
+    real_assets.write_times_tables(tmp_path)
+    assert (tmp_path / "times_train.jsonl").read_text() == "kept\n"

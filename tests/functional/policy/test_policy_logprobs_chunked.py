@@ -1,0 +1,74 @@
+"""Log-probabilities a chunk of tokens at a time (mrl.policy.logprobs.vocab_parallel_logprobs) against Megatron's
+own `vocab_parallel_cross_entropy` over the full fp32 logits, the path mrl used before: the same values and the same
+gradients, bit for bit, on one rank and with the vocabulary split over two TP ranks, in fp32 and bf16, with a
+temperature and with Megatron's vocabulary padding; and what the chunked path keeps for its backward (the logits in
+their own dtype, nothing of the full fp32 size)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mrl.testing.distributed import run_on_ranks
+
+VOCAB, PADDED = 45, 48  # real vocabulary; Megatron's padded one (divisible by TP = 2)
+
+
+# ---- rank side: imported by each rank process of run_on_ranks ----
+def compare_with_megatron(tp: int) -> list[tuple]:
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+    from mrl.parallel.groups import init_process_groups
+    from mrl.parallel.layout import ParallelDims
+    from mrl.policy.logprobs import vocab_parallel_logprobs
+
+    init_process_groups(ParallelDims(world_size=tp, tp=tp))
+    local, rank = PADDED // tp, ps.get_tensor_model_parallel_rank()
+    results = []
+    for dtype in (torch.float32, torch.bfloat16):
+        for temperature in (1.0, 0.7):
+            for chunk in (1, 5, 4096):
+                torch.manual_seed(0)  # the same full logits on every rank; each takes its slice
+                full = torch.randn(3, 7, PADDED) * 3
+                targets = torch.randint(0, VOCAB, (3, 7))
+                upstream = torch.randn(3, 7)
+                mine = full[..., rank * local:(rank + 1) * local].to(dtype).requires_grad_()
+                theirs = mine.detach().clone().requires_grad_()
+                scaled = theirs.float() / temperature
+                scaled = scaled.masked_fill(torch.arange(rank * local, (rank + 1) * local) >= VOCAB, float("-inf"))
+                expected = -vocab_parallel_cross_entropy(scaled, targets)
+                (expected * upstream).sum().backward()
+                got = vocab_parallel_logprobs(mine, targets, temperature, VOCAB, chunk_tokens=chunk)
+                (got * upstream).sum().backward()
+                results.append((str(dtype), temperature, chunk, torch.equal(got, expected),
+                                torch.equal(mine.grad, theirs.grad), got.dtype == torch.float32))
+    return results
+
+
+def saved_for_backward() -> list[tuple]:
+    from mrl.parallel.groups import init_process_groups
+    from mrl.parallel.layout import ParallelDims
+    from mrl.policy.logprobs import vocab_parallel_logprobs
+
+    init_process_groups(ParallelDims(world_size=1))
+    logits = torch.randn(4, 64, 1000, dtype=torch.bfloat16, requires_grad=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append((t.dtype, t.numel())) or t, lambda t: t):
+        vocab_parallel_logprobs(logits, torch.randint(0, 1000, (4, 64)), 1.0, None, chunk_tokens=32)
+    return saved
+
+
+# ---- test side ----
+@pytest.mark.parametrize("tp", [1, 2])
+def test_chunked_logprobs_equal_megatrons_bit_for_bit(tp):
+    for rank_results in run_on_ranks(compare_with_megatron, world_size=tp, args=(tp,)):
+        assert len(rank_results) == 12
+        for dtype, temperature, chunk, values_equal, grads_equal, fp32 in rank_results:
+            assert values_equal and grads_equal and fp32, (dtype, temperature, chunk)
+
+
+def test_the_backward_keeps_the_logits_in_their_dtype_and_no_full_fp32_copy():
+    saved = run_on_ranks(saved_for_backward, world_size=1)[0]
+    assert (torch.bfloat16, 4 * 64 * 1000) in saved
+    assert all(not (dtype == torch.float32 and numel >= 4 * 64 * 1000) for dtype, numel in saved), saved
