@@ -57,8 +57,9 @@ test-real: install
 
 # RL on the real SmolLM2-135M-Instruct, judged on held-out questions never trained on: GRPO on times-table
 # questions with two seeds (each at most 40 minutes on 2 cores), and DPO on the model's own answers, right over wrong
-# (recipes/grpo-smollm2-135m-times-cpu.yaml, recipes/dpo-smollm2-135m-times-cpu.yaml). About 90 minutes on 2 cores,
-# so outside CI; the figures are printed at the end and written in the README.
+# (recipes/grpo-smollm2-135m-times-cpu.yaml, recipes/dpo-smollm2-135m-times-cpu.yaml). About an hour on 2 cores, so
+# outside CI; the figures are printed at the end and written in the README. The DPO check fails today (0.885 -> 0.904
+# against a required +0.15: docs/guides/real-model.md).
 learn-real: install
 	MRL_REAL_ASSETS=$(abspath $(REAL_ASSETS)) $(BIN)/python -m pytest tests/learn_real -q
 
