@@ -156,10 +156,10 @@ def _rollout_metrics(rollouts: Rollouts, keep: torch.Tensor) -> dict[str, float]
 
 def _groups_kept(grouped_rewards: torch.Tensor, dynamic_sampling: bool) -> torch.Tensor:
     """[P] bool: the groups trained on; with dynamic sampling only those whose rewards are not all equal."""
-    keep = torch.ones(len(grouped_rewards), dtype=torch.bool)
-    if dynamic_sampling:
-        keep[:] = False
-        keep[dynamic_sampling_keep(grouped_rewards)] = True
+    if not dynamic_sampling:
+        return torch.ones(len(grouped_rewards), dtype=torch.bool)
+    keep = torch.zeros(len(grouped_rewards), dtype=torch.bool)
+    keep[dynamic_sampling_keep(grouped_rewards)] = True
     return keep
 
 

@@ -199,7 +199,8 @@ def math_train(site: Path, exclude: Iterable[str]) -> list[dict[str, str]]:
     return mixed[:TRAIN_PROBLEMS]
 
 
-def _write_jsonl(rows: list[dict[str, str]]) -> Callable[[Path], None]:
+def write_jsonl(rows: list[dict[str, str]]) -> Callable[[Path], None]:
+    """A `make` for `write_atomically`: the rows, one JSON object a line."""
     def write(path: Path) -> None:
         with open(path, "w", encoding="utf-8") as out:
             for row in rows:
@@ -217,7 +218,7 @@ def write_problem_sets(site: Path, out: Path) -> dict[str, int]:
     sets = {names[0]: gsm8k_test(site), names[1]: test_500,
             names[2]: math_train(site, exclude=[row["problem"] for row in test_500])}
     for name, rows in sets.items():
-        write_atomically(out / name, _write_jsonl(rows))
+        write_atomically(out / name, write_jsonl(rows))
     return {name: len(rows) for name, rows in sets.items()}
 
 
@@ -251,7 +252,7 @@ def write_times_tables(out: Path) -> dict[str, int]:
     counts = {}
     for name, rows in zip(TIMES_FILES, times_tables()):
         if not (out / name).is_file():
-            write_atomically(out / name, _write_jsonl(rows))
+            write_atomically(out / name, write_jsonl(rows))
         counts[name] = len(rows)
     return counts
 

@@ -21,6 +21,8 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
+from mrl.app.real_assets import write_atomically, write_jsonl
+
 
 def pairs_from_samples(samples: Iterable[dict[str, Any]], instruction: str, max_pairs_per_problem: int = 2,
                        seed: int = 0) -> list[dict[str, str]]:
@@ -65,9 +67,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     pairs = pairs_from_samples(samples, args.instruction, args.max_pairs_per_problem, args.seed)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text("".join(json.dumps(p, ensure_ascii=False) + "\n" for p in pairs), encoding="utf-8")
-    tmp.replace(out)
+    write_atomically(out, write_jsonl(pairs))
     questions = len({s["problem_index"] for s in samples})
     print(f"[mrl] {out}: {len(pairs)} pairs from {len(samples)} samples of {questions} questions", flush=True)
     return 0 if pairs else 1
