@@ -50,7 +50,9 @@ def vocab_parallel_logprobs(logits: torch.Tensor, targets: torch.Tensor, tempera
         raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
     local = logits.shape[-1]
     start = parallel_state.get_tensor_model_parallel_rank() * local
-    padded_from = vocab_size - start if vocab_size is not None and start + local > vocab_size else local
+    # The first padding column of this slice: 0 where the whole slice is padding (a tiny vocabulary padded to a
+    # multiple of 128 x TP leaves the last ranks nothing but padding), `local` where there is none.
+    padded_from = local if vocab_size is None else min(max(vocab_size - start, 0), local)
     group = parallel_state.get_tensor_model_parallel_group()
     flat = _ChunkedVocabParallelLogprobs.apply(logits.reshape(-1, local), targets.reshape(-1), float(temperature),
                                                start, padded_from, group, chunk_tokens)
