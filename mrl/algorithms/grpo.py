@@ -91,7 +91,7 @@ def produce_rollouts(cfg: MrlConfig, workers: Workers, env: Environment, data: T
             m.update(env_metrics)
         else:
             rollouts = generate_and_score(workers.engine, env, workers.tokenizer, problems, prompts, sampling)
-        workers.engine.finish_generation()  # ... and releases it while the policy trains
+        workers.engine.finish_generation(refit_follows=True)  # ... and releases it while the policy trains
     rollouts.policy_version = policy_version
     return rollouts, m
 

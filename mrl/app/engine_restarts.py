@@ -1,5 +1,7 @@
 """Engine restarts: a vLLM engine process that dies while generating or loading a refit is replaced, and the run goes
-on as if nothing had happened.
+on as if nothing had happened. The same wrapper refits an engine whose weights a level-2 sleep discarded
+(generation.sleep_level) before it is woken to generate, when the run has not refitted it since (after a validation,
+or a step that trained on nothing): `prepare_for_generation`.
 
     engine.generate(...)  --WorkerDiedError of the engine group-->  Runtime.restart_engine:
         every engine actor of the old group stopped (the dead one is gone; the others would hold stale KV caches)
@@ -29,12 +31,22 @@ from mrl.inference.interface import GenerationOutput, SamplingConfig
 
 
 class RestartingEngine:
-    """The run's rollout engine (a vLLM engine group), replaced through `replace(error)` when it dies in `generate`.
-    Every other attribute is the current engine's, so the refit loop and the lifecycle see the engine itself."""
+    """The run's rollout engine (a vLLM engine group), replaced through `replace(error)` when it dies in `generate`,
+    and refitted through `refill()` when it would wake to generate with discarded weights. Every other attribute is
+    the current engine's, so the refit loop and the lifecycle see the engine itself."""
 
-    def __init__(self, engine: Any, replace: Callable[[WorkerDiedError], None]) -> None:
+    def __init__(self, engine: Any, replace: Callable[[WorkerDiedError], None],
+                 refill: Callable[[], Any] | None = None) -> None:
         self.current = engine
         self._replace = replace
+        self._refill = refill
+        self.refills = 0  # refits made because a generation found the weights discarded
+
+    def prepare_for_generation(self) -> None:
+        if self.current.lifecycle.needs_refit and self._refill is not None:
+            self.refills += 1
+            self._refill()
+        self.current.prepare_for_generation()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.current, name)

@@ -47,6 +47,7 @@ from mrl.app.model_source import ModelSource, classify_model_path
 from mrl.config.errors import ConfigError
 from mrl.config.schema import ModelBuildConfig, MrlConfig
 from mrl.distributed import Placement, RayCluster, WorkerDiedError
+from mrl.distributed.env import worker_threads
 from mrl.inference.interface import RolloutEngine
 from mrl.inference.lifecycle import EngineState
 from mrl.inference.refit import RefitStats, refit
@@ -188,6 +189,8 @@ class Runtime:
     _local: Optional[WeightTransport] = None
     engine_restarts: int = 0
     """Engines replaced after a death so far (mrl/app/engine_restarts.py)."""
+    trains: bool = False
+    """A trainable policy refits the engine (then a colocated vLLM engine may discard its weights asleep)."""
 
     @property
     def model_dir(self) -> Path:
@@ -282,7 +285,7 @@ def start_runtime(cfg: MrlConfig, *, total_steps: int, policy: bool = True, engi
     if not torch.cuda.is_available():
         cpu_isa.announce()
     cluster = RayCluster.from_config(cfg.cluster)
-    runtime = Runtime(cfg, source, tokenizer, cluster)
+    runtime = Runtime(cfg, source, tokenizer, cluster, trains=policy)
     started = time.time()
     try:
         runtime.placement = reserve_placement(cfg, cluster)
@@ -438,7 +441,12 @@ def _start_policy(cfg: MrlConfig, spec: "PolicySpec", placement: Placement, shar
     from mrl.policy.group import Policy
 
     return Policy(spec, placement, world_size=cfg.policy_world_size, resource_fraction=share,
-                  omp_num_threads=cfg.cluster.omp_num_threads, name=name, wait_before_init=wait)
+                  **_threads(cfg), name=name, wait_before_init=wait)
+
+
+def _threads(cfg: MrlConfig) -> dict[str, Any]:
+    threads, busy_per_node = worker_threads(cfg)
+    return {"omp_num_threads": threads, "busy_per_node": busy_per_node}
 
 
 def _start_engine(runtime: Runtime, share: float) -> None:
@@ -446,14 +454,15 @@ def _start_engine(runtime: Runtime, share: float) -> None:
     source the engine starts from the config alone (`start_runtime` refits it before anything can generate). vLLM
     engines that die are replaced (`Runtime.restart_engine`)."""
     engine = _build_engine(runtime, share, load_weights=not runtime.source.is_megatron)
-    runtime.engine = RestartingEngine(engine, runtime.restart_engine) if hasattr(engine, "workers") else engine
+    refill = runtime.refit if runtime.trains else None
+    runtime.engine = RestartingEngine(engine, runtime.restart_engine, refill) if hasattr(engine, "workers") else engine
 
 
 def _build_engine(runtime: Runtime, share: float, *, load_weights: bool) -> RolloutEngine:
     from mrl.inference.factory import build_generation
 
     return build_generation(runtime.cfg, str(runtime.model_dir), runtime.placement, colocated_share=share,
-                            load_weights=load_weights)
+                            load_weights=load_weights, refitted=runtime.trains)
 
 
 def _collect_started(runtime: Runtime, starting: dict[str, Optional[Future]]) -> None:

@@ -7,9 +7,9 @@ starts, naming the key to change.
 
 from __future__ import annotations
 
-from typing import Literal, Optional
+from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from mrl.config.checks import cross_field_problems
 from mrl.config.errors import ConfigError
@@ -57,7 +57,23 @@ class ClusterConfig(Section):
     ray_address: Optional[str] = Field(None, description="Address of a running Ray cluster; None: $RAY_ADDRESS if "
                                        "set (the Slurm launcher sets it), else a local one.")
     cpus_per_worker: float = Field(1.0, gt=0, description="Ray CPUs reserved per worker.")
-    omp_num_threads: int = Field(1, ge=1, description="OMP_NUM_THREADS of every worker process.")
+    omp_num_threads: Union[int, Literal["auto"]] = Field(
+        "auto", description="Threads (OMP_NUM_THREADS, torch's intra-op threads) of each worker process. auto: "
+        "$OMP_NUM_THREADS of the shell that starts mrl when it is set (the Makefile and the test suite set 1); else "
+        "each node's cores shared by the worker processes that compute on it at the same time: a group's own ranks "
+        "when the phases take turns (synchronous GRPO, SFT, DPO: a phase alone uses every core), all the node's "
+        "workers when they overlap (grpo.max_off_policy_steps=1). vLLM's CPU engine binds its own threads "
+        "(VLLM_CPU_OMP_THREADS_BIND).")
+
+    @field_validator("omp_num_threads", mode="before")
+    @classmethod
+    def _threads(cls, value: Any) -> Any:
+        if value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+            return value
+        raise ConfigError("not a thread count", key="cluster.omp_num_threads", given=value,
+                          allowed="a whole number >= 1, or 'auto'",
+                          fix="leave it at auto (each phase uses its share of the node's cores) or give the threads "
+                          "of one worker process")
 
 
 # ------------------------------------------------------------------------------------------------------------ policy
@@ -205,6 +221,14 @@ class GenerationConfig(Section):
                           "resume. On GPUs seeded requests leave vLLM's fused FlashInfer top-k/top-p sampler (its V1 model "
                           "runner even samples them one by one: vllm/v1/sample/ops/topk_topp_sampler.py). None: seeded "
                           "where the engine runs on CPU, unseeded on GPUs (not bitwise reproducible there anyway).")
+    sleep_level: Literal[1, 2] = Field(
+        2, description="vLLM sleep level of a colocated engine while the policy trains on its rollouts (GPUs; on CPU "
+                       "the contract alone). 2: the weights are discarded, not copied to host memory and back: the "
+                       "refit after the step overwrites them all (vLLM's LLM.sleep: level 2 is for updating the "
+                       "weights), so a step saves two host copies of the model. A step that trains on nothing (no "
+                       "refit) has the engine refitted before it generates again. 1: weights kept in host memory "
+                       "(NeMo-RL's choice). Every other sleep (after a validation, at start-up) is level 1, and so is "
+                       "every sleep of an engine without a policy to refit it (mrl eval, the model server).")
     max_restarts: int = Field(
         2, ge=0, description="vLLM engines that die (a process killed, a crash) are replaced this many times in a run: "
                              "new engines on the same devices get the policy's current weights and the interrupted "

@@ -15,7 +15,7 @@ from typing import Any
 import ray
 
 from mrl.distributed import stacks
-from mrl.distributed.env import BIND_GLOO_TO_NODE_IP, find_free_port, gloo_interface
+from mrl.distributed.env import BIND_GLOO_TO_NODE_IP, find_free_port, gloo_interface, take_thread_share
 from mrl.distributed.transport import decode, encode
 from mrl.logging.known_noise import silence_known_noise
 
@@ -26,6 +26,7 @@ class WorkerHost:
     def __init__(self) -> None:
         silence_known_noise()  # before the worker class imports Megatron or vLLM
         stacks.register()  # SIGUSR1 dumps this process's stacks: the controller asks when a call is late
+        take_thread_share()  # threads "auto": this process's share of its node's cores (mrl/distributed/env.py)
         self._worker: Any = None
 
     def info(self) -> dict[str, Any]:

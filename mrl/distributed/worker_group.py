@@ -30,7 +30,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from mrl.distributed.batch import merge_shards, split_batch
 from mrl.distributed.cluster import Placement
 from mrl.distributed.deadlines import Deadlines, Work
-from mrl.distributed.env import rank_environment
+from mrl.distributed.env import Threads, rank_environment
 from mrl.distributed.errors import WorkerDiedError, WorkerError, WorkerTimeoutError
 from mrl.distributed.host import WorkerHost
 from mrl.distributed.transport import decode, encode
@@ -296,7 +296,8 @@ class WorkerGroup:
     groups with 0.5 each share the same bundles (colocation). `gpu_fraction` sets the GPU share apart (0: an actor
     that holds no GPU itself, e.g. a vLLM engine whose own Ray workers hold them). `env` adds variables to every rank (not for control
     flags: those are arguments). The worker's __init__ gets `init_args`/`init_kwargs`, and MASTER_ADDR/PORT are
-    already set then.
+    already set then. `omp_num_threads`: each rank's threads, or "auto": its node's cores divided by `busy_per_node`
+    processes (default: the group's ranks on that node; mrl/distributed/env.py).
 
     `wait_before_init` (optional) is called after the actors are up and have imported the worker class's module,
     and before any worker is built: colocated groups on GPUs build theirs only once the engine sleeps
@@ -317,7 +318,8 @@ class WorkerGroup:
         init_kwargs: Optional[dict[str, Any]] = None,
         bundle_indices: Optional[Sequence[int]] = None,
         resource_fraction: float = 1.0,
-        omp_num_threads: int = 1,
+        omp_num_threads: Threads = 1,
+        busy_per_node: Optional[int] = None,
         env: Optional[dict[str, str]] = None,
         start_timeout_s: float = 120.0,
         owns_placement: bool = False,
@@ -350,7 +352,8 @@ class WorkerGroup:
         self.deadlines: Optional[Deadlines] = None  # per-call deadlines once set (the runtime sets them); None: none
         self.hung = False  # a call passed its deadline: the ranks may never answer again
         try:
-            self._start(init_args, init_kwargs or {}, resource_fraction, omp_num_threads, env or {}, start_timeout_s)
+            threads = (omp_num_threads, busy_per_node)
+            self._start(init_args, init_kwargs or {}, resource_fraction, threads, env or {}, start_timeout_s)
         except BaseException:
             self.shutdown()
             raise
@@ -361,10 +364,10 @@ class WorkerGroup:
 
     # ------------------------------------------------------------------------------------------------- start-up
     def _start(
-        self, init_args: Sequence[Any], init_kwargs: dict[str, Any], fraction: float, omp: int,
-        extra_env: dict[str, str], timeout_s: float,
+        self, init_args: Sequence[Any], init_kwargs: dict[str, Any], fraction: float,
+        threads: tuple[Threads, Optional[int]], extra_env: dict[str, str], timeout_s: float,
     ) -> None:
-        envs = rank_environment([bundle.node_id for bundle in self.bundles], omp)
+        envs = rank_environment([bundle.node_id for bundle in self.bundles], *threads)
         host_cls = ray.remote(WorkerHost)
         for rank, bundle in enumerate(self.bundles):
             strategy = PlacementGroupSchedulingStrategy(bundle.group, placement_group_bundle_index=bundle.index)

@@ -13,7 +13,12 @@ CPU tests run every call in the order a DGX run needs. The contract, from vLLM 0
   restore the host copy over them anyway), and generating while the scheduler is paused (the request is queued and
   never scheduled: the call hangs). This stand-in raises `SleepContractError` for both instead.
 
-Level 1 only (what mrl uses: `VllmBackend`); level 2 (weights discarded) is refused rather than pretended.
+- Level 2 (vllm/v1/worker/gpu_worker.py `sleep`/`wake_up`, vllm/device_allocator/cumem.py): no host copy of the
+  weights is kept, only the model's buffers (restored at wake-up); the weights' memory is mapped back at wake-up
+  with whatever it then holds. The stand-in makes that garbage real: waking the weights after a level-2 sleep fills
+  every parameter with NaN, and generating before a refit has finished (`mrl_finish_refit`) raises. A refit that
+  missed a tensor leaves NaN behind, which the engine's outputs show.
+
 `events` records the last 64 (what, wall time) for tests and logs.
 """
 
@@ -40,6 +45,8 @@ class CpuSleepMode:
     def __init__(self, llm: Any) -> None:
         self._llm = llm
         self.released: set[str] = set()
+        self.discarded = False  # a level-2 sleep dropped the weights: they come back as garbage
+        self.garbage = False  # the weights are garbage until a refit finishes
         self.events: deque[tuple[str, float]] = deque(maxlen=64)  # the last calls (a run makes several a step)
 
     def __getattr__(self, name: str) -> Any:
@@ -49,9 +56,10 @@ class CpuSleepMode:
         self.events.append((what, time.time()))
 
     def sleep(self, level: int = 1, mode: str = "abort") -> None:
-        if level != 1:
-            raise ValueError(f"sleep level {level}: the CPU stand-in keeps level 1's contract only (mrl's level)")
+        if level not in (1, 2):
+            raise ValueError(f"sleep level {level}: vLLM's are 1 (weights copied to the host) and 2 (discarded)")
         self.released = set(TAGS)
+        self.discarded = self.discarded or level == 2
         self._note(f"sleep(level={level})")
 
     def wake_up(self, tags: Optional[Sequence[str]] = None) -> bool:
@@ -60,6 +68,9 @@ class CpuSleepMode:
         if unknown:
             raise ValueError(f"wake_up tags {sorted(unknown)}: vLLM's are {TAGS}")
         self.released -= woken
+        if "weights" in woken and self.discarded:
+            self._llm.collective_rpc(fill_parameters_with_nan)
+            self.discarded, self.garbage = False, True
         self._note(f"wake_up({sorted(woken)})")
         return not self.released
 
@@ -68,6 +79,9 @@ class CpuSleepMode:
             raise SleepContractError(
                 f"generate on a sleeping vLLM engine ({', '.join(sorted(self.released))} released): its scheduler is "
                 "paused until every allocation is resident, so on a GPU the request would never be scheduled")
+        if self.garbage:
+            raise SleepContractError("generate on a vLLM engine whose weights a level-2 sleep discarded, before a refit "
+                                     "rewrote them: on a GPU it would sample from whatever the memory held")
         self._note("generate")
         return self._llm.generate(*args, **kwargs)
 
@@ -78,4 +92,19 @@ class CpuSleepMode:
                     f"{method} on a vLLM engine whose weights are released: on a GPU their memory is unmapped (an "
                     "illegal address), and the next wake-up would restore the old weights over the new ones")
             self._note(method)
-        return self._llm.collective_rpc(method, *args, **kwargs)
+        result = self._llm.collective_rpc(method, *args, **kwargs)
+        if method == "mrl_finish_refit":
+            self.garbage = False
+        return result
+
+
+def fill_parameters_with_nan(worker: Any) -> int:
+    """Run in each vLLM worker (`collective_rpc`): every parameter of its model becomes NaN, as the memory a level-2
+    sleep unmapped comes back unknown (its buffers vLLM restores, so they stay). Returns the parameters filled."""
+    import torch
+
+    parameters = list(worker.model_runner.get_model().parameters())
+    with torch.no_grad():
+        for parameter in parameters:
+            parameter.fill_(float("nan"))
+    return len(parameters)

@@ -108,7 +108,8 @@ def engine_seats(cfg: "MrlConfig", placement: Any, *, colocated_share: float = 0
 
 
 def vllm_engine_config(cfg: "MrlConfig", model_path: str, *, load_weights: bool = True,
-                       seats: Optional[EngineSeats] = None, placement: Any = None) -> "VllmEngineConfig":
+                       seats: Optional[EngineSeats] = None, placement: Any = None,
+                       refitted: bool = False) -> "VllmEngineConfig":
     """Settings of every vLLM engine of the run, starting from the HF folder `model_path` (`load_weights=False`: its
     config alone, the weights come by refit); `seats` on `placement`: where the engines' workers go, whose devices
     decide GPU settings (None: this process's)."""
@@ -130,6 +131,7 @@ def vllm_engine_config(cfg: "MrlConfig", model_path: str, *, load_weights: bool 
         kv_cache_bytes=int(gen.vllm.kv_cache_gib * 2**30),
         gpu_memory_utilization=gen.vllm.gpu_memory_utilization,
         sleep_when_idle=gen.colocated,  # on CPU the contract alone (mrl/inference/cpu_sleep_mode.py)
+        sleep_level=gen.sleep_level if refitted else 1,  # discarded weights need a policy to refit them
         seeded_sampling=gen.seeded_sampling,
         multiprocessing=gen.vllm.tensor_parallel_size > 1 and not executor,
         refit_transport="cuda_ipc" if gpus else "shm_file",  # the engine's own hand-on
@@ -140,23 +142,27 @@ def vllm_engine_config(cfg: "MrlConfig", model_path: str, *, load_weights: bool 
 
 
 def build_vllm_engines(cfg: "MrlConfig", model_path: str, placement: Any, *, colocated_share: float = 0.5,
-                       load_weights: bool = True) -> "VllmEngineGroup":
+                       load_weights: bool = True, refitted: bool = False) -> "VllmEngineGroup":
     """One engine per generation data-parallel rank on `placement` (which must hold that many bundles).
 
     Colocated engines take `colocated_share` of each bundle (half by default), leaving the rest to the policy group
     (and a reward model) on the same bundles.
     """
+    from mrl.distributed.env import worker_threads
     from mrl.inference.vllm_worker import VllmEngineGroup
 
     if cfg.generation.backend != "vllm":
         raise ValueError(f"generation.backend={cfg.generation.backend!r}: build_vllm_engines builds vLLM engines only")
     seats = engine_seats(cfg, placement, colocated_share=colocated_share)
+    threads, busy_per_node = worker_threads(cfg)
     return VllmEngineGroup(
-        vllm_engine_config(cfg, model_path, load_weights=load_weights, seats=seats, placement=placement),
+        vllm_engine_config(cfg, model_path, load_weights=load_weights, seats=seats, placement=placement,
+                           refitted=refitted),
         placement,
         bundle_indices=list(seats.actors),
         resource_fraction=seats.share,
-        omp_num_threads=cfg.cluster.omp_num_threads,
+        omp_num_threads=threads,
+        busy_per_node=busy_per_node,
     )
 
 
@@ -176,13 +182,15 @@ def megatron_engine_config(cfg: "MrlConfig", model_path: str, *, load_weights: b
 
 
 def build_generation(cfg: "MrlConfig", model_path: str, placement: Any, *, colocated_share: float = 0.5,
-                     load_weights: bool = True) -> "RolloutEngine":
+                     load_weights: bool = True, refitted: bool = False) -> "RolloutEngine":
     """The rollout backend `generation.backend` names: vLLM engines on `placement` (`build_vllm_engines`), or one
     Megatron static-inference engine in this process at TP1 (`placement` unused: it holds its own model copy).
     `colocated_share`: the part of a shared bundle a colocated engine asks for. `load_weights=False`: the engines
-    start from `model_path`'s config alone and must be refitted before they generate."""
+    start from `model_path`'s config alone and must be refitted before they generate. `refitted`: a policy refits
+    the engines (only then may they sleep at generation.sleep_level 2, which discards their weights)."""
     if cfg.generation.backend == "megatron":
         from mrl.inference.megatron_backend import MegatronBackend
 
         return MegatronBackend(megatron_engine_config(cfg, model_path, load_weights=load_weights))
-    return build_vllm_engines(cfg, model_path, placement, colocated_share=colocated_share, load_weights=load_weights)
+    return build_vllm_engines(cfg, model_path, placement, colocated_share=colocated_share, load_weights=load_weights,
+                              refitted=refitted)

@@ -155,8 +155,10 @@ class GenerationBackend(Protocol):
         refuses an engine that is not (mrl/inference/lifecycle.py)."""
         ...
 
-    def finish_generation(self) -> None:
-        """Release what memory the platform allows until the next `prepare_for_refit` / `prepare_for_generation`."""
+    def finish_generation(self, refit_follows: bool = False) -> None:
+        """Release what memory the platform allows until the next `prepare_for_refit` / `prepare_for_generation`.
+        `refit_follows`: a refit will rewrite every weight before the next generation, so an engine may discard its
+        weights instead of keeping them (vLLM sleep level 2, generation.sleep_level)."""
         ...
 
 

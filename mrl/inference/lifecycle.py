@@ -13,6 +13,12 @@ had it landed, the wake-up would restore the old weights), and a sleeping engine
 (training, validation, evaluation, the model server) wakes the KV cache, and a call in the wrong state is an
 `EngineStateError` naming the state, never a hang or corrupt weights.
 
+A sleep that a refit follows (`sleep(refit_follows=True)`, GRPO's sleep after its rollouts) may discard the weights
+(`discard_sleep`: vLLM's level 2, which copies nothing to the host; only buffers are saved, vllm/v1/worker/
+gpu_worker.py `sleep`); after a wake-up the weights' memory then holds garbage until a refit has overwritten every
+tensor. The engine `needs_refit` from such a sleep until a complete refit (`refitted`), and waking it to generate
+before that is an `EngineStateError` (the run refits it first: mrl/app/engine_restarts.py).
+
 An engine that never sleeps (not colocated, or a platform without sleep mode) stays FULLY AWAKE: `sleep()` keeps it
 so and every call is allowed. `history` keeps the last 16 transitions (state, wall time) for logs and tests
 (bounded: a long run makes three a step).
@@ -23,7 +29,7 @@ from __future__ import annotations
 import enum
 import time
 from collections import deque
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 
 class EngineState(str, enum.Enum):
@@ -48,10 +54,12 @@ class EngineLifecycle:
     """
 
     def __init__(self, name: str, *, sleeps: bool, sleep: Callable[[], None] = lambda: None,
-                 wake: Callable[[Sequence[str]], None] = lambda tags: None) -> None:
+                 wake: Callable[[Sequence[str]], None] = lambda tags: None,
+                 discard_sleep: Optional[Callable[[], None]] = None) -> None:
         self.name = name
         self.sleeps = sleeps
-        self._sleep, self._wake = sleep, wake
+        self._sleep, self._wake, self._discard_sleep = sleep, wake, discard_sleep
+        self.needs_refit = False  # the weights were discarded since the last complete refit: they are garbage
         self.state = EngineState.FULLY_AWAKE
         self.history: deque[tuple[EngineState, float]] = deque([(self.state, time.time())], maxlen=16)
 
@@ -59,11 +67,18 @@ class EngineLifecycle:
         self.state = state
         self.history.append((state, time.time()))
 
-    def sleep(self) -> None:
-        """Release the engine's memory (weights and KV cache) until the next wake-up."""
+    def sleep(self, refit_follows: bool = False) -> None:
+        """Release the engine's memory (weights and KV cache) until the next wake-up; `refit_follows`: a refit will
+        rewrite every weight before the next generation, so the weights may be discarded (`discard_sleep`)."""
         if self.sleeps and self.state is not EngineState.ASLEEP:
-            self._sleep()
+            discard = refit_follows and self._discard_sleep is not None
+            (self._discard_sleep if discard else self._sleep)()  # type: ignore[misc]
             self._enter(EngineState.ASLEEP)
+            self.needs_refit = self.needs_refit or discard
+
+    def refitted(self) -> None:
+        """A refit has written every weight: discarded weights are whole again."""
+        self.needs_refit = False
 
     def wake_weights(self) -> None:
         """Map the weights back (a refit is about to overwrite them); the KV cache stays released."""
@@ -73,6 +88,9 @@ class EngineLifecycle:
 
     def wake_all(self) -> None:
         """Weights and KV cache resident: the engine can generate."""
+        if self.needs_refit:
+            raise EngineStateError(f"{self.name}: its weights were discarded by a level-2 sleep and no refit has "
+                                   "written them since; refit the engine before it generates")
         if self.state is EngineState.ASLEEP:
             self._wake((WEIGHTS, KV_CACHE))
         elif self.state is EngineState.WEIGHTS_AWAKE:

@@ -329,8 +329,8 @@ class MegatronBackend:
     def prepare_for_generation(self) -> None:
         self.lifecycle.wake_all()
 
-    def finish_generation(self) -> None:
-        self.lifecycle.sleep()
+    def finish_generation(self, refit_follows: bool = False) -> None:
+        self.lifecycle.sleep()  # it keeps its weights either way
 
 
 def _release_cached_memory() -> None:

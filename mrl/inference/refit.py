@@ -5,8 +5,8 @@
         payload = source.send_bucket(i, transport)      the sender gathers bucket i and packs it
         sink.load_payload(payload)                      every worker of every engine loads it
         transport.release(payload)                      before bucket i + 1 is gathered
+    every tensor of the engine's checkpoint carried?    else sink.finish_refit(complete=False), RefitError
     sink.finish_refit(complete=True)                    e.g. drop prefix caches computed with the old weights
-    every tensor of the engine's checkpoint carried?    else RefitError
 `on_sent` (optional) is called as soon as the source has handed over its last bucket, possibly while the sink still
 loads it: asynchronous GRPO lets the policy train from then on.
 Double-buffered transports (`in_flight` >= 2: shared-memory files, CUDA IPC buffers) with a sink that loads without
@@ -169,8 +169,12 @@ def refit(source: WeightSource, sink: RefitSink, transport: WeightTransport, *, 
         if not transport.meets:
             _close_after_failure(sink)
         raise
+    try:
+        check_complete(sink.expected_names, names)
+    except RefitError:
+        sink.finish_refit(complete=False)  # not every weight came: the sink must not count it as a whole refit
+        raise
     sink.finish_refit(complete=True)
-    check_complete(sink.expected_names, names)
     return RefitStats(len(names), len(sizes), sum(sizes), max(sizes, default=0), time.perf_counter() - start)
 
 
@@ -276,6 +280,6 @@ def check_complete(expected_names: Optional[frozenset[str]], seen: set[str]) -> 
     missing = sorted(expected_names - seen) if expected_names is not None else []
     if missing:
         raise RefitError(
-            f"refit carried {len(seen)} tensors but not {len(missing)} of the engine's checkpoint "
+            f"refit carried {len(seen)} tensors, missing {len(missing)} of the engine's checkpoint "
             f"(first: {missing[:5]}); the policy export must yield every HF tensor of the model"
         )

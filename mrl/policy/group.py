@@ -26,6 +26,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from mrl.distributed import GroupFuture, Work, WorkerGroup
+from mrl.distributed.env import Threads
 from mrl.policy.interface import PolicyLoss, RankBatch, global_count
 from mrl.policy.worker import PolicySpec, PolicyWorker, sends_by_stage
 
@@ -44,12 +45,14 @@ class Policy:
     """`world_size` PolicyWorker actors on the first bundles of `placement`."""
 
     def __init__(self, spec: PolicySpec, placement: Any, *, world_size: int, resource_fraction: float = 1.0,
-                 omp_num_threads: int = 1, name: str = "policy",
+                 omp_num_threads: Threads = 1, busy_per_node: Optional[int] = None,
+                 name: str = "policy",
                  wait_before_init: Optional[Callable[[], None]] = None) -> None:
         self.spec = spec
         self.workers = WorkerGroup(name, PolicyWorker, placement, init_args=(spec,),
                                    bundle_indices=list(range(world_size)), resource_fraction=resource_fraction,
-                                   omp_num_threads=omp_num_threads, start_timeout_s=300.0,
+                                   omp_num_threads=omp_num_threads, busy_per_node=busy_per_node,
+                                   start_timeout_s=300.0,
                                    wait_before_init=wait_before_init)
         self.workers.layout_from_workers("data_parallel_layout")
         self._planned: Optional[tuple[int, list[int]]] = None  # (bucket_bytes, each bucket's owner stage) held

@@ -26,6 +26,7 @@ from mrl.distributed import (
     WorkerTimeoutError,
     wait_all,
 )
+from mrl.distributed.env import node_cores
 from mrl.testing.distributed import still_running
 
 # Worker classes below are defined in this test module, which worker processes cannot import: ship them by value.
@@ -146,6 +147,22 @@ def test_run_all_sets_rank_environment(group):
         assert env["OMP_NUM_THREADS"] == "2" and env["threads"] == 2  # set before torch started in the worker
         assert env["malloc_at_start"] == str(32 * 1024 * 1024)  # in the process's first environment: glibc read it
     assert len({info.pid for info in group.info}) == 2 and os.getpid() not in {info.pid for info in group.info}
+
+
+def test_auto_threads_give_a_group_alone_on_a_node_its_cores(placement):
+    """Threads "auto" (cluster.omp_num_threads' default): one rank alone on the node takes all its cores; two ranks
+    of a group, or a rank told that another process computes beside it, take half each."""
+    cores = node_cores()
+    expected = {1: cores, 2: max(1, cores // 2)}
+    for indices, busy in (([0], None), ([0, 1], None), ([0], 2)):
+        group = WorkerGroup("auto", Worker, placement, bundle_indices=indices, resource_fraction=0.5,
+                            omp_num_threads="auto", busy_per_node=busy)
+        try:
+            for env in group.run_all("env"):
+                shared_by = busy or len(indices)
+                assert env["threads"] == expected[shared_by] and env["OMP_NUM_THREADS"] == str(expected[shared_by])
+        finally:
+            group.shutdown()
 
 
 def test_gloo_all_reduce_with_group_environment(group):

@@ -259,3 +259,36 @@ def test_tied_qwen3_refit_moves_the_shared_output_projection(tmp_path):
     finally:
         backend.shutdown()
 
+
+
+def test_a_level_2_sleep_discards_the_weights_until_a_refit_rewrites_them(models):
+    """generation.sleep_level 2 on the CPU stand-in of vLLM's sleep mode (mrl/inference/cpu_sleep_mode.py): the woken
+    weights are garbage (NaN) and the engine refuses to generate until a complete refit; a refused partial refit
+    leaves it so; after a full one it samples exactly what it sampled before it slept."""
+    from mrl.inference.lifecycle import EngineStateError
+    from mrl.inference.vllm_backend import VllmBackend, VllmEngineConfig
+
+    config = VllmEngineConfig(model_path=str(models[0]), max_model_len=MAX_MODEL_LEN, kv_cache_bytes=64 << 20,
+                              refit_bucket_bytes=1 << 20, sleep_when_idle=True, sleep_level=2)
+    engine = VllmBackend(config)
+    try:
+        before = engine.generate(PROMPTS, SAMPLING)
+        engine.finish_generation(refit_follows=True)
+        with pytest.raises(EngineStateError, match="level-2 sleep"):
+            engine.prepare_for_generation()
+        partial = _state(models[0])
+        del partial["lm_head.weight"]
+        with pytest.raises(RefitError, match="lm_head.weight"):
+            engine.update_weights(partial.items())
+        (nan,) = engine.llm.collective_rpc(lambda worker: {name for name, p in worker.model_runner.get_model()
+                                                           .named_parameters() if bool(p.isnan().any())})
+        assert nan == {"lm_head.weight"}  # woken for the refit: garbage, and the refit missed that one
+        with pytest.raises(EngineStateError, match="level-2 sleep"):
+            engine.prepare_for_generation()
+        engine.update_weights(_state(models[0]).items())
+        engine.prepare_for_generation()
+        after = engine.generate(PROMPTS, SAMPLING)
+        assert [(s.token_ids, s.logprobs) for s in after.samples] == [(s.token_ids, s.logprobs) for s in before.samples]
+        assert [what for what, _ in engine.sleep_events()][:2] == ["generate", "sleep(level=2)"]
+    finally:
+        engine.shutdown()

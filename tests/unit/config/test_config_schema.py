@@ -33,6 +33,10 @@ def test_wrong_type_and_choice_name_what_is_allowed():
     assert p.key == "policy.precision" and p.given == "fp8" and "'float32'" in p.allowed
     (p,) = problems({"grpo": {"num_generations_per_prompt": "many"}})
     assert p.key == "grpo.num_generations_per_prompt" and p.given == "many"
+    for threads in (0, "fast", 1.5, True):  # a number or "auto": one problem, not one per member of the union
+        (p,) = problems({"cluster": {"omp_num_threads": threads}})
+        assert p.key == "cluster.omp_num_threads" and p.given == threads and "'auto'" in p.allowed and p.fix
+    assert validate_tree({"cluster": {"omp_num_threads": 3}}).cluster.omp_num_threads == 3
 
 
 def test_tp_must_divide_heads_of_built_model():

@@ -1,10 +1,14 @@
 """Per-rank environment, rendezvous port choice and the data-parallel layout (no Ray instance)."""
 
+import math
+import os
 import socket
 
 import pytest
 
-from mrl.distributed.env import BIND_GLOO_TO_NODE_IP, find_free_port, gloo_interface, local_ranks, rank_environment
+from mrl.distributed.env import (BIND_GLOO_TO_NODE_IP, CORES_SHARED_BY, find_free_port, gloo_interface, local_ranks,
+                                 node_cores, rank_environment, thread_share, worker_threads)
+from mrl.testing.runs import RECIPE
 from mrl.distributed.worker_group import DataParallelLayout
 from mrl.parallel import groups
 
@@ -77,3 +81,50 @@ def test_layout_rejects_missing_dp_ranks_and_bad_leader_counts():
         DataParallelLayout((0, 0), (True, True))
     with pytest.raises(ValueError, match="exactly one leader, got ranks \\[\\]"):
         DataParallelLayout((0, 0), (False, False))
+
+
+def test_auto_threads_send_the_divisor_not_a_count():
+    """"auto": each rank learns how many processes share its node's cores (its group's ranks there, or a given
+    number), and sets no OMP_NUM_THREADS of its own (the worker computes it from its node's cores)."""
+    envs = rank_environment(["n0", "n0", "n0", "n1"], omp_num_threads="auto")
+    assert [env[CORES_SHARED_BY] for env in envs] == ["3", "3", "3", "1"]
+    assert not any("OMP_NUM_THREADS" in env for env in envs)
+    assert {env[CORES_SHARED_BY] for env in rank_environment(["n0", "n1"], "auto", busy_per_node=4)} == {"4"}
+    assert CORES_SHARED_BY not in rank_environment(["n0"], omp_num_threads=3)[0]
+    with pytest.raises(ValueError, match="busy_per_node"):
+        rank_environment(["n0"], "auto", busy_per_node=0)
+
+
+def test_a_process_share_of_the_cores_is_at_least_one_thread():
+    assert [thread_share(16, k) for k in (1, 2, 3, 4, 16, 32)] == [16, 8, 5, 4, 1, 1]
+
+
+@pytest.mark.parametrize("files, expected", [
+    ({"cpu.max": "max 100000\n"}, None),  # cgroup v2, no quota
+    ({"cpu.max": "150000 100000\n"}, 1.5),  # 1.5 CPUs
+    ({"cpu/cpu.cfs_quota_us": "-1\n", "cpu/cpu.cfs_period_us": "100000\n"}, None),  # v1, no quota
+    ({"cpu/cpu.cfs_quota_us": "400000\n", "cpu/cpu.cfs_period_us": "100000\n"}, 4.0),
+    ({}, None),  # no cgroup files at all
+])
+def test_node_cores_are_capped_by_a_cgroup_quota_rounded_up(tmp_path, files, expected):
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    affinity = len(os.sched_getaffinity(0))
+    want = affinity if expected is None else min(affinity, math.ceil(expected))
+    assert node_cores(tmp_path) == want
+
+
+def test_worker_threads_take_a_number_then_the_launching_environment_then_the_cores():
+    from mrl.config import load_config
+
+    def threads(*overrides, env=None):
+        return worker_threads(load_config(RECIPE, list(overrides)), env or {})
+
+    assert threads("cluster.omp_num_threads=3", env={"OMP_NUM_THREADS": "1"}) == (3, None)  # the config wins
+    assert threads(env={"OMP_NUM_THREADS": "2"}) == (2, None)  # auto: the shell's setting (the test suite's 1)
+    assert threads() == ("auto", None)  # phases take turns: each group divides the cores among its own ranks
+    assert threads("grpo.max_off_policy_steps=1", "loss.importance_sampling=tis", "generation.colocated=false",
+                   "generation.num_devices=1", "cluster.devices_per_node=2") == ("auto", 2)  # all the node's workers
+    with pytest.raises(ValueError, match="OMP_NUM_THREADS='four'"):
+        threads(env={"OMP_NUM_THREADS": "four"})

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from mrl.inference.cpu_sleep_mode import CpuSleepMode, SleepContractError
+from mrl.inference.cpu_sleep_mode import CpuSleepMode, SleepContractError, fill_parameters_with_nan
 from mrl.inference.lifecycle import EngineLifecycle, EngineState, EngineStateError
 
 pytestmark = pytest.mark.unit
@@ -80,5 +80,38 @@ def test_the_cpu_stand_in_refuses_what_would_break_a_gpu_engine():
     assert llm.wake_up() is True
     llm.generate([])
     assert llm._llm.calls == ["mrl_worker_uss_bytes", "generate"]
-    with pytest.raises(ValueError, match="level 2"):
-        llm.sleep(level=2)
+    with pytest.raises(ValueError, match="sleep level 3"):
+        llm.sleep(level=3)
+
+
+def test_a_level_2_sleep_needs_a_complete_refit_before_the_engine_generates():
+    """vLLM level 2 keeps no copy of the weights: woken, they are garbage (NaN in the stand-in) until a refit has
+    rewritten them; the life cycle refuses to wake such an engine for generation, and a refit clears it."""
+    llm = CpuSleepMode(_Llm())
+    life = EngineLifecycle("engine", sleeps=True, sleep=lambda: llm.sleep(level=1),
+                           wake=lambda tags: llm.wake_up(tags=list(tags)), discard_sleep=lambda: llm.sleep(level=2))
+    life.sleep()  # no refit follows (a validation's sleep): level 1, the weights come back
+    life.wake_all()
+    assert not life.needs_refit and [what for what, _ in llm.events][0] == "sleep(level=1)"
+    life.sleep(refit_follows=True)
+    assert life.needs_refit and llm.events[-1][0] == "sleep(level=2)"
+    with pytest.raises(EngineStateError, match="level-2 sleep"):
+        life.wake_all()
+    life.wake_weights()
+    assert fill_parameters_with_nan in llm._llm.calls  # the woken weights are garbage
+    llm.collective_rpc("mrl_begin_refit")
+    llm.collective_rpc("mrl_load_bucket")
+    with pytest.raises(SleepContractError, match="level-2 sleep discarded"):  # the stand-in refuses on its own too
+        llm.released.clear() or llm.generate([])
+    llm.released.add("kv_cache")
+    llm.collective_rpc("mrl_finish_refit")
+    life.refitted()
+    life.wake_all()
+    llm.generate([])
+    assert not life.needs_refit and life.state is EngineState.FULLY_AWAKE
+    kept = EngineLifecycle("engine", sleeps=True)  # no discarding sleep (generation.sleep_level 1)
+    kept.sleep(refit_follows=True)
+    kept.wake_all()
+    never = EngineLifecycle("engine", sleeps=False, discard_sleep=lambda: pytest.fail("slept"))  # never asleep
+    never.sleep(refit_follows=True)
+    assert not never.needs_refit

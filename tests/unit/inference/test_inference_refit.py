@@ -79,6 +79,7 @@ def test_a_refit_missing_tensors_of_the_engine_is_refused(tmp_path):
     sink = RecordingSink(expected_names=frozenset([*state, "lm_head.weight"]))
     with pytest.raises(RefitError, match="lm_head.weight"):
         refit(LocalWeights(state), sink, SharedMemoryFileTransport(str(tmp_path)), bucket_bytes=1 << 20)
+    assert sink.finished == [False]  # never counted as a whole refit (an engine asleep at level 2 stays unusable)
 
 
 def test_a_broadcast_needs_collective_ends():
