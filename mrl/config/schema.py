@@ -131,6 +131,33 @@ class OptimizerConfig(Section):
     use_distributed_optimizer: bool = Field(False, description="Shard optimizer state over data-parallel ranks.")
 
 
+class SpeedConfig(Section):
+    """Megatron's speed options, each `auto` (on where the hardware and installed kernels support it: CUDA, and for
+    the fusion Apex's kernel), `true` (on, or an error that says what is missing) or `false`
+    (`mrl/policy/speed.py`: what auto becomes, and the wiring each option needs)."""
+
+    gradient_accumulation_fusion: Union[bool, Literal["auto"]] = Field(
+        "auto", description="Weight-gradient GEMMs accumulate straight into the fp32 gradient buffer (no bf16 "
+        "gradient tensor, no separate add): needs CUDA and Apex's fused_weight_gradient_mlp_cuda, which the "
+        "output layer calls even under Transformer Engine.")
+    overlap_grad_reduce: Union[bool, Literal["auto"]] = Field(
+        "auto", description="Reduce each gradient bucket over data-parallel ranks as soon as the last micro-batch's "
+        "backward fills it, while the backward goes on; auto = with CUDA and more than one data-parallel rank.")
+    overlap_param_gather: Union[bool, Literal["auto"]] = Field(
+        "auto", description="With the distributed optimizer: gather the updated weight shards during the next "
+        "forward instead of after the optimizer step (a refit or a save completes the gather first); auto = with "
+        "CUDA, optimizer.use_distributed_optimizer and more than one data-parallel rank.")
+
+    @field_validator("gradient_accumulation_fusion", "overlap_grad_reduce", "overlap_param_gather", mode="before")
+    @classmethod
+    def _switch(cls, value: Any, info: Any) -> Any:
+        if value == "auto" or isinstance(value, bool):
+            return value
+        raise ConfigError("not a switch", key=f"policy.speed.{info.field_name}", given=value,
+                          allowed="auto, true or false",
+                          fix="leave it at auto (on where the hardware supports it) or set true or false")
+
+
 class SchedulerConfig(Section):
     style: Literal["constant", "cosine", "linear"] = Field("constant", description="LR decay after warm-up.")
     warmup_steps: int = Field(0, ge=0, description="Linear warm-up steps from 0 to optimizer.lr.")
@@ -179,6 +206,8 @@ class PolicyConfig(Section):
     max_total_sequence_length: int = Field(4096, ge=2, description="Prompt + response tokens, at most.")
     activation_checkpointing: bool = Field(False, description="Recompute activations in the backward pass.")
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
+    speed: SpeedConfig = Field(default_factory=SpeedConfig, description="Megatron's speed options (on by default "
+                               "where the hardware supports them).")
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
     sequence_packing: PackingConfig = Field(default_factory=PackingConfig)
     dynamic_batching: DynamicBatchingConfig = Field(default_factory=DynamicBatchingConfig)

@@ -11,8 +11,10 @@ import torch
 from mrl.config.schema import OptimizerConfig, SchedulerConfig
 
 
-def build_optimizer(model: list, cfg: OptimizerConfig, *, params_dtype: torch.dtype):
-    """A MegatronOptimizer over the model chunks (DDP-wrapped)."""
+def build_optimizer(model: list, cfg: OptimizerConfig, *, params_dtype: torch.dtype,
+                    overlap_param_gather: bool = False):
+    """A MegatronOptimizer over the model chunks (DDP-wrapped); `overlap_param_gather` as the chunks' DDP config
+    (`mrl/policy/speed.py`)."""
     from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
     from megatron.core.optimizer import get_megatron_optimizer
 
@@ -22,7 +24,7 @@ def build_optimizer(model: list, cfg: OptimizerConfig, *, params_dtype: torch.dt
         adam_beta1=cfg.adam_beta1, adam_beta2=cfg.adam_beta2, adam_eps=cfg.adam_eps,
         clip_grad=cfg.clip_grad, decoupled_weight_decay=cfg.name == "adamw",
         bf16=bf16, fp16=False, params_dtype=params_dtype,
-        use_distributed_optimizer=cfg.use_distributed_optimizer)
+        use_distributed_optimizer=cfg.use_distributed_optimizer, overlap_param_gather=overlap_param_gather)
     return get_megatron_optimizer(megatron_cfg, model)
 
 

@@ -28,6 +28,7 @@ from mrl.parallel import collectives
 from mrl.policy.expert_load import ExpertLoad
 from mrl.policy.interface import PolicyLoss, RankBatch
 from mrl.policy.memory import PARTS, HostOffload
+from mrl.policy.speed import fused_wgrad_available, gather_weights, resolve_speed, wire_overlaps
 from mrl.policy.train_step import StepContext, logprobs_of_batch, train_on_batch
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -156,6 +157,9 @@ class PolicyWorker:
         self.hf_config = load_hf_config(spec.hf_dir)
         self.model_dims = model_dims(self.hf_config)
         dtype = _DTYPES[cfg.precision]
+        self.speed = resolve_speed(cfg.speed, cuda=torch.cuda.is_available(), fused_wgrad=fused_wgrad_available(),
+                                   data_parallel=ps.get_data_parallel_world_size(with_context_parallel=True),
+                                   distributed_optimizer=cfg.optimizer.use_distributed_optimizer)
         recompute = (dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
                      if cfg.activation_checkpointing else {})
         moe = router_settings(self.model_dims, expert_parallel=self.dims.ep, router_dtype=cfg.moe.router_dtype,
@@ -164,6 +168,7 @@ class PolicyWorker:
         self.tconfig = transformer_config_from_hf(
             self.hf_config, tensor_parallel=self.dims.tp, pipeline_parallel=self.dims.pp,
             context_parallel=self.dims.cp, sequence_parallel=par.sequence_parallel, params_dtype=dtype, **recompute,
+            gradient_accumulation_fusion=self.speed.gradient_accumulation_fusion and spec.trainable,
             **moe, **_uneven_pipeline(par))
         load_initial_weights = _initial_weights(spec, self.hf_config)
         module = build_gpt_model(self.hf_config, self.tconfig, padded_vocab=spec.padded_vocab)
@@ -174,11 +179,15 @@ class PolicyWorker:
         self.layer_offset = stage_layer_offset(module)
         self.optimizer = self.scheduler = None
         if spec.trainable:
-            ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True,
-                                                       use_distributed_optimizer=cfg.optimizer.use_distributed_optimizer)
+            ddp_config = DistributedDataParallelConfig(
+                grad_reduce_in_fp32=True, use_distributed_optimizer=cfg.optimizer.use_distributed_optimizer,
+                overlap_grad_reduce=self.speed.overlap_grad_reduce,
+                overlap_param_gather=self.speed.overlap_param_gather)
             self.model = [DistributedDataParallel(self.tconfig, ddp_config, module=module)]
-            self.tconfig.finalize_model_grads_func = finalize_model_grads
-            self.optimizer = build_optimizer(self.model, cfg.optimizer, params_dtype=dtype)
+            self.tconfig.finalize_model_grads_func = finalize_model_grads  # waits for overlapped reduces too
+            wire_overlaps(self.speed, self.tconfig, self.model)
+            self.optimizer = build_optimizer(self.model, cfg.optimizer, params_dtype=dtype,
+                                             overlap_param_gather=self.speed.overlap_param_gather)
             self.scheduler = build_scheduler(self.optimizer, cfg.optimizer, cfg.scheduler,
                                              total_steps=spec.total_steps)
         else:
@@ -312,6 +321,8 @@ class PolicyWorker:
         `bucket_owners`); returns the number of buckets."""
         from mrl.policy.export import ShardedExporter, bucket_stage, plan_buckets
 
+        self.memory.reclaim(("weights",))
+        gather_weights(self.speed, self.model)  # an overlapped step left the other shards to the next forward
         if self._exporter is None:
             names = "te" if any(k.endswith("layer_norm_weight") for k in self.module.state_dict()) else "local"
             self._exporter = ShardedExporter(self.module, self.model_dims, layer_offset=self.layer_offset,
@@ -390,6 +401,7 @@ class PolicyWorker:
         from mrl.checkpoint.megatron import save_megatron_state
 
         self.memory.reclaim(("weights",) if weights_only else PARTS)
+        gather_weights(self.speed, self.model)
         _refuse_nonfinite_weights(self.model, path)
         training = (None, None) if weights_only else (self.optimizer, self.scheduler)
         save_megatron_state(Path(path), self.model, *training)

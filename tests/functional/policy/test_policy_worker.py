@@ -5,9 +5,11 @@ exactly as computed by hand."""
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from mrl.testing.distributed import run_on_ranks
 from mrl.testing.tiny_models import build_tiny_hf_model
@@ -100,3 +102,48 @@ def test_warmup_then_cosine_learning_rates(model_dir):
         else:
             expected.append(0.5 * (math.cos(math.pi * (done - warmup) / (decay - warmup)) + 1) * peak)
     assert got["lr"] == pytest.approx(expected, abs=1e-12)
+
+
+# ---- Megatron's overlap options (mrl/policy/speed.py), forced on where auto leaves them off (CPU) ----
+def overlapped_steps(model_dir: str, overlap: bool, folder: str) -> dict:
+    """Two data-parallel ranks with the distributed optimizer, 3 steps of 2 micro-batches each (the reduce runs
+    from the last micro-batch's backward hooks), then the whole model exported straight after the last step (no
+    forward in between: the overlapped gather must be completed by the export), and a save."""
+    from mrl.config.schema import OptimizerConfig, PolicyConfig, SpeedConfig
+    from mrl.objectives.loss import GRPOLoss
+    from mrl.policy.interface import RankBatch
+    from mrl.policy.worker import PolicySpec, PolicyWorker
+
+    speed = SpeedConfig(overlap_grad_reduce=overlap, overlap_param_gather=overlap)
+    cfg = PolicyConfig(precision="float32", train_micro_batch_size=2, speed=speed,
+                       optimizer=OptimizerConfig(lr=1e-2, weight_decay=0.0, use_distributed_optimizer=True))
+    worker = PolicyWorker(PolicySpec(model_dir, cfg, seed=0, total_steps=3))
+    rank = torch.distributed.get_rank()
+    g = torch.Generator().manual_seed(7)
+    ids = torch.randint(3, 200, (8, 12), generator=g)
+    mask = torch.zeros(8, 12)
+    mask[:, 5:] = 1
+    adv = torch.randn(8, generator=g)[:, None].expand(8, 12).contiguous()
+    rows = slice(4 * rank, 4 * rank + 4)
+    batch = RankBatch(ids[rows], mask[rows], {"advantages": adv[rows]})
+    metrics = [worker.train(batch, GRPOLoss(), float(mask[:, 1:].sum())) for _ in range(3)]
+    state = worker.export_state()
+    worker.save(folder)
+    return {"speed": worker.speed, "metrics": metrics, "state": state,
+            "no_sync": worker.tconfig.no_sync_func is not None}
+
+
+def test_overlapped_reduce_and_gather_give_the_same_steps_and_weights(model_dir, tmp_path):
+    plain = run_on_ranks(overlapped_steps, 2, args=(model_dir, False, str(tmp_path / "plain")))
+    overlapped = run_on_ranks(overlapped_steps, 2, args=(model_dir, True, str(tmp_path / "overlapped")))
+    assert overlapped[0]["speed"].overlap_grad_reduce and overlapped[0]["speed"].overlap_param_gather
+    assert overlapped[0]["no_sync"] and not plain[0]["no_sync"]  # the schedule's hooks, as Megatron's trainer sets them
+    for key in ("loss", "grad_norm"):
+        assert [m[key] for m in overlapped[0]["metrics"]] == [m[key] for m in plain[0]["metrics"]]
+    reference, got = plain[0]["state"], overlapped[0]["state"]
+    assert sorted(got) == sorted(reference)
+    initial = load_file(str(Path(model_dir) / "model.safetensors"))
+    changed = [name for name in reference if name in initial and not torch.equal(reference[name], initial[name])]
+    assert changed  # the steps moved the weights, so the comparison below sees the gathered update
+    for name in reference:
+        assert torch.equal(got[name], reference[name]), name
