@@ -106,6 +106,7 @@ bench: install
 	$(BIN)/python benchmarks/refit_memory.py
 	$(BIN)/python benchmarks/policy_throughput.py
 	$(BIN)/python benchmarks/packing_throughput.py
+	$(BIN)/python benchmarks/logprob_memory.py
 
 # Re-resolve the stack from pyproject.toml into requirements/cpu.lock (needs the package registries).
 lock:

@@ -57,6 +57,7 @@ PREV_LOGPROBS = "prev_logprobs"
 GENERATION_LOGPROBS = "generation_logprobs"
 REF_LOGPROBS = "ref_logprobs"
 SEQ_NUM_TOKENS = "seq_num_tokens"
+TOKEN_ENTROPY = "token_entropy"  # the policy's next-token entropy, added by the train step's own pass (no gradient)
 
 
 def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: KLKind) -> torch.Tensor:
@@ -209,6 +210,9 @@ class GRPOLoss:
         weights = token_weights(mask, self.level, global_count, batch.get(SEQ_NUM_TOKENS))
         loss = (zero_masked(per_token, mask) * weights).sum()
         metrics = self._metrics(weights, mask, pg * is_w, outside, kl, is_w, modified, old, gen)
+        if TOKEN_ENTROPY in batch:
+            with torch.no_grad():
+                metrics["entropy"] = (zero_masked(batch[TOKEN_ENTROPY].float(), mask) * weights).sum()
         return loss, metrics
 
     def _metrics(self, weights: torch.Tensor, mask: torch.Tensor, pg: torch.Tensor, outside: torch.Tensor,

@@ -19,6 +19,10 @@ the local spec (same constructor, same forward contract) and handles both:
   (`mrl.parallel.flash_attention`), O(sequence) memory in forward and backward: a 24K-token sequence needs no
   [sq, sk] scores. The dense path below (which materialises them) serves explicit masks, non-causal mask types
   (KV-cached decode steps), attention dropout and non-CPU tensors.
+- GPUs without Transformer Engine (the GPU tier's machine): the same causal case without context parallelism goes
+  through torch's `scaled_dot_product_attention`, which picks its flash or memory-efficient CUDA kernel: again
+  no [sq, sk] scores. CP on such a GPU keeps the dense path (its chunks need the lower-right causal rectangle
+  that `mrl.parallel.flash_attention` builds from the CPU kernel).
 
 Every case reduces to one rule: a query attends to a key iff both belong to the same sequence and (when
 causal) the key's position is not after the query's. The module computes a (sequence id, position) pair
@@ -201,8 +205,11 @@ class TorchCoreAttention(MegatronModule):
         return out.squeeze(1) if packed is not None else out
 
     def _attend(self, q, k, v, n_key_local: int, packed, mask_type: AttnMaskType, attention_mask) -> torch.Tensor:
-        """The attention path of a call: a pack without CP as one padded batch, else the flash kernel per sequence,
-        else the dense masked product (per sequence for a pack). q [b, np, sq, hn], k/v [b, np, sk, hn]."""
+        """The attention path of a call: on a GPU, torch's SDPA per sequence; on CPU a pack without CP as one padded
+        batch, else the flash kernel per sequence; else the dense masked product (per sequence for a pack).
+        q [b, np, sq, hn], k/v [b, np, sk, hn]."""
+        if self._sdpa_applies(mask_type, attention_mask, q, k):
+            return self._attend_sdpa(q, k, v, packed)
         flash = self._flash_applies(mask_type, attention_mask, q, k, v)
         if flash and packed is not None and self._cp()[0] == 1:
             seq_lens = _packed_seq_lens(packed, "q")
@@ -225,6 +232,27 @@ class TorchCoreAttention(MegatronModule):
         """Causal attention without an explicit mask or live dropout, on CPU: the flash kernel's case."""
         dropout = self.training and self.dropout_p > 0
         return mask_type in _CAUSAL_TYPES and attention_mask is None and not dropout and flash_available(*tensors)
+
+    def _sdpa_applies(self, mask_type: AttnMaskType, attention_mask, q: torch.Tensor, k: torch.Tensor) -> bool:
+        """Causal self-attention without an explicit mask, live dropout or CP, on a GPU (`sdpa_device`)."""
+        dropout = self.training and self.dropout_p > 0
+        return (sdpa_device(q) and mask_type in _CAUSAL_TYPES and attention_mask is None and not dropout
+                and self._cp()[0] == 1 and q.shape[2] == k.shape[2])
+
+    def _attend_sdpa(self, q, k, v, packed: Optional[PackedSeqParams]) -> torch.Tensor:
+        """Top-left causal SDPA over the whole batch, or over each sequence of a pack (queries and keys are the
+        same tokens without CP). q [b, np, s, hn], k/v [b, np, s, hn(_v)]."""
+        attend = lambda a, b: F.scaled_dot_product_attention(  # noqa: E731
+            q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], is_causal=True, scale=self.softmax_scale)
+        if packed is None:
+            return attend(0, q.shape[2])
+        bounds = [0]
+        for length in _packed_seq_lens(packed, "q"):
+            bounds.append(bounds[-1] + length)
+        if bounds[-1] != q.shape[2]:
+            raise ValueError(f"cu_seqlens describe {bounds[-1]} tokens but the pack holds {q.shape[2]}")
+        outs = [attend(a, b) for a, b in zip(bounds[:-1], bounds[1:])]
+        return torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
 
     def _attend_flash(self, q, k, v, q_layout, k_layout) -> torch.Tensor:
         """Each sequence's local queries over its keys, put in position order (CP gathers them in rank order),
@@ -261,6 +289,12 @@ class TorchCoreAttention(MegatronModule):
             with get_cuda_rng_tracker().fork():
                 probs = F.dropout(probs, p=self.dropout_p)
         return torch.matmul(probs.to(v.dtype), v)
+
+
+def sdpa_device(tensor: torch.Tensor) -> bool:
+    """Whether causal attention on `tensor`'s device goes through torch's SDPA: on GPUs (CUDA); the CPU has its own
+    flash path (`mrl.parallel.flash_attention`)."""
+    return tensor.is_cuda
 
 
 def transformer_engine_available() -> bool:

@@ -29,20 +29,24 @@ LOGPROB_CHUNK_TOKENS = 1024
 
 
 def vocab_parallel_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
-                            vocab_size: int | None = None, chunk_tokens: int = LOGPROB_CHUNK_TOKENS) -> torch.Tensor:
-    """log p(targets) under softmax(logits / temperature), with the vocabulary split over the TP group.
+                            vocab_size: int | None = None, chunk_tokens: int = LOGPROB_CHUNK_TOKENS,
+                            entropy: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """log p(targets) under softmax(logits / temperature), with the vocabulary split over the TP group; with
+    `entropy`, also that distribution's entropy at every token (a metric: no gradient flows through it).
 
     logits:       [B, T, V_padded / tp] this rank's slice of the padded vocabulary, in the model's dtype
     targets:      [B, T] global token ids
     vocab_size:   the real vocabulary; the padding rows Megatron adds (to divide by TP) are excluded from the
                   softmax, else every logprob is off by log(1 + pad * e^0 / Z) compared with the HF model.
     chunk_tokens: rows of fp32 logits computed at once (LOGPROB_CHUNK_TOKENS)
-    returns:      [B, T] float32, differentiable
+    returns:      [B, T] float32, differentiable; with `entropy`, (those, [B, T] float32 entropies in nats)
 
     The arithmetic is Megatron's `vocab_parallel_cross_entropy` (megatron-core 0.16.1,
     tensor_parallel/cross_entropy.py): the max, the sum of exponentials and the target logit all-reduced over the
     TP group, logprob = (target - max) - log(sum exp(logits - max)), gradient (onehot - softmax) / temperature; done
     chunk by chunk of tokens, so neither the fp32 logits nor the fp32 softmax of the whole micro-batch ever exist.
+    Entropy from the same chunks: with x = logits / temperature - max and S = sum exp(x) (both over the whole
+    vocabulary), H = log S - sum(exp(x) x) / S; the one extra sum is all-reduced with the others.
     """
     from megatron.core import parallel_state
 
@@ -54,8 +58,11 @@ def vocab_parallel_logprobs(logits: torch.Tensor, targets: torch.Tensor, tempera
     # multiple of 128 x TP leaves the last ranks nothing but padding), `local` where there is none.
     padded_from = local if vocab_size is None else min(max(vocab_size - start, 0), local)
     group = parallel_state.get_tensor_model_parallel_group()
-    flat = _ChunkedVocabParallelLogprobs.apply(logits.reshape(-1, local), targets.reshape(-1), float(temperature),
-                                               start, padded_from, group, chunk_tokens)
+    flat, entropies = _ChunkedVocabParallelLogprobs.apply(logits.reshape(-1, local), targets.reshape(-1),
+                                                          float(temperature), start, padded_from, group, chunk_tokens,
+                                                          entropy)
+    if entropy:
+        return flat.view(targets.shape), entropies.view(targets.shape)
     return flat.view(targets.shape)
 
 
@@ -77,16 +84,19 @@ def _local_targets(targets: torch.Tensor, start: int, local: int) -> tuple[torch
 
 
 class _ChunkedVocabParallelLogprobs(torch.autograd.Function):
-    """[N, V/tp] logits (any float dtype), [N] targets -> [N] fp32 logprobs; see `vocab_parallel_logprobs`."""
+    """[N, V/tp] logits (any float dtype), [N] targets -> [N] fp32 logprobs, and [N] entropies (empty unless
+    `with_entropy`; not differentiable); see `vocab_parallel_logprobs`."""
 
     @staticmethod
-    def forward(ctx, logits, targets, temperature, start, padded_from, group, chunk_tokens):  # noqa: D102
+    def forward(ctx, logits, targets, temperature, start, padded_from, group, chunk_tokens,  # noqa: D102
+                with_entropy):
         from mrl.parallel import collectives
 
         reduce = collectives.world_size(group) > 1  # per micro-batch: a group of one keeps its shortcut
         n, local = logits.shape
         out = torch.empty(n, dtype=torch.float32, device=logits.device)
         top_all, sum_exp_all = torch.empty_like(out), torch.empty_like(out)  # the max and sum of exps, for the backward
+        entropy = torch.empty(n if with_entropy else 0, dtype=torch.float32, device=logits.device)
         for first in range(0, n, chunk_tokens):
             rows = slice(first, first + chunk_tokens)
             chunk = _scaled_chunk(logits[rows], temperature, padded_from)
@@ -96,18 +106,30 @@ class _ChunkedVocabParallelLogprobs(torch.autograd.Function):
             chunk -= top[:, None]
             column, inside = _local_targets(targets[rows], start, local)
             predicted = torch.where(inside, chunk.gather(1, column[:, None]).squeeze(1), torch.zeros_like(top))
-            sum_exp = chunk.exp_().sum(dim=-1)
+            if with_entropy:  # sum exp(x) x over the real columns (the padding's exp(-inf) * -inf would be NaN)
+                exps = chunk.exp()
+                sum_exp = exps.sum(dim=-1)
+                weighted = exps[:, :padded_from].mul_(chunk[:, :padded_from]).sum(dim=-1)
+                del exps
+            else:
+                sum_exp = chunk.exp_().sum(dim=-1)
+            del chunk  # before the next chunk is made: one chunk's fp32 rows at a time
             if reduce:
                 collectives.all_reduce(predicted, "sum", group)
                 collectives.all_reduce(sum_exp, "sum", group)
+                if with_entropy:
+                    collectives.all_reduce(weighted, "sum", group)
             out[rows] = predicted - torch.log(sum_exp)
+            if with_entropy:
+                entropy[rows] = torch.log(sum_exp) - weighted / sum_exp
             top_all[rows], sum_exp_all[rows] = top, sum_exp
         ctx.save_for_backward(logits, targets, top_all, sum_exp_all)
         ctx.temperature, ctx.start, ctx.padded_from, ctx.chunk_tokens = temperature, start, padded_from, chunk_tokens
-        return out
+        ctx.mark_non_differentiable(entropy)
+        return out, entropy
 
     @staticmethod
-    def backward(ctx, grad_out):  # noqa: D102
+    def backward(ctx, grad_out, _grad_entropy):  # noqa: D102
         logits, targets, top, sum_exp = ctx.saved_tensors
         n, local = logits.shape
         grad = torch.empty_like(logits)
@@ -121,7 +143,8 @@ class _ChunkedVocabParallelLogprobs(torch.autograd.Function):
             if ctx.temperature != 1.0:
                 softmax /= ctx.temperature
             grad[rows] = softmax.to(grad.dtype)
-        return grad, None, None, None, None, None, None
+            del chunk, softmax
+        return grad, None, None, None, None, None, None, None
 
 
 def score_values(output: torch.Tensor) -> torch.Tensor:

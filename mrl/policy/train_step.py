@@ -51,6 +51,7 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 
 from mrl.data.packing import MicroBatchPlan, dynamic_batches, local_token_positions, pack_sequences
+from mrl.objectives.loss import TOKEN_ENTROPY
 from mrl.parallel import collectives
 from mrl.parallel.layout import length_multiple, micro_batching_violations
 from mrl.policy.interface import PolicyLoss, RankBatch
@@ -105,13 +106,26 @@ def _target_logprobs(output: torch.Tensor, data: dict, ctx: StepContext) -> torc
     """[b, T'] logprobs of a micro-batch's targets. A pack's [1, L] row is gathered back into one row per sequence
     (zeros past each sequence's own tokens), the layout losses and the logprob merge expect."""
     if ctx.head == "score":
-        logprobs = score_values(output)
-    else:
-        logprobs = vocab_parallel_logprobs(output, data["targets"], ctx.temperature, ctx.vocab_size,
-                                           ctx.logprob_chunk_tokens)
+        return _unpacked(score_values(output), data)
+    return _unpacked(vocab_parallel_logprobs(output, data["targets"], ctx.temperature, ctx.vocab_size,
+                                             ctx.logprob_chunk_tokens), data)
+
+
+def _train_inputs(output: torch.Tensor, data: dict, ctx: StepContext) -> tuple[torch.Tensor, dict]:
+    """(logprobs as `_target_logprobs`, the micro-batch for the loss): a language model's micro-batch gains the
+    entropy of its next-token distribution at every position (`TOKEN_ENTROPY`, no gradient) from the same chunked
+    pass, which losses may report."""
+    if ctx.head == "score":
+        return _target_logprobs(output, data, ctx), data
+    logprobs, entropy = vocab_parallel_logprobs(output, data["targets"], ctx.temperature, ctx.vocab_size,
+                                                ctx.logprob_chunk_tokens, entropy=True)
+    return _unpacked(logprobs, data), {**data, TOKEN_ENTROPY: _unpacked(entropy, data)}
+
+
+def _unpacked(values: torch.Tensor, data: dict) -> torch.Tensor:
     if "unpack_index" not in data:
-        return logprobs
-    rows = logprobs[0][data["unpack_index"]]  # [b, W]; differentiable gather
+        return values
+    rows = values[0][data["unpack_index"]]  # [b, W]; differentiable gather
     return torch.where(data["unpack_valid"], rows, torch.zeros_like(rows))
 
 
@@ -295,8 +309,8 @@ def train_on_batch(model: list, optimizer, scheduler, batch: RankBatch, *, loss_
         logits = _forward(chunk, data)
 
         def loss_func(output: torch.Tensor):
-            logprobs = _target_logprobs(output, data, ctx)  # [b, T']
-            loss, metrics = loss_fn(logprobs, data, count)
+            logprobs, inputs = _train_inputs(output, data, ctx)  # [b, T']
+            loss, metrics = loss_fn(logprobs, inputs, count)
             reported = {"loss": loss.detach().clone(), **{k: v.detach().float() for k, v in metrics.items()}}
             return loss * scale, reported
 

@@ -16,4 +16,7 @@ class PGLoss:
             loss = per_token.sum() / count
         else:  # mean over each sequence's tokens (whole-sequence count, also under CP), then over sequences
             loss = (per_token.sum(dim=1) / batch["seq_num_tokens"].clamp(min=1)).sum() / count
-        return loss, {"tokens": batch["loss_mask"].sum() / 1.0}
+        metrics = {"tokens": batch["loss_mask"].sum() / 1.0}
+        if "token_entropy" in batch:  # the train step's own pass adds it (mrl.objectives.loss.TOKEN_ENTROPY)
+            metrics["entropy_sum"] = (batch["token_entropy"] * batch["loss_mask"]).sum()
+        return loss, metrics

@@ -1,8 +1,9 @@
 """Log-probabilities a chunk of tokens at a time (mrl.policy.logprobs.vocab_parallel_logprobs) against Megatron's
 own `vocab_parallel_cross_entropy` over the full fp32 logits, the path mrl used before: the same values and the same
 gradients, bit for bit, on one rank and with the vocabulary split over two TP ranks, in fp32 and bf16, with a
-temperature and with Megatron's vocabulary padding (also where a rank's whole slice is padding); and what the chunked path keeps for its backward (the logits in
-their own dtype, nothing of the full fp32 size)."""
+temperature and with Megatron's vocabulary padding (also where a rank's whole slice is padding); the entropy from the
+same chunks against torch's over the whole vocabulary; and what the chunked path keeps for its backward (the logits
+in their own dtype, nothing of the full fp32 size)."""
 
 from __future__ import annotations
 
@@ -44,10 +45,16 @@ def compare_with_megatron(tp: int) -> list[tuple]:
                 scaled = scaled.masked_fill(torch.arange(rank * local, (rank + 1) * local) >= vocab, float("-inf"))
                 expected = -vocab_parallel_cross_entropy(scaled, targets)
                 (expected * upstream).sum().backward()
-                got = vocab_parallel_logprobs(mine, targets, temperature, vocab, chunk_tokens=chunk)
+                got, entropy = vocab_parallel_logprobs(mine, targets, temperature, vocab, chunk_tokens=chunk,
+                                                       entropy=True)
                 (got * upstream).sum().backward()
+                # the entropy of the whole (unsharded, unpadded) distribution, from torch's own log-softmax
+                whole = torch.log_softmax(full[..., :vocab].to(dtype).float() / temperature, dim=-1)
+                expected_entropy = -(whole.exp() * whole).sum(dim=-1)
+                entropy_close = torch.allclose(entropy, expected_entropy, rtol=1e-5, atol=1e-5)
                 results.append((vocab, str(dtype), temperature, chunk, torch.equal(got, expected),
-                                torch.equal(mine.grad, theirs.grad), got.dtype == torch.float32))
+                                torch.equal(mine.grad, theirs.grad), got.dtype == torch.float32,
+                                entropy_close and not entropy.requires_grad))
     return results
 
 
@@ -69,8 +76,8 @@ def saved_for_backward() -> list[tuple]:
 def test_chunked_logprobs_equal_megatrons_bit_for_bit(tp):
     for rank_results in run_on_ranks(compare_with_megatron, world_size=tp, args=(tp,)):
         assert len(rank_results) == 24
-        for vocab, dtype, temperature, chunk, values_equal, grads_equal, fp32 in rank_results:
-            assert values_equal and grads_equal and fp32, (vocab, dtype, temperature, chunk)
+        for vocab, dtype, temperature, chunk, values_equal, grads_equal, fp32, entropy_close in rank_results:
+            assert values_equal and grads_equal and fp32 and entropy_close, (vocab, dtype, temperature, chunk)
 
 
 def test_the_backward_keeps_the_logits_in_their_dtype_and_no_full_fp32_copy():

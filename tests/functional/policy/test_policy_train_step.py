@@ -63,20 +63,21 @@ def run(model_dir: str, tp: int = 1, pp: int = 1, steps: int = 3, micro_batch_si
     ctx = StepContext(dp_size=dp, cp_rank=0, cp_size=1, cp_group=ps.get_context_parallel_group(),
                       is_last_stage=ps.is_pipeline_last_stage(), vocab_size=hf_config["vocab_size"])
     before = logprobs_of_batch([model], batch, micro_batch_size=micro_batch_size, ctx=ctx)
-    losses = []
+    losses, entropy_sums = [], []
     for _ in range(steps):
         metrics = train_on_batch([model], optimizer, scheduler, batch, loss_fn=PGLoss(level), count=count,
                                  micro_batch_size=micro_batch_size, ctx=ctx)
         loss = torch.tensor(metrics.get("loss", 0.0), dtype=torch.float64)
         dist.all_reduce(loss, group=ps.get_data_parallel_group())  # each DP rank holds its share of the sum
         losses.append(float(loss))
+        entropy_sums.append(metrics.get("entropy_sum"))
     after = logprobs_of_batch([model], batch, micro_batch_size=micro_batch_size, ctx=ctx)
     if not ps.is_pipeline_last_stage():
         return None
     gathered = [None] * dp
     dist.all_gather_object(gathered, (before, after), group=ps.get_data_parallel_group())
     return {"before": torch.cat([g[0] for g in gathered]), "after": torch.cat([g[1] for g in gathered]),
-            "losses": losses}
+            "losses": losses, "entropy_sums": entropy_sums}
 
 
 # ---- tests ----
@@ -105,6 +106,18 @@ def test_logprobs_equal_hf_transformers(model_dir, reference):
     expected = torch.zeros_like(ids, dtype=torch.float32)
     expected[:, 1:] = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
     assert (reference["before"] - expected).abs().max() <= 1e-5
+
+
+def test_the_train_step_reports_the_entropy_of_hf_transformers_distributions(model_dir, reference):
+    from transformers import AutoModelForCausalLM
+
+    ids, mask, _ = make_batch()
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logprobs = torch.log_softmax(hf(ids).logits.float(), dim=-1)
+    entropy = -(logprobs.exp() * logprobs).sum(dim=-1)  # [n, T]: of the distribution of the token after t
+    expected = float((entropy[:, :-1] * mask[:, 1:]).sum())  # each response token's own distribution
+    assert reference["entropy_sums"][0] == pytest.approx(expected, rel=1e-5)  # the first step's forward: before it
 
 
 def test_training_changes_the_policy_in_the_advantage_direction(reference):

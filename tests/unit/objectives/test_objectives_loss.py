@@ -128,6 +128,15 @@ def test_grpo_loss_mismatch_metrics():
     close(metrics["num_valid_tokens"], 2.0)
 
 
+def test_grpo_loss_reports_the_entropy_the_train_step_adds_weighted_like_the_loss():
+    old = torch.tensor([[-1.0, -2.0, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0]])
+    batch = one_row(old, loss_mask=mask, token_entropy=torch.tensor([[0.5, 1.5, 99.0]]))
+    _, metrics = GRPOLoss()(old.clone(), batch, 2)
+    close(metrics["entropy"], (0.5 + 1.5) / 2)  # the masked token's 99 is not counted
+    assert "entropy" not in GRPOLoss()(old.clone(), one_row(old, loss_mask=mask), 2)[1]
+
+
 def test_grpo_loss_without_prev_logprobs_is_on_policy():
     lp, _ = pg_inputs()
     batch = {"loss_mask": MASK, "advantages": ADV}
