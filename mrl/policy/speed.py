@@ -39,9 +39,6 @@ class SpeedSettings:
     overlap_grad_reduce: bool
     overlap_param_gather: bool
 
-    def describe(self) -> str:
-        return ", ".join(f"{name}={'on' if getattr(self, name) else 'off'}" for name in self.__dataclass_fields__)
-
 
 def fused_wgrad_available() -> bool:
     """Whether Apex's `fused_weight_gradient_mlp_cuda` (the kernel Megatron's local linears call) is installed."""

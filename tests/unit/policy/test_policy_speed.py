@@ -32,8 +32,6 @@ def test_explicit_values_win_over_auto():
     off = resolve(SpeedConfig(gradient_accumulation_fusion=False, overlap_grad_reduce=False,
                               overlap_param_gather=False))
     assert not (off.gradient_accumulation_fusion or off.overlap_grad_reduce or off.overlap_param_gather)
-    assert off.describe() == ("gradient_accumulation_fusion=off, overlap_grad_reduce=off, "
-                              "overlap_param_gather=off")
 
 
 def test_an_option_forced_on_where_it_cannot_run_says_what_is_missing():
