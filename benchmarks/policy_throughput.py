@@ -1,7 +1,8 @@
 """Policy train and logprob throughput through mrl's train step vs a bare megatron-core loop, on the same batch.
 
-At each tensor-parallel size (default TP1 and TP2, one rank per TP shard, gloo, fp32, OMP_NUM_THREADS=1 per rank),
-both paths hold the same weights (the mrl model's state loaded into the bare one) and are timed rep by rep,
+At each tensor-parallel size (default TP1 and TP2, one rank per TP shard, gloo, fp32, OMP_NUM_THREADS=1 per rank;
+on a machine with CUDA each rank takes a GPU, NCCL, and --precision bfloat16 gives bf16 weights with fp32 master
+weights in both paths), both paths hold the same weights (the mrl model's state loaded into the bare one) and are timed rep by rep,
 interleaved:
   mrl : `train_on_batch` (Megatron schedule, load-balanced CP split/shift, vocab-parallel logprobs with vocab
         masking, a PolicyLoss normalised by the global token count, metrics) and `logprobs_of_batch`, on
@@ -10,12 +11,17 @@ interleaved:
         Adam; per micro-batch `model(tokens, positions, None, labels=targets)` (Megatron's own vocab-parallel
         cross entropy), the same masked advantage-weighted loss, `loss.backward()`, then
         `finalize_model_grads` and `optimizer.step()`; logprobs = -that cross entropy under no_grad.
-The vocabulary (512) needs no padding at TP1/TP2, so both paths compute the same logprobs (printed as a check).
+The vocabulary (512) needs no padding at TP1/TP2, so both paths compute the same logprobs (printed as a check, over
+the loss tokens); in bf16 each path's logprobs are also compared with mrl's model in fp32 (the same HF weights).
 Tokens/s counts every position of the batch (N x T) per train step (one optimizer step) or logprob pass; median
 over reps after one warm-up rep. Figures, not a timed test.
 
     python benchmarks/policy_throughput.py [--tp 1 2 --sequences 64 --seq-len 128 --micro-batch 8 --reps 5
-                                            --hidden 64 --layers 2]
+                                            --hidden 64 --layers 2 --heads 4 --kv-heads 2 --vocab 512
+                                            --precision float32]
+A GPU case (one H100, figures in docs/measurements.md):
+    python benchmarks/policy_throughput.py --tp 1 --hidden 1024 --layers 8 --heads 16 --kv-heads 4 \
+        --vocab 32768 --seq-len 1024 --precision bfloat16
 """
 
 from __future__ import annotations
@@ -38,6 +44,10 @@ def _parse() -> argparse.Namespace:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--kv-heads", type=int, default=2)
+    parser.add_argument("--vocab", type=int, default=512)
+    parser.add_argument("--precision", choices=("float32", "bfloat16"), default="float32")
     return parser.parse_args()
 
 
@@ -61,19 +71,33 @@ class _PGLoss:
         return (-logprobs * batch["adv"] * batch["loss_mask"]).sum() / count, {}
 
 
-def _bare_model(mrl_model, hf_config: dict, tp: int):
+def _device():
+    import torch
+
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _sync() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _bare_model(mrl_model, hf_config: dict, tp: int, dtype):
     """GPTModel with Megatron's stock local spec and a config equal to the mrl model's, holding its weights."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     from mrl.model.build import transformer_config_from_hf
 
-    config = transformer_config_from_hf(hf_config, tensor_parallel=tp)
+    config = transformer_config_from_hf(hf_config, tensor_parallel=tp, params_dtype=dtype)
     spec = get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm, normalization=config.normalization)
     model = GPTModel(config, spec, vocab_size=mrl_model.vocab_size,
                      max_sequence_length=hf_config["max_position_embeddings"], position_embedding_type="rope",
                      rotary_base=hf_config.get("rope_theta", 10000.0),
                      share_embeddings_and_output_weights=hf_config.get("tie_word_embeddings", False))
+    model.to(_device())  # Megatron's torch norms are made on the CPU (mrl.model.build does the same)
     model.load_state_dict(mrl_model.state_dict())
     return model
 
@@ -86,7 +110,7 @@ def _bare_steps(ddp, optimizer, ids, mask, adv, micro_batch: int):
     targets = torch.roll(ids, -1, dims=1)
     shifted_mask = torch.roll(mask, -1, dims=1)
     shifted_mask[:, -1] = 0
-    positions = torch.arange(ids.shape[1]).expand_as(ids)
+    positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
     count = float(shifted_mask.sum())
     chunks = [slice(i, i + micro_batch) for i in range(0, len(ids), micro_batch)]
 
@@ -106,7 +130,8 @@ def _bare_steps(ddp, optimizer, ids, mask, adv, micro_batch: int):
     return train, logprobs
 
 
-def bench_rank(model_dir: str, tp: int, sequences: int, seq_len: int, micro_batch: int, reps: int) -> dict | None:
+def bench_rank(model_dir: str, tp: int, sequences: int, seq_len: int, micro_batch: int, reps: int,
+               precision: str = "float32") -> dict | None:
     """Runs on each of `tp` ranks; rank 0 returns the tokens/s lists of both paths and the logprob check."""
     import torch
     import torch.distributed as dist
@@ -126,21 +151,22 @@ def bench_rank(model_dir: str, tp: int, sequences: int, seq_len: int, micro_batc
     init_process_groups(ParallelDims(tp=tp, world_size=tp))
     hf_config = read_config(model_dir)
     opt_cfg = OptimizerConfig(lr=1e-5, weight_decay=0.0)
+    dtype = getattr(torch, precision)
 
     def wrap(model, config):
         ddp = DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), module=model)
         config.finalize_model_grads_func = finalize_model_grads
-        return ddp, build_optimizer([ddp], opt_cfg, params_dtype=torch.float32)
+        return ddp, build_optimizer([ddp], opt_cfg, params_dtype=dtype)
 
-    config = transformer_config_from_hf(hf_config, tensor_parallel=tp)
+    config = transformer_config_from_hf(hf_config, tensor_parallel=tp, params_dtype=dtype)
     model = build_gpt_model(hf_config, config)
     load_hf_weights(model, load_file(os.path.join(model_dir, "model.safetensors")), hf_config)
-    bare = _bare_model(model, hf_config, tp)
+    bare = _bare_model(model, hf_config, tp, dtype)
     mrl_ddp, mrl_opt = wrap(model, config)
     bare_ddp, bare_opt = wrap(bare, bare.config)
     scheduler = build_scheduler(mrl_opt, opt_cfg, SchedulerConfig(), total_steps=reps + 1)
 
-    ids, mask, adv = _batch(sequences, seq_len, hf_config["vocab_size"])
+    ids, mask, adv = (t.to(_device()) for t in _batch(sequences, seq_len, hf_config["vocab_size"]))
     batch = RankBatch(ids, mask, token_data={"adv": adv})
     ctx = StepContext(dp_size=1, cp_rank=0, cp_size=1, cp_group=ps.get_context_parallel_group(),
                       is_last_stage=True, vocab_size=hf_config["vocab_size"])
@@ -153,12 +179,24 @@ def bench_rank(model_dir: str, tp: int, sequences: int, seq_len: int, micro_batc
     }
     mrl_lp = phases["mrl"][1]()  # [N, T] at token positions
     bare_lp = phases["bare"][1]()  # [N, T] at predicting positions
-    check = (mrl_lp[:, 1:] - bare_lp[:, :-1]).abs().max().item()
+    loss_tokens = mask[:, 1:].bool()
+    check = (mrl_lp[:, 1:] - bare_lp[:, :-1])[loss_tokens].abs().max().item()
+    against_fp32 = {}
+    if dtype != torch.float32:  # which path bf16 moves, and how far: both against the fp32 model
+        reference = build_gpt_model(hf_config, transformer_config_from_hf(hf_config, tensor_parallel=tp))
+        load_hf_weights(reference, load_file(os.path.join(model_dir, "model.safetensors")), hf_config)
+        ref_lp = logprobs_of_batch([reference], batch, micro_batch_size=micro_batch, ctx=ctx)[:, 1:][loss_tokens]
+        for name, lp in (("mrl", mrl_lp[:, 1:]), ("bare", bare_lp[:, :-1])):
+            error = (lp[loss_tokens].float() - ref_lp).abs()
+            against_fp32[name] = (error.max().item(), error.mean().item())
+        del reference
 
     def timed(fn) -> float:
+        _sync()
         dist.barrier()
         start = time.perf_counter()
         fn()
+        _sync()
         dist.barrier()
         return ids.numel() / (time.perf_counter() - start)
 
@@ -169,7 +207,7 @@ def bench_rank(model_dir: str, tp: int, sequences: int, seq_len: int, micro_batc
             if rep:
                 rates[f"{path} train"].append(train_rate)
                 rates[f"{path} logprobs"].append(logprob_rate)
-    return {"rates": rates, "logprob_check": check} if dist.get_rank() == 0 else None
+    return {"rates": rates, "logprob_check": check, "against_fp32": against_fp32} if dist.get_rank() == 0 else None
 
 
 def main() -> None:
@@ -179,13 +217,17 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as root:
         model_dir = str(build_tiny_hf_model(
-            os.path.join(root, "model"), "qwen2", hidden=args.hidden, layers=args.layers, heads=4, num_kv_heads=2,
-            intermediate=2 * args.hidden, vocab=512))
+            os.path.join(root, "model"), "qwen2", hidden=args.hidden, layers=args.layers, heads=args.heads,
+            num_kv_heads=args.kv_heads, intermediate=2 * args.hidden, vocab=args.vocab))
         results = {tp: run_on_ranks(bench_rank, world_size=tp, timeout_s=1800, args=(
-            model_dir, tp, args.sequences, args.seq_len, args.micro_batch, args.reps))[0] for tp in args.tp}
-    print(f"settings: tiny qwen2 (hidden {args.hidden}, {args.layers} layers, 4 heads / 2 kv, vocab 512), fp32, "
-          f"{args.sequences} sequences x {args.seq_len} tokens, micro-batch {args.micro_batch}, "
-          f"1 thread per rank, median of {args.reps} reps")
+            model_dir, tp, args.sequences, args.seq_len, args.micro_batch, args.reps, args.precision))[0]
+            for tp in args.tp}
+    import torch
+
+    where = f"{torch.cuda.get_device_name()}, NCCL" if torch.cuda.is_available() else "CPU, gloo, 1 thread per rank"
+    print(f"settings: qwen2 (hidden {args.hidden}, {args.layers} layers, {args.heads} heads / {args.kv_heads} kv, "
+          f"vocab {args.vocab}), {args.precision}, {args.sequences} sequences x {args.seq_len} tokens, micro-batch "
+          f"{args.micro_batch}, {where}, median of {args.reps} reps")
     print(f"{'layout':8}{'phase':10}{'mrl tok/s':>12}{'bare tok/s':>12}{'mrl/bare':>10}   max |logprob mrl - bare|")
     for tp, result in results.items():
         for phase in ("train", "logprobs"):
@@ -193,6 +235,9 @@ def main() -> None:
             bare = statistics.median(result["rates"][f"bare {phase}"])
             print(f"{'TP' + str(tp):8}{phase:10}{mrl:12.0f}{bare:12.0f}{mrl / bare:10.3f}   "
                   f"{result['logprob_check']:.1e}")
+        for name, (worst, mean) in result["against_fp32"].items():
+            print(f"{'TP' + str(tp):8}{name} against the fp32 model: max |logprob difference| {worst:.2e}, "
+                  f"mean {mean:.2e} (loss tokens)")
 
 
 if __name__ == "__main__":
