@@ -15,7 +15,7 @@ export RAY_USAGE_STATS_ENABLED := 0
 export TOKENIZERS_PARALLELISM := false
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: learn-real install docs test-docs demo test test-unit test-functional real test-real test-slurm test-faults test-learning test-gpu gpu-wheelhouse lint lock bench clean lock-gpu check-gpu-lock
+.PHONY: learn-real install docs test-docs demo test test-unit test-functional real test-real test-slurm test-faults test-learning test-stages test-gpu gpu-wheelhouse lint lock bench clean lock-gpu check-gpu-lock
 
 install: $(STAMP)
 
@@ -75,6 +75,12 @@ test-slurm: install
 # another of the command line.
 test-faults: install
 	$(BIN)/python -m pytest tests/faults -q
+
+# Whole staged recipes through `mrl run` (the embedded recipe SFT -> GRPO -> eval, the long-context twin 1K -> 2K ->
+# 4K), minutes each: out of make test to keep it within its budget (about 11 minutes of one test process's time on an
+# AVX2-only Zen 3 EPYC); one file per test process.
+test-stages: install
+	$(BIN)/python -m pytest tests/stages -q -n $(TEST_PROCESSES) --dist loadfile
 
 # Learning checks that take minutes: the staged preference recipe (SFT -> DPO, reward model -> GRPO) and multi-turn
 # GRPO on the number-guessing server.

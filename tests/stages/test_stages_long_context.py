@@ -17,7 +17,7 @@ import yaml
 
 from mrl.testing.runs import finish, metrics, mrl
 
-RECIPE = str(Path(__file__).resolve().parents[3] / "recipes" / "grpo-staged-long-tiny-cpu.yaml")
+RECIPE = str(Path(__file__).resolve().parents[2] / "recipes" / "grpo-staged-long-tiny-cpu.yaml")
 BUDGETS = {"grpo-1K": 1024, "grpo-2K": 2048, "grpo-4K": 4096}
 SHORT = ("grpo.max_num_steps=2", "checkpointing.save_every=2",  # 2 steps a stage (the recipe runs 4)
          "eval.max_problems=4")  # validation (before and after each stage) is not what this checks
