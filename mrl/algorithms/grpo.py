@@ -7,7 +7,8 @@ reward, advantage A_i = group-normalised reward, and minimise the clipped surrog
 over the batch, split into `policy.train_global_batch_size` rows per optimizer step. pi_old is the trainer's
 logprob of the sampled tokens before the step's updates (its difference with the engine's logprobs is the
 train/inference mismatch, logged every step as train/token_mult_prob_error and train/gen_kl_error); a step of one
-update takes it from its training forward, one forward fewer.
+update takes it from its training forward, one forward fewer. With loss.ratio_level = sequence, r is GSPO's one
+ratio per sequence, the geometric mean of its token ratios, clipped per sequence (mrl.objectives.loss).
 
 Departures: a group whose rewards are all equal has zero advantage; with grpo.dynamic_sampling such groups are
 dropped instead of refilled (DAPO refills; here the step is just smaller). With grpo.max_off_policy_steps = 1 the

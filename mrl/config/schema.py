@@ -267,6 +267,10 @@ class GenerationConfig(Section):
 
 
 # ------------------------------------------------------------------------------------------------------- loss, algos
+#: GSPO's published clip range (Zheng et al. 2025: left 3e-4, right 4e-4 on the sequence ratio).
+GSPO_CLIP = (3e-4, 4e-4)
+
+
 class LossConfig(Section):
     """The fields of `mrl.objectives.loss.GRPOLoss`, which the GRPO loop builds from this section."""
 
@@ -280,6 +284,19 @@ class LossConfig(Section):
     is_cap: float = Field(2.0, gt=0, description="TIS: importance weights truncated at this value.")
     icepop_low: float = Field(0.5, gt=0, description="ICE-POP: tokens with ratio below this are masked.")
     icepop_high: float = Field(2.0, gt=0, description="ICE-POP: tokens with ratio above this are masked.")
+    ratio_level: Literal["token", "sequence"] = Field(
+        "token", description="The importance ratio per token (PPO, GRPO) or per sequence: GSPO, the geometric mean of "
+        "a sequence's token ratios, clipped per sequence; needs level: sequence, and GSPO's published clip range is "
+        "clip_low 3e-4, clip_high 4e-4.")
+
+    @model_validator(mode="after")
+    def _gspo_level(self) -> "LossConfig":
+        if self.ratio_level == "sequence" and self.level != "sequence":
+            raise ConfigError("GSPO (loss.ratio_level=sequence) averages each sequence's tokens, then the sequences",
+                              key="loss.level", given=self.level, allowed="sequence with loss.ratio_level=sequence",
+                              fix=f"set loss.level=sequence (and GSPO's clip range: loss.clip_low={GSPO_CLIP[0]} "
+                                  f"loss.clip_high={GSPO_CLIP[1]}), or loss.ratio_level=token")
+        return self
 
 
 class GRPOConfig(Section):

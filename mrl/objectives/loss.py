@@ -19,6 +19,15 @@ GRPO objective minimised here (Shao et al. 2024, with DAPO's asymmetric clip and
     L        = sum_{b,t} m * loss_t / N_tokens                                   level "token" (DAPO)
              = sum_b [ sum_t m * loss_t / n_b ] / N_sequences                     level "sequence" (GRPO paper)
 
+GSPO (Zheng et al. 2025, Group Sequence Policy Optimization), `ratio_level = "sequence"`: one importance ratio per
+sequence, the geometric mean of its token ratios, clipped per sequence (published ranges clip_low 3e-4, clip_high
+4e-4), at level "sequence":
+    s_b      = exp( sum_t m * (lp - old) / n_b )        n_b = the whole sequence's valid tokens (also under CP)
+    r_t      = sg[s_b] * exp(lp - sg[lp])               GSPO-token's form: r_t = s_b in value, d r_t / d lp_t = s_b
+    pg_t     as above with r_t; every token of a sequence has the same ratio, so the clip acts per sequence
+With sequence-level advantages and level "sequence", sum_t pg_t / n_b has GSPO's value and gradient
+(-A_b s_b / n_b per token where unclipped, 0 where clipped). The IS weights w_t and the KL term stay per token.
+
 Normalisation contract (why micro-batching, packing and sharding never change the gradient): a loss object is
 called once per micro-batch with the GLOBAL count of the whole step (N_tokens, or N_sequences that have at least
 one valid token) and returns `sum over its own tokens / global count`; the sum of its outputs over all
@@ -44,6 +53,7 @@ from typing import Literal, Mapping, Optional
 import torch
 
 Level = Literal["token", "sequence"]
+RatioLevel = Literal["token", "sequence"]
 KLKind = Literal["k1", "k2", "k3"]
 ISKind = Literal["none", "tis", "icepop"]
 
@@ -57,6 +67,8 @@ PREV_LOGPROBS = "prev_logprobs"
 GENERATION_LOGPROBS = "generation_logprobs"
 REF_LOGPROBS = "ref_logprobs"
 SEQ_NUM_TOKENS = "seq_num_tokens"
+SEQ_LOG_RATIO_SUM = "seq_log_ratio_sum"  # [b] sum_t m * (lp - old) over the whole sequence: the train step adds it
+#                                         under context parallelism, where a rank holds part of each sequence
 TOKEN_ENTROPY = "token_entropy"  # the policy's next-token entropy, added by the train step's own pass (no gradient)
 
 
@@ -102,8 +114,26 @@ def _policy_gradient_terms(logprobs: torch.Tensor, old_logprobs: torch.Tensor, a
                            dual_clip: Optional[float]) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token clipped surrogate loss and the 'ratio outside the clip range' flags, both [b, T].
     advantages: [b] (broadcast over tokens) or [b, T]."""
+    return _clipped_surrogate(torch.exp(logprobs - old_logprobs), advantages, clip_low, clip_high, dual_clip)
+
+
+def sequence_ratios(logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: torch.Tensor,
+                    seq_num_tokens: Optional[torch.Tensor] = None,
+                    seq_log_ratio_sum: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """GSPO's per-token ratio r_t = sg[s_b] * exp(lp - sg[lp]) [b, T], s_b the geometric mean of the sequence's
+    token ratios. The whole sequence's log-ratio sum and token count come from the batch under CP, else from
+    these rows."""
+    if seq_log_ratio_sum is None:
+        seq_log_ratio_sum = zero_masked((logprobs - old_logprobs).detach(), mask).sum(dim=1)
+    count = mask.float().sum(dim=1) if seq_num_tokens is None else seq_num_tokens.float()
+    mean = (seq_log_ratio_sum.detach().to(logprobs.dtype) / count.to(logprobs.dtype).clamp(min=1)).clamp(
+        -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    return torch.exp(mean)[:, None] * torch.exp(logprobs - logprobs.detach())
+
+
+def _clipped_surrogate(ratio: torch.Tensor, advantages: torch.Tensor, clip_low: float, clip_high: float,
+                       dual_clip: Optional[float]) -> tuple[torch.Tensor, torch.Tensor]:
     adv = advantages.float().unsqueeze(1) if advantages.dim() == 1 else advantages.float()
-    ratio = torch.exp(logprobs - old_logprobs)
     clipped_ratio = ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
     loss = -torch.minimum(ratio * adv, clipped_ratio * adv)
     if dual_clip is not None:
@@ -162,6 +192,7 @@ class GRPOLoss:
     clip_low: float = 0.2
     clip_high: float = 0.2
     dual_clip: Optional[float] = None
+    ratio_level: RatioLevel = "token"
     kl_beta: float = 0.0
     kl_kind: KLKind = "k3"
     importance_sampling: ISKind = "none"
@@ -179,18 +210,30 @@ class GRPOLoss:
             raise ValueError(f"loss.dual_clip must be > 1 (or null to disable), got {self.dual_clip}")
         if self.icepop_low >= self.icepop_high:
             raise ValueError(f"loss.icepop_low ({self.icepop_low}) must be below loss.icepop_high ({self.icepop_high})")
+        if self.ratio_level not in ("token", "sequence"):
+            raise ValueError(f"loss.ratio_level must be 'token' or 'sequence' (GSPO), got {self.ratio_level!r}")
+        if self.ratio_level == "sequence" and self.level != "sequence":
+            raise ValueError("loss.ratio_level=sequence (GSPO) averages per sequence: it needs loss.level=sequence")
 
     @property
     def needs_reference(self) -> bool:
         return self.kl_beta > 0
+
+    @property
+    def needs_sequence_log_ratio(self) -> bool:
+        """Whether the train step must add `SEQ_LOG_RATIO_SUM` where a rank holds part of each sequence (CP)."""
+        return self.ratio_level == "sequence"
 
     def __call__(self, logprobs: torch.Tensor, batch: Mapping[str, torch.Tensor],
                  global_count: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         mask = batch[LOSS_MASK].bool()
         lp = zero_masked(logprobs, mask)
         old = zero_masked(batch[PREV_LOGPROBS], mask) if PREV_LOGPROBS in batch else lp.detach()
-        pg, outside = _policy_gradient_terms(lp, old, batch[ADVANTAGES], self.clip_low, self.clip_high,
-                                             self.dual_clip)
+        if self.ratio_level == "sequence":
+            ratio = sequence_ratios(lp, old, mask, batch.get(SEQ_NUM_TOKENS), batch.get(SEQ_LOG_RATIO_SUM))
+        else:
+            ratio = torch.exp(lp - old)
+        pg, outside = _clipped_surrogate(ratio, batch[ADVANTAGES], self.clip_low, self.clip_high, self.dual_clip)
         per_token = pg
         kl = None
         if self.kl_beta > 0:

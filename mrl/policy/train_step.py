@@ -51,7 +51,7 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 
 from mrl.data.packing import MicroBatchPlan, dynamic_batches, local_token_positions, pack_sequences
-from mrl.objectives.loss import TOKEN_ENTROPY
+from mrl.objectives.loss import LOSS_MASK, PREV_LOGPROBS, SEQ_LOG_RATIO_SUM, TOKEN_ENTROPY
 from mrl.parallel import collectives
 from mrl.parallel.layout import length_multiple, micro_batching_violations
 from mrl.policy.interface import PolicyLoss, RankBatch
@@ -120,6 +120,18 @@ def _train_inputs(output: torch.Tensor, data: dict, ctx: StepContext) -> tuple[t
     logprobs, entropy = vocab_parallel_logprobs(output, data["targets"], ctx.temperature, ctx.vocab_size,
                                                 ctx.logprob_chunk_tokens, entropy=True)
     return _unpacked(logprobs, data), {**data, TOKEN_ENTROPY: _unpacked(entropy, data)}
+
+
+def _whole_sequence_log_ratio(logprobs: torch.Tensor, inputs: dict, ctx: StepContext) -> torch.Tensor:
+    """[b] sum over each whole sequence's loss tokens of (logprob - prev_logprob), no gradient. Sharding contract:
+    under CP each rank's rows hold its chunks of the same sequences, in the same order on every CP rank (padded and
+    packed micro-batches alike), so one all-reduce over the CP group sums each sequence's chunks."""
+    with torch.no_grad():
+        old = inputs.get(PREV_LOGPROBS, logprobs)
+        mask = inputs[LOSS_MASK].bool()
+        local = torch.where(mask, logprobs.float() - old.float(), torch.zeros((), device=logprobs.device)).sum(dim=1)
+    collectives.all_reduce(local, group=ctx.cp_group)
+    return local
 
 
 def _unpacked(values: torch.Tensor, data: dict) -> torch.Tensor:
@@ -310,6 +322,8 @@ def train_on_batch(model: list, optimizer, scheduler, batch: RankBatch, *, loss_
 
         def loss_func(output: torch.Tensor):
             logprobs, inputs = _train_inputs(output, data, ctx)  # [b, T']
+            if getattr(loss_fn, "needs_sequence_log_ratio", False) and ctx.cp_size > 1:
+                inputs = {**inputs, SEQ_LOG_RATIO_SUM: _whole_sequence_log_ratio(logprobs, inputs, ctx)}
             loss, metrics = loss_fn(logprobs, inputs, count)
             reported = {"loss": loss.detach().clone(), **{k: v.detach().float() for k, v in metrics.items()}}
             return loss * scale, reported

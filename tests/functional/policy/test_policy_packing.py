@@ -43,21 +43,37 @@ def _build(model_dir: str, tp: int, pp: int, cp: int, sp: bool):
 
 
 def _sum_over_context_parallel(metrics: dict) -> dict:
-    """A CP rank's loss and counts are its share of the sequences' tokens (split differently when packed): sum."""
+    """A CP rank's loss, counts and clip fraction are its share of the sequences' tokens (split differently when
+    packed): sum."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    keys = ["loss", "tokens"] if "loss" in metrics else []
+    keys = [k for k in ("loss", "tokens", "clip_fraction") if k in metrics]
     values = torch.tensor([metrics[k] for k in keys], dtype=torch.float64)
     if keys and ps.get_context_parallel_world_size() > 1:
         dist.all_reduce(values, group=ps.get_context_parallel_group())
     return {**metrics, **dict(zip(keys, values.tolist()))}
 
 
+def _gspo_batch(batch, before):
+    """GSPO's batch: advantages and pi_old = the model's logprobs before training, moved by fixed noise (so the
+    sequence ratios differ from 1, some inside GSPO_TEST_CLIP and some outside)."""
+    from mrl.policy.interface import RankBatch
+
+    noise = 0.3 * torch.randn(batch.input_ids.shape, generator=torch.Generator().manual_seed(5))
+    prev = ((before if before is not None else torch.zeros_like(noise)) + noise) * batch.loss_mask
+    return RankBatch(batch.input_ids, batch.loss_mask, token_data={"advantages": batch.token_data["adv"],
+                                                                   "prev_logprobs": prev}, lengths=batch.lengths)
+
+
+GSPO_TEST_CLIP = 0.1
+
+
 def run(model_dir: str, modes: list, tp: int = 1, pp: int = 1, cp: int = 1, sp: bool = False, level: str = "token",
-        steps: int = 3):
+        steps: int = 3, gspo: bool = False):
     """For each mode (None = fixed micro-batches of 4 rows, ("packing" | "dynamic", budget)): logprobs before
-    training, per-step losses and token counts, and this rank's weights after `steps` steps."""
+    training, per-step losses and token counts, and this rank's weights after `steps` steps. `gspo`: mrl's GRPO
+    loss with the sequence-level ratio (level sequence) instead of the plain policy gradient."""
     import os
 
     from megatron.core import parallel_state as ps
@@ -83,8 +99,15 @@ def run(model_dir: str, modes: list, tp: int = 1, pp: int = 1, cp: int = 1, sp: 
                       dynamic_batching=DynamicBatchingConfig(enabled=True, tokens_per_microbatch=tokens)
                       if kind == "dynamic" else None)
         before = logprobs_of_batch([model], batch, micro_batch_size=4, ctx=ctx, **budget)
+        loss_fn, step_batch = PGLoss(level), batch
+        if gspo:
+            from mrl.objectives.loss import GRPOLoss
+
+            level = "sequence"
+            loss_fn = GRPOLoss(level=level, ratio_level="sequence", clip_low=GSPO_TEST_CLIP, clip_high=GSPO_TEST_CLIP)
+            step_batch = _gspo_batch(batch, logprobs_of_batch([model], batch, micro_batch_size=4, ctx=ctx))
         metrics = [_sum_over_context_parallel(train_on_batch(
-            [model], optimizer, scheduler, batch, loss_fn=PGLoss(level), count=global_count(mask, level),
+            [model], optimizer, scheduler, step_batch, loss_fn=loss_fn, count=global_count(mask, level),
             micro_batch_size=4, ctx=ctx, **budget)) for _ in range(steps)]
         weights = {k: v.detach().clone() for k, v in model.module.named_parameters()}
         results.append({"before": before, "metrics": metrics, "weights": weights})
@@ -143,3 +166,22 @@ def test_packing_and_dynamic_batching_give_the_same_step_as_padded_micro_batches
 def test_packing_under_parallel_layouts(model_dir, layout):
     for reference, packed in run_on_ranks(run, world_size=2, args=(model_dir, [None, ("packing", 32)]), kwargs=layout):
         assert_same_step(reference, packed)
+
+
+def test_gspo_under_context_parallelism_and_packing_equals_one_rank(model_dir):
+    """GSPO's ratio is a whole sequence's: at CP2 each rank holds half of every sequence, and the train step sums
+    the halves' log-ratios over the CP group (`_whole_sequence_log_ratio`). Padded and packed CP2 steps equal the
+    one-rank padded step: losses, and weights after three steps."""
+    (reference,) = run_on_ranks(run, world_size=1, args=(model_dir, [None]), kwargs=dict(gspo=True))[0]
+    for padded, packed in run_on_ranks(run, world_size=2, args=(model_dir, [None, ("packing", 32)]),
+                                       kwargs=dict(cp=2, gspo=True)):
+        for other in (padded, packed):
+            for key in ("loss", "grad_norm"):
+                assert [m[key] for m in other["metrics"]] == pytest.approx(
+                    [m[key] for m in reference["metrics"]], abs=1e-6, rel=1e-6), key
+            for name, weight in reference["weights"].items():
+                assert (other["weights"][name] - weight).abs().max() <= WEIGHT_TOLERANCE, name
+    # the first step has sequences inside the clip range and outside (both branches); it moves every ratio out of
+    # the range, so the later steps' gradients are 0 and Adam's momentum alone moves the weights
+    assert 0 < reference["metrics"][0]["clip_fraction"] < 1 and reference["metrics"][0]["grad_norm"] > 1
+    assert reference["metrics"][0]["loss"] != reference["metrics"][-1]["loss"]

@@ -195,15 +195,94 @@ def run_split(loss_fn, lp: torch.Tensor, batch: dict, pieces: int) -> tuple[torc
     return total.detach(), lp.grad, metrics
 
 
+# ------------------------------------------------------------------------------------------------------------ GSPO
+def test_gspo_by_hand():
+    """Two sequences, clip 0.2: s_0 = exp((0.2 + 0) / 2) = exp(0.1), unclipped, A = 1; s_1 = exp(-0.3) < 0.8, A = -1,
+    clipped (loss 0.8, no gradient). L = (-exp(0.1) + 0.8) / 2; d L / d lp_t = -exp(0.1) / (2 * 2) on sequence 0."""
+    lp = torch.tensor([[-1.0, -2.0, -9.0], [-0.5, -0.5, -0.5]], requires_grad=True)
+    batch = {"loss_mask": torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]]), "advantages": torch.tensor([1.0, -1.0]),
+             "prev_logprobs": torch.tensor([[-1.2, -2.0, 0.0], [-0.2, -0.2, -0.2]])}
+    loss, metrics = GRPOLoss(level="sequence", ratio_level="sequence")(lp, batch, 2.0)
+    loss.backward()
+    close(loss, (-math.exp(0.1) + 0.8) / 2)
+    close(lp.grad, [[-math.exp(0.1) / 4, -math.exp(0.1) / 4, 0.0], [0.0, 0.0, 0.0]])
+    close(metrics["clip_fraction"], 0.5)  # sequence 1's tokens, weighted per sequence
+
+
+def gspo_reference(lp, old, adv, mask, clip_low, clip_high):
+    """GSPO as published (Zheng et al. 2025, eq. 5-7), in plain torch: s_i = (pi / pi_old)^(1 / |y_i|) with the
+    gradient through the whole mean, J = mean_i min(s_i A_i, clip(s_i, 1 - eps_l, 1 + eps_h) A_i); loss = -J over
+    the sequences with at least one token."""
+    rows = [i for i in range(len(lp)) if mask[i].sum() > 0]
+    terms = []
+    for i in rows:
+        keep = mask[i].bool()
+        s = torch.exp((lp[i][keep] - old[i][keep]).mean())
+        terms.append(torch.minimum(s * adv[i], s.clamp(1 - clip_low, 1 + clip_high) * adv[i]))
+    return -torch.stack(terms).mean()
+
+
+@pytest.mark.parametrize("clip", [(3e-4, 4e-4), (0.05, 0.05)], ids=["published-clip", "wide-clip"])
+def test_gspo_equals_the_published_objective_in_plain_torch(clip):
+    lp, batch = random_batch(seed=11, rows=8, cols=9)
+    batch["prev_logprobs"] = batch["prev_logprobs"].clone()
+    batch["prev_logprobs"][:4] = lp[:4] + 1e-4 * torch.randn(4, 9, generator=torch.Generator().manual_seed(1))
+    ours_lp, ref_lp = lp.clone().requires_grad_(), lp.clone().requires_grad_()
+    count = local_count(batch["loss_mask"], "sequence")
+    loss, _ = GRPOLoss(level="sequence", ratio_level="sequence", clip_low=clip[0], clip_high=clip[1])(
+        ours_lp, batch, count)
+    expected = gspo_reference(ref_lp, batch["prev_logprobs"], batch["advantages"], batch["loss_mask"], *clip)
+    loss.backward()
+    expected.backward()
+    torch.testing.assert_close(loss, expected, atol=1e-6, rtol=0)
+    torch.testing.assert_close(ours_lp.grad, ref_lp.grad, atol=1e-6, rtol=0)
+    assert ours_lp.grad.abs().sum() > 0  # some sequences are inside the clip range (the first four)
+
+
+def test_gspo_split_along_time_with_whole_sequence_sums():
+    """Context parallelism: a rank holds part of each sequence; with the whole sequence's log-ratio sum and token
+    count (the train step's all-reduce), the parts' losses and gradients add up to the whole."""
+    fn = GRPOLoss(level="sequence", ratio_level="sequence", clip_low=0.05, clip_high=0.05)
+    lp, batch = random_batch(seed=5)
+    batch["prev_logprobs"] = lp + 0.02 * torch.randn(lp.shape, generator=torch.Generator().manual_seed(2))
+    full, full_grad, _ = run_split(fn, lp, batch, 1)
+    count = local_count(batch["loss_mask"], "sequence")
+    mask = batch["loss_mask"].bool()
+    whole = {"seq_num_tokens": batch["loss_mask"].sum(dim=1),
+             "seq_log_ratio_sum": torch.where(mask, lp - batch["prev_logprobs"], 0.0).sum(dim=1)}
+    leaf = lp.clone().requires_grad_()
+    total = torch.zeros(())
+    for cols in torch.arange(lp.shape[1]).chunk(2):
+        part = {k: (v[:, cols] if v.dim() == 2 else v) for k, v in batch.items()}
+        total = total + fn(leaf[:, cols], {**part, **whole}, count)[0]
+    total.backward()
+    close(total, full)
+    close(leaf.grad, full_grad)
+
+
+def test_gspo_needs_sequence_level():
+    from mrl.config.schema import LossConfig
+
+    with pytest.raises(ValueError, match="needs loss.level=sequence"):
+        GRPOLoss(ratio_level="sequence")
+    with pytest.raises(ValueError, match="loss.level") as error:  # pydantic wraps the ConfigError here;
+        LossConfig(ratio_level="sequence", level="token")  # load_config raises it as it is (tests/unit/config)
+    assert "loss.clip_low=0.0003" in str(error.value)  # the fix names GSPO's published range
+
+
 @pytest.mark.parametrize("level", ["token", "sequence"])
 @pytest.mark.parametrize("loss_fn", [
     lambda level: GRPOLoss(level=level),
     lambda level: GRPOLoss(level=level, clip_high=0.28, dual_clip=3.0, kl_beta=0.05, importance_sampling="tis"),
     lambda level: GRPOLoss(level=level, kl_beta=0.1, kl_kind="k2", importance_sampling="icepop"),
     lambda level: NLLLoss(level=level),
+    lambda level: GRPOLoss(level="sequence", ratio_level="sequence", clip_low=0.1, clip_high=0.1, kl_beta=0.05,
+                           importance_sampling="tis") if level == "sequence" else None,
 ])
 def test_sum_over_micro_batches_equals_full_batch_loss(level, loss_fn):
     fn = loss_fn(level)
+    if fn is None:
+        pytest.skip("GSPO is sequence level only")
     lp, batch = random_batch(seed=7)
     full_loss, full_grad, full_metrics = run_split(fn, lp, batch, 1)
     if isinstance(fn, GRPOLoss) and fn.kl_beta == 0 and fn.importance_sampling == "none":
