@@ -39,7 +39,8 @@ class Family:
 
 @dataclass(frozen=True)
 class MoEDims:
-    """The mixture-of-experts part of a model (Qwen3-MoE, DeepSeek-V3), read from an HF config by its family.
+    """The mixture-of-experts part of a model (Qwen3-MoE, Qwen2-MoE, DeepSeek-V3), read from an HF config by its
+    family.
 
     Routing (per token, E experts, k chosen): scores = softmax(logits) or sigmoid(logits); the k experts with the
     highest scores (plus `expert_bias` for the choice only, DeepSeek-V3), within the `group_topk` best of `num_groups`
@@ -62,6 +63,11 @@ class MoEDims:
     """A per-expert bias added to the scores for the choice only (e_score_correction_bias)."""
     num_groups: Optional[int] = None
     group_topk: Optional[int] = None
+    shared_expert_name: str = "shared_experts"
+    """The shared expert's HF module under `mlp.` (DeepSeek-V3: shared_experts; Qwen2-MoE: shared_expert)."""
+    shared_expert_gate: bool = False
+    """The shared expert's output is scaled by sigmoid(x . w), w = HF's `mlp.shared_expert_gate.weight` [1, h]
+    (Qwen2-MoE; Megatron's moe_shared_expert_gate, `mlp.shared_experts.gate_weight`)."""
 
 
 @dataclass(frozen=True)

@@ -154,8 +154,12 @@ def _mlp_rules(dims: ModelDims, i: int, m: str, h: str) -> list[ParamRule]:
         rules.append(ParamRule(m + "mlp.router.expert_bias", (h + "mlp.gate.e_score_correction_bias",), "copy", None))
     for e in range(dims.moe.num_experts):  # type: ignore[union-attr]
         rules += _swiglu_rules(f"{m}mlp.experts.local_experts.{e}.", f"{h}mlp.experts.{e}.")
-    if dims.moe.shared_ffn_hidden_size:  # type: ignore[union-attr]
-        rules += _swiglu_rules(m + "mlp.shared_experts.", h + "mlp.shared_experts.")
+    moe = dims.moe
+    if moe.shared_ffn_hidden_size:  # type: ignore[union-attr]
+        rules += _swiglu_rules(m + "mlp.shared_experts.", f"{h}mlp.{moe.shared_expert_name}.")  # type: ignore[union-attr]
+    if moe.shared_expert_gate:  # type: ignore[union-attr]
+        rules.append(ParamRule(m + "mlp.shared_experts.gate_weight", (h + "mlp.shared_expert_gate.weight",), "copy",
+                               None))
     return rules
 
 
@@ -230,7 +234,9 @@ def _mlp_shapes(dims: ModelDims, i: int) -> dict[str, tuple[int, ...]]:
     for e in range(moe.num_experts):
         shapes.update(_swiglu_shapes(f"mlp.experts.{e}.", h, moe.ffn_hidden_size))
     if moe.shared_ffn_hidden_size:
-        shapes.update(_swiglu_shapes("mlp.shared_experts.", h, moe.shared_ffn_hidden_size))
+        shapes.update(_swiglu_shapes(f"mlp.{moe.shared_expert_name}.", h, moe.shared_ffn_hidden_size))
+    if moe.shared_expert_gate:
+        shapes["mlp.shared_expert_gate.weight"] = (1, h)
     return shapes
 
 

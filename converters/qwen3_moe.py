@@ -38,7 +38,7 @@ def _unsupported(cfg: Mapping[str, Any]) -> list[str]:
     if _num_experts(cfg) < 1:
         problems.append("num_experts=0 (a MoE family without experts: use the qwen3 family)")
     if int(cfg.get("shared_expert_intermediate_size") or 0):
-        problems.append("shared_expert_intermediate_size > 0 (Qwen2-MoE's gated shared expert is not mapped)")
+        problems.append("shared_expert_intermediate_size > 0 (a gated shared expert: the qwen2_moe family)")
     return problems
 
 

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from converters import deepseek_v3, llama, qwen2, qwen3, qwen3_moe
+from converters import deepseek_v3, llama, qwen2, qwen2_moe, qwen3, qwen3_moe
 from converters.family import ConversionError, Family, MLADims, MoEDims
 
 #: Rope types whose inverse frequencies Megatron's RoPE can use unchanged. YaRN's cos/sin factor (`attention_factor`)
@@ -25,7 +25,8 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 MLA_ROPE_TYPES = ("default", "yarn")
 
 #: Every family mrl converts, looked up by architecture first, then by model type.
-FAMILIES: tuple[Family, ...] = (llama.FAMILY, qwen2.FAMILY, qwen3.FAMILY, qwen3_moe.FAMILY, deepseek_v3.FAMILY)
+FAMILIES: tuple[Family, ...] = (llama.FAMILY, qwen2.FAMILY, qwen3.FAMILY, qwen3_moe.FAMILY, qwen2_moe.FAMILY,
+                                deepseek_v3.FAMILY)
 
 
 def supported_families() -> tuple[str, ...]:

@@ -215,6 +215,7 @@ def _moe_kwargs(dims: ModelDims) -> dict[str, Any]:
         kwargs.update(moe_router_num_groups=moe.num_groups, moe_router_group_topk=moe.group_topk)
     if moe.shared_ffn_hidden_size:
         kwargs["moe_shared_expert_intermediate_size"] = moe.shared_ffn_hidden_size
+        kwargs["moe_shared_expert_gate"] = moe.shared_expert_gate  # Qwen2-MoE: sigmoid(x . w) * shared(x)
     return kwargs
 
 

@@ -19,7 +19,7 @@ import torch
 
 from mrl.data.tokenizers import build_tokenizer
 
-SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3")
+SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "deepseek_v3")
 
 #: Family settings of the tiny MoE models (any of them can be overridden). The experts are small and few; DeepSeek-V3
 #: keeps its structure: a dense first layer, 2 groups of experts with top-1 group routing (top-2 experts, so a group
@@ -28,6 +28,8 @@ SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3")
 MOE_DEFAULTS: dict[str, dict[str, Any]] = {
     "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
                       decoder_sparse_step=1, mlp_only_layers=[]),
+    "qwen2_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                      norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[]),
     "deepseek_v3": dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
                         n_group=2, topk_group=1, first_k_dense_replace=1, routed_scaling_factor=2.5,
                         norm_topk_prob=True, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,

@@ -267,7 +267,7 @@ def test_parallel_layouts_match_single_process(model_dir, references, layout):
     assert diffs["weights"] <= 1e-5, diffs
 
 
-@pytest.fixture(scope="module", params=["qwen3_moe", "deepseek_v3"])
+@pytest.fixture(scope="module", params=["qwen3_moe", "qwen2_moe", "deepseek_v3"])
 def moe_family(request, tmp_path_factory):
     """A tiny checkpoint of the family and its single-process result."""
     path = str(build_tiny_hf_model(tmp_path_factory.mktemp(request.param), request.param, layers=2, seed=5))

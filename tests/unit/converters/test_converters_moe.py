@@ -1,4 +1,4 @@
-"""Qwen3-MoE and DeepSeek-V3 (MLA) converters: bit-exact round trips in every TP x EP split, HF's fused in-memory
+"""Qwen3-MoE, Qwen2-MoE (a gated shared expert) and DeepSeek-V3 (MLA) converters: bit-exact round trips in every TP x EP split, HF's fused in-memory
 experts, the MTP layer of real checkpoints, what Megatron cannot represent, and the published configs' sizes.
 
 The HF side is transformers itself (tiny random models saved with save_pretrained); the published configs are
@@ -19,7 +19,7 @@ from converters.hf_io import load_hf_config, load_hf_state
 from mrl.testing.tiny_models import build_tiny_hf_model
 
 CONFIGS = Path(__file__).parents[2] / "fixtures" / "hf_configs"
-FAMILIES = {"qwen3_moe": {}, "deepseek_v3": {}, "deepseek_v3-no-q-lora": {"q_lora_rank": None}}
+FAMILIES = {"qwen3_moe": {}, "qwen2_moe": {}, "deepseek_v3": {}, "deepseek_v3-no-q-lora": {"q_lora_rank": None}}
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))

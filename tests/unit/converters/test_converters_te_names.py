@@ -21,13 +21,14 @@ from converters.layers import TE_RENAMES, layer_rules, te_renames
 from mrl.testing.tiny_models import build_tiny_hf_model
 
 #: Every family and structure mrl converts: dense GQA (Llama), with a QKV bias (Qwen2), with q/k norms (Qwen3),
-#: MoE without shared experts (Qwen3-MoE), MLA with a q LoRA, a dense first layer, shared experts and an expert bias
+#: MoE without shared experts (Qwen3-MoE), with a gated shared expert (Qwen2-MoE), MLA with a q LoRA, a dense first layer, shared experts and an expert bias
 #: (DeepSeek-V3), and MLA without a q LoRA (linear_q_proj).
 FAMILIES = {
     "llama": ("llama", dict(num_kv_heads=2)),
     "qwen2": ("qwen2", dict(num_kv_heads=2)),
     "qwen3": ("qwen3", dict(num_kv_heads=2)),
     "qwen3_moe": ("qwen3_moe", dict(num_kv_heads=2, num_experts=4)),
+    "qwen2_moe": ("qwen2_moe", dict(num_kv_heads=2, num_experts=4)),
     "deepseek_v3": ("deepseek_v3", dict(n_routed_experts=4)),
     "deepseek_v3-no-q-lora": ("deepseek_v3", dict(n_routed_experts=4, q_lora_rank=None)),
 }
@@ -99,6 +100,8 @@ def _mlp_names(spec, config, prefix: str) -> list[str]:
         names += _mlp_names(experts, config, f"{prefix}experts.local_experts.{e}.")
     if config.moe_shared_expert_intermediate_size:
         names += _mlp_names(spec.submodules.shared_experts, config, prefix + "shared_experts.")
+        if config.moe_shared_expert_gate:  # transformer/moe/shared_experts.py L54-57: a Parameter of the module
+            names.append(prefix + "shared_experts.gate_weight")
     return names
 
 
