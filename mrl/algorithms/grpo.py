@@ -16,7 +16,9 @@ samples come from the policy one update older than pi_old (generation overlaps t
 the loss's importance weights pi_old / pi_engine correct for it (loss.importance_sampling, required then).
 Validation (before the first step, every grpo.val_every steps and after the last) samples the held-out problems
 with the eval settings; a run without validation data skips it and says so once. An update whose loss or gradients
-are not finite is skipped, and so is the refit after a step of only such updates (mrl/algorithms/guards.py).
+are not finite is skipped, and so is the refit after a step of only such updates (mrl/algorithms/guards.py). A
+step that could learn nothing (every prompt too long, every group's rewards equal, no sample kept) warns with the
+cause and the fix; grpo.max_idle_steps such steps in a row stop the run, exit 2 (mrl/algorithms/health.py).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from mrl.algorithms.agent import agent_rollouts, validate_episodes
 from mrl.algorithms.ahead import RolloutsAhead
 from mrl.algorithms.evaluate import validate, write_samples
 from mrl.algorithms.guards import NonFiniteGuard
+from mrl.algorithms.health import IdleGuard, health_metrics, step_causes
 from mrl.algorithms.interfaces import LoopCheckpoints, Workers
 from mrl.algorithms.rollout import Rollouts, generate_and_score
 from mrl.config.schema import MrlConfig
@@ -94,6 +97,7 @@ def produce_rollouts(cfg: MrlConfig, workers: Workers, env: Environment, data: T
             rollouts = generate_and_score(workers.engine, env, workers.tokenizer, problems, prompts, sampling)
         workers.engine.finish_generation(refit_follows=True)  # ... and releases it while the policy trains
     rollouts.policy_version = policy_version
+    m["train/prompt_tokens_max"] = float(max((len(p) for p in prompts), default=0))
     return rollouts, m
 
 
@@ -114,6 +118,7 @@ def learn(cfg: MrlConfig, workers: Workers, rollouts: Rollouts, step: int, loss_
         keep &= rollouts.loss_mask.sum(dim=1) > 0
         batch = training_rows(rollouts, advantages, keep, workers.policy.data_parallel_size)
     m.update(_rollout_metrics(rollouts, keep))
+    m.update(health_metrics(rollouts, grouped))
     m["train/staleness"] = float(step - 1 - rollouts.policy_version)  # updates between generating and training
     if not bool(keep.any()):  # nothing to learn from (every group uniform, or every sample lost): no update
         return m
@@ -209,6 +214,7 @@ def grpo_train(cfg: MrlConfig, workers: Workers, env: Environment, data: TaskDat
         ahead.load_state_dict(state.get("in_flight"))
     final: dict[str, float] = {}
     guard = NonFiniteGuard(cfg.policy.max_nonfinite_steps)
+    idle = IdleGuard(cfg.grpo.max_idle_steps)
     try:
         for step in range(start + 1, last + 1):
             t0 = time.perf_counter()
@@ -221,6 +227,7 @@ def grpo_train(cfg: MrlConfig, workers: Workers, env: Environment, data: TaskDat
                 ahead.start(step + 1, next(loader), policy_version=step - 1)
             metrics.update(learn(cfg, workers, rollouts, step, loss_fn, logger))  # ... while this step trains
             skipped = guard.observe(step, metrics)  # a non-finite step changed no weight: nothing to refit
+            idle.observe(step, step_causes(cfg, metrics, rollouts, int(metrics.get("train/prompt_tokens_max", 0))))
             if ahead is None and not skipped:
                 metrics.update(refit_engine(workers, logger))
             if done or (cfg.grpo.val_every and step % cfg.grpo.val_every == 0):
@@ -232,6 +239,7 @@ def grpo_train(cfg: MrlConfig, workers: Workers, env: Environment, data: TaskDat
             logger.log(metrics, step=step)
             final = metrics
             guard.stop_if_exhausted()
+            idle.stop_if_exhausted()  # before the save: an idle step's checkpoint would only renumber the start
             if ckpt.due(step, last, final=done):
                 in_flight = ahead.state_dict() if ahead is not None else None
                 ckpt.save(step, {"dataloader": loader.state_dict(), "in_flight": in_flight}, metrics)

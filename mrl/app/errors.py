@@ -2,7 +2,8 @@
 
     0  done, or pre-empted (`Preempted`: a SIGTERM stopped a loop, which saved; re-running the command resumes)
     1  a file or checkpoint the user named cannot be used
-    2  configuration error (CONFIG_ERROR_EXIT_CODE)
+    2  configuration error (CONFIG_ERROR_EXIT_CODE), or a GRPO run that trained on nothing for grpo.max_idle_steps
+       steps in a row (mrl.algorithms.health.IdleTraining): change the settings or the data
     3  non-finite loss or gradients on policy.max_nonfinite_steps steps in a row (mrl.algorithms.guards.NonFiniteTraining): change the settings, then re-running resumes
     4  a worker died or raised (RunFailed): re-running the command resumes
 """

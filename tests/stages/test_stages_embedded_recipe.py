@@ -50,6 +50,11 @@ def test_staged_recipe_runs_every_stage_and_hands_checkpoints_on(staged):
     assert (staged / "reward_curve.png").stat().st_size > 1000
     rewards = [grpo[s]["train/reward"] for s in range(1, 5)]
     assert 0 < sum(rewards) / 4 < 1  # a partly right policy: the groups carry signal
+    # a healthy run: no step warned that it could learn nothing (mrl/algorithms/health.py)
+    assert not re.search(r"\[mrl\] step \d+: (every |no sample|the reward could not)",
+                         (staged / "console.txt").read_text())
+    assert all(grpo[s]["train/zero_variance_groups"] < 1 and grpo[s]["train/prompts_rejected_fraction"] == 0
+               for s in range(1, 5))
     # colocated: the engine started and went to sleep before the policy built its model (measured in the workers)
     asleep, built = map(float, re.search(r"colocated start-up: engine up and asleep at \+([\d.]+) s, policy built "
                                          r"from \+([\d.]+) s", (staged / "console.txt").read_text()).groups())

@@ -1,0 +1,134 @@
+"""Run health of a GRPO step: what the step could learn from, a warning naming the cause and the fix when a step
+could learn nothing, and a stop when that goes on.
+
+Figures, from what the step already has (added to its metrics):
+    train/prompts_rejected_fraction   prompts dropped for length (generation.overlong_prompt: reject) / prompts
+    train/zero_variance_groups        groups whose rewards are all equal (zero advantage: no signal) / groups
+    train/reward_error_fraction       samples whose answer the reward could not read / samples
+    train/truncated_fraction          responses cut at generation.max_new_tokens (logged by the loop already)
+    train/kept_samples                samples trained on (logged by the loop already)
+Each condition that holds for the whole step is a warning with its figures and the keys that change it. A step
+that trained on nothing (no sample kept, or every group's rewards equal with no KL term: every advantage is 0, so
+the update is exactly 0) is idle; `grpo.max_idle_steps` idle steps in a row end the run with `IdleTraining`
+(exit 2, mrl.cli) before it saves: a checkpoint would differ from the start only in its step number.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+#: Exit status of a run stopped by `IdleTraining` (mrl.cli): the configuration or the data cannot train.
+IDLE_EXIT_CODE = 2
+
+
+class IdleTraining(RuntimeError):
+    """`grpo.max_idle_steps` steps in a row trained on nothing; the message names the cause and the fix."""
+
+
+def prompt_token_limit(cfg: Any) -> int:
+    """The longest prompt the engine takes whole: its context (generation.vllm.max_model_len, else
+    policy.max_total_sequence_length) less generation.max_new_tokens."""
+    gen = cfg.generation
+    context = (gen.vllm.max_model_len if gen.backend == "vllm" else None) or cfg.policy.max_total_sequence_length
+    return context - gen.max_new_tokens
+
+
+def health_metrics(rollouts: Any, grouped_rewards: torch.Tensor) -> dict[str, float]:
+    """The step's health figures (module docstring) from its rollouts and its rewards [prompts, group] (a tensor:
+    this module imports no torch, the command line imports it)."""
+    prompts = max(len(grouped_rewards), 1)
+    samples = max(int(rollouts.rewards.numel()), 1)
+    uniform = 1.0  # no group at all: nothing to learn from either
+    if grouped_rewards.numel():
+        uniform = float((grouped_rewards.amax(dim=1) == grouped_rewards.amin(dim=1)).float().mean())
+    return {"train/prompts_rejected_fraction": rollouts.num_prompts_rejected / prompts,
+            "train/zero_variance_groups": uniform, "train/reward_error_fraction": rollouts.num_reward_errors / samples}
+
+
+@dataclass(frozen=True)
+class Cause:
+    """One condition that held for a whole step."""
+
+    name: str
+    message: str
+    idle: bool  # the step trained on nothing because of it
+
+
+def step_causes(cfg: Any, metrics: dict[str, float], rollouts: Any, longest_prompt: int) -> list[Cause]:
+    """The conditions that held for the whole step, each with its figures and its fix."""
+    causes = []
+    kl = cfg.loss.kl_beta > 0
+    if metrics["train/prompts_rejected_fraction"] >= 1.0:
+        limit = prompt_token_limit(cfg)
+        causes.append(Cause("prompts too long", (
+            f"every prompt of the step was rejected for length: the longest has {longest_prompt} tokens, and a prompt "
+            f"may take {limit} (the engine's context {limit + cfg.generation.max_new_tokens} less "
+            f"generation.max_new_tokens={cfg.generation.max_new_tokens}). Fix: raise "
+            "policy.max_total_sequence_length (and generation.vllm.max_model_len when set), lower "
+            "generation.max_new_tokens, shorten data.instruction or the prompts, or set "
+            "generation.overlong_prompt=truncate"), idle=True))
+    elif metrics["train/zero_variance_groups"] >= 1.0:
+        seen = sorted({round(float(r), 4) for r in rollouts.rewards.tolist()})
+        causes.append(Cause("equal rewards", (
+            f"every group's rewards were equal (rewards seen: {_few(seen)}): every advantage is 0, so the step "
+            + ("learns only from the KL term" if kl else "changes nothing") + ". All 0: the model never answers "
+            "right (start from a stronger or SFT-warmed model, easier data, or check that the reward can read its "
+            "answers); all 1: it always does (harder data). More samples per prompt "
+            f"(grpo.num_generations_per_prompt={cfg.grpo.num_generations_per_prompt}) make a differing one likelier"),
+            idle=not kl))
+    elif metrics.get("train/kept_samples", 1.0) == 0:
+        causes.append(Cause("no samples", "no sample of the step was kept for training (every response empty, or "
+                            "every group dropped by grpo.dynamic_sampling)", idle=True))
+    if metrics.get("train/truncated_fraction", 0.0) >= 1.0:
+        causes.append(Cause("responses cut", (
+            f"every response was cut at generation.max_new_tokens={cfg.generation.max_new_tokens} before it ended: "
+            "raise generation.max_new_tokens (and policy.max_total_sequence_length with it), or ask for shorter "
+            "answers in data.instruction"), idle=False))
+    if metrics["train/reward_error_fraction"] >= 1.0:
+        causes.append(Cause("unreadable answers", (
+            f"the reward could not read an answer in any response, e.g. {_excerpt(rollouts)}: check the answer "
+            "format data.instruction asks for against the one env reads (for math: the last \\boxed{...})"),
+            idle=False))
+    return causes
+
+
+def _few(values: list[float]) -> str:
+    return ", ".join(f"{v:g}" for v in values[:5]) + (", ..." if len(values) > 5 else "")
+
+
+def _excerpt(rollouts: Any) -> str:
+    text = next((r for r in rollouts.responses if r), "")
+    return repr(text[:120] + ("..." if len(text) > 120 else "")) if text else "an empty response"
+
+
+@dataclass
+class IdleGuard:
+    """Warns once per step for each cause (`observe`) and stops the run at `limit` idle steps in a row (0: never)."""
+
+    limit: int
+    in_a_row: list[int] = field(default_factory=list)
+    _causes: list[Cause] = field(default_factory=list)
+
+    def observe(self, step: int, causes: list[Cause]) -> bool:
+        """Print each cause of step `step`; whether the step was idle."""
+        for cause in causes:
+            print(f"[mrl] step {step}: {cause.message}", file=sys.stderr, flush=True)
+        idle = any(c.idle for c in causes)
+        self.in_a_row = [*self.in_a_row, step] if idle else []
+        self._causes = [c for c in causes if c.idle]
+        return idle
+
+    def stop_if_exhausted(self) -> None:
+        """Raise `IdleTraining` when the last `limit` steps were all idle (before the loop saves)."""
+        if self.limit and len(self.in_a_row) >= self.limit:
+            first, last = self.in_a_row[0], self.in_a_row[-1]
+            raise IdleTraining(
+                f"steps {first}..{last} trained on nothing ({len(self.in_a_row)} in a row; grpo.max_idle_steps="
+                f"{self.limit}): {self._causes[0].message}. Nothing was saved from these steps; "
+                "grpo.max_idle_steps=0 lets such a run go on")
+
