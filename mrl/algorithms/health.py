@@ -129,6 +129,6 @@ class IdleGuard:
             first, last = self.in_a_row[0], self.in_a_row[-1]
             raise IdleTraining(
                 f"steps {first}..{last} trained on nothing ({len(self.in_a_row)} in a row; grpo.max_idle_steps="
-                f"{self.limit}): {self._causes[0].message}. Nothing was saved from these steps; "
+                f"{self.limit}): {self._causes[0].message}. The run stopped before saving step {last}; "
                 "grpo.max_idle_steps=0 lets such a run go on")
 
