@@ -19,11 +19,14 @@ import sys
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from mrl.config.errors import CONFIG_ERROR_EXIT_CODE
+
 if TYPE_CHECKING:
     import torch
 
-#: Exit status of a run stopped by `IdleTraining` (mrl.cli): the configuration or the data cannot train.
-IDLE_EXIT_CODE = 2
+#: Exit status of a run stopped by `IdleTraining` (mrl.cli): the configuration's, since the settings or the data
+#: cannot train.
+IDLE_EXIT_CODE = CONFIG_ERROR_EXIT_CODE
 
 
 class IdleTraining(RuntimeError):
@@ -31,11 +34,12 @@ class IdleTraining(RuntimeError):
 
 
 def prompt_token_limit(cfg: Any) -> int:
-    """The longest prompt the engine takes whole: its context (generation.vllm.max_model_len, else
-    policy.max_total_sequence_length) less generation.max_new_tokens."""
-    gen = cfg.generation
-    context = (gen.vllm.max_model_len if gen.backend == "vllm" else None) or cfg.policy.max_total_sequence_length
-    return context - gen.max_new_tokens
+    """The longest prompt the engine takes whole (what its `fit_prompts` applies): its context less
+    generation.max_new_tokens."""
+    from mrl.inference.factory import engine_context_length
+    from mrl.inference.prompt_limits import max_prompt_tokens
+
+    return max_prompt_tokens(engine_context_length(cfg), cfg.generation.max_new_tokens)
 
 
 def health_metrics(rollouts: Any, grouped_rewards: torch.Tensor) -> dict[str, float]:
@@ -59,9 +63,10 @@ class Cause:
     idle: bool  # the step trained on nothing because of it
 
 
-def step_causes(cfg: Any, metrics: dict[str, float], rollouts: Any, longest_prompt: int) -> list[Cause]:
+def step_causes(cfg: Any, metrics: dict[str, float], rollouts: Any) -> list[Cause]:
     """The conditions that held for the whole step, each with its figures and its fix."""
     causes = []
+    longest_prompt = int(metrics.get("train/prompt_tokens_max", 0))
     kl = cfg.loss.kl_beta > 0
     if metrics["train/prompts_rejected_fraction"] >= 1.0:
         limit = prompt_token_limit(cfg)
@@ -114,14 +119,12 @@ class IdleGuard:
     in_a_row: list[int] = field(default_factory=list)
     _causes: list[Cause] = field(default_factory=list)
 
-    def observe(self, step: int, causes: list[Cause]) -> bool:
-        """Print each cause of step `step`; whether the step was idle."""
+    def observe(self, step: int, causes: list[Cause]) -> None:
+        """Print each cause of step `step`; count it when it left the step idle."""
         for cause in causes:
             print(f"[mrl] step {step}: {cause.message}", file=sys.stderr, flush=True)
-        idle = any(c.idle for c in causes)
-        self.in_a_row = [*self.in_a_row, step] if idle else []
         self._causes = [c for c in causes if c.idle]
-        return idle
+        self.in_a_row = [*self.in_a_row, step] if self._causes else []
 
     def stop_if_exhausted(self) -> None:
         """Raise `IdleTraining` when the last `limit` steps were all idle (before the loop saves)."""

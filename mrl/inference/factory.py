@@ -124,7 +124,7 @@ def vllm_engine_config(cfg: "MrlConfig", model_path: str, *, load_weights: bool 
         model_path=model_path,
         load_weights=load_weights,
         tensor_parallel_size=gen.vllm.tensor_parallel_size,
-        max_model_len=gen.vllm.max_model_len or cfg.policy.max_total_sequence_length,
+        max_model_len=_vllm_context_length(cfg),
         dtype=cfg.policy.precision,
         seed=cfg.run.seed,
         enforce_eager=gen.vllm.enforce_eager,
@@ -164,6 +164,18 @@ def build_vllm_engines(cfg: "MrlConfig", model_path: str, placement: Any, *, col
         omp_num_threads=threads,
         busy_per_node=busy_per_node,
     )
+
+
+def _vllm_context_length(cfg: "MrlConfig") -> int:
+    return cfg.generation.vllm.max_model_len or cfg.policy.max_total_sequence_length
+
+
+def engine_context_length(cfg: "MrlConfig") -> int:
+    """The configured rollout engine's context in tokens (prompt + response): vLLM's generation.vllm.max_model_len
+    when set, else (and always for the Megatron engine) policy.max_total_sequence_length."""
+    if cfg.generation.backend == "vllm":
+        return _vllm_context_length(cfg)
+    return cfg.policy.max_total_sequence_length
 
 
 def megatron_engine_config(cfg: "MrlConfig", model_path: str, *, load_weights: bool = True) -> "MegatronEngineConfig":

@@ -109,12 +109,11 @@ def local_count(mask: torch.Tensor, level: Level) -> float:
     return float((mask.float().sum(dim=1) > 0).sum())
 
 
-def _policy_gradient_terms(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
-                           clip_low: float, clip_high: float,
-                           dual_clip: Optional[float]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token clipped surrogate loss and the 'ratio outside the clip range' flags, both [b, T].
-    advantages: [b] (broadcast over tokens) or [b, T]."""
-    return _clipped_surrogate(torch.exp(logprobs - old_logprobs), advantages, clip_low, clip_high, dual_clip)
+def sequence_log_ratio_sums(logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """[b] sum over each row's valid tokens of (lp - old), no gradient: GSPO's sequence log-ratio (the train step
+    all-reduces it over the CP group when a rank holds part of each sequence)."""
+    with torch.no_grad():
+        return zero_masked(logprobs.float() - old_logprobs.float(), mask.bool()).sum(dim=1)
 
 
 def sequence_ratios(logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: torch.Tensor,
@@ -124,7 +123,7 @@ def sequence_ratios(logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: to
     token ratios. The whole sequence's log-ratio sum and token count come from the batch under CP, else from
     these rows."""
     if seq_log_ratio_sum is None:
-        seq_log_ratio_sum = zero_masked((logprobs - old_logprobs).detach(), mask).sum(dim=1)
+        seq_log_ratio_sum = sequence_log_ratio_sums(logprobs, old_logprobs, mask)
     count = mask.float().sum(dim=1) if seq_num_tokens is None else seq_num_tokens.float()
     mean = (seq_log_ratio_sum.detach().to(logprobs.dtype) / count.to(logprobs.dtype).clamp(min=1)).clamp(
         -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
@@ -133,6 +132,8 @@ def sequence_ratios(logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: to
 
 def _clipped_surrogate(ratio: torch.Tensor, advantages: torch.Tensor, clip_low: float, clip_high: float,
                        dual_clip: Optional[float]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token clipped surrogate loss and the 'ratio outside the clip range' flags, both [b, T].
+    advantages: [b] (broadcast over tokens) or [b, T]."""
     adv = advantages.float().unsqueeze(1) if advantages.dim() == 1 else advantages.float()
     clipped_ratio = ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
     loss = -torch.minimum(ratio * adv, clipped_ratio * adv)
@@ -156,8 +157,8 @@ def clipped_pg_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantag
     advantages [B] or [B, T]; is_weights [B, T] (no gradient) multiply each token's loss.
     level "token": mean over all valid tokens; "sequence": mean over tokens within a sequence, then over sequences."""
     mask = mask.bool()
-    loss, _ = _policy_gradient_terms(zero_masked(logprobs, mask), zero_masked(old_logprobs, mask), advantages,
-                                     clip_low, clip_high, dual_clip)
+    ratio = torch.exp(zero_masked(logprobs, mask) - zero_masked(old_logprobs, mask))
+    loss, _ = _clipped_surrogate(ratio, advantages, clip_low, clip_high, dual_clip)
     if is_weights is not None:
         loss = loss * is_weights.detach()
     weights = token_weights(mask, level, local_count(mask, level))

@@ -51,7 +51,7 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 
 from mrl.data.packing import MicroBatchPlan, dynamic_batches, local_token_positions, pack_sequences
-from mrl.objectives.loss import LOSS_MASK, PREV_LOGPROBS, SEQ_LOG_RATIO_SUM, TOKEN_ENTROPY
+from mrl.objectives.loss import LOSS_MASK, PREV_LOGPROBS, SEQ_LOG_RATIO_SUM, TOKEN_ENTROPY, sequence_log_ratio_sums
 from mrl.parallel import collectives
 from mrl.parallel.layout import length_multiple, micro_batching_violations
 from mrl.policy.interface import PolicyLoss, RankBatch
@@ -126,10 +126,7 @@ def _whole_sequence_log_ratio(logprobs: torch.Tensor, inputs: dict, ctx: StepCon
     """[b] sum over each whole sequence's loss tokens of (logprob - prev_logprob), no gradient. Sharding contract:
     under CP each rank's rows hold its chunks of the same sequences, in the same order on every CP rank (padded and
     packed micro-batches alike), so one all-reduce over the CP group sums each sequence's chunks."""
-    with torch.no_grad():
-        old = inputs.get(PREV_LOGPROBS, logprobs)
-        mask = inputs[LOSS_MASK].bool()
-        local = torch.where(mask, logprobs.float() - old.float(), torch.zeros((), device=logprobs.device)).sum(dim=1)
+    local = sequence_log_ratio_sums(logprobs, inputs.get(PREV_LOGPROBS, logprobs), inputs[LOSS_MASK])
     collectives.all_reduce(local, group=ctx.cp_group)
     return local
 

@@ -35,8 +35,8 @@ def test_every_prompt_too_long_names_the_longest_the_limit_and_the_keys():
     cfg = config()
     assert prompt_token_limit(cfg) == 28  # 32 - 4 (generation.vllm.max_model_len unset)
     r = rollouts([[0.0, 0.0], [0.0, 0.0]], rejected=2)
-    metrics = {**health_metrics(r, r.rewards.view(2, 2)), "train/kept_samples": 0.0}
-    (cause,) = step_causes(cfg, metrics, r, longest_prompt=41)
+    metrics = {**health_metrics(r, r.rewards.view(2, 2)), "train/kept_samples": 0.0, "train/prompt_tokens_max": 41.0}
+    (cause,) = step_causes(cfg, metrics, r)
     assert cause.idle and "longest has 41 tokens" in cause.message and "may take 28" in cause.message
     assert "policy.max_total_sequence_length" in cause.message and "generation.overlong_prompt=truncate" in cause.message
 
@@ -44,17 +44,17 @@ def test_every_prompt_too_long_names_the_longest_the_limit_and_the_keys():
 def test_equal_rewards_are_idle_without_kl_and_name_the_rewards_seen():
     r = rollouts([[0.0, 0.0], [0.0, 0.0]])
     metrics = {**health_metrics(r, r.rewards.view(2, 2)), "train/kept_samples": 4.0}
-    (cause,) = step_causes(config(), metrics, r, longest_prompt=5)
+    (cause,) = step_causes(config(), metrics, r)
     assert cause.idle and "rewards seen: 0" in cause.message and "never answers right" in cause.message
     with_kl = MrlConfig.model_validate({"loss": {"kl_beta": 0.1}})
-    (cause,) = step_causes(with_kl, metrics, r, longest_prompt=5)
+    (cause,) = step_causes(with_kl, metrics, r)
     assert not cause.idle and "only from the KL term" in cause.message
 
 
 def test_cut_responses_and_unreadable_answers_warn_but_are_not_idle():
     r = rollouts([[0.0, 1.0]], errors=2, responses=["the answer is seven", "7"])
     metrics = {**health_metrics(r, r.rewards.view(1, 2)), "train/kept_samples": 2.0, "train/truncated_fraction": 1.0}
-    causes = step_causes(config(), metrics, r, longest_prompt=5)
+    causes = step_causes(config(), metrics, r)
     assert [c.name for c in causes] == ["responses cut", "unreadable answers"] and not any(c.idle for c in causes)
     assert "generation.max_new_tokens=4" in causes[0].message and "'the answer is seven'" in causes[1].message
 
@@ -62,12 +62,12 @@ def test_cut_responses_and_unreadable_answers_warn_but_are_not_idle():
 def test_a_healthy_step_has_no_cause():
     r = rollouts([[0.0, 1.0], [1.0, 0.5]])
     metrics = {**health_metrics(r, r.rewards.view(2, 2)), "train/kept_samples": 4.0, "train/truncated_fraction": 0.5}
-    assert step_causes(config(), metrics, r, longest_prompt=5) == []
+    assert step_causes(config(), metrics, r) == []
 
 
 def test_the_guard_stops_at_the_limit_in_a_row_and_a_healthy_step_resets_it(capsys):
     r = rollouts([[0.0, 0.0]])
-    idle = step_causes(config(), {**health_metrics(r, r.rewards.view(1, 2)), "train/kept_samples": 2.0}, r, 5)
+    idle = step_causes(config(), {**health_metrics(r, r.rewards.view(1, 2)), "train/kept_samples": 2.0}, r)
     guard = IdleGuard(limit=3)
     for step, causes in enumerate([idle, idle, [], idle, idle], start=1):
         guard.observe(step, causes)
