@@ -54,7 +54,8 @@ class Evaluation:
 def evaluate(engine: GenerationBackend, env: Environment, tokenizer: "PreTrainedTokenizerBase",
              problems: Sequence[Problem], prompt_ids: Sequence[Sequence[int]], sampling: SamplingConfig,
              pass_k: Sequence[int]) -> Evaluation:
-    """`val/accuracy`, `val/response_length` and `val/pass@k` for each k, with every sample."""
+    """`val/accuracy`, `val/response_length`, `val/pass@k` for each k, and the held-out health (responses cut at
+    max_new_tokens, answers the reward could not read), with every sample."""
     problem = pass_k_problem(pass_k, sampling.n)
     if problem:
         raise ValueError(f"eval.pass_k: {problem}; raise eval.num_samples or lower k")
@@ -62,7 +63,9 @@ def evaluate(engine: GenerationBackend, env: Environment, tokenizer: "PreTrained
     rollouts = generate_and_score(engine, env, tokenizer, problems, prompt_ids, sampling)
     correct = (rollouts.rewards > 0.5).view(len(prompt_ids), sampling.n).sum(dim=1).tolist()
     metrics = {"val/accuracy": float(rollouts.rewards.mean()),
-               "val/response_length": float(rollouts.response_lengths.float().mean())}
+               "val/response_length": float(rollouts.response_lengths.float().mean()),
+               "val/truncated_fraction": float(rollouts.truncated.float().mean()),
+               "val/reward_error_fraction": rollouts.num_reward_errors / max(len(rollouts.responses), 1)}
     for k in pass_k:
         metrics[f"val/pass@{k}"] = sum(pass_at_k(sampling.n, c, k) for c in correct) / len(correct)
     prompts = [tokenizer.decode(list(ids), skip_special_tokens=False) for ids in prompt_ids]

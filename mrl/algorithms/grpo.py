@@ -227,7 +227,10 @@ def grpo_train(cfg: MrlConfig, workers: Workers, env: Environment, data: TaskDat
                 ahead.start(step + 1, next(loader), policy_version=step - 1)
             metrics.update(learn(cfg, workers, rollouts, step, loss_fn, logger))  # ... while this step trains
             skipped = guard.observe(step, metrics)  # a non-finite step changed no weight: nothing to refit
-            idle.observe(step, step_causes(cfg, metrics, rollouts))
+            causes = step_causes(cfg, metrics, rollouts)
+            idle.observe(step, causes)
+            metrics["train/health_warnings"] = float(len(causes))
+            metrics["train/idle"] = float(any(cause.idle for cause in causes))
             if ahead is None and not skipped:
                 metrics.update(refit_engine(workers, logger))
             if done or (cfg.grpo.val_every and step % cfg.grpo.val_every == 0):

@@ -7,6 +7,8 @@ Figures, from what the step already has (added to its metrics):
     train/reward_error_fraction       samples whose answer the reward could not read / samples
     train/truncated_fraction          responses cut at generation.max_new_tokens (logged by the loop already)
     train/kept_samples                samples trained on (logged by the loop already)
+    train/health_warnings             conditions below that held for the whole step
+    train/idle                        1 when the step trained on nothing
 Each condition that holds for the whole step is a warning with its figures and the keys that change it. A step
 that trained on nothing (no sample kept, or every group's rewards equal with no KL term: every advantage is 0, so
 the update is exactly 0) is idle; `grpo.max_idle_steps` idle steps in a row end the run with `IdleTraining`
@@ -17,9 +19,9 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Sequence
 
-from mrl.config.errors import CONFIG_ERROR_EXIT_CODE
+from mrl.config.errors import CONFIG_ERROR_EXIT_CODE, ConfigError
 
 if TYPE_CHECKING:
     import torch
@@ -40,6 +42,43 @@ def prompt_token_limit(cfg: Any) -> int:
     from mrl.inference.prompt_limits import max_prompt_tokens
 
     return max_prompt_tokens(engine_context_length(cfg), cfg.generation.max_new_tokens)
+
+
+#: The keys that give a prompt more room.
+_LENGTH_FIX = ("raise policy.max_total_sequence_length (and generation.vllm.max_model_len when set), lower "
+               "generation.max_new_tokens")
+#: Training rows whose prompts are measured before any worker starts (`check_prompt_budget`).
+PREFLIGHT_ROWS = 64
+
+
+def prompt_budget(cfg: Any) -> int:
+    """Tokens a prompt may take whole: the engine's limit (`prompt_token_limit`), and data.max_prompt_length."""
+    limit = prompt_token_limit(cfg)
+    return min(limit, cfg.data.max_prompt_length) if cfg.data.max_prompt_length else limit
+
+
+def check_prompt_budget(cfg: Any, tokenizer: Any, template: Any, problems: Sequence[Any]) -> None:
+    """Before any worker starts: a `ConfigError` when the template and instruction alone exceed the prompt budget
+    (every prompt would, whatever its problem), or when every one of the first `PREFLIGHT_ROWS` training prompts does
+    (generation.overlong_prompt: reject would drop them all)."""
+    budget = prompt_budget(cfg)
+    keys = _LENGTH_FIX + (", raise data.max_prompt_length" if cfg.data.max_prompt_length else "")
+    bare = len(template.encode([""], tokenizer)[0][0])
+    if bare > budget:
+        raise ConfigError(
+            f"the prompt template and instruction alone take {bare} tokens, more than the {budget} a prompt may take",
+            key="data.instruction", given=template.instruction, allowed=f"a prompt of at most {budget} tokens",
+            fix=f"{keys}, or shorten data.instruction")
+    sample = list(problems[:PREFLIGHT_ROWS])
+    if cfg.generation.overlong_prompt != "reject" or not sample:
+        return
+    lengths = [len(ids) for ids in template.encode([p.problem for p in sample], tokenizer)[0]]
+    if min(lengths) > budget:
+        raise ConfigError(
+            f"all {len(sample)} of the first {len(sample)} training prompts exceed the {budget} tokens a prompt may "
+            f"take (shortest {min(lengths)}, longest {max(lengths)} tokens): generation.overlong_prompt=reject would "
+            "drop every one", key="generation.overlong_prompt", given="reject",
+            fix=f"{keys}, shorten data.instruction or the prompts, or set generation.overlong_prompt=truncate")
 
 
 def health_metrics(rollouts: Any, grouped_rewards: torch.Tensor) -> dict[str, float]:
@@ -73,19 +112,13 @@ def step_causes(cfg: Any, metrics: dict[str, float], rollouts: Any) -> list[Caus
         causes.append(Cause("prompts too long", (
             f"every prompt of the step was rejected for length: the longest has {longest_prompt} tokens, and a prompt "
             f"may take {limit} (the engine's context {limit + cfg.generation.max_new_tokens} less "
-            f"generation.max_new_tokens={cfg.generation.max_new_tokens}). Fix: raise "
-            "policy.max_total_sequence_length (and generation.vllm.max_model_len when set), lower "
-            "generation.max_new_tokens, shorten data.instruction or the prompts, or set "
-            "generation.overlong_prompt=truncate"), idle=True))
+            f"generation.max_new_tokens={cfg.generation.max_new_tokens}). Fix: {_LENGTH_FIX}, shorten "
+            "data.instruction or the prompts, or set generation.overlong_prompt=truncate"), idle=True))
     elif metrics["train/zero_variance_groups"] >= 1.0:
         seen = sorted({round(float(r), 4) for r in rollouts.rewards.tolist()})
-        causes.append(Cause("equal rewards", (
-            f"every group's rewards were equal (rewards seen: {_few(seen)}): every advantage is 0, so the step "
-            + ("learns only from the KL term" if kl else "changes nothing") + ". All 0: the model never answers "
-            "right (start from a stronger or SFT-warmed model, easier data, or check that the reward can read its "
-            "answers); all 1: it always does (harder data). More samples per prompt "
-            f"(grpo.num_generations_per_prompt={cfg.grpo.num_generations_per_prompt}) make a differing one likelier"),
-            idle=not kl))
+        effect = "learns only from the KL term" if kl else "changes nothing"
+        causes.append(Cause("equal rewards", f"every group's rewards were equal (rewards seen: {_few(seen)}): every "
+                            f"advantage is 0, so the step {effect}. {_equal_rewards_fix(cfg)}", idle=not kl))
     elif metrics.get("train/kept_samples", 1.0) == 0:
         causes.append(Cause("no samples", "no sample of the step was kept for training (every response empty, or "
                             "every group dropped by grpo.dynamic_sampling)", idle=True))
@@ -100,6 +133,16 @@ def step_causes(cfg: Any, metrics: dict[str, float], rollouts: Any) -> list[Caus
             "format data.instruction asks for against the one env reads (for math: the last \\boxed{...})"),
             idle=False))
     return causes
+
+
+def _equal_rewards_fix(cfg: Any) -> str:
+    size = cfg.grpo.num_generations_per_prompt
+    if size == 1:
+        return ("Every group is one sample (grpo.num_generations_per_prompt=1), whose advantage is always 0: set it "
+                "to 2 or more")
+    return ("All 0: the model never answers right (start from a stronger or SFT-warmed model, easier data, or check "
+            "that the reward can read its answers); all 1: it always does (harder data). More samples per prompt "
+            f"(grpo.num_generations_per_prompt={size}) make a differing one likelier")
 
 
 def _few(values: list[float]) -> str:
@@ -135,3 +178,34 @@ class IdleGuard:
                 f"{self.limit}): {self._causes[0].message}. The run stopped before saving step {last}; "
                 "grpo.max_idle_steps=0 lets such a run go on")
 
+
+#: The figures whose run means `health_summary` reports.
+_MEANS = ("prompts_rejected_fraction", "zero_variance_groups", "reward_error_fraction", "truncated_fraction")
+
+
+def health_summary(history: dict[str, list[tuple[int, float]]]) -> dict[str, Any]:
+    """The run's health for summary.json, from the logged history: steps that warned and steps that trained on
+    nothing, the run mean of each step figure, and the last held-out figures (None where never logged)."""
+    def values(name: str) -> list[float]:
+        return [value for _, value in history.get(name, [])]
+
+    def mean(name: str) -> float | None:
+        seen = values(name)
+        return sum(seen) / len(seen) if seen else None
+
+    summary: dict[str, Any] = {"steps_warned": sum(v > 0 for v in values("train/health_warnings")),
+                               "steps_idle": sum(v > 0 for v in values("train/idle"))}
+    summary.update({name: mean(f"train/{name}") for name in _MEANS})
+    summary.update({f"val_{name}": (values(f"val/{name}") or [None])[-1]
+                    for name in ("truncated_fraction", "reward_error_fraction")})
+    return summary
+
+
+def health_cell(summary: dict[str, Any]) -> str:
+    """The run's health in one table cell: "ok", or the steps that warned and those that trained on nothing."""
+    health = summary.get("health")
+    if health is None:
+        return "-"
+    if not health["steps_warned"]:
+        return "ok"
+    return f"{health['steps_warned']} warned, {health['steps_idle']} idle"

@@ -21,11 +21,12 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from mrl.algorithms.health import check_prompt_budget, health_summary
 from mrl.app.checkpointing import RunCheckpoints, resume_padded_vocab
 from mrl.app.errors import RunFailed, StorageFailed
 from mrl.app.hub_ids import resolve_hub_ids
 from mrl.app.model_source import ModelSource, classify_model_path
-from mrl.app.runtime import Runtime, start_runtime
+from mrl.app.runtime import Runtime, load_tokenizer, resolve_model, start_runtime
 from mrl.app.storage import storage_guard
 from mrl.config.errors import ConfigError
 from mrl.config.schema import MrlConfig
@@ -132,7 +133,7 @@ def _grpo_summary(history: dict, final: dict[str, float], seconds: float) -> dic
             "val_accuracy_before": accuracy[0] if accuracy else None,
             "val_accuracy_after": final.get("val/accuracy"),
             "token_mult_prob_error_max": max(_curve(history, "train/token_mult_prob_error"), default=None),
-            "final": final}
+            "health": health_summary(history), "final": final}
 
 
 def _grpo_environment(cfg: MrlConfig, runtime: Runtime, template: Any) -> Any:
@@ -154,9 +155,9 @@ def _grpo_environment(cfg: MrlConfig, runtime: Runtime, template: Any) -> Any:
 
 def _check_same_tokenizer(tokenizer: Any, reward_model: Path) -> None:
     """The reward model scores the policy's token ids: both must share one vocabulary."""
-    from mrl.data.tokenizers import load_tokenizer
+    from mrl.data.tokenizers import load_tokenizer as load_folder_tokenizer
 
-    if load_tokenizer(reward_model).get_vocab() != tokenizer.get_vocab():
+    if load_folder_tokenizer(reward_model).get_vocab() != tokenizer.get_vocab():
         raise ConfigError("the reward model's tokenizer differs from the policy's; it scores the policy's token ids",
                           key="env.reward_model.model", given=str(reward_model),
                           fix="train the reward model from the same base model (same tokenizer)")
@@ -168,8 +169,10 @@ def run_grpo(cfg: MrlConfig) -> dict[str, Any]:
 
     start = time.perf_counter()
     data = load_task_data(cfg, val_source=cfg.eval.data)
+    source = resolve_model(cfg)
+    check_prompt_budget(cfg, load_tokenizer(cfg, source), data.template, data.train)
     runtime = start_runtime(cfg, total_steps=cfg.grpo.max_num_steps, reference=cfg.loss.kl_beta > 0,
-                            padded_vocab=resume_padded_vocab(cfg))
+                            padded_vocab=resume_padded_vocab(cfg), source=source)
     try:
         env = _grpo_environment(cfg, runtime, data.template)
     except BaseException:
@@ -264,7 +267,6 @@ def run_rm(cfg: MrlConfig) -> dict[str, Any]:
     """`mrl rm`: a language model is first turned into a reward model (mrl/app/reward_model.py)."""
     from mrl.algorithms.rm import KEY_METRICS, rm_train
     from mrl.app.reward_model import reward_model_source
-    from mrl.app.runtime import load_tokenizer, resolve_model
 
     _check_pairs(cfg)  # before the reward model's folder is written
     lm = resolve_model(cfg)

@@ -23,6 +23,7 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
+from mrl.algorithms.health import health_cell
 from mrl.app.commands import DONE_MARKER, RUNNERS, SUMMARY_FILE, final_dir
 from mrl.config import load_config
 from mrl.config.errors import ConfigError
@@ -108,14 +109,16 @@ def _fmt(value: Any) -> str:
 
 def summary_table(summaries: dict[str, Any]) -> str:
     """One row per stage: algorithm, minutes, training reward first/last 10 steps, held-out accuracy (GRPO and
-    eval: answers right; DPO: preference accuracy; reward model: pair accuracy)."""
-    rows = [("stage", "algorithm", "time", "reward first10", "reward last10", "val acc before", "val acc after")]
+    eval: answers right; DPO: preference accuracy; reward model: pair accuracy), and GRPO's run health ("ok", or the
+    steps that warned and those that trained on nothing; mrl/algorithms/health.py)."""
+    rows = [("stage", "algorithm", "time", "reward first10", "reward last10", "val acc before", "val acc after",
+             "health")]
     for name, s in summaries.items():
         after = s.get("val_accuracy_after", s["final"].get("val/accuracy") if s["algorithm"] == "eval" else None)
         rows.append((name, s["algorithm"], f"{s['seconds'] / 60:.1f} min", _fmt(s.get("reward_first10")),
-                     _fmt(s.get("reward_last10")), _fmt(s.get("val_accuracy_before")), _fmt(after)))
+                     _fmt(s.get("reward_last10")), _fmt(s.get("val_accuracy_before")), _fmt(after), health_cell(s)))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)) for row in rows]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
 

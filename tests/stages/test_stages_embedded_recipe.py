@@ -55,6 +55,10 @@ def test_staged_recipe_runs_every_stage_and_hands_checkpoints_on(staged):
                          (staged / "console.txt").read_text())
     assert all(grpo[s]["train/zero_variance_groups"] < 1 and grpo[s]["train/prompts_rejected_fraction"] == 0
                for s in range(1, 5))
+    health = summary["grpo"]["health"]  # the run's health, held-out figures included, in summary.json and the table
+    assert health["steps_warned"] == health["steps_idle"] == 0 and health["zero_variance_groups"] < 1
+    assert 0 <= health["val_truncated_fraction"] < 1 and health["val_reward_error_fraction"] == 0
+    assert re.search(r"^grpo +grpo .* ok$", (staged / "console.txt").read_text(), re.MULTILINE)
     # colocated: the engine started and went to sleep before the policy built its model (measured in the workers)
     asleep, built = map(float, re.search(r"colocated start-up: engine up and asleep at \+([\d.]+) s, policy built "
                                          r"from \+([\d.]+) s", (staged / "console.txt").read_text()).groups())

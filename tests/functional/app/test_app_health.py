@@ -1,34 +1,70 @@
-"""A run that cannot learn says so, through the real command line (mrl/algorithms/health.py): every prompt longer
-than the engine's context leaves for it, on a 1-digit task from the random initial model.
+"""A run that cannot learn says so, through the real command line (mrl/algorithms/health.py).
 
-Checked: each step warns with the longest prompt, the limit and the keys that change them; the run stops with exit 2
-after grpo.max_idle_steps such steps, with that message and no traceback, and saves nothing from the idle steps;
-the step's health figures are in the metrics.
+Checked:
+- prompts that cannot fit (the configuration of a new user's first try: the default instruction with 28 tokens left
+  for the prompt; a task whose every prompt is longer than the engine leaves for it) stop the run with exit 2 and a
+  configuration error naming the figures and the keys, before any worker starts and with no traceback;
+- a run whose every step trains on nothing (groups of one sample: every advantage is 0) warns at each step, stops
+  with exit 2 after grpo.max_idle_steps such steps, with that message and no traceback, and saves nothing from the
+  idle step that stopped it; the step's health figures are in the metrics.
 """
 
 from __future__ import annotations
 
+import json
 import re
 
+from mrl.algorithms.health import PREFLIGHT_ROWS
 from mrl.testing.runs import RECIPE, SHORT_ARITH, metrics, mrl
 
 #: 8 tokens of context less 6 new ones: a prompt may take 2 tokens, and "3+4=" takes more.
 TOO_LONG = ("policy.max_total_sequence_length=8", "generation.max_new_tokens=6", "generation.vllm.max_model_len=8")
+#: One sample per prompt, so every group's rewards are equal whatever the model answers.
+GROUPS_OF_ONE = ("grpo.num_generations_per_prompt=1", "policy.train_global_batch_size=32",
+                 "policy.train_micro_batch_size=32")
 
 
-def test_every_prompt_too_long_warns_each_step_and_stops_with_exit_2(tmp_path):
-    proc = mrl("grpo", "--config", RECIPE, *SHORT_ARITH, *TOO_LONG, f"run.output_dir={tmp_path}",
+def stopped_at_start(proc) -> str:
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 2, out[-4000:]
+    assert "Traceback" not in out and "mrl: configuration error" in out, out[-4000:]
+    assert "[mrl] colocated start-up" not in out  # no worker started
+    return out
+
+
+def test_the_default_instruction_with_28_tokens_left_stops_before_any_worker_starts(tmp_path):
+    data = tmp_path / "math.jsonl"
+    data.write_text("".join(json.dumps({"problem": f"{a}+4=", "answer": str(a + 4)}) + "\n" for a in range(8)))
+    out = stopped_at_start(mrl("grpo", "--config", RECIPE, "data.arith=null", f"data.train={data}", "env.kind=math",
+                               "policy.max_total_sequence_length=32", "generation.max_new_tokens=4",
+                               "generation.vllm.max_model_len=32", f"run.output_dir={tmp_path / 'run'}"))
+    found = re.search(r"data.instruction: the prompt template and instruction alone take (\d+) tokens, more than "
+                      r"the 28 a prompt may take", out)
+    assert found and int(found.group(1)) > 28, out[-4000:]
+    assert "shorten data.instruction" in out and "policy.max_total_sequence_length" in out
+
+
+def test_a_task_whose_every_prompt_is_too_long_stops_before_any_worker_starts(tmp_path):
+    out = stopped_at_start(mrl("grpo", "--config", RECIPE, *SHORT_ARITH, *TOO_LONG, f"run.output_dir={tmp_path}"))
+    found = re.search(rf"all {PREFLIGHT_ROWS} of the first {PREFLIGHT_ROWS} training prompts exceed the 2 tokens a "
+                      r"prompt may take \(shortest (\d+), longest (\d+) tokens\)", out)
+    assert found and 2 < int(found.group(1)) <= int(found.group(2)), out[-4000:]
+    assert "generation.overlong_prompt=truncate" in out
+    assert not (tmp_path / "checkpoints").exists() and not (tmp_path / "logs").exists()
+
+
+def test_steps_that_train_on_nothing_warn_each_step_and_stop_with_exit_2(tmp_path):
+    proc = mrl("grpo", "--config", RECIPE, *SHORT_ARITH, *GROUPS_OF_ONE, f"run.output_dir={tmp_path}",
                "grpo.max_idle_steps=2", "grpo.max_num_steps=4", "grpo.val_every=0", "checkpointing.save_every=1")
     out, _ = proc.communicate(timeout=600)
     assert proc.returncode == 2, out[-4000:]
     assert "Traceback" not in out, out[-4000:]
-    warnings = re.findall(r"\[mrl\] step (\d): every prompt of the step was rejected for length: the longest has "
-                          r"(\d+) tokens, and a prompt may take 2 ", out)
-    assert [step for step, _ in warnings] == ["1", "2"], out[-4000:]
-    assert all(int(longest) > 2 for _, longest in warnings)
+    warnings = re.findall(r"\[mrl\] step (\d): every group's rewards were equal \(rewards seen: [0-9., ]+\): every "
+                          r"advantage is 0, so the step changes nothing\. Every group is one sample "
+                          r"\(grpo.num_generations_per_prompt=1\)", out)
+    assert warnings == ["1", "2"], out[-4000:]
     assert "mrl: training stopped: steps 1..2 trained on nothing (2 in a row; grpo.max_idle_steps=2)" in out
-    assert "generation.overlong_prompt=truncate" in out
     logged = metrics(tmp_path / "logs")
-    assert logged[2]["train/prompts_rejected_fraction"] == 1.0 and logged[2]["train/kept_samples"] == 0
+    assert logged[2]["train/zero_variance_groups"] == 1.0 and logged[2]["train/prompts_rejected_fraction"] == 0.0
     assert (tmp_path / "checkpoints" / "step_1").is_dir()  # one idle step, under the limit: saved as usual
     assert not (tmp_path / "checkpoints" / "step_2").exists()  # stopped before the second one's save

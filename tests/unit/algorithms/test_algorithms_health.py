@@ -5,9 +5,14 @@ tests/functional/app/test_app_health.py."""
 import pytest
 import torch
 
-from mrl.algorithms.health import IdleGuard, IdleTraining, health_metrics, prompt_token_limit, step_causes
+from mrl.algorithms.health import (PREFLIGHT_ROWS, IdleGuard, IdleTraining, check_prompt_budget, health_cell,
+                                   health_metrics, health_summary, prompt_token_limit, step_causes)
 from mrl.algorithms.rollout import Rollouts
+from mrl.config.errors import ConfigError
 from mrl.config.schema import MrlConfig
+from mrl.data.arith import build_arith_tokenizer
+from mrl.data.datasets import Problem
+from mrl.data.templates import PromptTemplate
 
 
 def rollouts(rewards, *, rejected=0, errors=0, responses=None) -> Rollouts:
@@ -46,6 +51,9 @@ def test_equal_rewards_are_idle_without_kl_and_name_the_rewards_seen():
     metrics = {**health_metrics(r, r.rewards.view(2, 2)), "train/kept_samples": 4.0}
     (cause,) = step_causes(config(), metrics, r)
     assert cause.idle and "rewards seen: 0" in cause.message and "never answers right" in cause.message
+    alone = MrlConfig.model_validate({"grpo": {"num_generations_per_prompt": 1, "num_prompts_per_step": 256}})
+    (cause,) = step_causes(alone, metrics, r)  # groups of one: the cause is the setting, not the model
+    assert "grpo.num_generations_per_prompt=1" in cause.message and "never answers" not in cause.message
     with_kl = MrlConfig.model_validate({"loss": {"kl_beta": 0.1}})
     (cause,) = step_causes(with_kl, metrics, r)
     assert not cause.idle and "only from the KL term" in cause.message
@@ -80,3 +88,53 @@ def test_the_guard_stops_at_the_limit_in_a_row_and_a_healthy_step_resets_it(caps
     for step in range(1, 10):
         never.observe(step, idle)
         never.stop_if_exhausted()
+
+
+def problems(*texts: str) -> list[Problem]:
+    return [Problem(text, "0") for text in texts]
+
+
+def test_a_template_and_instruction_longer_than_the_budget_stop_the_run_before_it_starts():
+    tok = build_arith_tokenizer()  # one token per character
+    cfg = config()  # 32 - 4: a prompt may take 28 tokens
+    check_prompt_budget(cfg, tok, PromptTemplate("plain", "=" * 22), problems("1+2="))  # "1+2= " + 22: 27
+    with pytest.raises(ConfigError, match=r"data.instruction: the prompt template and instruction alone take 29 "
+                                          r"tokens, more than the 28") as caught:
+        check_prompt_budget(cfg, tok, PromptTemplate("plain", "=" * 28), problems("1+2="))  # " " + 28
+    assert "shorten data.instruction" in str(caught.value)
+    truncating = MrlConfig.model_validate({**cfg.model_dump(), "generation": {"max_new_tokens": 4,
+                                                                               "overlong_prompt": "truncate"}})
+    with pytest.raises(ConfigError, match="alone take 29"):  # truncation would cut every problem away
+        check_prompt_budget(truncating, tok, PromptTemplate("plain", "=" * 28), problems("1+2="))  # " " + 28
+
+
+def test_first_rows_all_over_the_budget_are_counted_unless_one_fits_or_they_are_truncated():
+    tok = build_arith_tokenizer()
+    cfg = config(max_total_sequence_length=12)  # 12 - 4: 8 tokens
+    long_rows = problems(*["1+2+3+4+5=" for _ in range(PREFLIGHT_ROWS + 10)])  # 10 tokens each
+    with pytest.raises(ConfigError, match=rf"all {PREFLIGHT_ROWS} of the first {PREFLIGHT_ROWS} training prompts "
+                                          r"exceed the 8 tokens .*shortest 10, longest 10") as caught:
+        check_prompt_budget(cfg, tok, PromptTemplate("plain", ""), long_rows)
+    assert "generation.overlong_prompt=truncate" in str(caught.value)
+    check_prompt_budget(cfg, tok, PromptTemplate("plain", ""), problems("1+2=", *["1+2+3+4+5="] * 5))  # one fits
+    check_prompt_budget(cfg, tok, PromptTemplate("plain", ""), [])  # no training rows (mrl eval's data)
+    capped = MrlConfig.model_validate({**cfg.model_dump(), "data": {"max_prompt_length": 3}})
+    with pytest.raises(ConfigError, match=r"(?s)exceed the 3 tokens.*raise data.max_prompt_length"):
+        check_prompt_budget(capped, tok, PromptTemplate("plain", ""), problems("1+2="))
+    truncating = MrlConfig.model_validate({**cfg.model_dump(), "generation": {"max_new_tokens": 4,
+                                                                               "overlong_prompt": "truncate"}})
+    check_prompt_budget(truncating, tok, PromptTemplate("plain", ""), long_rows)
+
+
+def test_the_run_summary_counts_warned_and_idle_steps_and_averages_each_figure():
+    history = {"train/health_warnings": [(1, 2.0), (2, 1.0), (3, 0.0)], "train/idle": [(1, 1.0), (2, 0.0), (3, 0.0)],
+               "train/zero_variance_groups": [(1, 1.0), (2, 0.5), (3, 0.0)],
+               "train/truncated_fraction": [(1, 1.0), (2, 1.0), (3, 0.25)],
+               "val/truncated_fraction": [(0, 0.5), (3, 0.125)]}
+    summary = health_summary(history)
+    assert summary == {"steps_warned": 2, "steps_idle": 1, "prompts_rejected_fraction": None,
+                       "zero_variance_groups": 0.5, "reward_error_fraction": None, "truncated_fraction": 0.75,
+                       "val_truncated_fraction": 0.125, "val_reward_error_fraction": None}
+    assert health_cell({"health": summary}) == "2 warned, 1 idle"
+    assert health_cell({"health": health_summary({"train/health_warnings": [(1, 0.0)]})}) == "ok"
+    assert health_cell({"algorithm": "dpo"}) == "-"  # no step health for pair training yet
