@@ -1,5 +1,6 @@
 """Run health of a GRPO step: what the step could learn from, a warning naming the cause and the fix when a step
-could learn nothing, and a stop when that goes on.
+could learn nothing, and a stop when that goes on; before any worker starts, the data that cannot fit
+(`check_prompt_budget` for GRPO, `check_sft_rows` for SFT; preference pairs: mrl/algorithms/pairs.py).
 
 Figures, from what the step already has (added to its metrics):
     train/prompts_rejected_fraction   prompts dropped for length (generation.overlong_prompt: reject) / prompts
@@ -79,6 +80,31 @@ def check_prompt_budget(cfg: Any, tokenizer: Any, template: Any, problems: Seque
             f"take (shortest {min(lengths)}, longest {max(lengths)} tokens): generation.overlong_prompt=reject would "
             "drop every one", key="generation.overlong_prompt", given="reject",
             fix=f"{keys}, shorten data.instruction or the prompts, or set generation.overlong_prompt=truncate")
+
+
+def check_sft_rows(cfg: Any, tokenizer: Any, template: Any, problems: Sequence[Any]) -> None:
+    """Before any worker starts: a `ConfigError` when every one of the first `PREFLIGHT_ROWS` SFT rows has a prompt
+    that fills policy.max_total_sequence_length (no response token would be trained); a warning when every one is
+    longer than it (each is cut, and no response is learned to its end)."""
+    from mrl.data.sft import build_sft_batch
+
+    sample = list(problems[:PREFLIGHT_ROWS])
+    if not sample:
+        return
+    limit, count = cfg.policy.max_total_sequence_length, len(sample)
+    prompts = [len(ids) for ids in template.encode([p.problem for p in sample], tokenizer)[0]]
+    if min(prompts) >= limit:
+        raise ConfigError(
+            f"all {count} of the first {count} training rows have a prompt of {limit} tokens or more (shortest "
+            f"{min(prompts)}, longest {max(prompts)}): cut to {limit} tokens, no response token is left to train on",
+            key="policy.max_total_sequence_length", given=limit, allowed=f"more than {min(prompts)}",
+            fix="raise policy.max_total_sequence_length, or shorten the prompts (data.instruction, the problems)")
+    lengths = build_sft_batch([p.problem for p in sample], [p.answer for p in sample], tokenizer, template).lengths
+    if int(lengths.min()) > limit:
+        print(f"[mrl] all {count} of the first {count} training rows are longer than policy.max_total_sequence_length="
+              f"{limit} (shortest {int(lengths.min())}, longest {int(lengths.max())} tokens): each is cut to its "
+              f"first {limit} tokens, so no response is learned to its end. Fix: raise "
+              "policy.max_total_sequence_length", file=sys.stderr, flush=True)
 
 
 def health_metrics(rollouts: Any, grouped_rewards: torch.Tensor) -> dict[str, float]:

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 import torch
 
 from mrl.algorithms.guards import NonFiniteGuard
+from mrl.config.errors import ConfigError
 from mrl.config.schema import MrlConfig
 from mrl.data.preferences import (PreferencePair, build_preference_batch, encode_prompt_messages, load_preferences,
                                   prompt_fits)
@@ -63,41 +64,49 @@ def _arith_pairs(cfg: MrlConfig) -> tuple[list[PreferencePair], list[PreferenceP
             as_pairs(task.preference_triples(task.heldout_pairs, cfg.run.seed + 3)))
 
 
+def _no_room(source: str) -> str:
+    """The `skipped` key of `source`'s pairs whose prompt leaves no room for a response."""
+    return f"{source}:prompt leaves no room in policy.max_total_sequence_length"
+
+
 def _encode(pairs: Sequence[PreferencePair], tokenizer: Any, template: PromptTemplate, max_length: int,
             skipped: dict[str, int], source: str) -> list[EncodedPair]:
-    out, reason = [], f"{source}:prompt leaves no room in policy.max_total_sequence_length"
+    out = []
     for pair in pairs:
         ids = encode_prompt_messages(list(pair.prompt), tokenizer, template)
         if prompt_fits(ids, max_length):
             out.append(EncodedPair(ids, pair.chosen, pair.rejected))
         else:
-            skipped[reason] = skipped.get(reason, 0) + 1
+            skipped[_no_room(source)] = skipped.get(_no_room(source), 0) + 1
     return out
 
 
 def load_pair_data(cfg: MrlConfig, tokenizer: Any) -> PairData:
-    """Training and validation pairs of the run, prompts tokenised (see the module docstring)."""
+    """Training and validation pairs of the run, prompts tokenised (see the module docstring); a `ConfigError` when no
+    training pair fits."""
     max_length = cfg.policy.max_total_sequence_length
     skipped: dict[str, int] = {}
+    parts: dict[str, list[EncodedPair]] = {}
     if cfg.data.arith is not None:
-        template = PromptTemplate("plain", "")
-        train, val = _arith_pairs(cfg)
-        return PairData(_encode(train, tokenizer, template, max_length, skipped, "arith"),
-                        _encode(val, tokenizer, template, max_length, skipped, "arith"), template, skipped)
-    if not cfg.data.train:
+        template, train_source = PromptTemplate("plain", ""), "arith"
+        for name, pairs in zip(("train", "val"), _arith_pairs(cfg)):
+            parts[name] = _encode(pairs, tokenizer, template, max_length, skipped, train_source)
+    elif not cfg.data.train:
         raise ValueError("no preference data: set data.train (and optionally data.val) to a jsonl/json/parquet file "
                          "of prompt/chosen/rejected rows, or data.arith for the synthetic task")
-    template = PromptTemplate(cfg.data.prompt_template, "")
-    parts = {}
-    for name, source in (("train", cfg.data.train), ("val", cfg.data.val)):
-        if source:
-            loaded = load_preferences(source, split="train" if name == "train" else "test")
-            skipped.update({f"{source}:{reason}": n for reason, n in loaded.skipped.items()})
-            parts[name] = _encode(loaded.pairs, tokenizer, template, max_length, skipped, source)
+    else:
+        template, train_source = PromptTemplate(cfg.data.prompt_template, ""), cfg.data.train
+        for name, source in (("train", cfg.data.train), ("val", cfg.data.val)):
+            if source:
+                loaded = load_preferences(source, split="train" if name == "train" else "test")
+                skipped.update({f"{source}:{reason}": n for reason, n in loaded.skipped.items()})
+                parts[name] = _encode(loaded.pairs, tokenizer, template, max_length, skipped, source)
     if not parts["train"]:
-        raise ValueError(f"no preference pair of {cfg.data.train} fits policy.max_total_sequence_length="
-                         f"{max_length}; raise it")
-    if skipped:
+        raise ConfigError(f"no preference pair of {train_source} fits: the prompts of "
+                          f"{skipped.get(_no_room(train_source), 0)} leave no room for a response",
+                          key="policy.max_total_sequence_length", given=max_length,
+                          fix="raise policy.max_total_sequence_length, or shorten the prompts")
+    if skipped and cfg.data.arith is None:
         log.warning("preference pairs skipped: %s", skipped)
     return PairData(parts["train"], parts.get("val", []), template, skipped)
 

@@ -6,6 +6,8 @@ Data: with `data.arith`, every step draws `policy.train_global_batch_size` fresh
 near misses with probability `data.arith.near_miss_fraction` (the task's point: the SFT policy ends up only partly
 right, leaving GRPO something to fix), an endless stream (sft.max_num_epochs does not apply); otherwise the
 problem/answer rows of `data.train`, answer as the response, for at most sft.max_num_epochs passes.
+A row longer than policy.max_total_sequence_length keeps its first tokens (`train/rows_truncated` counts them); rows
+that cannot train are caught before any worker starts (mrl/algorithms/health.py, `check_sft_rows`).
 Validation (every sft.val_every steps and after the last): `val/loss`, the same token-level NLL over the
 validation problems with their gold answers (data.val, or the arith task's held-out pairs), no update.
 """
@@ -64,15 +66,17 @@ class _Examples:
             self.loader.load_state_dict(state["loader"])
 
 
-def validation_loss(workers: Workers, data: TaskData) -> dict[str, float]:
-    """`val/loss`: token-level NLL of the validation answers (no update); {} without validation problems."""
+def validation_loss(workers: Workers, data: TaskData, max_length: int) -> dict[str, float]:
+    """`val/loss`: token-level NLL of the validation answers (no update; rows cut to `max_length` like the training
+    rows); {} without validation problems."""
     if not data.val:
         return {}
     dp = workers.policy.data_parallel_size
     total = count = 0.0
     for start in range(0, len(data.val), VAL_ROWS_PER_CALL):
         chunk = data.val[start:start + VAL_ROWS_PER_CALL]
-        sft = build_sft_batch([p.problem for p in chunk], [p.answer for p in chunk], workers.tokenizer, data.template)
+        sft = build_sft_batch([p.problem for p in chunk], [p.answer for p in chunk], workers.tokenizer, data.template,
+                              max_length)
         rows = list(range(len(chunk))) + [0] * (-len(chunk) % dp)  # every data-parallel rank needs rows
         mask = sft.loss_mask[rows].clone()
         mask[len(chunk):] = 0  # the repeated rows count for nothing
@@ -102,12 +106,13 @@ def sft_train(cfg: MrlConfig, workers: Workers, data: TaskData, logger: MetricsL
     for step in range(int(state["step"]) + 1 if state else 1, last + 1):
         t0 = time.perf_counter()
         prompts, targets = examples.next()
-        sft = build_sft_batch(prompts, targets, workers.tokenizer, data.template)
+        sft = build_sft_batch(prompts, targets, workers.tokenizer, data.template, cfg.policy.max_total_sequence_length)
         metrics = {f"train/{k}": v for k, v in workers.policy.train(RankBatch(sft.input_ids, sft.loss_mask),
                                                                     loss_fn).items()}
+        metrics["train/rows_truncated"] = float(sft.num_truncated)
         done = step == last or examples.passes_done(cfg.sft.max_num_epochs)
         if _validation_due(cfg, step, done):
-            metrics.update(validation_loss(workers, data))
+            metrics.update(validation_loss(workers, data, cfg.policy.max_total_sequence_length))
         guard.observe(step, metrics)
         metrics["timing/step"] = time.perf_counter() - t0
         logger.log(metrics, step=step)

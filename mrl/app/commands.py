@@ -21,7 +21,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from mrl.algorithms.health import check_prompt_budget, health_summary
+from mrl.algorithms.health import check_prompt_budget, check_sft_rows, health_summary
 from mrl.app.checkpointing import RunCheckpoints, resume_padded_vocab
 from mrl.app.errors import RunFailed, StorageFailed
 from mrl.app.hub_ids import resolve_hub_ids
@@ -200,8 +200,10 @@ def run_sft(cfg: MrlConfig) -> dict[str, Any]:
 
     start = time.perf_counter()
     data = load_task_data(cfg)
+    source = resolve_model(cfg)
+    check_sft_rows(cfg, load_tokenizer(cfg, source), data.template, data.train)
     runtime = start_runtime(cfg, total_steps=cfg.sft.max_num_steps, engine=False,
-                            padded_vocab=resume_padded_vocab(cfg))
+                            padded_vocab=resume_padded_vocab(cfg), source=source)
     try:
         with explained_failures(cfg), RunCheckpoints(cfg, runtime) as ckpt, \
                 _logger(cfg, cfg.sft.max_num_steps, f"{cfg.run.name} sft", KEY_METRICS) as logger:
@@ -239,10 +241,11 @@ def _run_pairs(cfg: MrlConfig, algorithm: str, steps: int, train: Any, key_metri
 
     _check_pairs(cfg)
     start = time.perf_counter()
+    source = source or resolve_model(cfg)
+    data = load_pair_data(cfg, load_tokenizer(cfg, source))  # before any worker starts: its errors are the data's
     runtime = start_runtime(cfg, total_steps=steps, engine=False, reference=reference, source=source,
                             padded_vocab=resume_padded_vocab(cfg))
     try:
-        data = load_pair_data(cfg, runtime.tokenizer)
         with explained_failures(cfg), RunCheckpoints(cfg, runtime) as ckpt, \
                 _logger(cfg, steps, f"{cfg.run.name} {algorithm}", key_metrics) as logger:
             final = train(cfg, runtime, data, logger, ckpt)

@@ -4,13 +4,14 @@ Layout (the policy's convention: a mask value sits on the token it scores):
     input_ids  [N, T]  prompt tokens, response tokens, the end of the turn, then right padding
     loss_mask  [N, T]  1 on the response tokens and the turn's end (the model must learn to stop), 0 elsewhere
 The end of the turn is the template's (`PromptTemplate.turn_end_id`: the chat template's end-of-turn token, e.g.
-Llama-3's <|eot_id|>, or EOS for plain prompts).
+Llama-3's <|eot_id|>, or EOS for plain prompts). A row longer than `max_length` keeps its first `max_length` tokens
+(its response loses its end) and is counted in `num_truncated`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -22,10 +23,11 @@ class SFTBatch:
     input_ids: torch.Tensor  # [N, T] int64
     loss_mask: torch.Tensor  # [N, T] float32
     lengths: torch.Tensor    # [N] real tokens per row
+    num_truncated: int = 0   # rows cut to max_length
 
 
 def build_sft_batch(prompts: Sequence[str], targets: Sequence[str], tokenizer: Any,
-                    template: PromptTemplate) -> SFTBatch:
+                    template: PromptTemplate, max_length: Optional[int] = None) -> SFTBatch:
     """Tokenise (prompt, target) pairs; the target is tokenised on its own so the prompt/response boundary is
     exact (no merge across it), and the end-of-turn token is appended."""
     if len(prompts) != len(targets):
@@ -34,11 +36,14 @@ def build_sft_batch(prompts: Sequence[str], targets: Sequence[str], tokenizer: A
     if turn_end is None:
         raise ValueError("the tokenizer has no EOS token; SFT needs one to teach the model to stop")
     prompt_ids, _ = template.encode(prompts, tokenizer)
-    rows, masks = [], []
+    rows, masks, truncated = [], [], 0
     for p_ids, target in zip(prompt_ids, targets):
         r_ids = list(tokenizer(target, add_special_tokens=False)["input_ids"]) + [turn_end]
-        rows.append(p_ids + r_ids)
-        masks.append([0.0] * len(p_ids) + [1.0] * len(r_ids))
+        row, mask = p_ids + r_ids, [0.0] * len(p_ids) + [1.0] * len(r_ids)
+        if max_length is not None and len(row) > max_length:
+            row, mask, truncated = row[:max_length], mask[:max_length], truncated + 1
+        rows.append(row)
+        masks.append(mask)
     width = max(map(len, rows))
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     input_ids = torch.full((len(rows), width), pad, dtype=torch.long)
@@ -46,4 +51,4 @@ def build_sft_batch(prompts: Sequence[str], targets: Sequence[str], tokenizer: A
     for i, (ids, mask) in enumerate(zip(rows, masks)):
         input_ids[i, :len(ids)] = torch.tensor(ids)
         loss_mask[i, :len(mask)] = torch.tensor(mask)
-    return SFTBatch(input_ids, loss_mask, torch.tensor([len(r) for r in rows]))
+    return SFTBatch(input_ids, loss_mask, torch.tensor([len(r) for r in rows]), truncated)

@@ -4,6 +4,8 @@ Checked:
 - prompts that cannot fit (the configuration of a new user's first try: the default instruction with 28 tokens left
   for the prompt; a task whose every prompt is longer than the engine leaves for it) stop the run with exit 2 and a
   configuration error naming the figures and the keys, before any worker starts and with no traceback;
+- SFT rows whose prompts fill the sequence length, and preference pairs none of which fits, stop `mrl sft`, `mrl dpo`
+  and `mrl rm` the same way; SFT rows that are all longer than it warn, and the run trains on their first tokens;
 - a run whose every step trains on nothing (groups of one sample: every advantage is 0) warns at each step, stops
   with exit 2 after grpo.max_idle_steps such steps, with that message and no traceback, and saves nothing from the
   idle step that stopped it; the step's health figures are in the metrics.
@@ -19,6 +21,8 @@ from mrl.testing.runs import RECIPE, SHORT_ARITH, metrics, mrl
 
 #: 8 tokens of context less 6 new ones: a prompt may take 2 tokens, and "3+4=" takes more.
 TOO_LONG = ("policy.max_total_sequence_length=8", "generation.max_new_tokens=6", "generation.vllm.max_model_len=8")
+#: 4 tokens in all: a 1-digit task's prompt ("3+4=") fills them.
+FILLED = ("policy.max_total_sequence_length=4", "generation.max_new_tokens=2", "generation.vllm.max_model_len=4")
 #: One sample per prompt, so every group's rewards are equal whatever the model answers.
 GROUPS_OF_ONE = ("grpo.num_generations_per_prompt=1", "policy.train_global_batch_size=32",
                  "policy.train_micro_batch_size=32")
@@ -68,3 +72,26 @@ def test_steps_that_train_on_nothing_warn_each_step_and_stop_with_exit_2(tmp_pat
     assert logged[2]["train/zero_variance_groups"] == 1.0 and logged[2]["train/prompts_rejected_fraction"] == 0.0
     assert (tmp_path / "checkpoints" / "step_1").is_dir()  # one idle step, under the limit: saved as usual
     assert not (tmp_path / "checkpoints" / "step_2").exists()  # stopped before the second one's save
+
+
+def test_training_rows_that_cannot_fit_stop_sft_dpo_and_rm_before_any_worker_starts(tmp_path):
+    out = stopped_at_start(mrl("sft", "--config", RECIPE, *SHORT_ARITH, *FILLED, f"run.output_dir={tmp_path / 'sft'}"))
+    assert re.search(rf"policy.max_total_sequence_length: all {PREFLIGHT_ROWS} of the first {PREFLIGHT_ROWS} "
+                     r"training rows have a prompt of 4 tokens or more \(shortest 4, longest 4\)", out), out[-4000:]
+    for command in ("dpo", "rm"):
+        out = stopped_at_start(mrl(command, "--config", RECIPE, *SHORT_ARITH, *FILLED,
+                                   f"run.output_dir={tmp_path / command}"))
+        found = re.search(r"policy.max_total_sequence_length: no preference pair of arith fits: the prompts of (\d+) "
+                          r"leave no room for a response", out)
+        assert found and int(found.group(1)) > 0, out[-4000:]
+
+
+def test_sft_rows_all_longer_than_the_length_warn_and_train_on_their_first_tokens(tmp_path):
+    proc = mrl("sft", "--config", RECIPE, *SHORT_ARITH, "policy.max_total_sequence_length=5", "generation.max_new_tokens=2",
+               "generation.vllm.max_model_len=5", "sft.max_num_steps=2", "sft.val_every=0", f"run.output_dir={tmp_path}")
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0 and "Traceback" not in out, out[-4000:]
+    assert re.search(rf"all {PREFLIGHT_ROWS} of the first {PREFLIGHT_ROWS} training rows are longer than "
+                     r"policy.max_total_sequence_length=5 \(shortest 6, longest 7 tokens\)", out), out[-4000:]
+    logged = metrics(tmp_path / "logs")
+    assert logged[1]["train/rows_truncated"] > 0 and logged[2]["train/loss"] > 0

@@ -5,7 +5,8 @@ tests/functional/app/test_app_health.py."""
 import pytest
 import torch
 
-from mrl.algorithms.health import (PREFLIGHT_ROWS, IdleGuard, IdleTraining, check_prompt_budget, health_cell,
+from mrl.algorithms.health import (PREFLIGHT_ROWS, IdleGuard, IdleTraining, check_prompt_budget, check_sft_rows,
+                                   health_cell,
                                    health_metrics, health_summary, prompt_token_limit, step_causes)
 from mrl.algorithms.rollout import Rollouts
 from mrl.config.errors import ConfigError
@@ -138,3 +139,22 @@ def test_the_run_summary_counts_warned_and_idle_steps_and_averages_each_figure()
     assert health_cell({"health": summary}) == "2 warned, 1 idle"
     assert health_cell({"health": health_summary({"train/health_warnings": [(1, 0.0)]})}) == "ok"
     assert health_cell({"algorithm": "dpo"}) == "-"  # no step health for pair training yet
+
+
+def short(length: int) -> MrlConfig:
+    return MrlConfig.model_validate({"policy": {"max_total_sequence_length": length},
+                                     "generation": {"max_new_tokens": 1}})
+
+
+def test_sft_rows_whose_prompts_fill_the_length_stop_the_run_and_rows_all_over_it_warn(capsys):
+    tok, plain = build_arith_tokenizer(), PromptTemplate("plain", "")
+    rows = [Problem("1+2=", "3"), Problem("37+05=", "42")]  # prompts 4 and 6 tokens, rows 6 and 9 with the EOS
+    with pytest.raises(ConfigError, match=r"(?s)policy.max_total_sequence_length: all 2 of the first 2 training rows "
+                                          r"have a prompt of 4 tokens or more \(shortest 4, longest 6\).*given: 4"):
+        check_sft_rows(short(4), tok, plain, rows)
+    check_sft_rows(short(5), tok, plain, rows)  # every row is cut: a warning
+    assert "all 2 of the first 2 training rows are longer than policy.max_total_sequence_length=5 (shortest 6, " \
+           "longest 9 tokens)" in capsys.readouterr().err
+    check_sft_rows(short(6), tok, plain, rows)  # one row fits whole: silent
+    check_sft_rows(short(6), tok, plain, [])
+    assert capsys.readouterr().err == ""

@@ -63,4 +63,8 @@ def test_sft_batch_masks_the_response_and_eos():
     assert batch.input_ids[0].tolist() == tok("37+05=42")["input_ids"] + [eos]
     assert batch.input_ids[1].tolist() == tok("1+2=3")["input_ids"] + [eos] + [pad] * 3
     assert batch.loss_mask.tolist() == [[0] * 6 + [1, 1, 1], [0] * 4 + [1, 1] + [0] * 3]
-    assert batch.lengths.tolist() == [9, 6]
+    assert batch.lengths.tolist() == [9, 6] and batch.num_truncated == 0
+    cut = build_sft_batch(["37+05=", "1+2="], ["42", "3"], tok, PromptTemplate("plain", instruction=""), max_length=7)
+    assert cut.input_ids[0].tolist() == tok("37+05=4")["input_ids"]  # the first 7 tokens: the answer loses its end
+    assert cut.loss_mask.tolist() == [[0] * 6 + [1], [0] * 4 + [1, 1, 0]]
+    assert cut.lengths.tolist() == [7, 6] and cut.num_truncated == 1
