@@ -1,11 +1,13 @@
-"""A run that cannot learn says so, through the real command line (mrl/algorithms/health.py).
+"""A run that cannot learn says so (mrl/algorithms/health.py).
 
 Checked:
-- prompts that cannot fit (the configuration of a new user's first try: the default instruction with 28 tokens left
-  for the prompt; a task whose every prompt is longer than the engine leaves for it) stop the run with exit 2 and a
-  configuration error naming the figures and the keys, before any worker starts and with no traceback;
+- prompts that cannot fit stop the run with a configuration error naming the figures and the keys, before any worker
+  starts: the configuration of a new user's first try (the default instruction with 28 tokens left for the prompt)
+  through the command line (exit 2, no traceback), a task whose every prompt is longer than the engine leaves for it
+  in-process;
 - SFT rows whose prompts fill the sequence length, and preference pairs none of which fits, stop `mrl sft`, `mrl dpo`
-  and `mrl rm` the same way; SFT rows that are all longer than it warn, and the run trains on their first tokens;
+  and `mrl rm` the same way (in-process); SFT rows that are all longer than it warn, and the run trains on their
+  first tokens;
 - a run whose every step trains on nothing (groups of one sample: every advantage is 0) warns at each step, stops
   with exit 2 after grpo.max_idle_steps such steps, with that message and no traceback, and saves nothing from the
   idle step that stopped it; the step's health figures are in the metrics.
@@ -16,7 +18,12 @@ from __future__ import annotations
 import json
 import re
 
+import pytest
+
 from mrl.algorithms.health import PREFLIGHT_ROWS
+from mrl.app.commands import RUNNERS
+from mrl.config import load_config
+from mrl.config.errors import ConfigError
 from mrl.testing.runs import RECIPE, SHORT_ARITH, metrics, mrl
 
 #: 8 tokens of context less 6 new ones: a prompt may take 2 tokens, and "3+4=" takes more.
@@ -49,11 +56,13 @@ def test_the_default_instruction_with_28_tokens_left_stops_before_any_worker_sta
 
 
 def test_a_task_whose_every_prompt_is_too_long_stops_before_any_worker_starts(tmp_path):
-    out = stopped_at_start(mrl("grpo", "--config", RECIPE, *SHORT_ARITH, *TOO_LONG, f"run.output_dir={tmp_path}"))
+    cfg = load_config(RECIPE, [*SHORT_ARITH, *TOO_LONG, f"run.output_dir={tmp_path}"])
+    with pytest.raises(ConfigError) as caught:  # in-process: the command line's handling is checked above
+        RUNNERS["grpo"](cfg)
     found = re.search(rf"all {PREFLIGHT_ROWS} of the first {PREFLIGHT_ROWS} training prompts exceed the 2 tokens a "
-                      r"prompt may take \(shortest (\d+), longest (\d+) tokens\)", out)
-    assert found and 2 < int(found.group(1)) <= int(found.group(2)), out[-4000:]
-    assert "generation.overlong_prompt=truncate" in out
+                      r"prompt may take \(shortest (\d+), longest (\d+) tokens\)", str(caught.value))
+    assert found and 2 < int(found.group(1)) <= int(found.group(2)), str(caught.value)
+    assert "generation.overlong_prompt=truncate" in str(caught.value)
     assert not (tmp_path / "checkpoints").exists() and not (tmp_path / "logs").exists()
 
 
@@ -75,15 +84,18 @@ def test_steps_that_train_on_nothing_warn_each_step_and_stop_with_exit_2(tmp_pat
 
 
 def test_training_rows_that_cannot_fit_stop_sft_dpo_and_rm_before_any_worker_starts(tmp_path):
-    out = stopped_at_start(mrl("sft", "--config", RECIPE, *SHORT_ARITH, *FILLED, f"run.output_dir={tmp_path / 'sft'}"))
-    assert re.search(rf"policy.max_total_sequence_length: all {PREFLIGHT_ROWS} of the first {PREFLIGHT_ROWS} "
-                     r"training rows have a prompt of 4 tokens or more \(shortest 4, longest 4\)", out), out[-4000:]
+    overrides = [*SHORT_ARITH, *FILLED]
+    with pytest.raises(ConfigError, match=rf"policy.max_total_sequence_length: all {PREFLIGHT_ROWS} of the first "
+                                          rf"{PREFLIGHT_ROWS} training rows have a prompt of 4 tokens or more "
+                                          r"\(shortest 4, longest 4\)"):
+        RUNNERS["sft"](load_config(RECIPE, [*overrides, f"run.output_dir={tmp_path / 'sft'}"]))
     for command in ("dpo", "rm"):
-        out = stopped_at_start(mrl(command, "--config", RECIPE, *SHORT_ARITH, *FILLED,
-                                   f"run.output_dir={tmp_path / command}"))
+        with pytest.raises(ConfigError) as caught:
+            RUNNERS[command](load_config(RECIPE, [*overrides, f"run.output_dir={tmp_path / command}"]))
         found = re.search(r"policy.max_total_sequence_length: no preference pair of arith fits: the prompts of (\d+) "
-                          r"leave no room for a response", out)
-        assert found and int(found.group(1)) > 0, out[-4000:]
+                          r"leave no room for a response", str(caught.value))
+        assert found and int(found.group(1)) > 0, str(caught.value)
+    assert not any((tmp_path / command / "logs").exists() for command in ("sft", "dpo", "rm"))
 
 
 def test_sft_rows_all_longer_than_the_length_warn_and_train_on_their_first_tokens(tmp_path):
