@@ -92,17 +92,18 @@ def check_sft_rows(cfg: Any, tokenizer: Any, template: Any, problems: Sequence[A
     if not sample:
         return
     limit, count = cfg.policy.max_total_sequence_length, len(sample)
-    prompts = [len(ids) for ids in template.encode([p.problem for p in sample], tokenizer)[0]]
+    rows = build_sft_batch([p.problem for p in sample], [p.answer for p in sample], tokenizer, template)
+    lengths = rows.lengths.tolist()
+    prompts = [total - int(scored) for total, scored in zip(lengths, rows.loss_mask.sum(dim=1).tolist())]
     if min(prompts) >= limit:
         raise ConfigError(
             f"all {count} of the first {count} training rows have a prompt of {limit} tokens or more (shortest "
             f"{min(prompts)}, longest {max(prompts)}): cut to {limit} tokens, no response token is left to train on",
             key="policy.max_total_sequence_length", given=limit, allowed=f"more than {min(prompts)}",
             fix="raise policy.max_total_sequence_length, or shorten the prompts (data.instruction, the problems)")
-    lengths = build_sft_batch([p.problem for p in sample], [p.answer for p in sample], tokenizer, template).lengths
-    if int(lengths.min()) > limit:
+    if min(lengths) > limit:
         print(f"[mrl] all {count} of the first {count} training rows are longer than policy.max_total_sequence_length="
-              f"{limit} (shortest {int(lengths.min())}, longest {int(lengths.max())} tokens): each is cut to its "
+              f"{limit} (shortest {min(lengths)}, longest {max(lengths)} tokens): each is cut to its "
               f"first {limit} tokens, so no response is learned to its end. Fix: raise "
               "policy.max_total_sequence_length", file=sys.stderr, flush=True)
 

@@ -71,13 +71,13 @@ def _no_room(source: str) -> str:
 
 def _encode(pairs: Sequence[PreferencePair], tokenizer: Any, template: PromptTemplate, max_length: int,
             skipped: dict[str, int], source: str) -> list[EncodedPair]:
-    out = []
+    out, reason = [], _no_room(source)
     for pair in pairs:
         ids = encode_prompt_messages(list(pair.prompt), tokenizer, template)
         if prompt_fits(ids, max_length):
             out.append(EncodedPair(ids, pair.chosen, pair.rejected))
         else:
-            skipped[_no_room(source)] = skipped.get(_no_room(source), 0) + 1
+            skipped[reason] = skipped.get(reason, 0) + 1
     return out
 
 

@@ -170,9 +170,10 @@ def run_grpo(cfg: MrlConfig) -> dict[str, Any]:
     start = time.perf_counter()
     data = load_task_data(cfg, val_source=cfg.eval.data)
     source = resolve_model(cfg)
-    check_prompt_budget(cfg, load_tokenizer(cfg, source), data.template, data.train)
+    tokenizer = load_tokenizer(cfg, source)
+    check_prompt_budget(cfg, tokenizer, data.template, data.train)
     runtime = start_runtime(cfg, total_steps=cfg.grpo.max_num_steps, reference=cfg.loss.kl_beta > 0,
-                            padded_vocab=resume_padded_vocab(cfg), source=source)
+                            padded_vocab=resume_padded_vocab(cfg), source=source, tokenizer=tokenizer)
     try:
         env = _grpo_environment(cfg, runtime, data.template)
     except BaseException:
@@ -201,9 +202,10 @@ def run_sft(cfg: MrlConfig) -> dict[str, Any]:
     start = time.perf_counter()
     data = load_task_data(cfg)
     source = resolve_model(cfg)
-    check_sft_rows(cfg, load_tokenizer(cfg, source), data.template, data.train)
+    tokenizer = load_tokenizer(cfg, source)
+    check_sft_rows(cfg, tokenizer, data.template, data.train)
     runtime = start_runtime(cfg, total_steps=cfg.sft.max_num_steps, engine=False,
-                            padded_vocab=resume_padded_vocab(cfg), source=source)
+                            padded_vocab=resume_padded_vocab(cfg), source=source, tokenizer=tokenizer)
     try:
         with explained_failures(cfg), RunCheckpoints(cfg, runtime) as ckpt, \
                 _logger(cfg, cfg.sft.max_num_steps, f"{cfg.run.name} sft", KEY_METRICS) as logger:
@@ -242,9 +244,10 @@ def _run_pairs(cfg: MrlConfig, algorithm: str, steps: int, train: Any, key_metri
     _check_pairs(cfg)
     start = time.perf_counter()
     source = source or resolve_model(cfg)
-    data = load_pair_data(cfg, load_tokenizer(cfg, source))  # before any worker starts: its errors are the data's
+    tokenizer = load_tokenizer(cfg, source)
+    data = load_pair_data(cfg, tokenizer)  # before any worker starts: its errors are the data's
     runtime = start_runtime(cfg, total_steps=steps, engine=False, reference=reference, source=source,
-                            padded_vocab=resume_padded_vocab(cfg))
+                            padded_vocab=resume_padded_vocab(cfg), tokenizer=tokenizer)
     try:
         with explained_failures(cfg), RunCheckpoints(cfg, runtime) as ckpt, \
                 _logger(cfg, steps, f"{cfg.run.name} {algorithm}", key_metrics) as logger:

@@ -272,16 +272,17 @@ class Runtime:
 
 def start_runtime(cfg: MrlConfig, *, total_steps: int, policy: bool = True, engine: bool = True,
                   reference: bool = False, padded_vocab: Optional[int] = None,
-                  source: Optional[ModelSource] = None) -> Runtime:
+                  source: Optional[ModelSource] = None, tokenizer: Any = None) -> Runtime:
     """Start Ray, reserve the bundles, then the policy group and/or the engines (see the module docstring).
     `padded_vocab`: that of a checkpoint to resume; `source` replaces the configured model (a reward model's variant
-    of it, `mrl rm`)."""
+    of it, `mrl rm`); `tokenizer`: `source`'s, when the command already loaded it for its checks."""
     source = source or resolve_model(cfg)
     feeder = engine and not policy and source.is_megatron  # a frozen policy brings the engine its weights
     main = (_policy_spec(cfg, source, total_steps=total_steps, with_reference=reference, trainable=policy,
                          padded_vocab=_padded_vocab(cfg, source, padded_vocab)) if policy or feeder else None)
     scorer = _reward_model_spec(cfg) if policy and engine else None
-    tokenizer = load_tokenizer(cfg, source)  # every check that reads files, before Ray starts
+    if tokenizer is None:
+        tokenizer = load_tokenizer(cfg, source)  # every check that reads files, before Ray starts
     if not torch.cuda.is_available():
         cpu_isa.announce()
     cluster = RayCluster.from_config(cfg.cluster)
