@@ -21,12 +21,12 @@ import sys
 import time
 from pathlib import Path
 
-from mrl.testing.runs import RECIPE, SHORT_ARITH, finish, metrics, mrl
+from mrl.testing.runs import MACHINERY, RECIPE, SHORT_ARITH, finish, metrics, mrl
 
 
 def _grpo_args(model: Path, out: Path, steps: int) -> list[str]:
     return ["grpo", "--config", RECIPE, *SHORT_ARITH, f"policy.model_name={model}", "~policy.build",
-            f"grpo.max_num_steps={steps}", "grpo.max_num_epochs=100", "grpo.val_every=0",
+            f"grpo.max_num_steps={steps}", "grpo.max_num_epochs=100", "grpo.val_every=0", *MACHINERY,
             "checkpointing.save_every=2", "checkpointing.keep_last=2", f"run.output_dir={out}"]
 
 

@@ -110,6 +110,7 @@ def mrl_overrides(args: argparse.Namespace, out_dir: Path) -> list[str]:
             f"policy.logprob_micro_batch_size={batch}",
             f"policy.sequence_packing.tokens_per_microbatch={batch * max_len}",
             "policy.optimizer.lr=1e-3", "policy.scheduler.warmup_steps=0", "grpo.val_every=0", "eval.max_problems=8",
+            "grpo.max_idle_steps=0",  # speed, not learning: a random model may score alike for 3 steps
             "checkpointing.enabled=false", f"run.output_dir={out_dir}",
             *args.set]
 

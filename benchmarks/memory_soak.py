@@ -25,7 +25,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 ROOT = Path(__file__).resolve().parents[1]
 GRPO = ("grpo", "--config", str(ROOT / "recipes" / "arith-tiny-cpu.yaml"), "data.arith.digits=1",
         "data.arith.num_heldout=20", "policy.max_total_sequence_length=12", "generation.max_new_tokens=4",
-        "generation.vllm.max_model_len=12", "grpo.val_every=0", "checkpointing.enabled=false", "logger.log_every=1", "grpo.max_num_epochs=1000")
+        "generation.vllm.max_model_len=12", "grpo.val_every=0", "checkpointing.enabled=false", "logger.log_every=1", "grpo.max_num_epochs=1000",
+        "grpo.max_idle_steps=0")  # memory, not learning: a random model may score alike for 3 steps
 
 
 def _report(name: str, series: list[int], step_bytes: int | None) -> None:

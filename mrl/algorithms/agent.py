@@ -254,6 +254,7 @@ def rollouts_from_episodes(episodes: Sequence[Episode], pad_id: int) -> Rollouts
                     torch.tensor([int(sum(e.mask)) for e in episodes]),
                     torch.tensor([e.truncated for e in episodes]),
                     num_reward_errors=sum(e.server_error is not None for e in episodes),
+                    reward_errors=[e.server_error for e in episodes if e.server_error is not None][:4],
                     lengths=torch.tensor([len(e.ids) for e in episodes]),
                     responses=[e.last_text for e in episodes], extracted_answers=[None] * len(episodes),
                     finish_reasons=[e.finish_reason for e in episodes])

@@ -82,4 +82,4 @@ def dpo_train(cfg: MrlConfig, workers: Workers, data: PairData, logger: MetricsL
     loss_fn = dpo_loss(cfg.dpo)
     return train_on_pairs(cfg, cfg.dpo, workers, data, logger, ckpt,
                           step_fn=lambda batch: dpo_step(workers, batch, loss_fn),
-                          validate=lambda: dpo_validation(cfg, workers, data, loss_fn))
+                          validate=lambda: dpo_validation(cfg, workers, data, loss_fn), command="dpo")

@@ -1,11 +1,14 @@
 """Run health of a GRPO step: what the step could learn from, a warning naming the cause and the fix when a step
 could learn nothing, and a stop when that goes on; before any worker starts, the data that cannot fit
-(`check_prompt_budget` for GRPO, `check_sft_rows` for SFT; preference pairs: mrl/algorithms/pairs.py).
+(`check_prompt_budget` for GRPO, `check_sft_rows` for SFT; preference pairs: mrl/algorithms/pairs.py); for SFT, DPO
+and reward-model training, a loss that stays exactly 0 (`ZeroLoss`).
 
 Figures, from what the step already has (added to its metrics):
     train/prompts_rejected_fraction   prompts dropped for length (generation.overlong_prompt: reject) / prompts
     train/zero_variance_groups        groups whose rewards are all equal (zero advantage: no signal) / groups
-    train/reward_error_fraction       samples whose answer the reward could not read / samples
+    train/reward_error_fraction       samples the reward failed on (the verifier raised or timed out) / samples
+    train/unparsed_fraction           responses that ended in which the reward found no answer / responses that
+                                      ended (env.kind arith and math, without a reward model; 0 otherwise)
     train/truncated_fraction          responses cut at generation.max_new_tokens (logged by the loop already)
     train/kept_samples                samples trained on (logged by the loop already)
     train/health_warnings             conditions below that held for the whole step
@@ -108,16 +111,33 @@ def check_sft_rows(cfg: Any, tokenizer: Any, template: Any, problems: Sequence[A
               "policy.max_total_sequence_length", file=sys.stderr, flush=True)
 
 
-def health_metrics(rollouts: Any, grouped_rewards: torch.Tensor) -> dict[str, float]:
+def health_metrics(rollouts: Any, grouped_rewards: torch.Tensor, *, reads_answers: bool = True) -> dict[str, float]:
     """The step's health figures (module docstring) from its rollouts and its rewards [prompts, group] (a tensor:
-    this module imports no torch, the command line imports it)."""
+    this module imports no torch, the command line imports it). `reads_answers`: the environment reads an answer out
+    of each response (what `reads_answers(cfg)` says), so a response without one is counted."""
     prompts = max(len(grouped_rewards), 1)
     samples = max(int(rollouts.rewards.numel()), 1)
     uniform = 1.0  # no group at all: nothing to learn from either
     if grouped_rewards.numel():
         uniform = float((grouped_rewards.amax(dim=1) == grouped_rewards.amin(dim=1)).float().mean())
+    ended = [i for i, cut in enumerate(rollouts.truncated.tolist()) if not cut]
+    unparsed = 0.0
+    if reads_answers and ended and len(rollouts.extracted_answers) == len(rollouts.truncated):
+        unparsed = sum(rollouts.extracted_answers[i] is None for i in ended) / len(ended)
     return {"train/prompts_rejected_fraction": rollouts.num_prompts_rejected / prompts,
-            "train/zero_variance_groups": uniform, "train/reward_error_fraction": rollouts.num_reward_errors / samples}
+            "train/zero_variance_groups": uniform, "train/reward_error_fraction": rollouts.num_reward_errors / samples,
+            "train/unparsed_fraction": unparsed}
+
+
+def reads_answers(cfg: Any) -> bool:
+    """Whether the run's reward reads an answer out of each response (so a response without one is a health
+    figure): the single-turn arith and math environments, when no reward model replaces their score."""
+    return cfg.env.kind in _ANSWER_FORMATS and cfg.env.reward_model is None
+
+
+#: What each environment that reads answers looks for in a response (mrl/environments/arith.py, math.py).
+_ANSWER_FORMATS = {"arith": "the first integer of the response",
+                   "math": "the last \\boxed{...}, else the number after 'final answer is', else the last number"}
 
 
 @dataclass(frozen=True)
@@ -149,17 +169,33 @@ def step_causes(cfg: Any, metrics: dict[str, float], rollouts: Any) -> list[Caus
     elif metrics.get("train/kept_samples", 1.0) == 0:
         causes.append(Cause("no samples", "no sample of the step was kept for training (every response empty, or "
                             "every group dropped by grpo.dynamic_sampling)", idle=True))
-    if metrics.get("train/truncated_fraction", 0.0) >= 1.0:
+    if _all_cut_or_empty(rollouts):
+        empty = sum(not text.strip() for text in rollouts.responses)
         causes.append(Cause("responses cut", (
-            f"every response was cut at generation.max_new_tokens={cfg.generation.max_new_tokens} before it ended: "
-            "raise generation.max_new_tokens (and policy.max_total_sequence_length with it), or ask for shorter "
-            "answers in data.instruction"), idle=False))
+            f"every response was cut at generation.max_new_tokens={cfg.generation.max_new_tokens} before it ended"
+            + (f" ({empty} of {len(rollouts.responses)} were empty)" if empty else "") + ": raise "
+            "generation.max_new_tokens (and policy.max_total_sequence_length with it), or ask for shorter answers in "
+            "data.instruction"), idle=False))
     if metrics["train/reward_error_fraction"] >= 1.0:
-        causes.append(Cause("unreadable answers", (
-            f"the reward could not read an answer in any response, e.g. {_excerpt(rollouts)}: check the answer "
-            "format data.instruction asks for against the one env reads (for math: the last \\boxed{...})"),
-            idle=False))
+        example = rollouts.reward_errors[0] if rollouts.reward_errors else "no message"
+        causes.append(Cause("reward failed", (
+            f"the reward failed on every sample ({example}), so each scored 0: fix what the message names (a gold "
+            "answer the environment cannot read is a data problem; a timeout: raise env.timeout_s)"), idle=False))
+    elif metrics.get("train/unparsed_fraction", 0.0) >= 1.0:
+        expected = _ANSWER_FORMATS.get(cfg.env.kind, f"the answer env.kind={cfg.env.kind} reads")
+        causes.append(Cause("no answer found", (
+            f"the reward found no answer in any response that ended, e.g. {_excerpt(rollouts)}; it reads "
+            f"{expected}: ask for that format in data.instruction (or prompt_template), or use an environment that "
+            "reads the model's format"), idle=False))
     return causes
+
+
+def _all_cut_or_empty(rollouts: Any) -> bool:
+    """Every response was cut at max_new_tokens or is empty (an end-of-sequence token alone), and one was cut: no
+    response said anything to its end. (With max_new_tokens 1 this always holds.)"""
+    cut = rollouts.truncated.tolist()
+    texts = rollouts.responses if len(rollouts.responses) == len(cut) else [""] * len(cut)
+    return any(cut) and all(c or not text.strip() for c, text in zip(cut, texts))
 
 
 def _equal_rewards_fix(cfg: Any) -> str:
@@ -177,7 +213,9 @@ def _few(values: list[float]) -> str:
 
 
 def _excerpt(rollouts: Any) -> str:
-    text = next((r for r in rollouts.responses if r), "")
+    """One response that ended, as the warnings quote it."""
+    ended = [r for r, cut in zip(rollouts.responses, rollouts.truncated.tolist()) if not cut]
+    text = next((r for r in ended if r.strip()), "")
     return repr(text[:120] + ("..." if len(text) > 120 else "")) if text else "an empty response"
 
 
@@ -206,8 +244,37 @@ class IdleGuard:
                 "grpo.max_idle_steps=0 lets such a run go on")
 
 
+#: Training steps in a row whose loss is exactly 0 before `ZeroLoss` warns (SFT, DPO, reward model).
+ZERO_LOSS_STEPS = 2
+
+_ZERO_LOSS_CAUSES = {
+    "sft": "every answer token masked (empty answers, or prompts that fill policy.max_total_sequence_length)",
+    "dpo": "no response token in the pairs (empty responses, or prompts that fill policy.max_total_sequence_length)",
+    "rm": "no pair scored (empty responses, or prompts that fill policy.max_total_sequence_length)"}
+
+
+@dataclass
+class ZeroLoss:
+    """SFT, DPO and reward-model training: a loss of exactly 0 (no token carried a label; a real NLL, DPO or
+    Bradley-Terry loss is never exactly 0 in fp32 short of saturation) for `ZERO_LOSS_STEPS` steps in a row is a
+    warning naming the likely cause; each run of such steps warns once."""
+
+    command: str
+    in_a_row: int = 0
+
+    def observe(self, step: int, metrics: dict[str, float]) -> None:
+        self.in_a_row = self.in_a_row + 1 if metrics.get("train/loss") == 0.0 else 0
+        if self.in_a_row == ZERO_LOSS_STEPS:
+            grad = metrics.get("train/grad_norm")
+            print(f"[mrl] step {step}: train/loss has been exactly 0 for {ZERO_LOSS_STEPS} steps in a row"
+                  + (f" (train/grad_norm {grad:g})" if grad is not None else "") + ": the steps learn nothing. "
+                  f"Likely cause: {_ZERO_LOSS_CAUSES[self.command]}; check the rows (mrl score or the data files)",
+                  file=sys.stderr, flush=True)
+
+
 #: The figures whose run means `health_summary` reports.
-_MEANS = ("prompts_rejected_fraction", "zero_variance_groups", "reward_error_fraction", "truncated_fraction")
+_MEANS = ("prompts_rejected_fraction", "zero_variance_groups", "reward_error_fraction", "unparsed_fraction",
+          "truncated_fraction")
 
 
 def health_summary(history: dict[str, list[tuple[int, float]]]) -> dict[str, Any]:

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 import torch
 
 from mrl.algorithms.guards import NonFiniteGuard
+from mrl.algorithms.health import ZeroLoss
 from mrl.config.errors import ConfigError
 from mrl.config.schema import MrlConfig
 from mrl.data.preferences import (PreferencePair, build_preference_batch, encode_prompt_messages, load_preferences,
@@ -159,7 +160,7 @@ def masked_batch_dict(batch: RankBatch, rows: int) -> dict[str, torch.Tensor]:
 def train_on_pairs(cfg: MrlConfig, section: "DPOConfig | RMConfig", workers: "Workers", data: PairData,
                    logger: "MetricsLogger", ckpt: "LoopCheckpoints", *,
                    step_fn: Callable[[RankBatch], dict[str, float]], validate: Callable[[], dict[str, float]],
-                   turn_end: bool = True) -> dict[str, float]:
+                   command: str, turn_end: bool = True) -> dict[str, float]:
     """The loop DPO and reward models share: a batch of pairs per step -> `step_fn` (one optimizer step; its
     metrics) -> validation (before the first step, every `section.val_every` steps and after the last) -> log ->
     checkpoint. Resumes from the newest checkpoint (the pair stream's position included). Returns the last metrics."""
@@ -180,6 +181,7 @@ def train_on_pairs(cfg: MrlConfig, section: "DPOConfig | RMConfig", workers: "Wo
         logger.log(validate(), step=0)
     final: dict[str, float] = {}
     guard = NonFiniteGuard(cfg.policy.max_nonfinite_steps)
+    zero = ZeroLoss(command)
     for step in range(int(state["step"]) + 1 if state else 1, last + 1):
         t0 = time.perf_counter()
         metrics = step_fn(pair_batch(next(stream), workers.tokenizer, data.template,
@@ -188,6 +190,7 @@ def train_on_pairs(cfg: MrlConfig, section: "DPOConfig | RMConfig", workers: "Wo
         if done or (section.val_every and step % section.val_every == 0):
             metrics.update(validate())
         guard.observe(step, metrics)
+        zero.observe(step, metrics)
         metrics["timing/step"] = time.perf_counter() - t0
         logger.log(metrics, step=step)
         final = metrics

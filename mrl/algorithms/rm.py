@@ -53,4 +53,4 @@ def rm_train(cfg: MrlConfig, workers: Workers, data: PairData, logger: MetricsLo
              ckpt: LoopCheckpoints) -> dict[str, float]:
     """The whole reward-model run (resumes from the newest checkpoint). Returns the last step's metrics."""
     return train_on_pairs(cfg, cfg.rm, workers, data, logger, ckpt, step_fn=lambda batch: rm_step(workers, batch),
-                          validate=lambda: rm_validation(cfg, workers, data), turn_end=False)
+                          validate=lambda: rm_validation(cfg, workers, data), command="rm", turn_end=False)

@@ -37,6 +37,7 @@ class Rollouts:
     extracted_answers: list[Optional[str]] = field(default_factory=list)  # [B] what the environment read as answer
     finish_reasons: list[FinishReason] = field(default_factory=list)  # [B]
     policy_version: int = 0            # the training step whose weights generated them (0: the initial model)
+    reward_errors: list[str] = field(default_factory=list)  # the reward's failure messages (at most a few)
 
     def state_dict(self) -> dict:
         """Tensors, numbers and strings only (a checkpoint's train state loads with weights_only=True)."""
@@ -82,4 +83,4 @@ def generate_and_score(engine: GenerationBackend, env: Environment, tokenizer: "
     return Rollouts(ids, mask, gen, scored.rewards.float(), out.lengths(),
                     torch.tensor([s.truncated for s in out.samples]), scored.num_errors, out.num_prompts_rejected,
                     lengths, texts, [m.get(EXTRACTED_ANSWER) for m in scored.metadata],
-                    [s.finish_reason for s in out.samples])
+                    [s.finish_reason for s in out.samples], reward_errors=scored.error_messages[:4])

@@ -21,6 +21,7 @@ from typing import Optional
 
 
 from mrl.algorithms.guards import NonFiniteGuard
+from mrl.algorithms.health import ZeroLoss
 from mrl.algorithms.interfaces import LoopCheckpoints, Workers
 from mrl.config.schema import MrlConfig
 from mrl.data.dataloader import PromptDataLoader
@@ -103,6 +104,7 @@ def sft_train(cfg: MrlConfig, workers: Workers, data: TaskData, logger: MetricsL
         examples.load_state_dict(state["examples"])
     final: dict[str, float] = {}
     guard = NonFiniteGuard(cfg.policy.max_nonfinite_steps)
+    zero = ZeroLoss("sft")
     for step in range(int(state["step"]) + 1 if state else 1, last + 1):
         t0 = time.perf_counter()
         prompts, targets = examples.next()
@@ -114,6 +116,7 @@ def sft_train(cfg: MrlConfig, workers: Workers, data: TaskData, logger: MetricsL
         if _validation_due(cfg, step, done):
             metrics.update(validation_loss(workers, data, cfg.policy.max_total_sequence_length))
         guard.observe(step, metrics)
+        zero.observe(step, metrics)
         metrics["timing/step"] = time.perf_counter() - t0
         logger.log(metrics, step=step)
         final = metrics

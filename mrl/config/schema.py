@@ -310,7 +310,7 @@ class GRPOConfig(Section):
     overlong_buffer: int = Field(0, ge=0, description="DAPO overlong shaping: penalty ramp over the last N tokens; 0 = off.")
     overlong_penalty: float = Field(1.0, ge=0, description="DAPO overlong shaping: penalty at max length.")
     val_every: int = Field(0, ge=0, description="Evaluate every N steps (0 = only at the end).")
-    max_idle_steps: int = Field(0, ge=0, description="Stop the run (exit 2, with the cause and the fix) after this "
+    max_idle_steps: int = Field(3, ge=0, description="Stop the run (exit 2, with the cause and the fix) after this "
                                 "many steps in a row that trained on nothing: every prompt too long, every group's "
                                 "rewards equal, no sample kept; 0 = warn only. Every such step warns.")
     max_off_policy_steps: int = Field(0, ge=0, le=1, description="0: synchronous (on-policy). 1: asynchronous, "

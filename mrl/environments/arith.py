@@ -22,9 +22,15 @@ def first_integer(response: str) -> Optional[str]:
 
 
 def arith_reward(response: str, answer: str) -> float:
-    """1.0 when the first integer in `response` equals the integer `answer` ("42" and "042" both match 42)."""
+    """1.0 when the first integer in `response` equals the integer `answer` ("42" and "042" both match 42). A gold
+    `answer` that is not an integer raises ValueError whatever the response says: a data problem, never a 0 that
+    looks like a wrong answer."""
+    try:
+        gold = int(answer)
+    except ValueError:
+        raise ValueError(f"the gold answer {answer!r} is not an integer, which env.kind=arith compares") from None
     found = first_integer(response)
-    return float(found is not None and int(found) == int(answer))
+    return float(found is not None and int(found) == gold)
 
 
 class ArithEnvironment:

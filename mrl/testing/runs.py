@@ -17,6 +17,9 @@ SHORT_ARITH = ("data.arith.digits=1", "data.arith.num_heldout=20", "sft.max_num_
                "grpo.max_num_epochs=4", "grpo.val_every=2", "eval.num_samples=2", "eval.pass_k=[1,2]",
                "policy.max_total_sequence_length=12", "generation.max_new_tokens=4",
                "generation.vllm.max_model_len=12", "logger.log_every=1")
+#: For runs that check machinery (hub, faults, engines, benchmarks) from a model that need not learn: a random model's
+#: groups may all score alike for 3 steps, which the default grpo.max_idle_steps (3) stops with exit 2.
+MACHINERY = ("grpo.max_idle_steps=0",)
 
 
 def mrl(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen:

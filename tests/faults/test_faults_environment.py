@@ -18,7 +18,7 @@ import pytest
 
 from mrl.environments.servers import GuessNumber
 from mrl.parallel.groups import free_port
-from mrl.testing.runs import finish, metrics, mrl
+from mrl.testing.runs import MACHINERY, finish, metrics, mrl
 
 pytestmark = pytest.mark.timeout(1200)
 
@@ -26,7 +26,7 @@ RECIPE = str(Path(__file__).resolve().parents[2] / "recipes" / "guess-number-tin
 EPISODES = 4 * 4  # grpo.num_prompts_per_step x grpo.num_generations_per_prompt
 RUN = ("grpo.max_num_steps=4", "grpo.num_prompts_per_step=4", "grpo.num_generations_per_prompt=4",
        "policy.train_global_batch_size=16", "policy.train_micro_batch_size=16", "grpo.val_every=0",
-       "eval.max_problems=4", "env.server.max_turns=3", "logger.log_every=1", "env.server.timeout_s=2")
+       "eval.max_problems=4", "env.server.max_turns=3", "logger.log_every=1", "env.server.timeout_s=2", *MACHINERY)
 
 
 def _logged_steps(log: Path) -> set[int]:

@@ -10,7 +10,14 @@ Checked:
   first tokens;
 - a run whose every step trains on nothing (groups of one sample: every advantage is 0) warns at each step, stops
   with exit 2 after grpo.max_idle_steps such steps, with that message and no traceback, and saves nothing from the
-  idle step that stopped it; the step's health figures are in the metrics.
+  idle step that stopped it; the step's health figures are in the metrics;
+- a model whose every answer is wrong (gold answers of 64 digits, which 4 new tokens cannot write: checked against
+  the tokenizer's longest token) warns that every reward is 0 and stops after the default 3 idle steps;
+- an environment that cannot read its answers (gold answers that are not integers, for env.kind=arith) with
+  generation.max_new_tokens 1: the step warns that every response was cut and that the reward failed on every
+  sample, with the environment's message, and stops.
+Not provoked for real: a reward that finds no answer in any response (a random model writes a digit by chance, so
+"none" is not deterministic); tests/unit/algorithms/test_algorithms_health.py checks it by hand.
 """
 
 from __future__ import annotations
@@ -107,3 +114,54 @@ def test_sft_rows_all_longer_than_the_length_warn_and_train_on_their_first_token
                      r"policy.max_total_sequence_length=5 \(shortest 6, longest 7 tokens\)", out), out[-4000:]
     logged = metrics(tmp_path / "logs")
     assert logged[1]["train/rows_truncated"] > 0 and logged[2]["train/loss"] > 0
+
+
+#: A task of the user's own rows (data.train) under env.kind=arith, no instruction, 8 prompts x 4 samples a step, no
+#: validation.
+OWN_ROWS = ("data.arith=null", "data.instruction=", "env.kind=arith", "grpo.num_prompts_per_step=8", "grpo.num_generations_per_prompt=4",
+            "policy.train_global_batch_size=32", "policy.train_micro_batch_size=32", "grpo.val_every=0",
+            "policy.max_total_sequence_length=16", "generation.vllm.max_model_len=16", "grpo.max_num_steps=5",
+            "grpo.max_num_epochs=4",
+            "checkpointing.enabled=false", "logger.log_every=1")
+
+
+def rows(tmp_path, answer) -> str:
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps({"problem": f"{a}+4=", "answer": answer}) + "\n" for a in range(16)))
+    return f"data.train={data}"
+
+
+def stopped_idle(proc, steps: int) -> str:
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 2 and "Traceback" not in out, out[-4000:]
+    assert f"mrl: training stopped: steps 1..{steps} trained on nothing ({steps} in a row" in out, out[-4000:]
+    return out
+
+
+def test_a_model_whose_every_answer_is_wrong_stops_after_the_default_3_idle_steps(tmp_path):
+    from mrl.data.tokenizers import build_tokenizer, load_tokenizer
+
+    gold, new_tokens = "9" * 64, 4
+    tokenizer = load_tokenizer(build_tokenizer(tmp_path / "tokenizer"))  # the one the run builds for its own rows
+    longest = max(len(tokenizer.decode([i])) for i in range(len(tokenizer)))
+    assert longest * new_tokens < len(gold)  # no response can hold the answer: every reward is 0
+    out = stopped_idle(mrl("grpo", "--config", RECIPE, *OWN_ROWS, rows(tmp_path, gold),
+                           f"generation.max_new_tokens={new_tokens}", f"run.output_dir={tmp_path / 'run'}"), steps=3)
+    warned = re.findall(r"\[mrl\] step (\d): every group's rewards were equal \(rewards seen: 0\): every advantage "
+                        r"is 0, so the step changes nothing\. All 0: the model never answers right", out)
+    assert warned == ["1", "2", "3"], out[-4000:]
+    assert "(3 in a row; grpo.max_idle_steps=3)" in out
+    logged = metrics(tmp_path / "run" / "logs")
+    assert [logged[s]["train/idle"] for s in (1, 2, 3)] == [1.0, 1.0, 1.0] and 4 not in logged
+
+
+def test_an_environment_that_cannot_read_its_answers_and_one_new_token_warn_and_stop(tmp_path):
+    out = stopped_idle(mrl("grpo", "--config", RECIPE, *OWN_ROWS, rows(tmp_path, "seven"), "grpo.max_idle_steps=1",
+                           "generation.max_new_tokens=1", f"run.output_dir={tmp_path / 'run'}"), steps=1)
+    assert re.search(r"\[mrl\] step 1: every response was cut at generation.max_new_tokens=1 before it ended", out), \
+        out[-4000:]
+    assert ("[mrl] step 1: the reward failed on every sample (the gold answer 'seven' is not an integer, which "
+            "env.kind=arith compares), so each scored 0") in out, out[-4000:]
+    logged = metrics(tmp_path / "run" / "logs")[1]
+    assert logged["train/reward_error_fraction"] == 1.0 and logged["train/truncated_fraction"] > 0
+    assert logged["train/health_warnings"] == 3.0  # cut, reward failed, and every reward equal (all 0)

@@ -20,7 +20,7 @@ import pytest
 
 from mrl.testing.hub_cache import folder_files
 from mrl.testing.hub_server import client_env, gate, publish, serve_hub
-from mrl.testing.runs import finish, metrics, mrl
+from mrl.testing.runs import MACHINERY, finish, metrics, mrl
 
 pytestmark = pytest.mark.functional
 
@@ -32,7 +32,7 @@ SMALL = ("cluster.devices_per_node=1", "policy.precision=float32", "policy.max_t
          "policy.sequence_packing.tokens_per_microbatch=200", "generation.max_new_tokens=8",
          "generation.vllm.max_model_len=200", "generation.vllm.enforce_eager=true", "grpo.num_prompts_per_step=2",
          "grpo.num_generations_per_prompt=2", "grpo.val_every=2", "env.num_workers=1", "eval.num_samples=1",
-         "eval.pass_k=[1]", "checkpointing.save_every=1")
+         "eval.pass_k=[1]", "checkpointing.save_every=1", *MACHINERY)
 
 
 def _model_files(folder: Path, seed: int) -> dict[str, bytes]:

@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from mrl.testing.runs import finish, metrics, mrl
+from mrl.testing.runs import MACHINERY, finish, metrics, mrl
 
 RECIPE = str(Path(__file__).resolve().parents[3] / "recipes" / "arith-tiny-moe-cpu.yaml")
 SHORT = ("data.arith.digits=1", "data.arith.num_heldout=20", "grpo.max_num_steps=3", "grpo.max_num_epochs=4",
          "grpo.val_every=0", "eval.num_samples=2", "eval.pass_k=[1,2]", "policy.max_total_sequence_length=12",
-         "generation.max_new_tokens=4", "generation.vllm.max_model_len=12", "checkpointing.enabled=false")
+         "generation.max_new_tokens=4", "generation.vllm.max_model_len=12", "checkpointing.enabled=false", *MACHINERY)
 
 
 @pytest.mark.parametrize("backend", ["vllm", "megatron"])

@@ -2,12 +2,14 @@
 its figures and fix, and the stop after grpo.max_idle_steps idle steps. Real runs that provoke each condition:
 tests/functional/app/test_app_health.py."""
 
+import re
+
 import pytest
 import torch
 
-from mrl.algorithms.health import (PREFLIGHT_ROWS, IdleGuard, IdleTraining, check_prompt_budget, check_sft_rows,
+from mrl.algorithms.health import (PREFLIGHT_ROWS, ZERO_LOSS_STEPS, IdleGuard, IdleTraining, ZeroLoss, check_prompt_budget, check_sft_rows,
                                    health_cell,
-                                   health_metrics, health_summary, prompt_token_limit, step_causes)
+                                   health_metrics, health_summary, prompt_token_limit, reads_answers, step_causes)
 from mrl.algorithms.rollout import Rollouts
 from mrl.config.errors import ConfigError
 from mrl.config.schema import MrlConfig
@@ -16,12 +18,13 @@ from mrl.data.datasets import Problem
 from mrl.data.templates import PromptTemplate
 
 
-def rollouts(rewards, *, rejected=0, errors=0, responses=None) -> Rollouts:
+def rollouts(rewards, *, rejected=0, errors=0, responses=None, cut=None, answers=None, messages=()) -> Rollouts:
     flat = torch.tensor(rewards, dtype=torch.float32).view(-1)
     b = len(flat)
     return Rollouts(torch.zeros(b, 4, dtype=torch.long), torch.ones(b, 4), torch.zeros(b, 4), flat,
-                    torch.full((b,), 2), torch.zeros(b, dtype=torch.bool), num_reward_errors=errors,
-                    num_prompts_rejected=rejected, responses=responses or [""] * b)
+                    torch.full((b,), 2), torch.tensor(cut or [False] * b), num_reward_errors=errors,
+                    num_prompts_rejected=rejected, responses=responses or ["7"] * b,
+                    extracted_answers=answers or ["7"] * b, reward_errors=list(messages))
 
 
 def config(**policy) -> MrlConfig:
@@ -34,7 +37,14 @@ def test_figures_by_hand():
     r = rollouts([[0.0, 1.0], [1.0, 1.0], [0.0, 0.0]], rejected=1, errors=3)
     figures = health_metrics(r, r.rewards.view(3, 2))
     assert figures == {"train/prompts_rejected_fraction": pytest.approx(1 / 3),
-                       "train/zero_variance_groups": pytest.approx(2 / 3), "train/reward_error_fraction": 0.5}
+                       "train/zero_variance_groups": pytest.approx(2 / 3), "train/reward_error_fraction": 0.5,
+                       "train/unparsed_fraction": 0.0}
+    # of 4 responses, 1 cut (not read) and 2 of the 3 that ended without an answer: 2/3; none counted when the
+    # environment reads no answer (a resource server, a reward model)
+    r = rollouts([[0.0, 0.0], [1.0, 0.0]], cut=[True, False, False, False], answers=[None, None, "3", None])
+    assert health_metrics(r, r.rewards.view(2, 2))["train/unparsed_fraction"] == pytest.approx(2 / 3)
+    assert health_metrics(r, r.rewards.view(2, 2), reads_answers=False)["train/unparsed_fraction"] == 0.0
+    assert reads_answers(config()) and not reads_answers(MrlConfig.model_validate({"env": {"kind": "server"}}))
 
 
 def test_every_prompt_too_long_names_the_longest_the_limit_and_the_keys():
@@ -60,12 +70,28 @@ def test_equal_rewards_are_idle_without_kl_and_name_the_rewards_seen():
     assert not cause.idle and "only from the KL term" in cause.message
 
 
-def test_cut_responses_and_unreadable_answers_warn_but_are_not_idle():
-    r = rollouts([[0.0, 1.0]], errors=2, responses=["the answer is seven", "7"])
-    metrics = {**health_metrics(r, r.rewards.view(1, 2)), "train/kept_samples": 2.0, "train/truncated_fraction": 1.0}
+def test_cut_responses_and_failed_rewards_warn_but_are_not_idle():
+    # one response cut, the other an end-of-sequence token alone (empty): nothing was said to its end
+    r = rollouts([[0.0, 1.0]], errors=2, responses=["12", ""], cut=[True, False],
+                 messages=["the gold answer 'seven' is not an integer"])
+    metrics = {**health_metrics(r, r.rewards.view(1, 2)), "train/kept_samples": 2.0}
     causes = step_causes(config(), metrics, r)
-    assert [c.name for c in causes] == ["responses cut", "unreadable answers"] and not any(c.idle for c in causes)
-    assert "generation.max_new_tokens=4" in causes[0].message and "'the answer is seven'" in causes[1].message
+    assert [c.name for c in causes] == ["responses cut", "reward failed"] and not any(c.idle for c in causes)
+    assert "generation.max_new_tokens=4" in causes[0].message and "(1 of 2 were empty)" in causes[0].message
+    assert "the gold answer 'seven' is not an integer" in causes[1].message
+    ended = rollouts([[0.0, 1.0]], responses=["12", ""], cut=[False, False])  # the empty one ended: not all cut
+    assert step_causes(config(), {**health_metrics(ended, ended.rewards.view(1, 2)), "train/kept_samples": 2.0},
+                       ended) == []
+
+
+def test_responses_without_an_answer_quote_one_and_name_the_format_the_reward_reads():
+    r = rollouts([[0.0, 1.0]], responses=["the answer is seven", "abc"], answers=[None, None])
+    metrics = {**health_metrics(r, r.rewards.view(1, 2)), "train/kept_samples": 2.0}
+    (cause,) = step_causes(config(), metrics, r)  # env.kind math by default
+    assert cause.name == "no answer found" and not cause.idle
+    assert "'the answer is seven'" in cause.message and "the last \\boxed{...}" in cause.message
+    arith = MrlConfig.model_validate({**config().model_dump(), "env": {"kind": "arith"}})
+    assert "the first integer of the response" in step_causes(arith, metrics, r)[0].message
 
 
 def test_a_healthy_step_has_no_cause():
@@ -134,7 +160,8 @@ def test_the_run_summary_counts_warned_and_idle_steps_and_averages_each_figure()
                "val/truncated_fraction": [(0, 0.5), (3, 0.125)]}
     summary = health_summary(history)
     assert summary == {"steps_warned": 2, "steps_idle": 1, "prompts_rejected_fraction": None,
-                       "zero_variance_groups": 0.5, "reward_error_fraction": None, "truncated_fraction": 0.75,
+                       "zero_variance_groups": 0.5, "reward_error_fraction": None, "unparsed_fraction": None,
+                       "truncated_fraction": 0.75,
                        "val_truncated_fraction": 0.125, "val_reward_error_fraction": None}
     assert health_cell({"health": summary}) == "2 warned, 1 idle"
     assert health_cell({"health": health_summary({"train/health_warnings": [(1, 0.0)]})}) == "ok"
@@ -158,3 +185,25 @@ def test_sft_rows_whose_prompts_fill_the_length_stop_the_run_and_rows_all_over_i
     check_sft_rows(short(6), tok, plain, rows)  # one row fits whole: silent
     check_sft_rows(short(6), tok, plain, [])
     assert capsys.readouterr().err == ""
+
+
+def test_a_loss_of_exactly_0_warns_once_per_run_of_such_steps(capsys):
+    watch = ZeroLoss("dpo")
+    losses = [0.69, 0.0, 0.0, 0.0, 0.5, 0.0, 0.0, 1e-30]
+    for step, loss in enumerate(losses, start=1):
+        watch.observe(step, {"train/loss": loss, "train/grad_norm": 0.0})
+    err = capsys.readouterr().err
+    assert ZERO_LOSS_STEPS == 2
+    assert re.findall(r"step (\d): train/loss has been exactly 0 for 2 steps in a row", err) == ["3", "7"]
+    assert "(train/grad_norm 0)" in err and "no response token in the pairs" in err
+    assert "every answer token masked" in _warned(ZeroLoss("sft"), capsys)
+
+
+def _warned(watch: ZeroLoss, capsys) -> str:
+    for step in (1, 2):
+        watch.observe(step, {"train/loss": 0.0})
+    return capsys.readouterr().err
+
+
+def test_the_default_stops_a_run_after_3_idle_steps():
+    assert MrlConfig().grpo.max_idle_steps == 3

@@ -57,6 +57,8 @@ def test_arith_reward_is_exact_match_of_the_first_integer():
     assert arith_reward("41", "42") == 0.0
     assert arith_reward("4 2", "42") == 0.0
     assert arith_reward("", "42") == 0.0
+    with pytest.raises(ValueError, match="the gold answer 'seven' is not an integer"):  # whatever the response says
+        arith_reward("no number here", "seven")
 
 
 def conversation(response):
