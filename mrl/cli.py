@@ -56,6 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_convert_parser(sub)
     _add_download_parser(sub)
     _add_submit_parser(sub)
+    _add_plan_parser(sub)
     _add_env_parser(sub)
     config = sub.add_parser("config", help="Inspect configurations.")
     config_sub = config.add_subparsers(dest="config_command", required=True, metavar="ACTION")
@@ -147,13 +148,18 @@ def _add_env_parser(sub) -> None:
 def _add_submit_parser(sub) -> None:
     submit = sub.add_parser(
         "submit", help="Check a command's config against a Slurm allocation, then sbatch it (slurm/ray-sbatch.sh).",
-        description="Preflight (the config is validated and the allocation checked against cluster.*), then "
+        description="Preflight (the config is validated, the allocation checked against cluster.* and, with GPUs, "
+                    "the layout's memory against the GPU: mrl plan), then "
                     "`sbatch slurm/ray-sbatch.sh <command>`: a Ray head on the first node, a worker on each other, "
                     "the command on the head. Example: mrl submit --time=04:00:00 --requeue -- mrl grpo --config X")
     submit.add_argument("--nodes", type=int, help="nodes (default: cluster.num_nodes of the config)")
     submit.add_argument("--gpus-per-node", type=int, help="GPUs per node (default: cluster.devices_per_node)")
     submit.add_argument("--no-gpus", dest="gpus", action="store_false",
                         help="request no GPUs (CPU clusters: devices are worker processes)")
+    submit.add_argument("--gpu", default="h100-80gb",
+                        help="the GPU the memory plan checks the layout against (default h100-80gb; see mrl plan)")
+    submit.add_argument("--assume", action="append", default=[], metavar="KEY=VALUE",
+                        help="replace one of the memory plan's assumptions (see mrl plan)")
     submit.add_argument("--time", help="time limit (sbatch --time)")
     submit.add_argument("--partition", help="sbatch --partition")
     submit.add_argument("--account", help="sbatch --account")
@@ -167,6 +173,28 @@ def _add_submit_parser(sub) -> None:
     submit.add_argument("--dry-run", action="store_true", help="print the sbatch command instead of running it")
     submit.add_argument("submitted", nargs=argparse.REMAINDER, metavar="COMMAND",
                         help="-- mrl <command> --config FILE [overrides]")
+
+
+def _add_plan_parser(sub) -> None:
+    text = ("A recipe's memory per GPU (policy ranks by pipeline stage, the engine's weights and KV cache), with the "
+            "assumptions printed, and whether it fits; exit 2 when it does not.")
+    plan = sub.add_parser("plan", help=text, description=text)
+    plan.add_argument("--config", required=True, metavar="FILE", help="YAML config or recipe, or a shipped recipe's name")
+    plan.add_argument("--gpu", default="h100-80gb", help="the GPU (default h100-80gb; h200-141gb, a100-80gb, ...)")
+    plan.add_argument("--assume", action="append", default=[], metavar="KEY=VALUE",
+                      help="replace one of the plan's assumptions with your own measurement (repeatable)")
+    plan.add_argument("--model-config", metavar="FILE", help="the model's config.json (default: policy.model_name's, "
+                                                            "from its folder, the hub cache or mrl's shipped copies)")
+    plan.add_argument("overrides", nargs="*", help=OVERRIDE_HELP)
+
+
+def _run_plan(args: argparse.Namespace) -> int:
+    from mrl.app.plan import make_plan, render
+
+    cfg = load_config(args.config, args.overrides)
+    plan = make_plan(cfg, gpu=args.gpu, assume=args.assume, model_config_path=args.model_config)
+    print(render(plan, cfg))
+    return 0 if plan.fits else CONFIG_ERROR_EXIT_CODE
 
 
 def _run_submit(args: argparse.Namespace) -> int:
@@ -321,6 +349,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _run_download(args)
         if args.command == "submit":
             return _run_submit(args)
+        if args.command == "plan":
+            return _run_plan(args)
         if args.command == "env":
             return _run_env(args)
         return _run_config_command(args)

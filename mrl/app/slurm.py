@@ -81,6 +81,19 @@ def check_allocation(cfg, nodes: Optional[int], gpus_per_node: Optional[int]) ->
     return want
 
 
+def check_memory(cfg, gpu: str, assume: Sequence[str]) -> None:
+    """Refuse a layout whose plan (mrl/app/plan.py) does not fit the GPUs, with the plan as the message; a random
+    model built from policy.build has no published size to plan."""
+    from mrl.app.plan import make_plan, render
+
+    if cfg.policy.model_name is None:
+        return
+    plan = make_plan(cfg, gpu=gpu, assume=assume)
+    if not plan.fits:
+        raise PreflightError(f"the layout does not fit a {gpu} GPU (`mrl plan` says why; --gpu names another GPU, "
+                             f"--assume replaces an assumption):\n{render(plan, cfg)}")
+
+
 def sbatch_command(allocation: Allocation, command: Sequence[str], args: argparse.Namespace) -> list[str]:
     """The sbatch command line that submits `command` through the launcher."""
     line = ["sbatch", "--parsable", f"--nodes={allocation.nodes}", f"--job-name={args.job_name}"]
@@ -117,6 +130,8 @@ def submit(args: argparse.Namespace) -> int:
     cfg = command_config(command)
     allocation = check_allocation(cfg, args.nodes, args.gpus_per_node)
     fetch_hub_ids(cfg, dry_run=args.dry_run)  # into the cache the job reads (HF_HOME on a shared file system), before anything is queued
+    if args.gpus:
+        check_memory(cfg, getattr(args, "gpu", "h100-80gb"), getattr(args, "assume", []))
     line, env = sbatch_command(allocation, command, args), launcher_env(args)
     shown = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()) + " " + shlex.join(line)
     if args.dry_run:

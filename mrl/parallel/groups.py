@@ -124,6 +124,23 @@ def init_process_groups(
     model_parallel_cuda_manual_seed(seed)
 
 
+def init_fake_process_groups(world: int, rank: int, *, tp: int = 1, pp: int = 1, ep: int = 1) -> None:
+    """Megatron's groups of a `world`-rank layout with this process as rank `rank`, over torch's fake process group
+    (torch.testing._internal.distributed.fake_pg: every collective a no-op, nothing is sent): to build one rank's
+    model on the meta device and count what it holds (mrl.testing.meta_build). No gloo groups: the fake backend has
+    none. `destroy_process_groups` undoes it."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from mrl.parallel import cpu_compat
+
+    cpu_compat.apply()
+    from megatron.core import parallel_state
+
+    dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                             expert_model_parallel_size=ep, create_gloo_process_groups=False)
+
+
 def destroy_process_groups() -> None:
     """Destroy Megatron's groups and torch.distributed's default group (safe to call when not initialised; a
     process that never imported Megatron has no Megatron groups, and does not import it here: seconds)."""

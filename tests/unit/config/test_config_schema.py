@@ -163,7 +163,7 @@ def test_default_config_matches_the_snapshot():
     assert to_yaml(load_config(None)) == DEFAULTS_SNAPSHOT.read_text()
 
 
-CONFIGS = Path(__file__).parents[2] / "fixtures" / "hf_configs"
+CONFIGS = Path(__file__).parents[3] / "mrl" / "_shipped" / "hf_configs"
 MOE_RECIPES = {"grpo-qwen3-30b-a3b-2n8g.yaml": "Qwen--Qwen3-30B-A3B_config.json",
                "grpo-deepseek-v3-32n8g.yaml": "deepseek-ai--DeepSeek-V3_config.json"}
 

@@ -2,7 +2,7 @@
 experts, the MTP layer of real checkpoints, what Megatron cannot represent, and the published configs' sizes.
 
 The HF side is transformers itself (tiny random models saved with save_pretrained); the published configs are
-fixtures (tests/fixtures/hf_configs, verbatim config.json files of Qwen3-30B-A3B, Qwen3-235B-A22B, DeepSeek-V3).
+fixtures (mrl/_shipped/hf_configs, verbatim config.json files of Qwen3-30B-A3B, Qwen3-235B-A22B, DeepSeek-V3).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import converters as C
 from converters.hf_io import load_hf_config, load_hf_state
 from mrl.testing.tiny_models import build_tiny_hf_model
 
-CONFIGS = Path(__file__).parents[2] / "fixtures" / "hf_configs"
+CONFIGS = Path(__file__).parents[3] / "mrl" / "_shipped" / "hf_configs"
 FAMILIES = {"qwen3_moe": {}, "qwen2_moe": {}, "deepseek_v3": {}, "deepseek_v3-no-q-lora": {"q_lora_rank": None}}
 
 

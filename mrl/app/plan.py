@@ -1,0 +1,283 @@
+"""`mrl plan --config R [--gpu NAME] [--assume key=value ...]`: what a recipe costs on each GPU, before it is queued.
+
+Data flow: the config (validated as for a run) -> the model's config.json (a local folder, the hub cache, or the
+published configs shipped for the cluster recipes' models, mrl/_shipped/hf_configs) -> per pipeline stage, the
+policy rank's model states (mrl/app/plan_memory.py: exact, checked against megatron-core's own model) and
+activations (mrl/app/plan_activations.py: an estimate) -> the engine GPU's weights and KV cache -> the two phases a
+colocated GPU goes through (training while the engine sleeps; generation while the policy keeps what
+`policy.offload_when_generating` does not move) against the GPU's memory -> a verdict, and the settings that would
+make a layout that does not fit fit. Every figure that is not arithmetic on the config is an assumption, printed with
+its source; `--assume key=value` replaces it with the user's own measurement.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from converters.spec import ModelDims, model_dims
+from mrl.app.plan_activations import Activations, stage_activations
+from mrl.app.plan_memory import (GiB, PolicyBytes, engine_weight_bytes, kv_capacity_tokens, layout_of,
+                                 padded_vocab, policy_bytes, stage_params)
+from mrl.config import ConfigError, MrlConfig
+
+SHIPPED_CONFIGS = Path(__file__).resolve().parents[1] / "_shipped" / "hf_configs"
+
+#: Memory the driver reports as the GPU's total (nvidia-smi's "MiB" figure), by the names `--gpu` takes.
+GPUS: dict[str, int] = {"h100-80gb": 81559 * 2**20, "h200-141gb": 143771 * 2**20, "a100-80gb": 81920 * 2**20,
+                        "a100-40gb": 40960 * 2**20, "b200-180gb": 183359 * 2**20}
+
+
+@dataclass(frozen=True)
+class Assumption:
+    value: float
+    unit: str
+    source: str
+
+
+#: Figures the plan cannot derive from the config; `--assume key=value` replaces one.
+ASSUMPTIONS: dict[str, Assumption] = {
+    "cuda_context_gib": Assumption(0.6, "GiB per process on a GPU", "CUDA context and the NCCL communicators, "
+                                   "typical of an H100 (nvidia-smi of an idle torch process with NCCL)"),
+    "engine_overhead_gib": Assumption(2.0, "GiB", "vLLM's non-KV memory besides the weights: the profile run's "
+                                      "activation peak, CUDA graphs, non-torch memory (vLLM's start-up log prints "
+                                      "each: 'Memory profiling takes ...')"),
+    "engine_asleep_gib": Assumption(0.3, "GiB", "what a sleeping colocated engine keeps (level 2 frees weights and "
+                                    "KV cache; level 1 moves the weights to host memory)"),
+    "allocator_slack": Assumption(0.05, "fraction of the GPU", "the caching allocator's fragmentation on top of the "
+                                  "live tensors (PyTorch's reserved minus allocated, typical)"),
+}
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    states: PolicyBytes
+    activations: Activations
+    layers: tuple[int, int]
+    train_phase: int       # bytes on the GPU while training (engine asleep)
+    generate_phase: int    # bytes on the GPU while a colocated engine generates (0: not colocated)
+
+
+@dataclass(frozen=True)
+class EnginePlan:
+    gpus: int              # GPUs of one engine (its TP)
+    weights: int
+    budget: int            # gpu_memory_utilization x the GPU
+    kv_bytes: int
+    kv_tokens: int
+    sequence_tokens: int   # one sequence at the configured lengths
+    block_size: int = 16
+
+    @property
+    def sequences(self) -> int:
+        return self.kv_tokens // self.sequence_tokens
+
+
+@dataclass
+class Plan:
+    model: str
+    model_source: str
+    gpu: str
+    gpu_bytes: int
+    dims: ModelDims
+    stages: list[StagePlan]
+    engine: EnginePlan
+    assumptions: dict[str, Assumption]
+    problems: list[str] = field(default_factory=list)
+    fixes: list[str] = field(default_factory=list)
+
+    @property
+    def fits(self) -> bool:
+        return not self.problems
+
+
+def parse_assumptions(pairs: Sequence[str]) -> dict[str, Assumption]:
+    """ASSUMPTIONS with `key=value` pairs applied; an unknown key or a value that is not a number is a ConfigError."""
+    out = dict(ASSUMPTIONS)
+    for pair in pairs:
+        key, _, value = pair.partition("=")
+        if key not in ASSUMPTIONS:
+            raise ConfigError("not an assumption of the plan", key="--assume", given=pair,
+                              allowed=", ".join(ASSUMPTIONS), fix="--assume KEY=NUMBER with one of those keys")
+        try:
+            number = float(value)
+        except ValueError:
+            raise ConfigError("the value is not a number", key="--assume", given=pair,
+                              fix=f"--assume {key}=NUMBER ({ASSUMPTIONS[key].unit})") from None
+        out[key] = Assumption(number, ASSUMPTIONS[key].unit, "given with --assume")
+    return out
+
+
+def gpu_bytes(name: str) -> int:
+    if name not in GPUS:
+        raise ConfigError("unknown GPU", key="--gpu", given=name, allowed=", ".join(GPUS),
+                          fix="name one of those (the memory nvidia-smi reports for it)")
+    return GPUS[name]
+
+
+def model_config(cfg: MrlConfig, path: str | None = None) -> tuple[dict[str, Any], str]:
+    """The policy's config.json and where it came from: `path` (--model-config), policy.model_name's folder, the
+    hub cache, or the published config shipped for a cluster recipe's model."""
+    if path is not None:
+        return _read_config(Path(path), "--model-config"), path
+    name = cfg.policy.model_name
+    if name is None:
+        raise ConfigError("the plan needs the model's config.json", key="policy.model_name", given=None,
+                          fix="set policy.model_name, or pass --model-config FILE")
+    folder = Path(name)
+    if (folder / "config.json").is_file():
+        return _read_config(folder / "config.json", "policy.model_name"), str(folder / "config.json")
+    repo = name.split("@")[0]
+    cached = _hub_cache_config(repo)
+    if cached is not None:
+        return _read_config(cached, "policy.model_name"), f"{repo} (hub cache)"
+    shipped = SHIPPED_CONFIGS / f"{repo.replace('/', '--')}_config.json"
+    if shipped.is_file():
+        return _read_config(shipped, "policy.model_name"), f"{repo} (published config.json shipped with mrl)"
+    raise ConfigError("no config.json found for the model: not a local folder, not in the hub cache, and not one "
+                      "of the models whose published config mrl ships", key="policy.model_name", given=name,
+                      fix=f"`mrl download {repo}` on a machine with network, or pass --model-config FILE")
+
+
+def _read_config(path: Path, key: str) -> dict[str, Any]:
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"cannot read a config.json: {exc}", key=key, given=str(path)) from None
+    config.pop("quantization_config", None)  # an fp8 checkpoint trains and generates in bf16 here
+    return config
+
+
+def _hub_cache_config(repo: str) -> Path | None:
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:
+        return None
+    found = try_to_load_from_cache(repo, "config.json")
+    return Path(found) if isinstance(found, str) else None
+
+
+def make_plan(cfg: MrlConfig, *, gpu: str = "h100-80gb", assume: Sequence[str] = (),
+              model_config_path: str | None = None) -> Plan:
+    """The whole plan of a config (module docstring)."""
+    assumptions = parse_assumptions(assume)
+    total = gpu_bytes(gpu)
+    config, source = model_config(cfg, model_config_path)
+    dims = model_dims(config)
+    layout = layout_of(cfg)
+    engine = _engine(cfg, dims, total, assumptions)
+    context = int(assumptions["cuda_context_gib"].value * GiB)
+    stages = []
+    for stage in stage_params(dims, layout, freeze_router=cfg.policy.moe.freeze_router):
+        states = policy_bytes(stage, layout, precision=cfg.policy.precision,
+                              distributed_optimizer=cfg.policy.optimizer.use_distributed_optimizer,
+                              reference=cfg.loss.kl_beta > 0 and not cfg.policy.offload_reference)
+        acts = stage_activations(cfg, dims, stage.layers, last_stage=stage.stage == layout.pp - 1,
+                                 padded_vocab=padded_vocab(dims, layout.tp))
+        slack = 1 + assumptions["allocator_slack"].value
+        asleep = int(assumptions["engine_asleep_gib"].value * GiB) + context if cfg.generation.colocated else 0
+        train = int((states.states + max(acts.train_peak, acts.logprob_peak)) * slack) + context + asleep
+        generate = _resident(cfg, states) + context + engine.budget if cfg.generation.colocated else 0
+        stages.append(StagePlan(states, acts, stage.layers, train, generate))
+    plan = Plan(cfg.policy.model_name or "", source, gpu, total, dims, stages, engine, assumptions)
+    _judge(cfg, plan)
+    return plan
+
+
+def _resident(cfg: MrlConfig, states: PolicyBytes) -> int:
+    """What a policy rank keeps on its GPU while a colocated engine generates."""
+    off = cfg.policy.offload_when_generating
+    return (0 if off.weights else states.weights) + (0 if off.gradients else states.gradients) + \
+        (0 if off.optimizer_states else states.optimizer) + states.reference
+
+
+def _engine(cfg: MrlConfig, dims: ModelDims, total: int, assumptions: Mapping[str, Assumption]) -> EnginePlan:
+    tp = cfg.generation.vllm.tensor_parallel_size
+    weights = engine_weight_bytes(dims, tp)
+    budget = int(cfg.generation.vllm.gpu_memory_utilization * total)
+    free = budget - weights - int(assumptions["engine_overhead_gib"].value * GiB)
+    block = 16
+    tokens = kv_capacity_tokens(dims, tp, free, block_size=block)
+    sequence = cfg.generation.vllm.max_model_len or cfg.policy.max_total_sequence_length
+    return EnginePlan(tp, weights, budget, max(free, 0), tokens, sequence, block)
+
+
+def _judge(cfg: MrlConfig, plan: Plan) -> None:
+    """The problems that keep the layout from fitting and the settings that would mend each."""
+    total = plan.gpu_bytes
+    worst_train = max(plan.stages, key=lambda s: s.train_phase)
+    if worst_train.train_phase > total:
+        plan.problems.append(f"training needs {_gib(worst_train.train_phase)} on a stage-{worst_train.states.stage} "
+                             f"GPU, more than its {_gib(total)}")
+        plan.fixes += _train_fixes(cfg, worst_train, total)
+    worst_generate = max(plan.stages, key=lambda s: s.generate_phase)
+    if worst_generate.generate_phase > total:
+        plan.problems.append(f"generation needs {_gib(worst_generate.generate_phase)} on a colocated GPU (the "
+                             f"engine's {cfg.generation.vllm.gpu_memory_utilization:g} of it and what the policy "
+                             f"keeps), more than its {_gib(total)}")
+        plan.fixes.append("lower generation.vllm.gpu_memory_utilization, or offload more while generating "
+                          "(policy.offload_when_generating.weights=true)")
+    if plan.engine.sequences < 1:
+        plan.problems.append(f"the engine's KV cache ({_gib(plan.engine.kv_bytes)}) holds no "
+                             f"{plan.engine.sequence_tokens}-token sequence")
+        plan.fixes.append("raise generation.vllm.gpu_memory_utilization or generation.vllm.tensor_parallel_size")
+
+
+def _train_fixes(cfg: MrlConfig, stage: StagePlan, total: int) -> list[str]:
+    fixes = []
+    if not cfg.policy.optimizer.use_distributed_optimizer and cfg.policy_world_size > 1:
+        fixes.append("policy.optimizer.use_distributed_optimizer=true (shards the optimizer states over the "
+                     "data-parallel ranks)")
+    if not cfg.policy.activation_checkpointing:
+        fixes.append("policy.activation_checkpointing=true")
+    if stage.activations.train_peak > total // 4:
+        fixes.append("fewer tokens per micro-batch (policy.sequence_packing.tokens_per_microbatch or "
+                     "policy.train_micro_batch_size), or policy.parallel.context_parallel_size")
+    fixes.append("more model parallelism: policy.parallel.tensor_parallel_size, pipeline_parallel_size or (MoE) "
+                 "expert_parallel_size, on more GPUs")
+    return fixes
+
+
+def _gib(value: int) -> str:
+    return f"{value / GiB:.1f} GiB"
+
+
+def render(plan: Plan, cfg: MrlConfig) -> str:
+    """The plan as the text `mrl plan` prints."""
+    par = cfg.policy.parallel
+    lines = [f"mrl plan: {plan.model} on {plan.gpu} ({_gib(plan.gpu_bytes)} per GPU)",
+             f"  model: {plan.model_source}",
+             f"  policy: {cfg.policy_world_size} GPUs, TP {par.tensor_parallel_size} PP {par.pipeline_parallel_size} "
+             f"CP {par.context_parallel_size} EP {par.expert_parallel_size}, {cfg.policy.precision}, distributed "
+             f"optimizer {'on' if cfg.policy.optimizer.use_distributed_optimizer else 'off'}, recompute "
+             f"{'on' if cfg.policy.activation_checkpointing else 'off'}; engine TP {plan.engine.gpus}, "
+             f"{'colocated' if cfg.generation.colocated else 'on its own GPUs'}",
+             "",
+             "policy GPU, per pipeline stage (GiB)",
+             f"  {'stage':>5} {'layers':>9} {'params':>9} {'weights':>8} {'grads':>7} {'optim':>7} {'ref':>6} "
+             f"{'act':>7} {'logprob':>8} {'train':>7} {'generate':>9}"]
+    for s in plan.stages:
+        g = s.states
+        lines.append(f"  {g.stage:>5} {f'{s.layers[0]}-{s.layers[1] - 1}':>9} {g.params / 1e9:>8.2f}B "
+                     f"{g.weights / GiB:>8.1f} {g.gradients / GiB:>7.1f} {g.optimizer / GiB:>7.1f} "
+                     f"{g.reference / GiB:>6.1f} {s.activations.train_peak / GiB:>7.1f} "
+                     f"{s.activations.logprob_peak / GiB:>8.1f} {s.train_phase / GiB:>7.1f} "
+                     f"{(s.generate_phase / GiB if s.generate_phase else 0):>9.1f}")
+    e = plan.engine
+    lines += ["",
+              f"engine GPU: weights {_gib(e.weights)}, budget {_gib(e.budget)} "
+              f"(gpu_memory_utilization {cfg.generation.vllm.gpu_memory_utilization:g}), KV cache {_gib(e.kv_bytes)} = "
+              f"{e.kv_tokens:,} tokens = {e.sequences} sequences of {e.sequence_tokens} tokens", "",
+              "assumptions (--assume KEY=VALUE replaces one):"]
+    lines += [f"  {k} = {a.value:g} {a.unit}: {a.source}" for k, a in plan.assumptions.items()]
+    lines.append("")
+    if plan.fits:
+        lines.append("verdict: fits")
+    else:
+        lines.append("verdict: does NOT fit")
+        lines += [f"  - {p}" for p in plan.problems]
+        lines.append("  would fit with one or more of:")
+        lines += [f"  - {f}" for f in plan.fixes]
+    return "\n".join(lines)

@@ -1,0 +1,203 @@
+"""What a recipe costs in GPU memory, per GPU role, by arithmetic on the model's config and the layout (`mrl plan`).
+
+Policy rank (one per pipeline stage; every TP, CP, EP and DP rank of a stage holds the same amounts):
+    parameters   the converters' parameter map (converters.mapping.param_rules) over the HF shapes: a TP-split
+                 tensor (its rule's tp_dim) holds 1/TP of it, a routed expert's lives on one EP rank and is split
+                 by the expert TP size (= TP, megatron-core's default), the vocabulary is padded to Megatron's
+                 multiple of 128 x TP; the first stage holds the embedding, the last the final norm and the output
+                 layer (with tied embeddings and PP > 1 the last stage keeps its own copy of the embedding, as
+                 Megatron's shared-embedding group does). DeepSeek-V3's expert bias is a buffer, not a parameter.
+    weights      parameters x 2 B (bf16) or 4 B (fp32).
+    gradients    4 B per trainable parameter (mrl's DDP reduces gradients in fp32: grad_reduce_in_fp32); a frozen
+                 router (policy.moe.freeze_router) has none.
+    optimizer    Adam: fp32 main weights (bf16 training only) and two fp32 moments, 12 B (bf16) or 8 B (fp32) per
+                 trainable parameter; with policy.optimizer.use_distributed_optimizer sharded over the data-parallel
+                 ranks (dense parameters) and the expert data-parallel ranks (routed experts).
+    reference    the frozen reference model's weights when loss.kl_beta > 0 (0 on the GPU with offload_reference).
+    activations  an estimate (module `plan_activations`).
+Engine GPU (vLLM, TP generation.vllm.tensor_parallel_size): its weights (the parameters of the whole model over
+its TP, in bf16) and the KV cache that `gpu_memory_utilization` leaves (KV bytes per token: `kv_bytes_per_token`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from converters import transforms as T
+from converters.mapping import param_rules
+from converters.spec import ModelDims
+from mrl.parallel.layout import ParallelDims
+
+GiB = 1024**3
+#: megatron-core's default `make_vocab_size_divisible_by` (mrl does not change it).
+VOCAB_MULTIPLE = 128
+
+
+@dataclass(frozen=True)
+class Layout(ParallelDims):
+    """The policy's parallel sizes (validated as ParallelDims) and its pipeline split."""
+
+    first_stage_layers: int | None = None
+    last_stage_layers: int | None = None
+
+
+@dataclass(frozen=True)
+class StageParams:
+    """Parameters one rank of a pipeline stage holds."""
+
+    stage: int
+    layers: tuple[int, int]  # [first, last) global decoder layer indices
+    dense: int               # not routed experts (TP shards, replicated norms and routers)
+    experts: int             # routed experts (this EP rank's, this TP shard of each)
+    frozen: int              # frozen routers (no gradient, no optimizer state)
+
+    @property
+    def total(self) -> int:
+        return self.dense + self.experts
+
+
+def stage_layer_ranges(num_layers: int, layout: Layout) -> list[tuple[int, int]]:
+    """[first, last) decoder layers of each pipeline stage: the given first/last stage sizes, an equal share of the
+    rest for the stages between (the split the config checks accept: mrl.parallel.layout)."""
+    sizes: list[int | None] = [None] * layout.pp
+    if layout.pp > 1:
+        sizes[0], sizes[-1] = layout.first_stage_layers, layout.last_stage_layers
+    given = sum(s for s in sizes if s is not None)
+    free = sum(s is None for s in sizes)
+    share = (num_layers - given) // free if free else 0
+    ranges, start = [], 0
+    for size in sizes:
+        end = start + (share if size is None else size)
+        ranges.append((start, end))
+        start = end
+    return ranges
+
+
+def padded_vocab(dims: ModelDims, tp: int) -> int:
+    return T.padded_vocab_size(dims.vocab_size, VOCAB_MULTIPLE, tp)
+
+
+def stage_params(dims: ModelDims, layout: Layout, *, freeze_router: bool = False) -> list[StageParams]:
+    """Parameters per rank of each pipeline stage (module docstring)."""
+    shapes = _hf_shapes(dims)
+    ranges = stage_layer_ranges(dims.num_layers, layout)
+    vocab_rows = padded_vocab(dims, layout.tp) // layout.tp
+    out = []
+    for stage, (first, last) in enumerate(ranges):
+        dense = experts = frozen = 0
+        for rule in param_rules(dims):
+            layer = _layer_of(rule.megatron)
+            if rule.megatron.endswith("expert_bias") or not _on_stage(rule.megatron, layer, stage, first, last,
+                                                                      layout.pp):
+                continue
+            if rule.kind == "vocab":
+                dense += vocab_rows * dims.hidden_size
+                continue
+            numel = sum(_numel(shapes[name]) for name in rule.hf)
+            local = numel // layout.tp if rule.tp_dim is not None else numel
+            if rule.expert is not None:
+                experts += local  # all of the stage's experts here; one EP rank holds 1/EP of them
+            else:
+                dense += local
+                frozen += local if freeze_router and rule.megatron.endswith("mlp.router.weight") else 0
+        if layout.pp > 1 and dims.tied and stage == layout.pp - 1:
+            dense += vocab_rows * dims.hidden_size  # the last stage's copy of the shared embedding
+        out.append(StageParams(stage, (first, last), dense, experts // layout.ep, frozen))
+    return out
+
+
+def total_params(dims: ModelDims) -> int:
+    """Every parameter of the model (one copy, unpadded vocabulary): what transformers counts."""
+    shapes = _hf_shapes(dims)
+    return sum(_numel(shape) for name, shape in shapes.items() if not name.endswith("e_score_correction_bias"))
+
+
+@dataclass(frozen=True)
+class PolicyBytes:
+    """Bytes on one policy GPU of a stage."""
+
+    stage: int
+    params: int
+    weights: int
+    gradients: int
+    optimizer: int
+    reference: int
+
+    @property
+    def states(self) -> int:
+        return self.weights + self.gradients + self.optimizer + self.reference
+
+
+def policy_bytes(stage: StageParams, layout: Layout, *, precision: str, distributed_optimizer: bool,
+                 reference: bool) -> PolicyBytes:
+    """The model states of one rank of `stage` (module docstring)."""
+    width = 2 if precision == "bfloat16" else 4
+    per_param_optimizer = 12 if precision == "bfloat16" else 8
+    trainable_dense = stage.dense - stage.frozen
+    if distributed_optimizer:
+        optimizer = (-(-trainable_dense // layout.dp) + -(-stage.experts // layout.expert_dp)) * per_param_optimizer
+    else:
+        optimizer = (trainable_dense + stage.experts) * per_param_optimizer
+    return PolicyBytes(stage.stage, stage.total, stage.total * width, (trainable_dense + stage.experts) * 4,
+                       optimizer, stage.total * width if reference else 0)
+
+
+def engine_weight_bytes(dims: ModelDims, tp: int, *, width: int = 2) -> int:
+    """One engine GPU's weights: the whole model over vLLM's TP (its vocabulary padded to 64 per rank, which is
+    under a megabyte and left out)."""
+    return total_params(dims) * width // tp
+
+
+def kv_bytes_per_token(dims: ModelDims, tp: int, *, width: int = 2) -> int:
+    """KV-cache bytes one token takes on one engine GPU, every layer: grouped-query attention keeps a key and a
+    value of head_dim for each of its KV heads on the rank (max(1, kv_heads // TP): replicated past the KV heads);
+    multi-latent attention one latent of kv_lora_rank + qk_rope_head_dim, the same on every rank (vLLM 0.32,
+    vllm/v1/kv_cache_interface.py: FullAttentionSpec and MLAAttentionSpec page sizes)."""
+    if dims.mla is not None:
+        return dims.num_layers * (dims.mla.kv_lora_rank + dims.mla.qk_rope_head_dim) * width
+    heads = max(1, dims.num_kv_heads // tp)
+    return dims.num_layers * 2 * heads * dims.head_dim * width
+
+
+def kv_capacity_tokens(dims: ModelDims, tp: int, available_bytes: int, *, block_size: int = 16, width: int = 2) -> int:
+    """Tokens of KV cache that `available_bytes` hold on each engine GPU: whole blocks of `block_size` tokens of
+    every layer (vLLM 0.32, vllm/v1/core/kv_cache_utils.py: num_blocks = available // bytes per block of all layers;
+    the capacity it logs is num_blocks x block_size, its null block included)."""
+    return max(available_bytes, 0) // (kv_bytes_per_token(dims, tp, width=width) * block_size) * block_size
+
+
+def _hf_shapes(dims: ModelDims) -> dict[str, tuple[int, ...]]:
+    from converters.mapping import expected_hf_shapes
+
+    return expected_hf_shapes(dims)
+
+
+def _numel(shape: Sequence[int]) -> int:
+    out = 1
+    for size in shape:
+        out *= size
+    return out
+
+
+def _layer_of(name: str) -> int | None:
+    if not name.startswith("decoder.layers."):
+        return None
+    return int(name.split(".")[2])
+
+
+def _on_stage(name: str, layer: int | None, stage: int, first: int, last: int, pp: int) -> bool:
+    if layer is not None:
+        return first <= layer < last
+    if name.startswith("embedding."):
+        return stage == 0
+    return stage == pp - 1  # final norm, output layer
+
+
+def layout_of(cfg: Any) -> Layout:
+    """The policy's layout from a config."""
+    par = cfg.policy.parallel
+    return Layout(tp=par.tensor_parallel_size, pp=par.pipeline_parallel_size, cp=par.context_parallel_size,
+                  ep=par.expert_parallel_size, sequence_parallel=par.sequence_parallel,
+                  world_size=cfg.policy_world_size, first_stage_layers=par.first_stage_layers,
+                  last_stage_layers=par.last_stage_layers)

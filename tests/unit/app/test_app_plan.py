@@ -1,0 +1,96 @@
+"""`mrl plan` (mrl/app/plan.py) on the shipped cluster recipes: the verdicts and their reasons, the settings offered
+when a layout does not fit, the assumptions and their overrides, the model's config.json found where a user keeps
+it, the command line's exit status, and `mrl submit` refusing a layout that cannot fit. The figures themselves are
+checked against megatron-core and vLLM in test_app_plan_memory.py and tests/functional/app/test_app_plan_kv.py."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from mrl.app.plan import ASSUMPTIONS, SHIPPED_CONFIGS, make_plan, model_config, parse_assumptions, render
+from mrl.app.plan_memory import GiB
+from mrl.app.slurm import PreflightError, check_memory
+from mrl.cli import main
+from mrl.config import ConfigError, load_config
+from mrl.config.recipes import RECIPES as RECIPES_DIR
+
+R1_8K = RECIPES_DIR / "grpo-deepscaler-1.5b-8K.yaml"
+QWEN3 = RECIPES_DIR / "grpo-qwen3-30b-a3b-2n8g.yaml"
+DEEPSEEK_V3 = RECIPES_DIR / "grpo-deepseek-v3-32n8g.yaml"
+
+
+def test_the_dense_and_qwen3_recipes_fit_an_h100_and_deepseek_v3s_bf16_engines_do_not():
+    for recipe in (R1_8K, QWEN3):
+        plan = make_plan(load_config(recipe))
+        assert plan.fits, render(plan, load_config(recipe))
+        assert all(s.train_phase <= plan.gpu_bytes and s.generate_phase <= plan.gpu_bytes for s in plan.stages)
+    cfg = load_config(DEEPSEEK_V3)
+    plan = make_plan(cfg)
+    assert not plan.fits and len(plan.stages) == 8
+    assert plan.engine.weights > plan.engine.budget  # 671B in bf16 over an engine of TP 8: 156 GiB a GPU
+    assert plan.problems == [f"the engine's KV cache (0.0 GiB) holds no 8192-token sequence"]
+    text = render(plan, cfg)
+    assert "verdict: does NOT fit" in text and "generation.vllm.tensor_parallel_size" in text
+
+
+def test_a_layout_that_cannot_train_names_the_settings_that_would_fit():
+    cfg = load_config(QWEN3, ["policy.parallel.expert_parallel_size=1"])  # every rank holds all 128 experts
+    plan = make_plan(cfg)
+    assert not plan.fits and plan.problems[0].startswith("training needs")
+    assert plan.stages[0].states.params > 15e9  # 30.5B over TP 2
+    assert any("expert_parallel_size" in fix for fix in plan.fixes)
+    undistributed = make_plan(load_config(R1_8K), gpu="a100-40gb", assume=["allocator_slack=0.3"])
+    assert not undistributed.fits
+    assert any(fix.startswith("policy.optimizer.use_distributed_optimizer=true") for fix in undistributed.fixes)
+
+
+def test_assumptions_print_their_source_and_assume_replaces_one():
+    cfg = load_config(R1_8K)
+    plan = make_plan(cfg)
+    text = render(plan, cfg)
+    for key, assumption in ASSUMPTIONS.items():
+        assert f"{key} = {assumption.value:g}" in text and assumption.source in text
+    more = make_plan(cfg, assume=["engine_overhead_gib=12"])
+    assert plan.engine.kv_bytes - more.engine.kv_bytes == 10 * GiB
+    assert more.assumptions["engine_overhead_gib"].source == "given with --assume"
+    with pytest.raises(ConfigError, match="not an assumption of the plan") as bad:
+        parse_assumptions(["kv_heads=2"])
+    assert bad.value.key == "--assume" and "engine_overhead_gib" in str(bad.value.render())
+    with pytest.raises(ConfigError, match="not a number"):
+        parse_assumptions(["allocator_slack=lots"])
+    with pytest.raises(ConfigError, match="unknown GPU") as gpu:
+        make_plan(cfg, gpu="h100")
+    assert "h100-80gb" in gpu.value.render()
+
+
+def test_the_model_config_comes_from_a_folder_the_hub_cache_or_the_shipped_copies(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-cache"))
+    folder = tmp_path / "model"
+    folder.mkdir()
+    shutil.copy(SHIPPED_CONFIGS / "Qwen--Qwen3-30B-A3B_config.json", folder / "config.json")
+    config, source = model_config(load_config(R1_8K, [f"policy.model_name={folder}"]))
+    assert config["num_experts"] == 128 and source == str(folder / "config.json")
+    _, source = model_config(load_config(R1_8K))
+    assert source.endswith("(published config.json shipped with mrl)")
+    with pytest.raises(ConfigError, match="no config.json found") as missing:
+        model_config(load_config(R1_8K, ["policy.model_name=some-org/unknown"]))
+    assert "mrl download some-org/unknown" in missing.value.render()
+
+
+def test_the_command_prints_the_plan_and_exits_2_when_it_does_not_fit(capsys):
+    assert main(["plan", "--config", str(R1_8K)]) == 0
+    assert "verdict: fits" in capsys.readouterr().out
+    assert main(["plan", "--config", str(DEEPSEEK_V3), "--gpu", "h200-141gb"]) == 2
+    assert "verdict: does NOT fit" in capsys.readouterr().out
+    assert main(["plan", "--config", str(R1_8K), "--assume", "nonsense=1"]) == 2
+    assert "--assume" in capsys.readouterr().err
+
+
+def test_submit_refuses_a_layout_that_cannot_fit_with_the_plan_as_the_message():
+    check_memory(load_config(R1_8K), "h100-80gb", [])
+    with pytest.raises(PreflightError, match="does not fit a h100-80gb GPU") as refused:
+        check_memory(load_config(DEEPSEEK_V3), "h100-80gb", [])
+    assert "verdict: does NOT fit" in str(refused.value)
+    check_memory(load_config(None), "h100-80gb", [])  # a random model (no model_name): nothing to plan

@@ -1,0 +1,109 @@
+"""`mrl plan`'s parameter and optimizer arithmetic (mrl/app/plan_memory.py) against megatron-core itself: one rank's
+model of the real published configs (DeepSeek-R1-Distill-Qwen-1.5B, Qwen3-30B-A3B, DeepSeek-V3), built on the meta
+device in the layouts of the shipped cluster recipes and others (mrl.testing.meta_build), on the first and the last
+pipeline stage; the optimizer bytes from the built parameters' own attributes (Megatron marks a routed expert's
+parameters allreduce=False under expert parallelism, so they shard over the expert data-parallel ranks)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from converters.spec import model_dims
+from mrl.app.plan_memory import Layout, kv_bytes_per_token, policy_bytes, stage_layer_ranges, stage_params
+from mrl.model.build import freeze_routers
+from mrl.testing.meta_build import meta_rank_model
+
+CONFIGS = Path(__file__).parents[3] / "mrl" / "_shipped" / "hf_configs"
+R1_1_5B = "deepseek-ai--DeepSeek-R1-Distill-Qwen-1.5B_config.json"
+QWEN3_30B = "Qwen--Qwen3-30B-A3B_config.json"
+DEEPSEEK_V3 = "deepseek-ai--DeepSeek-V3_config.json"
+
+
+def published(name: str, **changes) -> dict:
+    config = json.loads((CONFIGS / name).read_text())
+    config.pop("quantization_config", None)  # fp8 checkpoints: mrl trains in bf16
+    return {**config, **changes}
+
+
+def optimizer_bytes_of(model, layout: Layout) -> int:
+    """12 B (fp32 main weights and Adam's two moments) per trainable parameter, over the data-parallel ranks its
+    gradient is reduced over (as the distributed optimizer shards it), read off the parameters Megatron built."""
+    total = 0
+    for param in model.parameters():
+        if param.requires_grad:
+            expert = not getattr(param, "allreduce", True)
+            total += -(-param.numel() // (layout.expert_dp if expert else layout.dp))
+    return total * 12
+
+
+LAYOUTS = [  # (config, world, tp, pp, ep, first, last, freeze_router): the recipes' layouts first
+    (R1_1_5B, 8, 1, 1, 1, None, None, False),           # grpo-deepscaler-1.5b-8K/16K
+    (R1_1_5B, 8, 2, 2, 1, None, None, False),
+    (QWEN3_30B, 16, 2, 1, 8, None, None, True),         # grpo-qwen3-30b-a3b-2n8g
+    (QWEN3_30B, 32, 2, 2, 8, None, None, True),
+    (DEEPSEEK_V3, 256, 2, 8, 16, 7, 6, True),            # grpo-deepseek-v3-32n8g
+]
+
+
+@pytest.mark.parametrize("name, world, tp, pp, ep, first, last, frozen", LAYOUTS)
+def test_parameters_and_optimizer_bytes_per_stage_equal_megatrons_own_model(name, world, tp, pp, ep, first, last,
+                                                                             frozen):
+    config = published(name)
+    layout = Layout(world_size=world, tp=tp, pp=pp, ep=ep, sequence_parallel=tp > 1, first_stage_layers=first,
+                    last_stage_layers=last)
+    planned = stage_params(model_dims(config), layout, freeze_router=frozen)
+    for stage in {0, pp - 1}:
+        rank = stage * (world // pp)  # megatron-core's default order tp-cp-ep-dp-pp: the pipeline rank varies slowest
+        with meta_rank_model(config, world=world, rank=rank, tp=tp, pp=pp, ep=ep, first_stage_layers=first,
+                             last_stage_layers=last) as model:
+            if frozen:
+                freeze_routers(model)
+            built = sum(p.numel() for p in model.parameters())
+            assert planned[stage].total == built, (stage, planned[stage], built)
+            plan = policy_bytes(planned[stage], layout, precision="bfloat16", distributed_optimizer=True,
+                                reference=False)
+            assert plan.optimizer == optimizer_bytes_of(model, layout)
+            assert plan.weights == 2 * built
+            assert plan.gradients == 4 * sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def test_a_tied_embedding_has_a_copy_on_the_last_stage():
+    config = published(R1_1_5B, tie_word_embeddings=True)
+    layout = Layout(world_size=4, pp=2)
+    planned = stage_params(model_dims(config), layout)
+    with meta_rank_model(config, world=4, rank=2, pp=2) as last:
+        assert planned[1].total == sum(p.numel() for p in last.parameters())
+        assert any(name == "output_layer.weight" for name, _ in last.named_parameters())
+    untied = stage_params(model_dims(published(R1_1_5B)), layout)
+    assert planned[1].total == untied[1].total  # the copy is as large as the untied output layer
+
+
+def test_pipeline_stages_take_the_given_first_and_last_sizes_and_share_the_rest():
+    assert stage_layer_ranges(61, Layout(world_size=256, pp=8, first_stage_layers=7, last_stage_layers=6)) == \
+        [(0, 7), *[(7 + 8 * i, 15 + 8 * i) for i in range(6)], (55, 61)]
+    assert stage_layer_ranges(28, Layout(world_size=8, pp=2)) == [(0, 14), (14, 28)]
+    assert stage_layer_ranges(28, Layout(world_size=8)) == [(0, 28)]
+
+
+def test_optimizer_states_without_the_distributed_optimizer_and_in_fp32():
+    stage = stage_params(model_dims(published(R1_1_5B)), Layout(world_size=8))[0]
+    assert stage.total == 1_777_088_000  # docs/guides/gpus.md's n
+    whole = policy_bytes(stage, Layout(world_size=8), precision="bfloat16", distributed_optimizer=False,
+                         reference=True)
+    assert (whole.weights, whole.gradients, whole.optimizer, whole.reference) == \
+        (2 * stage.total, 4 * stage.total, 12 * stage.total, 2 * stage.total)
+    fp32 = policy_bytes(stage, Layout(world_size=8), precision="float32", distributed_optimizer=True, reference=False)
+    assert (fp32.weights, fp32.optimizer) == (4 * stage.total, 8 * -(-stage.total // 8))
+
+
+def test_kv_bytes_per_token_by_hand():
+    # Qwen2 1.5B: 28 layers x (K and V) x 2 KV heads x 128 x 2 B; at TP 4 each rank keeps one of the 2 heads
+    r1 = model_dims(published(R1_1_5B))
+    assert kv_bytes_per_token(r1, 1) == 28 * 2 * 2 * 128 * 2
+    assert kv_bytes_per_token(r1, 4) == 28 * 2 * 1 * 128 * 2
+    # DeepSeek-V3 (MLA): 61 layers x (512 latent + 64 rope) x 2 B, whatever the TP
+    v3 = model_dims(published(DEEPSEEK_V3))
+    assert kv_bytes_per_token(v3, 1) == kv_bytes_per_token(v3, 8) == 61 * 576 * 2
