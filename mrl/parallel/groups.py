@@ -136,9 +136,12 @@ def init_fake_process_groups(world: int, rank: int, *, tp: int = 1, pp: int = 1,
     cpu_compat.apply()
     from megatron.core import parallel_state
 
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
     dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                              expert_model_parallel_size=ep, create_gloo_process_groups=False)
+    model_parallel_cuda_manual_seed(0)  # the model-parallel RNG states a forward pass forks
 
 
 def destroy_process_groups() -> None:

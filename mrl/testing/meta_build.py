@@ -26,9 +26,9 @@ def meta_rank_model(hf_config: Mapping[str, Any], *, world: int, rank: int, tp: 
     try:
         uneven = {k: v for k, v in (("num_layers_in_first_pipeline_stage", first_stage_layers),
                                     ("num_layers_in_last_pipeline_stage", last_stage_layers)) if v is not None}
-        config = transformer_config_from_hf(dict(hf_config), perform_initialization=False, tensor_model_parallel_size=tp,
-                                            pipeline_model_parallel_size=pp, expert_model_parallel_size=ep,
-                                            sequence_parallel=tp > 1, **uneven)
+        config = transformer_config_from_hf(dict(hf_config), tensor_parallel=tp, pipeline_parallel=pp,
+                                            sequence_parallel=tp > 1, perform_initialization=False,
+                                            expert_model_parallel_size=ep, **uneven)
         with torch.device("meta"):
             yield build_gpt_model(dict(hf_config), config)
     finally:
