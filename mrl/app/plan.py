@@ -7,7 +7,8 @@ activations (mrl/app/plan_activations.py: an estimate) -> the engine GPU's weigh
 colocated GPU goes through (training while the engine sleeps; generation while the policy keeps what
 `policy.offload_when_generating` does not move) against the GPU's memory -> a verdict, and the settings that would
 make a layout that does not fit fit. Every figure that is not arithmetic on the config is an assumption, printed with
-its source; `--assume key=value` replaces it with the user's own measurement.
+its source; `--assume key=value` replaces it with the user's own measurement. The step's time per phase is an
+estimate from rates (mrl/app/plan_time.py).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any, Mapping, Sequence
 
 from converters.spec import ModelDims, model_dims
 from mrl.app.plan_activations import Activations, stage_activations
+from mrl.app.plan_time import StepTime, step_time
 from mrl.app.plan_memory import (GiB, PolicyBytes, engine_weight_bytes, kv_capacity_tokens, layout_of,
                                  padded_vocab, policy_bytes, stage_params)
 from mrl.config import ConfigError, MrlConfig
@@ -48,6 +50,16 @@ ASSUMPTIONS: dict[str, Assumption] = {
                                     "KV cache; level 1 moves the weights to host memory)"),
     "allocator_slack": Assumption(0.05, "fraction of the GPU", "the caching allocator's fragmentation on top of the "
                                   "live tensors (PyTorch's reserved minus allocated, typical)"),
+    "mfu": Assumption(0.35, "of the GPU's dense bf16 peak", "Megatron-Core bf16 training and prefill, typical of "
+                      "published runs of models of this size (35-45%); your run's train time gives yours"),
+    "decode_efficiency": Assumption(0.6, "of the HBM bandwidth", "a vLLM decode step reading the weights and KV "
+                                    "cache at a large batch (50-70% is typical)"),
+    "mean_prompt_tokens": Assumption(256, "tokens", "a math problem with the chat template (DeepScaleR's: about "
+                                     "100-300); your data's train/prompt_tokens_max bounds it"),
+    "mean_response_fraction": Assumption(0.5, "of generation.max_new_tokens", "the mean response's length: a run's "
+                                         "train/response_length over max_new_tokens"),
+    "refit_gib_per_s": Assumption(200, "GiB/s per engine GPU", "CUDA IPC between colocated processes: 235-245 GiB/s "
+                                  "measured on an H100 by the GPU tier (docs/measurements.md)"),
 }
 
 
@@ -84,6 +96,7 @@ class Plan:
     dims: ModelDims
     stages: list[StagePlan]
     engine: EnginePlan
+    time: StepTime
     assumptions: dict[str, Assumption]
     problems: list[str] = field(default_factory=list)
     fixes: list[str] = field(default_factory=list)
@@ -181,7 +194,9 @@ def make_plan(cfg: MrlConfig, *, gpu: str = "h100-80gb", assume: Sequence[str] =
         train = int((states.states + max(acts.train_peak, acts.logprob_peak)) * slack) + context + asleep
         generate = _resident(cfg, states) + context + engine.budget if cfg.generation.colocated else 0
         stages.append(StagePlan(states, acts, stage.layers, train, generate))
-    plan = Plan(cfg.policy.model_name or "", source, gpu, total, dims, stages, engine, assumptions)
+    time = step_time(cfg, dims, gpu, {key: a.value for key, a in assumptions.items()}, kv_tokens=engine.kv_tokens,
+                     engine_weights=engine.weights)
+    plan = Plan(cfg.policy.model_name or "", source, gpu, total, dims, stages, engine, time, assumptions)
     _judge(cfg, plan)
     return plan
 
@@ -244,6 +259,13 @@ def _gib(value: int) -> str:
     return f"{value / GiB:.1f} GiB"
 
 
+def _time_line(t: StepTime) -> str:
+    if t.generation == float("inf"):
+        return "step time: not estimated (no sequence fits the engine's KV cache)"
+    return (f"step time, an estimate: generation {t.generation:.0f} s, logprobs {t.logprobs:.0f} s, train "
+            f"{t.train:.0f} s, refit {t.refit:.1f} s; {t.total:.0f} s a step")
+
+
 def render(plan: Plan, cfg: MrlConfig) -> str:
     """The plan as the text `mrl plan` prints."""
     par = cfg.policy.parallel
@@ -265,11 +287,12 @@ def render(plan: Plan, cfg: MrlConfig) -> str:
                      f"{g.reference / GiB:>6.1f} {s.activations.train_peak / GiB:>7.1f} "
                      f"{s.activations.logprob_peak / GiB:>8.1f} {s.train_phase / GiB:>7.1f} "
                      f"{(s.generate_phase / GiB if s.generate_phase else 0):>9.1f}")
-    e = plan.engine
+    e, t = plan.engine, plan.time
     lines += ["",
               f"engine GPU: weights {_gib(e.weights)}, budget {_gib(e.budget)} "
               f"(gpu_memory_utilization {cfg.generation.vllm.gpu_memory_utilization:g}), KV cache {_gib(e.kv_bytes)} = "
               f"{e.kv_tokens:,} tokens = {e.sequences} sequences of {e.sequence_tokens} tokens", "",
+              _time_line(t), "",
               "assumptions (--assume KEY=VALUE replaces one):"]
     lines += [f"  {k} = {a.value:g} {a.unit}: {a.source}" for k, a in plan.assumptions.items()]
     lines.append("")
