@@ -11,8 +11,9 @@ Data flow for one Megatron parameter (rule from converters.mapping, the one sour
                                            (column/vocab parallel: dim 0; row parallel: dim 1; fc1: per gate/up half)
                                            (a routed expert: only on the expert-parallel rank that holds it -- the
                                            ranks of a TP group share their EP rank -- then broadcast over the EP group,
-                                           EP rank 0 being the one in rank 0's pipeline group; the other EP ranks drop
-                                           it at once)
+                                           EP rank 0 being the one in rank 0's pipeline group, together with the
+                                           bucket's other experts of that rank (one broadcast of their concatenation);
+                                           the other EP ranks drop them once converted)
     pipeline broadcast (only the ranks with tp = cp = dp = 0, which form rank 0's pipeline group; skipped with
                         `local=True`):
                                            owner stage -> every stage, shape and dtype first, then the data
@@ -68,10 +69,10 @@ its gate and up halves concatenated separately first), and for a parameter cut b
 other buckets carry. Slack: <= 2 x the largest Megatron parameter of the bucket (1 x for one kept whole, outside a
 gated TP concatenation), 3 x for a parameter cut between buckets under TP: its gathered shards, the concatenated
 tensor and the HF parts of the other buckets can be alive at once (a clean CI run measured 147,456 = 3 x 49,152
-bytes for the k part of the tiny model's fused q/k/v at TP2). Measured: rank 0 peaks at 158,424 bytes with split buckets, 264,976 with whole-layer ones;
-rank 1 (EP rank 1, which sends its experts and keeps nothing) at 49,152, one parameter. The other EP ranks receive
-every routed expert of the bucket (a broadcast over the EP group, the one collective mrl.parallel.collectives has
-for it) and drop it at once. `ShardedExporter.peak_bytes` counts the same on rank 0 (not the TP shard list). The
+bytes for the k part of the tiny model's fused q/k/v at TP2). Measured: rank 0 peaks at 174,720 bytes with split
+buckets, 264,832 with whole-layer ones; rank 1 (EP rank 1, which sends its experts and keeps nothing) at 131,072: its
+experts of the bucket, sent together (a bucket's experts of one EP rank are one buffer, within the bucket's bytes).
+The other EP ranks receive them (a broadcast over the EP group) and drop them once converted. `ShardedExporter.peak_bytes` counts the same on rank 0 (not the TP shard list). The
 transport's slots (the packed payload, two when double-buffered) come on top, on rank 0 (with `local=True`: on
 each stage's first rank, which then holds its own stage's buckets only).
 """
@@ -240,6 +241,8 @@ class ShardedExporter:
         self.params = {**dict(model.named_buffers()), **dict(model.named_parameters())}
         self._a_parameter = next(model.parameters())
         self.peak_bytes = 0
+        self._experts: dict[str, torch.Tensor] = {}  # routed experts received together, not yet converted
+        self._experts_bytes = 0
 
     def reset_peak(self) -> None:
         self.peak_bytes = 0
@@ -253,11 +256,13 @@ class ShardedExporter:
         receive there too, so every full tensor of a bucket is on one device."""
         return self._a_parameter.device
 
-    def _local_name(self, megatron_name: str) -> str:
-        """This rank's name of a parameter: its stage's layer index, its expert-parallel rank's expert index."""
+    def _local_name(self, megatron_name: str, ep_rank: int | None = None) -> str:
+        """This rank's name of a parameter: its stage's layer index, its expert-parallel rank's expert index (with
+        `ep_rank`: the name expert-parallel rank `ep_rank` holds it under, which this rank has a parameter of the
+        same shape under)."""
         name = megatron_name
         if self.experts_per_rank:
-            local = to_local_expert(name, self.ep_rank, self.experts_per_rank)
+            local = to_local_expert(name, self.ep_rank if ep_rank is None else ep_rank, self.experts_per_rank)
             assert local is not None, f"{name} is held by another expert-parallel rank"
             name = local
         index = layer_index(name)
@@ -274,12 +279,64 @@ class ShardedExporter:
         return T.tp_unshard(shards, rule.tp_dim, gated=rule.gated)
 
     def _stage_tensor(self, rule: ParamRule) -> torch.Tensor:
-        """The full tensor of `rule` on every rank of its owning stage's EP group (without EP: its TP gather)."""
+        """The full tensor of `rule` on every rank of its owning stage's EP group (without EP: its TP gather; a
+        routed expert received with others by `_receive_experts`: from there)."""
         if rule.expert is None or self.ep_size == 1:
             return self._tp_gathered(rule)
+        received = self._experts.pop(rule.megatron, None)
+        if received is not None:
+            self._experts_bytes -= _nbytes(received)
+            return received
         owner = rule.expert // self.experts_per_rank
         full = self._tp_gathered(rule) if owner == self.ep_rank else None
         return collectives.broadcast_tensor(full, owner, self.ep_group, device=self.device)
+
+    def _expert_run(self, pieces: list[Piece], start: int) -> list[ParamRule]:
+        """The routed-expert parameters from `pieces[start]` on that one expert-parallel rank holds, each carried
+        whole by this bucket, of one dtype, on this rank's stage: what `_receive_experts` moves in one broadcast."""
+        first = pieces[start].rule
+        if (self.ep_size == 1 or first.expert is None or first.megatron in self._experts
+                or self.stages.owner(first.megatron) != self.pp_rank):
+            return []
+        owner = first.expert // self.experts_per_rank
+        dtype = self.params[self._local_name(first.megatron, owner)].dtype
+        run = []
+        for piece in pieces[start:]:
+            rule = piece.rule
+            if (rule.expert is None or rule.expert // self.experts_per_rank != owner or len(piece.hf) != len(rule.hf)
+                    or self.params[self._local_name(rule.megatron, owner)].dtype != dtype):
+                break
+            run.append(rule)
+        return run
+
+    def _receive_experts(self, rules: list[ParamRule]) -> None:
+        """The full tensors of `rules` (routed experts of one expert-parallel rank) on every rank of the EP group in
+        one broadcast of their concatenation (shapes are known everywhere: each rank holds experts of the same
+        shapes), kept as views of it until `_stage_tensor` takes them (their HF tensors are views too, so they
+        count once, as the bucket's). A bucket's experts then cost one collective per holding rank instead of two per
+        parameter: on the tiny MoE of benchmarks/policy_refit.py (16 experts of 3 MiB a layer, 16 MiB buckets, EP2
+        on 2 CPU ranks) rank 0's export of the model went from 1.21-1.25 s to 0.62-0.67 s (EP1: 0.44-0.53 s; the
+        rest is the other rank's experts crossing gloo)."""
+        owner = rules[0].expert // self.experts_per_rank
+        shapes = [self._full_shape(rule, owner) for rule in rules]
+        dtype = self.params[self._local_name(rules[0].megatron, owner)].dtype
+        flat = torch.empty(sum(shape.numel() for shape in shapes), dtype=dtype, device=self.device)
+        parts = torch.split(flat, [shape.numel() for shape in shapes])
+        if owner == self.ep_rank:  # one gathered parameter at a time beside the buffer
+            for rule, part in zip(rules, parts):
+                part.copy_(self._tp_gathered(rule).reshape(-1))
+        collectives.broadcast(flat, owner, self.ep_group)
+        for rule, shape, part in zip(rules, shapes, parts):
+            self._experts[rule.megatron] = part.view(shape)
+        self._experts_bytes += _nbytes(flat)
+
+    def _full_shape(self, rule: ParamRule, owner: int) -> torch.Size:
+        """The full (TP-gathered) shape of routed-expert parameter `rule`, from this rank's parameter of the same
+        local index."""
+        shape = list(self.params[self._local_name(rule.megatron, owner)].shape)
+        if rule.tp_dim is not None and self.tp_size > 1:
+            shape[rule.tp_dim] *= self.tp_size
+        return torch.Size(shape)
 
     def _pp_broadcast(self, tensor: torch.Tensor | None, owner: int) -> torch.Tensor | None:
         """Owner stage -> every stage of rank 0's pipeline group. Others return None."""
@@ -307,11 +364,15 @@ class ShardedExporter:
         """(hf_name, tensor) of each piece, one parameter gathered at a time; nothing off rank 0 (with `local`: off
         the owner stage's first rank)."""
         held = 0  # bytes of the HF tensors of earlier pieces (the caller keeps them)
-        for piece in pieces:
+        for index, piece in enumerate(pieces):
+            run = self._expert_run(pieces, index)
+            if run:
+                self._receive_experts(run)
             full = self._full_tensor(piece.rule, local)
             if full is None:  # off the holder: the received tensor is dropped before the next one is gathered
                 continue
             base, in_flight, kept, tensor = full.untyped_storage().data_ptr(), _nbytes(full), 0, None
+            in_flight += self._experts_bytes  # the run's experts still to convert (their HF tensors are views)
             for hf_name, tensor in megatron_to_hf([(piece.rule.megatron, full)], self.dims, require_complete=False):
                 if tensor.untyped_storage().data_ptr() != base:  # a converted copy (q/k/v, gate/up, vocab cut)
                     in_flight += _nbytes(tensor)
