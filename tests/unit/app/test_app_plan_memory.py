@@ -1,6 +1,6 @@
 """`mrl plan`'s parameter and optimizer arithmetic (mrl/app/plan_memory.py) against megatron-core itself: one rank's
-model of the real published configs (DeepSeek-R1-Distill-Qwen-1.5B, Qwen3-30B-A3B, DeepSeek-V3), built on the meta
-device in the layouts of the shipped cluster recipes and others (mrl.testing.meta_build), on the first and the last
+model of the real published configs (DeepSeek-R1-Distill-Qwen-1.5B, Qwen3-30B-A3B, Qwen1.5-MoE-A2.7B, DeepSeek-V3),
+built on the meta device in the layouts of the shipped cluster recipes and others (mrl.testing.meta_build), on the first and the last
 pipeline stage; the optimizer bytes from the built parameters' own attributes (Megatron marks a routed expert's
 parameters allreduce=False under expert parallelism, so they shard over the expert data-parallel ranks)."""
 
@@ -20,6 +20,7 @@ CONFIGS = Path(__file__).parents[3] / "mrl" / "_shipped" / "hf_configs"
 R1_1_5B = "deepseek-ai--DeepSeek-R1-Distill-Qwen-1.5B_config.json"
 QWEN3_30B = "Qwen--Qwen3-30B-A3B_config.json"
 DEEPSEEK_V3 = "deepseek-ai--DeepSeek-V3_config.json"
+QWEN2_MOE = "Qwen--Qwen1.5-MoE-A2.7B_config.json"
 
 
 def published(name: str, **changes) -> dict:
@@ -45,6 +46,7 @@ LAYOUTS = [  # (config, world, tp, pp, ep, first, last, freeze_router): the reci
     (QWEN3_30B, 16, 2, 1, 8, None, None, True),         # grpo-qwen3-30b-a3b-2n8g
     (QWEN3_30B, 32, 2, 2, 8, None, None, True),
     (DEEPSEEK_V3, 256, 2, 8, 16, 7, 6, True),            # grpo-deepseek-v3-32n8g
+    (QWEN2_MOE, 8, 2, 1, 4, None, None, False),         # Qwen2-MoE: QKV bias, a gated shared expert
 ]
 
 

@@ -2,7 +2,8 @@
 experts, the MTP layer of real checkpoints, what Megatron cannot represent, and the published configs' sizes.
 
 The HF side is transformers itself (tiny random models saved with save_pretrained); the published configs are
-fixtures (mrl/_shipped/hf_configs, verbatim config.json files of Qwen3-30B-A3B, Qwen3-235B-A22B, DeepSeek-V3).
+fixtures (mrl/_shipped/hf_configs: the config.json files of Qwen3-30B-A3B, Qwen3-235B-A22B and DeepSeek-V3 verbatim;
+Qwen1.5-MoE-A2.7B's (Qwen2-MoE) with its published values, cross-checked against several public copies).
 """
 
 from __future__ import annotations
@@ -107,6 +108,7 @@ def test_published_configs_read_as_their_papers_describe():
 
 
 @pytest.mark.parametrize("fixture, billions", [("Qwen--Qwen3-30B-A3B_config.json", 30.53),
+                                               ("Qwen--Qwen1.5-MoE-A2.7B_config.json", 14.32),
                                                ("deepseek-ai--DeepSeek-V3_config.json", 671.03)])
 def test_megatron_model_of_a_published_config_has_transformers_parameter_count(fixture, billions):
     """Built on the meta device (no memory): the Megatron model the converter targets has exactly the parameters of
