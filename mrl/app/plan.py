@@ -48,8 +48,8 @@ ASSUMPTIONS: dict[str, Assumption] = {
                                       "each: 'Memory profiling takes ...')"),
     "engine_asleep_gib": Assumption(0.3, "GiB", "what a sleeping colocated engine keeps (level 2 frees weights and "
                                     "KV cache; level 1 moves the weights to host memory)"),
-    "allocator_slack": Assumption(0.05, "fraction of the live tensors", "the caching allocator's fragmentation on top of the "
-                                  "live tensors (PyTorch's reserved minus allocated, typical)"),
+    "allocator_slack": Assumption(0.05, "fraction of the live tensors", "the caching allocator's fragmentation on top "
+                                  "of the live tensors (PyTorch's reserved minus allocated, typical)"),
     "mfu": Assumption(0.35, "of the GPU's dense bf16 peak", "Megatron-Core bf16 training and prefill, typical of "
                       "published runs of models of this size (35-45%); your run's train time gives yours"),
     "decode_efficiency": Assumption(0.6, "of the HBM bandwidth", "a vLLM decode step reading the weights and KV "

@@ -3,8 +3,9 @@ and layer, after Korthikanti et al. 2022 ("Reducing Activation Recomputation in 
 for attention kernels that keep no [s, s] scores and SwiGLU MLPs (`layer_bytes`). Two kernel sets:
 
 - "te" (what the plan prints: GPUs with Transformer Engine): a norm fused into the next linear keeps its bf16 input,
-  its bf16 output and 1/rms (Qwen3's per-head q/k norms: their bf16 input and 1/rms); attention keeps queries, keys and values (grouped-query: the KV heads only), its
-  output (the projection's input) and the log-sum-exp; the fused SwiGLU keeps fc1's output, fc2 its input;
+  its bf16 output and 1/rms (Qwen3's per-head q/k norms: their bf16 input and 1/rms); attention keeps queries, keys
+  and values (grouped-query: the KV heads only), its output (the projection's input) and the log-sum-exp; the fused
+  SwiGLU keeps fc1's output, fc2 its input;
 - "local" (megatron-core's local spec with mrl's torch attention: CPU, and GPUs without TE): torch's RMSNorm keeps
   two fp32 copies, keys and values are repeated per query head, the unfused SwiGLU keeps SiLU's output and the
   product's operands besides, and each layer keeps RoPE's cos and sin and the positions.

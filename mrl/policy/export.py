@@ -61,20 +61,20 @@ What a split bucket requires of the receiver (vLLM 0.32, vllm/model_executor/mod
     vLLM worker) until the module is processed.
 
 Memory bound (measured on the tiny Qwen3-MoE at EP2, fp32, bound 160,000 bytes < one MoE layer of 264,832:
-tests/functional/policy/test_policy_export_memory.py, the CPU allocator's peak per bucket): on every rank the
-exporter holds at most one bucket of HF tensors (its planned bytes: <= `bucket_bytes`, unless it is a single larger
-HF tensor) plus the working copies of the one parameter in flight -- its full Megatron tensor while it is converted
-(q/k/v and gate/up are copied out of it), under TP its gathered shards while they are concatenated (the gated fc1:
-its gate and up halves concatenated separately first), and for a parameter cut between buckets the HF parts that
-other buckets carry. Slack: <= 2 x the largest Megatron parameter of the bucket (1 x for one kept whole, outside a
-gated TP concatenation), 3 x for a parameter cut between buckets under TP: its gathered shards, the concatenated
-tensor and the HF parts of the other buckets can be alive at once (a clean CI run measured 147,456 = 3 x 49,152
-bytes for the k part of the tiny model's fused q/k/v at TP2). Measured: rank 0 peaks at 174,720 bytes with split
-buckets, 264,832 with whole-layer ones; rank 1 (EP rank 1, which sends its experts and keeps nothing) at 131,072: its
-experts of the bucket, sent together (a bucket's experts of one EP rank are one buffer, within the bucket's bytes).
-The other EP ranks receive them (a broadcast over the EP group) and drop them once converted. `ShardedExporter.peak_bytes` counts the same on rank 0 (not the TP shard list). The
-transport's slots (the packed payload, two when double-buffered) come on top, on rank 0 (with `local=True`: on
-each stage's first rank, which then holds its own stage's buckets only).
+tests/functional/policy/test_policy_export_memory.py, the CPU allocator's peak per bucket): on every rank the exporter
+holds at most one bucket of HF tensors (its planned bytes: <= `bucket_bytes`, unless it is a single larger HF tensor)
+plus the working copies of the one parameter in flight -- its full Megatron tensor while it is converted (q/k/v and
+gate/up are copied out of it), under TP its gathered shards while they are concatenated (the gated fc1: its gate and
+up halves concatenated separately first), and for a parameter cut between buckets the HF parts that other buckets
+carry. Slack: <= 2 x the largest Megatron parameter of the bucket (1 x for one kept whole, outside a gated TP
+concatenation), 3 x for a parameter cut between buckets under TP: its gathered shards, the concatenated tensor and the
+HF parts of the other buckets can be alive at once (a clean CI run measured 147,456 = 3 x 49,152 bytes for the k part
+of the tiny model's fused q/k/v at TP2). Measured: rank 0 peaks at 174,720 bytes with split buckets, 264,832 with
+whole-layer ones; rank 1 (EP rank 1, which sends its experts and keeps nothing) at 131,072: its experts of the bucket,
+sent together (a bucket's experts of one EP rank are one buffer, within the bucket's bytes). The other EP ranks
+receive them (a broadcast over the EP group) and drop them once converted. `ShardedExporter.peak_bytes` counts the
+same on rank 0 (not the TP shard list). The transport's slots (the packed payload, two when double-buffered) come on
+top, on rank 0 (with `local=True`: on each stage's first rank, which then holds its own stage's buckets only).
 """
 
 from __future__ import annotations

@@ -106,8 +106,9 @@ def test_training_rows_that_cannot_fit_stop_sft_dpo_and_rm_before_any_worker_sta
 
 
 def test_sft_rows_all_longer_than_the_length_warn_and_train_on_their_first_tokens(tmp_path):
-    proc = mrl("sft", "--config", RECIPE, *SHORT_ARITH, "policy.max_total_sequence_length=5", "generation.max_new_tokens=2",
-               "generation.vllm.max_model_len=5", "sft.max_num_steps=2", "sft.val_every=0", f"run.output_dir={tmp_path}")
+    proc = mrl("sft", "--config", RECIPE, *SHORT_ARITH, "policy.max_total_sequence_length=5",
+               "generation.max_new_tokens=2", "generation.vllm.max_model_len=5", "sft.max_num_steps=2", "sft.val_every=0",
+               f"run.output_dir={tmp_path}")
     out, _ = proc.communicate(timeout=600)
     assert proc.returncode == 0 and "Traceback" not in out, out[-4000:]
     assert re.search(rf"all {PREFLIGHT_ROWS} of the first {PREFLIGHT_ROWS} training rows are longer than "
@@ -118,10 +119,10 @@ def test_sft_rows_all_longer_than_the_length_warn_and_train_on_their_first_token
 
 #: A task of the user's own rows (data.train) under env.kind=arith, no instruction, 8 prompts x 4 samples a step, no
 #: validation.
-OWN_ROWS = ("data.arith=null", "data.instruction=", "env.kind=arith", "grpo.num_prompts_per_step=8", "grpo.num_generations_per_prompt=4",
-            "policy.train_global_batch_size=32", "policy.train_micro_batch_size=32", "grpo.val_every=0",
-            "policy.max_total_sequence_length=16", "generation.vllm.max_model_len=16", "grpo.max_num_steps=5",
-            "grpo.max_num_epochs=4",
+OWN_ROWS = ("data.arith=null", "data.instruction=", "env.kind=arith", "grpo.num_prompts_per_step=8",
+            "grpo.num_generations_per_prompt=4", "policy.train_global_batch_size=32",
+            "policy.train_micro_batch_size=32", "grpo.val_every=0", "policy.max_total_sequence_length=16",
+            "generation.vllm.max_model_len=16", "grpo.max_num_steps=5", "grpo.max_num_epochs=4",
             "checkpointing.enabled=false", "logger.log_every=1")
 
 

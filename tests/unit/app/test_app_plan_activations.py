@@ -2,7 +2,8 @@
 own forward on CPU (mrl.testing.activation_bytes), with the CPU's kernels ("local"): tiny dense models with grouped-
 query and multi-head attention and Qwen3's q/k norms, micro-batches of one and two sequences, several lengths, TP 1
 and 2 with sequence parallelism, recompute on and off, each within 5% (issue #40 asks 15%; they agree within 2%: the
-rest is the token ids and the rotary table's bookkeeping). The "te" kernels of the printed plan differ from "local" only in the terms its docstring names."""
+rest is the token ids and the rotary table's bookkeeping). The "te" kernels of the printed plan differ from "local"
+only in the terms its docstring names."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """`mrl plan`'s parameter and optimizer arithmetic (mrl/app/plan_memory.py) against megatron-core itself: one rank's
 model of the real published configs (DeepSeek-R1-Distill-Qwen-1.5B, Qwen3-30B-A3B, Qwen1.5-MoE-A2.7B, DeepSeek-V3),
-built on the meta device in the layouts of the shipped cluster recipes and others (mrl.testing.meta_build), on the first and the last
-pipeline stage; the optimizer bytes from the built parameters' own attributes (Megatron marks a routed expert's
+built on the meta device in the layouts of the shipped cluster recipes and others (mrl.testing.meta_build), on the
+first and the last pipeline stage; the optimizer bytes from the built parameters' own attributes (Megatron marks a routed expert's
 parameters allreduce=False under expert parallelism, so they shard over the expert data-parallel ranks)."""
 
 from __future__ import annotations
