@@ -154,6 +154,27 @@ def model_config(cfg: MrlConfig, path: str | None = None) -> tuple[dict[str, Any
                       fix=f"`mrl download {repo}` on a machine with network, or pass --model-config FILE")
 
 
+def check_this_gpu(cfg: MrlConfig, gpu_total: int) -> Plan | None:
+    """`cluster.memory_check` before a run starts on a GPU of `gpu_total` bytes: the plan when it does not fit (after
+    printing it, with `warn`), a ConfigError with it (`refuse`); None when it fits, is off, or there is no published
+    model to plan (a random model from policy.build)."""
+    import sys
+
+    if cfg.cluster.memory_check == "off" or cfg.policy.model_name is None:
+        return None
+    plan = make_plan(cfg, gpu_total=gpu_total)
+    if plan.fits:
+        return None
+    text = render(plan, cfg)
+    if cfg.cluster.memory_check == "refuse":
+        raise ConfigError(f"the layout does not fit this GPU:\n{text}\n", key="cluster.memory_check",
+                          given="refuse", allowed="refuse, warn, off",
+                          fix="one of the settings the plan names, or cluster.memory_check=warn to start anyway")
+    print(f"[mrl] warning: the layout may not fit this GPU (cluster.memory_check=warn):\n{text}", file=sys.stderr,
+          flush=True)
+    return plan
+
+
 def _read_config(path: Path, key: str) -> dict[str, Any]:
     try:
         config = json.loads(path.read_text())
@@ -173,10 +194,11 @@ def _hub_cache_config(repo: str) -> Path | None:
 
 
 def make_plan(cfg: MrlConfig, *, gpu: str = "h100-80gb", assume: Sequence[str] = (),
-              model_config_path: str | None = None) -> Plan:
-    """The whole plan of a config (module docstring)."""
+              model_config_path: str | None = None, gpu_total: int | None = None) -> Plan:
+    """The whole plan of a config (module docstring); `gpu_total`: the memory of the GPU at hand instead of the named
+    one's (whose rates the time estimate still uses)."""
     assumptions = parse_assumptions(assume)
-    total = gpu_bytes(gpu)
+    total = gpu_bytes(gpu) if gpu_total is None else gpu_total
     config, source = model_config(cfg, model_config_path)
     dims = model_dims(config)
     layout = layout_of(cfg)
@@ -196,7 +218,8 @@ def make_plan(cfg: MrlConfig, *, gpu: str = "h100-80gb", assume: Sequence[str] =
         stages.append(StagePlan(states, acts, stage.layers, train, generate))
     time = step_time(cfg, dims, gpu, {key: a.value for key, a in assumptions.items()}, kv_tokens=engine.kv_tokens,
                      engine_weights=engine.weights)
-    plan = Plan(cfg.policy.model_name or "", source, gpu, total, dims, stages, engine, time, assumptions)
+    label = gpu if gpu_total is None else "this GPU"
+    plan = Plan(cfg.policy.model_name or "", source, label, total, dims, stages, engine, time, assumptions)
     _judge(cfg, plan)
     return plan
 

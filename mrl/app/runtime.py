@@ -285,6 +285,10 @@ def start_runtime(cfg: MrlConfig, *, total_steps: int, policy: bool = True, engi
         tokenizer = load_tokenizer(cfg, source)  # every check that reads files, before Ray starts
     if not torch.cuda.is_available():
         cpu_isa.announce()
+    elif policy:
+        from mrl.app.plan import check_this_gpu
+
+        check_this_gpu(cfg, torch.cuda.mem_get_info()[1])  # the layout against this GPU (cluster.memory_check)
     cluster = RayCluster.from_config(cfg.cluster)
     runtime = Runtime(cfg, source, tokenizer, cluster, trains=policy)
     started = time.time()

@@ -64,6 +64,9 @@ class ClusterConfig(Section):
         "when the phases take turns (synchronous GRPO, SFT, DPO: a phase alone uses every core), all the node's "
         "workers when they overlap (grpo.max_off_policy_steps=1). vLLM's CPU engine binds its own threads "
         "(VLLM_CPU_OMP_THREADS_BIND).")
+    memory_check: Literal["refuse", "warn", "off"] = Field(
+        "refuse", description="On a GPU, before Ray starts: `mrl plan`'s memory per GPU against this GPU's; refuse: a "
+        "layout that does not fit stops with exit 2 and the plan; warn: it prints the plan and starts; off: no check.")
 
     @field_validator("omp_num_threads", mode="before")
     @classmethod

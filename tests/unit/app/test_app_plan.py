@@ -94,3 +94,16 @@ def test_submit_refuses_a_layout_that_cannot_fit_with_the_plan_as_the_message():
         check_memory(load_config(DEEPSEEK_V3), "h100-80gb", [])
     assert "verdict: does NOT fit" in str(refused.value)
     check_memory(load_config(None), "h100-80gb", [])  # a random model (no model_name): nothing to plan
+
+
+def test_a_run_on_a_gpu_checks_its_layout_against_that_gpu(capsys):
+    from mrl.app.plan import check_this_gpu
+
+    assert check_this_gpu(load_config(R1_8K), 80 * GiB) is None  # fits: nothing said
+    with pytest.raises(ConfigError, match="does not fit this GPU") as refused:
+        check_this_gpu(load_config(R1_8K), 24 * GiB)
+    assert refused.value.key == "cluster.memory_check" and "verdict: does NOT fit" in str(refused.value)
+    assert "cluster.memory_check=warn" in refused.value.render()
+    warned = check_this_gpu(load_config(R1_8K, ["cluster.memory_check=warn"]), 24 * GiB)
+    assert warned is not None and not warned.fits and "may not fit this GPU" in capsys.readouterr().err
+    assert check_this_gpu(load_config(R1_8K, ["cluster.memory_check=off"]), 24 * GiB) is None
