@@ -288,7 +288,8 @@ def start_runtime(cfg: MrlConfig, *, total_steps: int, policy: bool = True, engi
     elif policy:
         from mrl.app.plan import check_this_gpu
 
-        check_this_gpu(cfg, torch.cuda.mem_get_info()[1])  # the layout against this GPU (cluster.memory_check)
+        # the layout against this GPU (cluster.memory_check); a device query, which makes no CUDA context here
+        check_this_gpu(cfg, torch.cuda.get_device_properties(0).total_memory)
     cluster = RayCluster.from_config(cfg.cluster)
     runtime = Runtime(cfg, source, tokenizer, cluster, trains=policy)
     started = time.time()
