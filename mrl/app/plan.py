@@ -87,6 +87,32 @@ class EnginePlan:
         return self.kv_tokens // self.sequence_tokens
 
 
+@dataclass(frozen=True)
+class RefitPlan:
+    """The refit's buckets (mrl.policy.export.plan_buckets, as the policy plans them: layers cut at the bound)."""
+
+    buckets: int
+    largest: int   # bytes of the largest bucket's HF tensors (bf16)
+    total: int     # bytes of every HF tensor (bf16)
+
+
+def refit_plan(cfg: MrlConfig, dims: ModelDims) -> RefitPlan:
+    from converters.mapping import expected_hf_shapes
+    from mrl.policy.export import plan_buckets
+
+    hf_bytes = {name: 2 * _numel(shape) for name, shape in expected_hf_shapes(dims).items()}
+    buckets = plan_buckets(dims, "local", cfg.generation.refit_bucket_mb << 20, 2, split_units=True)
+    sizes = [sum(hf_bytes[name] for piece in bucket for name in piece.hf) for bucket in buckets]
+    return RefitPlan(len(sizes), max(sizes, default=0), sum(hf_bytes.values()))
+
+
+def _numel(shape: Sequence[int]) -> int:
+    out = 1
+    for size in shape:
+        out *= size
+    return out
+
+
 @dataclass
 class Plan:
     model: str
@@ -97,6 +123,7 @@ class Plan:
     stages: list[StagePlan]
     engine: EnginePlan
     time: StepTime
+    refit: RefitPlan
     assumptions: dict[str, Assumption]
     problems: list[str] = field(default_factory=list)
     fixes: list[str] = field(default_factory=list)
@@ -219,7 +246,8 @@ def make_plan(cfg: MrlConfig, *, gpu: str = "h100-80gb", assume: Sequence[str] =
     time = step_time(cfg, dims, gpu, {key: a.value for key, a in assumptions.items()}, kv_tokens=engine.kv_tokens,
                      engine_weights=engine.weights)
     label = gpu if gpu_total is None else "this GPU"
-    plan = Plan(cfg.policy.model_name or "", source, label, total, dims, stages, engine, time, assumptions)
+    plan = Plan(cfg.policy.model_name or "", source, label, total, dims, stages, engine, time, refit_plan(cfg, dims),
+                assumptions)
     _judge(cfg, plan)
     return plan
 
@@ -282,6 +310,26 @@ def _gib(value: int) -> str:
     return f"{value / GiB:.1f} GiB"
 
 
+def _refit_line(refit: RefitPlan, cfg: MrlConfig) -> str:
+    return (f"refit: {refit.total / GiB:.1f} GiB in {refit.buckets} buckets of at most "
+            f"{refit.largest / 2**20:.0f} MiB (generation.refit_bucket_mb={cfg.generation.refit_bucket_mb})")
+
+
+def _offload_lines(plan: Plan, cfg: MrlConfig) -> list[str]:
+    """What a colocated policy GPU of the largest stage hands over while the engine generates."""
+    if not cfg.generation.colocated:
+        return []
+    states = max(plan.stages, key=lambda s: s.states.states).states
+    off = cfg.policy.offload_when_generating
+    parts = [("optimizer states to host memory", "optimizer_states", off.optimizer_states, states.optimizer),
+             ("gradients freed", "gradients", off.gradients, states.gradients),
+             ("weights to host memory", "weights", off.weights, states.weights)]
+    moved = ", ".join(f"{what} {size / GiB:.1f} GiB" for what, _, on, size in parts if on) or "nothing"
+    kept = ", ".join(f"{key} {size / GiB:.1f} GiB" for _, key, on, size in parts if not on) or "nothing"
+    return [f"while the engine generates, a policy GPU hands over: {moved}; keeps {kept} "
+            "(policy.offload_when_generating)"]
+
+
 def _time_line(t: StepTime) -> str:
     if t.generation == float("inf"):
         return "step time: not estimated (no sequence fits the engine's KV cache)"
@@ -315,6 +363,7 @@ def render(plan: Plan, cfg: MrlConfig) -> str:
               f"engine GPU: weights {_gib(e.weights)}, budget {_gib(e.budget)} "
               f"(gpu_memory_utilization {cfg.generation.vllm.gpu_memory_utilization:g}), KV cache {_gib(e.kv_bytes)} = "
               f"{e.kv_tokens:,} tokens = {e.sequences} sequences of {e.sequence_tokens} tokens", "",
+              _refit_line(plan.refit, cfg), *_offload_lines(plan, cfg), "",
               _time_line(t), "",
               "assumptions (--assume KEY=VALUE replaces one):"]
     lines += [f"  {k} = {a.value:g} {a.unit}: {a.source}" for k, a in plan.assumptions.items()]

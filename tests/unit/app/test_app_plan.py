@@ -107,3 +107,15 @@ def test_a_run_on_a_gpu_checks_its_layout_against_that_gpu(capsys):
     warned = check_this_gpu(load_config(R1_8K, ["cluster.memory_check=warn"]), 24 * GiB)
     assert warned is not None and not warned.fits and "may not fit this GPU" in capsys.readouterr().err
     assert check_this_gpu(load_config(R1_8K, ["cluster.memory_check=off"]), 24 * GiB) is None
+
+
+def test_the_refit_buckets_and_what_a_colocated_gpu_hands_over_are_printed():
+    cfg = load_config(R1_8K)
+    plan = make_plan(cfg)
+    assert plan.refit.total == 2 * 1_777_088_000  # every HF tensor in bf16
+    assert plan.refit.largest == 2 * 151_936 * 1536  # the embedding, alone: larger than the 256 MiB bound
+    assert plan.refit.buckets > plan.refit.total // (256 << 20)
+    text = render(plan, cfg)
+    assert f"refit: 3.3 GiB in {plan.refit.buckets} buckets of at most 445 MiB" in text
+    assert ("hands over: optimizer states to host memory 19.9 GiB, gradients freed 6.6 GiB; keeps weights 3.3 GiB"
+            in text)
