@@ -34,7 +34,7 @@ from mrl.algorithms.agent import agent_rollouts, validate_episodes
 from mrl.algorithms.ahead import RolloutsAhead
 from mrl.algorithms.evaluate import validate, write_samples
 from mrl.algorithms.guards import NonFiniteGuard
-from mrl.algorithms.health import IdleGuard, health_metrics, reads_answers, step_causes
+from mrl.algorithms.health import IdleGuard, env_reads_answers, health_metrics, step_causes
 from mrl.algorithms.interfaces import LoopCheckpoints, Workers
 from mrl.algorithms.rollout import Rollouts, generate_and_score
 from mrl.config.schema import MrlConfig
@@ -118,7 +118,7 @@ def learn(cfg: MrlConfig, workers: Workers, rollouts: Rollouts, step: int, loss_
         keep &= rollouts.loss_mask.sum(dim=1) > 0
         batch = training_rows(rollouts, advantages, keep, workers.policy.data_parallel_size)
     m.update(_rollout_metrics(rollouts, keep))
-    m.update(health_metrics(rollouts, grouped, reads_answers=reads_answers(cfg)))
+    m.update(health_metrics(rollouts, grouped, reads_answers=env_reads_answers(cfg)))
     m["train/staleness"] = float(step - 1 - rollouts.policy_version)  # updates between generating and training
     if not bool(keep.any()):  # nothing to learn from (every group uniform, or every sample lost): no update
         return m

@@ -114,7 +114,7 @@ def check_sft_rows(cfg: Any, tokenizer: Any, template: Any, problems: Sequence[A
 def health_metrics(rollouts: Any, grouped_rewards: torch.Tensor, *, reads_answers: bool = True) -> dict[str, float]:
     """The step's health figures (module docstring) from its rollouts and its rewards [prompts, group] (a tensor:
     this module imports no torch, the command line imports it). `reads_answers`: the environment reads an answer out
-    of each response (what `reads_answers(cfg)` says), so a response without one is counted."""
+    of each response (what `env_reads_answers(cfg)` says), so a response without one is counted."""
     prompts = max(len(grouped_rewards), 1)
     samples = max(int(rollouts.rewards.numel()), 1)
     uniform = 1.0  # no group at all: nothing to learn from either
@@ -129,7 +129,7 @@ def health_metrics(rollouts: Any, grouped_rewards: torch.Tensor, *, reads_answer
             "train/unparsed_fraction": unparsed}
 
 
-def reads_answers(cfg: Any) -> bool:
+def env_reads_answers(cfg: Any) -> bool:
     """Whether the run's reward reads an answer out of each response (so a response without one is a health
     figure): the single-turn arith and math environments, when no reward model replaces their score."""
     return cfg.env.kind in _ANSWER_FORMATS and cfg.env.reward_model is None

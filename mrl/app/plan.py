@@ -14,6 +14,8 @@ estimate from rates (mrl/app/plan_time.py).
 from __future__ import annotations
 
 import json
+import math
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -24,6 +26,7 @@ from mrl.app.plan_time import StepTime, step_time
 from mrl.app.plan_memory import (GiB, PolicyBytes, engine_weight_bytes, kv_capacity_tokens, layout_of,
                                  padded_vocab, policy_bytes, stage_params)
 from mrl.config import ConfigError, MrlConfig
+from mrl.data import hub
 
 SHIPPED_CONFIGS = Path(__file__).resolve().parents[1] / "_shipped" / "hf_configs"
 
@@ -100,17 +103,10 @@ def refit_plan(cfg: MrlConfig, dims: ModelDims) -> RefitPlan:
     from converters.mapping import expected_hf_shapes
     from mrl.policy.export import plan_buckets
 
-    hf_bytes = {name: 2 * _numel(shape) for name, shape in expected_hf_shapes(dims).items()}
+    hf_bytes = {name: 2 * math.prod(shape) for name, shape in expected_hf_shapes(dims).items()}
     buckets = plan_buckets(dims, "local", cfg.generation.refit_bucket_mb << 20, 2, split_units=True)
     sizes = [sum(hf_bytes[name] for piece in bucket for name in piece.hf) for bucket in buckets]
     return RefitPlan(len(sizes), max(sizes, default=0), sum(hf_bytes.values()))
-
-
-def _numel(shape: Sequence[int]) -> int:
-    out = 1
-    for size in shape:
-        out *= size
-    return out
 
 
 @dataclass
@@ -169,24 +165,24 @@ def model_config(cfg: MrlConfig, path: str | None = None) -> tuple[dict[str, Any
     folder = Path(name)
     if (folder / "config.json").is_file():
         return _read_config(folder / "config.json", "policy.model_name"), str(folder / "config.json")
-    repo = name.split("@")[0]
-    cached = _hub_cache_config(repo)
-    if cached is not None:
-        return _read_config(cached, "policy.model_name"), f"{repo} (hub cache)"
-    shipped = SHIPPED_CONFIGS / f"{repo.replace('/', '--')}_config.json"
-    if shipped.is_file():
-        return _read_config(shipped, "policy.model_name"), f"{repo} (published config.json shipped with mrl)"
+    ref = hub.parse_hub_id(name)
+    if ref is not None:
+        snapshot = hub.cached_snapshot(ref, "model")
+        if snapshot is not None and (snapshot / "config.json").is_file():
+            return _read_config(snapshot / "config.json", "policy.model_name"), f"{ref.repo_id} (hub cache)"
+        shipped = SHIPPED_CONFIGS / f"{ref.repo_id.replace('/', '--')}_config.json"
+        if shipped.is_file():
+            return _read_config(shipped, "policy.model_name"), f"{ref.repo_id} (published config.json shipped with mrl)"
+    fix = f"`{hub.download_command(ref, 'model')}` on a machine with network" if ref else "a folder with config.json"
     raise ConfigError("no config.json found for the model: not a local folder, not in the hub cache, and not one "
                       "of the models whose published config mrl ships", key="policy.model_name", given=name,
-                      fix=f"`mrl download {repo}` on a machine with network, or pass --model-config FILE")
+                      fix=f"{fix}, or pass --model-config FILE")
 
 
 def check_this_gpu(cfg: MrlConfig, gpu_total: int) -> Plan | None:
     """`cluster.memory_check` before a run starts on a GPU of `gpu_total` bytes: the plan when it does not fit (after
     printing it, with `warn`), a ConfigError with it (`refuse`); None when it fits, is off, or there is no published
     model to plan (a random model from policy.build)."""
-    import sys
-
     if cfg.cluster.memory_check == "off" or cfg.policy.model_name is None:
         return None
     plan = make_plan(cfg, gpu_total=gpu_total)
@@ -211,15 +207,6 @@ def _read_config(path: Path, key: str) -> dict[str, Any]:
     return config
 
 
-def _hub_cache_config(repo: str) -> Path | None:
-    try:
-        from huggingface_hub import try_to_load_from_cache
-    except ImportError:
-        return None
-    found = try_to_load_from_cache(repo, "config.json")
-    return Path(found) if isinstance(found, str) else None
-
-
 def make_plan(cfg: MrlConfig, *, gpu: str = "h100-80gb", assume: Sequence[str] = (),
               model_config_path: str | None = None, gpu_total: int | None = None) -> Plan:
     """The whole plan of a config (module docstring); `gpu_total`: the memory of the GPU at hand instead of the named
@@ -231,6 +218,8 @@ def make_plan(cfg: MrlConfig, *, gpu: str = "h100-80gb", assume: Sequence[str] =
     layout = layout_of(cfg)
     engine = _engine(cfg, dims, total, assumptions)
     context = int(assumptions["cuda_context_gib"].value * GiB)
+    slack = 1 + assumptions["allocator_slack"].value
+    asleep = int(assumptions["engine_asleep_gib"].value * GiB) + context if cfg.generation.colocated else 0
     stages = []
     for stage in stage_params(dims, layout, freeze_router=cfg.policy.moe.freeze_router):
         states = policy_bytes(stage, layout, precision=cfg.policy.precision,
@@ -238,8 +227,6 @@ def make_plan(cfg: MrlConfig, *, gpu: str = "h100-80gb", assume: Sequence[str] =
                               reference=cfg.loss.kl_beta > 0 and not cfg.policy.offload_reference)
         acts = stage_activations(cfg, dims, stage.layers, last_stage=stage.stage == layout.pp - 1,
                                  padded_vocab=padded_vocab(dims, layout.tp))
-        slack = 1 + assumptions["allocator_slack"].value
-        asleep = int(assumptions["engine_asleep_gib"].value * GiB) + context if cfg.generation.colocated else 0
         train = int((states.states + max(acts.train_peak, acts.logprob_peak)) * slack) + context + asleep
         generate = _resident(cfg, states) + context + engine.budget if cfg.generation.colocated else 0
         stages.append(StagePlan(states, acts, stage.layers, train, generate))

@@ -21,11 +21,12 @@ its TP, in bf16) and the KV cache that `gpu_memory_utilization` leaves (KV bytes
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 from converters import transforms as T
-from converters.mapping import param_rules
+from converters.mapping import expected_hf_shapes, param_rules
 from converters.spec import ModelDims
 from mrl.parallel.layout import ParallelDims
 
@@ -80,13 +81,14 @@ def padded_vocab(dims: ModelDims, tp: int) -> int:
 
 def stage_params(dims: ModelDims, layout: Layout, *, freeze_router: bool = False) -> list[StageParams]:
     """Parameters per rank of each pipeline stage (module docstring)."""
-    shapes = _hf_shapes(dims)
+    shapes = expected_hf_shapes(dims)
+    rules = param_rules(dims)
     ranges = stage_layer_ranges(dims.num_layers, layout)
     vocab_rows = padded_vocab(dims, layout.tp) // layout.tp
     out = []
     for stage, (first, last) in enumerate(ranges):
         dense = experts = frozen = 0
-        for rule in param_rules(dims):
+        for rule in rules:
             layer = _layer_of(rule.megatron)
             if rule.megatron.endswith("expert_bias") or not _on_stage(rule.megatron, layer, stage, first, last,
                                                                       layout.pp):
@@ -94,7 +96,7 @@ def stage_params(dims: ModelDims, layout: Layout, *, freeze_router: bool = False
             if rule.kind == "vocab":
                 dense += vocab_rows * dims.hidden_size
                 continue
-            numel = sum(_numel(shapes[name]) for name in rule.hf)
+            numel = sum(math.prod(shapes[name]) for name in rule.hf)
             local = numel // layout.tp if rule.tp_dim is not None else numel
             if rule.expert is not None:
                 experts += local  # all of the stage's experts here; one EP rank holds 1/EP of them
@@ -109,8 +111,8 @@ def stage_params(dims: ModelDims, layout: Layout, *, freeze_router: bool = False
 
 def total_params(dims: ModelDims) -> int:
     """Every parameter of the model (one copy, unpadded vocabulary): what transformers counts."""
-    shapes = _hf_shapes(dims)
-    return sum(_numel(shape) for name, shape in shapes.items() if not name.endswith("e_score_correction_bias"))
+    return sum(math.prod(shape) for name, shape in expected_hf_shapes(dims).items()
+               if not name.endswith("e_score_correction_bias"))
 
 
 @dataclass(frozen=True)
@@ -165,19 +167,6 @@ def kv_capacity_tokens(dims: ModelDims, tp: int, available_bytes: int, *, block_
     every layer (vLLM 0.32, vllm/v1/core/kv_cache_utils.py: num_blocks = available // bytes per block of all layers;
     the capacity it logs is num_blocks x block_size, its null block included)."""
     return max(available_bytes, 0) // (kv_bytes_per_token(dims, tp, width=width) * block_size) * block_size
-
-
-def _hf_shapes(dims: ModelDims) -> dict[str, tuple[int, ...]]:
-    from converters.mapping import expected_hf_shapes
-
-    return expected_hf_shapes(dims)
-
-
-def _numel(shape: Sequence[int]) -> int:
-    out = 1
-    for size in shape:
-        out *= size
-    return out
 
 
 def _layer_of(name: str) -> int | None:

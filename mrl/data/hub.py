@@ -133,7 +133,7 @@ def resolve(ref: HubRef, *, repo_type: str, key: str, split: Optional[str] = Non
     Online with the hub out of reach, a cached snapshot is used (with a line saying so)."""
     revision = ref.revision or "main"
     if offline():
-        folder = _cached_snapshot(ref, repo_type, pinned)
+        folder = cached_snapshot(ref, repo_type, pinned)
         if folder is None:
             raise _not_cached(ref, repo_type, key, pinned or cached_commit(ref, repo_type))
         return Resolved(ref.repo_id, revision, folder.name, repo_type, str(folder))
@@ -141,7 +141,8 @@ def resolve(ref: HubRef, *, repo_type: str, key: str, split: Optional[str] = Non
     return Resolved(ref.repo_id, revision, Path(path).name, repo_type, path)
 
 
-def _cached_snapshot(ref: HubRef, repo_type: str, pinned: Optional[str]) -> Optional[Path]:
+def cached_snapshot(ref: HubRef, repo_type: str, pinned: Optional[str] = None) -> Optional[Path]:
+    """The cache's snapshot folder of `ref` (at `pinned`, else the commit its revision points at), None when absent."""
     commit = pinned or cached_commit(ref, repo_type)
     folder = repo_folder(ref, repo_type) / "snapshots" / (commit or "")
     return folder if commit is not None and folder.is_dir() else None
@@ -172,7 +173,7 @@ def _download(ref: HubRef, repo_type: str, key: str, split: Optional[str], pinne
                               "or download its files and pass the file to read") from error
     except Exception as error:  # the hub's errors: gated, missing repo or revision, unreachable
         answered = isinstance(error, (RepositoryNotFoundError, RevisionNotFoundError))  # gated is one too
-        cached = None if answered else _cached_snapshot(ref, repo_type, pinned)
+        cached = None if answered else cached_snapshot(ref, repo_type, pinned)
         if cached is None:
             raise _hub_error(error, ref, repo_type, key) from error
         print(f"[mrl] {key}: the hub is out of reach ({type(error).__name__}); using the cached commit {cached.name}",

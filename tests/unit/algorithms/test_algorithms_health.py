@@ -9,7 +9,7 @@ import torch
 
 from mrl.algorithms.health import (PREFLIGHT_ROWS, ZERO_LOSS_STEPS, IdleGuard, IdleTraining, ZeroLoss, check_prompt_budget, check_sft_rows,
                                    health_cell,
-                                   health_metrics, health_summary, prompt_token_limit, reads_answers, step_causes)
+                                   health_metrics, health_summary, prompt_token_limit, env_reads_answers, step_causes)
 from mrl.algorithms.rollout import Rollouts
 from mrl.config.errors import ConfigError
 from mrl.config.schema import MrlConfig
@@ -44,7 +44,7 @@ def test_figures_by_hand():
     r = rollouts([[0.0, 0.0], [1.0, 0.0]], cut=[True, False, False, False], answers=[None, None, "3", None])
     assert health_metrics(r, r.rewards.view(2, 2))["train/unparsed_fraction"] == pytest.approx(2 / 3)
     assert health_metrics(r, r.rewards.view(2, 2), reads_answers=False)["train/unparsed_fraction"] == 0.0
-    assert reads_answers(config()) and not reads_answers(MrlConfig.model_validate({"env": {"kind": "server"}}))
+    assert env_reads_answers(config()) and not env_reads_answers(MrlConfig.model_validate({"env": {"kind": "server"}}))
 
 
 def test_every_prompt_too_long_names_the_longest_the_limit_and_the_keys():

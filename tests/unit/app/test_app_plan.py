@@ -66,7 +66,10 @@ def test_assumptions_print_their_source_and_assume_replaces_one():
 
 
 def test_the_model_config_comes_from_a_folder_the_hub_cache_or_the_shipped_copies(tmp_path, monkeypatch):
-    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-cache"))
+    from mrl.data import hub
+
+    cache = tmp_path / "hub-cache"
+    monkeypatch.setattr(hub, "cache_dir", lambda: cache)
     folder = tmp_path / "model"
     folder.mkdir()
     shutil.copy(SHIPPED_CONFIGS / "Qwen--Qwen3-30B-A3B_config.json", folder / "config.json")
@@ -74,6 +77,14 @@ def test_the_model_config_comes_from_a_folder_the_hub_cache_or_the_shipped_copie
     assert config["num_experts"] == 128 and source == str(folder / "config.json")
     _, source = model_config(load_config(R1_8K))
     assert source.endswith("(published config.json shipped with mrl)")
+    # `mrl download` put the model in the hub cache: its config.json there comes first (at the revision's commit)
+    repo = cache / "models--deepseek-ai--DeepSeek-R1-Distill-Qwen-1.5B"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text("0" * 40)
+    (repo / "snapshots" / ("0" * 40)).mkdir(parents=True)
+    shutil.copy(folder / "config.json", repo / "snapshots" / ("0" * 40) / "config.json")
+    config, source = model_config(load_config(R1_8K))
+    assert source == "deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B (hub cache)" and config["num_experts"] == 128
     with pytest.raises(ConfigError, match="no config.json found") as missing:
         model_config(load_config(R1_8K, ["policy.model_name=some-org/unknown"]))
     assert "mrl download some-org/unknown" in missing.value.render()
