@@ -1,5 +1,5 @@
-"""Test-wide set-up: markers follow the folder (tests/unit -> unit, tests/functional -> functional, tests/stages ->
-stages, tests/real -> real, tests/slurm -> slurm, tests/faults -> faults)."""
+"""Test-wide set-up: markers follow the folder (tests/unit -> unit, tests/functional -> functional, tests/runs -> runs,
+tests/stages -> stages, tests/real -> real, tests/slurm -> slurm, tests/faults -> faults)."""
 import os
 
 import pytest
@@ -18,6 +18,8 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.unit)
         elif "functional" in parts:
             item.add_marker(pytest.mark.functional)
+        elif "runs" in parts:
+            item.add_marker(pytest.mark.runs)
         elif "stages" in parts:
             item.add_marker(pytest.mark.stages)
         elif "real" in parts:

@@ -1,6 +1,6 @@
 """Run health (mrl/algorithms/health.py): the step's figures from its rollouts, each whole-step condition named with
 its figures and fix, and the stop after grpo.max_idle_steps idle steps. Real runs that provoke each condition:
-tests/functional/app/test_app_health.py."""
+tests/runs/test_runs_health.py."""
 
 import re
 

@@ -24,7 +24,7 @@ from mrl.testing.runs import MACHINERY, finish, metrics, mrl
 
 pytestmark = pytest.mark.functional
 
-RECIPE = str(Path(__file__).resolve().parents[3] / "recipes" / "grpo-deepscaler-1.5b-8K.yaml")
+RECIPE = str(Path(__file__).resolve().parents[2] / "recipes" / "grpo-deepscaler-1.5b-8K.yaml")
 MODEL, TRAIN, VAL = "deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B", "agentica-org/DeepScaleR-Preview-Dataset", \
     "HuggingFaceH4/aime_2024"
 SMALL = ("cluster.devices_per_node=1", "policy.precision=float32", "policy.max_total_sequence_length=200",
