@@ -25,6 +25,7 @@ from mrl.inference.interface import GenerationBackend, SamplingConfig
 from mrl.objectives.passk import pass_at_k, pass_k_problem
 
 if TYPE_CHECKING:
+    import torch
     from transformers import PreTrainedTokenizerBase
 
 SAMPLES_FILE = "samples.jsonl"
@@ -43,6 +44,9 @@ class SampleRecord:
     extracted_answer: Optional[str]
     reward: float
     finish_reason: str
+    #: The engine's mean logprob per response token (stop token included), of the raw distribution (temperature 1,
+    #: unfiltered: vLLM's raw_logprobs); how likely the model finds its own answer (mrl.app.self_pairs reads it).
+    mean_logprob: float = 0.0
 
 
 @dataclass
@@ -69,13 +73,20 @@ def evaluate(engine: GenerationBackend, env: Environment, tokenizer: "PreTrained
     for k in pass_k:
         metrics[f"val/pass@{k}"] = sum(pass_at_k(sampling.n, c, k) for c in correct) / len(correct)
     prompts = [tokenizer.decode(list(ids), skip_special_tokens=False) for ids in prompt_ids]
+    mean_logprobs = response_mean_logprobs(rollouts.generation_logprobs, rollouts.loss_mask)
     samples = [SampleRecord(problems[row // sampling.n].row, row % sampling.n, problems[row // sampling.n].problem,
                             prompts[row // sampling.n],
                             rollouts.responses[row], problems[row // sampling.n].answer,
                             rollouts.extracted_answers[row], float(rollouts.rewards[row]),
-                            rollouts.finish_reasons[row].value)
+                            rollouts.finish_reasons[row].value, mean_logprobs[row])
                for row in range(len(rollouts.responses))]
     return Evaluation(metrics, samples)
+
+
+def response_mean_logprobs(logprobs: "torch.Tensor", mask: "torch.Tensor") -> list[float]:
+    """Each row's mean logprob over its response tokens ([B, T] each; 0.0 for an empty response)."""
+    counts = mask.sum(dim=1)
+    return ((logprobs * mask).sum(dim=1) / counts.clamp(min=1)).tolist()
 
 
 def validate(cfg: MrlConfig, engine: GenerationBackend, env: Environment, tokenizer: "PreTrainedTokenizerBase",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from mrl.algorithms.evaluate import response_mean_logprobs
 from mrl.algorithms.grpo import training_rows
 from mrl.algorithms.rollout import Rollouts, rows_from_output
 from mrl.objectives.passk import pass_at_k
@@ -27,6 +28,12 @@ def test_rows_put_responses_after_their_prompts_with_engine_logprobs_on_token_po
     assert mask.tolist() == [[0, 0, 1, 1, 1], [0, 0, 1, 0, 0], [0, 0, 0, 0, 0], [0, 1, 1, 0, 0]]
     expected = [[0, 0, -0.5, -0.25, -1.0], [0, 0, -2.0, 0, 0], [0] * 5, [0, -0.1, -0.2, 0, 0]]
     assert torch.equal(gen, torch.tensor(expected, dtype=torch.float32))
+
+
+def test_each_sample_mean_logprob_is_over_its_response_tokens_only():
+    _, mask, gen = rows_from_output(_output(), pad_id=1)
+    expected = [(-0.5 - 0.25 - 1.0) / 3, -2.0, 0.0, (-0.1 - 0.2) / 2]  # the aborted sample has no token: 0.0
+    assert response_mean_logprobs(gen, mask) == pytest.approx(expected)
 
 
 @pytest.mark.parametrize("n, c, k, expected", [

@@ -48,3 +48,17 @@ def test_the_written_pairs_are_what_dpo_reads(tmp_path: Path, capsys):
     assert len(loaded) == 2 and loaded.num_skipped == 0
     pair = loaded.pairs[0]
     assert pair.prompt[-1]["content"] == "What is 7 times 5? Be brief." and pair.chosen in ("35", "7 * 5 = 35")
+
+
+def test_likeliest_pairs_the_wrong_answers_the_model_finds_likeliest_first():
+    logprobs = {"35": -0.2, "7 * 5 = 35": -0.4, "36": -0.1, "To solve": -2.5, "12": -0.3, "10": -0.3}
+    samples = [{**s, "mean_logprob": logprobs[s["response"]]} for s in SAMPLES]
+    one = pairs_from_samples(samples, "x", max_pairs_per_problem=1, rejected="likeliest")
+    assert [p["rejected"] for p in one] == ["36"]  # -0.1 beats the ramble's -2.5, whatever the seed
+    assert all(pairs_from_samples(samples, "x", 1, seed, "likeliest")[0]["rejected"] == "36" for seed in range(8))
+    # random takes the ramble for some seeds: the two modes differ
+    assert {pairs_from_samples(samples, "x", 1, seed)[0]["rejected"] for seed in range(8)} == {"36", "To solve"}
+    with pytest.raises(ValueError, match=r"lacks \['mean_logprob'\]"):
+        pairs_from_samples(SAMPLES, "x", rejected="likeliest")
+    with pytest.raises(ValueError, match="one of"):
+        pairs_from_samples(samples, "x", rejected="hardest")
