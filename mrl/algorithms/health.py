@@ -16,7 +16,10 @@ Figures, from what the step already has (added to its metrics):
 Each condition that holds for the whole step is a warning with its figures and the keys that change it. A step
 that trained on nothing (no sample kept, or every group's rewards equal with no KL term: every advantage is 0, so
 the update is exactly 0) is idle; `grpo.max_idle_steps` idle steps in a row end the run with `IdleTraining`
-(exit 2, mrl.cli) before it saves: a checkpoint would differ from the start only in its step number.
+(exit 2, mrl.cli) before it saves: a checkpoint would differ from the start only in its step number. One such step is
+not idle: every sample got the same positive reward ("all solved": the model answered every problem of the step
+right). It warns, but a run that masters its data is not stuck, and a small recipe near the end of its training
+meets such steps by chance (6 prompts x 4 samples at 96% right: one step in three).
 """
 
 from __future__ import annotations
@@ -164,8 +167,15 @@ def step_causes(cfg: Any, metrics: dict[str, float], rollouts: Any) -> list[Caus
     elif metrics["train/zero_variance_groups"] >= 1.0:
         seen = sorted({round(float(r), 4) for r in rollouts.rewards.tolist()})
         effect = "learns only from the KL term" if kl else "changes nothing"
-        causes.append(Cause("equal rewards", f"every group's rewards were equal (rewards seen: {_few(seen)}): every "
-                            f"advantage is 0, so the step {effect}. {_equal_rewards_fix(cfg)}", idle=not kl))
+        if len(seen) == 1 and seen[0] > 0:
+            causes.append(Cause("all solved", (
+                f"every sample of the step got the same reward, {seen[0]:g}: the model solves every problem of the "
+                f"step, so every advantage is 0 and the step {effect}. Not counted as idle (the run is not stuck); "
+                "if it goes on, the data is too easy for the model: harder problems, or fewer steps"), idle=False))
+        else:
+            causes.append(Cause("equal rewards", f"every group's rewards were equal (rewards seen: {_few(seen)}): "
+                                f"every advantage is 0, so the step {effect}. {_equal_rewards_fix(cfg)}",
+                                idle=not kl))
     elif metrics.get("train/kept_samples", 1.0) == 0:
         causes.append(Cause("no samples", "no sample of the step was kept for training (every response empty, or "
                             "every group dropped by grpo.dynamic_sampling)", idle=True))

@@ -70,6 +70,22 @@ def test_equal_rewards_are_idle_without_kl_and_name_the_rewards_seen():
     assert not cause.idle and "only from the KL term" in cause.message
 
 
+def test_a_step_the_model_solves_whole_warns_but_is_not_idle():
+    solved = rollouts([[1.0, 1.0], [1.0, 1.0]])
+    metrics = {**health_metrics(solved, solved.rewards.view(2, 2)), "train/kept_samples": 0.0}
+    (cause,) = step_causes(config(), metrics, solved)
+    assert cause.name == "all solved" and not cause.idle and "same reward, 1:" in cause.message
+    guard = IdleGuard(limit=3)
+    for step in range(1, 10):  # a run that keeps solving its problems is not stopped
+        guard.observe(step, [cause])
+        guard.stop_if_exhausted()
+    # uniform groups of different rewards (one all right, one all wrong) stay idle: no group has a signal
+    split = rollouts([[1.0, 1.0], [0.0, 0.0]])
+    (cause,) = step_causes(config(), {**health_metrics(split, split.rewards.view(2, 2)), "train/kept_samples": 0.0},
+                           split)
+    assert cause.name == "equal rewards" and cause.idle and "rewards seen: 0, 1" in cause.message
+
+
 def test_cut_responses_and_failed_rewards_warn_but_are_not_idle():
     # one response cut, the other an end-of-sequence token alone (empty): nothing was said to its end
     r = rollouts([[0.0, 1.0]], errors=2, responses=["12", ""], cut=[True, False],
