@@ -20,13 +20,14 @@ load on the machine shows in them. Needs `make real`.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from mrl.testing.runs import MACHINERY, metrics
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # the mrl subprocesses' workers, as in the Makefile
 os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
@@ -36,7 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "recipes" / "grpo-smollm2-135m-times-cpu.yaml"
 #: The recipe's GRPO stage (`mrl grpo --config` does not apply a stage's overrides), without validation, checkpoints
 #: or the idle-step stop (speed, not learning).
-BASE = ["eval.data=null", "checkpointing.enabled=false", "grpo.max_idle_steps=0"]
+BASE = ["eval.data=null", "checkpointing.enabled=false", *MACHINERY]
 VARIANTS = {
     "recipe": [],
     "threads1": ["cluster.omp_num_threads=1"],
@@ -73,8 +74,7 @@ def run_variant(variant: str, steps: int, out_dir: Path) -> list[dict]:
     if code:
         tail = [line for line in log.read_text().splitlines() if line.strip()][-6:]
         raise RuntimeError(f"mrl grpo exited with {code}; the end of {log}:\n  " + "\n  ".join(tail))
-    lines = (out_dir / "logs" / "metrics.jsonl").read_text().splitlines()
-    return [record for record in map(json.loads, lines) if "timing/step" in record]
+    return [record for record in metrics(out_dir / "logs").values() if "timing/step" in record]
 
 
 def summarise(runs: list[list[dict]]) -> dict[str, float]:

@@ -214,7 +214,8 @@ def _equal_rewards_fix(cfg: Any) -> str:
         return ("Every group is one sample (grpo.num_generations_per_prompt=1), whose advantage is always 0: set it "
                 "to 2 or more")
     return ("All 0: the model never answers right (start from a stronger or SFT-warmed model, easier data, or check "
-            "that the reward can read its answers); all 1: it always does (harder data). More samples per prompt "
+            "that the reward can read its answers); groups all right beside groups all wrong: the data mixes problems "
+            "too easy and too hard for it. More samples per prompt "
             f"(grpo.num_generations_per_prompt={size}) make a differing one likelier")
 
 

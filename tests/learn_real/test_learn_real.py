@@ -20,6 +20,7 @@ from mrl.app.commands import RUNNERS
 from mrl.app import self_pairs
 from mrl.app.stages import run_staged
 from mrl.config import load_config
+from mrl.testing.runs import metrics
 
 pytestmark = [pytest.mark.learn_real, pytest.mark.timeout(3600)]
 
@@ -78,8 +79,7 @@ def test_dpo_on_its_own_answers_lifts_held_out_preference_accuracy(real_assets, 
     summary = RUNNERS["dpo"](load_config(DPO, base))
     before = summary["val/preference_accuracy_before"]
     after = summary["val/preference_accuracy_after"]
-    val = [m for m in map(json.loads, open(tmp_path / "logs" / "metrics.jsonl", encoding="utf-8"))
-           if "val/chosen_logprob" in m]
+    val = [m for m in metrics(tmp_path / "logs").values() if "val/chosen_logprob" in m]
     greedy = {name: _greedy_held_out_accuracy(model, tmp_path / f"greedy-{name}", real_assets)
               for name, model in (("before", load_config(DPO).policy.model_name), ("after", tmp_path / "final_hf"))}
     figure(f"DPO seed {seed} on its own answers ({counts['train']} training pairs, {counts['heldout']} held-out): "
