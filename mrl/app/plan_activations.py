@@ -16,7 +16,8 @@ checkpoint) each layer keeps only its input, plus the rotary table once, and one
 recomputed. Context parallelism divides the tokens. The output layer's share is in `_logits`.
 
 Checked against the bytes autograd saves in megatron-core's own forward on CPU ("local"), tiny dense models, several
-lengths, TP 1 and 2 with sequence parallelism, recompute on and off: tests/unit/app/test_app_plan_activations.py. The
+lengths, TP 1 and 2 with sequence parallelism, recompute on and off: tests/unit/app/test_app_plan_activations.py; and
+on an H100 without TE against the saved bytes and the caching allocator's growth: tests/gpu/test_gpu_plan.py. The
 "te" set differs only in the named terms. Not measured: MoE layers (the dispatcher's buffers are an estimate).
 """
 
@@ -36,7 +37,8 @@ class Activations:
 
     tokens: int        # tokens of the training micro-batch on this rank (after CP)
     layers: int        # kept for the backward
-    working: int       # one layer's whole set while it is recomputed (0 without recompute)
+    working: int       # one layer's whole set while it is recomputed (0 without recompute), and the gathered input
+                       # of sequence parallelism (`gather_buffer_bytes`)
     logits: int        # the last stage's logits and log-softmax chunks (0 on the other stages)
     logprob_peak: int  # the logprob pass: one layer's set and the logits
 
@@ -127,6 +129,14 @@ def decoder_activations(dims: ModelDims, layers: tuple[int, int], *, tokens: int
     return (layers[1] - layers[0]) * inputs + rotary_table_bytes(dims) * (sequence_length or tokens), biggest
 
 
+def gather_buffer_bytes(dims: ModelDims, *, tokens: int, tp: int, sequence_parallel: bool) -> int:
+    """Sequence parallelism's all-gathered layer input, [tokens, hidden] bf16 on every TP rank: megatron-core's
+    local linears gather into its global memory buffer ("mpu"), which stays allocated (Transformer Engine gathers
+    into a buffer of the same size per linear, freed after it). Not an activation autograd saves, but at the peak:
+    the GPU tier measured it (tests/gpu/test_gpu_plan.py). 0 without sequence parallelism."""
+    return 2 * dims.hidden_size * tokens if tp > 1 and sequence_parallel else 0
+
+
 def micro_batch_tokens(cfg: Any, *, logprob: bool = False) -> int:
     """Tokens of one micro-batch on one data-parallel rank: the packed budget with packing, else sequences x the
     sequence length."""
@@ -152,7 +162,9 @@ def stage_activations(cfg: Any, dims: ModelDims, layers: tuple[int, int], *, las
                                        kernels=kernels)
     logits = _logits(cfg, tokens, padded_vocab // tp, train=True) if last_stage else 0
     lp_logits = _logits(cfg, logprob_tokens, padded_vocab // tp, train=False) if last_stage else 0
-    return Activations(tokens, kept, working, logits, one_layer + lp_logits)
+    gather = gather_buffer_bytes(dims, tokens=tokens, tp=tp, sequence_parallel=par.sequence_parallel)
+    lp_gather = gather_buffer_bytes(dims, tokens=logprob_tokens, tp=tp, sequence_parallel=par.sequence_parallel)
+    return Activations(tokens, kept, working + gather, logits, one_layer + lp_logits + lp_gather)
 
 
 def _logits(cfg: Any, tokens: int, vocab: int, *, train: bool) -> int:
