@@ -1,19 +1,25 @@
-"""Time of one GRPO step of the same small workload three ways: a bare HF + torch floor, mrl synchronous, mrl async.
+"""Time of one GRPO step of the same workload three ways: a bare HF + torch floor, mrl synchronous, mrl async.
 
-The workload: the arithmetic task of recipes/arith-tiny-cpu.yaml ("37+05=" -> "42", 0/1 exact-match reward) on its
-random-init 4-layer model (no SFT warm-up), P prompts x G samples x at most T new tokens per step, fp32, 2 cores.
+Two workloads (--workload), P prompts x G samples x at most T new tokens per step, fp32, 2 cores:
+  tiny   : the arithmetic task of recipes/arith-tiny-cpu.yaml ("37+05=" -> "42", 0/1 exact-match reward) on its
+           random-init 4-layer model (no SFT warm-up); default 8 x 8 x 32, lr 1e-3.
+  smollm2: the times-table task of recipes/grpo-smollm2-135m-times-cpu.yaml (math-verify's reward) on the real
+           SmolLM2-135M-Instruct (`make real`), its GRPO stage's settings (lr 2e-5); default 4 x 4 x 64 (#38's
+           16 samples x 64 tokens), without dynamic sampling (every sample trains, as in the floor) and without
+           the recipe's validation.
   floor: this process, torch.set_num_threads(2) (--floor-threads), HF transformers: `model.generate(do_sample,
          temperature 1, num_return_sequences=G)` on left-padded prompts; mrl's reward (`build_environment(env)`,
          a response without EOS scores 0); group-normalised advantages (`grpo_advantages`, no leave-one-out,
          std-normalised); one forward with grad over prompt + response, loss = -mean over response tokens of
          ratio * A with ratio = exp(logp - logp.detach()) (the clipped GRPO loss at ratio 1), backward, grad-norm
          clip (as mrl does), torch.optim.AdamW step with the run's optimizer settings (lr 1e-3).
-         Prompts come from mrl's own task data, loader and template with the run's seed. The model folder is built
-         first, by mrl's `build_initial_model` from the same config, so it holds the weights mrl starts from
-         (checked byte for byte against mrl sync's own folder when both run).
-  sync : `mrl grpo --config recipes/arith-tiny-cpu.yaml` as a subprocess, with overrides giving the same P, G, T,
+         Prompts come from mrl's own task data, loader and template with the run's seed. The tiny model's folder is
+         built first, by mrl's `build_initial_model` from the same config, so it holds the weights mrl starts from
+         (checked byte for byte against mrl sync's own folder when both run); SmolLM2 is read from its folder.
+  sync : `mrl grpo --config RECIPE` as a subprocess, with overrides giving the same P, G, T,
          one optimizer step per step (global = micro batch = P*G; the recipe packs sequences: one pack holds the
-         whole batch, no padding), lr 1e-3 without warm-up, a small validation (eval.max_problems=8), no checkpoints.
+         whole batch, no padding), the workload's lr without warm-up, tiny: a small validation
+         (eval.max_problems=8), no checkpoints.
          The floor trains on its padded batch, as a plain HF train step does. The engine and the policy share one
          bundle (colocated) and, as in the recipe's GRPO stage, each uses both cores (cluster.omp_num_threads=2:
          their phases never overlap).
@@ -30,8 +36,9 @@ ratio: the two modes of a round ran minutes apart, so a slow minute of the machi
 2-core VM) slows one round of the ratio, not the whole of one mode. Figures, not a timed test: other load on the
 machine shows in them, most in the floor's two OpenMP threads.
 
-    python benchmarks/grpo_step.py [--steps 8 --rounds 3 --prompts 8 --generations 8 --tokens 32
+    python benchmarks/grpo_step.py [--workload tiny --steps 8 --rounds 3 --prompts 8 --generations 8 --tokens 32
                                     --modes floor,sync,async --floor-threads 2 --keep DIR]
+    python benchmarks/grpo_step.py --workload smollm2 --modes floor,sync --rounds 2
 """
 
 from __future__ import annotations
@@ -48,11 +55,33 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from mrl.testing.runs import MACHINERY
+
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # the mrl subprocesses' workers, as in the Makefile
 os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
 os.environ["TOKENIZERS_PARALLELISM"] = "false"
 
-RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "arith-tiny-cpu.yaml"
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class Workload:
+    recipe: Path
+    prompts: int
+    generations: int
+    tokens: int
+    prompt_tokens: int        # the longest prompt: the sequence length is this + tokens
+    overrides: tuple[str, ...]
+    built: bool               # a random-init model mrl builds (policy.build), not a folder
+    label: str
+
+
+WORKLOADS = {
+    "tiny": Workload(ROOT / "recipes" / "arith-tiny-cpu.yaml", 8, 8, 32, 16,
+                     ("policy.optimizer.lr=1e-3", "eval.max_problems=8"), True, "arith-tiny-cpu model (random init)"),
+    "smollm2": Workload(ROOT / "recipes" / "grpo-smollm2-135m-times-cpu.yaml", 4, 4, 64, 80,
+                        ("grpo.dynamic_sampling=false", "eval.data=null"), False, "SmolLM2-135M-Instruct"),
+}
 MODES = ("floor", "sync", "async")
 #: The recipe's GRPO-stage threads (`mrl grpo --config` does not apply stage overrides): phases never overlap, so
 #: the policy and the engine each use both cores; asynchronous, a core each.
@@ -77,11 +106,12 @@ class Result:
 
 def _parse() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workload", choices=sorted(WORKLOADS), default="tiny")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=3, help="runs of each mode, the modes taking turns")
-    parser.add_argument("--prompts", type=int, default=8)
-    parser.add_argument("--generations", type=int, default=8)
-    parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument("--prompts", type=int, help="default: the workload's")
+    parser.add_argument("--generations", type=int, help="default: the workload's")
+    parser.add_argument("--tokens", type=int, help="default: the workload's")
     parser.add_argument("--modes", default=",".join(MODES), help="comma list of floor, sync, async")
     parser.add_argument("--keep", metavar="DIR", help="write the runs' outputs here and keep them")
     parser.add_argument("--floor-threads", type=int, default=2,
@@ -90,6 +120,13 @@ def _parse() -> argparse.Namespace:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="another override of both mrl runs (repeatable), e.g. --set cluster.omp_num_threads=2")
     args = parser.parse_args()
+    args.work = WORKLOADS[args.workload]
+    for name in ("prompts", "generations", "tokens"):
+        if getattr(args, name) is None:
+            setattr(args, name, getattr(args.work, name))
+    if not args.work.built and not _model_folder(args).is_dir():
+        parser.error(f"--workload {args.workload} needs the real model at {_model_folder(args)}: run `make real` "
+                     "(or set MRL_REAL_ASSETS)")
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if args.rounds < 1:
         parser.error(f"--rounds must be at least 1, got {args.rounds}")
@@ -99,18 +136,22 @@ def _parse() -> argparse.Namespace:
     return args
 
 
+def _model_folder(args: argparse.Namespace) -> Path:
+    return Path(os.environ.get("MRL_REAL_ASSETS", ROOT / ".cache" / "real")) / "smollm2-135m-instruct"
+
+
 def mrl_overrides(args: argparse.Namespace, out_dir: Path) -> list[str]:
     """The recipe's settings changed to the benchmark's workload (the floor loads its config with these too)."""
     batch = args.prompts * args.generations
-    max_len = args.tokens + 16  # the arith prompt is 6 tokens
+    max_len = args.tokens + args.work.prompt_tokens
     return [f"grpo.max_num_steps={args.steps}", f"grpo.num_prompts_per_step={args.prompts}",
             f"grpo.num_generations_per_prompt={args.generations}", f"generation.max_new_tokens={args.tokens}",
             f"policy.max_total_sequence_length={max_len}", f"generation.vllm.max_model_len={max_len}",
             f"policy.train_global_batch_size={batch}", f"policy.train_micro_batch_size={batch}",
             f"policy.logprob_micro_batch_size={batch}",
             f"policy.sequence_packing.tokens_per_microbatch={batch * max_len}",
-            "policy.optimizer.lr=1e-3", "policy.scheduler.warmup_steps=0", "grpo.val_every=0", "eval.max_problems=8",
-            "grpo.max_idle_steps=0",  # speed, not learning: a random model may score alike for 3 steps
+            *args.work.overrides, "policy.scheduler.warmup_steps=0", "grpo.val_every=0",
+            *MACHINERY,  # speed, not learning: a model may score alike for 3 steps
             "checkpointing.enabled=false", f"run.output_dir={out_dir}",
             *args.set]
 
@@ -122,10 +163,11 @@ class ModeFailed(RuntimeError):
 
 def run_mrl(args: argparse.Namespace, out_dir: Path, extra: list[str]) -> list[dict]:
     """`mrl grpo` on the recipe in a subprocess; its step records (times, reward, lengths) from metrics.jsonl."""
-    command = [sys.executable, "-m", "mrl.cli", "grpo", "--config", str(RECIPE), *mrl_overrides(args, out_dir), *extra]
+    command = [sys.executable, "-m", "mrl.cli", "grpo", "--config", str(args.work.recipe), *mrl_overrides(args, out_dir),
+               *extra]
     log = out_dir.with_suffix(".log")
     with log.open("w") as sink:
-        code = subprocess.run(command, stdout=sink, stderr=subprocess.STDOUT, cwd=RECIPE.parents[1]).returncode
+        code = subprocess.run(command, stdout=sink, stderr=subprocess.STDOUT, cwd=ROOT).returncode
     if code:
         tail = [line for line in log.read_text().splitlines() if line.strip()][-6:]
         raise ModeFailed(f"mrl grpo exited with {code}; the end of {log.name}:\n      " + "\n      ".join(tail))
@@ -162,7 +204,7 @@ def summarise(runs: list[list[dict]], steps: int, last_excluded: bool) -> Result
 
 # ----------------------------------------------------------------------------------------------------------- floor
 def run_floor(args: argparse.Namespace, out_dir: Path) -> list[dict]:
-    """The bare loop (module docstring) on the model mrl builds from the same config; one record per step."""
+    """The bare loop (module docstring) on the model mrl starts from with the same config; one record per step."""
     import torch
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
@@ -175,11 +217,13 @@ def run_floor(args: argparse.Namespace, out_dir: Path) -> list[dict]:
     from mrl.environments.registry import build_environment
 
     torch.set_num_threads(args.floor_threads)
-    cfg = load_config(RECIPE, mrl_overrides(args, out_dir))
-    model_dir = build_initial_model(cfg, cfg.policy.build, out_dir / INITIAL_MODEL_DIR)
-    hf_logging.disable_progress_bar()  # one tiny shard
+    cfg = load_config(args.work.recipe, mrl_overrides(args, out_dir))
+    model_dir = (build_initial_model(cfg, cfg.policy.build, out_dir / INITIAL_MODEL_DIR) if args.work.built
+                 else ROOT / cfg.policy.model_name)  # relative paths: to the checkout, where mrl runs
+    hf_logging.disable_progress_bar()  # one shard
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    tokenizer, data, env = load_tokenizer(model_dir), load_task_data(cfg), build_environment(cfg.env)
+    env = None if cfg.env.kind == "math" else build_environment(cfg.env)  # math: in-process (`_rewards`)
+    tokenizer, data = load_tokenizer(model_dir), load_task_data(cfg)
     loader = PromptDataLoader(data.train, args.prompts, seed=cfg.run.seed)
     opt = cfg.policy.optimizer
     optimizer = torch.optim.AdamW(model.parameters(), lr=opt.lr, betas=(opt.adam_beta1, opt.adam_beta2),
@@ -233,13 +277,21 @@ def _left_pad(prompts: list[list[int]], pad: int):
 
 
 def _rewards(env, tokenizer, problems, responses, response_mask, is_eos, group: int):
-    """mrl's environment on the decoded responses; a response without EOS is unfinished (scored 0). [P*G]"""
+    """mrl's reward on the decoded responses; a response without EOS is unfinished (scored 0). [P*G]. The math
+    reward (`env` None) is math-verify's verdict, mrl's `math_verify_reward`, called in this process, as a bare
+    loop would (mrl's math environment runs it in a pool of Ray actors, with a timeout)."""
+    import torch
+
     from mrl.environments.base import ANSWER, FINISHED
+    from mrl.environments.math import math_verify_reward
 
     lengths = response_mask.sum(dim=1).long().tolist()
     texts = [tokenizer.decode(row[:n].tolist(), skip_special_tokens=True) for row, n in zip(responses, lengths)]
     finished = is_eos.any(dim=1).tolist()
-    meta = [{ANSWER: problems[i // group].answer, FINISHED: finished[i]} for i in range(len(texts))]
+    answers = [problems[i // group].answer for i in range(len(texts))]
+    if env is None:
+        return torch.tensor([math_verify_reward(t, a) if f else 0.0 for t, a, f in zip(texts, answers, finished)])
+    meta = [{ANSWER: answers[i], FINISHED: finished[i]} for i in range(len(texts))]
     return env.step([[{"role": "assistant", "content": t}] for t in texts], meta).rewards.float()
 
 
@@ -283,7 +335,7 @@ def _fmt(value: float, width: int, digits: int) -> str:
 
 def _print_report(args: argparse.Namespace, results: dict[str, Result], rounds: dict[str, list[Result]],
                   same_model: Optional[bool]) -> None:
-    print(f"settings: arith-tiny-cpu model (random init), {args.prompts} prompts x {args.generations} samples x "
+    print(f"settings: {args.work.label}, {args.prompts} prompts x {args.generations} samples x "
           f"<= {args.tokens} new tokens, {args.steps} steps x {args.rounds} rounds (modes taking turns); floor "
           f"{args.floor_threads} threads in-process; mrl threads per worker: sync {SYNC_OVERRIDES[-1]}, async "
           f"{ASYNC_OVERRIDES[-1]}")
@@ -339,6 +391,7 @@ def main() -> None:
     args = _parse()
     with tempfile.TemporaryDirectory(prefix="grpo-step-") as scratch:
         root = Path(args.keep or scratch).resolve()
+        os.chdir(ROOT)  # the recipes' relative paths (the real assets) are the checkout's, as for the mrl runs
         root.mkdir(parents=True, exist_ok=True)
         if any(root.iterdir()):
             sys.exit(f"{root} is not empty: pick an empty --keep folder")

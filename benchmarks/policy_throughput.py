@@ -19,6 +19,10 @@ over reps after one warm-up rep. Figures, not a timed test.
     python benchmarks/policy_throughput.py [--tp 1 2 --sequences 64 --seq-len 128 --micro-batch 8 --reps 5
                                             --hidden 64 --layers 2 --heads 4 --kv-heads 2 --vocab 512
                                             --precision float32]
+--model DIR takes an HF folder (one model.safetensors) instead of the tiny Qwen2 built from the shape flags, e.g. the
+real SmolLM2-135M-Instruct of `make real` with #38's workload (16 samples of up to 144 tokens, one micro-batch):
+    python benchmarks/policy_throughput.py --model .cache/real/smollm2-135m-instruct --tp 1 --sequences 16 \
+        --seq-len 144 --micro-batch 16 --reps 3
 A GPU case (one H100, figures in docs/measurements.md):
     python benchmarks/policy_throughput.py --tp 1 --hidden 1024 --layers 8 --heads 16 --kv-heads 4 \
         --vocab 32768 --seq-len 1024 --precision bfloat16
@@ -48,6 +52,7 @@ def _parse() -> argparse.Namespace:
     parser.add_argument("--kv-heads", type=int, default=2)
     parser.add_argument("--vocab", type=int, default=512)
     parser.add_argument("--precision", choices=("float32", "bfloat16"), default="float32")
+    parser.add_argument("--model", metavar="DIR", help="an HF model folder instead of the tiny Qwen2 (shape flags unused)")
     return parser.parse_args()
 
 
@@ -216,7 +221,7 @@ def main() -> None:
     from mrl.testing.tiny_models import build_tiny_hf_model
 
     with tempfile.TemporaryDirectory() as root:
-        model_dir = str(build_tiny_hf_model(
+        model_dir = os.path.abspath(args.model) if args.model else str(build_tiny_hf_model(
             os.path.join(root, "model"), "qwen2", hidden=args.hidden, layers=args.layers, heads=args.heads,
             num_kv_heads=args.kv_heads, intermediate=2 * args.hidden, vocab=args.vocab))
         results = {tp: run_on_ranks(bench_rank, world_size=tp, timeout_s=1800, args=(
@@ -225,8 +230,10 @@ def main() -> None:
     import torch
 
     where = f"{torch.cuda.get_device_name()}, NCCL" if torch.cuda.is_available() else "CPU, gloo, 1 thread per rank"
-    print(f"settings: qwen2 (hidden {args.hidden}, {args.layers} layers, {args.heads} heads / {args.kv_heads} kv, "
-          f"vocab {args.vocab}), {args.precision}, {args.sequences} sequences x {args.seq_len} tokens, micro-batch "
+    model = (f"{os.path.basename(os.path.normpath(args.model))}" if args.model else
+             f"qwen2 (hidden {args.hidden}, {args.layers} layers, {args.heads} heads / {args.kv_heads} kv, "
+             f"vocab {args.vocab})")
+    print(f"settings: {model}, {args.precision}, {args.sequences} sequences x {args.seq_len} tokens, micro-batch "
           f"{args.micro_batch}, {where}, median of {args.reps} reps")
     print(f"{'layout':8}{'phase':10}{'mrl tok/s':>12}{'bare tok/s':>12}{'mrl/bare':>10}   max |logprob mrl - bare|")
     for tp, result in results.items():

@@ -10,6 +10,9 @@ Default: both paths drive ONE in-process engine, interleaved rep by rep, so the 
 Prints generated tokens/s of each (median over reps) and mrl / bare.
 
     python benchmarks/rollout_throughput.py [--prompts 64 --n 4 --tokens 64 --reps 5 --hidden 128 --layers 2]
+--model DIR takes an HF folder instead of the tiny Qwen2, e.g. the real SmolLM2-135M-Instruct of `make real` with
+#38's workload (16 samples x 64 tokens):
+    python benchmarks/rollout_throughput.py --model .cache/real/smollm2-135m-instruct --prompts 4 --n 4 --tokens 64
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ def _parse() -> argparse.Namespace:
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--via-ray", action="store_true", help="mrl path through a one-engine Ray actor group")
+    parser.add_argument("--model", metavar="DIR", help="an HF model folder instead of the tiny Qwen2")
     return parser.parse_args()
 
 
@@ -47,12 +51,12 @@ def main() -> None:
     from mrl.testing.tiny_models import build_tiny_hf_model
 
     with tempfile.TemporaryDirectory() as root:
-        model = build_tiny_hf_model(
+        model = os.path.abspath(args.model) if args.model else build_tiny_hf_model(
             os.path.join(root, "model"), "qwen2", hidden=args.hidden, heads=args.hidden // 32,
             num_kv_heads=max(1, args.hidden // 64), intermediate=2 * args.hidden, layers=args.layers,
         )
         config = VllmEngineConfig(model_path=str(model), max_model_len=256, kv_cache_bytes=1 << 30)
-        prompts = _prompts(args.prompts, 400)
+        prompts = _prompts(args.prompts, 400)  # ids below 400: in every vocabulary
         backend = VllmBackend(config)
         cleanup: Callable[[], None] = backend.shutdown
         mrl_backend = backend
@@ -66,8 +70,9 @@ def main() -> None:
             mrl.append(run_mrl())
         cleanup()
     b, m = statistics.median(bare), statistics.median(mrl)
-    print(f"settings: {args.prompts} prompts x n={args.n} x {args.tokens} tokens, hidden {args.hidden}, "
-          f"{args.layers} layers, fp32, logprobs on, {args.reps} reps (median), mrl path "
+    shape = os.path.basename(os.path.normpath(args.model)) if args.model else \
+        f"hidden {args.hidden}, {args.layers} layers"
+    print(f"settings: {args.prompts} prompts x n={args.n} x {args.tokens} tokens, {shape}, fp32, logprobs on, {args.reps} reps (median), mrl path "
           f"{'through a Ray actor' if args.via_ray else 'in-process, same engine'}")
     print(f"bare vLLM : {b:8.0f} tok/s   reps {[round(x) for x in bare]}")
     print(f"mrl       : {m:8.0f} tok/s   reps {[round(x) for x in mrl]}")

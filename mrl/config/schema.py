@@ -150,8 +150,14 @@ class SpeedConfig(Section):
         "auto", description="With the distributed optimizer: gather the updated weight shards during the next "
         "forward instead of after the optimizer step (a refit or a save completes the gather first); auto = with "
         "CUDA, optimizer.use_distributed_optimizer and more than one data-parallel rank.")
+    grouped_expert_gemm: Union[bool, Literal["auto"]] = Field(
+        "auto", description="Mixture-of-experts models: a rank's routed experts run as one grouped GEMM per linear "
+        "(torch._grouped_mm) instead of a loop of two GEMMs per expert, with the same parameters "
+        "(mrl/model/grouped_experts.py); auto = with CUDA and without Transformer Engine (whose spec has its own). "
+        "Dense models ignore it.")
 
-    @field_validator("gradient_accumulation_fusion", "overlap_grad_reduce", "overlap_param_gather", mode="before")
+    @field_validator("gradient_accumulation_fusion", "overlap_grad_reduce", "overlap_param_gather",
+                     "grouped_expert_gemm", mode="before")
     @classmethod
     def _switch(cls, value: Any, info: Any) -> Any:
         if value == "auto" or isinstance(value, bool):

@@ -300,8 +300,11 @@ def build_gpt_model(
     post_process: bool | None = None,
     use_te: bool | None = None,
     vp_stage: int | None = None,
+    grouped_experts: bool = False,
 ) -> Any:
     """A GPTModel (this rank's TP shard and PP stage) for the HF model; weights are random until loaded.
+    `grouped_experts`: the routed experts of the local spec run as grouped GEMMs (`mrl.model.grouped_experts`: the
+    same parameters); ignored under Transformer Engine.
 
     Model-parallel state must be initialised. pre/post_process default to whether this rank is the first/last
     pipeline stage. `padded_vocab` defaults to Megatron's rule for this TP size; pass the checkpoint's value when
@@ -320,9 +323,14 @@ def build_gpt_model(
         pre_process = parallel_state.is_pipeline_first_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage)
     if post_process is None:
         post_process = parallel_state.is_pipeline_last_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage)
+    layer_spec = gpt_layer_spec(config, use_te=te)
+    if grouped_experts and not te:
+        from mrl.model.grouped_experts import use_grouped_experts  # imports Megatron: after cpu_compat.apply()
+
+        use_grouped_experts(layer_spec)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=gpt_layer_spec(config, use_te=te),
+        transformer_layer_spec=layer_spec,
         vocab_size=resolve_padded_vocab(dims, tp, padded_vocab),
         max_sequence_length=dims.max_position_embeddings,
         pre_process=pre_process,

@@ -25,6 +25,7 @@ import torch
 
 from mrl.config.schema import PolicyConfig
 from mrl.parallel import collectives
+from mrl.parallel.attention import transformer_engine_available
 from mrl.policy.expert_load import ExpertLoad
 from mrl.policy.interface import PolicyLoss, RankBatch
 from mrl.policy.memory import PARTS, HostOffload
@@ -159,7 +160,8 @@ class PolicyWorker:
         dtype = _DTYPES[cfg.precision]
         self.speed = resolve_speed(cfg.speed, cuda=torch.cuda.is_available(), fused_wgrad=fused_wgrad_available(),
                                    data_parallel=ps.get_data_parallel_world_size(with_context_parallel=True),
-                                   distributed_optimizer=cfg.optimizer.use_distributed_optimizer)
+                                   distributed_optimizer=cfg.optimizer.use_distributed_optimizer,
+                                   te=transformer_engine_available())
         recompute = (dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
                      if cfg.activation_checkpointing else {})
         moe = router_settings(self.model_dims, expert_parallel=self.dims.ep, router_dtype=cfg.moe.router_dtype,
@@ -171,7 +173,8 @@ class PolicyWorker:
             gradient_accumulation_fusion=self.speed.gradient_accumulation_fusion and spec.trainable,
             **moe, **_uneven_pipeline(par))
         load_initial_weights = _initial_weights(spec, self.hf_config)
-        module = build_gpt_model(self.hf_config, self.tconfig, padded_vocab=spec.padded_vocab)
+        module = build_gpt_model(self.hf_config, self.tconfig, padded_vocab=spec.padded_vocab,
+                                 grouped_experts=self.speed.grouped_expert_gemm)
         load_initial_weights(module)
         if cfg.moe.freeze_router:
             freeze_routers(module)  # before DDP and the optimizer collect the trainable parameters
@@ -195,7 +198,8 @@ class PolicyWorker:
             self.model = [module]
         self.reference = None
         if spec.with_reference:
-            self.reference = build_gpt_model(self.hf_config, self.tconfig, padded_vocab=spec.padded_vocab)
+            self.reference = build_gpt_model(self.hf_config, self.tconfig, padded_vocab=spec.padded_vocab,
+                                             grouped_experts=self.speed.grouped_expert_gemm)
             load_initial_weights(self.reference)
             self.reference.requires_grad_(False)
             self.reference.eval()

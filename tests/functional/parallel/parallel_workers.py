@@ -250,3 +250,40 @@ def distributed_optimizer_resume(directory: str) -> dict:
     destroy_process_groups()
     return {"groups": groups, "uninterrupted": uninterrupted, "resumed": resumed, "without": without,
             "distinct_steps": len(step_tensors) > 1}
+
+
+def grouped_experts_equal_sequential(model_dir: str, ep: int) -> dict:
+    """One forward and backward of the tiny MoE model in `model_dir` with its routed experts as megatron-core's
+    SequentialMLP and as mrl's GroupedGemmExperts (the same HF weights, this EP rank's experts): the largest
+    differences of the logits and of every gradient, and the experts' class of each build."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    from mrl.model.build import build_gpt_model, load_hf_weights, transformer_config_from_hf
+    from mrl.parallel.groups import init_process_groups
+    from mrl.parallel.layout import ParallelDims
+
+    init_process_groups(ParallelDims(ep=ep, world_size=ep))
+    hf_config = json.loads((Path(model_dir) / "config.json").read_text())
+    weights = load_file(str(Path(model_dir) / "model.safetensors"))
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, hf_config["vocab_size"], (2, 24), generator=g)
+    positions = torch.arange(24).expand(2, 24)
+    runs = {}
+    for grouped in (False, True):
+        config = transformer_config_from_hf(hf_config, expert_model_parallel_size=ep)
+        model = build_gpt_model(hf_config, config, grouped_experts=grouped)
+        load_hf_weights(model, weights, hf_config)
+        logits = model(ids, positions, None)  # [b, s, V]
+        (logits.float().logsumexp(-1).mean() - logits[..., 3].mean()).backward()
+        experts = {type(m).__name__ for name, m in model.named_modules() if name.endswith("mlp.experts")}
+        runs[grouped] = (logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()
+                                           if p.grad is not None}, experts)
+    (seq_logits, seq_grads, seq_experts), (grp_logits, grp_grads, grp_experts) = runs[False], runs[True]
+    assert seq_grads.keys() == grp_grads.keys()
+    return {"logits": (seq_logits - grp_logits).abs().max().item(),
+            "grads": max((seq_grads[n] - grp_grads[n]).abs().max().item() for n in seq_grads),
+            "expert_grads": sum(1 for n in seq_grads if "local_experts" in n and seq_grads[n].abs().sum() > 0),
+            "experts": (sorted(seq_experts), sorted(grp_experts))}
