@@ -105,19 +105,10 @@ def test_warmup_then_cosine_learning_rates(model_dir):
 
 
 # ---- Megatron's overlap options (mrl/policy/speed.py), forced on where auto leaves them off (CPU) ----
-def overlapped_steps(model_dir: str, overlap: bool, folder: str) -> dict:
-    """Two data-parallel ranks with the distributed optimizer, 3 steps of 2 micro-batches each (the reduce runs
-    from the last micro-batch's backward hooks), then the whole model exported straight after the last step (no
-    forward in between: the overlapped gather must be completed by the export), and a save."""
-    from mrl.config.schema import OptimizerConfig, PolicyConfig, SpeedConfig
-    from mrl.objectives.loss import GRPOLoss
+def _half_batch_of_this_rank():
+    """(this rank's half of an 8 x 12 GRPO batch, the whole batch's loss-token count) on one of two ranks."""
     from mrl.policy.interface import RankBatch
-    from mrl.policy.worker import PolicySpec, PolicyWorker
 
-    speed = SpeedConfig(overlap_grad_reduce=overlap, overlap_param_gather=overlap)
-    cfg = PolicyConfig(precision="float32", train_micro_batch_size=2, speed=speed,
-                       optimizer=OptimizerConfig(lr=1e-2, weight_decay=0.0, use_distributed_optimizer=True))
-    worker = PolicyWorker(PolicySpec(model_dir, cfg, seed=0, total_steps=3))
     rank = torch.distributed.get_rank()
     g = torch.Generator().manual_seed(7)
     ids = torch.randint(3, 200, (8, 12), generator=g)
@@ -125,8 +116,23 @@ def overlapped_steps(model_dir: str, overlap: bool, folder: str) -> dict:
     mask[:, 5:] = 1
     adv = torch.randn(8, generator=g)[:, None].expand(8, 12).contiguous()
     rows = slice(4 * rank, 4 * rank + 4)
-    batch = RankBatch(ids[rows], mask[rows], {"advantages": adv[rows]})
-    metrics = [worker.train(batch, GRPOLoss(), float(mask[:, 1:].sum())) for _ in range(3)]
+    return RankBatch(ids[rows], mask[rows], {"advantages": adv[rows]}), float(mask[:, 1:].sum())
+
+
+def overlapped_steps(model_dir: str, overlap: bool, folder: str) -> dict:
+    """Two data-parallel ranks with the distributed optimizer, 3 steps of 2 micro-batches each (the reduce runs
+    from the last micro-batch's backward hooks), then the whole model exported straight after the last step (no
+    forward in between: the overlapped gather must be completed by the export), and a save."""
+    from mrl.config.schema import OptimizerConfig, PolicyConfig, SpeedConfig
+    from mrl.objectives.loss import GRPOLoss
+    from mrl.policy.worker import PolicySpec, PolicyWorker
+
+    speed = SpeedConfig(overlap_grad_reduce=overlap, overlap_param_gather=overlap)
+    cfg = PolicyConfig(precision="float32", train_micro_batch_size=2, speed=speed,
+                       optimizer=OptimizerConfig(lr=1e-2, weight_decay=0.0, use_distributed_optimizer=True))
+    worker = PolicyWorker(PolicySpec(model_dir, cfg, seed=0, total_steps=3))
+    batch, count = _half_batch_of_this_rank()
+    metrics = [worker.train(batch, GRPOLoss(), count) for _ in range(3)]
     state = worker.export_state()
     worker.save(folder)
     return {"speed": worker.speed, "metrics": metrics, "state": state,
@@ -156,22 +162,14 @@ def moe_steps(model_dir: str, grouped: bool) -> dict:
     tiny, so the bound on the weights follows lr)."""
     from mrl.config.schema import OptimizerConfig, ParallelConfig, PolicyConfig, SpeedConfig
     from mrl.objectives.loss import GRPOLoss
-    from mrl.policy.interface import RankBatch
     from mrl.policy.worker import PolicySpec, PolicyWorker
 
     cfg = PolicyConfig(precision="float32", train_micro_batch_size=2, speed=SpeedConfig(grouped_expert_gemm=grouped),
                        parallel=ParallelConfig(expert_parallel_size=2),
                        optimizer=OptimizerConfig(lr=1e-3, weight_decay=0.0))
     worker = PolicyWorker(PolicySpec(model_dir, cfg, seed=0, total_steps=2))
-    rank = torch.distributed.get_rank()
-    g = torch.Generator().manual_seed(7)
-    ids = torch.randint(3, 200, (8, 12), generator=g)
-    mask = torch.zeros(8, 12)
-    mask[:, 5:] = 1
-    adv = torch.randn(8, generator=g)[:, None].expand(8, 12).contiguous()
-    rows = slice(4 * rank, 4 * rank + 4)
-    batch = RankBatch(ids[rows], mask[rows], {"advantages": adv[rows]})
-    metrics = [worker.train(batch, GRPOLoss(), float(mask[:, 1:].sum())) for _ in range(2)]
+    batch, count = _half_batch_of_this_rank()
+    metrics = [worker.train(batch, GRPOLoss(), count) for _ in range(2)]
     experts = {type(m).__name__ for name, m in worker.module.named_modules() if name.endswith("mlp.experts")}
     return {"metrics": metrics, "state": worker.export_state(), "experts": experts,
             "logprobs": worker.logprobs(batch)}
