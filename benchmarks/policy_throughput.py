@@ -94,13 +94,14 @@ def _bare_model(mrl_model, hf_config: dict, tp: int, dtype):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
+    from converters import model_dims
     from mrl.model.build import transformer_config_from_hf
 
     config = transformer_config_from_hf(hf_config, tensor_parallel=tp, params_dtype=dtype)
     spec = get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm, normalization=config.normalization)
     model = GPTModel(config, spec, vocab_size=mrl_model.vocab_size,
                      max_sequence_length=hf_config["max_position_embeddings"], position_embedding_type="rope",
-                     rotary_base=hf_config.get("rope_theta", 10000.0),
+                     rotary_base=model_dims(hf_config).rope_theta,  # transformers 5 keeps it in rope_parameters
                      share_embeddings_and_output_weights=hf_config.get("tie_word_embeddings", False))
     model.to(_device())  # Megatron's torch norms are made on the CPU (mrl.model.build does the same)
     model.load_state_dict(mrl_model.state_dict())
