@@ -124,8 +124,8 @@ def _parse() -> argparse.Namespace:
     for name in ("prompts", "generations", "tokens"):
         if getattr(args, name) is None:
             setattr(args, name, getattr(args.work, name))
-    if not args.work.built and not _model_folder(args).is_dir():
-        parser.error(f"--workload {args.workload} needs the real model at {_model_folder(args)}: run `make real` "
+    if not args.work.built and not _model_folder().is_dir():
+        parser.error(f"--workload {args.workload} needs the real model at {_model_folder()}: run `make real` "
                      "(or set MRL_REAL_ASSETS)")
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if args.rounds < 1:
@@ -136,7 +136,7 @@ def _parse() -> argparse.Namespace:
     return args
 
 
-def _model_folder(args: argparse.Namespace) -> Path:
+def _model_folder() -> Path:
     return Path(os.environ.get("MRL_REAL_ASSETS", ROOT / ".cache" / "real")) / "smollm2-135m-instruct"
 
 
@@ -163,8 +163,8 @@ class ModeFailed(RuntimeError):
 
 def run_mrl(args: argparse.Namespace, out_dir: Path, extra: list[str]) -> list[dict]:
     """`mrl grpo` on the recipe in a subprocess; its step records (times, reward, lengths) from metrics.jsonl."""
-    command = [sys.executable, "-m", "mrl.cli", "grpo", "--config", str(args.work.recipe), *mrl_overrides(args, out_dir),
-               *extra]
+    command = [sys.executable, "-m", "mrl.cli", "grpo", "--config", str(args.work.recipe),
+               *mrl_overrides(args, out_dir), *extra]
     log = out_dir.with_suffix(".log")
     with log.open("w") as sink:
         code = subprocess.run(command, stdout=sink, stderr=subprocess.STDOUT, cwd=ROOT).returncode

@@ -72,7 +72,8 @@ def main() -> None:
     b, m = statistics.median(bare), statistics.median(mrl)
     shape = os.path.basename(os.path.normpath(args.model)) if args.model else \
         f"hidden {args.hidden}, {args.layers} layers"
-    print(f"settings: {args.prompts} prompts x n={args.n} x {args.tokens} tokens, {shape}, fp32, logprobs on, {args.reps} reps (median), mrl path "
+    print(f"settings: {args.prompts} prompts x n={args.n} x {args.tokens} tokens, {shape}, fp32, logprobs on, "
+          f"{args.reps} reps (median), mrl path "
           f"{'through a Ray actor' if args.via_ray else 'in-process, same engine'}")
     print(f"bare vLLM : {b:8.0f} tok/s   reps {[round(x) for x in bare]}")
     print(f"mrl       : {m:8.0f} tok/s   reps {[round(x) for x in mrl]}")

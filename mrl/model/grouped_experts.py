@@ -14,7 +14,7 @@ Megatron's DDP hooks take them as they take SequentialMLP's).
 Where the grouped path does not apply, the module runs `SequentialMLP.forward` unchanged: expert tensor parallelism
 above 1 (the linears' collectives), biases, FP8/FP4, `moe_apply_probs_on_input`, a single local expert, an activation
 other than SwiGLU, or row strides `torch._grouped_mm` refuses (it needs multiples of 16 bytes: H and F multiples of 4
-in fp32, of 8 in bf16). `grouped_path_applies` says which.
+in fp32, of 8 in bf16). `grouped_path_applies` says which, once per layer at its construction.
 """
 
 from __future__ import annotations
@@ -66,25 +66,26 @@ def grouped_path_applies(experts: SequentialMLP) -> str | None:
     return next((why for bad, why in reasons if bad), None)
 
 
-def use_grouped_experts(block_spec) -> int:
-    """Make the routed experts of a local-spec decoder block spec (`mrl.parallel.attention.gpt_layer_spec`) grouped;
-    returns how many layers have them. Transformer Engine's spec has its own grouped experts, with other parameter
-    names: not this module's."""
-    changed = 0
+def use_grouped_experts(block_spec) -> None:
+    """Make the routed experts of a local-spec decoder block spec (`mrl.parallel.attention.gpt_layer_spec`) grouped.
+    Transformer Engine's spec has its own grouped experts, with other parameter names: not this module's."""
     for layer in getattr(block_spec, "layer_specs", []):
         experts = getattr(layer.submodules.mlp.submodules, "experts", None)
         if experts is not None and experts.module is SequentialMLP:
             experts.module = GroupedGemmExperts
-            changed += 1
-    return changed
 
 
 class GroupedGemmExperts(SequentialMLP):
-    """`SequentialMLP` with the same parameters whose forward is two grouped GEMMs (module docstring)."""
+    """`SequentialMLP` with the same parameters whose forward is two grouped GEMMs (module docstring).
+    `loop_reason`: why this layer runs the loop instead (decided once, from its config and weights), or None."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.loop_reason = grouped_path_applies(self)
 
     def forward(self, permuted_local_hidden_states: torch.Tensor, tokens_per_expert: torch.Tensor,
                 permuted_probs: torch.Tensor):
-        if grouped_path_applies(self) is not None:
+        if self.loop_reason is not None:
             return super().forward(permuted_local_hidden_states, tokens_per_expert, permuted_probs)
         x = permuted_local_hidden_states  # [T, H]
         counts = torch.as_tensor(tokens_per_expert, device=x.device)

@@ -278,7 +278,8 @@ def grouped_experts_equal_sequential(model_dir: str, ep: int) -> dict:
         load_hf_weights(model, weights, hf_config)
         logits = model(ids, positions, None)  # [b, s, V]
         (logits.float().logsumexp(-1).mean() - logits[..., 3].mean()).backward()
-        experts = {type(m).__name__ for name, m in model.named_modules() if name.endswith("mlp.experts")}
+        experts = {f"{type(m).__name__}: {getattr(m, 'loop_reason', None) or 'no fallback'}"
+                   for name, m in model.named_modules() if name.endswith("mlp.experts")}
         runs[grouped] = (logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()
                                            if p.grad is not None}, experts)
     (seq_logits, seq_grads, seq_experts), (grp_logits, grp_grads, grp_experts) = runs[False], runs[True]

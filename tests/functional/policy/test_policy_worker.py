@@ -170,7 +170,8 @@ def moe_steps(model_dir: str, grouped: bool) -> dict:
     worker = PolicyWorker(PolicySpec(model_dir, cfg, seed=0, total_steps=2))
     batch, count = _half_batch_of_this_rank()
     metrics = [worker.train(batch, GRPOLoss(), count) for _ in range(2)]
-    experts = {type(m).__name__ for name, m in worker.module.named_modules() if name.endswith("mlp.experts")}
+    experts = {(type(m).__name__, getattr(m, "loop_reason", None)) for name, m in worker.module.named_modules()
+               if name.endswith("mlp.experts")}
     return {"metrics": metrics, "state": worker.export_state(), "experts": experts,
             "logprobs": worker.logprobs(batch)}
 
@@ -179,7 +180,7 @@ def test_grouped_expert_gemms_give_the_same_steps_and_weights_under_ep2(tmp_path
     model_dir = str(build_tiny_hf_model(tmp_path / "moe", "qwen3_moe", hidden=64, layers=2, intermediate=128))
     loop = run_on_ranks(moe_steps, 2, args=(model_dir, False))
     grouped = run_on_ranks(moe_steps, 2, args=(model_dir, True))
-    assert loop[0]["experts"] == {"SequentialMLP"} and grouped[0]["experts"] == {"GroupedGemmExperts"}
+    assert loop[0]["experts"] == {("SequentialMLP", None)} and grouped[0]["experts"] == {("GroupedGemmExperts", None)}
     for rank in (0, 1):  # fp32 sums in another order (oneDNN's GEMMs against torch's grouped kernel)
         for key in ("loss", "grad_norm"):
             assert [m[key] for m in grouped[rank]["metrics"]] == pytest.approx(

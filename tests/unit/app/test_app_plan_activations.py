@@ -10,7 +10,11 @@ from __future__ import annotations
 import pytest
 
 from converters.spec import model_dims
-from mrl.app.plan_activations import decoder_activations, layer_bytes
+from mrl.app.plan import model_config
+from mrl.app.plan_activations import (decoder_activations, gather_buffer_bytes, layer_bytes, micro_batch_tokens,
+                                      stage_activations)
+from mrl.config import load_config
+from mrl.config.recipes import RECIPES
 from mrl.testing.activation_bytes import saved_activation_bytes
 
 BASE = {"hidden_size": 128, "intermediate_size": 384, "num_attention_heads": 4, "num_hidden_layers": 3,
@@ -49,26 +53,23 @@ def test_sequence_parallelism_adds_its_gathered_input_to_the_peaks():
     """Megatron-core's local linears all-gather the sequence-parallel input into one [tokens, hidden] bf16 buffer
     that stays allocated (the GPU tier measured it: tests/gpu/test_gpu_plan.py); the train and logprob peaks hold
     it once, with TP > 1 and sequence parallelism only."""
-    from mrl.app.plan_activations import gather_buffer_bytes
-
     dims = model_dims(MODELS["qwen2-gqa"])
     assert gather_buffer_bytes(dims, tokens=1000, tp=2, sequence_parallel=True) == 2 * 128 * 1000
     assert gather_buffer_bytes(dims, tokens=1000, tp=2, sequence_parallel=False) == 0
     assert gather_buffer_bytes(dims, tokens=1000, tp=1, sequence_parallel=True) == 0
-    from mrl.app.plan import model_config
-    from mrl.app.plan_activations import micro_batch_tokens, stage_activations
-    from mrl.config import load_config
-    from mrl.config.recipes import RECIPES
 
     cfg = load_config(RECIPES / "grpo-deepscaler-1.5b-8K.yaml",
                       ["policy.parallel.tensor_parallel_size=2", "policy.parallel.sequence_parallel=true",
                        "policy.activation_checkpointing=false"])
     dims = model_dims(model_config(cfg)[0])
+    tokens, lp_tokens = micro_batch_tokens(cfg), micro_batch_tokens(cfg, logprob=True)
     sp = stage_activations(cfg, dims, (0, dims.num_layers), last_stage=False, padded_vocab=dims.vocab_size)
-    assert sp.working == gather_buffer_bytes(dims, tokens=micro_batch_tokens(cfg), tp=2, sequence_parallel=True)
-    lp_tokens = micro_batch_tokens(cfg, logprob=True)
+    # without recompute the train peak's working set is the gathered input alone
+    assert sp.working == 2 * dims.hidden_size * tokens
+    # the logprob pass: one layer's whole set (sequence parallel, TP 2) and the gathered input of its tokens
+    _, one_layer = decoder_activations(dims, (0, 1), tokens=lp_tokens, tp=2, sequence_parallel=True, recompute=True)
+    assert sp.logprob_peak == one_layer + 2 * dims.hidden_size * lp_tokens
     cfg.policy.parallel.sequence_parallel = False
     no_sp = stage_activations(cfg, dims, (0, dims.num_layers), last_stage=False, padded_vocab=dims.vocab_size)
-    assert no_sp.working == 0
-    gather = 2 * dims.hidden_size * lp_tokens
-    assert sp.logprob_peak - gather < no_sp.logprob_peak  # the rest of the logprob peak shrinks with SP
+    _, one_layer = decoder_activations(dims, (0, 1), tokens=lp_tokens, tp=2, sequence_parallel=False, recompute=True)
+    assert no_sp.working == 0 and no_sp.logprob_peak == one_layer
