@@ -61,8 +61,10 @@ def training_rows(rollouts: Rollouts, advantages: torch.Tensor, keep: torch.Tens
     mask[len(kept):] = 0
     adv = advantages[index][:, None].expand_as(mask).contiguous()
     lengths = None if rollouts.lengths is None else rollouts.lengths[index]
+    routing = None if rollouts.routing is None else rollouts.routing[index]  # router replay's engine choices
     return RankBatch(rollouts.input_ids[index], mask,
-                     {"advantages": adv, GENERATION_LOGPROBS: rollouts.generation_logprobs[index]}, lengths=lengths)
+                     {"advantages": adv, GENERATION_LOGPROBS: rollouts.generation_logprobs[index]}, lengths=lengths,
+                     routing=routing)
 
 
 def run_validation(cfg: MrlConfig, workers: Workers, env: Environment, data: TaskData, step: int) -> dict[str, float]:
@@ -182,8 +184,10 @@ def _train_in_minibatches(cfg: MrlConfig, workers: Workers, batch: RankBatch, lo
     steps = [batch.slice(i, i + size) for i in range(0, len(batch), size)]
     steps = [s for s in steps if s.loss_mask.sum() > 0]
     results = [workers.policy.train(s, loss_fn, temperature=1.0) for s in steps]
-    keys = results[0].keys() if results else ()
-    return {k: sum(r[k] for r in results) / len(results) for k in keys} | {"optimizer_steps": float(len(results))}
+    # a metric some steps lack is the mean of those that have it (the routing disagreement: the first step's alone)
+    keys = dict.fromkeys(k for r in results for k in r)
+    return {k: sum(r[k] for r in results if k in r) / sum(k in r for r in results) for k in keys} | \
+        {"optimizer_steps": float(len(results))}
 
 
 def grpo_train(cfg: MrlConfig, workers: Workers, env: Environment, data: TaskData, logger: MetricsLogger,

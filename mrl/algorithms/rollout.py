@@ -4,6 +4,7 @@ Row layout (one row per sample, prompt-major: sample k of prompt i is row i * n 
     input_ids            [B, T]  prompt tokens, response tokens, right padding (pad id)
     loss_mask            [B, T]  1 on the response tokens (stop token included), 0 on prompt and padding
     generation_logprobs  [B, T]  the engine's logprob of each response token, on the token's own position
+    routing              [B, T, layers, k] or None  the engine's experts of each token (router replay), -1 = none
 No left padding: position ids are 0..T-1 in every row, as the engine saw them.
 """
 
@@ -16,7 +17,7 @@ import torch
 
 from mrl.data.datasets import Problem
 from mrl.environments.base import ANSWER, EXTRACTED_ANSWER, FINISHED, PROMPT_TOKEN_IDS, RESPONSE_TOKEN_IDS, Environment
-from mrl.inference.interface import FinishReason, GenerationBackend, GenerationOutput, SamplingConfig
+from mrl.inference.interface import FinishReason, GenerationBackend, GenerationOutput, SamplingConfig, routing_rows
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -38,6 +39,7 @@ class Rollouts:
     finish_reasons: list[FinishReason] = field(default_factory=list)  # [B]
     policy_version: int = 0            # the training step whose weights generated them (0: the initial model)
     reward_errors: list[str] = field(default_factory=list)  # the reward's failure messages (at most a few)
+    routing: Optional[torch.Tensor] = None  # [B, T, layers, k] int16: the engine's experts per token (router replay)
 
     def state_dict(self) -> dict:
         """Tensors, numbers and strings only (a checkpoint's train state loads with weights_only=True)."""
@@ -83,4 +85,5 @@ def generate_and_score(engine: GenerationBackend, env: Environment, tokenizer: "
     return Rollouts(ids, mask, gen, scored.rewards.float(), out.lengths(),
                     torch.tensor([s.truncated for s in out.samples]), scored.num_errors, out.num_prompts_rejected,
                     lengths, texts, [m.get(EXTRACTED_ANSWER) for m in scored.metadata],
-                    [s.finish_reason for s in out.samples], reward_errors=scored.error_messages[:4])
+                    [s.finish_reason for s in out.samples], reward_errors=scored.error_messages[:4],
+                    routing=routing_rows(out.samples, ids.shape[1]))

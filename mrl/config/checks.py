@@ -90,6 +90,10 @@ def _model_problems(cfg: "MrlConfig", facts: ModelFacts) -> list[ConfigError]:
         out.append(ConfigError(f"expert parallel size does not divide the model's {facts.experts} experts",
                                key="policy.parallel.expert_parallel_size", given=ep,
                                allowed=f"a divisor of {facts.experts}: {_divisors(facts.experts)}"))
+    replay = cfg.policy.moe.router_replay
+    if replay != "off" and facts.experts is None:
+        out.append(ConfigError("router replay needs a mixture-of-experts model; this one is dense",
+                               key="policy.moe.router_replay", given=replay, allowed="off"))
     vllm_tp = cfg.generation.vllm.tensor_parallel_size
     if vllm_tp > 1 and facts.heads % vllm_tp:
         out.append(ConfigError(f"vLLM tensor parallel size does not divide the model's {facts.heads} heads",

@@ -15,6 +15,11 @@ from mrl.config.checks import cross_field_problems
 from mrl.config.errors import ConfigError
 
 
+def yaml_off(value: Any) -> Any:
+    """YAML 1.1 reads an unquoted `off` as false: a switch whose choices include "off" takes false as "off"."""
+    return "off" if value is False else value
+
+
 class Section(BaseModel):
     """Base of every config section: unknown keys are errors; values are checked on assignment too."""
 
@@ -68,6 +73,11 @@ class ClusterConfig(Section):
         "refuse", description="On a GPU, before Ray starts: `mrl plan`'s memory per GPU against this GPU's; refuse: a "
         "layout that does not fit stops with exit 2 and the plan; warn: it prints the plan and starts; off: no check.")
 
+    @field_validator("memory_check", mode="before")
+    @classmethod
+    def _check_off(cls, value: Any) -> Any:
+        return yaml_off(value)
+
     @field_validator("omp_num_threads", mode="before")
     @classmethod
     def _threads(cls, value: Any) -> Any:
@@ -120,6 +130,17 @@ class MoEConfig(Section):
     router_dtype: Literal["fp32", "fp64"] = Field("fp32", description="Dtype of the router's logits and top-k.")
     aux_loss_coeff: float = Field(0.0, ge=0, description="Load-balancing loss weight; 0 = none (RL default).")
     expert_bias_update_rate: float = Field(0.0, ge=0, description="DeepSeek-V3 expert-bias balancing rate; 0 = fixed.")
+    router_replay: Literal["off", "measure", "replay"] = Field(
+        "off", description="replay: the engine returns each token's experts and the trainer routes every token to "
+        "them (router replay, R3; mrl/model/router_replay.py); measure: the engine returns them, the trainer routes "
+        "freshly; both log, every train step and per MoE layer, the fraction of tokens the trainer would route "
+        "elsewhere (train/moe_routing_differs/layer_i). The routing comes from vLLM on CUDA (its routed-experts "
+        "output) or from the Megatron engine.")
+
+    @field_validator("router_replay", mode="before")
+    @classmethod
+    def _replay_off(cls, value: Any) -> Any:
+        return yaml_off(value)
 
 
 class OptimizerConfig(Section):

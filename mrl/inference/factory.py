@@ -138,6 +138,7 @@ def vllm_engine_config(cfg: "MrlConfig", model_path: str, *, load_weights: bool 
         refit_bucket_bytes=gen.refit_bucket_mb * 2**20,
         ray_executor_bundles=executor,
         ray_worker_gpus=seats.share if seats is not None else 1.0,
+        return_routing=cfg.policy.moe.router_replay != "off",
     )
 
 
@@ -190,6 +191,7 @@ def megatron_engine_config(cfg: "MrlConfig", model_path: str, *, load_weights: b
         dtype=cfg.policy.precision,
         seed=cfg.run.seed,
         sleep_when_idle=cfg.generation.colocated,
+        return_routing=cfg.policy.moe.router_replay != "off",
     )
 
 

@@ -92,6 +92,9 @@ class GeneratedSample:
     finish_reason: FinishReason
     prompt_truncated: bool = False
     """The prompt was longer than the engine allows and lost its first tokens."""
+    routing: Optional[torch.Tensor] = None
+    """[tokens, layers, k] int16: the experts the engine routed each token it fed through the model to (prompt, then
+    response; a response's last token was never fed), per decoder layer; only when asked (router replay)."""
 
     @property
     def length(self) -> int:
@@ -133,6 +136,31 @@ class GenerationOutput:
             if sample.logprobs is not None:
                 logprobs[row, : sample.length] = torch.tensor(sample.logprobs, dtype=torch.float32)
         return ids, logprobs
+
+
+#: Dtype of a sample's routing (expert ids < 32,768); -1 marks a token without one.
+ROUTING_DTYPE = torch.int16
+
+
+def compact_routing(routing: torch.Tensor) -> torch.Tensor:
+    """An engine's expert ids (any integer dtype; vLLM 0.32: uint8, or uint16 past 256 experts) as ROUTING_DTYPE."""
+    if routing.numel() and int(routing.max()) > torch.iinfo(ROUTING_DTYPE).max:
+        raise ValueError(f"expert id {int(routing.max())} does not fit {ROUTING_DTYPE}")
+    return routing.to(ROUTING_DTYPE)
+
+
+def routing_rows(samples: Sequence[GeneratedSample], width: int) -> Optional[torch.Tensor]:
+    """[B, width, layers, k] the samples' routing on their tokens' positions (prompt then response), -1 where there
+    is none (padding, a response's last token); None when no sample carries any."""
+    carried = [s.routing for s in samples if s.routing is not None]
+    if not carried:
+        return None
+    out = torch.full((len(samples), width, *carried[0].shape[1:]), -1, dtype=ROUTING_DTYPE)
+    for row, sample in enumerate(samples):
+        if sample.routing is not None:
+            tokens = min(len(sample.routing), width)
+            out[row, :tokens] = sample.routing[:tokens]
+    return out
 
 
 @runtime_checkable

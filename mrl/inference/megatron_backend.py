@@ -61,12 +61,13 @@ from megatron.core.inference.text_generation_controllers.text_generation_control
 from converters import ConversionError, expected_hf_shapes, model_dims
 from converters.hf_io import load_hf_config, load_hf_state
 from mrl.inference.buckets import NamedTensor
-from mrl.inference.interface import FinishReason, GeneratedSample, GenerationOutput, SamplingConfig
+from mrl.inference.interface import ROUTING_DTYPE, FinishReason, GeneratedSample, GenerationOutput, SamplingConfig
 from mrl.inference.lifecycle import EngineLifecycle
 from mrl.inference.prompt_limits import assemble_output, fit_prompts, max_prompt_tokens
 from mrl.inference.refit import LocalWeights, RefitError, RefitStats, refit
 from mrl.inference.transports import InProcessTransport, Payload, unpack_payload
 from mrl.model.build import build_gpt_model, context_length, load_hf_weights, transformer_config_from_hf
+from mrl.model.router_replay import RoutingReplay
 from mrl.parallel.groups import init_process_groups
 from mrl.parallel.layout import ParallelDims
 
@@ -95,6 +96,9 @@ class MegatronEngineConfig:
     sleep_when_idle: bool = False
     """Colocated with the policy: the life cycle of mrl/inference/lifecycle.py (asleep it gives back the memory the
     allocator caches; its weights stay)."""
+    return_routing: bool = False
+    """Return each sample's routed experts per MoE layer (router replay, mrl/model/router_replay.py): the engine
+    records its routers' top-k on every forward, as vLLM's routed-experts capture does."""
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -117,7 +121,33 @@ class _UnpaddedLogitsWrapper(GPTInferenceWrapper):
         logits = super().run_one_forward_step(inference_input, recv_buffer_seq_len)  # [b, s, V_padded]
         if logits is not None:
             logits[..., self.vocab_size:] = float("-inf")
+        if self.routing is not None:
+            self.routing.collect(inference_input["position_ids"][0])
         return logits
+
+
+class _RoutingRecorder:
+    """The experts every token of a static batch was routed to: [b, max_model_len, layers, k], -1 until a forward
+    routes the token. Each forward covers the positions [start, end) of every row (prefill, then one per step); its
+    routers' rows are the window's tokens sequence-first (megatron's [s, b, h] activations)."""
+
+    def __init__(self, model: Any, layers: int, max_len: int) -> None:
+        self.replay = RoutingReplay([model], replay=False, recompute=False)
+        self.replay.record = {}
+        self.layers, self.max_len = layers, max_len
+        self.buffer: Optional[torch.Tensor] = None
+
+    def start(self, rows: int, topk: int) -> None:
+        self.buffer = torch.full((rows, self.max_len, self.layers, topk), -1, dtype=ROUTING_DTYPE)
+        self.replay.record = {}
+
+    def collect(self, positions: torch.Tensor) -> None:
+        rows = self.buffer.shape[0]
+        for layer, chosen in self.replay.record.items():
+            (top,) = chosen  # one forward since the last collect
+            self.buffer[:, positions.cpu(), layer] = top.view(len(positions), rows, -1).transpose(0, 1).to(
+                ROUTING_DTYPE).cpu()
+        self.replay.record = {}
 
 
 class _TokenIdTokenizer:
@@ -228,6 +258,11 @@ class MegatronBackend:
             inference_max_seq_length=self.max_model_len,
         )
         wrapper = _UnpaddedLogitsWrapper(self.model, wrapper_config, context, self.vocab_size)
+        wrapper.routing = None
+        moe = model_dims(self.hf_config).moe
+        if config.return_routing and moe is not None:
+            wrapper.routing = _RoutingRecorder(self.model, len(moe.layers), self.max_model_len)
+        self.topk = None if moe is None else moe.topk
         self.controller = _StopSetController(wrapper, _TokenIdTokenizer())
         self.controller.sampling_rng.manual_seed(config.seed)
         self._pending: dict[str, torch.Tensor] = {}
@@ -270,7 +305,14 @@ class MegatronBackend:
         by_length = sorted(requests, key=lambda r: len(r.prompt_tokens))
         for start in range(0, len(by_length), self.config.max_batch_size):
             batch = by_length[start:start + self.config.max_batch_size]
+            recorder = self.controller.inference_wrapped_model.routing
+            if recorder is not None:
+                recorder.start(len(batch), self.topk)
             self.controller.generate_all_output_tokens_static_batch(OrderedDict((r.request_id, r) for r in batch))
+            if recorder is not None:  # the tokens the engine fed: the prompt and all but the last sampled token
+                for row, request in enumerate(batch):
+                    fed = len(request.prompt_tokens) + len(request.generated_tokens) - 1
+                    request.routing = recorder.buffer[row, :fed].clone()
         return requests
 
     def _prompt_samples(
@@ -288,7 +330,8 @@ class MegatronBackend:
             tokens = [int(t) for t in request.generated_tokens.tolist()]
             logprobs = [float(x) for x in request.generated_log_probs] if sampling.logprobs else None
             reason = FinishReason.STOP if tokens and tokens[-1] in stops else FinishReason.LENGTH
-            samples.append(GeneratedSample(index, k, list(request.prompt_tokens), tokens, logprobs, reason, truncated))
+            samples.append(GeneratedSample(index, k, list(request.prompt_tokens), tokens, logprobs, reason, truncated,
+                                           getattr(request, "routing", None)))
         return samples
 
     # ---------------------------------------------------------------------------------------------------- refit

@@ -28,6 +28,7 @@ from typing import Any, Literal, Optional
 import torch
 
 from mrl.inference.buckets import NamedTensor
+from mrl.inference.interface import compact_routing as compact
 from mrl.inference.cpu_sleep_mode import CpuSleepMode
 from mrl.inference.interface import FinishReason, GeneratedSample, GenerationOutput, SamplingConfig
 from mrl.inference.lifecycle import EngineLifecycle
@@ -69,6 +70,10 @@ class VllmEngineConfig:
     sleep_level: int = 1
     """vLLM's sleep level where a refit follows the sleep: 2 discards the weights (the refit rewrites them all before
     the engine generates: mrl/inference/lifecycle.py); every other sleep is level 1 (a host copy of the weights)."""
+    return_routing: bool = False
+    """Return each sample's routed experts per MoE layer (vLLM's `enable_return_routed_experts`, router replay:
+    mrl/model/router_replay.py). vLLM 0.32 captures them in its model runner V2 only (VLLM_USE_V2_MODEL_RUNNER=1,
+    which needs CUDA and Triton: vllm/config/vllm.py refuses it otherwise), so a CPU engine refuses the option."""
     multiprocessing: bool = False
     """Run the engine core and workers in their own processes (vLLM's default) instead of in this process."""
     cpu_threads_bind: str = "auto"
@@ -158,6 +163,12 @@ def _llm_kwargs(config: VllmEngineConfig) -> dict[str, Any]:
     )
     if not config.load_weights:
         kwargs["load_format"] = "dummy"
+    if config.return_routing:
+        if not torch.cuda.is_available():
+            raise ValueError("router replay (policy.moe.router_replay) needs the engine's routed experts: vLLM 0.32 "
+                             "returns them from its model runner V2 only, which needs CUDA and Triton; on CPU use "
+                             "generation.backend=megatron (it records its own), or policy.moe.router_replay=off")
+        kwargs["enable_return_routed_experts"] = True
     if config.ray_executor_bundles:
         # Explicit: left to choose, vLLM would first refuse a world larger than the GPUs this actor sees (none:
         # vllm/config/parallel.py, "World size ... is larger than the number of available GPUs").
@@ -195,6 +206,8 @@ def build_llm(config: VllmEngineConfig) -> Any:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if config.multiprocessing else "0"
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = config.cpu_threads_bind
     os.environ.update(ray_executor_env(config))
+    if config.return_routing:
+        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"  # the only runner with the routed-experts capture (vLLM 0.32)
     from vllm import LLM
 
     return LLM(**_llm_kwargs(config))
@@ -349,7 +362,9 @@ def _prompt_samples(
         token_ids = list(completion.token_ids)
         logprobs = _sampled_logprobs(completion.logprobs, token_ids) if sampling.logprobs else None
         reason = _FINISH.get(completion.finish_reason, FinishReason.ABORTED)
-        samples.append(GeneratedSample(index, k, prompt_ids, token_ids, logprobs, reason, truncated))
+        routing = None if getattr(completion, "routed_experts", None) is None else \
+            compact(torch.from_numpy(completion.routed_experts))  # [prompt + response - 1, layers, k]
+        samples.append(GeneratedSample(index, k, prompt_ids, token_ids, logprobs, reason, truncated, routing))
     return samples
 
 

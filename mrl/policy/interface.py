@@ -9,6 +9,8 @@ Layout of a `RankBatch` (rows = sequences, right-padded):
     lengths     [N] real tokens (prompt + response); None = up to the last loss token
     group_size  rows come in consecutive groups of this size that one loss term couples (2: a DPO or reward-model
                 pair, chosen then rejected); a group never straddles a micro-batch or a data-parallel shard
+    routing     [N, T, layers, k] int16 or None: the engine's experts per token and MoE layer, aligned with
+                input_ids (not shifted), -1 where none was reported (mrl/model/router_replay.py)
 
 Light on purpose (torch only): the loops build batches without importing Megatron. The implementation is
 `mrl.policy.group.Policy` (one Ray actor per rank, mrl/policy/worker.py).
@@ -42,6 +44,7 @@ class RankBatch:
     seq_data: dict[str, torch.Tensor] = field(default_factory=dict)
     lengths: torch.Tensor | None = None  # [N] real tokens (prompt + response); None = up to the last loss token
     group_size: int = 1  # consecutive rows kept in one micro-batch and one data-parallel shard (a preference pair)
+    routing: torch.Tensor | None = None  # [N, T, layers, k] the engine's experts (router replay), -1 = none
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -51,13 +54,15 @@ class RankBatch:
         move = lambda x: x.to(device, non_blocking=True)  # noqa: E731
         return RankBatch(move(self.input_ids), move(self.loss_mask), {k: move(v) for k, v in self.token_data.items()},
                          {k: move(v) for k, v in self.seq_data.items()},
-                         None if self.lengths is None else move(self.lengths), self.group_size)
+                         None if self.lengths is None else move(self.lengths), self.group_size,
+                         None if self.routing is None else move(self.routing))
 
     def slice(self, start: int, stop: int) -> "RankBatch":
         return RankBatch(self.input_ids[start:stop], self.loss_mask[start:stop],
                          {k: v[start:stop] for k, v in self.token_data.items()},
                          {k: v[start:stop] for k, v in self.seq_data.items()},
-                         None if self.lengths is None else self.lengths[start:stop], self.group_size)
+                         None if self.lengths is None else self.lengths[start:stop], self.group_size,
+                         None if self.routing is None else self.routing[start:stop])
 
     def select(self, rows: list[int], width: int) -> "RankBatch":
         """Rows `rows` (in that order) with every [N, T] tensor cut or right-padded (zeros) to `width` columns."""
@@ -68,7 +73,8 @@ class RankBatch:
 
         return RankBatch(cols(self.input_ids), cols(self.loss_mask), {k: cols(v) for k, v in self.token_data.items()},
                          {k: v[rows] for k, v in self.seq_data.items()},
-                         None if self.lengths is None else self.lengths[rows], self.group_size)
+                         None if self.lengths is None else self.lengths[rows], self.group_size,
+                         None if self.routing is None else pad_routing(self.routing[rows], width))
 
     def micro_batches(self, size: int) -> list["RankBatch"]:
         if size % self.group_size:
@@ -78,6 +84,14 @@ class RankBatch:
             # Pipeline schedules send fixed-shape activations between stages: every micro-batch has `size` rows.
             raise ValueError(f"{len(self)} sequences on this rank do not split into micro-batches of {size}")
         return [self.slice(i, i + size) for i in range(0, len(self), size)]
+
+
+def pad_routing(routing: torch.Tensor, width: int) -> torch.Tensor:
+    """[N, T, L, k] routing cut or right-padded to `width` tokens; padding tokens carry -1 (no engine routing)."""
+    t = routing.shape[1]
+    if width <= t:
+        return routing[:, :width]
+    return torch.nn.functional.pad(routing, (0, 0, 0, 0, 0, width - t), value=-1)
 
 
 def global_count(loss_mask: torch.Tensor, level: str) -> float:

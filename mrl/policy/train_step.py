@@ -45,7 +45,7 @@ couples stay in one micro-batch and one pack.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 from torch.nn.utils.rnn import pad_sequence
@@ -54,7 +54,7 @@ from mrl.data.packing import MicroBatchPlan, dynamic_batches, local_token_positi
 from mrl.objectives.loss import LOSS_MASK, PREV_LOGPROBS, SEQ_LOG_RATIO_SUM, TOKEN_ENTROPY, sequence_log_ratio_sums
 from mrl.parallel import collectives
 from mrl.parallel.layout import length_multiple, micro_batching_violations
-from mrl.policy.interface import PolicyLoss, RankBatch
+from mrl.policy.interface import PolicyLoss, RankBatch, pad_routing
 from mrl.policy.logprobs import (LOGPROB_CHUNK_TOKENS, merge_from_context_parallel, next_token_targets, score_values,
                                  shift_to_token_positions, split_for_context_parallel, vocab_parallel_logprobs)
 
@@ -75,6 +75,7 @@ class StepContext:
     temperature: float = 1.0
     head: str = "lm"  # "lm": logprobs of the next tokens; "score": a reward model's value per position
     logprob_chunk_tokens: int = LOGPROB_CHUNK_TOKENS  # rows of fp32 logits at once (mrl.policy.logprobs)
+    routing: Any = None  # mrl.model.router_replay.RoutingReplay of the model's routers (MoE), or None
 
     def to_token_positions(self, values: torch.Tensor) -> torch.Tensor:
         """[N, T] results at predicting positions -> at token positions (logprobs move by one; scores stay)."""
@@ -89,13 +90,17 @@ def _prepare(mb: RankBatch, ctx: StepContext) -> dict[str, torch.Tensor]:
     positions = torch.arange(mb.input_ids.shape[1]).unsqueeze(0).expand_as(mb.input_ids)
     full = {"input_ids": mb.input_ids, "position_ids": positions, "targets": next_token_targets(mb.input_ids),
             "loss_mask": mask, **{k: shift(v) for k, v in mb.token_data.items()}}
+    if mb.routing is not None:  # the router at position t routes token t: not shifted
+        full["routing"] = mb.routing
     out = {k: split_for_context_parallel(v, ctx.cp_rank, ctx.cp_size) for k, v in full.items()}
     out.update(mb.seq_data)
     out["seq_num_tokens"] = mask.sum(dim=1)
     return out
 
 
-def _forward(model, data: dict[str, torch.Tensor]) -> torch.Tensor:
+def _forward(model, data: dict[str, torch.Tensor], ctx: StepContext, training: bool) -> torch.Tensor:
+    if ctx.routing is not None:  # this chunk's routers take the micro-batch's engine routing (router replay)
+        ctx.routing.begin(model, data.get("routing"), training=training)
     # attention_mask=None: causal attention; right padding cannot affect earlier (real) tokens.
     if "packed_seq_params" in data:  # one THD row: block-diagonal causal attention, RoPE restarts per sequence
         return model(data["input_ids"], data["position_ids"], None, packed_seq_params=data["packed_seq_params"])
@@ -198,8 +203,11 @@ def _predicting_space(batch: RankBatch, width: int) -> dict[str, torch.Tensor]:
         out[:, -1] = 0
         return out
 
-    return {"input_ids": pad(batch.input_ids), "targets": shift(batch.input_ids), "loss_mask": shift(batch.loss_mask),
-            **{k: shift(v) for k, v in batch.token_data.items()}}
+    out = {"input_ids": pad(batch.input_ids), "targets": shift(batch.input_ids), "loss_mask": shift(batch.loss_mask),
+           **{k: shift(v) for k, v in batch.token_data.items()}}
+    if batch.routing is not None:  # aligned with input_ids: not shifted
+        out["routing"] = pad_routing(batch.routing, width)
+    return out
 
 
 def _packed_seq_params(plan: MicroBatchPlan, index: int, filler: int, cp_group, device: torch.device):
@@ -226,8 +234,9 @@ def _packed_micro_batch(full: dict[str, torch.Tensor], batch: RankBatch, plan: M
     local = [local_token_positions(plan.padded_lengths[j], ctx.cp_size, ctx.cp_rank) for j in seqs]
     filler = plan.budget - sum(plan.padded_lengths[j] for j in seqs) if fixed_size else 0
 
-    def pack(x: torch.Tensor) -> torch.Tensor:  # [N, width] -> [1, L / cp]
-        return torch.cat([x[j, pos] for j, pos in zip(seqs, local)] + [x.new_zeros(filler // ctx.cp_size)])[None]
+    def pack(x: torch.Tensor, fill: int = 0) -> torch.Tensor:  # [N, width, ...] -> [1, L / cp, ...]
+        pad = x.new_full((filler // ctx.cp_size, *x.shape[2:]), fill)
+        return torch.cat([x[j, pos] for j, pos in zip(seqs, local)] + [pad])[None]
 
     device = full["input_ids"].device
     sizes = torch.tensor([len(pos) for pos in local], device=device)
@@ -238,6 +247,8 @@ def _packed_micro_batch(full: dict[str, torch.Tensor], batch: RankBatch, plan: M
             "position_ids": torch.cat(local + [torch.zeros(filler // ctx.cp_size, dtype=torch.long)])[None].to(device),
             "packed_seq_params": _packed_seq_params(plan, index, filler, ctx.cp_group, device),
             "unpack_index": torch.where(valid, starts[:, None] + steps[None, :], 0), "unpack_valid": valid}
+    if "routing" in full:  # the filler routes freshly (-1)
+        data["routing"] = pack(full["routing"], fill=-1)
     for name in ("loss_mask", *batch.token_data):
         data[name] = pad_sequence([full[name][j, pos] for j, pos in zip(seqs, local)], batch_first=True)
     data.update({k: v[seqs] for k, v in batch.seq_data.items()})
@@ -315,7 +326,7 @@ def train_on_batch(model: list, optimizer, scheduler, batch: RankBatch, *, loss_
 
     def forward_step(data_iter: Iterator[dict], chunk):
         data = next(data_iter)
-        logits = _forward(chunk, data)
+        logits = _forward(chunk, data, ctx, training=True)
 
         def loss_func(output: torch.Tensor):
             logprobs, inputs = _train_inputs(output, data, ctx)  # [b, T']
@@ -399,7 +410,7 @@ def logprobs_of_batch(model: list, batch: RankBatch, *, micro_batch_size: int, c
 
     def forward_step(data_iter: Iterator[dict], chunk):
         data = next(data_iter)
-        logits = _forward(chunk, data)
+        logits = _forward(chunk, data, ctx, training=False)
 
         def collect(output: torch.Tensor):
             collected.append(_target_logprobs(output, data, ctx))  # [b, T/cp], or a pack's rows [b, W]

@@ -24,10 +24,11 @@ from typing import Any, Callable, Optional
 import torch
 
 from mrl.config.schema import PolicyConfig
+from mrl.model.router_replay import RoutingReplay, disagreement_metrics, moe_layers
 from mrl.parallel import collectives
 from mrl.parallel.attention import transformer_engine_available
 from mrl.policy.expert_load import ExpertLoad
-from mrl.policy.interface import PolicyLoss, RankBatch
+from mrl.policy.interface import PolicyLoss, RankBatch, pad_routing
 from mrl.policy.memory import PARTS, HostOffload
 from mrl.policy.speed import fused_wgrad_available, gather_weights, resolve_speed, wire_overlaps
 from mrl.policy.train_step import StepContext, logprobs_of_batch, train_on_batch
@@ -87,8 +88,9 @@ def _pad_to_multiple(batch: RankBatch, multiple: int) -> RankBatch:
     if extra == 0:
         return batch
     pad = lambda t: torch.nn.functional.pad(t, (0, extra))  # noqa: E731  ([N, T] -> [N, T + extra])
+    routing = None if batch.routing is None else pad_routing(batch.routing, batch.input_ids.shape[1] + extra)
     return RankBatch(pad(batch.input_ids), pad(batch.loss_mask), {k: pad(v) for k, v in batch.token_data.items()},
-                     dict(batch.seq_data), lengths=batch.lengths, group_size=batch.group_size)
+                     dict(batch.seq_data), lengths=batch.lengths, group_size=batch.group_size, routing=routing)
 
 
 def _uneven_pipeline(par: Any) -> dict[str, int]:
@@ -210,6 +212,13 @@ class PolicyWorker:
         self.memory = HostOffload(self.model, self.optimizer, cfg.offload_when_generating,
                                   active=torch.cuda.is_available())
         self.expert_load = ExpertLoad([module])
+        self.routing = None
+        self._measure_routing = True  # the engine holds the initial weights (or gets a refit before it samples)
+        if self.model_dims.moe is not None:  # measures the engine/trainer disagreement; replays with router_replay
+            self.routing = RoutingReplay(  # the policy's routers only: the reference model routes freshly
+                self.model, replay=cfg.moe.router_replay == "replay", recompute=cfg.activation_checkpointing,
+                tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=self.dims.tp,
+                sequence_parallel=par.sequence_parallel)
         self._exporter = None
         self._bucket_plan: list = []
         self._bucket_owners: list[int] = []
@@ -232,7 +241,7 @@ class PolicyWorker:
                            cp_size=ps.get_context_parallel_world_size(), cp_group=ps.get_context_parallel_group(),
                            is_last_stage=ps.is_pipeline_last_stage(), vocab_size=self.model_dims.vocab_size,
                            temperature=temperature, head="score" if self.model_dims.score_head else "lm",
-                           logprob_chunk_tokens=self.spec.policy.logprob_chunk_tokens)
+                           logprob_chunk_tokens=self.spec.policy.logprob_chunk_tokens, routing=self.routing)
 
     # ------------------------------------------------------------------------------------------------ compute
     def logprobs(self, shard: RankBatch, temperature: float = 1.0, reference: bool = False) -> Optional[torch.Tensor]:
@@ -250,6 +259,7 @@ class PolicyWorker:
         for chunk in model:
             chunk.eval()
         size = _micro_batch_size(self.spec.policy.logprob_micro_batch_size, len(batch), batch.group_size)
+        self._route_counting(not reference)
         out = logprobs_of_batch(model, batch, micro_batch_size=size, ctx=self._context(temperature),
                                 packing=self.spec.policy.sequence_packing,
                                 dynamic_batching=self.spec.policy.dynamic_batching)
@@ -270,12 +280,14 @@ class PolicyWorker:
         for chunk in self.model:
             chunk.train()
         self.expert_load.reset()  # logprob passes route tokens too: count this step's only
+        self._route_counting(True)
         metrics = train_on_batch(self.model, self.optimizer, self.scheduler, batch, loss_fn=loss_fn,
                                  count=global_count, micro_batch_size=size, ctx=self._context(temperature),
                                  packing=self.spec.policy.sequence_packing,
                                  dynamic_batching=self.spec.policy.dynamic_batching)
         scalars = {k: metrics.pop(k) for k in ("grad_norm", "lr", "nonfinite")}  # the same on every rank
         scalars.update(self._expert_load() or {})
+        scalars.update(self._routing_disagreement())
         metrics = self._sum_over_data_parallel(metrics)
         if not self._is_leader():
             return None
@@ -292,6 +304,32 @@ class PolicyWorker:
         if self.dims.sequence_parallel:
             groups.append(self.ps.get_tensor_model_parallel_group())
         return self.expert_load.report(groups, self.ps.get_pipeline_model_parallel_group())
+
+    def _route_counting(self, policy_pass: bool) -> None:
+        """Count routing disagreements in this pass if it is the policy's first since its weights went to the engine
+        (the prev-logprob pass, else the first optimizer step's forward): later minibatches of a step route with
+        weights the engine never had, and their disagreement is the update's, not the engine's."""
+        if self.routing is not None:
+            self.routing.counting = policy_pass and self._measure_routing
+            if policy_pass and self._measure_routing:
+                self._measure_routing = False
+
+    def _routing_disagreement(self) -> dict[str, float]:
+        """Per MoE layer, the fraction of tokens the trainer routes apart from the engine, from the pass that
+        compared them with the engine's weights (`_route_counting`; counted on the tokens each rank routed: summed
+        over data and context parallel ranks, TP ranks under sequence parallelism, and the pipeline stages, which
+        hold other layers); {} when no pass counted, without routing data, or for a dense model."""
+        if self.routing is None:
+            return {}
+        counts = self.routing.counts(self.model_dims.num_layers)
+        self.routing.reset()
+        groups = [self.ps.get_data_parallel_group(with_context_parallel=True),
+                  self.ps.get_pipeline_model_parallel_group()]
+        if self.dims.sequence_parallel:
+            groups.append(self.ps.get_tensor_model_parallel_group())
+        for group in groups:  # reduced over groups of one too: once a step (collectives.py)
+            collectives.all_reduce(counts, group=group)
+        return disagreement_metrics(counts, moe_layers(self.model_dims))
 
     def _sum_over_data_parallel(self, sums: dict[str, float]) -> dict[str, float]:
         """Metric sums of every data-parallel (and context-parallel) rank's micro-batches, on the last stage."""
@@ -354,6 +392,7 @@ class PolicyWorker:
         A shared-memory payload is released by the controller once the engines loaded it; a collective one was
         broadcast to the engines while packing."""
         self.memory.reclaim(("weights",))  # the optimizer states stay on the host while the engine is awake
+        self._measure_routing = True  # the engine gets these weights: the next pass compares routings with them
         exporter = self._exporter
         assert exporter is not None, "plan_export first"
         if sends_by_stage(transport, self.dims.pp):

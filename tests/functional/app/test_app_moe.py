@@ -22,10 +22,18 @@ SHORT = ("data.arith.digits=1", "data.arith.num_heldout=20", "grpo.max_num_steps
 
 @pytest.mark.parametrize("backend", ["vllm", "megatron"])
 def test_moe_grpo_engine_matches_trainer_on_every_step(tmp_path, backend):
-    finish(mrl("grpo", "--config", RECIPE, *SHORT, f"run.output_dir={tmp_path}", f"generation.backend={backend}"))
+    """With Megatron's engine the run also replays the engine's routing (policy.moe.router_replay=replay: vLLM
+    returns it on CUDA only): the routing travels from the engine through the rollouts to the EP2 trainer, whose
+    own choices agree with the engine's on every token (same fp32 weights) and are logged per MoE layer."""
+    replay = ["policy.moe.router_replay=replay"] if backend == "megatron" else []
+    finish(mrl("grpo", "--config", RECIPE, *SHORT, f"run.output_dir={tmp_path}", f"generation.backend={backend}",
+               *replay))
     logged = metrics(tmp_path / "logs")
     assert sorted(logged) == [0, 1, 2, 3]
     for step in (1, 2, 3):
         assert logged[step]["train/token_mult_prob_error"] <= 1.001, (step, logged[step])
         assert logged[step]["train/expert_load_max_over_mean"] >= 1.0
+        if replay:
+            per_layer = {k: v for k, v in logged[step].items() if k.startswith("train/moe_routing_differs/layer_")}
+            assert len(per_layer) == 4 and logged[step]["train/moe_routing_differs_max"] <= 0.01, logged[step]  # 4 layers
         assert logged[step]["train/refit_bytes"] > 0

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from mrl.testing.batches import long_tail_batch
 from mrl.testing.distributed import run_on_ranks
 from mrl.testing.losses import PGLoss
 from mrl.testing.tiny_models import build_tiny_hf_model
@@ -22,17 +23,9 @@ WIDTH, PROMPT = 24, 3
 # ---- rank side: imported by each rank process of run_on_ranks ----
 
 
-def make_batch(vocab: int = 200, seed: int = 0):
+def make_batch():
     """ids [8, 24] (pad id 0 past each length), loss mask on the response tokens, per-sequence advantages."""
-    g = torch.Generator().manual_seed(seed)
-    n = len(LENGTHS)
-    ids = torch.randint(2, vocab, (n, WIDTH), generator=g)
-    mask = torch.zeros(n, WIDTH)
-    for i, length in enumerate(LENGTHS):
-        ids[i, length:] = 0
-        mask[i, min(PROMPT, length - 1):length] = 1
-    adv = torch.randn(n, generator=g)[:, None].expand(n, WIDTH).contiguous()
-    return ids, mask, adv
+    return long_tail_batch(LENGTHS, WIDTH, PROMPT)
 
 
 def _build(model_dir: str, tp: int, pp: int, cp: int, sp: bool):
@@ -79,8 +72,8 @@ def run(model_dir: str, modes: list, tp: int = 1, pp: int = 1, cp: int = 1, sp: 
     from megatron.core import parallel_state as ps
 
     from mrl.config.schema import DynamicBatchingConfig, PackingConfig
-    from mrl.parallel.layout import ParallelDims
     from mrl.parallel.groups import init_process_groups
+    from mrl.parallel.layout import ParallelDims
     from mrl.policy.interface import RankBatch, global_count
     from mrl.policy.train_step import StepContext, logprobs_of_batch, train_on_batch
 

@@ -57,3 +57,30 @@ def test_training_rows_pad_to_data_parallel_size_with_masked_rows():
     assert batch.token_data["advantages"][:, 0].tolist() == [0.5, -0.5, 2.0, 0.5]
     assert torch.equal(batch.token_data["generation_logprobs"][:3], gen[[0, 1, 3]])
     assert batch.lengths.tolist() == [5, 3, 3, 5]
+
+
+def test_routing_sits_on_the_tokens_positions_and_travels_to_the_training_rows():
+    """A sample's routing covers the tokens the engine fed (prompt, then the response but its last token); the rows
+    carry it on those positions, -1 elsewhere, and the training rows keep it per kept sample."""
+    from mrl.inference.interface import routing_rows
+
+    def routed(tokens: int, first: int) -> torch.Tensor:  # [tokens, 2 layers, k = 2]
+        return (first + torch.arange(tokens * 4)).view(tokens, 2, 2).to(torch.int16)
+
+    out = _output()
+    out.samples[0] = GeneratedSample(0, 0, [7, 8], [3, 4, 0], [-0.5, -0.25, -1.0], FinishReason.STOP,
+                                     routing=routed(4, 0))
+    out.samples[3] = GeneratedSample(1, 1, [9], [6, 6], [-0.1, -0.2], FinishReason.STOP, routing=routed(2, 100))
+    assert routing_rows(_output().samples, 5) is None  # an engine that returned none
+    rows = routing_rows(out.samples, 5)
+    assert rows.shape == (4, 5, 2, 2) and rows.dtype == torch.int16
+    assert torch.equal(rows[0, :4], routed(4, 0)) and (rows[0, 4] == -1).all()
+    assert (rows[1] == -1).all() and (rows[2] == -1).all()
+    assert torch.equal(rows[3, :2], routed(2, 100)) and (rows[3, 2:] == -1).all()
+    ids, mask, gen = rows_from_output(out, pad_id=1)
+    rollouts = Rollouts(ids, mask, gen, torch.zeros(4), torch.tensor([3, 1, 0, 2]), torch.zeros(4, dtype=torch.bool),
+                        routing=rows)
+    batch = training_rows(rollouts, torch.ones(4), torch.tensor([True, False, False, True]), dp_size=1)
+    assert torch.equal(batch.routing, rows[[0, 3]])
+    again = Rollouts.from_state_dict(rollouts.state_dict())  # checkpoints (async GRPO's queue, resume) keep it
+    assert torch.equal(again.routing, rows)

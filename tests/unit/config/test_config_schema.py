@@ -189,3 +189,20 @@ def test_uneven_pipeline_split_is_checked_against_the_layers(tmp_path):
     with pytest.raises(ConfigError) as info:  # 61 layers: 7 + 6 leave 48 for 6 stages; 5 + 6 leave 50
         load_config(recipe, [model, "policy.parallel.first_stage_layers=5"])
     assert "61 decoder layers do not split over 8 pipeline stages" in str(info.value.render())
+
+
+def test_router_replay_needs_a_moe_model():
+    (p,) = problems({"policy": {"moe": {"router_replay": "replay"}, "build": {"family": "qwen2"}}})
+    assert p.key == "policy.moe.router_replay" and p.given == "replay" and "dense" in str(p)
+    moe = {"policy": {"moe": {"router_replay": "measure"}, "build": {"family": "qwen3_moe"}}}
+    assert validate_tree(moe).policy.moe.router_replay == "measure"
+
+
+def test_an_unquoted_yaml_off_is_the_off_choice(tmp_path):
+    """YAML 1.1 reads `off` as false; the switches with an "off" choice take it as that choice."""
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("policy:\n  moe:\n    router_replay: off\ncluster:\n  memory_check: off\n")
+    cfg = load_config(recipe)
+    assert (cfg.policy.moe.router_replay, cfg.cluster.memory_check) == ("off", "off")
+    (p,) = problems({"policy": {"moe": {"router_replay": True}}})
+    assert p.key == "policy.moe.router_replay" and p.given is True

@@ -39,3 +39,18 @@ def test_sampling_config_rejects_impossible_values(kwargs, key):
 def test_refit_stats_metric_names():
     metrics = RefitStats(num_tensors=3, num_buckets=2, bytes=96, max_bucket_bytes=64, seconds=0.5).as_metrics()
     assert metrics == {"timing/refit": 0.5, "refit/bytes": 96.0, "refit/buckets": 2.0, "refit/max_bucket_bytes": 64.0}
+
+
+def test_routing_is_stored_compactly_and_a_cpu_vllm_engine_refuses_to_return_it():
+    from mrl.inference.interface import compact_routing
+    from mrl.inference.vllm_backend import VllmEngineConfig, _llm_kwargs
+
+    assert compact_routing(torch.tensor([[3, 255]], dtype=torch.uint8)).dtype == torch.int16  # vLLM: uint8 <= 256
+    with pytest.raises(ValueError, match="does not fit"):
+        compact_routing(torch.tensor([40_000]))
+    if torch.cuda.is_available():
+        assert _llm_kwargs(VllmEngineConfig("m", return_routing=True))["enable_return_routed_experts"]
+    else:  # vLLM 0.32 captures the routing in its model runner V2, which needs CUDA and Triton
+        with pytest.raises(ValueError, match="router_replay=off"):
+            _llm_kwargs(VllmEngineConfig("m", return_routing=True))
+    assert "enable_return_routed_experts" not in _llm_kwargs(VllmEngineConfig("m"))

@@ -1,0 +1,161 @@
+"""Router replay ("R3"): the trainer routes each token to the experts the engine chose when it sampled it, and the
+per-layer measure of where engine and trainer route apart.
+
+Data flow:
+
+    engine (vLLM's routed-experts output, [T, layers, k] per sample)
+      -> RankBatch.routing [N, T, layers, k] int16, aligned with input_ids (NOT shifted: the router at position t
+         sees token t), -1 where the engine reported nothing (padding, a sequence's last token, prompt tokens an
+         engine did not return)
+      -> train_step: cut like input_ids (context-parallel chunks, packs), then per model chunk `begin(chunk, routing)`
+      -> `RoutingReplay` cuts the micro-batch to the tokens each router sees and hands every router its rows
+      -> megatron-core's top-k (`moe_utils.topk_routing_with_score_function`) asks `router.router_replay
+         .get_replay_topk(scores, topk, num_groups, group_topk, default)` (the hook of megatron-core 0.16.1's
+         `transformer/moe/router_replay.py`, which mrl fills with its own object below)
+
+Sharding contract at the hook: a router's input is this rank's hidden states [s, b, h] flattened s-major, so its
+token rows are the micro-batch's [b, s] tokens transposed; under sequence parallelism s is this TP rank's contiguous
+1/TP of the sequence (megatron's scatter to the sequence-parallel region); under context parallelism and packing the
+train step has already cut the tokens as it cuts input_ids. Routers run before the expert-parallel dispatch, so EP
+changes nothing here. The layer is the router's global `layer_number` - 1, the index vLLM's capturer uses
+(`num_hidden_layers` rows per token; dense layers' rows are never read).
+
+Tokens the engine reported nothing for (-1) are routed freshly by the trainer: the prompt is replayed where the engine
+returned it (vLLM returns the prompt's routing unless `routed_experts_prompt_start` skips it), and a sequence's last
+token, which the engine never fed through the model, has no routing to replay.
+
+Recomputation (activation checkpointing) runs a layer's forward again inside the backward; the schedules run the
+backwards of the micro-batches in the order of their forwards, so each router keeps a queue of the targets of the
+forwards whose recompute is still to come.
+
+Measurement (with or without replay): for every token with an engine routing, whether the trainer's own top-k set
+(what it would route to) differs from the engine's, counted per layer on the first forward of each micro-batch
+while `counting` (the policy worker counts in its first pass after a refit: the weights the engine sampled with).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any, Callable, Optional
+
+import torch
+
+
+class _LayerReplay:
+    """One router's replay state; megatron-core calls `get_replay_topk` in place of its top-k."""
+
+    def __init__(self, layer: int, owner: "RoutingReplay") -> None:
+        self.layer = layer
+        self.owner = owner
+        self.current: Optional[torch.Tensor] = None  # [n, k] long, this forward's targets (-1: route freshly)
+        self.recompute_queue: deque[torch.Tensor] = deque()
+
+    def get_replay_topk(self, scores: torch.Tensor, topk: int, num_groups: Optional[int] = None,
+                        group_topk: Optional[int] = None,
+                        default_compute_topk: Optional[Callable] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        probs, fresh = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
+        recomputing = self.owner.recompute and torch.is_grad_enabled() and self.owner.training
+        target = self.recompute_queue.popleft() if recomputing else self.current
+        if not recomputing and self.owner.record is not None:
+            self.owner.record.setdefault(self.layer, []).append(fresh.detach().clone())
+        if target is None:
+            return probs, fresh
+        if target.shape != fresh.shape:
+            raise ValueError(f"router replay: layer {self.layer} sees {tuple(fresh.shape)} token choices, the batch's "
+                             f"routing gives {tuple(target.shape)}: the routing was cut for another layout")
+        known = (target >= 0).all(dim=-1)
+        if not recomputing and self.owner.counting:
+            self.owner.count(self.layer, fresh, target, known)
+        if not self.owner.replay:
+            return probs, fresh
+        chosen = torch.where(known[:, None], target.to(fresh.device), fresh)
+        return scores.gather(1, chosen), chosen
+
+
+class RoutingReplay:
+    """Installed on the routers of a policy's model chunks; fed each micro-batch's routing by the train step.
+
+    replay:    route to the engine's experts (True) or only measure the disagreement (False)
+    recompute: activation checkpointing is on (recomputed forwards take their targets from the queue)
+    """
+
+    def __init__(self, chunks: list[Any], *, replay: bool, recompute: bool, tp_rank: int = 0, tp_size: int = 1,
+                 sequence_parallel: bool = False) -> None:
+        from megatron.core.transformer.moe.router import TopKRouter
+
+        self.replay, self.recompute = replay, recompute
+        self.tp_rank, self.tp_size, self.sequence_parallel = tp_rank, tp_size, sequence_parallel
+        self.training = False
+        self.counting = True  # count disagreements (the policy worker counts in one pass per refit)
+        self.record: Optional[dict[int, list[torch.Tensor]]] = None  # layer -> fresh top-k per forward (tests)
+        self.routers: dict[int, list[_LayerReplay]] = {}
+        for chunk in chunks:
+            states = []
+            for router in (m for m in chunk.modules() if isinstance(m, TopKRouter)):
+                if router.config.moe_router_fusion:
+                    raise ValueError("router replay needs megatron's unfused top-k (moe_router_fusion=False): the "
+                                     "fused kernel does not consult the replay hook")
+                router.router_replay = _LayerReplay(router.layer_number - 1, self)
+                states.append(router.router_replay)
+            self.routers[id(chunk)] = states
+        self.differs: dict[int, float] = {}
+        self.known: dict[int, float] = {}
+
+    @property
+    def layers(self) -> list[int]:
+        return sorted(state.layer for states in self.routers.values() for state in states)
+
+    def router_rows(self, routing: torch.Tensor) -> torch.Tensor:
+        """[b, s, L, k] routing of a micro-batch (this CP rank's tokens) -> [n, L, k], the rows its routers see."""
+        rows = routing.transpose(0, 1)  # [s, b, L, k]: megatron's activations are sequence-first
+        if self.sequence_parallel and self.tp_size > 1:
+            rows = rows.chunk(self.tp_size, dim=0)[self.tp_rank]
+        return rows.reshape(-1, *routing.shape[2:])
+
+    def begin(self, chunk: Any, routing: Optional[torch.Tensor], *, training: bool) -> None:
+        """Targets of the next forward of `chunk` (routing [b, s, L, k], or None: route freshly)."""
+        self.training = training
+        rows = None if routing is None else self.router_rows(routing).long()
+        for state in self.routers.get(id(chunk), []):
+            state.current = None if rows is None else rows[:, state.layer]
+            if self.recompute and training and state.current is not None:
+                state.recompute_queue.append(state.current)
+
+    def count(self, layer: int, fresh: torch.Tensor, target: torch.Tensor, known: torch.Tensor) -> None:
+        """Tokens of `layer` whose fresh top-k set is not the engine's, among those with an engine routing."""
+        differs = (fresh.sort(dim=-1).values != target.to(fresh.device).sort(dim=-1).values).any(dim=-1) & known
+        self.differs[layer] = self.differs.get(layer, 0.0) + float(differs.sum())
+        self.known[layer] = self.known.get(layer, 0.0) + float(known.sum())
+
+    def reset(self) -> None:
+        self.differs, self.known = {}, {}
+        for states in self.routers.values():
+            for state in states:
+                state.current = None
+                state.recompute_queue.clear()
+
+    def counts(self, num_layers: int) -> torch.Tensor:
+        """[2, num_layers] float64: tokens whose routing differs, tokens with an engine routing (0 where this rank
+        holds no router of the layer: the pipeline stages' vectors add up)."""
+        out = torch.zeros(2, num_layers, dtype=torch.float64)
+        for layer, value in self.differs.items():
+            out[0, layer] = value
+        for layer, value in self.known.items():
+            out[1, layer] = value
+        return out
+
+
+def disagreement_metrics(counts: torch.Tensor, moe_layers: list[int]) -> dict[str, float]:
+    """Per MoE layer, the fraction of tokens (with an engine routing) whose top-k expert set the trainer would choose
+    differently from the engine: `moe_routing_differs/layer_{i}`, and their maximum `moe_routing_differs_max`
+    ({} when no token carried an engine routing)."""
+    if float(counts[1].sum()) == 0:
+        return {}
+    out = {f"moe_routing_differs/layer_{i}": float(counts[0, i] / counts[1, i].clamp(min=1)) for i in moe_layers}
+    out["moe_routing_differs_max"] = max(out.values())
+    return out
+
+
+def moe_layers(dims: Any) -> list[int]:
+    """The decoder layers (0-based, global) that route: `converters` ModelDims.moe.layers; [] for a dense model."""
+    return [] if dims.moe is None else [i for i, routed in enumerate(dims.moe.layers) if routed]
