@@ -322,10 +322,10 @@ def run_score(cfg: MrlConfig, input_path: str, out_path: str) -> dict[str, float
         with explained_failures(cfg):
             rows = read_inputs(input_path, runtime.tokenizer, cfg.policy.max_total_sequence_length)
             pad = runtime.tokenizer.pad_token_id if runtime.tokenizer.pad_token_id is not None else 0
-            scored = score_rows(runtime.policy, rows, pad)  # type: ignore[arg-type]
+            scored, routing = score_rows(runtime.policy, rows, pad)
     finally:
         runtime.shutdown()
-    return write_scores(out_path, rows, scored)
+    return write_scores(out_path, rows, scored, routing)
 
 
 def with_hub_ids(run: Callable[[MrlConfig], dict[str, Any]]) -> Callable[[MrlConfig], dict[str, Any]]:

@@ -145,17 +145,13 @@ class RoutingReplay:
         return out
 
 
-def disagreement_metrics(counts: torch.Tensor, moe_layers: list[int]) -> dict[str, float]:
-    """Per MoE layer, the fraction of tokens (with an engine routing) whose top-k expert set the trainer would choose
-    differently from the engine: `moe_routing_differs/layer_{i}`, and their maximum `moe_routing_differs_max`
-    ({} when no token carried an engine routing)."""
-    if float(counts[1].sum()) == 0:
+def disagreement_metrics(counts: torch.Tensor) -> dict[str, float]:
+    """Per MoE layer (every layer where a token carried an engine routing), the fraction of tokens whose top-k
+    expert set the trainer chooses differently from the engine: `moe_routing_differs/layer_{i}`, and their maximum
+    `moe_routing_differs_max` ({} when no token carried an engine routing). counts: [2, layers] (`counts`)."""
+    layers = [i for i in range(counts.shape[1]) if counts[1, i] > 0]
+    if not layers:
         return {}
-    out = {f"moe_routing_differs/layer_{i}": float(counts[0, i] / counts[1, i].clamp(min=1)) for i in moe_layers}
+    out = {f"moe_routing_differs/layer_{i}": float(counts[0, i] / counts[1, i]) for i in layers}
     out["moe_routing_differs_max"] = max(out.values())
     return out
-
-
-def moe_layers(dims: Any) -> list[int]:
-    """The decoder layers (0-based, global) that route: `converters` ModelDims.moe.layers; [] for a dense model."""
-    return [] if dims.moe is None else [i for i, routed in enumerate(dims.moe.layers) if routed]

@@ -27,6 +27,7 @@ import torch
 
 from mrl.distributed import GroupFuture, Work, WorkerGroup
 from mrl.distributed.env import Threads
+from mrl.model.router_replay import disagreement_metrics
 from mrl.policy.interface import PolicyLoss, RankBatch, global_count
 from mrl.policy.worker import PolicySpec, PolicyWorker, sends_by_stage
 
@@ -76,6 +77,16 @@ class Policy:
             raise ValueError("scores need RankBatch.lengths (the position of each sequence's last token)")
         values = self.logprobs(batch)  # [B, T]
         return values.gather(1, (batch.lengths.long() - 1)[:, None]).squeeze(1)
+
+    def routing_counts(self) -> torch.Tensor:
+        """[2, layers] the routing disagreement counts of the logprob passes since the last call (a MoE policy given
+        its batches' engine routing; mrl/model/router_replay.py), summed over the ranks."""
+        return self.workers.run_all("routing_counts")[0]
+
+    @staticmethod
+    def routing_metrics(counts: torch.Tensor) -> dict[str, float]:
+        """`moe_routing_differs/layer_<i>` and `moe_routing_differs_max` of summed `routing_counts`."""
+        return disagreement_metrics(counts)
 
     def _check_groups(self, batch: RankBatch) -> None:
         dp = self.data_parallel_size

@@ -24,7 +24,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from mrl.config.schema import PolicyConfig
-from mrl.model.router_replay import RoutingReplay, disagreement_metrics, moe_layers
+from mrl.model.router_replay import RoutingReplay, disagreement_metrics
 from mrl.parallel import collectives
 from mrl.parallel.attention import transformer_engine_available
 from mrl.policy.expert_load import ExpertLoad
@@ -316,11 +316,23 @@ class PolicyWorker:
 
     def _routing_disagreement(self) -> dict[str, float]:
         """Per MoE layer, the fraction of tokens the trainer routes apart from the engine, from the pass that
-        compared them with the engine's weights (`_route_counting`; counted on the tokens each rank routed: summed
-        over data and context parallel ranks, TP ranks under sequence parallelism, and the pipeline stages, which
-        hold other layers); {} when no pass counted, without routing data, or for a dense model."""
+        compared them with the engine's weights (`_route_counting`); {} when no pass counted, without routing data,
+        or for a dense model."""
+        return {} if self.routing is None else disagreement_metrics(self._take_routing_counts())
+
+    def routing_counts(self) -> torch.Tensor:
+        """[2, layers] tokens routed apart from the engine and tokens with an engine routing, per layer, of the
+        passes since the last call (a collective: every rank calls it); the next pass counts again (`mrl score`
+        asks after each batch of rows)."""
+        counts = self._take_routing_counts()
+        self._measure_routing = True
+        return counts
+
+    def _take_routing_counts(self) -> torch.Tensor:
+        """The counts so far, summed over the ranks that routed other tokens (data and context parallel ranks, TP
+        ranks under sequence parallelism, and the pipeline stages, which hold other layers), then reset."""
         if self.routing is None:
-            return {}
+            return torch.zeros(2, self.model_dims.num_layers, dtype=torch.float64)
         counts = self.routing.counts(self.model_dims.num_layers)
         self.routing.reset()
         groups = [self.ps.get_data_parallel_group(with_context_parallel=True),
@@ -329,7 +341,7 @@ class PolicyWorker:
             groups.append(self.ps.get_tensor_model_parallel_group())
         for group in groups:  # reduced over groups of one too: once a step (collectives.py)
             collectives.all_reduce(counts, group=group)
-        return disagreement_metrics(counts, moe_layers(self.model_dims))
+        return counts
 
     def _sum_over_data_parallel(self, sums: dict[str, float]) -> dict[str, float]:
         """Metric sums of every data-parallel (and context-parallel) rank's micro-batches, on the last stage."""

@@ -117,3 +117,31 @@ def megatron_scores(model_dir, inputs, tmp_path_factory) -> dict[str, Path]:
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_a_megatron_folder_written_at_another_tp_scores_what_the_hf_folder_scores(hf_scores, megatron_scores, layout):
     assert megatron_scores[layout].read_text() == hf_scores[layout].read_text()  # every logprob bit for bit
+
+
+def test_score_prints_where_an_engine_s_routing_and_the_trainer_s_part_per_layer(tmp_path):
+    """Rows of a mixture-of-experts model carrying an engine's routed_experts: `mrl score` counts per MoE layer the
+    tokens the trainer routes elsewhere. Random expert sets (what no trainer would choose) differ on ~27/28 of the
+    tokens in every layer; replaying them (policy.moe.router_replay=replay) moves the logprobs, and a row without
+    routing scores as before."""
+    moe_dir = build_tiny_hf_model(tmp_path / "moe", "qwen3_moe", layers=2, seed=4)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(2, 200, (2, 24), generator=g).tolist()
+    routing = torch.rand(24, 2, 8, generator=g).argsort(dim=-1)[..., :2].tolist()  # [tokens, layers, k]
+    rows = [{"input_ids": ids[0], "num_prompt_tokens": 1, "routed_experts": routing}, {"input_ids": ids[1]}]
+    inputs = tmp_path / "in.jsonl"
+    inputs.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    outs = {mode: tmp_path / f"{mode}.jsonl" for mode in ("measure", "replay")}
+    started = {mode: mrl("score", "--model", str(moe_dir), "--input", str(inputs), "--out", str(out),
+                         f"policy.moe.router_replay={mode}") for mode, out in outs.items()}
+    printed = {mode: finish(proc) for mode, proc in started.items()}
+    for mode in outs:
+        layers = [float(line.rsplit(":", 1)[1]) for line in printed[mode].splitlines()
+                  if "[mrl score] moe_routing_differs/layer_" in line]
+        assert len(layers) == 2 and all(0.75 < f <= 1.0 for f in layers), printed[mode][-2000:]
+    scored = {mode: [json.loads(line) for line in out.read_text().splitlines()] for mode, out in outs.items()}
+    moved = torch.tensor(scored["replay"][0]["logprobs"]) - torch.tensor(scored["measure"][0]["logprobs"])
+    assert moved.abs().max() > 0.05
+    assert scored["replay"][1]["logprobs"] == scored["measure"][1]["logprobs"]
+    expected = hf_token_logprobs(moe_dir, ids[0])
+    assert (torch.tensor(scored["measure"][0]["logprobs"]) - expected).abs().max() <= 1e-5  # measuring moves nothing

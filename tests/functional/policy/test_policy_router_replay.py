@@ -285,6 +285,8 @@ def test_the_megatron_engine_records_the_routing_the_trainer_would_choose(engine
 
 
 def test_replay_brings_the_trainer_back_to_the_engine_s_choices_and_logprobs(engine_runs):
+    from mrl.objectives.mismatch import mismatch_metrics
+
     r = engine_runs[1]
     tokens = r["mask"] > 0
     differs, known = r["measured"]["counts"][:, 1].tolist()
@@ -293,4 +295,10 @@ def test_replay_brings_the_trainer_back_to_the_engine_s_choices_and_logprobs(eng
     fresh = (r["fresh"]["logprobs"] - r["gen"])[tokens].abs().max()
     replayed = (r["replayed"]["logprobs"] - r["gen"])[tokens].abs().max()
     assert fresh > 1e-2 and replayed <= 1e-4, (fresh, replayed)
+    # the run's mismatch metric: well above 1 without replay (measured 1.21), at the dense models' level with it
+    error = {name: mismatch_metrics(r["gen"], r[name]["logprobs"], r["mask"])["token_mult_prob_error"]
+             for name in ("fresh", "replayed")}
+    same_weights = mismatch_metrics(engine_runs[0]["gen"], engine_runs[0]["fresh"]["logprobs"], engine_runs[0]["mask"])
+    assert error["fresh"] > 1.05 and error["replayed"] <= 1.0001, error
+    assert error["replayed"] <= same_weights["token_mult_prob_error"] + 1e-6
     assert torch.equal(r["measured"]["logprobs"], r["fresh"]["logprobs"])  # measuring alone changes nothing

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -84,3 +86,22 @@ def test_routing_sits_on_the_tokens_positions_and_travels_to_the_training_rows()
     assert torch.equal(batch.routing, rows[[0, 3]])
     again = Rollouts.from_state_dict(rollouts.state_dict())  # checkpoints (async GRPO's queue, resume) keep it
     assert torch.equal(again.routing, rows)
+
+
+def test_score_rows_read_routed_experts_and_refuse_malformed_ones(tmp_path):
+    from mrl.algorithms.score import _batch_routing, _read_rows
+
+    lines = [{"input_ids": [5, 6, 7], "routed_experts": [[[1, 2]], [[3, 0]]]},  # 2 of 3 tokens, 1 layer, k = 2
+             {"text": "hi", "routed_experts": [[[1, 2]]]},
+             {"input_ids": [5, 6], "routed_experts": [[1, 2], [3, 4]]},
+             {"input_ids": [5, 6], "routed_experts": [[[1, 2]], [[1, 2]], [[1, 2]]]},
+             {"input_ids": [8, 9, 10, 11]}]
+    source = tmp_path / "in.jsonl"
+    source.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    rows = _read_rows(source, tokenizer=lambda text, **_: {"input_ids": [1, 2, 3]}, limit=100)
+    assert rows[0].routing.tolist() == [[[1, 2]], [[3, 0]]] and rows[0].routing.dtype == torch.int16
+    assert "input_ids" in rows[1].error and "[tokens][layers][k]" in rows[2].error and "at most" in rows[3].error
+    batch = _batch_routing([rows[0], rows[4]], width=4)
+    assert batch.shape == (2, 4, 1, 2)
+    assert batch[0, :2].tolist() == [[[1, 2]], [[3, 0]]] and (batch[0, 2:] == -1).all() and (batch[1] == -1).all()
+    assert _batch_routing([rows[4]], width=4) is None
