@@ -259,7 +259,7 @@ class PolicyWorker:
         for chunk in model:
             chunk.eval()
         size = _micro_batch_size(self.spec.policy.logprob_micro_batch_size, len(batch), batch.group_size)
-        self._route_counting(not reference)
+        self._route_counting(not reference and shard.routing is not None)
         out = logprobs_of_batch(model, batch, micro_batch_size=size, ctx=self._context(temperature),
                                 packing=self.spec.policy.sequence_packing,
                                 dynamic_batching=self.spec.policy.dynamic_batching)
@@ -280,7 +280,7 @@ class PolicyWorker:
         for chunk in self.model:
             chunk.train()
         self.expert_load.reset()  # logprob passes route tokens too: count this step's only
-        self._route_counting(True)
+        self._route_counting(shard.routing is not None)
         metrics = train_on_batch(self.model, self.optimizer, self.scheduler, batch, loss_fn=loss_fn,
                                  count=global_count, micro_batch_size=size, ctx=self._context(temperature),
                                  packing=self.spec.policy.sequence_packing,
@@ -306,9 +306,9 @@ class PolicyWorker:
         return self.expert_load.report(groups, self.ps.get_pipeline_model_parallel_group())
 
     def _route_counting(self, policy_pass: bool) -> None:
-        """Count routing disagreements in this pass if it is the policy's first since its weights went to the engine
-        (the prev-logprob pass, else the first optimizer step's forward): later minibatches of a step route with
-        weights the engine never had, and their disagreement is the update's, not the engine's."""
+        """Count routing disagreements in this pass if it is the policy's first with an engine's routing since its
+        weights went to the engine (the prev-logprob pass, else the first optimizer step's forward): later
+        minibatches of a step route with weights the engine never had, and their disagreement is the update's."""
         if self.routing is not None:
             self.routing.counting = policy_pass and self._measure_routing
             if policy_pass and self._measure_routing:
