@@ -77,8 +77,8 @@ test-faults: install
 	$(BIN)/python -m pytest tests/faults -q
 
 # Whole runs of the command line that take a minute each (run health, the hub, a Megatron-folder start, failures,
-# resume at another TP, `mrl score`): out of make test to keep it within its 15-minute AVX-512 budget (18:34 with them
-# on an AVX-512 Zen 4 EPYC); one file per test process.
+# resume at another TP, `mrl score`, the wheel installed outside the checkout): out of make test to keep it within
+# its 15-minute AVX-512 budget (18:34 with them on an AVX-512 Zen 4 EPYC); one file per test process.
 test-runs: install
 	$(BIN)/python -m pytest tests/runs -q -n $(TEST_PROCESSES) --dist loadfile
 
