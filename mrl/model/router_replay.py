@@ -118,7 +118,7 @@ class RoutingReplay:
         rows = None if routing is None else self.router_rows(routing).long()
         for state in self.routers.get(id(chunk), []):
             state.current = None if rows is None else rows[:, state.layer]
-            if self.recompute and training and state.current is not None:
+            if self.recompute and training:  # None too: its recompute routes freshly
                 state.recompute_queue.append(state.current)
 
     def count(self, layer: int, fresh: torch.Tensor, target: torch.Tensor, known: torch.Tensor) -> None:

@@ -256,13 +256,15 @@ LAYOUTS = {"ep2": dict(ep=2), "tp2-sp-packed": dict(tp=2, sp=True, packing=32),
 
 @pytest.mark.parametrize("layout", list(LAYOUTS), ids=list(LAYOUTS))
 def test_replayed_logprobs_and_step_equal_one_process(model_dir, one_process, layout):
-    reference = one_process["random"]
-    other = assemble([modes[0] for modes in run_on_ranks(run, world_size=2, args=(model_dir, [dict(routing="random")]),
-                                                           kwargs=LAYOUTS[layout])])
-    for key in ("before", "after"):
-        assert (other[key] - reference[key])[valid()].abs().max() <= 1e-5, key
-    assert other["grad_norm"] == pytest.approx(reference["grad_norm"], rel=1e-5)
-    assert torch.equal(other["counts"], reference["counts"])
+    """The random routing replayed, and a batch without routing (routed freshly, also by recomputed layers)."""
+    modes = [dict(routing="random"), dict(routing="none")]
+    ranks = run_on_ranks(run, world_size=2, args=(model_dir, modes), kwargs=LAYOUTS[layout])
+    for i, name in enumerate(("random", "none")):
+        reference, other = one_process[name], assemble([results[i] for results in ranks])
+        for key in ("before", "after"):
+            assert (other[key] - reference[key])[valid()].abs().max() <= 1e-5, (name, key)
+        assert other["grad_norm"] == pytest.approx(reference["grad_norm"], rel=1e-5), name
+        assert torch.equal(other["counts"], reference["counts"]), name
 
 
 @pytest.fixture(scope="module")
