@@ -111,7 +111,10 @@ class MegatronEngineConfig:
 
 # ------------------------------------------------------------------------------------------------ engine components
 class _UnpaddedLogitsWrapper(GPTInferenceWrapper):
-    """GPTInferenceWrapper whose logits are -inf on the vocabulary padding (ids >= the tokenizer's vocabulary)."""
+    """GPTInferenceWrapper whose logits are -inf on the vocabulary padding (ids >= the tokenizer's vocabulary), and
+    which hands each forward's positions to the routing recorder when there is one (router replay)."""
+
+    routing: Optional["_RoutingRecorder"] = None
 
     def __init__(self, model: Any, config: InferenceWrapperConfig, context: Any, vocab_size: int) -> None:
         super().__init__(model, config, context)
@@ -258,7 +261,6 @@ class MegatronBackend:
             inference_max_seq_length=self.max_model_len,
         )
         wrapper = _UnpaddedLogitsWrapper(self.model, wrapper_config, context, self.vocab_size)
-        wrapper.routing = None
         moe = model_dims(self.hf_config).moe
         if config.return_routing and moe is not None:
             wrapper.routing = _RoutingRecorder(self.model, len(moe.layers), self.max_model_len)
