@@ -86,4 +86,4 @@ def generate_and_score(engine: GenerationBackend, env: Environment, tokenizer: "
                     torch.tensor([s.truncated for s in out.samples]), scored.num_errors, out.num_prompts_rejected,
                     lengths, texts, [m.get(EXTRACTED_ANSWER) for m in scored.metadata],
                     [s.finish_reason for s in out.samples], reward_errors=scored.error_messages[:4],
-                    routing=routing_rows(out.samples, ids.shape[1]))
+                    routing=routing_rows([s.routing for s in out.samples], ids.shape[1]))

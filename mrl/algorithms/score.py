@@ -24,7 +24,9 @@ from typing import Any, Optional
 
 import torch
 
-from mrl.policy.interface import RankBatch, TrainablePolicy, pad_routing
+from mrl.inference.interface import routing_rows
+from mrl.model.router_replay import disagreement_metrics
+from mrl.policy.interface import RankBatch, TrainablePolicy
 
 ROWS_PER_CALL = 64
 
@@ -88,21 +90,6 @@ def _read_rows(path: Path, tokenizer: Any, limit: int) -> list[ScoreRow]:
     return rows
 
 
-def _batch_routing(rows: list[ScoreRow], width: int) -> Optional[torch.Tensor]:
-    """[B, width, layers, k] the rows' routing (-1 where a row has none), or None when no row has any."""
-    given = [r.routing for r in rows if r.routing is not None]
-    if not given:
-        return None
-    out = torch.full((len(rows), width, *given[0].shape[1:]), -1, dtype=torch.int16)
-    for i, row in enumerate(rows):
-        if row.routing is not None:
-            if row.routing.shape[1:] != given[0].shape[1:]:
-                raise ValueError(f"row {row.index}: routed_experts of shape {list(row.routing.shape)} against "
-                                 f"{list(given[0].shape)} in another row (another model?)")
-            out[i] = pad_routing(row.routing[None], width)[0]
-    return out
-
-
 def _score_batch(policy: TrainablePolicy, batch: list[ScoreRow], pad_id: int) -> list[torch.Tensor]:
     dp = policy.data_parallel_size
     rows = batch + [batch[0]] * (-len(batch) % dp)  # every data-parallel rank needs rows; extras are dropped
@@ -113,9 +100,8 @@ def _score_batch(policy: TrainablePolicy, batch: list[ScoreRow], pad_id: int) ->
         ids[i, : len(row.ids)] = torch.tensor(row.ids)
         mask[i, row.start: len(row.ids)] = 1
     lengths = torch.tensor([len(r.ids) for r in rows])
-    routing = _batch_routing(rows[:len(batch)], width)
-    if routing is not None and len(rows) > len(batch):  # the extra rows route freshly and are not counted
-        routing = torch.cat([routing, routing.new_full((len(rows) - len(batch), *routing.shape[1:]), -1)])
+    extra = [None] * (len(rows) - len(batch))  # the extra rows route freshly and are not counted
+    routing = routing_rows([r.routing for r in batch] + extra, width)
     logprobs = policy.logprobs(RankBatch(ids, mask, lengths=lengths, routing=routing))  # [B, T]
     return [logprobs[i, row.start: len(row.ids)] for i, row in enumerate(batch)]
 
@@ -141,7 +127,7 @@ def score_rows(policy: Any, rows: list[ScoreRow], pad_id: int) -> tuple[dict[int
             part = policy.routing_counts()
             counts = part if counts is None else counts + part
         print(f"[mrl score] {min(start + ROWS_PER_CALL, len(good))}/{len(good)} rows", file=sys.stderr)
-    return scored, ({} if counts is None else policy.routing_metrics(counts))
+    return scored, ({} if counts is None else disagreement_metrics(counts))
 
 
 def write_scores(out_path: str, rows: list[ScoreRow], scored: dict[int, torch.Tensor],

@@ -149,17 +149,22 @@ def compact_routing(routing: torch.Tensor) -> torch.Tensor:
     return routing.to(ROUTING_DTYPE)
 
 
-def routing_rows(samples: Sequence[GeneratedSample], width: int) -> Optional[torch.Tensor]:
-    """[B, width, layers, k] the samples' routing on their tokens' positions (prompt then response), -1 where there
-    is none (padding, a response's last token); None when no sample carries any."""
-    carried = [s.routing for s in samples if s.routing is not None]
+def routing_rows(routings: Sequence[Optional[torch.Tensor]], width: int) -> Optional[torch.Tensor]:
+    """[B, width, layers, k] each row's routing ([tokens, layers, k] from its first token on, or None) on its tokens'
+    positions, -1 where there is none (padding, a response's last token, a row without routing); None when no row
+    carries any."""
+    carried = [r for r in routings if r is not None]
     if not carried:
         return None
-    out = torch.full((len(samples), width, *carried[0].shape[1:]), -1, dtype=ROUTING_DTYPE)
-    for row, sample in enumerate(samples):
-        if sample.routing is not None:
-            tokens = min(len(sample.routing), width)
-            out[row, :tokens] = sample.routing[:tokens]
+    out = torch.full((len(routings), width, *carried[0].shape[1:]), -1, dtype=ROUTING_DTYPE)
+    for row, routing in enumerate(routings):
+        if routing is None:
+            continue
+        if routing.shape[1:] != carried[0].shape[1:]:
+            raise ValueError(f"row {row}: routing of shape {list(routing.shape)} against {list(carried[0].shape)} "
+                             "in another row (another model?)")
+        tokens = min(len(routing), width)
+        out[row, :tokens] = routing[:tokens]
     return out
 
 

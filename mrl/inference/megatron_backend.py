@@ -145,10 +145,10 @@ class _RoutingRecorder:
         self.replay.record = {}
 
     def collect(self, positions: torch.Tensor) -> None:
-        rows = self.buffer.shape[0]
+        rows, positions = self.buffer.shape[0], positions.cpu()
         for layer, chosen in self.replay.record.items():
             (top,) = chosen  # one forward since the last collect
-            self.buffer[:, positions.cpu(), layer] = top.view(len(positions), rows, -1).transpose(0, 1).to(
+            self.buffer[:, positions, layer] = top.view(len(positions), rows, -1).transpose(0, 1).to(
                 ROUTING_DTYPE).cpu()
         self.replay.record = {}
 

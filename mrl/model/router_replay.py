@@ -87,7 +87,7 @@ class RoutingReplay:
         self.tp_rank, self.tp_size, self.sequence_parallel = tp_rank, tp_size, sequence_parallel
         self.training = False
         self.counting = True  # count disagreements (the policy worker counts in one pass per refit)
-        self.record: Optional[dict[int, list[torch.Tensor]]] = None  # layer -> fresh top-k per forward (tests)
+        self.record: Optional[dict[int, list[torch.Tensor]]] = None  # layer -> fresh top-k per forward (an engine)
         self.routers: dict[int, list[_LayerReplay]] = {}
         for chunk in chunks:
             states = []
@@ -98,12 +98,8 @@ class RoutingReplay:
                 router.router_replay = _LayerReplay(router.layer_number - 1, self)
                 states.append(router.router_replay)
             self.routers[id(chunk)] = states
-        self.differs: dict[int, float] = {}
-        self.known: dict[int, float] = {}
-
-    @property
-    def layers(self) -> list[int]:
-        return sorted(state.layer for states in self.routers.values() for state in states)
+        self.differs: dict[int, torch.Tensor] = {}  # on the routers' device: no host sync per layer and forward
+        self.known: dict[int, torch.Tensor] = {}
 
     def router_rows(self, routing: torch.Tensor) -> torch.Tensor:
         """[b, s, L, k] routing of a micro-batch (this CP rank's tokens) -> [n, L, k], the rows its routers see."""
@@ -124,8 +120,8 @@ class RoutingReplay:
     def count(self, layer: int, fresh: torch.Tensor, target: torch.Tensor, known: torch.Tensor) -> None:
         """Tokens of `layer` whose fresh top-k set is not the engine's, among those with an engine routing."""
         differs = (fresh.sort(dim=-1).values != target.to(fresh.device).sort(dim=-1).values).any(dim=-1) & known
-        self.differs[layer] = self.differs.get(layer, 0.0) + float(differs.sum())
-        self.known[layer] = self.known.get(layer, 0.0) + float(known.sum())
+        self.differs[layer] = self.differs.get(layer, 0) + differs.sum()
+        self.known[layer] = self.known.get(layer, 0) + known.sum()
 
     def reset(self) -> None:
         self.differs, self.known = {}, {}
@@ -138,10 +134,8 @@ class RoutingReplay:
         """[2, num_layers] float64: tokens whose routing differs, tokens with an engine routing (0 where this rank
         holds no router of the layer: the pipeline stages' vectors add up)."""
         out = torch.zeros(2, num_layers, dtype=torch.float64)
-        for layer, value in self.differs.items():
-            out[0, layer] = value
-        for layer, value in self.known.items():
-            out[1, layer] = value
+        for layer in self.known:
+            out[0, layer], out[1, layer] = float(self.differs[layer]), float(self.known[layer])
         return out
 
 

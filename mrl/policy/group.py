@@ -27,7 +27,6 @@ import torch
 
 from mrl.distributed import GroupFuture, Work, WorkerGroup
 from mrl.distributed.env import Threads
-from mrl.model.router_replay import disagreement_metrics
 from mrl.policy.interface import PolicyLoss, RankBatch, global_count
 from mrl.policy.worker import PolicySpec, PolicyWorker, sends_by_stage
 
@@ -82,11 +81,6 @@ class Policy:
         """[2, layers] the routing disagreement counts of the logprob passes since the last call (a MoE policy given
         its batches' engine routing; mrl/model/router_replay.py), summed over the ranks."""
         return self.workers.run_all("routing_counts")[0]
-
-    @staticmethod
-    def routing_metrics(counts: torch.Tensor) -> dict[str, float]:
-        """`moe_routing_differs/layer_<i>` and `moe_routing_differs_max` of summed `routing_counts`."""
-        return disagreement_metrics(counts)
 
     def _check_groups(self, batch: RankBatch) -> None:
         dp = self.data_parallel_size

@@ -193,7 +193,7 @@ def engine_and_trainer(model_dir: str, bias_noise: float) -> dict:
                                                                                                    seed=3))
     ids, mask, gen = rows_from_output(out, pad_id=0)
     lengths = torch.tensor([len(s.prompt_token_ids) + s.length for s in out.samples])
-    routing = routing_rows(out.samples, ids.shape[1])
+    routing = routing_rows([s.routing for s in out.samples], ids.shape[1])
     ddp = _build(model_dir, sp=False, recompute=False)[0]
     results = {"mask": mask, "gen": gen, "routing": routing, "lengths": lengths}
     for name, replay, given in [("fresh", False, None), ("measured", False, routing), ("replayed", True, routing)]:

@@ -73,8 +73,8 @@ def test_routing_sits_on_the_tokens_positions_and_travels_to_the_training_rows()
     out.samples[0] = GeneratedSample(0, 0, [7, 8], [3, 4, 0], [-0.5, -0.25, -1.0], FinishReason.STOP,
                                      routing=routed(4, 0))
     out.samples[3] = GeneratedSample(1, 1, [9], [6, 6], [-0.1, -0.2], FinishReason.STOP, routing=routed(2, 100))
-    assert routing_rows(_output().samples, 5) is None  # an engine that returned none
-    rows = routing_rows(out.samples, 5)
+    assert routing_rows([s.routing for s in _output().samples], 5) is None  # an engine that returned none
+    rows = routing_rows([s.routing for s in out.samples], 5)
     assert rows.shape == (4, 5, 2, 2) and rows.dtype == torch.int16
     assert torch.equal(rows[0, :4], routed(4, 0)) and (rows[0, 4] == -1).all()
     assert (rows[1] == -1).all() and (rows[2] == -1).all()
@@ -89,7 +89,8 @@ def test_routing_sits_on_the_tokens_positions_and_travels_to_the_training_rows()
 
 
 def test_score_rows_read_routed_experts_and_refuse_malformed_ones(tmp_path):
-    from mrl.algorithms.score import _batch_routing, _read_rows
+    from mrl.algorithms.score import _read_rows
+    from mrl.inference.interface import routing_rows
 
     lines = [{"input_ids": [5, 6, 7], "routed_experts": [[[1, 2]], [[3, 0]]]},  # 2 of 3 tokens, 1 layer, k = 2
              {"text": "hi", "routed_experts": [[[1, 2]]]},
@@ -101,7 +102,9 @@ def test_score_rows_read_routed_experts_and_refuse_malformed_ones(tmp_path):
     rows = _read_rows(source, tokenizer=lambda text, **_: {"input_ids": [1, 2, 3]}, limit=100)
     assert rows[0].routing.tolist() == [[[1, 2]], [[3, 0]]] and rows[0].routing.dtype == torch.int16
     assert "input_ids" in rows[1].error and "[tokens][layers][k]" in rows[2].error and "at most" in rows[3].error
-    batch = _batch_routing([rows[0], rows[4]], width=4)
+    batch = routing_rows([rows[0].routing, rows[4].routing], width=4)
     assert batch.shape == (2, 4, 1, 2)
     assert batch[0, :2].tolist() == [[[1, 2]], [[3, 0]]] and (batch[0, 2:] == -1).all() and (batch[1] == -1).all()
-    assert _batch_routing([rows[4]], width=4) is None
+    assert routing_rows([rows[4].routing], width=4) is None
+    with pytest.raises(ValueError, match="another model"):
+        routing_rows([rows[0].routing, torch.zeros(1, 2, 2, dtype=torch.int16)], width=4)
