@@ -11,7 +11,10 @@ Each refit gathers the policy's shards into HF tensors bucket by bucket and the 
 project holds it to: engine memory within 5% over 50 refits.
 
     python benchmarks/policy_refit.py [--refits 50 --warmup 5 --hidden 512 --layers 8 --bucket-mb 16]
-    python benchmarks/policy_refit.py --layouts moe-ep1,moe-ep2 [--experts 16]
+    python benchmarks/policy_refit.py --layouts moe-ep1,moe-ep2 [--experts 16] [--export-only]
+
+`--export-only` (colocated layouts): the policy's side alone, each bucket packed into shared-memory files and
+removed, no engine: what the sender costs where the engine's load does not hide it.
 """
 
 from __future__ import annotations
@@ -44,6 +47,10 @@ def _run(layout: str, model_dir: str, args: argparse.Namespace) -> None:
         cfg = PolicyConfig(precision="float32", parallel=ParallelConfig(**parallel))
         policy = Policy(PolicySpec(model_dir, cfg, seed=0, total_steps=1), placement, world_size=2 if colocated else 1,
                         resource_fraction=0.5 if colocated else 1.0)
+        if args.export_only:
+            _export_only(layout, policy, args)
+            policy.shutdown()
+            return
         engine = VllmEngineGroup(
             VllmEngineConfig(model_path=model_dir, max_model_len=128, kv_cache_bytes=64 << 20,
                              refit_transport="shm_file"),
@@ -69,6 +76,23 @@ def _run(layout: str, model_dir: str, args: argparse.Namespace) -> None:
         cluster.shutdown()
 
 
+def _export_only(layout: str, policy, args: argparse.Namespace) -> None:
+    """Every bucket exported and packed by the policy's ranks into shared-memory files, then removed."""
+    from mrl.inference.transports import SharedMemoryFileTransport
+
+    transport, bucket, times = SharedMemoryFileTransport(), int(args.bucket_mb * 2**20), []
+    for refit_index in range(args.warmup + args.refits):
+        start, moved = time.perf_counter(), 0
+        for index in policy.plan_buckets(bucket):
+            payload = policy.send_bucket(index, transport)
+            moved += payload["bytes"]
+            transport.release(payload)
+        if refit_index >= args.warmup:
+            times.append(time.perf_counter() - start)
+    print(f"{layout:13s} export only: {args.refits} exports of {moved / 2**20:.1f} MiB: mean "
+          f"{1000 * statistics.mean(times):.0f} ms, max {1000 * max(times):.0f} ms", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--refits", type=int, default=50)
@@ -78,6 +102,7 @@ def main() -> None:
     parser.add_argument("--bucket-mb", type=float, default=16)
     parser.add_argument("--layouts", default="colocated,non-colocated")
     parser.add_argument("--experts", type=int, default=16, help="routed experts per layer of the MoE layouts")
+    parser.add_argument("--export-only", action="store_true", help="the policy's export alone, no engine")
     args = parser.parse_args()
 
     from mrl.testing.tiny_models import build_tiny_hf_model

@@ -21,6 +21,12 @@ Data flow for one Megatron parameter (rule from converters.mapping, the one sour
                                            converters' rename/split (QKV per query group, fc1 -> gate/up, vocab
                                            padding stripped) -> (hf_name, tensor); the Megatron tensor is dropped
                                            before the next parameter is gathered
+A bucket packed in parts (`bucket_part`: one pipeline stage, a transport that joins parts, shared-memory files): a
+routed expert is gathered only over its own EP rank's TP group and converted by that EP rank's first rank, which
+packs its experts of the bucket itself; rank 0 converts the rest. Nothing crosses the EP group and the EP ranks
+convert side by side (the tiny MoE of benchmarks/policy_refit.py on 2 cores: EP2's refit from 1441 ms to
+1109-1188 ms, EP1's 1135-1268; rank 0's export 1.05 s -> 0.52 s, EP1's 0.73 s).
+
 Parameters are gathered one at a time, and only those of the bucket asked for (experts too: a bucket holding half of
 a layer's experts gathers that half), so no rank ever holds more than one bucket of full tensors plus the one
 parameter in flight.
@@ -222,6 +228,7 @@ class ShardedExporter:
         self.names = names
         self.tp_group = ps.get_tensor_model_parallel_group()
         self.tp_size = ps.get_tensor_model_parallel_world_size()
+        self.tp_rank = ps.get_tensor_model_parallel_rank()
         self.pp_size = ps.get_pipeline_model_parallel_world_size()
         self.pp_rank = ps.get_pipeline_model_parallel_rank()
         self.pp_group = ps.get_pipeline_model_parallel_group()
@@ -229,9 +236,14 @@ class ShardedExporter:
         self.ep_rank = ps.get_expert_model_parallel_rank()
         self.ep_group = ps.get_expert_model_parallel_group()
         self.experts_per_rank = experts_per_rank(dims, self.ep_size)
-        self.in_root_pipeline = (ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0
-                                 and ps.get_context_parallel_rank() == 0)
+        self.in_root_tp_group = ps.get_data_parallel_rank() == 0 and ps.get_context_parallel_rank() == 0
+        """cp = dp = 0: this stage's TP group that gathers the dense parameters for rank 0 (other TP groups hold
+        replicas or another sequence chunk's view of them and gather nothing)."""
+        self.in_root_pipeline = self.in_root_tp_group and ps.get_tensor_model_parallel_rank() == 0
         """tp = cp = dp = 0 (hence EP rank 0): the first rank of this stage, in rank 0's pipeline group."""
+        self.in_expert_root = ps.get_expert_data_parallel_rank() == 0
+        """Expert-data-parallel rank 0: the TP group of this EP rank that gathers its experts for a bucket packed in
+        parts (`bucket_part`); its TP rank 0 packs them. Global rank 0 is EP rank 0's."""
         self.is_root = collectives.rank() == 0
         self.layer_offset = layer_offset
         # every stage's (first layer, layer count); gathered over a pipeline group of one too (collectives.py)
@@ -350,25 +362,51 @@ class ShardedExporter:
         """Whether this rank is the first rank (tp = cp = dp = 0) of pipeline stage `stage`."""
         return self.in_root_pipeline and self.pp_rank == stage
 
+    def _gathers(self, rule: ParamRule) -> bool:
+        """Whether this rank of the owning stage takes part in gathering `rule` for rank 0 (or the stage's first rank):
+        a routed expert under EP travels over the EP group (every rank); otherwise only rank 0's TP group gathers, and
+        of it only the first rank when there is nothing to all-gather (a replica's copy would be dropped unused)."""
+        if rule.expert is not None and self.ep_size > 1:
+            return True
+        if not self.in_root_tp_group:
+            return False
+        return self.in_root_pipeline or (rule.tp_dim is not None and self.tp_size > 1)
+
     def _full_tensor(self, rule: ParamRule, local: bool = False) -> torch.Tensor | None:
         """The full Megatron tensor of `rule` on global rank 0, or with `local` on the owner stage's first rank (None
-        elsewhere; every rank runs the collectives, with `local` only the owner stage's)."""
+        elsewhere; the ranks that hold a part run the collectives, with `local` only the owner stage's)."""
         owner = self.stages.owner(rule.megatron)
-        full = self._stage_tensor(rule) if owner == self.pp_rank else None
+        full = self._stage_tensor(rule) if owner == self.pp_rank and self._gathers(rule) else None
         if local:
             return full if self.is_stage_first(owner) else None
         full = self._pp_broadcast(full, owner)
         return full if self.is_root else None
 
-    def _hf_tensors(self, pieces: list[Piece], local: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
-        """(hf_name, tensor) of each piece, one parameter gathered at a time; nothing off rank 0 (with `local`: off
-        the owner stage's first rank)."""
-        held = 0  # bytes of the HF tensors of earlier pieces (the caller keeps them)
+    def _full_tensors(self, pieces: list[Piece], local: bool) -> Iterator[tuple[Piece, torch.Tensor | None]]:
+        """Each piece with its full Megatron tensor on rank 0 (with `local`: on the owner stage's first rank), None
+        elsewhere; a bucket's routed experts of one EP rank travel together (`_receive_experts`)."""
         for index, piece in enumerate(pieces):
             run = self._expert_run(pieces, index)
             if run:
                 self._receive_experts(run)
-            full = self._full_tensor(piece.rule, local)
+            yield piece, self._full_tensor(piece.rule, local)
+
+    def _own_parts(self, pieces: list[Piece]) -> Iterator[tuple[Piece, torch.Tensor | None]]:
+        """Each piece with its full Megatron tensor where `bucket_part` packs it: a routed expert on its own EP
+        rank's packer (gathered over that rank's TP group), anything else on rank 0; None elsewhere."""
+        for piece in pieces:
+            rule = piece.rule
+            if rule.expert is None or self.ep_size == 1:
+                yield piece, self._full_tensor(rule)
+                continue
+            own = rule.expert // self.experts_per_rank == self.ep_rank and self.in_expert_root
+            full = self._tp_gathered(rule) if own else None
+            yield piece, full if own and self.tp_rank == 0 else None
+
+    def _hf_tensors(self, fulls: Iterator[tuple[Piece, torch.Tensor | None]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """(hf_name, tensor) of each piece whose full tensor this rank holds, one parameter converted at a time."""
+        held = 0  # bytes of the HF tensors of earlier pieces (the caller keeps them)
+        for piece, full in fulls:
             if full is None:  # off the holder: the received tensor is dropped before the next one is gathered
                 continue
             base, in_flight, kept, tensor = full.untyped_storage().data_ptr(), _nbytes(full), 0, None
@@ -389,7 +427,17 @@ class ShardedExporter:
         the pipeline broadcast (collective on the owner stage's ranks only)."""
         if local and len({self.stages.owner(piece.rule.megatron) for piece in pieces}) > 1:
             raise ValueError("a local export needs a bucket of one pipeline stage: plan_buckets(stages=...)")
-        return list(self._hf_tensors(pieces, local))
+        return list(self._hf_tensors(self._full_tensors(pieces, local)))
+
+    def bucket_part(self, pieces: list[Piece]) -> list[tuple[str, torch.Tensor]]:
+        """This rank's part of a bucket packed by several ranks (one pipeline stage): global rank 0 gets the bucket's
+        tensors other than routed experts, and under EP each expert-parallel rank's first rank (its TP rank 0 of
+        expert-data-parallel rank 0) its own routed experts, converted where they live: nothing crosses the EP
+        group, and the EP ranks convert their experts side by side. The parts, taken together, are `bucket(pieces)`.
+        Collective over rank 0's TP group and each EP rank's gathering TP group only."""
+        if self.pp_size > 1:
+            raise ValueError("a bucket packed in parts needs one pipeline stage (pipeline_model_parallel_size=1)")
+        return list(self._hf_tensors(self._own_parts(pieces)))
 
 
 def _nbytes(tensor: torch.Tensor) -> int:

@@ -28,7 +28,7 @@ import torch
 from mrl.distributed import GroupFuture, Work, WorkerGroup
 from mrl.distributed.env import Threads
 from mrl.policy.interface import PolicyLoss, RankBatch, global_count
-from mrl.policy.worker import PolicySpec, PolicyWorker, sends_by_stage
+from mrl.policy.worker import PolicySpec, PolicyWorker, packs_in_parts, sends_by_stage
 
 
 def _merge_metrics(value: Any) -> dict[str, float]:
@@ -143,9 +143,12 @@ class Policy:
 
     def send_bucket_async(self, index: int, transport: Any) -> GroupFuture:
         """Every rank gathers bucket `index`; rank 0 packs it with `transport`; the result is rank 0's payload (a
-        transport that packs on every rank, CUDA IPC: the ranks' parts merged, one handle per GPU). A transport with
-        one sender per pipeline stage: the owner stage's first rank packs and its payload is the result."""
-        if getattr(transport, "every_rank", False):
+        transport that packs on every rank, CUDA IPC: the ranks' parts merged, one handle per GPU; one that packs in
+        parts under EP, shared-memory files: each EP rank's experts in its own file, merged). A transport with one
+        sender per pipeline stage: the owner stage's first rank packs and its payload is the result."""
+        par = self.spec.policy.parallel
+        if getattr(transport, "every_rank", False) or packs_in_parts(transport, par.expert_parallel_size,
+                                                                     par.pipeline_parallel_size):
             merge = transport.merge
         elif sends_by_stage(transport, self._pipeline_stages()):
             sender = self._sender_ranks()[self.bucket_sender(index)]

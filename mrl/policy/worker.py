@@ -82,6 +82,12 @@ def sends_by_stage(transport: Any, pipeline_stages: int) -> bool:
     return hasattr(transport, "join_sender") and getattr(transport, "senders", 1) == pipeline_stages
 
 
+def packs_in_parts(transport: Any, expert_parallel: int, pipeline_stages: int) -> bool:
+    """Whether each expert-parallel rank packs its own experts of a bucket (`export_bucket`): a transport that joins
+    the ranks' parts (`packs_in_parts`: shared-memory files), expert parallelism and one pipeline stage."""
+    return getattr(transport, "packs_in_parts", False) and expert_parallel > 1 and pipeline_stages == 1
+
+
 def _pad_to_multiple(batch: RankBatch, multiple: int) -> RankBatch:
     """Right-pad every [N, T] tensor to T' = ceil(T / multiple) * multiple (pad id 0, mask 0, data 0)."""
     extra = -batch.input_ids.shape[1] % multiple
@@ -399,6 +405,9 @@ class PolicyWorker:
         - a transport with one sender per pipeline stage (`sends_by_stage`: the collective transport made with
           `Policy.refit_addresses`): the owner stage's ranks gather it, its first rank converts it and packs it as
           sender `owner` (no pipeline broadcast; the other stages take no part);
+        - a transport that packs in parts (`packs_in_parts`: shared-memory files) under expert parallelism with one
+          pipeline stage: rank 0 packs the dense tensors and its experts, each other EP rank's first rank its own
+          experts (`ShardedExporter.bucket_part`), the controller merges the parts (`transport.merge`);
         - any other: every rank takes part, rank 0 packs; a transport that packs on `every_rank` (CUDA IPC) gets
           every rank's part, which the controller merges (`transport.merge`).
         A shared-memory payload is released by the controller once the engines loaded it; a collective one was
@@ -411,6 +420,9 @@ class PolicyWorker:
             owner = self._bucket_owners[index]
             tensors = exporter.bucket(self._bucket_plan[index], local=True)
             return transport.pack(tensors, sender=owner) if exporter.is_stage_first(owner) else None
+        if packs_in_parts(transport, self.dims.ep, self.dims.pp):
+            part = exporter.bucket_part(self._bucket_plan[index])
+            return transport.pack(part) if part else None
         tensors = exporter.bucket(self._bucket_plan[index])
         if getattr(transport, "every_rank", False):  # CUDA IPC: each rank exports for the engine worker on its GPU
             return transport.pack_on_ranks(tensors if collectives.rank() == 0 else None)

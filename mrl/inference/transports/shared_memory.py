@@ -8,6 +8,11 @@ actor on the same node):
     controller: file removed after all workers returned (also when loading failed).
 Peak extra memory: one bucket in the file plus one bucket per worker while it loads. CPU stand-in for the CUDA IPC
 handles a colocated GPU engine would use.
+
+Packed in parts (`packs_in_parts`: the sharded policy under expert parallelism, one pipeline stage): rank 0 writes the
+bucket's dense tensors and its own routed experts, every other expert-parallel rank's first rank its own experts, each
+to its own file, side by side (nothing crosses the EP group); the controller joins the ranks' payloads (`merge`) into
+one whose `paths` every worker loads in turn, and removes them all.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import os
 import tempfile
 import uuid
 from pathlib import Path
+from typing import Optional
 
 from mrl.inference.transports.base import NamedTensor, Payload, describe
 
@@ -33,7 +39,9 @@ def default_shm_dir() -> str:
 class SharedMemoryFileTransport:
     kind = KIND
     meets = False
-    in_flight = 2  # one file per bucket: two may exist at once
+    in_flight = 2  # one file (or one set of parts) per bucket: two may exist at once
+    packs_in_parts = True
+    """Several sender ranks may each pack part of a bucket (`ShardedExporter.bucket_part`), joined by `merge`."""
 
     def __init__(self, shm_dir: str | None = None) -> None:
         self.shm_dir = Path(shm_dir or default_shm_dir())
@@ -46,16 +54,35 @@ class SharedMemoryFileTransport:
         path = self.shm_dir / f"mrl-refit-{os.getpid()}-{uuid.uuid4().hex}.safetensors"
         # safetensors refuses views and shared storage: each tensor gets its own contiguous buffer.
         save_file({name: tensor.detach().contiguous() for name, tensor in bucket}, str(path))
-        return describe({"kind": KIND, "path": str(path)}, bucket)
+        return describe({"kind": KIND, "paths": [str(path)]}, bucket)
+
+    def merge(self, parts: list[Optional[Payload]]) -> Payload:
+        """The ranks' parts of one bucket (rank order; None from a rank that packed nothing) as one payload."""
+        return merge(parts)
 
     def receiver_payload(self) -> Payload:
         raise TypeError("the shared-memory transport hands each bucket over after packing; it announces nothing")
 
     def release(self, payload: Payload) -> None:
-        Path(payload["path"]).unlink(missing_ok=True)
+        for path in payload["paths"]:
+            Path(path).unlink(missing_ok=True)
+
+
+def merge(parts: list[Optional[Payload]]) -> Payload:
+    """One payload of the parts' files, names and bytes; a name packed twice is refused (the ranks' parts of a bucket
+    must not overlap: the engine would load whichever came last)."""
+    packed = [part for part in parts if part is not None]
+    if not packed:
+        raise ValueError("no rank packed a part of the bucket")
+    names = [name for part in packed for name in part["names"]]
+    if len(set(names)) != len(names):
+        twice = sorted({name for name in names if names.count(name) > 1})
+        raise ValueError(f"tensors packed by two ranks: {twice[:5]}; the ranks' parts of a bucket must not overlap")
+    return {"kind": KIND, "paths": [path for part in packed for path in part["paths"]], "names": names,
+            "bytes": sum(part["bytes"] for part in packed)}
 
 
 def unpack(payload: Payload) -> list[NamedTensor]:
     from safetensors.torch import load_file
 
-    return list(load_file(payload["path"]).items())
+    return [item for path in payload["paths"] for item in load_file(path).items()]

@@ -8,6 +8,9 @@ exported model would not reproduce the policy's own logprobs.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -206,6 +209,32 @@ MOE_LAYOUTS = {"qwen2_moe-ep2": ("qwen2_moe", dict(expert_parallel_size=2)),
                "qwen3_moe-tp2-sp": ("qwen3_moe", dict(tensor_parallel_size=2, sequence_parallel=True))}
 
 
+def _check_experts_packed_where_they_live(policy, num_experts: int) -> None:
+    """Under EP2 a shared-memory bucket is packed in parts: rank 0's file holds the dense tensors and experts
+    0..E/2-1, EP rank 1's file its experts E/2..E-1 only (they never cross to rank 0)."""
+    from safetensors import safe_open
+
+    from mrl.inference.transports import SharedMemoryFileTransport
+
+    transport, parts = SharedMemoryFileTransport(), 0
+    for index in policy.plan_buckets(200_000):
+        payload = policy.send_bucket(index, transport)
+        try:
+            for rank, path in enumerate(payload["paths"]):
+                with safe_open(path, "pt") as f:
+                    experts = [int(n.split(".experts.")[1].split(".")[0]) for n in f.keys() if ".experts." in n
+                               and ".shared_expert" not in n]
+                    dense = [n for n in f.keys() if ".experts." not in n or ".shared_expert" in n]
+                if len(payload["paths"]) == 2 and rank == 1:
+                    assert not dense and experts and min(experts) >= num_experts // 2, (path, dense, experts)
+                else:
+                    assert all(e < num_experts // 2 for e in experts), experts
+            parts += len(payload["paths"]) == 2
+        finally:
+            transport.release(payload)
+    assert parts > 0
+
+
 @pytest.mark.parametrize("family, parallel", list(MOE_LAYOUTS.values()), ids=list(MOE_LAYOUTS))
 def test_moe_policy_exports_and_refits_into_vllm(cluster, tmp_path, family, parallel):
     """Experts split over 2 expert-parallel ranks (or every expert over 2 tensor-parallel ranks): trained, exported
@@ -232,6 +261,9 @@ def test_moe_policy_exports_and_refits_into_vllm(cluster, tmp_path, family, para
         assert (_hf_logprobs(None, batch.input_ids, exported) - after).abs().max() <= 1e-5
         stats = refit(policy, engine, SharedMemoryFileTransport(), bucket_bytes=200_000)
         assert stats.num_buckets > 1 and stats.num_tensors == len(engine.expected_names)
+        if parallel.get("expert_parallel_size", 1) > 1:
+            config = json.loads((Path(model_dir) / "config.json").read_text())
+            _check_experts_packed_where_they_live(policy, config.get("num_experts") or config["n_routed_experts"])
         out = engine.generate([[5, 17, 42, 8]], SamplingConfig(n=2, max_new_tokens=8, seed=3))
         responses, gen = out.padded_tokens(pad_token_id=0)  # [2, R]
         ids = torch.cat([torch.tensor([[5, 17, 42, 8]] * 2), responses], dim=1)

@@ -22,11 +22,34 @@ def test_shm_file_round_trip_and_removal(tmp_path):
     transport = make_transport("shm_file", shm_dir=str(tmp_path))
     bucket = _bucket()
     payload = transport.pack(bucket)
-    assert payload["path"].startswith(str(tmp_path)) and os.path.exists(payload["path"])
+    [path] = payload["paths"]
+    assert path.startswith(str(tmp_path)) and os.path.exists(path)
     received = dict(unpack_payload(payload))
     assert set(received) == {name for name, _ in bucket}
     for name, tensor in bucket:
         assert torch.equal(received[name], tensor)
+    transport.release(payload)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_shm_file_parts_of_ranks_join_into_one_bucket(tmp_path):
+    """Two ranks each pack part of a bucket (each expert-parallel rank its own experts): the merged payload carries
+    both files, every tensor, the names and bytes of both; releasing it removes both files; overlapping parts and a
+    bucket nobody packed are refused."""
+    transport = make_transport("shm_file", shm_dir=str(tmp_path))
+    bucket = _bucket()
+    first, second = transport.pack(bucket[:1]), transport.pack(bucket[1:])
+    payload = transport.merge([first, None, second])
+    assert len(payload["paths"]) == 2 and payload["names"] == [name for name, _ in bucket]
+    assert payload["bytes"] == sum(t.numel() * t.element_size() for _, t in bucket)
+    received = dict(unpack_payload(payload))
+    assert set(received) == {name for name, _ in bucket}
+    for name, tensor in bucket:
+        assert torch.equal(received[name], tensor)
+    with pytest.raises(ValueError, match="packed by two ranks"):
+        transport.merge([first, first])
+    with pytest.raises(ValueError, match="no rank packed"):
+        transport.merge([None, None])
     transport.release(payload)
     assert list(tmp_path.iterdir()) == []
 
