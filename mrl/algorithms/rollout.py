@@ -4,7 +4,7 @@ Row layout (one row per sample, prompt-major: sample k of prompt i is row i * n 
     input_ids            [B, T]  prompt tokens, response tokens, right padding (pad id)
     loss_mask            [B, T]  1 on the response tokens (stop token included), 0 on prompt and padding
     generation_logprobs  [B, T]  the engine's logprob of each response token, on the token's own position
-    routing              [B, T, layers, k] or None  the engine's experts of each token (router replay), -1 = none
+    routing              [B, T, layers, k] or None  the engine's experts of each token (router replay), no_route = none
 No left padding: position ids are 0..T-1 in every row, as the engine saw them.
 """
 
@@ -39,7 +39,7 @@ class Rollouts:
     finish_reasons: list[FinishReason] = field(default_factory=list)  # [B]
     policy_version: int = 0            # the training step whose weights generated them (0: the initial model)
     reward_errors: list[str] = field(default_factory=list)  # the reward's failure messages (at most a few)
-    routing: Optional[torch.Tensor] = None  # [B, T, layers, k] int16: the engine's experts per token (router replay)
+    routing: Optional[torch.Tensor] = None  # [B, T, layers, k] uint8 / int16: the engine's experts (router replay)
 
     def state_dict(self) -> dict:
         """Tensors, numbers and strings only (a checkpoint's train state loads with weights_only=True)."""

@@ -19,6 +19,7 @@ from typing import Literal, Optional, Protocol, runtime_checkable
 import torch
 
 from mrl.inference.refit import RefitSink, RefitStats
+from mrl.model.router_replay import no_route, routing_dtype
 
 #: What to do with a prompt longer than the engine allows: keep its last tokens, or answer it with empty samples.
 OverlongPromptPolicy = Literal["truncate", "reject"]
@@ -93,8 +94,9 @@ class GeneratedSample:
     prompt_truncated: bool = False
     """The prompt was longer than the engine allows and lost its first tokens."""
     routing: Optional[torch.Tensor] = None
-    """[tokens, layers, k] int16: the experts the engine routed each token it fed through the model to (prompt, then
-    response; a response's last token was never fed), per decoder layer; only when asked (router replay)."""
+    """[tokens, layers, k] in `routing_dtype` (uint8 or int16): the experts the engine routed each token it fed
+    through the model to (prompt, then response; a response's last token was never fed), per decoder layer; only when
+    asked (router replay)."""
 
     @property
     def length(self) -> int:
@@ -138,31 +140,30 @@ class GenerationOutput:
         return ids, logprobs
 
 
-#: Dtype of a sample's routing (expert ids < 32,768); -1 marks a token without one.
-ROUTING_DTYPE = torch.int16
-
-
-def compact_routing(routing: torch.Tensor) -> torch.Tensor:
-    """An engine's expert ids (any integer dtype; vLLM 0.32: uint8, or uint16 past 256 experts) as ROUTING_DTYPE."""
-    if routing.numel() and int(routing.max()) > torch.iinfo(ROUTING_DTYPE).max:
-        raise ValueError(f"expert id {int(routing.max())} does not fit {ROUTING_DTYPE}")
-    return routing.to(ROUTING_DTYPE)
+def compact_routing(routing: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """An engine's expert ids (any integer dtype; vLLM 0.32: uint8, or uint16 past 256 experts) in
+    `routing_dtype(num_experts)`; an id outside the model's experts is refused (the engine serves another model)."""
+    if routing.numel() and not 0 <= int(routing.min()) <= int(routing.max()) < num_experts:
+        raise ValueError(f"expert ids {int(routing.min())}..{int(routing.max())} are not those of a model with "
+                         f"{num_experts} routed experts (0..{num_experts - 1})")
+    return routing.to(routing_dtype(num_experts))
 
 
 def routing_rows(routings: Sequence[Optional[torch.Tensor]], width: int) -> Optional[torch.Tensor]:
     """[B, width, layers, k] each row's routing ([tokens, layers, k] from its first token on, or None) on its tokens'
-    positions, -1 where there is none (padding, a response's last token, a row without routing); None when no row
-    carries any."""
+    positions, in the rows' dtype, `no_route` where there is none (padding, a response's last token, a row without
+    routing); None when no row carries any."""
     carried = [r for r in routings if r is not None]
     if not carried:
         return None
-    out = torch.full((len(routings), width, *carried[0].shape[1:]), -1, dtype=ROUTING_DTYPE)
+    dtype = carried[0].dtype
+    out = torch.full((len(routings), width, *carried[0].shape[1:]), no_route(dtype), dtype=dtype)
     for row, routing in enumerate(routings):
         if routing is None:
             continue
-        if routing.shape[1:] != carried[0].shape[1:]:
-            raise ValueError(f"row {row}: routing of shape {list(routing.shape)} against {list(carried[0].shape)} "
-                             "in another row (another model?)")
+        if routing.shape[1:] != carried[0].shape[1:] or routing.dtype != dtype:
+            raise ValueError(f"row {row}: routing of shape {list(routing.shape)} ({routing.dtype}) against "
+                             f"{list(carried[0].shape)} ({dtype}) in another row (another model?)")
         tokens = min(len(routing), width)
         out[row, :tokens] = routing[:tokens]
     return out

@@ -61,13 +61,13 @@ from megatron.core.inference.text_generation_controllers.text_generation_control
 from converters import ConversionError, expected_hf_shapes, model_dims
 from converters.hf_io import load_hf_config, load_hf_state
 from mrl.inference.buckets import NamedTensor
-from mrl.inference.interface import ROUTING_DTYPE, FinishReason, GeneratedSample, GenerationOutput, SamplingConfig
+from mrl.inference.interface import FinishReason, GeneratedSample, GenerationOutput, SamplingConfig
 from mrl.inference.lifecycle import EngineLifecycle
 from mrl.inference.prompt_limits import assemble_output, fit_prompts, max_prompt_tokens
 from mrl.inference.refit import LocalWeights, RefitError, RefitStats, refit
 from mrl.inference.transports import InProcessTransport, Payload, unpack_payload
 from mrl.model.build import build_gpt_model, context_length, load_hf_weights, transformer_config_from_hf
-from mrl.model.router_replay import RoutingReplay
+from mrl.model.router_replay import RoutingReplay, no_route, routing_dtype
 from mrl.parallel.groups import init_process_groups
 from mrl.parallel.layout import ParallelDims
 
@@ -130,18 +130,19 @@ class _UnpaddedLogitsWrapper(GPTInferenceWrapper):
 
 
 class _RoutingRecorder:
-    """The experts every token of a static batch was routed to: [b, max_model_len, layers, k], -1 until a forward
-    routes the token. Each forward covers the positions [start, end) of every row (prefill, then one per step); its
-    routers' rows are the window's tokens sequence-first (megatron's [s, b, h] activations)."""
+    """The experts every token of a static batch was routed to: [b, max_model_len, layers, k] in `routing_dtype`,
+    `no_route` until a forward routes the token. Each forward covers the positions [start, end) of every row
+    (prefill, then one per step); its routers' rows are the window's tokens sequence-first (megatron's [s, b, h]
+    activations)."""
 
-    def __init__(self, model: Any, layers: int, max_len: int) -> None:
+    def __init__(self, model: Any, layers: int, max_len: int, num_experts: int) -> None:
         self.replay = RoutingReplay([model], replay=False, recompute=False)
         self.replay.record = {}
-        self.layers, self.max_len = layers, max_len
+        self.layers, self.max_len, self.dtype = layers, max_len, routing_dtype(num_experts)
         self.buffer: Optional[torch.Tensor] = None
 
     def start(self, rows: int, topk: int) -> None:
-        self.buffer = torch.full((rows, self.max_len, self.layers, topk), -1, dtype=ROUTING_DTYPE)
+        self.buffer = torch.full((rows, self.max_len, self.layers, topk), no_route(self.dtype), dtype=self.dtype)
         self.replay.record = {}
 
     def collect(self, positions: torch.Tensor) -> None:
@@ -149,7 +150,7 @@ class _RoutingRecorder:
         for layer, chosen in self.replay.record.items():
             (top,) = chosen  # one forward since the last collect
             self.buffer[:, positions, layer] = top.view(len(positions), rows, -1).transpose(0, 1).to(
-                ROUTING_DTYPE).cpu()
+                self.dtype).cpu()
         self.replay.record = {}
 
 
@@ -263,7 +264,7 @@ class MegatronBackend:
         wrapper = _UnpaddedLogitsWrapper(self.model, wrapper_config, context, self.vocab_size)
         moe = model_dims(self.hf_config).moe
         if config.return_routing and moe is not None:
-            wrapper.routing = _RoutingRecorder(self.model, len(moe.layers), self.max_model_len)
+            wrapper.routing = _RoutingRecorder(self.model, len(moe.layers), self.max_model_len, moe.num_experts)
         self.topk = None if moe is None else moe.topk
         self.controller = _StopSetController(wrapper, _TokenIdTokenizer())
         self.controller.sampling_rng.manual_seed(config.seed)

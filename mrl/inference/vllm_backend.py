@@ -149,6 +149,17 @@ def expected_tensor_names(config: VllmEngineConfig) -> Optional[frozenset[str]]:
     return frozenset(expected_hf_shapes(model_dims(load_hf_config(config.model_path))))
 
 
+def routed_experts(config: VllmEngineConfig) -> int:
+    """The routed experts per MoE layer of the engine's model (router replay needs a MoE model)."""
+    from converters import model_dims
+    from converters.hf_io import load_hf_config
+
+    moe = model_dims(load_hf_config(config.model_path)).moe
+    if moe is None:
+        raise ValueError(f"return_routing=True needs a mixture-of-experts model; {config.model_path} is dense")
+    return moe.num_experts
+
+
 def _llm_kwargs(config: VllmEngineConfig) -> dict[str, Any]:
     kwargs: dict[str, Any] = dict(
         model=config.model_path,
@@ -223,6 +234,7 @@ class VllmBackend:
         if not torch.cuda.is_available():
             cpu_isa.current()  # logs the kernel library and collectives this engine's CPU path takes, once
         self.expected_names = expected_tensor_names(config)
+        self.num_experts = routed_experts(config) if config.return_routing else None
         self.transport: WeightTransport = make_transport(config.refit_transport)
         self._hand_on = make_transport("in_process") if config.workers_in_this_process else self.transport
         """How a broadcast bucket reaches vLLM's workers from this process (see the module docstring)."""
@@ -246,8 +258,9 @@ class VllmBackend:
         requests = [TokensPrompt(prompt_token_ids=ids) for ids in fitted.token_ids]
         params = [self._sampling_params(sampling, index) for index in fitted.indices]
         outputs = self.llm.generate(requests, params, use_tqdm=False) if requests else []
+        experts = self.num_experts
         return assemble_output(fitted, len(prompts), sampling.n, dict(zip(fitted.indices, outputs)),
-                               lambda index, output, cut: _prompt_samples(index, output, sampling, cut))
+                               lambda index, output, cut: _prompt_samples(index, output, sampling, cut, experts))
 
     def _sampling_params(self, sampling: SamplingConfig, prompt_index: int) -> Any:
         from vllm import SamplingParams
@@ -348,9 +361,10 @@ class VllmBackend:
 
 
 def _prompt_samples(
-    index: int, output: Any, sampling: SamplingConfig, truncated: bool
+    index: int, output: Any, sampling: SamplingConfig, truncated: bool, num_experts: Optional[int] = None
 ) -> list[GeneratedSample]:
-    """The n samples of prompt `index` from a vLLM RequestOutput (None: the prompt was rejected)."""
+    """The n samples of prompt `index` from a vLLM RequestOutput (None: the prompt was rejected); their routed
+    experts (an engine that returns them: a model with `num_experts` routed experts) in `routing_dtype`."""
     if output is None:
         return [
             GeneratedSample(index, k, [], [], [] if sampling.logprobs else None, FinishReason.ABORTED)
@@ -362,8 +376,8 @@ def _prompt_samples(
         token_ids = list(completion.token_ids)
         logprobs = _sampled_logprobs(completion.logprobs, token_ids) if sampling.logprobs else None
         reason = _FINISH.get(completion.finish_reason, FinishReason.ABORTED)
-        routing = None if getattr(completion, "routed_experts", None) is None else \
-            compact(torch.from_numpy(completion.routed_experts))  # [prompt + response - 1, layers, k]
+        routing = None if getattr(completion, "routed_experts", None) is None or num_experts is None else \
+            compact(torch.from_numpy(completion.routed_experts), num_experts)  # [prompt + response - 1, layers, k]
         samples.append(GeneratedSample(index, k, prompt_ids, token_ids, logprobs, reason, truncated, routing))
     return samples
 

@@ -4,9 +4,9 @@ per-layer measure of where engine and trainer route apart.
 Data flow:
 
     engine (vLLM's routed-experts output, [T, layers, k] per sample)
-      -> RankBatch.routing [N, T, layers, k] int16, aligned with input_ids (NOT shifted: the router at position t
-         sees token t), -1 where the engine reported nothing (padding, a sequence's last token, prompt tokens an
-         engine did not return)
+      -> RankBatch.routing [N, T, layers, k] in `routing_dtype` (uint8 up to 255 experts, else int16), aligned with
+         input_ids (NOT shifted: the router at position t sees token t), `no_route` where the engine reported nothing
+         (padding, a sequence's last token, prompt tokens an engine did not return)
       -> train_step: cut like input_ids (context-parallel chunks, packs), then per model chunk `begin(chunk, routing)`
       -> `RoutingReplay` cuts the micro-batch to the tokens each router sees and hands every router its rows
       -> megatron-core's top-k (`moe_utils.topk_routing_with_score_function`) asks `router.router_replay
@@ -20,9 +20,10 @@ train step has already cut the tokens as it cuts input_ids. Routers run before t
 changes nothing here. The layer is the router's global `layer_number` - 1, the index vLLM's capturer uses
 (`num_hidden_layers` rows per token; dense layers' rows are never read).
 
-Tokens the engine reported nothing for (-1) are routed freshly by the trainer: the prompt is replayed where the engine
-returned it (vLLM returns the prompt's routing unless `routed_experts_prompt_start` skips it), and a sequence's last
-token, which the engine never fed through the model, has no routing to replay.
+Tokens the engine reported nothing for (`no_route`, -1 once decoded by `routing_targets`) are routed freshly by the
+trainer: the prompt is replayed where the engine returned it (vLLM returns the prompt's routing unless
+`routed_experts_prompt_start` skips it), and a sequence's last token, which the engine never fed through the model,
+has no routing to replay.
 
 Recomputation (activation checkpointing) runs a layer's forward again inside the backward; the schedules run the
 backwards of the micro-batches in the order of their forwards, so each router keeps a queue of the targets of the
@@ -39,6 +40,31 @@ from collections import deque
 from typing import Any, Callable, Optional
 
 import torch
+
+
+def routing_dtype(num_experts: int) -> torch.dtype:
+    """The dtype a sample's routing is kept in: the smallest that holds the model's expert ids and a "none" mark
+    (`no_route`) apart from them. uint8 up to 255 routed experts (Qwen3-30B-A3B's 128: one byte per token, layer and
+    choice; 3.2 GB of int16 for 512 samples x 8K tokens x 48 layers x 8 become 1.6), int16 up to 32,767 (DeepSeek-V3's
+    256: vLLM's uint8 ids use all 256 values, so none is left for the mark)."""
+    if not 0 < num_experts <= torch.iinfo(torch.int16).max:
+        raise ValueError(f"{num_experts} routed experts: router replay keeps expert ids below 32,768")
+    return torch.uint8 if num_experts < 256 else torch.int16
+
+
+def no_route(dtype: torch.dtype) -> int:
+    """The mark of a token without an engine routing (padding, a response's last token, a row without routing): 255 in
+    uint8, -1 in int16; `routing_targets` turns it into -1."""
+    return torch.iinfo(dtype).max if not dtype.is_signed else -1
+
+
+def routing_targets(routing: torch.Tensor) -> torch.Tensor:
+    """Stored routing (`routing_dtype`, marks `no_route`) as int64 expert ids with -1 where there is none: what the
+    policy's routers replay."""
+    targets = routing.long()
+    if not routing.dtype.is_signed:
+        targets[routing == no_route(routing.dtype)] = -1
+    return targets
 
 
 class _LayerReplay:
@@ -111,7 +137,7 @@ class RoutingReplay:
     def begin(self, chunk: Any, routing: Optional[torch.Tensor], *, training: bool) -> None:
         """Targets of the next forward of `chunk` (routing [b, s, L, k], or None: route freshly)."""
         self.training = training
-        rows = None if routing is None else self.router_rows(routing).long()
+        rows = None if routing is None else routing_targets(self.router_rows(routing))
         for state in self.routers.get(id(chunk), []):
             state.current = None if rows is None else rows[:, state.layer]
             if self.recompute and training:  # None too: its recompute routes freshly

@@ -9,8 +9,9 @@ Layout of a `RankBatch` (rows = sequences, right-padded):
     lengths     [N] real tokens (prompt + response); None = up to the last loss token
     group_size  rows come in consecutive groups of this size that one loss term couples (2: a DPO or reward-model
                 pair, chosen then rejected); a group never straddles a micro-batch or a data-parallel shard
-    routing     [N, T, layers, k] int16 or None: the engine's experts per token and MoE layer, aligned with
-                input_ids (not shifted), -1 where none was reported (mrl/model/router_replay.py)
+    routing     [N, T, layers, k] uint8 / int16 (`routing_dtype`) or None: the engine's experts per token and MoE
+                layer, aligned with input_ids (not shifted), `no_route` where none was reported
+                (mrl/model/router_replay.py)
 
 Light on purpose (torch only): the loops build batches without importing Megatron. The implementation is
 `mrl.policy.group.Policy` (one Ray actor per rank, mrl/policy/worker.py).
@@ -22,6 +23,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 import torch
+
+from mrl.model.router_replay import no_route
 
 
 class PolicyLoss(Protocol):
@@ -44,7 +47,7 @@ class RankBatch:
     seq_data: dict[str, torch.Tensor] = field(default_factory=dict)
     lengths: torch.Tensor | None = None  # [N] real tokens (prompt + response); None = up to the last loss token
     group_size: int = 1  # consecutive rows kept in one micro-batch and one data-parallel shard (a preference pair)
-    routing: torch.Tensor | None = None  # [N, T, layers, k] the engine's experts (router replay), -1 = none
+    routing: torch.Tensor | None = None  # [N, T, layers, k] the engine's experts (router replay), no_route = none
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -87,11 +90,12 @@ class RankBatch:
 
 
 def pad_routing(routing: torch.Tensor, width: int) -> torch.Tensor:
-    """[N, T, L, k] routing cut or right-padded to `width` tokens; padding tokens carry -1 (no engine routing)."""
+    """[N, T, L, k] routing cut or right-padded to `width` tokens; padding tokens carry `no_route` (no engine
+    routing)."""
     t = routing.shape[1]
     if width <= t:
         return routing[:, :width]
-    return torch.nn.functional.pad(routing, (0, 0, 0, 0, 0, width - t), value=-1)
+    return torch.nn.functional.pad(routing, (0, 0, 0, 0, 0, width - t), value=no_route(routing.dtype))
 
 
 def global_count(loss_mask: torch.Tensor, level: str) -> float:

@@ -51,6 +51,7 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 
 from mrl.data.packing import MicroBatchPlan, dynamic_batches, local_token_positions, pack_sequences
+from mrl.model.router_replay import no_route
 from mrl.objectives.loss import LOSS_MASK, PREV_LOGPROBS, SEQ_LOG_RATIO_SUM, TOKEN_ENTROPY, sequence_log_ratio_sums
 from mrl.parallel import collectives
 from mrl.parallel.layout import length_multiple, micro_batching_violations
@@ -247,8 +248,8 @@ def _packed_micro_batch(full: dict[str, torch.Tensor], batch: RankBatch, plan: M
             "position_ids": torch.cat(local + [torch.zeros(filler // ctx.cp_size, dtype=torch.long)])[None].to(device),
             "packed_seq_params": _packed_seq_params(plan, index, filler, ctx.cp_group, device),
             "unpack_index": torch.where(valid, starts[:, None] + steps[None, :], 0), "unpack_valid": valid}
-    if "routing" in full:  # the filler routes freshly (-1)
-        data["routing"] = pack(full["routing"], fill=-1)
+    if "routing" in full:  # the filler routes freshly
+        data["routing"] = pack(full["routing"], fill=no_route(full["routing"].dtype))
     for name in ("loss_mask", *batch.token_data):
         data[name] = pad_sequence([full[name][j, pos] for j, pos in zip(seqs, local)], batch_first=True)
     data.update({k: v[seqs] for k, v in batch.seq_data.items()})

@@ -37,13 +37,17 @@ def make_batch():
 
 
 def random_routing(seed: int = 1) -> torch.Tensor:
-    """[8, 24, layers, k] distinct random experts per token and layer; -1 on each sequence's last token and past it
-    (what an engine never fed through the model: routed freshly)."""
+    """[8, 24, layers, k] distinct random experts per token and layer, stored as the rollouts keep them (uint8 for
+    the tiny model's experts); `no_route` on each sequence's last token and past it (what an engine never fed through
+    the model: routed freshly). The trainer's own routing below is int16 with -1 (the other stored form)."""
+    from mrl.model.router_replay import no_route, routing_dtype
+
     g = torch.Generator().manual_seed(seed)
     routing = torch.rand(len(LENGTHS), WIDTH, LAYERS, EXPERTS, generator=g).argsort(dim=-1)[..., :TOPK]
-    beyond = torch.arange(WIDTH)[None, :] >= torch.tensor(LENGTHS)[:, None] - 1
-    routing[beyond] = -1
-    return routing.to(torch.int16)
+    dtype = routing_dtype(EXPERTS)
+    routing = routing.to(dtype)
+    routing[torch.arange(WIDTH)[None, :] >= torch.tensor(LENGTHS)[:, None] - 1] = no_route(dtype)
+    return routing
 
 
 def _build(model_dir: str, sp: bool, recompute: bool):
@@ -277,10 +281,13 @@ def engine_runs(tmp_path_factory):
 
 def test_the_megatron_engine_records_the_routing_the_trainer_would_choose(engine_runs):
     """Same weights: the engine's KV-cached routing of every fed token equals the trainer's full forward's."""
+    from mrl.model.router_replay import no_route
+
     r = engine_runs[0]
     fed = int((r["lengths"] - 1).sum())
     assert r["routing"].shape[2:] == (LAYERS, TOPK)
-    assert (r["routing"][:, :, 0] == -1).all()  # DeepSeek-V3's first layer is dense
+    assert r["routing"].dtype == torch.uint8  # the tiny model's routed experts fit a byte with room for the mark
+    assert (r["routing"][:, :, 0] == no_route(torch.uint8)).all()  # DeepSeek-V3's first layer is dense
     assert r["measured"]["counts"].tolist() == [[0.0, 0.0], [0.0, float(fed)]]
     tokens = r["mask"] > 0
     assert (r["fresh"]["logprobs"] - r["gen"])[tokens].abs().max() <= 1e-4

@@ -63,11 +63,12 @@ def test_training_rows_pad_to_data_parallel_size_with_masked_rows():
 
 def test_routing_sits_on_the_tokens_positions_and_travels_to_the_training_rows():
     """A sample's routing covers the tokens the engine fed (prompt, then the response but its last token); the rows
-    carry it on those positions, -1 elsewhere, and the training rows keep it per kept sample."""
+    carry it on those positions in its dtype, the dtype's "none" mark elsewhere, and the training rows keep it per
+    kept sample."""
     from mrl.inference.interface import routing_rows
 
-    def routed(tokens: int, first: int) -> torch.Tensor:  # [tokens, 2 layers, k = 2]
-        return (first + torch.arange(tokens * 4)).view(tokens, 2, 2).to(torch.int16)
+    def routed(tokens: int, first: int) -> torch.Tensor:  # [tokens, 2 layers, k = 2], as a 128-expert engine keeps it
+        return (first + torch.arange(tokens * 4)).view(tokens, 2, 2).to(torch.uint8)
 
     out = _output()
     out.samples[0] = GeneratedSample(0, 0, [7, 8], [3, 4, 0], [-0.5, -0.25, -1.0], FinishReason.STOP,
@@ -75,10 +76,10 @@ def test_routing_sits_on_the_tokens_positions_and_travels_to_the_training_rows()
     out.samples[3] = GeneratedSample(1, 1, [9], [6, 6], [-0.1, -0.2], FinishReason.STOP, routing=routed(2, 100))
     assert routing_rows([s.routing for s in _output().samples], 5) is None  # an engine that returned none
     rows = routing_rows([s.routing for s in out.samples], 5)
-    assert rows.shape == (4, 5, 2, 2) and rows.dtype == torch.int16
-    assert torch.equal(rows[0, :4], routed(4, 0)) and (rows[0, 4] == -1).all()
-    assert (rows[1] == -1).all() and (rows[2] == -1).all()
-    assert torch.equal(rows[3, :2], routed(2, 100)) and (rows[3, 2:] == -1).all()
+    assert rows.shape == (4, 5, 2, 2) and rows.dtype == torch.uint8
+    assert torch.equal(rows[0, :4], routed(4, 0)) and (rows[0, 4] == 255).all()  # uint8's mark of "none"
+    assert (rows[1] == 255).all() and (rows[2] == 255).all()
+    assert torch.equal(rows[3, :2], routed(2, 100)) and (rows[3, 2:] == 255).all()
     ids, mask, gen = rows_from_output(out, pad_id=1)
     rollouts = Rollouts(ids, mask, gen, torch.zeros(4), torch.tensor([3, 1, 0, 2]), torch.zeros(4, dtype=torch.bool),
                         routing=rows)
@@ -108,3 +109,5 @@ def test_score_rows_read_routed_experts_and_refuse_malformed_ones(tmp_path):
     assert routing_rows([rows[4].routing], width=4) is None
     with pytest.raises(ValueError, match="another model"):
         routing_rows([rows[0].routing, torch.zeros(1, 2, 2, dtype=torch.int16)], width=4)
+    with pytest.raises(ValueError, match="another model"):  # the same shape kept in another dtype
+        routing_rows([rows[0].routing, torch.zeros(1, 1, 2, dtype=torch.uint8)], width=4)

@@ -44,10 +44,22 @@ def test_refit_stats_metric_names():
 def test_routing_is_stored_compactly_and_a_cpu_vllm_engine_refuses_to_return_it():
     from mrl.inference.interface import compact_routing
     from mrl.inference.vllm_backend import VllmEngineConfig, _llm_kwargs
+    from mrl.model.router_replay import no_route, routing_dtype, routing_targets
 
-    assert compact_routing(torch.tensor([[3, 255]], dtype=torch.uint8)).dtype == torch.int16  # vLLM: uint8 <= 256
-    with pytest.raises(ValueError, match="does not fit"):
-        compact_routing(torch.tensor([40_000]))
+    # vLLM returns uint8 ids up to 256 experts: DeepSeek-V3's 256 use every value, so its ids need int16 to leave room
+    # for the "none" mark; Qwen3-30B-A3B's 128 keep one byte each
+    assert compact_routing(torch.tensor([[3, 255]], dtype=torch.uint8), 256).dtype == torch.int16
+    kept = compact_routing(torch.tensor([[3, 127]], dtype=torch.uint8), 128)
+    assert kept.dtype == torch.uint8 and kept.tolist() == [[3, 127]]
+    assert [routing_dtype(n) for n in (8, 255, 256, 32_767)] == [torch.uint8, torch.uint8, torch.int16, torch.int16]
+    assert no_route(torch.uint8) == 255 and no_route(torch.int16) == -1
+    with pytest.raises(ValueError, match="not those of a model with 128"):
+        compact_routing(torch.tensor([3, 128]), 128)
+    with pytest.raises(ValueError, match="below 32,768"):
+        routing_dtype(40_000)
+    for dtype in (torch.uint8, torch.int16):  # stored marks decode to -1, ids to themselves
+        stored = torch.tensor([0, 7, no_route(dtype)], dtype=torch.int64).to(dtype)
+        assert routing_targets(stored).tolist() == [0, 7, -1] and routing_targets(stored).dtype == torch.int64
     if torch.cuda.is_available():
         assert _llm_kwargs(VllmEngineConfig("m", return_routing=True))["enable_return_routed_experts"]
     else:  # vLLM 0.32 captures the routing in its model runner V2, which needs CUDA and Triton

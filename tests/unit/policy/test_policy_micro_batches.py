@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from mrl.data.packing import pack_sequences
+from mrl.model.router_replay import no_route
 from mrl.policy.interface import RankBatch
 from mrl.policy.train_step import StepContext, _packed_micro_batch, _predicting_space, sequence_lengths
 
@@ -22,7 +23,7 @@ def test_lengths_default_to_the_last_loss_token_and_are_checked():
         sequence_lengths(batch)
 
 
-def make_pack(cp_rank: int, fixed_size: bool):
+def make_pack(cp_rank: int, fixed_size: bool, routing: torch.dtype | None = None):
     # Two sequences: ids 10.. (length 3, rounded to 4) and 20.. (length 8); cp 2 -> multiples of 4.
     ids = torch.zeros(2, 8, dtype=torch.long)
     ids[0, :3] = torch.tensor([10, 11, 12])
@@ -32,6 +33,10 @@ def make_pack(cp_rank: int, fixed_size: bool):
     mask[1, 2:8] = 1
     batch = RankBatch(ids, mask, token_data={"adv": mask * 2}, seq_data={"score": torch.tensor([1.0, 2.0])},
                       lengths=torch.tensor([3, 8]))
+    if routing is not None:  # [2, 6, 1 layer, k = 1]: each token's expert is its id; seq 0 is reported for 2 tokens
+        batch.routing = torch.full((2, 6, 1, 1), no_route(routing), dtype=routing)
+        batch.routing[0, :2, 0, 0] = ids[0, :2]
+        batch.routing[1, :, 0, 0] = ids[1, :6]
     plan = pack_sequences([3, 8], 16, multiple=4)  # one pack: [seq 1 (8), seq 0 (4)], 12 of 16 tokens
     ctx = StepContext(dp_size=1, cp_rank=cp_rank, cp_size=2, cp_group=None, is_last_stage=True)
     return _packed_micro_batch(_predicting_space(batch, 8), batch, plan, 0, ctx, fixed_size)
@@ -53,6 +58,18 @@ def test_pack_layout_under_context_parallelism_by_hand():
     assert data["adv"].tolist() == [[0, 2, 2, 0], [2, 0, 0, 0]]
     assert data["score"].tolist() == [2.0, 1.0]
     assert data["seq_num_tokens"].tolist() == [6, 2]  # whole sequences, not this rank's share
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int16])
+def test_routing_is_cut_and_packed_with_its_tokens(dtype):
+    """Routing (narrower than the batch: right-padded with the dtype's mark) travels with its tokens into the pack,
+    CP chunks included; unreported tokens, padding and the filler sequence carry the mark (routed freshly)."""
+    none = no_route(dtype)
+    data = make_pack(cp_rank=0, fixed_size=False, routing=dtype)  # input_ids [20, 21, 26, 27, 10, 0]
+    assert data["routing"].dtype == dtype
+    assert data["routing"][0, :, 0, 0].tolist() == [20, 21, none, none, 10, none]
+    data = make_pack(cp_rank=1, fixed_size=True, routing=dtype)  # input_ids [22, 23, 24, 25, 11, 12, 0, 0]
+    assert data["routing"][0, :, 0, 0].tolist() == [22, 23, 24, 25, 11, none, none, none]
 
 
 def test_fixed_size_pack_ends_with_one_padding_sequence():
