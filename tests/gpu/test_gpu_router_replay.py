@@ -18,6 +18,7 @@ def replay_on_device(model_dir: str, recompute: bool) -> dict:
     """Rank side: logprobs without routing, with the recorded own routing, with random routing; then one train
     step with the random routing replayed: its metrics and the logprobs after it."""
     from mrl.config.schema import MoEConfig, OptimizerConfig, PolicyConfig
+    from mrl.model.router_replay import no_route, routing_dtype
     from mrl.policy.interface import RankBatch
     from mrl.policy.worker import PolicySpec, PolicyWorker
     from mrl.testing.losses import PGLoss
@@ -40,9 +41,10 @@ def replay_on_device(model_dir: str, recompute: bool) -> dict:
     own[beyond] = -1
     out["own"] = worker.logprobs(RankBatch(ids, mask, token_data={"adv": adv}, lengths=lengths, routing=own))
 
-    g = torch.Generator().manual_seed(1)
-    random = torch.rand(len(ids), WIDTH, LAYERS, EXPERTS, generator=g).argsort(dim=-1)[..., :TOPK].to(torch.int16)
-    random[torch.arange(WIDTH)[None, :] >= lengths[:, None] - 1] = -1
+    g = torch.Generator().manual_seed(1)  # kept as the rollouts keep it (uint8, 255 = none); the own routing: int16
+    dtype = routing_dtype(EXPERTS)
+    random = torch.rand(len(ids), WIDTH, LAYERS, EXPERTS, generator=g).argsort(dim=-1)[..., :TOPK].to(dtype)
+    random[torch.arange(WIDTH)[None, :] >= lengths[:, None] - 1] = no_route(dtype)
     replayed = RankBatch(ids, mask, token_data={"adv": adv}, lengths=lengths, routing=random)
     worker.routing_counts()  # the own routing's pass counted (0 differ); the next pass with a routing counts again
     out["random"] = worker.logprobs(replayed)
