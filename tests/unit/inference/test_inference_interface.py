@@ -66,3 +66,27 @@ def test_routing_is_stored_compactly_and_a_cpu_vllm_engine_refuses_to_return_it(
         with pytest.raises(ValueError, match="router_replay=off"):
             _llm_kwargs(VllmEngineConfig("m", return_routing=True))
     assert "enable_return_routed_experts" not in _llm_kwargs(VllmEngineConfig("m"))
+
+
+def test_vllm_routed_experts_become_the_samples_compact_routing():
+    """vLLM 0.32's `CompletionOutput.routed_experts` ([prompt + response - 1, layers, k], uint8 up to 256 experts;
+    vllm/outputs.py) becomes each sample's routing, in sample order, in the dtype the model's expert count asks for;
+    a request without it (the engine was not asked) carries none; ids beyond the model's experts are refused."""
+    import numpy as np
+    from vllm.outputs import CompletionOutput, RequestOutput
+
+    from mrl.inference.interface import SamplingConfig
+    from mrl.inference.vllm_backend import _prompt_samples
+
+    routed = [np.arange(4 * 2 * 2, dtype=np.uint8).reshape(4, 2, 2) + 10 * i for i in range(2)]  # 3 + 2 - 1 tokens
+    output = RequestOutput("0", None, [5, 6, 7], None, [
+        CompletionOutput(1, "", [8, 9], None, None, routed_experts=routed[1], finish_reason="stop"),
+        CompletionOutput(0, "", [4, 2], None, None, routed_experts=routed[0], finish_reason="length")], True)
+    sampling = SamplingConfig(n=2, logprobs=False)
+    samples = _prompt_samples(0, output, sampling, False, 128)
+    assert [s.routing.dtype for s in samples] == [torch.uint8, torch.uint8]
+    assert [s.routing.tolist() for s in samples] == [r.tolist() for r in routed]  # sorted by the sample's index
+    assert all(s.routing.dtype == torch.int16 for s in _prompt_samples(0, output, sampling, False, 256))
+    assert all(s.routing is None for s in _prompt_samples(0, output, sampling, False, None))
+    with pytest.raises(ValueError, match="not those of a model with 16"):
+        _prompt_samples(0, output, sampling, False, 16)
