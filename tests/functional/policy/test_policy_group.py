@@ -222,9 +222,9 @@ def _check_experts_packed_where_they_live(policy, num_experts: int) -> None:
         try:
             for rank, path in enumerate(payload["paths"]):
                 with safe_open(path, "pt") as f:
-                    experts = [int(n.split(".experts.")[1].split(".")[0]) for n in f.keys() if ".experts." in n
-                               and ".shared_expert" not in n]
-                    dense = [n for n in f.keys() if ".experts." not in n or ".shared_expert" in n]
+                    # routed experts are "...mlp.experts.<e>...": shared_expert(s) and their gate have no ".experts."
+                    experts = [int(n.split(".experts.")[1].split(".")[0]) for n in f.keys() if ".experts." in n]
+                    dense = [n for n in f.keys() if ".experts." not in n]
                 if len(payload["paths"]) == 2 and rank == 1:
                     assert not dense and experts and min(experts) >= num_experts // 2, (path, dense, experts)
                 else:
