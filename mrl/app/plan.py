@@ -23,7 +23,7 @@ from typing import Any, Mapping, Sequence
 from converters.spec import ModelDims, model_dims
 from mrl.app.plan_activations import Activations, stage_activations
 from mrl.app.plan_time import StepTime, step_time
-from mrl.app.plan_memory import (GiB, PolicyBytes, engine_weight_bytes, kv_capacity_tokens, layout_of,
+from mrl.app.plan_memory import (GiB, PolicyBytes, engine_stage_bytes, kv_capacity_tokens, layout_of,
                                  padded_vocab, policy_bytes, stage_params)
 from mrl.config import ConfigError, MrlConfig
 from mrl.data import hub
@@ -77,13 +77,14 @@ class StagePlan:
 
 @dataclass(frozen=True)
 class EnginePlan:
-    gpus: int              # GPUs of one engine (its TP)
+    gpus: int              # GPUs of one engine (its TP x PP)
     weights: int
     budget: int            # gpu_memory_utilization x the GPU
     kv_bytes: int
     kv_tokens: int
     sequence_tokens: int   # one sequence at the configured lengths
     block_size: int = 16
+    stages: int = 1        # its pipeline stages (weights and KV cache: the stage with the most weights)
 
     @property
     def sequences(self) -> int:
@@ -247,14 +248,14 @@ def _resident(cfg: MrlConfig, states: PolicyBytes) -> int:
 
 
 def _engine(cfg: MrlConfig, dims: ModelDims, total: int, assumptions: Mapping[str, Assumption]) -> EnginePlan:
-    tp = cfg.generation.vllm.tensor_parallel_size
-    weights = engine_weight_bytes(dims, tp)
+    tp, pp = cfg.generation.vllm.tensor_parallel_size, cfg.generation.vllm.pipeline_parallel_size
+    stages = engine_stage_bytes(dims, tp, pp)
     budget = int(cfg.generation.vllm.gpu_memory_utilization * total)
-    free = budget - weights - int(assumptions["engine_overhead_gib"].value * GiB)
+    free = [budget - weights - int(assumptions["engine_overhead_gib"].value * GiB) for weights in stages]
     block = 16
-    tokens = kv_capacity_tokens(dims, tp, free, block_size=block)
+    tokens = kv_capacity_tokens(dims, tp, free, pp=pp, block_size=block)
     sequence = cfg.generation.vllm.max_model_len or cfg.policy.max_total_sequence_length
-    return EnginePlan(tp, weights, budget, max(free, 0), tokens, sequence, block)
+    return EnginePlan(tp * pp, max(stages), budget, max(min(free), 0), tokens, sequence, block, pp)
 
 
 def _judge(cfg: MrlConfig, plan: Plan) -> None:
@@ -275,7 +276,8 @@ def _judge(cfg: MrlConfig, plan: Plan) -> None:
     if plan.engine.sequences < 1:
         plan.problems.append(f"the engine's KV cache ({_gib(plan.engine.kv_bytes)}) holds no "
                              f"{plan.engine.sequence_tokens}-token sequence")
-        plan.fixes.append("raise generation.vllm.gpu_memory_utilization or generation.vllm.tensor_parallel_size")
+        plan.fixes.append("raise generation.vllm.gpu_memory_utilization or generation.vllm.tensor_parallel_size, or "
+                          "generation.vllm.pipeline_parallel_size (an engine's stages on several nodes)")
 
 
 def _train_fixes(cfg: MrlConfig, stage: StagePlan, total: int) -> list[str]:
@@ -317,6 +319,14 @@ def _offload_lines(plan: Plan, cfg: MrlConfig) -> list[str]:
             "(policy.offload_when_generating)"]
 
 
+def _engine_layout(engine: EnginePlan, cfg: MrlConfig) -> str:
+    tp = engine.gpus // engine.stages
+    if engine.stages == 1:
+        return f"TP {tp}"
+    nodes = -(-engine.gpus // cfg.cluster.devices_per_node)
+    return f"TP {tp} x PP {engine.stages} ({engine.gpus} GPUs, {nodes} node{'s' if nodes > 1 else ''})"
+
+
 def _time_line(t: StepTime) -> str:
     if t.generation == float("inf"):
         return "step time: not estimated (no sequence fits the engine's KV cache)"
@@ -332,7 +342,7 @@ def render(plan: Plan, cfg: MrlConfig) -> str:
              f"  policy: {cfg.policy_world_size} GPUs, TP {par.tensor_parallel_size} PP {par.pipeline_parallel_size} "
              f"CP {par.context_parallel_size} EP {par.expert_parallel_size}, {cfg.policy.precision}, distributed "
              f"optimizer {'on' if cfg.policy.optimizer.use_distributed_optimizer else 'off'}, recompute "
-             f"{'on' if cfg.policy.activation_checkpointing else 'off'}; engine TP {plan.engine.gpus}, "
+             f"{'on' if cfg.policy.activation_checkpointing else 'off'}; engine {_engine_layout(plan.engine, cfg)}, "
              f"{'colocated' if cfg.generation.colocated else 'on its own GPUs'}",
              "",
              "policy GPU, per pipeline stage (GiB)",
@@ -347,7 +357,8 @@ def render(plan: Plan, cfg: MrlConfig) -> str:
                      f"{(s.generate_phase / GiB if s.generate_phase else 0):>9.1f}")
     e, t = plan.engine, plan.time
     lines += ["",
-              f"engine GPU: weights {_gib(e.weights)}, budget {_gib(e.budget)} "
+              f"engine GPU{' (its largest pipeline stage)' if e.stages > 1 else ''}: weights {_gib(e.weights)}, "
+              f"budget {_gib(e.budget)} "
               f"(gpu_memory_utilization {cfg.generation.vllm.gpu_memory_utilization:g}), KV cache {_gib(e.kv_bytes)} = "
               f"{e.kv_tokens:,} tokens = {e.sequences} sequences of {e.sequence_tokens} tokens", "",
               _refit_line(plan.refit, cfg), *_offload_lines(plan, cfg), "",

@@ -15,8 +15,10 @@ Policy rank (one per pipeline stage; every TP, CP, EP and DP rank of a stage hol
                  ranks (dense parameters) and the expert data-parallel ranks (routed experts).
     reference    the frozen reference model's weights when loss.kl_beta > 0 (0 on the GPU with offload_reference).
     activations  an estimate (module `plan_activations`).
-Engine GPU (vLLM, TP generation.vllm.tensor_parallel_size): its weights (the parameters of the whole model over
-its TP, in bf16) and the KV cache that `gpu_memory_utilization` leaves (KV bytes per token: `kv_bytes_per_token`).
+Engine GPU (vLLM, TP generation.vllm.tensor_parallel_size x PP generation.vllm.pipeline_parallel_size): its weights
+(the parameters of its pipeline stage's layers over its TP, in bf16; the stages split the layers as vLLM does:
+`engine_stage_layers`) and the KV cache that `gpu_memory_utilization` leaves (KV bytes per token of the stage's
+layers: `kv_bytes_per_token`); every stage holds as many blocks as the one with the fewest (vLLM's rule).
 """
 
 from __future__ import annotations
@@ -145,28 +147,74 @@ def policy_bytes(stage: StageParams, layout: Layout, *, precision: str, distribu
                        optimizer, stage.total * width if reference else 0)
 
 
-def engine_weight_bytes(dims: ModelDims, tp: int, *, width: int = 2) -> int:
-    """One engine GPU's weights: the whole model over vLLM's TP (its vocabulary padded to 64 per rank, which is
-    under a megabyte and left out)."""
-    return total_params(dims) * width // tp
+def engine_stage_layers(num_layers: int, pp: int) -> list[tuple[int, int]]:
+    """[first, last) layers of each pipeline stage of a vLLM engine, as vLLM 0.32 splits them
+    (vllm/distributed/utils.py `get_pp_indices`, VLLM_PP_LAYER_PARTITION unset): evenly, the remainder one more
+    layer each to the stages before the last, from the second-to-last backwards."""
+    parts = [num_layers // pp] * pp
+    for i in range(2, num_layers % pp + 2):
+        parts[-i] += 1
+    starts = [sum(parts[:k]) for k in range(pp)]
+    return [(start, start + part) for start, part in zip(starts, parts)]
 
 
-def kv_bytes_per_token(dims: ModelDims, tp: int, *, width: int = 2) -> int:
-    """KV-cache bytes one token takes on one engine GPU, every layer: grouped-query attention keeps a key and a
-    value of head_dim for each of its KV heads on the rank (max(1, kv_heads // TP): replicated past the KV heads);
-    multi-latent attention one latent of kv_lora_rank + qk_rope_head_dim, the same on every rank (vLLM 0.32,
-    vllm/v1/kv_cache_interface.py: FullAttentionSpec and MLAAttentionSpec page sizes)."""
+def engine_stage_bytes(dims: ModelDims, tp: int, pp: int = 1, *, width: int = 2) -> list[int]:
+    """Each pipeline stage's weights on one engine GPU: its layers' tensors (the first stage also the embedding, the
+    last the final norm and the output layer, and with tied embeddings the embedding too, as vLLM's models build
+    them) over vLLM's TP (its vocabulary padding to 64 per rank, under a megabyte, left out). A checkpoint's layers
+    past the model's (DeepSeek-V3's multi-token prediction) are not loaded by vLLM's model."""
+    stages = engine_stage_layers(dims.num_layers, pp)
+    out = [0] * pp
+    for name, shape in expected_hf_shapes(dims).items():
+        if name.endswith("e_score_correction_bias"):
+            continue
+        numel = math.prod(shape)
+        layer = _hf_layer_of(name)
+        if layer is not None:
+            out[next((k for k, (a, b) in enumerate(stages) if a <= layer < b), -1)] += numel if \
+                layer < dims.num_layers else 0
+        elif "embed_tokens" in name:
+            out[0] += numel
+            out[-1] += numel if dims.tied and pp > 1 else 0
+        else:
+            out[-1] += numel
+    return [params * width // tp for params in out]
+
+
+def engine_weight_bytes(dims: ModelDims, tp: int, pp: int = 1, *, width: int = 2) -> int:
+    """One engine GPU's weights, on its largest pipeline stage (`engine_stage_bytes`)."""
+    return max(engine_stage_bytes(dims, tp, pp, width=width))
+
+
+def kv_bytes_per_token(dims: ModelDims, tp: int, *, layers: int | None = None, width: int = 2) -> int:
+    """KV-cache bytes one token takes on one engine GPU, over `layers` layers (every layer by default): grouped-query
+    attention keeps a key and a value of head_dim for each of its KV heads on the rank (max(1, kv_heads // TP):
+    replicated past the KV heads); multi-latent attention one latent of kv_lora_rank + qk_rope_head_dim, the same on
+    every rank (vLLM 0.32, vllm/v1/kv_cache_interface.py: FullAttentionSpec and MLAAttentionSpec page sizes)."""
+    layers = dims.num_layers if layers is None else layers
     if dims.mla is not None:
-        return dims.num_layers * (dims.mla.kv_lora_rank + dims.mla.qk_rope_head_dim) * width
+        return layers * (dims.mla.kv_lora_rank + dims.mla.qk_rope_head_dim) * width
     heads = max(1, dims.num_kv_heads // tp)
-    return dims.num_layers * 2 * heads * dims.head_dim * width
+    return layers * 2 * heads * dims.head_dim * width
 
 
-def kv_capacity_tokens(dims: ModelDims, tp: int, available_bytes: int, *, block_size: int = 16, width: int = 2) -> int:
-    """Tokens of KV cache that `available_bytes` hold on each engine GPU: whole blocks of `block_size` tokens of
-    every layer (vLLM 0.32, vllm/v1/core/kv_cache_utils.py: num_blocks = available // bytes per block of all layers;
-    the capacity it logs is num_blocks x block_size, its null block included)."""
-    return max(available_bytes, 0) // (kv_bytes_per_token(dims, tp, width=width) * block_size) * block_size
+def kv_capacity_tokens(dims: ModelDims, tp: int, available_bytes: int | list[int], *, pp: int = 1,
+                       block_size: int = 16, width: int = 2) -> int:
+    """Tokens of KV cache an engine holds when each GPU of pipeline stage k has `available_bytes[k]` for it (one
+    number: the same on every stage): on each stage whole blocks of `block_size` tokens of the stage's layers, and
+    every stage as many blocks as the one with the fewest (vLLM 0.32, vllm/v1/core/kv_cache_utils.py
+    `get_kv_cache_configs`: num_blocks = available // bytes per block of the worker's layers, then the smallest over
+    the workers; the capacity it logs is num_blocks x block_size, its null block included)."""
+    available = available_bytes if isinstance(available_bytes, list) else [available_bytes] * pp
+    blocks = min(max(free, 0) // (kv_bytes_per_token(dims, tp, layers=b - a, width=width) * block_size)
+                 for free, (a, b) in zip(available, engine_stage_layers(dims.num_layers, pp)))
+    return blocks * block_size
+
+
+def _hf_layer_of(name: str) -> int | None:
+    if not name.startswith("model.layers."):
+        return None
+    return int(name.split(".")[2])
 
 
 def _layer_of(name: str) -> int | None:

@@ -1,12 +1,14 @@
 """A GRPO step's time on a named GPU, an estimate (`mrl plan`): each phase from the work it does and one rate, the
 rates being assumptions a user replaces with measurements (`--assume key=value`).
 
-    generation  sequences = prompts x samples, spread over the engines (policy GPUs / engine TP when colocated, else
-                the engine GPUs / engine TP); an engine decodes as many at once as its KV cache holds, in waves. A
-                decode step reads the engine's weights and the batch's KV cache once: (weights + batch x mean
-                context x KV bytes per token) / (HBM bandwidth x decode_efficiency) per GPU; a synchronous step
-                waits for its longest response (max_new_tokens steps per wave). Prefill: 2 x active parameters x
-                prompt tokens at the train MFU.
+    generation  sequences = prompts x samples, spread over the engines (policy GPUs / engine TP x PP when
+                colocated, else the engine GPUs / TP x PP); an engine decodes as many at once as its KV cache holds,
+                in waves. A decode step reads the engine's weights and the batch's KV cache once: (weights + batch x
+                mean context x KV bytes per token) / (HBM bandwidth x decode_efficiency) per GPU of a TP group, the
+                whole model over TP (pipeline stages each read their part, one micro-batch after another, so PP
+                adds GPUs, not speed, to one step); a synchronous step waits for its longest response
+                (max_new_tokens steps per wave). Prefill: 2 x active parameters x prompt tokens at the train MFU
+                over the engine's GPUs.
     logprobs    one forward pass over the step's tokens for the old policy's log-probabilities, another for the
                 reference (loss.kl_beta > 0): (2 x active parameters + attention) FLOPs per token.
     train       (6 x active parameters + 3 x attention) FLOPs per token, 8 x with full recompute (the forward again),
@@ -22,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from converters.spec import ModelDims
-from mrl.app.plan_memory import GiB, kv_bytes_per_token, total_params
+from mrl.app.plan_memory import GiB, engine_weight_bytes, kv_bytes_per_token, total_params
 
 #: Dense bf16 tensor-core peak (FLOP/s) and HBM bandwidth (B/s) of each GPU `--gpu` names: NVIDIA's data sheets
 #: (SXM parts; dense, without sparsity).
@@ -80,16 +82,18 @@ def step_time(cfg: Any, dims: ModelDims, gpu: str, assume: Mapping[str, float], 
                                                                              else 3) * attention
     train = tokens * per_token / (world * peak * mfu)
     engine_tp = cfg.generation.vllm.tensor_parallel_size
+    engine_size = engine_tp * cfg.generation.vllm.pipeline_parallel_size
     engine_gpus = world if cfg.generation.colocated else (cfg.generation.num_devices or world)
-    engines = max(engine_gpus // engine_tp, 1)
-    generation = _generation(cfg, dims, sequences, engines, engine_tp, kv_tokens, engine_weights, prompt,
-                             mean_length, active, bandwidth * assume["decode_efficiency"], peak * mfu)
+    engines = max(engine_gpus // engine_size, 1)
+    generation = _generation(cfg, dims, sequences, engines, engine_tp, engine_size, kv_tokens,
+                             engine_weight_bytes(dims, engine_tp), prompt, mean_length, active,
+                             bandwidth * assume["decode_efficiency"], peak * mfu)
     refit = engine_weights / (assume["refit_gib_per_s"] * GiB)
     return StepTime(generation, logprobs, train, refit)
 
 
-def _generation(cfg: Any, dims: ModelDims, sequences: int, engines: int, engine_tp: int, kv_tokens: int,
-                engine_weights: int, prompt: float, mean_length: float, active: int, bandwidth: float,
+def _generation(cfg: Any, dims: ModelDims, sequences: int, engines: int, engine_tp: int, engine_size: int,
+                kv_tokens: int, engine_weights: int, prompt: float, mean_length: float, active: int, bandwidth: float,
                 flops: float) -> float:
     per_engine = -(-sequences // engines)
     longest = prompt + cfg.generation.max_new_tokens
@@ -99,5 +103,5 @@ def _generation(cfg: Any, dims: ModelDims, sequences: int, engines: int, engine_
     waves = -(-per_engine // concurrent)
     kv_read = concurrent * mean_length * kv_bytes_per_token(dims, engine_tp)
     decode_step = (engine_weights + kv_read) / bandwidth
-    prefill = per_engine * prompt * 2 * active / (engine_tp * flops)
+    prefill = per_engine * prompt * 2 * active / (engine_size * flops)
     return waves * cfg.generation.max_new_tokens * decode_step + prefill

@@ -48,6 +48,7 @@ from mrl.config.errors import ConfigError
 from mrl.config.schema import ModelBuildConfig, MrlConfig
 from mrl.distributed import Placement, RayCluster, WorkerDiedError
 from mrl.distributed.env import worker_threads
+from mrl.inference.factory import engine_spans_nodes
 from mrl.inference.interface import RolloutEngine
 from mrl.inference.lifecycle import EngineState
 from mrl.inference.refit import RefitStats, refit
@@ -384,10 +385,14 @@ def _reward_model_spec(cfg: MrlConfig) -> Optional["PolicySpec"]:
 
 
 def reserve_placement(cfg: MrlConfig, cluster: RayCluster) -> Placement:
-    """`cluster.num_nodes` x `cluster.devices_per_node` bundles, each with one GPU when the cluster has GPUs."""
+    """`cluster.num_nodes` x `cluster.devices_per_node` bundles, each with one GPU when the cluster has GPUs: a
+    placement group per node, or one of them all when a vLLM engine spans nodes on GPUs (its Ray executor places the
+    engine's workers in one group: mrl.inference.factory.engine_seats)."""
+    gpus = cluster.has_gpus()
+    one_group = gpus and cfg.generation.backend == "vllm" and engine_spans_nodes(cfg)
     return cluster.create_placement(
         f"{cfg.run.name}-workers", bundles_per_node=cfg.cluster.devices_per_node, num_nodes=cfg.cluster.num_nodes,
-        cpus_per_bundle=cfg.cluster.cpus_per_worker, gpus_per_bundle=1.0 if cluster.has_gpus() else 0.0)
+        cpus_per_bundle=cfg.cluster.cpus_per_worker, gpus_per_bundle=1.0 if gpus else 0.0, one_group=one_group)
 
 
 def group_share(cfg: MrlConfig, *, engine: bool, reward_model: bool) -> float:

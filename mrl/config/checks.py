@@ -99,6 +99,11 @@ def _model_problems(cfg: "MrlConfig", facts: ModelFacts) -> list[ConfigError]:
         out.append(ConfigError(f"vLLM tensor parallel size does not divide the model's {facts.heads} heads",
                                key="generation.vllm.tensor_parallel_size", given=vllm_tp,
                                allowed=f"a divisor of {facts.heads}: {_divisors(facts.heads)}"))
+    vllm_pp = cfg.generation.vllm.pipeline_parallel_size
+    if facts.layers is not None and vllm_pp > facts.layers:
+        out.append(ConfigError(f"vLLM pipeline stages outnumber the model's {facts.layers} layers",
+                               key="generation.vllm.pipeline_parallel_size", given=vllm_pp,
+                               allowed=f"1 to {facts.layers}"))
     return out
 
 

@@ -253,6 +253,10 @@ class PolicyConfig(Section):
 # -------------------------------------------------------------------------------------------------------- generation
 class VllmConfig(Section):
     tensor_parallel_size: int = Field(1, ge=1, description="vLLM tensor parallel size of each engine.")
+    pipeline_parallel_size: int = Field(
+        1, ge=1, description="vLLM pipeline stages of each engine (its layers split in that many parts, each on "
+                             "tensor_parallel_size GPUs of one node): an engine of more GPUs than a node has, e.g. "
+                             "TP 8 x PP 4 over 4 nodes; needs a colocated engine on GPUs.")
     gpu_memory_utilization: float = Field(0.6, gt=0, le=1, description="Fraction of GPU memory vLLM may take.")
     kv_cache_gib: float = Field(1.0, gt=0, description="KV cache size on CPU (VLLM_CPU_KVCACHE_SPACE).")
     enforce_eager: bool = Field(True, description="Skip graph capture/compilation (faster start, slower decode).")

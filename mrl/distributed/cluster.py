@@ -9,6 +9,10 @@ placement, or a subset of this one's bundle indices).
 Each node's bundles form one STRICT_PACK placement group, so a node's bundles really are on one node; the groups of
 different nodes land on different machines whenever a machine cannot hold two of them (always the case for
 GPU bundles that fill a node). On one machine several "nodes" simply share it, which is how CPU tests run.
+`one_group=True` reserves one PACK group of every bundle instead, for a vLLM engine whose workers span nodes (vLLM's
+Ray executor places an engine's workers in one placement group, its actor's): bundles that fill nodes' GPUs pack
+node by node, and the bundles are put in rank order node by node; a node holding other than `bundles_per_node` of
+them is refused.
 """
 
 from __future__ import annotations
@@ -110,6 +114,20 @@ def _kill_new_children(before: set[int]) -> None:
     psutil.wait_procs(left, timeout=10)
 
 
+def nodes_in_order(bundles: list[Bundle], per_node: int) -> list[Bundle]:
+    """The bundles of one placement group in rank order: node by node (the nodes ordered by their lowest bundle
+    index), by index within a node. Raises ClusterResourceError when a node holds other than `per_node` of them (Ray
+    packed them onto nodes partly taken by something else)."""
+    nodes: dict[str, list[Bundle]] = {}
+    for bundle in sorted(bundles, key=lambda b: b.index):
+        nodes.setdefault(bundle.node_id, []).append(bundle)
+    counts = {node: len(held) for node, held in nodes.items()}
+    if any(count != per_node for count in counts.values()):
+        raise ClusterResourceError(f"a placement group of {len(bundles)} bundles landed as {sorted(counts.values())} "
+                                   f"per node, not {per_node} on each: free whole nodes for it")
+    return [bundle for held in nodes.values() for bundle in held]
+
+
 class RayCluster:
     """Starts a local Ray instance (or joins a running cluster) and hands out placements.
 
@@ -195,8 +213,10 @@ class RayCluster:
         cpus_per_bundle: float = 1.0,
         gpus_per_bundle: float = 0.0,
         timeout_s: float = 60.0,
+        one_group: bool = False,
     ) -> Placement:
-        """Reserve `num_nodes` x `bundles_per_node` bundles and wait until Ray has placed them.
+        """Reserve `num_nodes` x `bundles_per_node` bundles and wait until Ray has placed them (a placement group per
+        node, or with `one_group` a single one: module docstring).
 
         Raises ClusterResourceError, naming what is available, when the request can never fit or is still not
         placed after `timeout_s` (resources held by other placements or actors).
@@ -207,10 +227,13 @@ class RayCluster:
         if gpus_per_bundle:
             bundle["GPU"] = float(gpus_per_bundle)
         self._check_fits(name, bundle, num_nodes, bundles_per_node)
-        groups = [
-            placement_group([dict(bundle)] * bundles_per_node, strategy="STRICT_PACK", name=f"{name}-node{node}")
-            for node in range(num_nodes)
-        ]
+        if one_group:
+            groups = [placement_group([dict(bundle)] * (bundles_per_node * num_nodes), strategy="PACK", name=name)]
+        else:
+            groups = [
+                placement_group([dict(bundle)] * bundles_per_node, strategy="STRICT_PACK", name=f"{name}-node{node}")
+                for node in range(num_nodes)
+            ]
         ready, _ = ray.wait([group.ready() for group in groups], num_returns=len(groups), timeout=timeout_s)
         if len(ready) < len(groups):
             available = self.available_resources()
@@ -222,9 +245,21 @@ class RayCluster:
                 f"{_format_resources(self.total_resources())}. Other placements or actors hold the rest: remove "
                 "them or ask for less"
             )
-        placement = Placement(name=name, bundles=self._bundles_in_rank_order(groups, bundle), groups=groups)
+        bundles = self._bundles_in_rank_order(groups, bundle)
+        if one_group and self.num_nodes() > 1:  # one machine holds every "node" of a local cluster
+            try:
+                bundles = nodes_in_order(bundles, bundles_per_node)
+            except ClusterResourceError:
+                remove_placement_group(groups[0])
+                raise
+        placement = Placement(name=name, bundles=bundles, groups=groups)
         self._placements.append(placement)
         return placement
+
+    @staticmethod
+    def num_nodes() -> int:
+        """Live nodes of the Ray cluster."""
+        return sum(1 for node in ray.nodes() if node.get("Alive"))
 
     @staticmethod
     def _bundles_in_rank_order(groups: list[PlacementGroup], resources: dict[str, float]) -> list[Bundle]:

@@ -60,17 +60,27 @@ def sampling_config(cfg: "MrlConfig", step: int = 0, *, purpose: Literal["train"
     )
 
 
+def engine_world_size(cfg: "MrlConfig") -> int:
+    """GPUs (vLLM workers) of one engine: its tensor parallel size x its pipeline stages."""
+    return cfg.generation.vllm.tensor_parallel_size * cfg.generation.vllm.pipeline_parallel_size
+
+
 def num_generation_engines(cfg: "MrlConfig") -> int:
-    """Generation data-parallel size: the engines' devices divided by each engine's tensor parallel size."""
+    """Generation data-parallel size: the engines' devices divided by each engine's workers (TP x PP)."""
     gen = cfg.generation
     devices = cfg.policy_world_size if gen.colocated or gen.num_devices is None else gen.num_devices
-    tp = gen.vllm.tensor_parallel_size
-    if devices % tp:
+    size = engine_world_size(cfg)
+    if devices % size:
         raise ValueError(
-            f"generation.vllm.tensor_parallel_size={tp} does not divide the {devices} devices of the engines; "
-            "pick a divisor"
+            f"generation.vllm.tensor_parallel_size x pipeline_parallel_size = {size} does not divide the {devices} "
+            "devices of the engines; pick a divisor"
         )
-    return devices // tp
+    return devices // size
+
+
+def engine_spans_nodes(cfg: "MrlConfig") -> bool:
+    """On GPUs, whether one engine needs more GPUs than a node has (its pipeline stages on several nodes)."""
+    return engine_world_size(cfg) > cfg.cluster.devices_per_node
 
 
 @dataclass(frozen=True)
@@ -80,17 +90,21 @@ class EngineSeats:
     actors: tuple[int, ...]
     """Engine e's actor: on this bundle."""
     workers: tuple[tuple[int, ...], ...]
-    """GPUs, TP k > 1: engine e's k vLLM workers, on these bundles (one node); empty otherwise."""
+    """GPUs, more than one worker: engine e's TP x PP vLLM workers, on these bundles in vLLM's rank order (stage by
+    stage); empty otherwise."""
     share: float
     """The part of each bundle the engine takes (colocated: shared with the policy)."""
 
 
 def engine_seats(cfg: "MrlConfig", placement: Any, *, colocated_share: float = 0.5) -> EngineSeats:
     """One engine per generation data-parallel rank. Colocated engines take the policy's bundles from the first;
-    others the bundles after the policy's ranks. On GPUs an engine of tensor parallel k spans k consecutive bundles
-    of one node (one GPU per vLLM worker); on CPU each engine is one bundle (its workers are its processes)."""
+    others the bundles after the policy's ranks. On GPUs an engine of TP k x PP s spans k x s consecutive bundles:
+    each pipeline stage's k on one node (a tensor-parallel group all-reduces every layer), the stages on one node or
+    several, all in one placement group (vLLM's Ray executor places an engine's workers in the group its actor runs
+    in: `mrl.app.runtime.reserve_placement` makes one group of the whole cluster when an engine spans nodes). On CPU
+    each engine is one bundle (its workers are its processes)."""
     engines, tp = num_generation_engines(cfg), cfg.generation.vllm.tensor_parallel_size
-    span = tp if placement.on_gpus else 1
+    span = engine_world_size(cfg) if placement.on_gpus else 1
     first = 0 if cfg.generation.colocated else cfg.policy_world_size
     if placement.num_bundles < first + engines * span:
         after = f" after {first} policy ranks" if first else ""
@@ -100,11 +114,27 @@ def engine_seats(cfg: "MrlConfig", placement: Any, *, colocated_share: float = 0
     actors = tuple(first + e * span for e in range(engines))
     workers = tuple(tuple(range(a, a + span)) for a in actors) if span > 1 else ()
     for bundles in workers:
-        if len({placement.bundles[b].group.id for b in bundles}) != 1:
-            raise ValueError(f"a vLLM engine of tensor_parallel_size={tp} needs {tp} GPUs of one node, but bundles "
-                             f"{list(bundles)} span nodes: make generation.vllm.tensor_parallel_size divide "
-                             "cluster.devices_per_node (and, not colocated, the policy's ranks on the first node)")
+        _check_engine_bundles(cfg, placement, bundles, tp)
     return EngineSeats(actors, workers, colocated_share if cfg.generation.colocated else 1.0)
+
+
+def _check_engine_bundles(cfg: "MrlConfig", placement: Any, bundles: tuple[int, ...], tp: int) -> None:
+    """One engine's worker bundles: each stage's tensor-parallel group on one node, all in one placement group, and
+    across nodes only colocated (a non-colocated engine's actor receives each bucket and hands it to its workers by
+    CUDA IPC, which reaches its own node's GPUs only)."""
+    stages = [bundles[i:i + tp] for i in range(0, len(bundles), tp)]
+    if any(len({placement.bundles[b].node_id for b in stage}) != 1 for stage in stages):
+        raise ValueError(f"a vLLM engine's tensor-parallel group of {tp} GPUs must sit on one node, but bundles "
+                         f"{list(bundles)} put one across nodes: make generation.vllm.tensor_parallel_size divide "
+                         "cluster.devices_per_node (and, not colocated, the policy's ranks on the first node); an "
+                         "engine larger than a node takes generation.vllm.pipeline_parallel_size stages")
+    if len({placement.bundles[b].group.id for b in bundles}) != 1:
+        raise ValueError(f"a vLLM engine's workers (bundles {list(bundles)}) must be in one placement group, but "
+                         f"placement '{placement.name}' has a group per node: reserve it with one group "
+                         "(mrl.app.runtime.reserve_placement does when an engine spans nodes)")
+    if len({placement.bundles[b].node_id for b in bundles}) > 1 and not cfg.generation.colocated:
+        raise ValueError(f"a vLLM engine across nodes (bundles {list(bundles)}) needs generation.colocated=true: a "
+                         "non-colocated engine's refit arrives in its actor and reaches only its own node's GPUs")
 
 
 def vllm_engine_config(cfg: "MrlConfig", model_path: str, *, load_weights: bool = True,
@@ -124,6 +154,7 @@ def vllm_engine_config(cfg: "MrlConfig", model_path: str, *, load_weights: bool 
         model_path=model_path,
         load_weights=load_weights,
         tensor_parallel_size=gen.vllm.tensor_parallel_size,
+        pipeline_parallel_size=gen.vllm.pipeline_parallel_size,
         max_model_len=_vllm_context_length(cfg),
         dtype=cfg.policy.precision,
         seed=cfg.run.seed,
@@ -133,7 +164,7 @@ def vllm_engine_config(cfg: "MrlConfig", model_path: str, *, load_weights: bool 
         sleep_when_idle=gen.colocated,  # on CPU the contract alone (mrl/inference/cpu_sleep_mode.py)
         sleep_level=gen.sleep_level if refitted else 1,  # discarded weights need a policy to refit them
         seeded_sampling=gen.seeded_sampling,
-        multiprocessing=gen.vllm.tensor_parallel_size > 1 and not executor,
+        multiprocessing=engine_world_size(cfg) > 1 and not executor,
         refit_transport="cuda_ipc" if gpus else "shm_file",  # the engine's own hand-on
         refit_bucket_bytes=gen.refit_bucket_mb * 2**20,
         ray_executor_bundles=executor,

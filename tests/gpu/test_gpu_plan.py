@@ -71,5 +71,6 @@ def test_a_run_checks_its_layout_against_this_gpu(figure):
     figure("plan.this_gpu_total_gib", total / 2**30, "GiB", gpu=torch.cuda.get_device_name(0))
     assert check_this_gpu(load_config(RECIPES / "grpo-deepscaler-1.5b-8K.yaml"), total) is None
     with pytest.raises(ConfigError, match="does not fit this GPU") as refused:
-        check_this_gpu(load_config(RECIPES / "grpo-deepseek-v3-32n8g.yaml"), total)
+        check_this_gpu(load_config(RECIPES / "grpo-deepseek-v3-32n8g.yaml",  # engines on one node: 156 GiB a GPU
+                                   ["generation.vllm.pipeline_parallel_size=1"]), total)
     assert "verdict: does NOT fit" in str(refused.value)

@@ -8,7 +8,8 @@ What each probe reports is checked against the layout the config implies: the GP
 and CUDA_VISIBLE_DEVICES inside it, which device the device rule gives it; an engine of tensor parallel k holds no GPU
 itself and its k workers (started the way vLLM's Ray executor starts them: vllm/v1/executor/ray_executor_v2.py,
 one actor per bundle of VLLM_RAY_BUNDLE_INDICES with num_gpus=VLLM_RAY_PER_WORKER_GPUS, in the engine's placement
-group) hold one GPU share each, on k bundles of one node.
+group) hold one GPU share each, on k bundles of one node; an engine of k x s pipeline stages, on k x s bundles, each
+stage's k on one node, the stages on several nodes of one placement group (the recipes' plans below).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from mrl.app.runtime import group_share, reserve_placement
 from mrl.config import load_config
 from mrl.distributed import RayCluster, WorkerGroup
 from mrl.distributed.cluster import Bundle, Placement
-from mrl.inference.factory import engine_seats, vllm_engine_config
+from mrl.inference.factory import engine_seats, engine_spans_nodes, engine_world_size, vllm_engine_config
 from mrl.inference.vllm_backend import ray_executor_env
 from mrl.inference.vllm_worker import engine_actor_options
 from mrl.parallel.devices import device_index
@@ -113,8 +114,10 @@ STARTED = {
                                                    TINY_BATCH), False),
     "tiny, own engine devices": ("arith-tiny-cpu.yaml", ("cluster.devices_per_node=4", "generation.colocated=false",
                                                          "generation.num_devices=2", TINY_BATCH), False),
+    "tiny, 2 engines of TP2 x PP2": ("arith-tiny-cpu.yaml", ("cluster.devices_per_node=8", TINY_BATCH,
+                                                             "generation.vllm.tensor_parallel_size=2",
+                                                             "generation.vllm.pipeline_parallel_size=2"), False),
     "Qwen3-30B-A3B 2n8g, node 0: 4 engines of TP2": ("grpo-qwen3-30b-a3b-2n8g.yaml", (), True),
-    "DeepSeek-V3 32n8g, node 0: 1 engine of TP8": ("grpo-deepseek-v3-32n8g.yaml", (), True),
 }
 
 
@@ -139,11 +142,11 @@ def test_every_worker_holds_the_gpu_share_its_layout_implies(cluster, layout):
                               resource_fraction=seats.share, **engine_actor_options(engine_cfg))
         groups.append(engines)
         gpu_of = {} if big else _check_ranks(policy.run_all("seen"), placement, range(cfg.policy_world_size), share)
-        tp = cfg.generation.vllm.tensor_parallel_size
-        if tp == 1:
+        size = engine_world_size(cfg)
+        if size == 1:
             engine_gpus = _check_ranks(engines.run_all("seen"), placement, seats.actors, seats.share)
         else:
-            engine_gpus = _check_tensor_parallel_engines(engines, placement, seats, tp)
+            engine_gpus = _check_tensor_parallel_engines(engines, placement, seats, size)
         shared = {b: g for b, g in engine_gpus.items() if b in gpu_of}
         assert all(gpu_of[b] == g for b, g in shared.items()), "a colocated engine is not on its policy rank's GPU"
         assert bool(shared) == (cfg.generation.colocated and not big)
@@ -175,13 +178,15 @@ def _check_ranks(seen: list[dict], placement, bundles, share: float) -> dict[int
 
 def _check_tensor_parallel_engines(engines, placement, seats, tp: int) -> dict[int, int]:
     """Each engine's actor holds no GPU and sees every GPU (vLLM's platform code looks at them); its tp workers
-    hold one GPU share each, tp different GPUs on bundles of one node. Returns bundle -> GPU id of the workers."""
+    (TP x PP) hold one GPU share each, tp different GPUs on bundles of one node. Returns bundle -> GPU id of the
+    workers."""
     outer = engines.run_all("seen")
     workers = engines.run_all("start_engine_workers")
     used = []
     for engine, (report, team, bundles) in enumerate(zip(outer, workers, seats.workers)):
         assert report["gpu_ids"] == [] and report["held"] == 0 and report["noset"] == "1", f"engine {engine}: {report}"
         assert len(team) == tp and len({w["gpu_ids"][0] for w in team}) == tp, team
+        assert [w["node"] for w in team] == [placement.bundles[b].node_id for b in bundles]
         assert all(len(w["gpu_ids"]) == 1 and w["held"] == pytest.approx(seats.share, abs=1e-4) and w["noset"] == "1"
                    for w in team), team
         assert len({placement.bundles[b].group.id for b in bundles}) == 1  # one node's bundles
@@ -213,23 +218,28 @@ class _NodeGroup:
     id: str
 
 
-def _placement_of(cfg) -> Placement:
-    per_node = cfg.cluster.devices_per_node
-    groups = [_NodeGroup(f"node{n}") for n in range(cfg.cluster.num_nodes)]
-    bundles = [Bundle(group, index, {"CPU": cfg.cluster.cpus_per_worker, "GPU": 1.0}, group.id, "")
-               for group in groups for index in range(per_node)]
+def _placement_of(cfg, one_group: bool = False) -> Placement:
+    """A group per node, or (`one_group`) one group whose bundles lie node after node, in the order
+    `RayCluster.create_placement(one_group=True)` puts them (bundle indices as Ray numbers them in the group)."""
+    per_node, nodes = cfg.cluster.devices_per_node, cfg.cluster.num_nodes
+    groups = [_NodeGroup("all")] if one_group else [_NodeGroup(f"node{n}") for n in range(nodes)]
+    bundles = [Bundle(groups[0 if one_group else n], n * per_node + i if one_group else i,
+                      {"CPU": cfg.cluster.cpus_per_worker, "GPU": 1.0}, f"node{n}", "")
+               for n in range(nodes) for i in range(per_node)]
     return Placement("planned", bundles, groups)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("layout", list(PLANNED))
-def test_large_recipes_seat_every_engine_on_one_node_with_a_gpu_share(layout):
+def test_large_recipes_seat_every_engine_with_a_gpu_share(layout):
     cfg = _config(PLANNED[layout])
-    placement = _placement_of(cfg)
+    spans = engine_spans_nodes(cfg)
+    assert spans == (layout == "DeepSeek-V3 32n8g")  # TP 8 x PP 4: 4 nodes an engine
+    placement = _placement_of(cfg, one_group=spans)
     share = group_share(cfg, engine=True, reward_model=False)
     seats = engine_seats(cfg, placement, colocated_share=share)
     engine_cfg = vllm_engine_config(cfg, "model", seats=seats, placement=placement)
-    tp = cfg.generation.vllm.tensor_parallel_size
-    assert len(seats.actors) == cfg.policy_world_size // tp and seats.share == share == 0.5
+    tp, size = cfg.generation.vllm.tensor_parallel_size, engine_world_size(cfg)
+    assert len(seats.actors) == cfg.policy_world_size // size and seats.share == share == 0.5
     assert engine_cfg.refit_transport == "cuda_ipc" and engine_cfg.sleep_when_idle
     options = engine_actor_options(engine_cfg)
     if tp == 1:
@@ -238,7 +248,11 @@ def test_large_recipes_seat_every_engine_on_one_node_with_a_gpu_share(layout):
         return
     assert options["gpu_fraction"] == 0.0 and engine_cfg.ray_worker_gpus == share
     assert not engine_cfg.multiprocessing  # the engine core stays in the actor, where its placement group is
-    assert all(len(w) == tp and len({placement.bundles[b].group.id for b in w}) == 1 for w in seats.workers)
+    assert all(len(w) == size and len({placement.bundles[b].group.id for b in w}) == 1 for w in seats.workers)
+    for workers in seats.workers:  # vLLM's ranks stage by stage: each stage's TP group on one node
+        stage_nodes = [{placement.bundles[b].node_id for b in workers[k:k + tp]} for k in range(0, size, tp)]
+        assert all(len(nodes) == 1 for nodes in stage_nodes)
+        assert len(set.union(*stage_nodes)) == -(-size // cfg.cluster.devices_per_node)
     assert sorted(b for w in seats.workers for b in w) == list(range(cfg.policy_world_size))  # a worker per GPU
     last = len(seats.actors) - 1
     env = ray_executor_env(engine_cfg.for_engine(last))
@@ -248,5 +262,15 @@ def test_large_recipes_seat_every_engine_on_one_node_with_a_gpu_share(layout):
 
 def test_an_engine_that_would_straddle_nodes_is_refused():
     cfg = _config("grpo-qwen3-30b-a3b-2n8g.yaml", "generation.vllm.tensor_parallel_size=16")
-    with pytest.raises(ValueError, match="span nodes"):
-        engine_seats(cfg, _placement_of(cfg))
+    with pytest.raises(ValueError, match="tensor-parallel group of 16 GPUs must sit on one node"):
+        engine_seats(cfg, _placement_of(cfg, one_group=True))
+    staged = _config("grpo-qwen3-30b-a3b-2n8g.yaml", "generation.vllm.tensor_parallel_size=8",
+                     "generation.vllm.pipeline_parallel_size=2")
+    assert len(engine_seats(staged, _placement_of(staged, one_group=True)).workers[0]) == 16
+    with pytest.raises(ValueError, match="must be in one placement group"):  # vLLM's executor takes one group
+        engine_seats(staged, _placement_of(staged))
+    apart = _config("grpo-qwen3-30b-a3b-2n8g.yaml", "generation.vllm.tensor_parallel_size=4",
+                    "generation.vllm.pipeline_parallel_size=4", "generation.colocated=false",
+                    "generation.num_devices=16", "cluster.num_nodes=4")
+    with pytest.raises(ValueError, match="needs generation.colocated=true"):  # 16 policy ranks, the engine on 2 nodes
+        engine_seats(apart, _placement_of(apart, one_group=True))

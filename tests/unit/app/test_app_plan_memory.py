@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from converters.spec import model_dims
-from mrl.app.plan_memory import Layout, kv_bytes_per_token, policy_bytes, stage_layer_ranges, stage_params
+from mrl.app.plan_memory import (Layout, engine_stage_bytes, engine_stage_layers, kv_bytes_per_token,
+                                 kv_capacity_tokens, policy_bytes, stage_layer_ranges, stage_params, total_params)
 from mrl.model.build import freeze_routers
 from mrl.testing.meta_build import meta_rank_model
 
@@ -109,3 +110,37 @@ def test_kv_bytes_per_token_by_hand():
     # DeepSeek-V3 (MLA): 61 layers x (512 latent + 64 rope) x 2 B, whatever the TP
     v3 = model_dims(published(DEEPSEEK_V3))
     assert kv_bytes_per_token(v3, 1) == kv_bytes_per_token(v3, 8) == 61 * 576 * 2
+
+
+def test_engine_pipeline_stages_split_the_layers_as_vllm_does():
+    # vllm/distributed/utils.py get_pp_indices: even parts, the remainder to the stages before the last
+    assert engine_stage_layers(61, 4) == [(0, 15), (15, 30), (30, 46), (46, 61)]  # one left: the second-to-last
+    assert engine_stage_layers(61, 2) == [(0, 31), (31, 61)]
+    assert engine_stage_layers(10, 4) == [(0, 2), (2, 5), (5, 8), (8, 10)]  # two left: the middle stages
+    assert engine_stage_layers(28, 1) == [(0, 28)]
+
+
+def test_engine_stage_weights_by_hand():
+    r1 = model_dims(published(R1_1_5B))  # untied: embedding and output layer 151,936 x 1,536 each
+    whole = total_params(r1)
+    assert engine_stage_bytes(r1, 1) == [2 * whole]
+    embedding = 151_936 * 1536
+    layer = (whole - 2 * embedding - 1536) // 28  # the final norm (1,536) on the last stage
+    first, last = engine_stage_bytes(r1, 2, 2)  # 14 layers each, over TP 2
+    assert first == 2 * (embedding + 14 * layer) // 2
+    assert last == 2 * (embedding + 1536 + 14 * layer) // 2
+    tied = model_dims(published(R1_1_5B, tie_word_embeddings=True))
+    assert engine_stage_bytes(tied, 1, 2)[1] - engine_stage_bytes(tied, 1, 2)[0] == 2 * 1536  # both hold the embedding
+    v3 = model_dims(published(DEEPSEEK_V3))
+    assert sum(engine_stage_bytes(v3, 8, 4)) == pytest.approx(2 * total_params(v3) / 8, abs=4)  # no layer twice
+
+
+def test_kv_capacity_of_a_pipelined_engine_is_its_fullest_stages():
+    r1 = model_dims(published(R1_1_5B))
+    per_layer_block = 2 * 2 * 128 * 2 * 16  # K and V, 2 KV heads, head_dim 128, bf16, 16 tokens
+    free = 1 << 30
+    assert kv_capacity_tokens(r1, 1, free, pp=2) == free // (14 * per_layer_block) * 16  # 14 layers per stage
+    r1_10 = model_dims(published(R1_1_5B, num_hidden_layers=10))  # stages of 2, 3, 3, 2 layers
+    assert kv_capacity_tokens(r1_10, 1, free, pp=4) == free // (3 * per_layer_block) * 16
+    # a stage with less memory left bounds every stage's blocks
+    assert kv_capacity_tokens(r1_10, 1, [free, free, free, free // 4], pp=4) == free // 4 // (2 * per_layer_block) * 16

@@ -50,5 +50,7 @@ def test_number_of_engines():
     assert num_generation_engines(
         _cfg(cluster={"devices_per_node": 4}, generation={"vllm": {"tensor_parallel_size": 2}})
     ) == 2
-    with pytest.raises(ValueError, match="tensor_parallel_size=3"):
+    assert num_generation_engines(_cfg(cluster={"devices_per_node": 4, "num_nodes": 2}, generation={
+        "vllm": {"tensor_parallel_size": 2, "pipeline_parallel_size": 2}})) == 2  # 8 devices, engines of 2 x 2
+    with pytest.raises(ValueError, match="pipeline_parallel_size = 3 does not divide the 4 devices"):
         num_generation_engines(_cfg(cluster={"devices_per_node": 4}, generation={"vllm": {"tensor_parallel_size": 3}}))

