@@ -14,15 +14,10 @@ stage's k on one node, the stages on several nodes of one placement group (the r
 
 from __future__ import annotations
 
-import os
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-import ray
-from ray.util.placement_group import get_current_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from mrl.app.runtime import group_share, reserve_placement
 from mrl.config import load_config
@@ -32,59 +27,12 @@ from mrl.inference.factory import engine_seats, engine_spans_nodes, engine_world
 from mrl.inference.vllm_backend import ray_executor_env
 from mrl.inference.vllm_worker import engine_actor_options
 from mrl.parallel.devices import device_index
+from mrl.testing.placement_probes import Probe
 
 pytestmark = pytest.mark.functional
 
-ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the probes below ship by value
 RECIPES = Path(__file__).resolve().parents[3] / "recipes"
 LOGICAL_GPUS = 8
-
-
-def _seen() -> dict:
-    """What a process placed by Ray sees of its GPUs."""
-    from mrl.parallel.devices import local_cuda_device
-
-    ids = [int(i) for i in ray.get_gpu_ids()]
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    count = len(visible.split(",")) if visible else 0  # what torch.cuda.device_count() would say on a GPU node
-    # the share Ray accounts to it (Ray keeps resource amounts to 1e-4: a third is 0.3333)
-    held = ray.get_runtime_context().get_assigned_resources().get("GPU", 0.0)
-    return {"gpu_ids": ids, "held": held, "visible": visible, "device": local_cuda_device(count) if count else None,
-            "node": ray.get_runtime_context().get_node_id(),
-            "noset": os.environ.get("RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES")}
-
-
-@ray.remote(num_cpus=0)
-class _VllmLikeWorker:
-    def seen(self) -> dict:
-        return _seen()
-
-
-class Probe:
-    """Stands where a policy rank, an engine or a reward model would."""
-
-    def __init__(self, engine_config=None) -> None:
-        self.engine_config = engine_config
-
-    def seen(self) -> dict:
-        return _seen()
-
-    def start_engine_workers(self) -> list[dict]:
-        """As vLLM's Ray executor does for an engine of TP > 1 (see the module docstring), from the environment
-        mrl gives it."""
-        config = self.engine_config.for_engine(int(os.environ["RANK"]))
-        env = ray_executor_env(config)
-        group = get_current_placement_group()
-        workers = [_VllmLikeWorker.options(
-            num_gpus=float(env["VLLM_RAY_PER_WORKER_GPUS"]),
-            scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=int(index),
-                                                                 placement_group_capture_child_tasks=True),
-            runtime_env={"env_vars": {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}}).remote()
-            for index in env["VLLM_RAY_BUNDLE_INDICES"].split(",")]
-        seen = ray.get([worker.seen.remote() for worker in workers])
-        for worker in workers:
-            ray.kill(worker)
-        return seen
 
 
 @pytest.fixture(scope="module")
