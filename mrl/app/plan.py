@@ -63,6 +63,12 @@ ASSUMPTIONS: dict[str, Assumption] = {
                                          "train/response_length over max_new_tokens"),
     "refit_gib_per_s": Assumption(200, "GiB/s per engine GPU", "CUDA IPC between colocated processes: 235-245 GiB/s "
                                   "measured on an H100 by the GPU tier (docs/measurements.md)"),
+    "node_broadcast_gib_per_s": Assumption(150, "GiB/s", "a refit bucket broadcast from policy rank 0 over the "
+                                           "policy's ranks of one node (NVLink 4: 900 GB/s per H100, a broadcast "
+                                           "reaches a share of it; nccl-tests' broadcast_perf measures yours)"),
+    "cluster_broadcast_gib_per_s": Assumption(40, "GiB/s", "the same broadcast across nodes (one 400 Gb/s "
+                                              "InfiniBand NIC per GPU, 50 GB/s, of which NCCL reaches 80-90%; "
+                                              "nccl-tests' broadcast_perf over the nodes measures yours)"),
 }
 
 
@@ -231,11 +237,11 @@ def make_plan(cfg: MrlConfig, *, gpu: str = "h100-80gb", assume: Sequence[str] =
         train = int((states.states + max(acts.train_peak, acts.logprob_peak)) * slack) + context + asleep
         generate = _resident(cfg, states) + context + engine.budget if cfg.generation.colocated else 0
         stages.append(StagePlan(states, acts, stage.layers, train, generate))
+    refit = refit_plan(cfg, dims)
     time = step_time(cfg, dims, gpu, {key: a.value for key, a in assumptions.items()}, kv_tokens=engine.kv_tokens,
-                     engine_weights=engine.weights)
+                     engine_weights=engine.weights, refit_bytes=refit.total)
     label = gpu if gpu_total is None else "this GPU"
-    plan = Plan(cfg.policy.model_name or "", source, label, total, dims, stages, engine, time, refit_plan(cfg, dims),
-                assumptions)
+    plan = Plan(cfg.policy.model_name or "", source, label, total, dims, stages, engine, time, refit, assumptions)
     _judge(cfg, plan)
     return plan
 

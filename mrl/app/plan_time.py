@@ -13,7 +13,10 @@ rates being assumptions a user replaces with measurements (`--assume key=value`)
                 reference (loss.kl_beta > 0): (2 x active parameters + attention) FLOPs per token.
     train       (6 x active parameters + 3 x attention) FLOPs per token, 8 x with full recompute (the forward again),
                 over every policy GPU at peak x mfu.
-    refit       each engine GPU's weights (bf16) at refit_gib_per_s (CUDA IPC when colocated).
+    refit       every HF tensor (bf16) broadcast from the policy's rank 0 (to every policy rank colocated: CUDA IPC
+                opens them on each GPU; to the engines' actors otherwise) at node_broadcast_gib_per_s when the ranks
+                fit one node, else cluster_broadcast_gib_per_s (none with one GPU in all), then each engine GPU's
+                weights loaded at refit_gib_per_s; the two one after the other (an upper bound: buckets overlap).
 Attention FLOPs per token: 2 x layers x heads x head_dim x mean sequence length (the causal half of QK^T and AV).
 Active parameters: the dense ones and, of the routed experts, top-k of each MoE layer.
 """
@@ -64,7 +67,7 @@ def attention_flops_per_token(dims: ModelDims, mean_length: float) -> float:
 
 
 def step_time(cfg: Any, dims: ModelDims, gpu: str, assume: Mapping[str, float], *, kv_tokens: int,
-              engine_weights: int) -> StepTime:
+              engine_weights: int, refit_bytes: int = 0) -> StepTime:
     """The estimate for `cfg` on `gpu` (module docstring); `assume` holds the plan's assumptions by key."""
     peak, bandwidth = GPU_RATES[gpu]
     mfu = assume["mfu"]
@@ -88,8 +91,18 @@ def step_time(cfg: Any, dims: ModelDims, gpu: str, assume: Mapping[str, float], 
     generation = _generation(cfg, dims, sequences, engines, engine_tp, engine_size, kv_tokens,
                              engine_weight_bytes(dims, engine_tp), prompt, mean_length, active,
                              bandwidth * assume["decode_efficiency"], peak * mfu)
-    refit = engine_weights / (assume["refit_gib_per_s"] * GiB)
+    refit = engine_weights / (assume["refit_gib_per_s"] * GiB) + refit_bytes / _broadcast_rate(cfg, assume)
     return StepTime(generation, logprobs, train, refit)
+
+
+def _broadcast_rate(cfg: Any, assume: Mapping[str, float]) -> float:
+    """Bytes a second of the refit's broadcast from the policy's rank 0 (module docstring); inf: no broadcast."""
+    gen = cfg.generation
+    gpus = cfg.policy_world_size + (0 if gen.colocated else (gen.num_devices or 0))
+    if gpus <= 1:
+        return float("inf")
+    one_node = gpus <= cfg.cluster.devices_per_node
+    return assume["node_broadcast_gib_per_s" if one_node else "cluster_broadcast_gib_per_s"] * GiB
 
 
 def _generation(cfg: Any, dims: ModelDims, sequences: int, engines: int, engine_tp: int, engine_size: int,

@@ -39,7 +39,8 @@ def test_the_deepscaler_8k_step_by_hand():
     assert plan.time.train == pytest.approx(sequences * mean * (8 * n + 4 * attention) / rate)  # recompute on
     assert plan.time.logprobs == pytest.approx(sequences * mean * (2 * n + attention) / rate)  # kl_beta 0: one pass
     weights = n * 2                                      # one engine of TP 1 a GPU, bf16
-    assert plan.time.refit == pytest.approx(weights / (200 * 2**30))
+    # every HF tensor broadcast over the 8 ranks of one node, then each engine GPU's weights loaded by CUDA IPC
+    assert plan.time.refit == pytest.approx(weights / (150 * 2**30) + weights / (200 * 2**30))
     # 8 engines x 128 sequences each; the KV cache holds 1,590,768 // (256 + 7680) = 200 at once: one wave
     kv_token = layers * 2 * 2 * head_dim * 2             # K and V of 2 KV heads, bf16
     step = (weights + 128 * mean * kv_token) / (3.35e12 * 0.6)
@@ -48,6 +49,14 @@ def test_the_deepscaler_8k_step_by_hand():
     assert plan.time.generation == pytest.approx(7680 * step + prefill)
     assert plan.time.total == pytest.approx(plan.time.generation + plan.time.logprobs + plan.time.train +
                                             plan.time.refit)
+
+
+def test_the_refit_broadcast_crosses_nodes_at_the_cluster_rate():
+    v3 = make_plan(load_config(RECIPES / "grpo-deepseek-v3-32n8g.yaml"))  # 256 ranks on 32 nodes
+    assert v3.time.refit == pytest.approx(v3.engine.weights / (200 * 2**30) + v3.refit.total / (40 * 2**30))
+    assert v3.time.refit > 30  # 1250 GiB over InfiniBand
+    alone = make_plan(load_config(RECIPES / "grpo-deepscaler-1.5b-8K.yaml", ["cluster.devices_per_node=1"]))
+    assert alone.time.refit == pytest.approx(alone.engine.weights / (200 * 2**30))  # one GPU: nothing to broadcast
 
 
 def test_assume_replaces_a_rate():
