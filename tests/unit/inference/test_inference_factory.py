@@ -54,3 +54,14 @@ def test_number_of_engines():
         "vllm": {"tensor_parallel_size": 2, "pipeline_parallel_size": 2}})) == 2  # 8 devices, engines of 2 x 2
     with pytest.raises(ValueError, match="pipeline_parallel_size = 3 does not divide the 4 devices"):
         num_generation_engines(_cfg(cluster={"devices_per_node": 4}, generation={"vllm": {"tensor_parallel_size": 3}}))
+
+
+def test_cpu_engines_of_several_workers_split_the_cores_they_may_use():
+    """vLLM's "auto" binding wants a NUMA node per worker and refuses TP or PP 2 on a one-NUMA machine, so mrl
+    resolves it: even consecutive shares of the process's cores (vllm_backend.cpu_threads_bind_for)."""
+    from mrl.inference.vllm_backend import cpu_threads_bind_for
+
+    assert cpu_threads_bind_for(2, [0, 1]) == "0|1"
+    assert cpu_threads_bind_for(2, [3, 0, 1, 2, 4]) == "0,1|2,3,4"  # sorted; the remainder to the last
+    assert cpu_threads_bind_for(4, [6, 7]) == "6|7|6|7"  # fewer cores than workers: round robin
+    assert cpu_threads_bind_for(1, [0, 1, 2]) == "0,1,2"
