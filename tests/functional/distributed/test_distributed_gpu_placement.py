@@ -62,9 +62,6 @@ STARTED = {
                                                    TINY_BATCH), False),
     "tiny, own engine devices": ("arith-tiny-cpu.yaml", ("cluster.devices_per_node=4", "generation.colocated=false",
                                                          "generation.num_devices=2", TINY_BATCH), False),
-    "tiny, 2 engines of TP2 x PP2": ("arith-tiny-cpu.yaml", ("cluster.devices_per_node=8", TINY_BATCH,
-                                                             "generation.vllm.tensor_parallel_size=2",
-                                                             "generation.vllm.pipeline_parallel_size=2"), False),
     "Qwen3-30B-A3B 2n8g, node 0: 4 engines of TP2": ("grpo-qwen3-30b-a3b-2n8g.yaml", (), True),
 }
 
