@@ -163,16 +163,16 @@ def engine_stage_bytes(dims: ModelDims, tp: int, pp: int = 1, *, width: int = 2)
     last the final norm and the output layer, and with tied embeddings the embedding too, as vLLM's models build
     them) over vLLM's TP (its vocabulary padding to 64 per rank, under a megabyte, left out). A checkpoint's layers
     past the model's (DeepSeek-V3's multi-token prediction) are not loaded by vLLM's model."""
-    stages = engine_stage_layers(dims.num_layers, pp)
+    stage_of = [k for k, (first, last) in enumerate(engine_stage_layers(dims.num_layers, pp))
+                for _ in range(first, last)]
     out = [0] * pp
     for name, shape in expected_hf_shapes(dims).items():
-        if name.endswith("e_score_correction_bias"):
-            continue
         numel = math.prod(shape)
-        layer = _hf_layer_of(name)
+        layer = _layer_of(name, "model.layers.")
+        if name.endswith("e_score_correction_bias") or (layer is not None and layer >= dims.num_layers):
+            continue
         if layer is not None:
-            out[next((k for k, (a, b) in enumerate(stages) if a <= layer < b), -1)] += numel if \
-                layer < dims.num_layers else 0
+            out[stage_of[layer]] += numel
         elif "embed_tokens" in name:
             out[0] += numel
             out[-1] += numel if dims.tied and pp > 1 else 0
@@ -181,9 +181,10 @@ def engine_stage_bytes(dims: ModelDims, tp: int, pp: int = 1, *, width: int = 2)
     return [params * width // tp for params in out]
 
 
-def engine_weight_bytes(dims: ModelDims, tp: int, pp: int = 1, *, width: int = 2) -> int:
-    """One engine GPU's weights, on its largest pipeline stage (`engine_stage_bytes`)."""
-    return max(engine_stage_bytes(dims, tp, pp, width=width))
+def engine_weight_bytes(dims: ModelDims, tp: int, *, width: int = 2) -> int:
+    """The whole model's weights over vLLM's TP: what one GPU of a tensor-parallel group reads per decode step, its
+    pipeline stages together (`engine_stage_bytes` gives each stage's)."""
+    return sum(engine_stage_bytes(dims, tp, width=width))
 
 
 def kv_bytes_per_token(dims: ModelDims, tp: int, *, layers: int | None = None, width: int = 2) -> int:
@@ -211,16 +212,11 @@ def kv_capacity_tokens(dims: ModelDims, tp: int, available_bytes: int | list[int
     return blocks * block_size
 
 
-def _hf_layer_of(name: str) -> int | None:
-    if not name.startswith("model.layers."):
+def _layer_of(name: str, prefix: str = "decoder.layers.") -> int | None:
+    """The layer index of a Megatron parameter name (or an HF one, prefix "model.layers."); None outside layers."""
+    if not name.startswith(prefix):
         return None
-    return int(name.split(".")[2])
-
-
-def _layer_of(name: str) -> int | None:
-    if not name.startswith("decoder.layers."):
-        return None
-    return int(name.split(".")[2])
+    return int(name[len(prefix):].split(".")[0])
 
 
 def _on_stage(name: str, layer: int | None, stage: int, first: int, last: int, pp: int) -> bool:

@@ -116,13 +116,14 @@ def _kill_new_children(before: set[int]) -> None:
 
 def nodes_in_order(bundles: list[Bundle], per_node: int) -> list[Bundle]:
     """The bundles of one placement group in rank order: node by node (the nodes ordered by their lowest bundle
-    index), by index within a node. Raises ClusterResourceError when a node holds other than `per_node` of them (Ray
-    packed them onto nodes partly taken by something else)."""
+    index), by index within a node; all on one node (a local cluster: its "nodes" share one machine), by index.
+    Raises ClusterResourceError when a node holds other than `per_node` of them (Ray packed them onto nodes partly
+    taken by something else)."""
     nodes: dict[str, list[Bundle]] = {}
     for bundle in sorted(bundles, key=lambda b: b.index):
         nodes.setdefault(bundle.node_id, []).append(bundle)
     counts = {node: len(held) for node, held in nodes.items()}
-    if any(count != per_node for count in counts.values()):
+    if len(nodes) > 1 and any(count != per_node for count in counts.values()):
         raise ClusterResourceError(f"a placement group of {len(bundles)} bundles landed as {sorted(counts.values())} "
                                    f"per node, not {per_node} on each: free whole nodes for it")
     return [bundle for held in nodes.values() for bundle in held]
@@ -246,7 +247,7 @@ class RayCluster:
                 "them or ask for less"
             )
         bundles = self._bundles_in_rank_order(groups, bundle)
-        if one_group and self.num_nodes() > 1:  # one machine holds every "node" of a local cluster
+        if one_group:
             try:
                 bundles = nodes_in_order(bundles, bundles_per_node)
             except ClusterResourceError:
@@ -255,11 +256,6 @@ class RayCluster:
         placement = Placement(name=name, bundles=bundles, groups=groups)
         self._placements.append(placement)
         return placement
-
-    @staticmethod
-    def num_nodes() -> int:
-        """Live nodes of the Ray cluster."""
-        return sum(1 for node in ray.nodes() if node.get("Alive"))
 
     @staticmethod
     def _bundles_in_rank_order(groups: list[PlacementGroup], resources: dict[str, float]) -> list[Bundle]:

@@ -124,8 +124,8 @@ class VllmEngineGroup:
         omp_num_threads: Threads = 1,
         busy_per_node: Optional[int] = None,
     ) -> None:
-        """`bundle_indices[e]`: engine e's actor. With `config.ray_executor_bundles` (GPUs, several workers) the actor holds
-        no GPU itself: vLLM's Ray workers hold them, on the bundles listed there, and the actor sees every GPU of
+        """`bundle_indices[e]`: engine e's actor. With `config.ray_executor_bundles` (GPUs, several workers) the actor
+        holds no GPU itself: vLLM's Ray workers hold them, on the bundles listed there, and the actor sees every GPU of
         its node (RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES), as vLLM's platform code expects."""
         self.config = config
         self.expected_names = expected_tensor_names(config)

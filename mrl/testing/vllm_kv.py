@@ -81,8 +81,7 @@ def vllm_kv_capacity(hf_config: dict[str, Any], *, tp_size: int, available_bytes
 
     vllm_config = _vllm_config(hf_config, tp_size, block_size, max_model_len, pp_size)
     spec = _layer_spec(vllm_config, block_size, kv_dtype)
-    num_layers = vllm_config.model_config.get_num_layers_by_block_type(
-        _vllm_config(hf_config, tp_size, block_size, max_model_len).parallel_config, "attention")  # all stages'
+    num_layers = vllm_config.model_config.get_total_num_hidden_layers()  # every stage's
     stages = [get_pp_indices(num_layers, rank, pp_size) for rank in range(pp_size)]
     specs = [{f"model.layers.{i}.self_attn.attn": spec for i in range(first, last)} for first, last in stages]
     available = available_bytes if isinstance(available_bytes, list) else [available_bytes] * pp_size

@@ -44,6 +44,5 @@ def test_kv_cache_tokens_of_pipeline_stages_equal_vllms_own_computation(name, tp
     for available in (20 * 2**30, [9 * 2**30 + 12345, *[20 * 2**30] * (pp - 2), 5 * 2**30]):
         vllm = vllm_kv_capacity(config, tp_size=tp, pp_size=pp, available_bytes=available, max_model_len=8192)
         assert kv_capacity_tokens(dims, tp, available, pp=pp) == vllm["num_blocks"] * 16
-        assert kv_capacity_tokens(dims, tp, available, pp=pp) > kv_capacity_tokens(dims, tp, available if
-                                                                                   isinstance(available, int)
-                                                                                   else min(available))
+        least = min(available) if isinstance(available, list) else available
+        assert kv_capacity_tokens(dims, tp, available, pp=pp) > kv_capacity_tokens(dims, tp, least)  # fewer layers

@@ -121,16 +121,16 @@ def _check_ranks(seen: list[dict], placement, bundles, share: float) -> dict[int
     return dict(zip(bundles, gpus))
 
 
-def _check_tensor_parallel_engines(engines, placement, seats, tp: int) -> dict[int, int]:
-    """Each engine's actor holds no GPU and sees every GPU (vLLM's platform code looks at them); its tp workers
-    (TP x PP) hold one GPU share each, tp different GPUs on bundles of one node. Returns bundle -> GPU id of the
+def _check_tensor_parallel_engines(engines, placement, seats, size: int) -> dict[int, int]:
+    """Each engine's actor holds no GPU and sees every GPU (vLLM's platform code looks at them); its `size` workers
+    (TP x PP) hold one GPU share each, `size` different GPUs on bundles of one node. Returns bundle -> GPU id of the
     workers."""
     outer = engines.run_all("seen")
     workers = engines.run_all("start_engine_workers")
     used = []
     for engine, (report, team, bundles) in enumerate(zip(outer, workers, seats.workers)):
         assert report["gpu_ids"] == [] and report["held"] == 0 and report["noset"] == "1", f"engine {engine}: {report}"
-        assert len(team) == tp and len({w["gpu_ids"][0] for w in team}) == tp, team
+        assert len(team) == size and len({w["gpu_ids"][0] for w in team}) == size, team
         assert [w["node"] for w in team] == [placement.bundles[b].node_id for b in bundles]
         assert all(len(w["gpu_ids"]) == 1 and w["held"] == pytest.approx(seats.share, abs=1e-4) and w["noset"] == "1"
                    for w in team), team

@@ -1,6 +1,7 @@
 """`nodes_in_order`: the bundles of one placement group across nodes (`RayCluster.create_placement(one_group=True)`,
 for a vLLM engine whose pipeline stages sit on several nodes) put in rank order node by node, whatever order Ray
-numbered them in; a node holding other than its share refused."""
+numbered them in; a node holding other than its share refused; one machine holding them all (a local cluster) kept
+in index order."""
 
 from __future__ import annotations
 
@@ -31,3 +32,7 @@ def test_bundles_go_node_by_node_nodes_in_the_order_of_their_first_bundle():
 def test_a_node_with_more_or_fewer_bundles_than_its_share_is_refused():
     with pytest.raises(ClusterResourceError, match=r"landed as \[1, 3\] per node, not 2 on each"):
         nodes_in_order(_bundles(["a", "a", "a", "b"]), per_node=2)
+
+
+def test_one_machine_holding_every_bundle_keeps_them_in_index_order():
+    assert nodes_in_order(list(reversed(_bundles(["a"] * 4))), per_node=2) == _bundles(["a"] * 4)
