@@ -9,6 +9,9 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# vLLM engines eager unless a test says otherwise (generation.vllm.enforce_eager: null reads this): the suite starts
+# dozens of engines that live seconds, and compiling one costs 7-20 s.
+os.environ.setdefault("MRL_VLLM_ENFORCE_EAGER", "1")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -158,7 +158,7 @@ def vllm_engine_config(cfg: "MrlConfig", model_path: str, *, load_weights: bool 
         max_model_len=_vllm_context_length(cfg),
         dtype=cfg.policy.precision,
         seed=cfg.run.seed,
-        enforce_eager=gen.vllm.enforce_eager,
+        enforce_eager=gen.vllm.eager(),
         kv_cache_bytes=int(gen.vllm.kv_cache_gib * 2**30),
         gpu_memory_utilization=gen.vllm.gpu_memory_utilization,
         sleep_when_idle=gen.colocated,  # on CPU the contract alone (mrl/inference/cpu_sleep_mode.py)

@@ -25,8 +25,8 @@ take the same environment from `forced_environment("avx2")`. It sets the three l
 `MRL_CPU_ISA`, and puts this package's `isa_boot` folder on PYTHONPATH: its sitecustomize makes torch.cpu's two
 AVX-512 predicates answer for the forced ISA in every Python process the command starts (vLLM's engine and worker
 processes too), before vLLM loads its kernels. So the AVX2 path runs the real `_C_AVX2` library, not a stand-in.
-Inductor compiles into a cache of the forced level's own (`_inductor_cache`). Forced, the demo learns exactly what
-an AVX2-only EPYC learned (same kernels, same fp32 rounding); its speed stays this CPU's.
+Inductor and vLLM's compiled models go to caches of the forced level's own (`_compile_cache`). Forced, the demo
+learns exactly what an AVX2-only EPYC learned (same kernels, same fp32 rounding); its speed stays this CPU's.
 `python -m mrl.parallel.cpu_isa` prints the one-line summary (what `.ci/run` prints first).
 """
 
@@ -188,11 +188,14 @@ def forced_environment(level: str, environ: Mapping[str, str] | None = None) -> 
     path = [str(BOOT_DIR), *[p for p in environ.get("PYTHONPATH", "").split(os.pathsep) if p]]
     return {FORCE_ENV: level, "ONEDNN_MAX_CPU_ISA": ONEDNN_CAP[level], "MKL_ENABLE_INSTRUCTIONS": MKL_CAP[level],
             "ATEN_CPU_CAPABILITY": ATEN_CAP[level], "PYTHONPATH": os.pathsep.join(path),
-            "TORCHINDUCTOR_CACHE_DIR": _inductor_cache(level)}
+            "TORCHINDUCTOR_CACHE_DIR": _compile_cache(level, "inductor"),
+            "VLLM_CACHE_ROOT": _compile_cache(level, "vllm")}
 
 
-def _inductor_cache(level: str) -> str:
-    """Workaround for torch 2.13's inductor cache at a forced level: a folder of compiled kernels per level.
+def _compile_cache(level: str, kind: str) -> str:
+    """Workaround for torch 2.13's inductor cache at a forced level: a folder of compiled kernels per level, for
+    inductor's own cache and for vLLM's (a compiled engine, `generation.vllm.enforce_eager: false`, keeps inductor's
+    code for the model under VLLM_CACHE_ROOT/torch_compile_cache).
 
     vLLM compiles a few functions with inductor even with `enforce_eager` (the vocabulary-parallel embedding's
     masking). With the default cache, shared with runs at the CPU's own level, a tensor-parallel engine at forced
@@ -203,7 +206,7 @@ def _inductor_cache(level: str) -> str:
     import getpass
     import tempfile
 
-    return str(Path(tempfile.gettempdir()) / f"torchinductor_{getpass.getuser()}_mrl_{level}")
+    return str(Path(tempfile.gettempdir()) / f"{kind}_{getpass.getuser()}_mrl_{level}")
 
 
 # ------------------------------------------------------------------------------ the forced level, in every process

@@ -292,3 +292,24 @@ def test_a_level_2_sleep_discards_the_weights_until_a_refit_rewrites_them(models
         assert [what for what, _ in engine.sleep_events()][:2] == ["generate", "sleep(level=2)"]
     finally:
         engine.shutdown()
+
+
+def test_compiled_engine_sees_every_refit(models):
+    """`generation.vllm.enforce_eager`'s default is vLLM's (false: the model compiled with torch.compile). A compiled
+    graph keeps what it traced, and on CPU vLLM's linears call oneDNN through a handle made when the weights are
+    processed (vllm/model_executor/layers/utils.py `dispatch_cpu_unquantized_gemm`), which a refit processes again:
+    the graph must still compute with each refit's weights. Against HF on each model, A -> B -> A."""
+    from mrl.inference.vllm_backend import VllmBackend, VllmEngineConfig
+
+    backend = VllmBackend(VllmEngineConfig(model_path=str(models[0]), max_model_len=MAX_MODEL_LEN,
+                                           kv_cache_bytes=64 << 20, enforce_eager=False))
+    try:
+        out = backend.generate(PROMPTS, SAMPLING)
+        assert max_diff(out.samples, hf_logprobs(models[0], out.samples)) <= TOL
+        for model in (models[1], models[0]):
+            backend.update_weights(_state(model).items())
+            out = backend.generate(PROMPTS, SAMPLING)
+            assert max_diff(out.samples, hf_logprobs(model, out.samples)) <= TOL
+            assert max_diff(out.samples, hf_logprobs(models[1] if model == models[0] else models[0], out.samples)) > 0.1
+    finally:
+        backend.shutdown()

@@ -39,6 +39,24 @@ def test_wrong_type_and_choice_name_what_is_allowed():
     assert validate_tree({"cluster": {"omp_num_threads": 3}}).cluster.omp_num_threads == 3
 
 
+def test_enforce_eager_is_the_key_else_the_environment_else_compiled(monkeypatch):
+    """null: $MRL_VLLM_ENFORCE_EAGER (the test suite's conftest sets 1), else vLLM's own default, compiled."""
+    eager = lambda tree: validate_tree(tree).generation.vllm.eager()  # noqa: E731
+    monkeypatch.delenv("MRL_VLLM_ENFORCE_EAGER", raising=False)
+    assert eager({}) is False
+    assert eager({"generation": {"vllm": {"enforce_eager": True}}}) is True
+    monkeypatch.setenv("MRL_VLLM_ENFORCE_EAGER", "1")
+    assert eager({}) is True
+    assert eager({"generation": {"vllm": {"enforce_eager": False}}}) is False
+    monkeypatch.setenv("MRL_VLLM_ENFORCE_EAGER", "0")
+    assert eager({}) is False
+    monkeypatch.setenv("MRL_VLLM_ENFORCE_EAGER", "yes")
+    (p,) = problems({})
+    assert p.key == "generation.vllm.enforce_eager" and p.given == "yes" and "1 (eager)" in p.allowed
+    assert "MRL_VLLM_ENFORCE_EAGER" in p.message and p.fix
+    assert eager({"generation": {"vllm": {"enforce_eager": True}}}) is True  # the key wins: the variable is not read
+
+
 def test_tp_must_divide_heads_of_built_model():
     tree = {"cluster": {"devices_per_node": 4},
             "policy": {"parallel": {"tensor_parallel_size": 4}, "build": {"num_attention_heads": 6}}}

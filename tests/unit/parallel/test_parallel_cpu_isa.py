@@ -60,8 +60,9 @@ def test_a_bad_forced_level_names_the_variable_and_the_choices():
 
 
 @pytest.mark.skipif(NATIVE is None, reason="not an x86 CPU with AVX2")
-def test_a_forced_level_compiles_into_an_inductor_cache_of_its_own():
-    """The inductor-cache workaround (cpu_isa._inductor_cache): never the default cache, one per level."""
+def test_a_forced_level_compiles_into_caches_of_its_own():
+    """The inductor-cache workaround (cpu_isa._compile_cache): never the default caches, one per level, for inductor
+    and for vLLM's compiled models."""
     env = forced_environment("avx2", {"PYTHONPATH": "/elsewhere"})
     assert env["PYTHONPATH"].split(os.pathsep)[1:] == ["/elsewhere"]
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
@@ -69,6 +70,10 @@ def test_a_forced_level_compiles_into_an_inductor_cache_of_its_own():
     assert env["TORCHINDUCTOR_CACHE_DIR"] != default_cache_dir()  # inductor's own default, whatever the environment
     if NATIVE != "avx2":
         assert forced_environment("avx512", {})["TORCHINDUCTOR_CACHE_DIR"] != env["TORCHINDUCTOR_CACHE_DIR"]
+        assert forced_environment("avx512", {})["VLLM_CACHE_ROOT"] != env["VLLM_CACHE_ROOT"]
+    from vllm.envs import VLLM_CACHE_ROOT
+
+    assert env["VLLM_CACHE_ROOT"] not in (VLLM_CACHE_ROOT, env["TORCHINDUCTOR_CACHE_DIR"])
 
 
 @pytest.mark.skipif(NATIVE in (None, "avx512_bf16"), reason="needs a CPU below the highest level")
