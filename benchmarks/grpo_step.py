@@ -23,6 +23,8 @@ Two workloads (--workload), P prompts x G samples x at most T new tokens per ste
          The floor trains on its padded batch, as a plain HF train step does. The engine and the policy share one
          bundle (colocated) and, as in the recipe's GRPO stage, each uses both cores (cluster.omp_num_threads=2:
          their phases never overlap).
+         The engine compiles its model (generation.vllm.enforce_eager's default; MRL_VLLM_ENFORCE_EAGER is
+         removed from the runs' environment): a start-up cost, outside the steady steps.
   async: the same plus grpo.max_off_policy_steps=1 loss.importance_sampling=tis, the engine on a bundle of its own
          (generation.colocated=false, generation.num_devices=1, cluster.devices_per_node=2): one core each
          (cluster.omp_num_threads=1).
@@ -58,6 +60,7 @@ from typing import Optional
 from mrl.testing.runs import MACHINERY
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # the mrl subprocesses' workers, as in the Makefile
+os.environ.pop("MRL_VLLM_ENFORCE_EAGER", None)  # the engine's default, whatever the shell (the test suite sets 1)
 os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
 os.environ["TOKENIZERS_PARALLELISM"] = "false"
 
