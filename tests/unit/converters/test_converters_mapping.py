@@ -131,3 +131,30 @@ def test_select_pp_stage_renames_layers_and_copies_tied_embedding(tmp_path):
     assert torch.equal(last["decoder.layers.0.mlp.linear_fc2.weight"], meg["decoder.layers.2.mlp.linear_fc2.weight"])
     assert torch.equal(last["output_layer.weight"], meg["embedding.word_embeddings.weight"])
     assert "decoder.final_layernorm.weight" in last and "embedding.word_embeddings.weight" not in last
+
+
+def test_one_parameter_at_a_time_builds_the_model_tables_once(tmp_path, monkeypatch):
+    """A refit converts one parameter per `megatron_to_hf` call: the rule tables are built once per model, not per
+    call (per call a refit was quadratic in the parameter count: hours for DeepSeek-V3), and a model of other
+    dimensions gets its own (its shapes, not the first model's)."""
+    import converters.mapping as M
+
+    hf, cfg = _tiny(tmp_path, "qwen2", False, 2)
+    meg = C.hf_to_megatron(hf, cfg)
+    dims = C.model_dims(cfg)
+    builds = []
+    real = M.param_rules
+    monkeypatch.setattr(M, "param_rules", lambda *a, **k: builds.append(a) or real(*a, **k))
+    monkeypatch.setattr(M, "_TABLES", [])
+    back = {}
+    for name, tensor in meg.items():
+        back.update(C.megatron_to_hf([(name, tensor)], dims, require_complete=False))
+    assert back.keys() == hf.keys() and all(torch.equal(back[k], hf[k]) for k in hf)
+    assert len(builds) <= 2  # the local and the TE spec's names, once
+    wider_hf, wider_cfg = _tiny(tmp_path / "wider", "qwen2", False, 2, intermediate=96)
+    wider = C.hf_to_megatron(wider_hf, wider_cfg)
+    name = "decoder.layers.0.mlp.linear_fc2.weight"
+    (converted,) = C.megatron_to_hf([(name, wider[name])], C.model_dims(wider_cfg), require_complete=False)
+    assert converted[1].shape == wider_hf["model.layers.0.mlp.down_proj.weight"].shape
+    with pytest.raises(C.ConversionError, match="shape"):  # the first model's tables would have taken it
+        list(C.megatron_to_hf([(name, wider[name])], dims, require_complete=False))
