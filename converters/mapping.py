@@ -82,9 +82,9 @@ def per_expert_state(hf_state: Mapping[str, torch.Tensor], dims: ModelDims) -> d
     out: dict[str, torch.Tensor] = {}
     mtp: set[int] = set()
     for name, tensor in hf_state.items():
-        layer = _HF_LAYER_RE.match(name)
-        if layer and int(layer.group(1)) >= dims.num_layers and dims.mla is not None:
-            mtp.add(int(layer.group(1)))
+        layer = hf_layer_index(name)
+        if layer is not None and layer >= dims.num_layers and dims.mla is not None:
+            mtp.add(layer)
             continue
         fused = _FUSED_EXPERTS_RE.match(name)
         if fused is None:
@@ -266,6 +266,12 @@ def megatron_to_hf(
 def layer_index(megatron_name: str) -> int | None:
     """The decoder layer index in a Megatron name (`decoder.layers.3.mlp...` -> 3), None for model-level names."""
     match = _LAYER_RE.match(megatron_name)
+    return int(match.group(1)) if match else None
+
+
+def hf_layer_index(hf_name: str) -> int | None:
+    """The decoder layer index in an HF name (`model.layers.3.mlp...` -> 3), None for model-level names."""
+    match = _HF_LAYER_RE.match(hf_name)
     return int(match.group(1)) if match else None
 
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from converters import transforms as T
-from converters.mapping import expected_hf_shapes, param_rules
+from converters.mapping import expected_hf_shapes, hf_layer_index, layer_index, param_rules
 from converters.spec import ModelDims
 from mrl.parallel.layout import ParallelDims
 
@@ -91,7 +91,7 @@ def stage_params(dims: ModelDims, layout: Layout, *, freeze_router: bool = False
     for stage, (first, last) in enumerate(ranges):
         dense = experts = frozen = 0
         for rule in rules:
-            layer = _layer_of(rule.megatron)
+            layer = layer_index(rule.megatron)
             if rule.megatron.endswith("expert_bias") or not _on_stage(rule.megatron, layer, stage, first, last,
                                                                       layout.pp):
                 continue
@@ -168,7 +168,7 @@ def engine_stage_bytes(dims: ModelDims, tp: int, pp: int = 1, *, width: int = 2)
     out = [0] * pp
     for name, shape in expected_hf_shapes(dims).items():
         numel = math.prod(shape)
-        layer = _layer_of(name, "model.layers.")
+        layer = hf_layer_index(name)
         if name.endswith("e_score_correction_bias") or (layer is not None and layer >= dims.num_layers):
             continue
         if layer is not None:
@@ -210,13 +210,6 @@ def kv_capacity_tokens(dims: ModelDims, tp: int, available_bytes: int | list[int
     blocks = min(max(free, 0) // (kv_bytes_per_token(dims, tp, layers=b - a, width=width) * block_size)
                  for free, (a, b) in zip(available, engine_stage_layers(dims.num_layers, pp)))
     return blocks * block_size
-
-
-def _layer_of(name: str, prefix: str = "decoder.layers.") -> int | None:
-    """The layer index of a Megatron parameter name (or an HF one, prefix "model.layers."); None outside layers."""
-    if not name.startswith(prefix):
-        return None
-    return int(name[len(prefix):].split(".")[0])
 
 
 def _on_stage(name: str, layer: int | None, stage: int, first: int, last: int, pp: int) -> bool:
