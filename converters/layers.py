@@ -29,8 +29,9 @@ alike in both specs: MLA's input_layernorm (a separate TENorm, L248: not fused i
 (TENorm q/k_layernorm, L282-287), the MLA down projections (TELinear, L254/L256), linear_q_proj without a q LoRA
 (L253), linear_proj (L259/L281), a MoE layer's pre_mlp_layernorm (TENorm, L265/L291), the router, the routed experts
 (a SequentialMLP of TE linears with moe_grouped_gemm=False, as mrl builds them: TESpecProvider.grouped_mlp_modules,
-extensions/transformer_engine_spec_provider.py L89-91), the shared experts (TE column / row parallel linears,
-models/gpt/moe_module_specs.py L42-60), the embedding, the final norm and the output layer.
+extensions/transformer_engine_spec_provider.py L89-91; mrl's GroupedGemmExperts keeps its parameters), the shared
+experts (TE column / row parallel linears, models/gpt/moe_module_specs.py L42-60), the embedding, the final norm and
+the output layer.
 """
 
 from __future__ import annotations

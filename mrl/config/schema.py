@@ -175,7 +175,7 @@ class SpeedConfig(Section):
     grouped_expert_gemm: Union[bool, Literal["auto"]] = Field(
         "auto", description="Mixture-of-experts models: a rank's routed experts run as one grouped GEMM per linear "
         "(torch._grouped_mm) instead of a loop of two GEMMs per expert, with the same parameters "
-        "(mrl/model/grouped_experts.py); auto = with CUDA and without Transformer Engine (whose spec has its own). "
+        "(mrl/model/grouped_experts.py), with or without Transformer Engine; auto = with CUDA. "
         "Dense models ignore it.")
 
     @field_validator("gradient_accumulation_fusion", "overlap_grad_reduce", "overlap_param_gather",

@@ -303,8 +303,8 @@ def build_gpt_model(
     grouped_experts: bool = False,
 ) -> Any:
     """A GPTModel (this rank's TP shard and PP stage) for the HF model; weights are random until loaded.
-    `grouped_experts`: the routed experts of the local spec run as grouped GEMMs (`mrl.model.grouped_experts`: the
-    same parameters); ignored under Transformer Engine.
+    `grouped_experts`: the routed experts run as grouped GEMMs (`mrl.model.grouped_experts`: the same parameters),
+    on the local spec or Transformer Engine's.
 
     Model-parallel state must be initialised. pre/post_process default to whether this rank is the first/last
     pipeline stage. `padded_vocab` defaults to Megatron's rule for this TP size; pass the checkpoint's value when
@@ -324,7 +324,7 @@ def build_gpt_model(
     if post_process is None:
         post_process = parallel_state.is_pipeline_last_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage)
     layer_spec = gpt_layer_spec(config, use_te=te)
-    if grouped_experts and not te:
+    if grouped_experts:
         from mrl.model.grouped_experts import use_grouped_experts  # imports Megatron: after cpu_compat.apply()
 
         use_grouped_experts(layer_spec)

@@ -11,10 +11,22 @@ checkpoints and the expert-parallel selection see the same names and shapes; the
 copy of the rank's expert weights (their gradients flow back through the stack to each expert's own parameter, where
 Megatron's DDP hooks take them as they take SequentialMLP's).
 
+Either layer spec: the local spec's experts are Megatron's own column / row parallel linears, Transformer Engine's
+(as mrl builds it, `moe_grouped_gemm=False`) TE's `TEColumnParallelLinear` / `TERowParallelLinear`
+(megatron-core 0.16.1 extensions/transformer_engine_spec_provider.py L89-91). The grouped path reads only each
+linear's `weight`, [2F, H] and [H, F] in both (with expert parallelism and no expert TP, TE's expert linears are built
+unsplit: extensions/transformer_engine.py `explicit_expert_comm`), and never calls the linears, so TE's own
+weight-gradient accumulation (`gradient_accumulation_fusion`) does not run for them: their gradient lands in `.grad`,
+which Megatron's DDP hook adds to `main_grad` when `grad_added_to_main_grad` is unset (distributed/
+distributed_data_parallel.py L436-440), as for the local spec. Megatron's own grouped module under TE, `TEGroupedMLP`
+(`moe_grouped_gemm=True`), names its weights `linear_fc1.weight{e}`, names the converters do not map; it is not used.
+
 Where the grouped path does not apply, the module runs `SequentialMLP.forward` unchanged: expert tensor parallelism
 above 1 (the linears' collectives), biases, FP8/FP4, `moe_apply_probs_on_input`, a single local expert, an activation
 other than SwiGLU, or row strides `torch._grouped_mm` refuses (it needs multiples of 16 bytes: H and F multiples of 4
-in fp32, of 8 in bf16). `grouped_path_applies` says which, once per layer at its construction.
+in fp32, of 8 in bf16), a delayed weight-gradient computation (`delay_wgrad_compute`, TE's), or expert linears
+whose weights are not of the [2F, H] / [H, F] layout. `grouped_path_applies` says which, once per layer at its
+construction.
 """
 
 from __future__ import annotations
@@ -52,6 +64,8 @@ def grouped_path_applies(experts: SequentialMLP) -> str | None:
     config = experts.config
     first = experts.local_experts[0]
     hidden, ffn = config.hidden_size, config.moe_ffn_hidden_size
+    layout = [(tuple(e.linear_fc1.weight.shape), tuple(e.linear_fc2.weight.shape)) == ((2 * ffn, hidden), (hidden, ffn))
+              for e in experts.local_experts]
     reasons = [
         (experts.num_local_experts < 2, "one local expert"),
         (experts.tp_group is not None and experts.tp_group.size() > 1, "expert tensor parallelism > 1"),
@@ -60,6 +74,8 @@ def grouped_path_applies(experts: SequentialMLP) -> str | None:
         (config.moe_apply_probs_on_input, "moe_apply_probs_on_input"),
         (not (config.gated_linear_unit and config.activation_func is F.silu), "an activation other than SwiGLU"),
         (config.activation_func_clamp_value is not None or config.glu_linear_offset != 0, "a clamped or offset GLU"),
+        (getattr(config, "delay_wgrad_compute", False), "delay_wgrad_compute (the linears' own delayed backward)"),
+        (not all(layout), "expert linears' weights not [2F, H] and [H, F]"),
         (not (_aligned(hidden, first.linear_fc1.weight.dtype) and _aligned(ffn, first.linear_fc1.weight.dtype)),
          f"hidden {hidden} or expert MLP {ffn} not a multiple of 16 bytes"),
     ]
@@ -67,8 +83,8 @@ def grouped_path_applies(experts: SequentialMLP) -> str | None:
 
 
 def use_grouped_experts(block_spec) -> None:
-    """Make the routed experts of a local-spec decoder block spec (`mrl.parallel.attention.gpt_layer_spec`) grouped.
-    Transformer Engine's spec has its own grouped experts, with other parameter names: not this module's."""
+    """Make the routed experts of a decoder block spec (`mrl.parallel.attention.gpt_layer_spec`, local or Transformer
+    Engine's) grouped: each MoE layer's `SequentialMLP` becomes `GroupedGemmExperts` over the same linears."""
     for layer in getattr(block_spec, "layer_specs", []):
         experts = getattr(layer.submodules.mlp.submodules, "experts", None)
         if experts is not None and experts.module is SequentialMLP:

@@ -17,10 +17,11 @@ wiring each option needs beyond its flag.
   the weights outside a forward (a refit's export, a save) calls `gather_weights` first, or it reads the other
   shards as they were before the step.
 
-- Grouped expert GEMMs: `build_gpt_model(grouped_experts=...)` gives the local spec's routed experts
-  `mrl.model.grouped_experts.GroupedGemmExperts` (same parameters, two `torch._grouped_mm` per layer). Transformer
-  Engine's spec keeps its own experts. `auto` asks for CUDA without TE; `true` runs on CPU too (torch._grouped_mm has
-  a CPU kernel: the tests' way to check the wiring), and is refused with TE, whose spec it would not change.
+- Grouped expert GEMMs: `build_gpt_model(grouped_experts=...)` gives the routed experts
+  `mrl.model.grouped_experts.GroupedGemmExperts` (same parameters, two `torch._grouped_mm` per layer), in the local
+  spec and in Transformer Engine's, whose experts mrl builds as megatron-core's `SequentialMLP` loop of TE linears.
+  `auto` asks for CUDA; `true` runs on CPU too (torch._grouped_mm has a CPU kernel: the tests' way to check the
+  wiring).
 
 `auto` leaves the overlaps off on CPU: gloo's collectives would overlap nothing but the two cores' own compute.
 """
@@ -52,14 +53,10 @@ def fused_wgrad_available() -> bool:
 
 
 def resolve_speed(cfg: SpeedConfig, *, cuda: bool, fused_wgrad: bool, data_parallel: int,
-                  distributed_optimizer: bool, te: bool = False) -> SpeedSettings:
-    """Each option's value on a rank with (or without) CUDA, Apex's kernel and Transformer Engine, `data_parallel`
+                  distributed_optimizer: bool) -> SpeedSettings:
+    """Each option's value on a rank with (or without) CUDA and Apex's kernel, `data_parallel`
     ranks (with context parallelism) and the distributed optimizer or not; `SpeedOptionError` for a forced option
     that cannot run."""
-    if cfg.grouped_expert_gemm is True and te:
-        raise SpeedOptionError(
-            "policy.speed.grouped_expert_gemm=true groups the experts of Megatron's local spec, and this rank builds "
-            "Transformer Engine's spec; set it to auto (TE's own experts are used)")
     if cfg.gradient_accumulation_fusion is True and not (cuda and fused_wgrad):
         raise SpeedOptionError(
             "policy.speed.gradient_accumulation_fusion=true needs CUDA and Apex's fused_weight_gradient_mlp_cuda "
@@ -78,7 +75,7 @@ def resolve_speed(cfg: SpeedConfig, *, cuda: bool, fused_wgrad: bool, data_paral
         gradient_accumulation_fusion=pick(cfg.gradient_accumulation_fusion, cuda and fused_wgrad),
         overlap_grad_reduce=pick(cfg.overlap_grad_reduce, cuda and several),
         overlap_param_gather=pick(cfg.overlap_param_gather, cuda and several and distributed_optimizer),
-        grouped_expert_gemm=pick(cfg.grouped_expert_gemm, cuda and not te))
+        grouped_expert_gemm=pick(cfg.grouped_expert_gemm, cuda))
 
 
 def wire_overlaps(settings: SpeedSettings, tconfig: Any, model: list) -> None:

@@ -26,7 +26,6 @@ import torch
 from mrl.config.schema import PolicyConfig
 from mrl.model.router_replay import RoutingReplay, disagreement_metrics
 from mrl.parallel import collectives
-from mrl.parallel.attention import transformer_engine_available
 from mrl.policy.expert_load import ExpertLoad
 from mrl.policy.interface import PolicyLoss, RankBatch, pad_routing
 from mrl.policy.memory import PARTS, HostOffload
@@ -168,8 +167,7 @@ class PolicyWorker:
         dtype = _DTYPES[cfg.precision]
         self.speed = resolve_speed(cfg.speed, cuda=torch.cuda.is_available(), fused_wgrad=fused_wgrad_available(),
                                    data_parallel=ps.get_data_parallel_world_size(with_context_parallel=True),
-                                   distributed_optimizer=cfg.optimizer.use_distributed_optimizer,
-                                   te=transformer_engine_available())
+                                   distributed_optimizer=cfg.optimizer.use_distributed_optimizer)
         recompute = (dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
                      if cfg.activation_checkpointing else {})
         moe = router_settings(self.model_dims, expert_parallel=self.dims.ep, router_dtype=cfg.moe.router_dtype,

@@ -180,7 +180,7 @@ def test_speed_options_on_one_gpu(tmp_path, figure):
     figure("speed.second_step_ms_overlaps_forced", 1e3 * forced["seconds"][1], "ms")
     assert auto["settings"] == {"gradient_accumulation_fusion": fused_wgrad_available(),
                                 "overlap_grad_reduce": False, "overlap_param_gather": False,
-                                "grouped_expert_gemm": True}  # CUDA without Transformer Engine
+                                "grouped_expert_gemm": True}  # CUDA, with or without Transformer Engine
     assert forced["settings"]["overlap_grad_reduce"] and forced["settings"]["overlap_param_gather"]
     torch.testing.assert_close(forced["after"], auto["after"], atol=0, rtol=0)
 
@@ -198,10 +198,12 @@ ROUTED_ROWS = 8192 * 8 // 4
 def expert_paths() -> dict:
     """Rank side: the experts of one bf16 MoE layer, as grouped GEMMs and as Megatron's loop (the same module and
     parameters), on the same routed rows: outputs, input and weight gradients, and the median time of 5 forward +
-    backward passes after a warm-up."""
+    backward passes after a warm-up. With Transformer Engine installed the layer is TE's spec, and the loop runs TE's
+    linears: the check of the grouped experts against TE."""
     from megatron.core.transformer.moe.experts import SequentialMLP
 
     from mrl.model.build import build_gpt_model, transformer_config_from_hf
+    from mrl.parallel.attention import transformer_engine_available
     from mrl.parallel.groups import init_process_groups
     from mrl.parallel.layout import ParallelDims
 
@@ -218,7 +220,9 @@ def expert_paths() -> dict:
     grad_out = torch.randn(ROUTED_ROWS, MOE["hidden_size"], device=device, generator=g, dtype=torch.bfloat16)
     paths = {"loop": lambda inp: SequentialMLP.forward(experts, inp, counts, probs)[0],
              "grouped": lambda inp: experts(inp, counts, probs)[0]}
-    out = {"type": type(experts).__name__, "loop_reason": experts.loop_reason}
+    out = {"type": type(experts).__name__, "loop_reason": experts.loop_reason,
+           "spec": "te" if transformer_engine_available() else "local",
+           "fc1": type(experts.local_experts[0].linear_fc1).__name__}
     for name, path in paths.items():
         def step():
             leaf = x.detach().requires_grad_()
@@ -245,6 +249,7 @@ def test_grouped_expert_gemms_on_cuda_equal_the_loop_and_are_timed(figure):
         figure(f"grouped_experts.relative_difference.{key}", relative, "")
         assert relative <= 2e-2, (key, relative)
     figure("grouped_experts.loop_ms", out["loop"]["ms"], "ms", shape=f"{MOE['num_experts']} experts, "
-           f"{ROUTED_ROWS} rows, hidden {MOE['hidden_size']}, expert MLP {MOE['moe_intermediate_size']}, bf16")
+           f"{ROUTED_ROWS} rows, hidden {MOE['hidden_size']}, expert MLP {MOE['moe_intermediate_size']}, bf16",
+           spec=out["spec"], expert_linear=out["fc1"])
     figure("grouped_experts.grouped_ms", out["grouped"]["ms"], "ms")
     figure("grouped_experts.speedup", out["loop"]["ms"] / out["grouped"]["ms"], "x")

@@ -9,9 +9,9 @@ from mrl.config.schema import SpeedConfig
 from mrl.policy.speed import SpeedOptionError, resolve_speed
 
 
-def resolve(cfg=None, *, cuda=True, fused_wgrad=True, data_parallel=2, distributed_optimizer=True, te=False):
+def resolve(cfg=None, *, cuda=True, fused_wgrad=True, data_parallel=2, distributed_optimizer=True):
     return resolve_speed(cfg or SpeedConfig(), cuda=cuda, fused_wgrad=fused_wgrad, data_parallel=data_parallel,
-                         distributed_optimizer=distributed_optimizer, te=te)
+                         distributed_optimizer=distributed_optimizer)
 
 
 def test_auto_turns_each_option_on_only_where_it_runs_and_pays():
@@ -53,10 +53,7 @@ def test_a_value_that_is_not_a_switch_is_one_config_error():
     assert tree.policy.speed.overlap_param_gather is False and tree.policy.speed.overlap_grad_reduce == "auto"
 
 
-def test_grouped_expert_gemms_are_on_with_cuda_and_the_local_spec_and_forced_on_anywhere_but_under_te():
+def test_grouped_expert_gemms_are_on_with_cuda_and_forced_on_anywhere():
     assert resolve().grouped_expert_gemm and not resolve(cuda=False).grouped_expert_gemm
-    assert not resolve(te=True).grouped_expert_gemm  # Transformer Engine's spec has its own experts
     assert resolve(SpeedConfig(grouped_expert_gemm=True), cuda=False).grouped_expert_gemm  # torch's CPU kernel
     assert not resolve(SpeedConfig(grouped_expert_gemm=False)).grouped_expert_gemm
-    with pytest.raises(SpeedOptionError, match="Transformer Engine's spec"):
-        resolve(SpeedConfig(grouped_expert_gemm=True), te=True)
