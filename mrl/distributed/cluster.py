@@ -129,12 +129,23 @@ def nodes_in_order(bundles: list[Bundle], per_node: int) -> list[Bundle]:
     return [bundle for held in nodes.values() for bundle in held]
 
 
+#: What a local Ray instance is started with (read by Ray from the environment of the process that starts it):
+#: - usage statistics off, token authentication off (a local single-user instance needs none);
+#: - RAY_worker_niceness=0: Ray's raylet starts its worker processes at nice 15 by default (ray_config_def.h
+#:   `worker_niceness`), below its own daemons and mrl's controller. mrl's workers are the run's compute; at nice 15
+#:   every wake-up of a nice-0 process preempts them, and an OpenMP thread so preempted stalls its whole parallel
+#:   region. Measured on 2 cores, `benchmarks/grpo_step.py --modes sync`, runs taking turns: a step of 0.283-0.291 s
+#:   at nice 0 against 0.323-0.340 s at nice 15 (docs/measurements.md).
+LOCAL_RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled", "RAY_worker_niceness": "0"}
+
+
 class RayCluster:
     """Starts a local Ray instance (or joins a running cluster) and hands out placements.
 
-    Locally: `ray.init(address="local")` with the given CPUs/GPUs, no dashboard, usage stats off and token auth off
-    (on by default since Ray 2.60; a local single-user instance needs none). With `address`, joins that cluster and
-    leaves its settings alone. If Ray is already initialised in this process, reuses it and does not shut it down.
+    Locally: `ray.init(address="local")` with the given CPUs/GPUs, no dashboard, usage stats off, token auth off
+    (on by default since Ray 2.60; a local single-user instance needs none) and the workers at the scheduler
+    priority of the rest (`LOCAL_RAY_ENV`). With `address`, joins that cluster and leaves its settings alone. If Ray is
+    already initialised in this process, reuses it and does not shut it down.
     """
 
     def __init__(
@@ -152,8 +163,8 @@ class RayCluster:
             log.info("reusing the Ray instance already initialised in this process")
             return
         if address is None:
-            os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-            os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+            for key, value in LOCAL_RAY_ENV.items():
+                os.environ.setdefault(key, value)  # the shell's own value wins
             start_local_ray(
                 address="local",
                 num_cpus=num_cpus,

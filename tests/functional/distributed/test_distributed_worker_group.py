@@ -50,7 +50,7 @@ class Worker:
     def env(self) -> dict:
         started_with = dict(line.split("=", 1) for line in open("/proc/self/environ").read().split("\0") if "=" in line)
         return ({key: os.environ.get(key) for key in ENV_KEYS} | {"threads": torch.get_num_threads()}
-                | {"malloc_at_start": started_with.get("MALLOC_MMAP_THRESHOLD_")})
+                | {"malloc_at_start": started_with.get("MALLOC_MMAP_THRESHOLD_"), "niceness": os.nice(0)})
 
     def init_gloo(self) -> None:
         import torch.distributed as dist
@@ -146,6 +146,7 @@ def test_run_all_sets_rank_environment(group):
         assert env["MASTER_ADDR"] == group.info[0].node_ip and env["MASTER_PORT"] == str(group.master_port)
         assert env["OMP_NUM_THREADS"] == "2" and env["threads"] == 2  # set before torch started in the worker
         assert env["malloc_at_start"] == str(32 * 1024 * 1024)  # in the process's first environment: glibc read it
+        assert env["niceness"] == os.nice(0)  # the controller's priority, not Ray's default nice 15 for workers
     assert len({info.pid for info in group.info}) == 2 and os.getpid() not in {info.pid for info in group.info}
 
 
