@@ -74,7 +74,7 @@ def grouped_path_applies(experts: SequentialMLP) -> str | None:
         (config.moe_apply_probs_on_input, "moe_apply_probs_on_input"),
         (not (config.gated_linear_unit and config.activation_func is F.silu), "an activation other than SwiGLU"),
         (config.activation_func_clamp_value is not None or config.glu_linear_offset != 0, "a clamped or offset GLU"),
-        (getattr(config, "delay_wgrad_compute", False), "delay_wgrad_compute (the linears' own delayed backward)"),
+        (config.delay_wgrad_compute, "delay_wgrad_compute (the linears' own delayed backward)"),
         (not all(layout), "expert linears' weights not [2F, H] and [H, F]"),
         (not (_aligned(hidden, first.linear_fc1.weight.dtype) and _aligned(ffn, first.linear_fc1.weight.dtype)),
          f"hidden {hidden} or expert MLP {ffn} not a multiple of 16 bytes"),

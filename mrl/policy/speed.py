@@ -54,9 +54,8 @@ def fused_wgrad_available() -> bool:
 
 def resolve_speed(cfg: SpeedConfig, *, cuda: bool, fused_wgrad: bool, data_parallel: int,
                   distributed_optimizer: bool) -> SpeedSettings:
-    """Each option's value on a rank with (or without) CUDA and Apex's kernel, `data_parallel`
-    ranks (with context parallelism) and the distributed optimizer or not; `SpeedOptionError` for a forced option
-    that cannot run."""
+    """Each option's value on a rank with (or without) CUDA and Apex's kernel, `data_parallel` ranks (with context
+    parallelism) and the distributed optimizer or not; `SpeedOptionError` for a forced option that cannot run."""
     if cfg.gradient_accumulation_fusion is True and not (cuda and fused_wgrad):
         raise SpeedOptionError(
             "policy.speed.gradient_accumulation_fusion=true needs CUDA and Apex's fused_weight_gradient_mlp_cuda "

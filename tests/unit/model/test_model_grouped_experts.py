@@ -85,3 +85,34 @@ def test_the_grouped_path_applies_or_names_why_the_loop_runs():
     fc2 = experts.local_experts[2].linear_fc2
     fc2.weight = torch.nn.Parameter(fc2.weight.detach().t().contiguous())  # [F, H]: not a linear's [H, F]
     assert grouped_path_applies(experts) == "expert linears' weights not [2F, H] and [H, F]"
+
+
+#: A two-layer Qwen3-MoE of 4 experts (hidden 16, expert MLP 8: multiples of 16 bytes in fp32).
+TINY_MOE = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 16,
+            "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 8, "num_hidden_layers": 2,
+            "intermediate_size": 32, "moe_intermediate_size": 8, "num_experts": 4, "num_experts_per_tok": 2,
+            "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [], "vocab_size": 32,
+            "max_position_embeddings": 64, "rms_norm_eps": 1e-6, "rope_theta": 1e4, "tie_word_embeddings": False}
+
+
+def test_a_transformer_engine_build_groups_its_experts_too(monkeypatch):
+    """`build_gpt_model(use_te=True, grouped_experts=True)` groups the experts of the spec it builds (until this
+    change it left TE's alone). TE's spec cannot be built without TE (megatron-core 0.16.1's gpt_layer_specs raises
+    NameError: TENorm), so the local spec, whose experts are the same SequentialMLP, stands in for it here; the
+    grouped experts against TE's own linears are checked by tests/gpu/test_gpu_speed.py where TE is installed."""
+    from mrl.model import build
+    from mrl.model.grouped_experts import GroupedGemmExperts
+    from mrl.parallel.attention import gpt_layer_spec
+
+    asked = []
+
+    def local_spec_for(config, use_te=None):
+        asked.append(use_te)
+        return gpt_layer_spec(config, use_te=False)
+
+    monkeypatch.setattr(build, "gpt_layer_spec", local_spec_for)
+    config = build.transformer_config_from_hf(TINY_MOE)
+    model = build.build_gpt_model(TINY_MOE, config, use_te=True, grouped_experts=True)
+    experts = [m for name, m in model.named_modules() if name.endswith("mlp.experts")]
+    assert asked == [True] and len(experts) == 2
+    assert all(type(m) is GroupedGemmExperts and m.loop_reason is None for m in experts)
