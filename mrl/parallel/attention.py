@@ -21,7 +21,10 @@ the local spec (same constructor, same forward contract) and handles both:
   (KV-cached decode steps), attention dropout and non-CPU tensors.
 - GPUs without Transformer Engine (the GPU tier's machine): the same causal case without context parallelism goes
   through torch's `scaled_dot_product_attention`, which picks its flash or memory-efficient CUDA kernel: again
-  no [sq, sk] scores. CP on such a GPU keeps the dense path (its chunks need the lower-right causal rectangle
+  no [sq, sk] scores. A pack in bf16 or fp16 goes through torch's variable-length flash kernel
+  (`torch.nn.attention.varlen.varlen_attn`) in one call over the whole pack, with the offsets on the device: no
+  loop over its sequences and no host synchronisation (`varlen_causal`); fp32 packs (the kernel has no fp32) and
+  heads of unequal size loop over the sequences with SDPA. CP on such a GPU keeps the dense path (its chunks need the lower-right causal rectangle
   that `mrl.parallel.flash_attention` builds from the CPU kernel).
 
 Every case reduces to one rule: a query attends to a key iff both belong to the same sequence and (when
@@ -241,7 +244,14 @@ class TorchCoreAttention(MegatronModule):
 
     def _attend_sdpa(self, q, k, v, packed: Optional[PackedSeqParams]) -> torch.Tensor:
         """Top-left causal SDPA over the whole batch, or over each sequence of a pack (queries and keys are the
-        same tokens without CP). q [b, np, s, hn], k/v [b, np, s, hn(_v)]."""
+        same tokens without CP), a half-precision pack in one variable-length flash call.
+        q [b, np, s, hn], k/v [b, np, s, hn(_v)]."""
+        if packed is not None and varlen_applies(q, k, v, self.softmax_scale):
+            cu = packed.cu_seqlens_q_padded if packed.cu_seqlens_q_padded is not None else packed.cu_seqlens_q
+            longest = packed.max_seqlen_q
+            thd = lambda x: x[0].transpose(0, 1)  # noqa: E731  [1, np, t, hn] -> [t, np, hn]
+            out = varlen_causal(thd(q), thd(k), thd(v), cu, longest, self.softmax_scale)  # [t, np, hn]
+            return out.transpose(0, 1).unsqueeze(0)
         attend = lambda a, b: F.scaled_dot_product_attention(  # noqa: E731
             q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], is_causal=True, scale=self.softmax_scale)
         if packed is None:
@@ -295,6 +305,43 @@ def sdpa_device(tensor: torch.Tensor) -> bool:
     """Whether causal attention on `tensor`'s device goes through torch's SDPA: on GPUs (CUDA); the CPU has its own
     flash path (`mrl.parallel.flash_attention`)."""
     return tensor.is_cuda
+
+
+def _varlen_parameters() -> frozenset[str]:
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:  # torch < 2.10
+        return frozenset()
+    import inspect
+
+    return frozenset(inspect.signature(varlen_attn).parameters)
+
+
+_VARLEN = _varlen_parameters()
+
+
+def varlen_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> bool:
+    """Whether torch's variable-length flash kernel takes this pack: CUDA, bf16 or fp16 (flash has no fp32), one head
+    size for q, k and v that flash supports, and a softmax scale it can be given."""
+    head = q.shape[-1]
+    return (bool(_VARLEN) and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and k.shape[-1] == head
+            and v.shape[-1] == head and head % 8 == 0 and head <= 256
+            and ("scale" in _VARLEN or math.isclose(scale, head ** -0.5)))
+
+
+def varlen_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
+                  scale: float) -> torch.Tensor:
+    """Block-diagonal causal attention of a pack in one flash call. q/k/v [t, heads, hn] (k/v heads already repeated
+    for GQA), `cu_seqlens` int32 [n + 1] on the device, `max_seqlen` a Python int -> [t, heads, hn].
+    torch 2.10 took `is_causal=True`; 2.11 on replaced it with `window_size=(-1, 0)` (no left or right limit but
+    the diagonal), read from the signature."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    extra: dict[str, Any] = {"window_size": (-1, 0)} if "window_size" in _VARLEN else {"is_causal": True}
+    if "scale" in _VARLEN:
+        extra["scale"] = scale
+    cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
+    return varlen_attn(q, k, v, cu, cu, max_seqlen, max_seqlen, **extra)
 
 
 def transformer_engine_available() -> bool:

@@ -89,8 +89,10 @@ def test_chunked_logprobs_on_cuda_need_a_fraction_of_the_memory(figure):
 
 
 def attention_routes() -> dict:
-    """Rank side: a pack of four 2048-token sequences, 16 query heads over 8 key/value groups of 128: SDPA and the
-    per-sequence masked product, outputs in fp32 and forward+backward times in bf16."""
+    """Rank side: a pack of four sequences of unequal lengths (8192 tokens), 16 query heads over 8 key/value groups
+    of 128, by three routes: the variable-length flash kernel (one call a pack, bf16 only), SDPA per sequence and the
+    per-sequence masked product. Outputs in fp32 (SDPA against the masked product), outputs and input gradients in
+    bf16 (varlen against SDPA per sequence), forward+backward times and peak memory in bf16."""
     from megatron.core.packed_seq_params import PackedSeqParams
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -106,21 +108,26 @@ def attention_routes() -> dict:
                                masked_softmax_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False,
                                persist_layer_norm=False)
     attention = attention_module.TorchCoreAttention(config, 1, AttnMaskType.causal, "self")
-    lens, device = [2048] * 4, torch.device("cuda", torch.cuda.current_device())
-    cu = torch.tensor([0, 2048, 4096, 6144, 8192], dtype=torch.int32, device=device)
+    lens, device = [3072, 512, 2560, 2048], torch.device("cuda", torch.cuda.current_device())
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
     packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max(lens),
                              max_seqlen_kv=max(lens))
     g = torch.Generator(device=device).manual_seed(0)
     shapes = [(sum(lens), 16, 128), (sum(lens), 8, 128), (sum(lens), 8, 128)]
     inputs = [torch.randn(s, device=device, generator=g) for s in shapes]
-    original = attention_module.sdpa_device
-    out = {}
-    for route, rule in (("sdpa", original), ("masked", lambda tensor: False)):
-        attention_module.sdpa_device = rule
+    sdpa, varlen = attention_module.sdpa_device, attention_module.varlen_applies
+    out = {"varlen_available": bool(attention_module._VARLEN)}
+    routes = (("varlen", sdpa, varlen), ("sdpa", sdpa, lambda *a: False), ("masked", lambda t: False, varlen))
+    for route, sdpa_rule, varlen_rule in routes:
+        attention_module.sdpa_device, attention_module.varlen_applies = sdpa_rule, varlen_rule
         try:
             with torch.no_grad():
                 out[route, "fp32"] = attention(*inputs, None, packed_seq_params=packed).cpu()
             leaves = [t.to(torch.bfloat16).requires_grad_() for t in inputs]
+            result = attention(*leaves, None, packed_seq_params=packed)
+            result.float().square().sum().backward()
+            out[route, "bf16"] = result.detach().float().cpu()
+            out[route, "grads"] = [leaf.grad.float().cpu() for leaf in leaves]
             step = lambda: attention(*leaves, None, packed_seq_params=packed).sum().backward()  # noqa: E731
             step()
             torch.cuda.reset_peak_memory_stats()
@@ -129,7 +136,7 @@ def attention_routes() -> dict:
             out[route, "seconds"] = sorted(times)[2]
             out[route, "peak_gb"] = (torch.cuda.max_memory_allocated() - base) / 1e9
         finally:
-            attention_module.sdpa_device = original
+            attention_module.sdpa_device, attention_module.varlen_applies = sdpa, varlen
     return out
 
 
@@ -137,12 +144,19 @@ def test_sdpa_attention_on_cuda_equals_the_masked_product_and_is_timed(figure):
     out = run_on_ranks(attention_routes, 1, timeout_s=600)[0]
     error = (out["sdpa", "fp32"] - out["masked", "fp32"]).abs().max().item()
     figure("attention.sdpa_vs_masked.max_difference_fp32", error, "")
-    figure("attention.sdpa.forward_backward_ms_bf16", 1e3 * out["sdpa", "seconds"], "ms",
-           peak_gb=out["sdpa", "peak_gb"], shape="4 x 2048 tokens, 16 heads / 8 groups x 128")
-    figure("attention.masked.forward_backward_ms_bf16", 1e3 * out["masked", "seconds"], "ms",
-           peak_gb=out["masked", "peak_gb"])
+    shape = "4 sequences (3072, 512, 2560, 2048 tokens), 16 heads / 8 groups x 128"
+    for route in ("varlen", "sdpa", "masked"):
+        figure(f"attention.{route}.forward_backward_ms_bf16", 1e3 * out[route, "seconds"], "ms",
+               peak_gb=out[route, "peak_gb"], shape=shape)
     figure("attention.sdpa_speedup", out["masked", "seconds"] / out["sdpa", "seconds"], "x")
+    figure("attention.varlen_speedup_over_sdpa", out["sdpa", "seconds"] / out["varlen", "seconds"], "x")
     assert error <= 1e-4
+    assert out["varlen_available"], "this torch has no torch.nn.attention.varlen: packs loop over their sequences"
+    varlen_error = (out["varlen", "bf16"] - out["sdpa", "bf16"]).abs().max().item()
+    figure("attention.varlen_vs_sdpa.max_difference_bf16", varlen_error, "")
+    assert varlen_error <= 2e-2
+    for got, want in zip(out["varlen", "grads"], out["sdpa", "grads"]):
+        torch.testing.assert_close(got, want, atol=5e-2, rtol=5e-2)  # bf16 gradients, two kernels' orderings
 
 
 def speed_step(model_dir: str, forced: bool) -> dict:

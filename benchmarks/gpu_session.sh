@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# The GPU checks of a session lent one GPU, as one script with a time limit per stage (the lent machine's time is
+# short: a stage that overruns is cut, and the next one still runs). Every log and result goes to $OUT (the device
+# tool's folder, which sends back at most 8 files: this script writes 7), else results/gpu-session/. Run from the checkout's root on the GPU machine, with .gpu-wheels
+# carried (`make gpu-wheelhouse` here):
+#     bash benchmarks/gpu_session.sh [STAGE ...]      # stages: tier whole bench bench15 (default: all, in order)
+# tier   : the GPU tier's attention test (varlen against SDPA per sequence) and the rest of test_gpu_speed.py
+# whole  : tests/gpu/test_gpu_whole_run.py, the demo's GRPO through Ray with the Megatron engine on the GPU
+# bench  : benchmarks/gpu_policy_throughput.py at Qwen3-0.6B's shape, every path, with the profile
+# bench15: the same at Qwen2.5-1.5B's shape
+set -u
+cd "$(dirname "$0")/.."
+OUT=${OUT:-results/gpu-session}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 MRL_GPU_REPORT="$OUT/gpu-tier.json"
+stages=${*:-tier whole bench bench15}
+
+SITE=/tmp/mrl-gpu-site
+python3 - "$SITE" <<'EOF'
+import sys
+from pathlib import Path
+from mrl.testing.gpu_tier import WHEELS, cuda_state, install, missing, read_pins
+print(cuda_state()[1])
+install(missing(read_pins()), WHEELS, Path(sys.argv[1]))
+EOF
+export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+
+stage() {  # stage NAME SECONDS COMMAND...: run it under a limit, its output in $OUT/NAME.log
+    local name=$1 limit=$2
+    shift 2
+    echo "== $name (at most ${limit}s): $*"
+    local start=$SECONDS
+    timeout --kill-after=10 "$limit" "$@" >"$OUT/$name.log" 2>&1
+    local rc=$?
+    echo "== $name: exit $rc after $((SECONDS - start))s"
+    tail -n 40 "$OUT/$name.log"
+}
+
+for s in $stages; do
+    case $s in
+    tier) MRL_GPU_REPORT="$OUT/gpu-tier-speed.json" stage tier 150 \
+        python3 -m pytest tests/gpu/test_gpu_speed.py -q -s -p no:cacheprovider ;;
+    whole) MRL_GPU_REPORT="$OUT/gpu-tier-whole.json" stage whole 300 \
+        python3 -m pytest tests/gpu/test_gpu_whole_run.py -q -s -p no:cacheprovider ;;
+    bench) stage bench 240 python3 benchmarks/gpu_policy_throughput.py --shapes qwen3-0.6b --reps 2 --profile \
+        --progress "$OUT/bench-progress.jsonl" ;;
+    bench15) stage bench15 200 python3 benchmarks/gpu_policy_throughput.py --shapes qwen2.5-1.5b --reps 2 \
+        --progress "$OUT/bench-progress.jsonl" ;;
+    *) echo "unknown stage $s (tier whole bench bench15)" ;;
+    esac
+done
