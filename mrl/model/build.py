@@ -346,6 +346,7 @@ def build_gpt_model(
         model.rotary_pos_emb.inv_freq = rope_inv_freq(dims).to(device)  # exact HF frequencies for every rope type
     if dims.score_head and post_process:
         model.output_layer = _score_head(config, tp, model.pg_collection.tp)
+    _params_in_dtype(model, config.params_dtype)
     if torch.cuda.is_available():
         # Megatron's parallel layers allocate on the GPU (use_cpu_initialization=False), its torch norms
         # (no TE, no Apex) and the score head on the default device, the CPU: every module goes to this rank's
@@ -353,6 +354,17 @@ def build_gpt_model(
         # model_module.cuda(torch.cuda.current_device())). Seen on an H100 without TE: rms_norm's weight on cpu.
         model.cuda(torch.cuda.current_device())
     return model
+
+
+def _params_in_dtype(model: Any, dtype: torch.dtype) -> None:
+    """Every floating parameter in the model's `params_dtype`, as Megatron's own trainer has them (its Float16Module
+    casts the whole model). Without Transformer Engine or Apex the local spec's norms are torch's, made in the
+    default dtype (fp32) whatever `params_dtype` says; Megatron's mixed-precision optimizers then number the
+    parameters of a checkpoint inconsistently (megatron-core 0.16.1: the plain one maps ids over its bf16 parameters
+    alone, the distributed one mixes up their shards) and a bf16 save fails, on CPU and on GPUs alike."""
+    for param in model.parameters():
+        if param.is_floating_point() and param.dtype != dtype:
+            param.data = param.data.to(dtype)
 
 
 def _score_head(config: Any, tp: int, tp_group: Any) -> Any:

@@ -43,7 +43,8 @@ def make_batch(step: int, n: int = 8, t: int = 16, vocab: int = 200):
 
 
 def run(model_dir: str, steps: list[int], *, tp: int = 1, dropout: float = 0.0, distributed_optimizer: bool = False,
-        save_after: tuple[int, str] | None = None, load_from: str | None = None, load_optimizer: bool = True) -> dict:
+        save_after: tuple[int, str] | None = None, load_from: str | None = None, load_optimizer: bool = True,
+        precision: str = "float32") -> dict:
     """Train `steps` (batch i at step i); save after step `save_after[0]` into `save_after[1]`; or first resume
     from `load_from` (fresh random init, another seed). Returns losses, lrs, final weights (and the saved ones),
     the load report."""
@@ -69,7 +70,9 @@ def run(model_dir: str, steps: list[int], *, tp: int = 1, dropout: float = 0.0, 
     init_process_groups(ParallelDims(tp=tp, world_size=int(os.environ["WORLD_SIZE"])),
                         seed=1234 if load_from is None else 4321)
     hf_config = json.loads((Path(model_dir) / "config.json").read_text())
-    cfg = transformer_config_from_hf(hf_config, tensor_parallel=tp, hidden_dropout=dropout, attention_dropout=dropout)
+    dtype = getattr(torch, precision)
+    cfg = transformer_config_from_hf(hf_config, tensor_parallel=tp, hidden_dropout=dropout, attention_dropout=dropout,
+                                     params_dtype=dtype)
     model = build_gpt_model(hf_config, cfg)
     if load_from is None:
         load_hf_weights(model, load_file(str(Path(model_dir) / "model.safetensors")), hf_config)
@@ -77,7 +80,7 @@ def run(model_dir: str, steps: list[int], *, tp: int = 1, dropout: float = 0.0, 
         grad_reduce_in_fp32=True, use_distributed_optimizer=distributed_optimizer), module=model)
     cfg.finalize_model_grads_func = finalize_model_grads
     opt_cfg = OptimizerConfig(lr=1e-3, weight_decay=0.01, use_distributed_optimizer=distributed_optimizer)
-    optimizer = build_optimizer([ddp], opt_cfg, params_dtype=torch.float32)
+    optimizer = build_optimizer([ddp], opt_cfg, params_dtype=dtype)
     scheduler = build_scheduler(optimizer, opt_cfg, SchedulerConfig(style="cosine", warmup_steps=1),
                                 total_steps=TOTAL_STEPS)
     report = None
@@ -172,6 +175,21 @@ def test_resume_with_distributed_optimizer_at_dp2_is_bit_identical(model_dir, tm
         assert resumed[rank]["losses"] == reference[rank]["losses"][2:]
         assert resumed[rank]["lrs"] == reference[rank]["lrs"][2:]
         assert_same_weights(resumed[rank]["weights"], reference[rank]["weights"])
+
+
+@pytest.mark.parametrize("distributed_optimizer", [False, True], ids=["optimizer", "distributed-optimizer"])
+def test_resume_in_bf16_is_bit_identical(model_dir, tmp_path, distributed_optimizer):
+    """bf16 weights with fp32 main weights in Megatron's mixed-precision optimizers (every GPU run): each saves and
+    resumes exactly. Both failed to save while the local spec's norms stayed fp32 in a bf16 model (found on an H200:
+    'Optimizer shape ((128,) does not match model shape ((384,))')."""
+    layout = dict(distributed_optimizer=distributed_optimizer, precision="bfloat16")
+    (reference,), manager = reference_with_checkpoint(tmp_path, model_dir, 1, **layout)
+    (resumed,) = run_on_ranks(run, world_size=1, args=(model_dir, [2, 3]),
+                              kwargs=dict(load_from=str(manager.latest()), **layout))
+    assert resumed["report"].optimizer_loaded
+    assert resumed["losses"] == reference["losses"][2:]
+    assert_same_weights(resumed["weights"], reference["weights"])
+    assert {v.dtype for v in resumed["weights"].values()} == {torch.bfloat16}
 
 
 def test_a_save_starts_no_process_that_outlives_it(tp1_reference):
