@@ -1,19 +1,20 @@
 #!/usr/bin/env bash
 # The GPU checks of a session lent one GPU, as one script with a time limit per stage (the lent machine's time is
 # short: a stage that overruns is cut, and the next one still runs). Every log and result goes to $OUT (the device
-# tool's folder, which sends back at most 8 files: this script writes 7), else results/gpu-session/. Run from the checkout's root on the GPU machine, with .gpu-wheels
+# tool's folder, which sends back at most 8 files: this script writes at most 8), else results/gpu-session/. Run from the checkout's root on the GPU machine, with .gpu-wheels
 # carried (`make gpu-wheelhouse` here):
-#     bash benchmarks/gpu_session.sh [STAGE ...]      # stages: tier whole bench bench15 (default: all, in order)
-# tier   : the GPU tier's attention test (varlen against SDPA per sequence) and the rest of test_gpu_speed.py
-# whole  : tests/gpu/test_gpu_whole_run.py, the demo's GRPO through Ray with the Megatron engine on the GPU
+#     bash benchmarks/gpu_session.sh [STAGE ...]      # stages: bench whole tier bench15 (default: all, in order)
 # bench  : benchmarks/gpu_policy_throughput.py at Qwen3-0.6B's shape, every path, with the profile
-# bench15: the same at Qwen2.5-1.5B's shape
+# whole  : tests/gpu/test_gpu_whole_run.py, the demo's staged run through Ray with the Megatron engine on the GPU
+#          (Ray's logs come back as ray-logs.tgz when it fails)
+# tier   : the GPU tier's attention test (the variable-length kernel against SDPA per sequence and the masked product)
+# bench15: benchmarks/gpu_policy_throughput.py at Qwen2.5-1.5B's shape
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-results/gpu-session}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 MRL_GPU_REPORT="$OUT/gpu-tier.json"
-stages=${*:-tier whole bench bench15}
+stages=${*:-bench whole tier bench15}
 
 SITE=/tmp/mrl-gpu-site
 python3 - "$SITE" <<'EOF'
@@ -39,14 +40,16 @@ stage() {  # stage NAME SECONDS COMMAND...: run it under a limit, its output in 
 
 for s in $stages; do
     case $s in
-    tier) MRL_GPU_REPORT="$OUT/gpu-tier-speed.json" stage tier 150 \
-        python3 -m pytest tests/gpu/test_gpu_speed.py -q -s -p no:cacheprovider ;;
-    whole) MRL_GPU_REPORT="$OUT/gpu-tier-whole.json" stage whole 300 \
-        python3 -m pytest tests/gpu/test_gpu_whole_run.py -q -s -p no:cacheprovider ;;
-    bench) stage bench 240 python3 benchmarks/gpu_policy_throughput.py --shapes qwen3-0.6b --reps 2 --profile \
+    tier) MRL_GPU_REPORT="$OUT/gpu-tier-speed.json" stage tier 90 \
+        python3 -m pytest tests/gpu/test_gpu_speed.py -k attention -q -s -p no:cacheprovider ;;
+    whole) MRL_GPU_REPORT="$OUT/gpu-tier-whole.json" stage whole 270 \
+        python3 -m pytest tests/gpu/test_gpu_whole_run.py -q -s -p no:cacheprovider
+        grep -q "passed" "$OUT/whole.log" || tar czf "$OUT/ray-logs.tgz" -C /tmp/ray session_latest/logs 2>/dev/null
+        pkill -9 -f "mrl.cli run|raylet|gcs_server|ray::|default_worker.py" 2>/dev/null ;;  # a cut run's processes
+    bench) stage bench 200 python3 benchmarks/gpu_policy_throughput.py --shapes qwen3-0.6b --reps 2 --profile \
         --progress "$OUT/bench-progress.jsonl" ;;
-    bench15) stage bench15 200 python3 benchmarks/gpu_policy_throughput.py --shapes qwen2.5-1.5b --reps 2 \
+    bench15) stage bench15 160 python3 benchmarks/gpu_policy_throughput.py --shapes qwen2.5-1.5b --reps 2 \
         --progress "$OUT/bench-progress.jsonl" ;;
-    *) echo "unknown stage $s (tier whole bench bench15)" ;;
+    *) echo "unknown stage $s (bench whole tier bench15)" ;;
     esac
 done

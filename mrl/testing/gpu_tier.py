@@ -2,8 +2,10 @@
 
 Data flow:
     here   make gpu-wheelhouse: the pins of requirements/gpu-tier.txt -> .gpu-wheels/*.whl (CPython 3.12, manylinux
-           x86_64; `download` rows from the registry, `build` rows built from their source release). It prints
-           the wheelhouse's size beside the project's: both travel to the GPU machine (64 MiB there, in all).
+           x86_64; `download` rows from the registry, `build` rows built from their source release, `slim` rows
+           downloaded and then cut down: `slim_wheel` drops the parts named in `SLIM`, under the same file name).
+           It prints the wheelhouse's size beside the project's: both travel to the GPU machine (64 MiB there, in
+           all).
     there  python3 -m mrl.testing.gpu_tier run [--wheels .gpu-wheels] [--report FILE]
            1. torch must import and see a CUDA device, else one line ("GPU tier: skipped: ...") and exit 0;
            2. each pinned package that this Python lacks, or holds in a version outside the row's accepted
@@ -33,6 +35,15 @@ REPORT_ENV = "MRL_GPU_REPORT"
 PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_24_x86_64", "manylinux_2_17_x86_64",
              "manylinux2014_x86_64", "manylinux1_x86_64"]
 TRAVEL_LIMIT_MB = 64
+#: How a row's wheel is made (requirements/gpu-tier.txt's header says what each means).
+SOURCES = ("download", "build", "slim", "machine")
+#: What the wheel of a `slim` row loses (path prefixes inside the wheel), so that the wheelhouse and the project fit
+#: the TRAVEL_LIMIT_MB a GPU machine is sent. Ray 2.60's wheel is 75.2 MiB: mrl runs Ray Core alone (actors,
+#: placement groups; a local instance without the dashboard, mrl/distributed/cluster.py), so the Java workers' jar
+#: (30.7 MiB), the dashboard's browser build (2.4) and Ray's AI libraries, which Ray Core never imports (4.5), go;
+#: 37.6 MiB stay, most of them the raylet, the GCS server and _raylet.so.
+SLIM = {"ray": ("ray/jars/", "ray/dashboard/client/build/",
+                "ray/rllib/", "ray/data/", "ray/serve/", "ray/tune/", "ray/train/", "ray/llm/")}
 
 
 @dataclass(frozen=True)
@@ -40,7 +51,7 @@ class Pin:
     name: str
     version: str
     accepted: str
-    source: str  # download | build | machine (the GPU machine's own, never carried: torch)
+    source: str  # download | build | slim | machine (the GPU machine's own, never carried: torch)
 
     @property
     def requirement(self) -> str:
@@ -54,9 +65,12 @@ def read_pins(path: Path = PINS) -> list[Pin]:
         if not line:
             continue
         fields = line.split()
-        if len(fields) != 3 or "==" not in fields[0] or fields[2] not in ("download", "build", "machine"):
-            raise ValueError(f"{path}:{number}: {line!r}: expected 'name==version accepted download|build|machine'")
+        if len(fields) != 3 or "==" not in fields[0] or fields[2] not in SOURCES:
+            raise ValueError(f"{path}:{number}: {line!r}: expected 'name==version accepted {'|'.join(SOURCES)}'")
         name, version = fields[0].split("==")
+        if fields[2] == "slim" and name not in SLIM:
+            raise ValueError(f"{path}:{number}: {line!r}: a slim row needs its cuts in SLIM ({__name__}), which "
+                             f"names {', '.join(SLIM)} only")
         pins.append(Pin(name, version, fields[1], fields[2]))
     return pins
 
@@ -88,7 +102,7 @@ def build_wheelhouse(out: Path, python_version: str = "3.12") -> None:
     """Download (or build) the wheel of every carried pin into `out`; print the sizes that will travel."""
     out.mkdir(parents=True, exist_ok=True)
     pins = read_pins()
-    downloads = [p.requirement for p in pins if p.source == "download"]
+    downloads = [p.requirement for p in pins if p.source in ("download", "slim")]
     builds = [p.requirement for p in pins if p.source == "build"]
     platform_args = [arg for plat in PLATFORMS for arg in ("--platform", plat)]
     impl = ["--python-version", python_version, "--implementation", "cp", "--only-binary=:all:"]
@@ -97,6 +111,14 @@ def build_wheelhouse(out: Path, python_version: str = "3.12") -> None:
                    check=True)
     if builds:  # pure-Python source releases: the wheel is the same for every platform
         subprocess.run([*pip, "wheel", "-q", "--no-deps", "-w", str(out), *builds], check=True)
+    for pin in (p for p in pins if p.source == "slim"):
+        wheel = wheel_file(pin, out)
+        if wheel is None:
+            raise SystemExit(f"pip downloaded no wheel of {pin.requirement} into {out}")
+        before = wheel.stat().st_size
+        dropped = slim_wheel(wheel, SLIM[pin.name])  # pip fetched it whole: the slim file fails its hash
+        print(f"[mrl] {wheel.name}: {before / 2**20:.1f} -> {wheel.stat().st_size / 2**20:.1f} MiB "
+              f"({dropped} files cut: {', '.join(SLIM[pin.name])})")
     wheels_mb = sum(f.stat().st_size for f in out.glob("*.whl")) / 2**20
     project_mb = _tracked_mb()
     print(f"[mrl] GPU tier wheelhouse: {len(list(out.glob('*.whl')))} wheels, {wheels_mb:.1f} MiB in {out} "
@@ -105,6 +127,44 @@ def build_wheelhouse(out: Path, python_version: str = "3.12") -> None:
     if wheels_mb + project_mb > TRAVEL_LIMIT_MB:
         raise SystemExit(f"the wheelhouse and the project are {wheels_mb + project_mb:.1f} MiB, over "
                          f"{TRAVEL_LIMIT_MB}: drop the pins the GPU machine already holds in range")
+
+
+def slim_wheel(wheel: Path, drop: tuple[str, ...]) -> int:
+    """Rewrite the wheel at `wheel` without its members whose path starts with one of `drop`, and without their rows
+    in its RECORD (which lists the wheel's files; the other rows keep their hashes: those files are unchanged).
+    Every other member keeps its contents, order and permission bits (the raylet must stay executable). Returns the
+    number of members dropped; 0 leaves the file untouched."""
+    import shutil
+    import zipfile
+
+    def dropped(name: str) -> bool:
+        return name.startswith(drop)
+
+    with zipfile.ZipFile(wheel) as source:
+        members = source.infolist()
+        cut = sum(dropped(m.filename) for m in members)
+        if not cut:
+            return 0
+        partial = wheel.with_name(wheel.name + ".partial")
+        with zipfile.ZipFile(partial, "w", zipfile.ZIP_DEFLATED) as slim:
+            for member in members:
+                if dropped(member.filename):
+                    continue
+                if member.filename.endswith(".dist-info/RECORD"):
+                    rows = source.read(member).decode().splitlines(keepends=True)
+                    slim.writestr(member, "".join(r for r in rows if not dropped(r.split(",", 1)[0])))
+                    continue
+                with source.open(member) as src, slim.open(member, "w") as dst:  # streamed: _raylet.so is 42 MiB
+                    shutil.copyfileobj(src, dst, 1 << 20)
+    os.replace(partial, wheel)
+    return cut
+
+
+def wheel_file(pin: Pin, wheels: Path) -> Path | None:
+    """The wheel of `pin` in the folder `wheels` (file names spell the project name with '_', any case)."""
+    stem = pin.name.replace("-", "_").lower()
+    found = sorted(f for f in wheels.glob("*.whl") if f.name.lower().startswith(f"{stem}-{pin.version}-"))
+    return found[0] if found else None
 
 
 def _tracked_mb() -> float:
@@ -134,13 +194,12 @@ def install(needed: list[tuple[Pin, str | None]], wheels: Path, target: Path) ->
         return
     files = []
     for pin, _have in needed:
-        stem = pin.name.replace("-", "_").lower()
-        found = [f for f in wheels.glob("*.whl") if f.name.lower().startswith(f"{stem}-{pin.version}-")]
-        if not found:
+        found = wheel_file(pin, wheels)
+        if found is None:
             raise SystemExit(f"GPU tier: {pin.requirement} is needed here (this Python holds "
                              f"{_have or 'none'}; accepted {pin.accepted}) and {wheels} has no wheel of it: "
                              f"run `make gpu-wheelhouse` where pip can reach the registry, and carry {wheels.name}")
-        files.append(str(found[0]))
+        files.append(str(found))
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
                     "--no-cache-dir", "--upgrade", "--target", str(target), *files], check=True)
     print("[mrl] GPU tier installed: " + ", ".join(f"{p.requirement} (had {h or 'none'})" for p, h in needed))

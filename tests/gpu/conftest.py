@@ -1,5 +1,6 @@
-"""The GPU tier (`make test-gpu`, marker `gpu`): what one GPU can hold, without Ray, vLLM or Transformer Engine
-(each test that needs more says so and skips). On a machine without CUDA the whole tier skips in one line.
+"""The GPU tier (`make test-gpu`, marker `gpu`): what one GPU can hold, without vLLM or Transformer Engine (each
+test that needs more says so and skips); Ray Core comes from the tier's wheelhouse (requirements/gpu-tier.txt) for
+the whole run of test_gpu_whole_run.py. On a machine without CUDA the whole tier skips in one line.
 
 Figures: a test records each number it measures with the `figure` fixture (`figure("cuda_ipc.refit_gib_s", 4.2,
 "GiB/s")`); they are printed, and written with every test's outcome, the versions and the device to the JSON report
@@ -84,5 +85,5 @@ def _report(exitstatus: int) -> dict:
                        "count": torch.cuda.device_count()},
             "versions": {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
                          "nccl": ".".join(map(str, torch.cuda.nccl.version())),
-                         **{n: version(n) for n in ("megatron-core", "transformers", "pydantic")}},
+                         **{n: version(n) for n in ("megatron-core", "transformers", "pydantic", "ray")}},
             "tests": _OUTCOMES, "figures": _FIGURES}
