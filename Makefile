@@ -156,6 +156,7 @@ docs: install $(DOCS_STAMP)
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
 
 # The built site in headless Chromium (tests/docs): the home page, a guide and the configuration reference render
-# with their navigation; screenshots in results/docs/. Skips in one line without chromium (apt-get install chromium).
+# with their navigation, over HTTP and opened from disk (file://: a navigation link leads to a page, search works
+# offline); screenshots in results/docs/. Skips in one line without chromium (apt-get install chromium).
 test-docs: docs
 	$(BIN)/python -m pytest tests/docs -q -m docs

@@ -167,7 +167,8 @@ def _add_submit_parser(sub) -> None:
     submit.add_argument("--requeue", action="store_true",
                         help="after a pre-emption (SIGTERM) the run saves, and the job is re-queued to resume")
     submit.add_argument("--container-image", help="pyxis/enroot image for every step (default: bare, the venv)")
-    submit.add_argument("--container-mounts", help="pyxis container mounts (default: the submit folder)")
+    submit.add_argument("--container-mounts", help="pyxis container mounts, SRC[:DST[:FLAGS]],... (the submit folder "
+                                                   "is mounted at its own path in any case: every step runs in it)")
     submit.add_argument("--log-root", default="slurm-logs", help="logs go to LOG_ROOT/<job id>/ (default: slurm-logs)")
     submit.add_argument("--sbatch-arg", action="append", default=[], metavar="ARG", help="extra sbatch argument")
     submit.add_argument("--dry-run", action="store_true", help="print the sbatch command instead of running it")
@@ -177,7 +178,7 @@ def _add_submit_parser(sub) -> None:
 
 def _add_plan_parser(sub) -> None:
     text = ("A recipe's memory per GPU (policy ranks by pipeline stage, the engine's weights and KV cache), with the "
-            "assumptions printed, and whether it fits; exit 2 when it does not.")
+            "assumptions printed, and whether it fits; a staged recipe's, stage by stage; exit 2 when one does not.")
     plan = sub.add_parser("plan", help=text, description=text)
     plan.add_argument("--config", required=True, metavar="FILE", help="YAML config or recipe, or a shipped recipe's name")
     plan.add_argument("--gpu", default="h100-80gb", help="the GPU (default h100-80gb; h200-141gb, a100-80gb, ...)")
@@ -189,12 +190,12 @@ def _add_plan_parser(sub) -> None:
 
 
 def _run_plan(args: argparse.Namespace) -> int:
-    from mrl.app.plan import make_plan, render
+    from mrl.app.plan_stages import fits, plan_command, render_plans
 
-    cfg = load_config(args.config, args.overrides)
-    plan = make_plan(cfg, gpu=args.gpu, assume=args.assume, model_config_path=args.model_config)
-    print(render(plan, cfg))
-    return 0 if plan.fits else CONFIG_ERROR_EXIT_CODE
+    plans = plan_command(args.config, args.overrides, gpu=args.gpu, assume=args.assume,
+                         model_config_path=args.model_config)  # a staged recipe: every stage
+    print(render_plans(plans))
+    return 0 if fits(plans) else CONFIG_ERROR_EXIT_CODE
 
 
 def _run_submit(args: argparse.Namespace) -> int:
@@ -208,10 +209,13 @@ def _run_submit(args: argparse.Namespace) -> int:
 
 
 def _handler(command: str) -> Callable[[MrlConfig], object]:
-    """The implementation of a config-driven command (imported lazily: heavy dependencies load only when used)."""
-    from mrl.app.commands import RUNNERS
+    """The implementation of a config-driven command (imported lazily: heavy dependencies load only when used); it
+    ends by printing where the run's results are."""
+    import functools
 
-    return RUNNERS[command]
+    from mrl.app.commands import run_command
+
+    return functools.partial(run_command, command)
 
 
 def _run_config_command(args: argparse.Namespace) -> int:
@@ -303,7 +307,8 @@ def _run_env(args: argparse.Namespace) -> int:
 
 
 def _run_convert(args: argparse.Namespace) -> int:
-    """HF <-> Megatron conversion (mrl.app.convert); a bad input folder is a user error, not a traceback."""
+    """HF <-> Megatron conversion (mrl.app.convert); a bad input folder is a user error, not a traceback (a flag
+    the model cannot take, or an --hf that names no folder: a ConfigError, exit 2)."""
     from converters import ConversionError
     from mrl.app import convert
     from mrl.checkpoint.manager import CheckpointError
@@ -312,6 +317,7 @@ def _run_convert(args: argparse.Namespace) -> int:
         if args.direction == "hf-to-megatron":
             from mrl.app.hub_ids import resolve_model_argument
 
+            convert.check_hf_argument(args.hf)
             hf = resolve_model_argument(args.hf, "--hf")
             out = convert.hf_to_megatron(hf, args.out, tp=args.tp, pp=args.pp, ep=args.ep)
         elif args.megatron:

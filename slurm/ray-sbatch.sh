@@ -7,7 +7,9 @@
 #
 # Environment (all optional):
 #   MRL_CONTAINER_IMAGE   run every step in this image (pyxis/enroot `srun --container-image`); unset: bare mode
-#   MRL_CONTAINER_MOUNTS  container mounts (default: the submit folder at the same path)
+#   MRL_CONTAINER_MOUNTS  container mounts, pyxis's SRC[:DST[:FLAGS]],... The submit folder is mounted at the same
+#                         path in any case (every step runs in it: --container-workdir), added to these unless one
+#                         of them already mounts it or a folder above it at the same path, writable
 #   MRL_VENV              bare mode: virtual environment to activate (default: $SLURM_SUBMIT_DIR/.venv if present)
 #   MRL_LOG_ROOT          logs go to $MRL_LOG_ROOT/<job id>[.<restart>]/ (default: $SLURM_SUBMIT_DIR/slurm-logs):
 #                         driver.log (the mrl command), ray-<node>.log (each node's Ray)
@@ -39,11 +41,26 @@ mkdir -p "$log_dir"
 say() { echo "[mrl-launcher $(date +%T)] $*"; }
 run() { if [ "${MRL_DRY_RUN:-0}" = 1 ]; then echo "+ $*"; else "$@"; fi; }
 
+with_submit_dir() {  # mounts, folder: the mounts, with the folder at the same path unless one of them holds it so
+  local mounts=$1 dir=${2%/} mount src dst flags
+  local -a entries
+  IFS=',' read -ra entries <<< "$mounts"
+  for mount in "${entries[@]}"; do
+    IFS=':' read -r src dst flags <<< "$mount"
+    dst=${dst:-$src}
+    src=${src%/} dst=${dst%/}
+    if [ "$src" = "$dst" ] && [[ "$dir" == "$src" || "$dir" == "$src"/* ]] && [[ "+$flags+" != *+ro+* ]]; then
+      echo "$mounts"; return
+    fi
+  done
+  echo "${mounts:+$mounts,}$dir:$dir"
+}
+
 mapfile -t nodes < <(scontrol show hostnames "$SLURM_JOB_NODELIST")
 head_node=${nodes[0]}
 if [ -n "${MRL_CONTAINER_IMAGE:-}" ]; then
-  container=(--container-image="$MRL_CONTAINER_IMAGE" --container-mounts="${MRL_CONTAINER_MOUNTS:-$submit_dir:$submit_dir}"
-             --container-workdir="$submit_dir")
+  mounts=$(with_submit_dir "${MRL_CONTAINER_MOUNTS:-}" "$submit_dir")
+  container=(--container-image="$MRL_CONTAINER_IMAGE" --container-mounts="$mounts" --container-workdir="$submit_dir")
   setup=":"
 else
   container=()
@@ -75,6 +92,9 @@ head_ip=$(node_ip "$head_node")
 [ "${MRL_DRY_RUN:-0}" = 1 ] && head_ip=HEAD_IP
 address="$head_ip:$ray_port"
 say "job $SLURM_JOB_ID (restart $restart): ${#nodes[@]} node(s) ${nodes[*]}, Ray head $address, logs $log_dir"
+if [ -n "${MRL_CONTAINER_IMAGE:-}" ]; then
+  say "container $MRL_CONTAINER_IMAGE, mounts $mounts, working directory $submit_dir"
+fi
 gpus="--num-gpus=${SLURM_GPUS_PER_NODE:-0}"
 step "$head_node" "ray-$head_node.log" "ray start --head --node-ip-address=$head_ip --port=$ray_port \
   --dashboard-port=$((ray_port + 8)) $ray_ports $gpus --block"

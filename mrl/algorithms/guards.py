@@ -4,8 +4,9 @@ Non-finite steps. The policy skips an optimizer update whose loss or gradients a
 (mrl/policy/train_step.py `nonfinite_anywhere`: no update, no scheduler step, `train/nonfinite` 1), so one bad batch
 costs one step and never reaches the weights. A step all of whose updates were skipped is a skipped step: the engine
 is not refitted after it (its weights did not change). `policy.max_nonfinite_steps` skipped steps in a row end the
-run with `NonFiniteTraining` before anything more is saved: by then the cause is the run's settings or its weights,
-not one batch, and the checkpoints written so far hold only the finite weights of the last applied update.
+run with `NonFiniteTraining` before anything more is saved (but the run's summary.json, saying why: every guard's stop
+is a `TrainingStopped`): by then the cause is the run's settings or its weights, not one batch, and the checkpoints
+written so far hold only the finite weights of the last applied update.
 """
 
 from __future__ import annotations
@@ -18,8 +19,18 @@ from dataclasses import dataclass, field
 NONFINITE_EXIT_CODE = 3
 
 
-class NonFiniteTraining(RuntimeError):
+class TrainingStopped(RuntimeError):
+    """A guard stopped the loop (this module's, or mrl.algorithms.health's `IdleTraining`); the message names the
+    cause and the fix. The command still writes the run's summary.json, saying why (mrl/app/results.py)."""
+
+    setting: str = ""
+    """The key whose limit stopped the run."""
+
+
+class NonFiniteTraining(TrainingStopped):
     """`policy.max_nonfinite_steps` steps in a row had a non-finite loss or gradient; the message says what to do."""
+
+    setting = "policy.max_nonfinite_steps"
 
 
 @dataclass

@@ -16,10 +16,10 @@ Figures, from what the step already has (added to its metrics):
 Each condition that holds for the whole step is a warning with its figures and the keys that change it. A step
 that trained on nothing (no sample kept, or every group's rewards equal with no KL term: every advantage is 0, so
 the update is exactly 0) is idle; `grpo.max_idle_steps` idle steps in a row end the run with `IdleTraining`
-(exit 2, mrl.cli) before it saves: a checkpoint would differ from the start only in its step number. One such step is
-not idle: every sample got the same positive reward ("all solved": the model answered every problem of the step
-right). It warns, but a run that masters its data is not stuck, and a small recipe near the end of its training
-meets such steps by chance (6 prompts x 4 samples at 96% right: one step in three).
+(exit 2, mrl.cli) before it saves, but for its summary.json saying why: a checkpoint would differ from the start only
+in its step number. One such step is not idle: every sample got the same positive reward ("all solved": the model
+answered every problem of the step right). It warns, but a run that masters its data is not stuck, and a small recipe
+near the end of its training meets such steps by chance (6 prompts x 4 samples at 96% right: one step in three).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Sequence
 
+from mrl.algorithms.guards import TrainingStopped
 from mrl.config.errors import CONFIG_ERROR_EXIT_CODE, ConfigError
 
 if TYPE_CHECKING:
@@ -38,8 +39,10 @@ if TYPE_CHECKING:
 IDLE_EXIT_CODE = CONFIG_ERROR_EXIT_CODE
 
 
-class IdleTraining(RuntimeError):
+class IdleTraining(TrainingStopped):
     """`grpo.max_idle_steps` steps in a row trained on nothing; the message names the cause and the fix."""
+
+    setting = "grpo.max_idle_steps"
 
 
 def prompt_token_limit(cfg: Any) -> int:
@@ -211,12 +214,13 @@ def _all_cut_or_empty(rollouts: Any) -> bool:
 def _equal_rewards_fix(cfg: Any) -> str:
     size = cfg.grpo.num_generations_per_prompt
     if size == 1:
-        return ("Every group is one sample (grpo.num_generations_per_prompt=1), whose advantage is always 0: set it "
-                "to 2 or more")
+        return ("Every group is one sample (grpo.num_generations_per_prompt is 1), whose advantage is always 0: "
+                "grpo.num_generations_per_prompt=2 or more")
+    # The setting proposed is never the one the run has (the run with it is the one that stopped)
     return ("All 0: the model never answers right (start from a stronger or SFT-warmed model, easier data, or check "
             "that the reward can read its answers); groups all right beside groups all wrong: the data mixes problems "
-            "too easy and too hard for it. More samples per prompt "
-            f"(grpo.num_generations_per_prompt={size}) make a differing one likelier")
+            "too easy and too hard for it. More samples per prompt make a differing one likelier: "
+            f"grpo.num_generations_per_prompt={2 * size} (now {size}; twice the samples a step)")
 
 
 def _few(values: list[float]) -> str:
@@ -307,7 +311,10 @@ def health_summary(history: dict[str, list[tuple[int, float]]]) -> dict[str, Any
 
 
 def health_cell(summary: dict[str, Any]) -> str:
-    """The run's health in one table cell: "ok", or the steps that warned and those that trained on nothing."""
+    """The run's health in one table cell: "ok", or the steps that warned and those that trained on nothing; the
+    setting that stopped a run a guard stopped."""
+    if summary.get("stopped"):
+        return f"stopped ({summary['stopped']['by']})"
     health = summary.get("health")
     if health is None:
         return "-"

@@ -93,13 +93,14 @@ def load_pair_data(cfg: MrlConfig, tokenizer: Any) -> PairData:
         for name, pairs in zip(("train", "val"), _arith_pairs(cfg)):
             parts[name] = _encode(pairs, tokenizer, template, max_length, skipped, train_source)
     elif not cfg.data.train:
-        raise ValueError("no preference data: set data.train (and optionally data.val) to a jsonl/json/parquet file "
-                         "of prompt/chosen/rejected rows, or data.arith for the synthetic task")
+        raise ConfigError("no preference data", key="data.train",
+                          fix="set data.train (and optionally data.val) to a jsonl/json/parquet file of "
+                              "prompt/chosen/rejected rows, or data.arith for the synthetic task")
     else:
         template, train_source = PromptTemplate(cfg.data.prompt_template, ""), cfg.data.train
         for name, source in (("train", cfg.data.train), ("val", cfg.data.val)):
             if source:
-                loaded = load_preferences(source, split="train" if name == "train" else "test")
+                loaded = load_preferences(source, split="train" if name == "train" else "test", key=f"data.{name}")
                 skipped.update({f"{source}:{reason}": n for reason, n in loaded.skipped.items()})
                 parts[name] = _encode(loaded.pairs, tokenizer, template, max_length, skipped, source)
     if not parts["train"]:

@@ -4,16 +4,19 @@ Every training command ends by exporting the final policy, marked complete by a 
 `run.final_format`: an HF folder `<run.output_dir>/final_hf` (what vLLM or transformers load), or a Megatron
 checkpoint folder `<run.output_dir>/final_megatron` (model/ written by every rank in its layout, hf/ with config and
 tokenizer; no gather to one process, no HF export). Either is what the next stage of a staged recipe starts from.
-`mrl eval` writes `summary.json` and every sample to `samples.jsonl`, and prints a few.
+`mrl eval` writes `summary.json` and every sample to `samples.jsonl`, and prints a few. A run that a guard stops
+(too many non-finite or idle steps in a row) writes its summary.json all the same, saying why. Every command ends by
+printing where its results are (`run_command`; the folder's layout: mrl/app/results.py).
 
 A worker that dies (or raises) ends the command with `RunFailed`: one message naming the group, rank and method,
-where the newest checkpoint is, and that re-running the same command resumes from it.
+where the newest checkpoint is, and that re-running the same command resumes from it; unless the failure comes from
+the configuration (mrl/app/errors.py `configuration_failure`), which a re-run would meet again: a `ConfigError` then.
+What a command reads (data, tokenizer, the engine's model) is checked before any worker starts (mrl/app/preflight.py).
 """
 
 from __future__ import annotations
 
 import functools
-import json
 import shlex
 import sys
 import time
@@ -23,23 +26,16 @@ from typing import Any, Callable, Iterator
 
 from mrl.algorithms.health import check_prompt_budget, check_sft_rows, health_summary
 from mrl.app.checkpointing import RunCheckpoints, resume_padded_vocab
-from mrl.app.errors import RunFailed, StorageFailed
+from mrl.app.errors import RunFailed, StorageFailed, configuration_failure
 from mrl.app.hub_ids import resolve_hub_ids
 from mrl.app.model_source import ModelSource, classify_model_path
+from mrl.app.preflight import check_score_rows, check_tokenizer_folder
+from mrl.app.results import DONE_MARKER, final_dir, last_metrics, run_report, save_summary, summary_on_stop
 from mrl.app.runtime import Runtime, load_tokenizer, resolve_model, start_runtime
 from mrl.app.storage import storage_guard
 from mrl.config.errors import ConfigError
 from mrl.config.schema import MrlConfig
 from mrl.logging.metrics import MetricsLogger
-
-FINAL_DIRS = {"hf": "final_hf", "megatron": "final_megatron"}  # by run.final_format
-DONE_MARKER = ".complete"
-SUMMARY_FILE = "summary.json"
-
-
-def final_dir(cfg: MrlConfig) -> Path:
-    """Where a training command leaves its result (see the module docstring)."""
-    return Path(cfg.run.output_dir) / FINAL_DIRS[cfg.run.final_format]
 
 
 def _say(message: str) -> None:
@@ -77,6 +73,9 @@ def explained_failures(cfg: MrlConfig) -> Iterator[None]:
     except NonFiniteTraining as error:
         raise NonFiniteTraining(f"{error}\n  {_resume_hint(cfg)}, once the settings are changed") from error
     except WorkerError as error:
+        refused = configuration_failure(error)  # a re-run would meet it again: the fix, no advice to re-run
+        if refused is not None:
+            raise refused from error
         message = str(error).split("\n--- remote traceback ---")[0]
         detail = "" if isinstance(error, WorkerDiedError) or not error.remote_traceback else \
             f"\n--- remote traceback ---\n{error.remote_traceback}"
@@ -119,11 +118,6 @@ def _curve(history: dict, name: str) -> list[float]:
     return [value for _, value in history.get(name, [])]
 
 
-def _write_summary(out_dir: Path, summary: dict[str, Any]) -> None:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
-
-
 def _grpo_summary(history: dict, final: dict[str, float], seconds: float) -> dict[str, Any]:
     rewards = _curve(history, "train/reward")
     accuracy = _curve(history, "val/accuracy")
@@ -146,17 +140,21 @@ def _grpo_environment(cfg: MrlConfig, runtime: Runtime, template: Any) -> Any:
     if rm is None:
         return env
     tokenizer = runtime.tokenizer
-    _check_same_tokenizer(tokenizer, classify_model_path(rm.model, key="env.reward_model.model").config_dir)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     ends = {template.turn_end_id(tokenizer), tokenizer.eos_token_id} - {None}
     return RewardModelEnvironment(env, runtime.reward_model, pad_id=pad, weight=rm.weight,
                                   verifier_weight=rm.verifier_weight, end_token_ids=ends)
 
 
-def _check_same_tokenizer(tokenizer: Any, reward_model: Path) -> None:
-    """The reward model scores the policy's token ids: both must share one vocabulary."""
+def _check_reward_model_tokenizer(cfg: MrlConfig, tokenizer: Any) -> None:
+    """The reward model (env.reward_model) scores the policy's token ids: both must share one vocabulary. Checked
+    before any worker starts."""
     from mrl.data.tokenizers import load_tokenizer as load_folder_tokenizer
 
+    if cfg.env.reward_model is None:
+        return
+    reward_model = classify_model_path(cfg.env.reward_model.model, key="env.reward_model.model").config_dir
+    check_tokenizer_folder(reward_model, "env.reward_model.model")
     if load_folder_tokenizer(reward_model).get_vocab() != tokenizer.get_vocab():
         raise ConfigError("the reward model's tokenizer differs from the policy's; it scores the policy's token ids",
                           key="env.reward_model.model", given=str(reward_model),
@@ -172,6 +170,7 @@ def run_grpo(cfg: MrlConfig) -> dict[str, Any]:
     source = resolve_model(cfg)
     tokenizer = load_tokenizer(cfg, source)
     check_prompt_budget(cfg, tokenizer, data.template, data.train)
+    _check_reward_model_tokenizer(cfg, tokenizer)
     runtime = start_runtime(cfg, total_steps=cfg.grpo.max_num_steps, reference=cfg.loss.kl_beta > 0,
                             padded_vocab=resume_padded_vocab(cfg), source=source, tokenizer=tokenizer)
     try:
@@ -181,7 +180,9 @@ def run_grpo(cfg: MrlConfig) -> dict[str, Any]:
         raise
     try:
         with explained_failures(cfg), RunCheckpoints(cfg, runtime) as ckpt, \
-                _logger(cfg, cfg.grpo.max_num_steps, f"{cfg.run.name} grpo", KEY_METRICS) as logger:
+                _logger(cfg, cfg.grpo.max_num_steps, f"{cfg.run.name} grpo", KEY_METRICS) as logger, \
+                summary_on_stop(Path(cfg.run.output_dir), lambda: _grpo_summary(
+                    logger.history, last_metrics(logger.history), time.perf_counter() - start)):
             final = grpo_train(cfg, runtime, env, data, logger, ckpt,  # type: ignore[arg-type]
                                val_env=getattr(env, "verifier", env))
             ckpt.end_if_interrupted()
@@ -191,7 +192,7 @@ def run_grpo(cfg: MrlConfig) -> dict[str, Any]:
         env.shutdown()
         runtime.shutdown()
     summary = _grpo_summary(history, final, time.perf_counter() - start)
-    _write_summary(Path(cfg.run.output_dir), summary)
+    save_summary(Path(cfg.run.output_dir), summary)  # and the reward curve beside it
     return summary
 
 
@@ -208,15 +209,21 @@ def run_sft(cfg: MrlConfig) -> dict[str, Any]:
                             padded_vocab=resume_padded_vocab(cfg), source=source, tokenizer=tokenizer)
     try:
         with explained_failures(cfg), RunCheckpoints(cfg, runtime) as ckpt, \
-                _logger(cfg, cfg.sft.max_num_steps, f"{cfg.run.name} sft", KEY_METRICS) as logger:
+                _logger(cfg, cfg.sft.max_num_steps, f"{cfg.run.name} sft", KEY_METRICS) as logger, \
+                summary_on_stop(Path(cfg.run.output_dir), lambda: _sft_summary(
+                    last_metrics(logger.history), time.perf_counter() - start)):
             final = sft_train(cfg, runtime, data, logger, ckpt)  # type: ignore[arg-type]
             ckpt.end_if_interrupted()
             export_final(runtime)
     finally:
         runtime.shutdown()
-    summary = {"algorithm": "sft", "seconds": time.perf_counter() - start, "final": final}
-    _write_summary(Path(cfg.run.output_dir), summary)
+    summary = _sft_summary(final, time.perf_counter() - start)
+    save_summary(Path(cfg.run.output_dir), summary)
     return summary
+
+
+def _sft_summary(final: dict[str, float], seconds: float) -> dict[str, Any]:
+    return {"algorithm": "sft", "seconds": seconds, "final": final}
 
 
 def _check_pairs(cfg: MrlConfig) -> None:
@@ -237,20 +244,24 @@ def _pair_summary(algorithm: str, history: dict, final: dict[str, float], second
 
 
 def _run_pairs(cfg: MrlConfig, algorithm: str, steps: int, train: Any, key_metrics: Any, accuracy: str, *,
-               reference: bool = False, source: ModelSource | None = None) -> dict[str, Any]:
-    """Start the policy (no engine), train on preference pairs with `train`, export, summarise."""
+               reference: bool = False, source: ModelSource | None = None, tokenizer: Any = None,
+               data: Any = None) -> dict[str, Any]:
+    """Start the policy (no engine), train on preference pairs with `train`, export, summarise. `tokenizer` and
+    `data`: `source`'s and the pairs, when the command already loaded them."""
     from mrl.algorithms.pairs import load_pair_data
 
     _check_pairs(cfg)
     start = time.perf_counter()
     source = source or resolve_model(cfg)
-    tokenizer = load_tokenizer(cfg, source)
-    data = load_pair_data(cfg, tokenizer)  # before any worker starts: its errors are the data's
+    tokenizer = load_tokenizer(cfg, source) if tokenizer is None else tokenizer
+    data = load_pair_data(cfg, tokenizer) if data is None else data  # before any worker starts: errors are the data's
     runtime = start_runtime(cfg, total_steps=steps, engine=False, reference=reference, source=source,
                             padded_vocab=resume_padded_vocab(cfg), tokenizer=tokenizer)
     try:
         with explained_failures(cfg), RunCheckpoints(cfg, runtime) as ckpt, \
-                _logger(cfg, steps, f"{cfg.run.name} {algorithm}", key_metrics) as logger:
+                _logger(cfg, steps, f"{cfg.run.name} {algorithm}", key_metrics) as logger, \
+                summary_on_stop(Path(cfg.run.output_dir), lambda: _pair_summary(
+                    algorithm, logger.history, last_metrics(logger.history), time.perf_counter() - start, accuracy)):
             final = train(cfg, runtime, data, logger, ckpt)
             ckpt.end_if_interrupted()
             history = logger.history
@@ -258,7 +269,7 @@ def _run_pairs(cfg: MrlConfig, algorithm: str, steps: int, train: Any, key_metri
     finally:
         runtime.shutdown()
     summary = _pair_summary(algorithm, history, final, time.perf_counter() - start, accuracy)
-    _write_summary(Path(cfg.run.output_dir), summary)
+    save_summary(Path(cfg.run.output_dir), summary)
     return summary
 
 
@@ -274,11 +285,15 @@ def run_rm(cfg: MrlConfig) -> dict[str, Any]:
     from mrl.algorithms.rm import KEY_METRICS, rm_train
     from mrl.app.reward_model import reward_model_source
 
-    _check_pairs(cfg)  # before the reward model's folder is written
+    from mrl.algorithms.pairs import load_pair_data
+
+    _check_pairs(cfg)  # the rules, the tokenizer and the data before the reward model's folder is written
     lm = resolve_model(cfg)
-    pad = load_tokenizer(cfg, lm).pad_token_id
-    source = reward_model_source(lm, Path(cfg.run.output_dir), pad_token_id=pad, seed=cfg.run.seed)
-    return _run_pairs(cfg, "rm", cfg.rm.max_num_steps, rm_train, KEY_METRICS, "val/accuracy", source=source)
+    tokenizer = load_tokenizer(cfg, lm)  # the reward model's folder gets a copy of it
+    data = load_pair_data(cfg, tokenizer)
+    source = reward_model_source(lm, Path(cfg.run.output_dir), pad_token_id=tokenizer.pad_token_id, seed=cfg.run.seed)
+    return _run_pairs(cfg, "rm", cfg.rm.max_num_steps, rm_train, KEY_METRICS, "val/accuracy", source=source,
+                      tokenizer=tokenizer, data=data)
 
 
 def run_eval(cfg: MrlConfig) -> dict[str, Any]:
@@ -291,7 +306,10 @@ def run_eval(cfg: MrlConfig) -> dict[str, Any]:
     if not data.val:
         raise ConfigError("nothing to evaluate", key="eval.data",
                           fix="set eval.data (or data.val) to a problem/answer file (jsonl or parquet)")
-    runtime = start_runtime(cfg, total_steps=1, policy=False)
+    source = resolve_model(cfg)
+    tokenizer = load_tokenizer(cfg, source)
+    check_prompt_budget(cfg, tokenizer, data.template, [])  # the template renders, with room for a problem
+    runtime = start_runtime(cfg, total_steps=1, policy=False, source=source, tokenizer=tokenizer)
     env = build_environment(cfg.env)
     try:
         with explained_failures(cfg):
@@ -307,7 +325,7 @@ def run_eval(cfg: MrlConfig) -> dict[str, Any]:
     for name, value in result.metrics.items():
         print(f"{name}: {value:.4f}")
     summary = {"algorithm": "eval", "seconds": time.perf_counter() - start, "final": result.metrics}
-    _write_summary(out, summary)
+    save_summary(out, summary)
     return summary
 
 
@@ -317,10 +335,13 @@ def run_score(cfg: MrlConfig, input_path: str, out_path: str) -> dict[str, float
 
     if not Path(input_path).is_file():
         raise FileNotFoundError(f"--input {input_path}: no such file")
-    runtime = start_runtime(cfg, total_steps=1, engine=False)
+    source = resolve_model(cfg)
+    tokenizer = load_tokenizer(cfg, source)
+    rows = read_inputs(input_path, tokenizer, cfg.policy.max_total_sequence_length)
+    check_score_rows(input_path, rows)
+    runtime = start_runtime(cfg, total_steps=1, engine=False, source=source, tokenizer=tokenizer)
     try:
         with explained_failures(cfg):
-            rows = read_inputs(input_path, runtime.tokenizer, cfg.policy.max_total_sequence_length)
             pad = runtime.tokenizer.pad_token_id if runtime.tokenizer.pad_token_id is not None else 0
             scored, routing = score_rows(runtime.policy, rows, pad)
     finally:
@@ -337,7 +358,7 @@ def with_hub_ids(run: Callable[[MrlConfig], dict[str, Any]]) -> Callable[[MrlCon
         summary = run(cfg)
         if resolved:
             summary["hub"] = resolved
-            _write_summary(Path(cfg.run.output_dir), summary)
+            save_summary(Path(cfg.run.output_dir), summary)
         return summary
 
     return resolved_run
@@ -345,3 +366,17 @@ def with_hub_ids(run: Callable[[MrlConfig], dict[str, Any]]) -> Callable[[MrlCon
 
 RUNNERS = {name: with_hub_ids(run) for name, run in
            {"grpo": run_grpo, "sft": run_sft, "dpo": run_dpo, "rm": run_rm, "eval": run_eval}.items()}
+
+
+def run_command(name: str, cfg: MrlConfig) -> dict[str, Any]:
+    """`mrl <name>` (grpo, sft, dpo, rm, eval): the run, then the lines naming where its results are (also after a
+    guard stopped it: what it left, its summary.json saying why)."""
+    from mrl.algorithms.guards import TrainingStopped
+
+    try:
+        summary = RUNNERS[name](cfg)
+    except TrainingStopped:
+        print(run_report(cfg, stopped=True), flush=True)
+        raise
+    print(run_report(cfg), flush=True)
+    return summary

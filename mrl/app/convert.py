@@ -15,6 +15,9 @@ How to run: in one process (the whole model is built on this machine at TP=1, PP
 with --ep; a world that is a multiple of tp*pp adds data-parallel replicas, which dist_checkpointing does not write
 twice).
 `megatron_to_hf` runs in one process: it loads the full model and streams it out as safetensors shards.
+
+The flags are checked as the config tree checks policy.parallel, before anything is built (`layout_problems`, a
+`ConfigError` naming the flag: exit 2), and --hf must name an existing folder or a hub id (`check_hf_argument`).
 """
 
 from __future__ import annotations
@@ -25,12 +28,13 @@ from typing import Any
 
 import torch
 
-from converters import ConversionError, model_dims, resolve_padded_vocab
+from converters import ConversionError, ModelDims, model_dims, resolve_padded_vocab
 from converters.hf_io import (DEFAULT_MAX_SHARD_BYTES, copy_model_metadata, load_hf_config, load_hf_state,
                               save_hf_state)
 from converters.mapping import megatron_to_hf as map_megatron_to_hf
 from mrl.checkpoint.megatron import (HF_SUBDIR, MODEL_SUBDIR, checkpoint_padded_vocab, load_megatron_checkpoint,
                                     save_sharded)
+from mrl.config.errors import ConfigError
 from mrl.model.build import build_gpt_model, load_hf_weights, router_settings, transformer_config_from_hf
 from mrl.parallel import collectives
 from mrl.parallel.groups import init_process_groups, world_from_launcher
@@ -66,11 +70,59 @@ def _build(hf_config: dict[str, Any], padded_vocab: int, tp: int, pp: int, ep: i
     return build_gpt_model(hf_config, config, padded_vocab=padded_vocab)
 
 
+def check_hf_argument(value: str) -> None:
+    """--hf is a hub id (resolved by the caller) or an existing folder with a config.json: a local path that does
+    not exist is said to be one, not looked up on the hub or read as a file."""
+    from mrl.data.hub import parse_hub_id
+
+    folder = Path(value)
+    if parse_hub_id(value) is not None or (folder / "config.json").is_file():
+        return
+    found = ("there is no such folder" if not folder.exists() else "it is a file" if not folder.is_dir() else
+             f"the folder has no config.json (it holds {', '.join(sorted(p.name for p in folder.iterdir())[:8])})")
+    raise ConfigError(f"not an HF model folder: {found}", key="--hf", given=value,
+                      fix="pass an HF model folder (config.json + *.safetensors) or a hub id (org/name[@revision])")
+
+
+def layout_problems(dims: ModelDims, tp: int, pp: int, ep: int) -> list[ConfigError]:
+    """--tp, --pp and --ep against the model, the rules of policy.parallel (mrl/config/checks.py): otherwise a TP
+    that does not divide the heads is accepted in one process (which builds at TP 1 and records it) and fails only
+    when a run loads the checkpoint, and a size below 1 fails on the vocabulary."""
+    sizes = {"--tp": tp, "--pp": pp, "--ep": ep}
+    small = [ConfigError("must be 1 or more", key=flag, given=size, allowed="1, 2, ...")
+             for flag, size in sizes.items() if size < 1]
+    if small:
+        return small
+    out = []
+    for heads, what in ((dims.num_heads, "attention heads"), (dims.num_kv_heads, "key/value heads")):
+        if heads % tp:
+            out.append(ConfigError(f"does not divide the model's {heads} {what}", key="--tp", given=tp,
+                                   allowed=f"a divisor of {heads}: {_divisors(heads)}"))
+            break
+    if dims.num_layers % pp:
+        out.append(ConfigError(f"the model's {dims.num_layers} layers do not split evenly over {pp} pipeline stages",
+                               key="--pp", given=pp, allowed=f"a divisor of {dims.num_layers}: "
+                                                          f"{_divisors(dims.num_layers)}"))
+    experts = dims.moe.num_experts if dims.moe is not None else None
+    if ep > 1 and (experts is None or experts % ep):
+        out.append(ConfigError("expert parallelism needs a mixture-of-experts model; this one is dense" if experts
+                               is None else f"does not divide the model's {experts} experts", key="--ep", given=ep,
+                               allowed="1" if experts is None else f"a divisor of {experts}: {_divisors(experts)}"))
+    return out
+
+
+def _divisors(n: int) -> str:
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+
+
 def hf_to_megatron(hf_dir: str | Path, out_dir: str | Path, tp: int = 1, pp: int = 1, ep: int = 1) -> Path:
     """Convert an HF folder into a Megatron distributed checkpoint folder (layout in the module docstring)."""
     hf_dir, out = Path(hf_dir), Path(out_dir)
     hf_config = load_hf_config(hf_dir)
     dims = model_dims(hf_config)
+    problems = layout_problems(dims, tp, pp, ep)
+    if problems:
+        raise problems[0] if len(problems) == 1 else ConfigError("", problems=problems)
     padded = resolve_padded_vocab(dims, tp, None)
     build_tp, build_pp, build_ep = (tp, pp, ep) if world_from_launcher() > 1 else (1, 1, 1)
     init_parallel(build_tp, build_pp, build_ep)  # extra ranks are data-parallel replicas; they save nothing twice

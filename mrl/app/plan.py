@@ -9,6 +9,12 @@ colocated GPU goes through (training while the engine sleeps; generation while t
 make a layout that does not fit fit. Every figure that is not arithmetic on the config is an assumption, printed with
 its source; `--assume key=value` replaces it with the user's own measurement. The step's time per phase is an
 estimate from rates (mrl/app/plan_time.py).
+
+A staged recipe (`stages:`, `mrl run`) is planned stage by stage, each with the workers its command starts (GRPO:
+the policy and the engine; SFT, DPO and reward models: the policy; eval: the engine), one plan and verdict each; a
+stage that starts from an earlier stage's export not written yet is planned with the model that stage started from
+(an export keeps its model's shapes). An engine whose weights cannot fit its GPUs at any `gpu_memory_utilization`
+is named as such, with the engine layouts and GPUs that hold them.
 """
 
 from __future__ import annotations
@@ -23,8 +29,8 @@ from typing import Any, Mapping, Sequence
 from converters.spec import ModelDims, model_dims
 from mrl.app.plan_activations import Activations, stage_activations
 from mrl.app.plan_time import StepTime, step_time
-from mrl.app.plan_memory import (GiB, PolicyBytes, engine_stage_bytes, kv_capacity_tokens, layout_of,
-                                 padded_vocab, policy_bytes, stage_params)
+from mrl.app.plan_memory import (GiB, PolicyBytes, engine_stage_bytes, engine_stage_layers, kv_bytes_per_token,
+                                 kv_capacity_tokens, layout_of, padded_vocab, policy_bytes, stage_params)
 from mrl.config import ConfigError, MrlConfig
 from mrl.data import hub
 
@@ -33,6 +39,13 @@ SHIPPED_CONFIGS = Path(__file__).resolve().parents[1] / "_shipped" / "hf_configs
 #: Memory the driver reports as the GPU's total (nvidia-smi's "MiB" figure), by the names `--gpu` takes.
 GPUS: dict[str, int] = {"h100-80gb": 81559 * 2**20, "h200-141gb": 143771 * 2**20, "a100-80gb": 81920 * 2**20,
                         "a100-40gb": 40960 * 2**20, "b200-180gb": 183359 * 2**20}
+
+#: The workers each command starts, as the plan counts them (mrl/app/commands.py): policy ranks, engines.
+POLICY_COMMANDS = ("grpo", "sft", "dpo", "rm")
+ENGINE_COMMANDS = ("grpo", "eval")
+#: The largest share of a GPU a vLLM engine is offered here (generation.vllm.gpu_memory_utilization): the rest is the
+#: CUDA context's and what the other processes on the GPU keep.
+MAX_UTILIZATION = 0.95
 
 
 @dataclass(frozen=True)
@@ -61,8 +74,8 @@ ASSUMPTIONS: dict[str, Assumption] = {
                                      "100-300); your data's train/prompt_tokens_max bounds it"),
     "mean_response_fraction": Assumption(0.5, "of generation.max_new_tokens", "the mean response's length: a run's "
                                          "train/response_length over max_new_tokens"),
-    "refit_gib_per_s": Assumption(200, "GiB/s per engine GPU", "CUDA IPC between colocated processes: 235-245 GiB/s "
-                                  "measured on an H100 by the GPU tier (docs/measurements.md)"),
+    "refit_gib_per_s": Assumption(200, "GiB/s per engine GPU", "CUDA IPC between colocated processes, below what the "
+                                  "GPU tier measured on an H100 (docs/measurements.md, GPU tier)"),
     "node_broadcast_gib_per_s": Assumption(150, "GiB/s", "a refit bucket broadcast from policy rank 0 over the "
                                            "policy's ranks of one node (NVLink 4: 900 GB/s per H100, a broadcast "
                                            "reaches a share of it; nccl-tests' broadcast_perf measures yours)"),
@@ -123,13 +136,14 @@ class Plan:
     gpu: str
     gpu_bytes: int
     dims: ModelDims
-    stages: list[StagePlan]
-    engine: EnginePlan
-    time: StepTime
-    refit: RefitPlan
+    stages: list[StagePlan]         # the policy's pipeline stages (none for `eval`: no policy)
+    engine: EnginePlan | None       # None for sft, dpo and rm: no engine
+    time: StepTime | None           # a GRPO step's; None for the other commands
+    refit: RefitPlan | None         # with a policy and an engine
     assumptions: dict[str, Assumption]
     problems: list[str] = field(default_factory=list)
     fixes: list[str] = field(default_factory=list)
+    command: str = "grpo"
 
     @property
     def fits(self) -> bool:
@@ -215,35 +229,51 @@ def _read_config(path: Path, key: str) -> dict[str, Any]:
 
 
 def make_plan(cfg: MrlConfig, *, gpu: str = "h100-80gb", assume: Sequence[str] = (),
-              model_config_path: str | None = None, gpu_total: int | None = None) -> Plan:
-    """The whole plan of a config (module docstring); `gpu_total`: the memory of the GPU at hand instead of the named
-    one's (whose rates the time estimate still uses)."""
+              model_config_path: str | None = None, gpu_total: int | None = None, command: str = "grpo",
+              model: tuple[dict[str, Any], str] | None = None) -> Plan:
+    """The whole plan of a config (module docstring) for `command`'s workers; `gpu_total`: the memory of the GPU at
+    hand instead of the named one's (whose rates the time estimate still uses); `model`: the model's config.json and
+    where it came from, when the caller has it (a staged recipe's later stages)."""
     assumptions = parse_assumptions(assume)
     total = gpu_bytes(gpu) if gpu_total is None else gpu_total
-    config, source = model_config(cfg, model_config_path)
+    config, source = model or model_config(cfg, model_config_path)
     dims = model_dims(config)
+    engine = _engine(cfg, dims, total, assumptions) if command in ENGINE_COMMANDS else None
+    stages = _policy_stages(cfg, dims, engine, assumptions, reference=command == "dpo" or cfg.loss.kl_beta > 0) \
+        if command in POLICY_COMMANDS else []
+    refit = refit_plan(cfg, dims) if engine and stages else None
+    time = None
+    if command == "grpo":
+        time = step_time(cfg, dims, gpu, {key: a.value for key, a in assumptions.items()},
+                         kv_tokens=engine.kv_tokens, engine_weights=engine.weights,  # type: ignore[union-attr]
+                         refit_bytes=refit.total)  # type: ignore[union-attr]
+    label = gpu if gpu_total is None else "this GPU"
+    plan = Plan(cfg.policy.model_name or "", source, label, total, dims, stages, engine, time, refit, assumptions,
+                command=command)
+    _judge(cfg, plan)
+    return plan
+
+
+def _policy_stages(cfg: MrlConfig, dims: ModelDims, engine: EnginePlan | None, assumptions: Mapping[str, Assumption],
+                   *, reference: bool) -> list[StagePlan]:
+    """A policy rank's bytes per pipeline stage, while training and (beside a colocated engine) while generating;
+    `reference`: the run keeps a reference model (DPO, or GRPO's KL term)."""
     layout = layout_of(cfg)
-    engine = _engine(cfg, dims, total, assumptions)
     context = int(assumptions["cuda_context_gib"].value * GiB)
     slack = 1 + assumptions["allocator_slack"].value
-    asleep = int(assumptions["engine_asleep_gib"].value * GiB) + context if cfg.generation.colocated else 0
+    colocated = cfg.generation.colocated and engine is not None
+    asleep = int(assumptions["engine_asleep_gib"].value * GiB) + context if colocated else 0
     stages = []
     for stage in stage_params(dims, layout, freeze_router=cfg.policy.moe.freeze_router):
         states = policy_bytes(stage, layout, precision=cfg.policy.precision,
                               distributed_optimizer=cfg.policy.optimizer.use_distributed_optimizer,
-                              reference=cfg.loss.kl_beta > 0 and not cfg.policy.offload_reference)
+                              reference=reference and not cfg.policy.offload_reference)
         acts = stage_activations(cfg, dims, stage.layers, last_stage=stage.stage == layout.pp - 1,
                                  padded_vocab=padded_vocab(dims, layout.tp))
         train = int((states.states + max(acts.train_peak, acts.logprob_peak)) * slack) + context + asleep
-        generate = _resident(cfg, states) + context + engine.budget if cfg.generation.colocated else 0
+        generate = _resident(cfg, states) + context + engine.budget if colocated else 0  # type: ignore[union-attr]
         stages.append(StagePlan(states, acts, stage.layers, train, generate))
-    refit = refit_plan(cfg, dims)
-    time = step_time(cfg, dims, gpu, {key: a.value for key, a in assumptions.items()}, kv_tokens=engine.kv_tokens,
-                     engine_weights=engine.weights, refit_bytes=refit.total)
-    label = gpu if gpu_total is None else "this GPU"
-    plan = Plan(cfg.policy.model_name or "", source, label, total, dims, stages, engine, time, refit, assumptions)
-    _judge(cfg, plan)
-    return plan
+    return stages
 
 
 def _resident(cfg: MrlConfig, states: PolicyBytes) -> int:
@@ -267,23 +297,93 @@ def _engine(cfg: MrlConfig, dims: ModelDims, total: int, assumptions: Mapping[st
 def _judge(cfg: MrlConfig, plan: Plan) -> None:
     """The problems that keep the layout from fitting and the settings that would mend each."""
     total = plan.gpu_bytes
-    worst_train = max(plan.stages, key=lambda s: s.train_phase)
-    if worst_train.train_phase > total:
-        plan.problems.append(f"training needs {_gib(worst_train.train_phase)} on a stage-{worst_train.states.stage} "
-                             f"GPU, more than its {_gib(total)}")
-        plan.fixes += _train_fixes(cfg, worst_train, total)
-    worst_generate = max(plan.stages, key=lambda s: s.generate_phase)
-    if worst_generate.generate_phase > total:
-        plan.problems.append(f"generation needs {_gib(worst_generate.generate_phase)} on a colocated GPU (the "
-                             f"engine's {cfg.generation.vllm.gpu_memory_utilization:g} of it and what the policy "
-                             f"keeps), more than its {_gib(total)}")
-        plan.fixes.append("lower generation.vllm.gpu_memory_utilization, or offload more while generating "
-                          "(policy.offload_when_generating.weights=true)")
-    if plan.engine.sequences < 1:
-        plan.problems.append(f"the engine's KV cache ({_gib(plan.engine.kv_bytes)}) holds no "
-                             f"{plan.engine.sequence_tokens}-token sequence")
-        plan.fixes.append("raise generation.vllm.gpu_memory_utilization or generation.vllm.tensor_parallel_size, or "
-                          "generation.vllm.pipeline_parallel_size (an engine's stages on several nodes)")
+    if plan.stages:
+        worst_train = max(plan.stages, key=lambda s: s.train_phase)
+        if worst_train.train_phase > total:
+            plan.problems.append(f"training needs {_gib(worst_train.train_phase)} on a stage-"
+                                 f"{worst_train.states.stage} GPU, more than its {_gib(total)}")
+            plan.fixes += _train_fixes(cfg, worst_train, total)
+        worst_generate = max(plan.stages, key=lambda s: s.generate_phase)
+        if worst_generate.generate_phase > total:
+            plan.problems.append(f"generation needs {_gib(worst_generate.generate_phase)} on a colocated GPU (the "
+                                 f"engine's {cfg.generation.vllm.gpu_memory_utilization:g} of it and what the policy "
+                                 f"keeps), more than its {_gib(total)}")
+            plan.fixes.append("lower generation.vllm.gpu_memory_utilization, or offload more while generating "
+                              "(policy.offload_when_generating.weights=true)")
+    if plan.engine is not None and plan.engine.sequences < 1:
+        _judge_engine(cfg, plan)
+
+
+def _engine_need(dims: ModelDims, tp: int, pp: int, sequence_tokens: int, overhead: int) -> int:
+    """Bytes the fullest GPU of an engine of TP `tp` x PP `pp` needs to hold one sequence: its pipeline stage's
+    weights, vLLM's own (`overhead`) and the sequence's KV cache on that stage's layers."""
+    stages = zip(engine_stage_bytes(dims, tp, pp), engine_stage_layers(dims.num_layers, pp))
+    return max(weights + overhead + kv_bytes_per_token(dims, tp, layers=last - first) * sequence_tokens
+               for weights, (first, last) in stages)
+
+
+def _judge_engine(cfg: MrlConfig, plan: Plan) -> None:
+    """An engine whose KV cache holds no sequence: either its share of the GPU is too small (a larger
+    gpu_memory_utilization mends it) or its weights cannot fit its GPUs at any share (more engine parallelism, or a
+    bigger GPU, does)."""
+    engine, vllm, total = plan.engine, cfg.generation.vllm, plan.gpu_bytes
+    assert engine is not None
+    overhead = int(plan.assumptions["engine_overhead_gib"].value * GiB)
+    need = _engine_need(plan.dims, vllm.tensor_parallel_size, vllm.pipeline_parallel_size, engine.sequence_tokens,
+                        overhead)
+    if need <= MAX_UTILIZATION * total:
+        plan.problems.append(f"the engine's KV cache ({_gib(engine.kv_bytes)}) holds no {engine.sequence_tokens}-token "
+                             f"sequence: generation.vllm.gpu_memory_utilization={vllm.gpu_memory_utilization:g} "
+                             f"gives it {_gib(engine.budget)} of the GPU, its weights take {_gib(engine.weights)}")
+        plan.fixes.append(f"generation.vllm.gpu_memory_utilization={math.ceil(need / total * 100) / 100:g} or more "
+                          f"(weights, vLLM's {_gib(overhead)} and one sequence's KV cache: {_gib(need)} of "
+                          f"{_gib(total)}), or more engine parallelism (generation.vllm.tensor_parallel_size)")
+        return
+    layout = f"an engine of {_engine_layout(engine, cfg)} puts {_gib(engine.weights)} of weights on each GPU"
+    if engine.weights > total:
+        why = (f"more than the GPU's {_gib(total)} ({_gib(need)} with vLLM's {_gib(overhead)} and one sequence's KV "
+               "cache)")
+    else:
+        why = (f"which with vLLM's {_gib(overhead)} and one sequence's KV cache need {_gib(need)}, more than the "
+               f"{MAX_UTILIZATION:g} of the GPU's {_gib(total)} an engine can be given")
+    plan.problems.append(f"the engine's weights do not fit its GPUs: {layout}, {why}; no "
+                         "generation.vllm.gpu_memory_utilization can hold them")
+    plan.fixes += _engine_fixes(cfg, plan, overhead)
+
+
+def _engine_fixes(cfg: MrlConfig, plan: Plan, overhead: int) -> list[str]:
+    """Engine layouts (more TP within a node, else pipeline stages over nodes) and GPUs that hold an engine's
+    weights and one sequence, at the configured gpu_memory_utilization (the bigger GPUs: at the most offered)."""
+    vllm, dims = cfg.generation.vllm, plan.dims
+    tokens = plan.engine.sequence_tokens  # type: ignore[union-attr]
+    share = vllm.gpu_memory_utilization * plan.gpu_bytes
+    tp, pp = vllm.tensor_parallel_size, vllm.pipeline_parallel_size
+    sizes = [t for t in (tp * 2**k for k in range(1, 8)) if t <= cfg.cluster.devices_per_node and
+             dims.num_heads % t == 0]
+    fixes = []
+    wider = next((t for t in sizes if _engine_need(dims, t, pp, tokens, overhead) <= share), None)
+    if wider is not None:
+        fixes.append(f"more tensor parallelism for the engine: generation.vllm.tensor_parallel_size={wider} "
+                     f"({_gib(max(engine_stage_bytes(dims, wider, pp)))} of weights a GPU)")
+    else:
+        node_tp = max([tp, *sizes])
+        stages = next((p for p in range(pp + 1, dims.num_layers + 1)
+                       if _engine_need(dims, node_tp, p, tokens, overhead) <= share), None)
+        if stages is not None:
+            fixes.append(f"an engine over several nodes: generation.vllm.tensor_parallel_size={node_tp} and "
+                         f"generation.vllm.pipeline_parallel_size={stages} ({node_tp * stages} GPUs an engine, "
+                         f"{_gib(max(engine_stage_bytes(dims, node_tp, stages)))} of weights a GPU)")
+    need = _engine_need(dims, tp, pp, tokens, overhead)
+    bigger = [name for name, size in sorted(GPUS.items(), key=lambda item: item[1])
+              if size > plan.gpu_bytes and need <= MAX_UTILIZATION * size]
+    if bigger:
+        size = GPUS[bigger[0]]
+        fixes.append(f"a bigger GPU for this engine layout: {' or '.join(bigger)} (`--gpu {bigger[0]}`), with "
+                     f"generation.vllm.gpu_memory_utilization={math.ceil(need / size * 100) / 100:g} or more")
+    else:
+        fixes.append(f"no GPU the plan knows ({', '.join(GPUS)}) holds {_gib(need)} for one GPU of this engine "
+                     "layout: more engine parallelism is the way")
+    return fixes
 
 
 def _train_fixes(cfg: MrlConfig, stage: StagePlan, total: int) -> list[str]:
@@ -340,18 +440,23 @@ def _time_line(t: StepTime) -> str:
             f"{t.train:.0f} s, refit {t.refit:.1f} s; {t.total:.0f} s a step")
 
 
-def render(plan: Plan, cfg: MrlConfig) -> str:
-    """The plan as the text `mrl plan` prints."""
+def _workers_line(plan: Plan, cfg: MrlConfig) -> str:
     par = cfg.policy.parallel
-    lines = [f"mrl plan: {plan.model} on {plan.gpu} ({_gib(plan.gpu_bytes)} per GPU)",
-             f"  model: {plan.model_source}",
-             f"  policy: {cfg.policy_world_size} GPUs, TP {par.tensor_parallel_size} PP {par.pipeline_parallel_size} "
-             f"CP {par.context_parallel_size} EP {par.expert_parallel_size}, {cfg.policy.precision}, distributed "
-             f"optimizer {'on' if cfg.policy.optimizer.use_distributed_optimizer else 'off'}, recompute "
-             f"{'on' if cfg.policy.activation_checkpointing else 'off'}; engine {_engine_layout(plan.engine, cfg)}, "
-             f"{'colocated' if cfg.generation.colocated else 'on its own GPUs'}",
-             "",
-             "policy GPU, per pipeline stage (GiB)",
+    parts = []
+    if plan.stages:
+        parts.append(f"policy: {cfg.policy_world_size} GPUs, TP {par.tensor_parallel_size} PP "
+                     f"{par.pipeline_parallel_size} CP {par.context_parallel_size} EP {par.expert_parallel_size}, "
+                     f"{cfg.policy.precision}, distributed optimizer "
+                     f"{'on' if cfg.policy.optimizer.use_distributed_optimizer else 'off'}, recompute "
+                     f"{'on' if cfg.policy.activation_checkpointing else 'off'}")
+    if plan.engine is not None:
+        placed = "" if not plan.stages else ", colocated" if cfg.generation.colocated else ", on its own GPUs"
+        parts.append(f"engine {_engine_layout(plan.engine, cfg)}{placed}")
+    return "; ".join(parts) + f" (what `mrl {plan.command}` starts)"
+
+
+def _policy_table(plan: Plan) -> list[str]:
+    lines = ["policy GPU, per pipeline stage (GiB)",
              f"  {'stage':>5} {'layers':>9} {'params':>9} {'weights':>8} {'grads':>7} {'optim':>7} {'ref':>6} "
              f"{'act':>7} {'logprob':>8} {'train':>7} {'generate':>9}"]
     for s in plan.stages:
@@ -361,22 +466,42 @@ def render(plan: Plan, cfg: MrlConfig) -> str:
                      f"{g.reference / GiB:>6.1f} {s.activations.train_peak / GiB:>7.1f} "
                      f"{s.activations.logprob_peak / GiB:>8.1f} {s.train_phase / GiB:>7.1f} "
                      f"{(s.generate_phase / GiB if s.generate_phase else 0):>9.1f}")
-    e, t = plan.engine, plan.time
-    lines += ["",
-              f"engine GPU{' (its largest pipeline stage)' if e.stages > 1 else ''}: weights {_gib(e.weights)}, "
-              f"budget {_gib(e.budget)} "
-              f"(gpu_memory_utilization {cfg.generation.vllm.gpu_memory_utilization:g}), KV cache {_gib(e.kv_bytes)} = "
-              f"{e.kv_tokens:,} tokens = {e.sequences} sequences of {e.sequence_tokens} tokens", "",
-              _refit_line(plan.refit, cfg), *_offload_lines(plan, cfg), "",
-              _time_line(t), "",
-              "assumptions (--assume KEY=VALUE replaces one):"]
-    lines += [f"  {k} = {a.value:g} {a.unit}: {a.source}" for k, a in plan.assumptions.items()]
-    lines.append("")
-    if plan.fits:
-        lines.append("verdict: fits")
-    else:
-        lines.append("verdict: does NOT fit")
-        lines += [f"  - {p}" for p in plan.problems]
-        lines.append("  would fit with one or more of:")
-        lines += [f"  - {f}" for f in plan.fixes]
+    return lines + [""]
+
+
+def _engine_line(e: EnginePlan, cfg: MrlConfig) -> str:
+    return (f"engine GPU{' (its largest pipeline stage)' if e.stages > 1 else ''}: weights {_gib(e.weights)}, "
+            f"budget {_gib(e.budget)} (gpu_memory_utilization {cfg.generation.vllm.gpu_memory_utilization:g}), KV "
+            f"cache {_gib(e.kv_bytes)} = {e.kv_tokens:,} tokens = {e.sequences} sequences of {e.sequence_tokens} "
+            "tokens")
+
+
+def assumption_lines(plan: Plan) -> list[str]:
+    return ["assumptions (--assume KEY=VALUE replaces one):",
+            *(f"  {k} = {a.value:g} {a.unit}: {a.source}" for k, a in plan.assumptions.items())]
+
+
+def render(plan: Plan, cfg: MrlConfig, *, assumptions: bool = True) -> str:
+    """The plan as the text `mrl plan` prints (`assumptions`: with the assumptions' list; a staged recipe's plans
+    print it once)."""
+    lines = [f"mrl plan: {plan.model} on {plan.gpu} ({_gib(plan.gpu_bytes)} per GPU)",
+             f"  model: {plan.model_source}", f"  {_workers_line(plan, cfg)}", ""]
+    if plan.stages:
+        lines += _policy_table(plan)
+    if plan.engine is not None:
+        lines += [_engine_line(plan.engine, cfg), ""]
+    if plan.refit is not None:
+        lines += [_refit_line(plan.refit, cfg), *_offload_lines(plan, cfg), ""]
+    if plan.time is not None:
+        lines += [_time_line(plan.time), ""]
+    if assumptions:
+        lines += [*assumption_lines(plan), ""]
+    lines += _verdict(plan)
     return "\n".join(lines)
+
+
+def _verdict(plan: Plan) -> list[str]:
+    if plan.fits:
+        return ["verdict: fits"]
+    return ["verdict: does NOT fit", *(f"  - {p}" for p in plan.problems), "  would fit with one or more of:",
+            *(f"  - {f}" for f in plan.fixes)]

@@ -42,8 +42,11 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, cast
 
 import torch
 
+from converters.hf_io import load_hf_config
 from mrl.app.engine_restarts import RestartingEngine, announce, engine_died, restart_refusal
+from mrl.app.errors import configuration_failure
 from mrl.app.model_source import ModelSource, classify_model_path
+from mrl.app.preflight import check_engine_model, check_tokenizer_folder
 from mrl.config.errors import ConfigError
 from mrl.config.schema import ModelBuildConfig, MrlConfig
 from mrl.distributed import Placement, RayCluster, WorkerDiedError
@@ -168,9 +171,12 @@ def _padded_vocab(cfg: MrlConfig, source: ModelSource, resume: Optional[int]) ->
 
 
 def load_tokenizer(cfg: MrlConfig, source: ModelSource) -> "PreTrainedTokenizerBase":
+    """policy.tokenizer's, else the model folder's (checked to hold one first: mrl/app/preflight.py)."""
     from mrl.data.tokenizers import load_tokenizer as load
 
-    return load(cfg.policy.tokenizer or source.config_dir)
+    folder = cfg.policy.tokenizer or source.config_dir
+    check_tokenizer_folder(folder, "policy.tokenizer" if cfg.policy.tokenizer else "policy.model_name")
+    return load(folder)
 
 
 @dataclass
@@ -284,6 +290,8 @@ def start_runtime(cfg: MrlConfig, *, total_steps: int, policy: bool = True, engi
     scorer = _reward_model_spec(cfg) if policy and engine else None
     if tokenizer is None:
         tokenizer = load_tokenizer(cfg, source)  # every check that reads files, before Ray starts
+    if engine:
+        check_engine_model(cfg, load_hf_config(source.config_dir))
     if not torch.cuda.is_available():
         cpu_isa.announce()
     elif policy:
@@ -325,8 +333,11 @@ def start_runtime(cfg: MrlConfig, *, total_steps: int, policy: bool = True, engi
         if feeder:
             runtime.policy.shutdown()  # type: ignore[union-attr]
             runtime.policy = None
-    except BaseException:
+    except BaseException as error:
         runtime.shutdown()
+        refused = configuration_failure(error)  # one that a re-run would meet again: no advice to re-run
+        if refused is not None:
+            raise refused from error
         raise
     return runtime
 

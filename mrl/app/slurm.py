@@ -2,12 +2,13 @@
 
     mrl submit [--nodes N] [--gpus-per-node G] [--time T] [--requeue] [--container-image I] ... -- mrl grpo --config F
       1. preflight, before anything is queued: the command's config is loaded and validated (a bad key exits 2 as
-         everywhere), and the allocation is checked against it: N must be cluster.num_nodes and G must be
-         cluster.devices_per_node (each defaults to the config's value), so a layout that cannot run is refused at
-         submission instead of after minutes in the queue; every hub id of the config (policy.model_name,
-         data.train, ...) is fetched into the hub cache, or found there with HF_HUB_OFFLINE=1 (mrl/app/hub_ids.py):
-         compute nodes without network read it from there when HF_HOME is on a shared file system (--dry-run only
-         says which are cached);
+         everywhere; a staged recipe, `mrl run`: every stage's), and the allocation is checked against it (the first
+         stage's): N must be cluster.num_nodes and G must be cluster.devices_per_node (each defaults to the config's
+         value), so a layout that cannot run is refused at submission instead of after minutes in the queue; every
+         hub id of every config (policy.model_name, data.train, ...) is fetched into the hub cache, or found there
+         with HF_HUB_OFFLINE=1 (mrl/app/hub_ids.py): compute nodes without network read it from there when HF_HOME
+         is on a shared file system (--dry-run only says which are cached); with GPUs, the memory plan of every
+         config (every stage's, each with its command's workers: mrl plan) must fit the GPU;
       2. `sbatch --nodes N --gpus-per-node G [options] slurm/ray-sbatch.sh <the mrl command>` (printed, not run, with
          --dry-run); the job id is printed.
     python -m mrl.app.slurm wait-for-nodes --address A --nodes n1 n2 ... --timeout-s S
@@ -49,20 +50,36 @@ class Allocation:
     gpus_per_node: int
 
 
-def command_config(command: Sequence[str]):
-    """The validated config of `mrl <grpo|sft|eval|...> --config FILE [overrides]` or `mrl run RECIPE [overrides]`
-    (a staged recipe: its first stage's, which the later ones share the cluster of)."""
-    from mrl.config import load_config
-
+def _command_words(command: Sequence[str]) -> tuple[str, str, list[str]]:
+    """(mrl's command, its config file or recipe, the overrides) of a submitted command line."""
     words = list(command)
     if words[:1] == ["mrl"]:
         words = words[1:]
     if len(words) >= 3 and words[0] in CONFIG_COMMANDS and words[1] == "--config":
-        return load_config(words[2], words[3:])
+        return words[0], words[2], words[3:]
     if len(words) >= 2 and words[0] == "run":
-        return load_config(words[1], words[2:])
+        return "run", words[1], words[2:]
     raise PreflightError(f"cannot check `{shlex.join(command)}`: submit `mrl <{'|'.join(CONFIG_COMMANDS)}> --config "
                          "FILE [overrides]` or `mrl run RECIPE [overrides]`")
+
+
+def command_config(command: Sequence[str]):
+    """The validated config of `mrl <grpo|sft|eval|...> --config FILE [overrides]` or `mrl run RECIPE [overrides]`
+    (a staged recipe: its own, whose cluster the stages share; `command_configs` gives every stage's)."""
+    from mrl.config import load_config
+
+    _, config, overrides = _command_words(command)
+    return load_config(config, overrides)
+
+
+def command_configs(command: Sequence[str]) -> list:
+    """Every config the submitted command runs: its one config, or each stage's of a staged recipe (`mrl run`)."""
+    from mrl.app.stages import staged_recipe
+
+    name, config, overrides = _command_words(command)
+    if name != "run":
+        return [command_config(command)]
+    return staged_recipe(config, overrides)[1]
 
 
 def check_allocation(cfg, nodes: Optional[int], gpus_per_node: Optional[int]) -> Allocation:
@@ -81,17 +98,31 @@ def check_allocation(cfg, nodes: Optional[int], gpus_per_node: Optional[int]) ->
     return want
 
 
-def check_memory(cfg, gpu: str, assume: Sequence[str]) -> None:
-    """Refuse a layout whose plan (mrl/app/plan.py) does not fit the GPUs, with the plan as the message; a random
-    model built from policy.build has no published size to plan."""
+def check_memory(cfg, gpu: str, assume: Sequence[str], *, command: str = "grpo") -> None:
+    """Refuse a layout whose plan (mrl/app/plan.py) of `command`'s workers does not fit the GPUs, with the plan as the
+    message; a random model built from policy.build has no published size to plan."""
     from mrl.app.plan import make_plan, render
 
     if cfg.policy.model_name is None:
         return
-    plan = make_plan(cfg, gpu=gpu, assume=assume)
+    plan = make_plan(cfg, gpu=gpu, assume=assume, command=command)
     if not plan.fits:
         raise PreflightError(f"the layout does not fit a {gpu} GPU (`mrl plan` says why; --gpu names another GPU, "
                              f"--assume replaces an assumption):\n{render(plan, cfg)}")
+
+
+def check_command_memory(command: Sequence[str], gpu: str, assume: Sequence[str]) -> None:
+    """`check_memory` of the submitted command: a staged recipe's every stage, each with its own command's workers
+    (mrl/app/plan_stages.py), refused with every stage's plan when one does not fit."""
+    from mrl.app.plan_stages import fits, plan_command, render_plans
+
+    name, config, overrides = _command_words(command)
+    if name != "run":
+        return check_memory(command_config(command), gpu, assume, command=name)
+    plans = plan_command(config, overrides, gpu=gpu, assume=assume)
+    if not fits(plans):
+        raise PreflightError(f"a stage's layout does not fit a {gpu} GPU (`mrl plan --config {config}` says why; "
+                             f"--gpu names another GPU, --assume replaces an assumption):\n{render_plans(plans)}")
 
 
 def sbatch_command(allocation: Allocation, command: Sequence[str], args: argparse.Namespace) -> list[str]:
@@ -127,11 +158,12 @@ def submit(args: argparse.Namespace) -> int:
         command = command[1:]
     if not command:
         raise PreflightError("nothing to submit: `mrl submit [options] -- mrl grpo --config FILE ...`")
-    cfg = command_config(command)
-    allocation = check_allocation(cfg, args.nodes, args.gpus_per_node)
-    fetch_hub_ids(cfg, dry_run=args.dry_run)  # into the cache the job reads (HF_HOME on a shared file system), before anything is queued
+    configs = command_configs(command)  # a staged recipe: every stage's
+    allocation = check_allocation(configs[0], args.nodes, args.gpus_per_node)
+    for cfg in configs:  # into the cache the job reads (HF_HOME on a shared file system), before anything is queued
+        fetch_hub_ids(cfg, dry_run=args.dry_run)
     if args.gpus:
-        check_memory(cfg, getattr(args, "gpu", "h100-80gb"), getattr(args, "assume", []))
+        check_command_memory(command, getattr(args, "gpu", "h100-80gb"), getattr(args, "assume", []))
     line, env = sbatch_command(allocation, command, args), launcher_env(args)
     shown = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()) + " " + shlex.join(line)
     if args.dry_run:

@@ -13,7 +13,10 @@ is done and skipped, so re-running the same command after a crash continues wher
 its newest checkpoint).
 
 At the end: a table (per stage: time, reward before/after, held-out accuracy before/after), `summary.json`, and
-`reward_curve.png` (GRPO training reward per step) in the root output dir.
+`reward_curve.png` (GRPO training reward per step) in the root output dir, then where the results are (each stage's
+folder and model, the TensorBoard command for every stage: mrl/app/results.py). A stage that a guard stops (too many
+non-finite or idle steps in a row) ends the run there; the root summary.json is written all the same, with the
+stages done and the stopped stage's summary (its `stopped` says why).
 """
 
 from __future__ import annotations
@@ -23,8 +26,10 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
+from mrl.algorithms.guards import TrainingStopped
 from mrl.algorithms.health import health_cell
-from mrl.app.commands import DONE_MARKER, RUNNERS, SUMMARY_FILE, final_dir
+from mrl.app.preflight import check_stage
+from mrl.app.results import DONE_MARKER, REWARD_CURVE, SUMMARY_FILE, final_dir, plot_rewards, staged_report
 from mrl.config import load_config
 from mrl.config.errors import ConfigError
 from mrl.config.recipes import find_recipe
@@ -56,6 +61,15 @@ def stage_config(recipe: Path, root: MrlConfig, stage: StageConfig, overrides: S
     return load_config(source, [*stage.overrides, *overrides, *extra])
 
 
+def _check_stage(stage: StageConfig, cfg: MrlConfig) -> None:
+    """`check_stage`, its error naming the stage (the same key can differ from stage to stage)."""
+    try:
+        check_stage(cfg, stage.algorithm)
+    except ConfigError as error:
+        raise ConfigError(f"stage '{stage.name}': {error.message}", key=error.key, given=error.given,
+                          allowed=error.allowed, fix=error.fix, problems=error.problems) from error
+
+
 def _stage_done(cfg: MrlConfig, stage: StageConfig) -> bool:
     out = Path(cfg.run.output_dir)
     if stage.algorithm == "eval":
@@ -75,32 +89,56 @@ def stage_configs(recipe: Path, root: MrlConfig, overrides: Sequence[str]) -> li
     return configs
 
 
-def run_staged(recipe: str | Path, overrides: Sequence[str]) -> dict[str, Any]:
+def staged_recipe(recipe: str | Path, overrides: Sequence[str]) -> tuple[MrlConfig, list[MrlConfig]]:
+    """The staged recipe's own config and every stage's (`stage_configs`); a recipe without stages is refused."""
     recipe = find_recipe(recipe)  # a shipped recipe by name: its stages' `config:` files are found beside it
     root = load_config(recipe, overrides)
     if not root.stages:
         raise ConfigError("a staged recipe needs a non-empty `stages:` list", key="stages",
                           fix="use `mrl grpo --config ...` for a single run")
-    # Every stage's config is resolved and validated before the first stage starts: a mistake in the last stage
-    # must not surface after hours of the first ones.
-    configs = stage_configs(recipe, root, overrides)
+    return root, stage_configs(recipe, root, overrides)
+
+
+def run_staged(recipe: str | Path, overrides: Sequence[str]) -> dict[str, Any]:
+    from mrl.app.commands import RUNNERS
+
+    # Every stage's config is resolved and validated before the first stage starts, and what each stage still to
+    # run reads is checked (mrl/app/preflight.py): a mistake in the last stage must not surface after hours of the
+    # first ones.
+    root, configs = staged_recipe(recipe, overrides)
+    for stage, cfg in zip(root.stages, configs):
+        if not _stage_done(cfg, stage):
+            _check_stage(stage, cfg)
     summaries: dict[str, Any] = {}
-    for index, (stage, cfg) in enumerate(zip(root.stages, configs), 1):
-        out = Path(cfg.run.output_dir)
-        if _stage_done(cfg, stage):
-            print(f"[mrl] stage {index}/{len(root.stages)} '{stage.name}' already done ({out}); skipping",
-                  file=sys.stderr, flush=True)
-            summaries[stage.name] = json.loads((out / SUMMARY_FILE).read_text())
-        else:
-            print(f"[mrl] stage {index}/{len(root.stages)} '{stage.name}' ({stage.algorithm}) -> {out}",
-                  file=sys.stderr, flush=True)
-            summaries[stage.name] = RUNNERS[stage.algorithm](cfg)
+    try:
+        for index, (stage, cfg) in enumerate(zip(root.stages, configs), 1):
+            out = Path(cfg.run.output_dir)
+            if _stage_done(cfg, stage):
+                print(f"[mrl] stage {index}/{len(root.stages)} '{stage.name}' already done ({out}); skipping",
+                      file=sys.stderr, flush=True)
+                summaries[stage.name] = json.loads((out / SUMMARY_FILE).read_text())
+            else:
+                print(f"[mrl] stage {index}/{len(root.stages)} '{stage.name}' ({stage.algorithm}) -> {out}",
+                      file=sys.stderr, flush=True)
+                summaries[stage.name] = RUNNERS[stage.algorithm](cfg)
+    except TrainingStopped:
+        stopped, cfg = root.stages[len(summaries)], configs[len(summaries)]
+        written = Path(cfg.run.output_dir) / SUMMARY_FILE  # by the stopped stage (mrl/app/results.py summary_on_stop)
+        summaries[stopped.name] = json.loads(written.read_text())
+        _finish(root, configs, summaries)
+        raise
+    _finish(root, configs, summaries)
+    return summaries
+
+
+def _finish(root: MrlConfig, configs: list[MrlConfig], summaries: dict[str, Any]) -> None:
+    """The root summary.json and reward curve, the table, and where the results are."""
     root_dir = Path(root.run.output_dir)
     root_dir.mkdir(parents=True, exist_ok=True)
     (root_dir / SUMMARY_FILE).write_text(json.dumps(summaries, indent=2) + "\n")
-    _plot_rewards(summaries, root_dir / "reward_curve.png")
+    plot_rewards({name: s.get("reward_curve") or [] for name, s in summaries.items()}, root_dir / REWARD_CURVE)
     print(summary_table(summaries))
-    return summaries
+    print(staged_report(root, [(stage.name, cfg) for stage, cfg in zip(root.stages, configs)]), flush=True)
 
 
 def _fmt(value: Any) -> str:
@@ -121,30 +159,3 @@ def summary_table(summaries: dict[str, Any]) -> str:
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
-
-
-def _plot_rewards(summaries: dict[str, Any], path: Path) -> None:
-    curves = {name: s["reward_curve"] for name, s in summaries.items() if s.get("reward_curve")}
-    if not curves:
-        return
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for name, curve in curves.items():
-        ax.plot(range(1, len(curve) + 1), curve, alpha=0.35, label=f"{name} (per step)")
-        window = 10
-        smooth = [sum(curve[max(0, i - window + 1): i + 1]) / len(curve[max(0, i - window + 1): i + 1])
-                  for i in range(len(curve))]
-        ax.plot(range(1, len(curve) + 1), smooth, label=f"{name} (mean of last {window})")
-    ax.set_xlabel("GRPO step")
-    ax.set_ylabel("mean training reward")
-    if all(0 <= v <= 1 for curve in curves.values() for v in curve):
-        ax.set_ylim(0, 1)  # 0/1 verifier rewards; a reward model's scores keep their own range
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)

@@ -4,7 +4,10 @@ mrl/app/hub_ids.py; the asked split's files are read, mrl/data/hub.py `split_fil
 
 Bad rows never crash a run: a row that is not a JSON object, lacks the problem or the answer, or has an empty
 problem is skipped and counted by reason (`ProblemSet.skipped`); only a source with no usable row at all is an
-error, and that error names the columns that were found so the fix (`data.problem_key=...`) is obvious.
+error: a `ConfigError` naming the file, the key to change (`key`: data.train, data.val or eval.data; or
+data.problem_key / data.answer_key when every row lacks that column), the columns found and the fix. A format mrl
+does not read is one too. The commands load their data in the controller before any worker starts, so these end the
+command with exit 2 and one message.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Optional
 
+from mrl.config.errors import ConfigError, suggest
 from mrl.data.hub import local_split
 
 logger = logging.getLogger(__name__)
@@ -50,9 +54,10 @@ class ProblemSet:
 
 
 def load_problems(source: str | Path, *, problem_key: str = "problem", answer_key: str = "answer",
-                  split: str = "train", max_rows: Optional[int] = None) -> ProblemSet:
-    """Read a jsonl/parquet file (or an HF dataset name) into `Problem`s, skipping and counting bad rows."""
-    rows, columns = read_rows(str(source), split)
+                  split: str = "train", max_rows: Optional[int] = None, key: str = "data.train") -> ProblemSet:
+    """Read a jsonl/parquet file (or a dataset folder) into `Problem`s, skipping and counting bad rows; `key` is the
+    config key that named `source` (for the error when no row is usable: see the module docstring)."""
+    rows, columns = read_rows(str(source), split, key=key)
     result = ProblemSet([], str(source))
     for index, row in rows:
         problem, reason = _to_problem(index, row, problem_key, answer_key)
@@ -63,12 +68,46 @@ def load_problems(source: str | Path, *, problem_key: str = "problem", answer_ke
         if max_rows is not None and len(result.problems) >= max_rows:
             break
     if not result.problems:
-        raise ValueError(f"{source}: no usable row (skipped: {dict(result.skipped) or 'none, the source is empty'}); "
-                         f"columns found: {sorted(columns)}; the problem and answer columns are set by "
-                         f"data.problem_key (now {problem_key!r}) and data.answer_key (now {answer_key!r})")
+        columns_of = {"data.problem_key": (problem_key, "problem"), "data.answer_key": (answer_key, "gold answer")}
+        raise unreadable_source(str(source), key, result.skipped) or _no_usable_row(
+            str(source), key, result.skipped, columns, columns_of)
     if result.num_skipped:
         logger.warning("%s: skipped %d bad rows %s", source, result.num_skipped, dict(result.skipped))
     return result
+
+
+def unreadable_source(source: str, key: str, skipped: Counter) -> Optional[ConfigError]:
+    """The error for a source without a row that parses, whatever rows it is read for: empty, or no line of it
+    JSON; None when some rows parse (the caller then says what they lack)."""
+    formats = "one JSON object per line (.jsonl), a .json file holding one array of objects, or .parquet"
+    if not skipped:
+        return ConfigError(f"{source} holds no rows: it is empty", key=key,
+                           fix=f"point {key} at a file of rows: {formats}")
+    if set(skipped) == {"invalid JSON"}:
+        return ConfigError(f"{source}: none of its {skipped['invalid JSON']} lines is valid JSON", key=key,
+                           fix=f"write it as {formats}")
+    return None
+
+
+def _no_usable_row(source: str, key: str, skipped: Counter, columns: set[str],
+                   columns_of: dict[str, tuple[str, str]]) -> ConfigError:
+    """The error for rows that parse, none usable: the key naming a column (`columns_of`: config key -> (column,
+    what it holds)) when that column is what most rows lack, with the closest column found; else `key`, with the
+    reasons counted."""
+    found = ", ".join(sorted(columns)) or "none (no row is a JSON object)"
+    reason, count = skipped.most_common(1)[0]
+    for column_key, (column, holds) in columns_of.items():
+        if reason == f"missing {column!r}":
+            near = suggest(column, columns)
+            total = sum(skipped.values())
+            lack = (f"none of its {total} rows has the column {column!r}" if count == total else
+                    f"{count} of its {total} rows lack the column {column!r}, and no row is usable")
+            return ConfigError(f"{source}: {lack}", key=column_key, given=column, allowed=f"columns found: {found}",
+                               fix=f"{column_key}={near}" if near else
+                               f"set {column_key} to the column of {source} that holds the {holds}")
+    return ConfigError(f"{source} has no usable row (rows skipped, by reason: {dict(skipped)})", key=key,
+                       allowed=f"columns found: {found}",
+                       fix=f"rows with a non-empty problem and answer ({', '.join(columns_of)} name their columns)")
 
 
 def _to_problem(index: int, row: Any, problem_key: str, answer_key: str) -> tuple[Optional[Problem], str]:
@@ -96,34 +135,35 @@ def _scalar_text(value: Any) -> Optional[str]:
     return str(int(value)) if isinstance(value, float) and value.is_integer() else str(value)
 
 
-def read_rows(source: str, split: str) -> tuple[Iterable[tuple[int, Any]], set[str]]:
-    """Every row of a data file, or of `split`'s files in a dataset folder (numbered on across files)."""
+def read_rows(source: str, split: str, *, key: str = "data.train") -> tuple[Iterable[tuple[int, Any]], set[str]]:
+    """Every row of a data file, or of `split`'s files in a dataset folder (numbered on across files); `key` is the
+    config key that named `source`."""
     path = Path(source)
     if path.is_dir():
         rows = []
         for file in local_split(path, split, source=source):
-            rows += [(len(rows) + i, row) for i, (_, row) in enumerate(_file_rows(file))]
+            rows += [(len(rows) + i, row) for i, (_, row) in enumerate(_file_rows(file, key))]
     elif path.is_file():
-        rows = list(_file_rows(path))
+        rows = list(_file_rows(path, key))
     elif path.suffix.lower() in JSONL_SUFFIXES + PARQUET_SUFFIXES:
-        raise FileNotFoundError(f"data file {source} does not exist (check data.train / data.val / eval.data)")
+        raise FileNotFoundError(f"{key}: data file {source} does not exist")
     else:
-        raise FileNotFoundError(f"{source!r} is neither a data file (.jsonl / .json / .parquet), a dataset folder nor "
-                                "a hub id (org/name[@revision]) resolved before the run: check data.train / data.val "
-                                "/ eval.data")
+        raise FileNotFoundError(f"{key}: {source!r} is neither a data file (.jsonl / .json / .parquet), a dataset "
+                                "folder nor a hub id (org/name[@revision]) resolved before the run")
     columns = {k for _, r in rows[:100] if isinstance(r, dict) for k in r}
     return rows, columns
 
 
-def _file_rows(path: Path) -> list[tuple[int, Any]]:
+def _file_rows(path: Path, key: str) -> list[tuple[int, Any]]:
     suffix = path.suffix.lower()
     if suffix in JSONL_SUFFIXES:
         array = _json_array(path) if suffix == ".json" else None
         return list(enumerate(array)) if array is not None else list(_jsonl_rows(path))
     if suffix in PARQUET_SUFFIXES:
         return list(enumerate(_parquet_rows(path)))
-    raise ValueError(f"{path}: unknown data format {path.suffix!r}; use .jsonl (one JSON object per line), .json or "
-                     ".parquet")
+    raise ConfigError(f"{path}: mrl does not read the format {path.suffix or '(no suffix)'!r}", key=key, allowed=", ".join(JSONL_SUFFIXES + PARQUET_SUFFIXES),
+                      fix="convert it to .jsonl (one JSON object per line) or .parquet, e.g. with pandas: "
+                          "pd.read_csv(FILE).to_json(OUT, orient='records', lines=True)")
 
 
 def _json_array(path: Path) -> Optional[list]:

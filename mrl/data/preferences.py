@@ -13,7 +13,8 @@ dpo_en_demo.json), or a Hugging Face dataset name (as `mrl.data.datasets`). The 
 Every pair's prompt becomes chat messages ({"role", "content"}) ending with a user turn; answers are stripped.
 
 Bad rows never crash a run: they are skipped and counted by reason (`PreferenceSet.skipped`); only a source with
-no usable row is an error, and it names the columns found and the accepted shapes.
+no usable row is an error (a `ConfigError` naming the key that named the file), and it names the columns found and
+the accepted shapes.
 
 Batches (`build_preference_batch`) follow the SFT layout (mrl/data/sft.py), chosen and rejected interleaved:
     input_ids  [2P, T]  row 2i = pair i's prompt + chosen + end of turn, row 2i+1 = the same with rejected, then
@@ -32,8 +33,9 @@ from typing import Any, Iterable, Optional, Sequence, Union
 
 import torch
 
-from mrl.data.datasets import INVALID_JSON, read_rows
-from mrl.data.templates import PromptTemplate
+from mrl.config.errors import ConfigError
+from mrl.data.datasets import INVALID_JSON, read_rows, unreadable_source
+from mrl.data.templates import PromptTemplate, no_chat_template
 
 logger = logging.getLogger(__name__)
 
@@ -75,10 +77,12 @@ class PreferenceSet:
 
 
 # ------------------------------------------------------------------------------------------------------- loading
-def load_preferences(source: str | Path, *, max_rows: Optional[int] = None, split: str = "train") -> PreferenceSet:
+def load_preferences(source: str | Path, *, max_rows: Optional[int] = None, split: str = "train",
+                     key: str = "data.train") -> PreferenceSet:
     """Read a jsonl/json/parquet file (or a dataset folder) into `PreferencePair`s, skipping and counting bad
-    rows; at most `max_rows` pairs."""
-    rows, columns = read_rows(str(source), split)
+    rows; at most `max_rows` pairs. `key`: the config key that named `source` (for the error when no row is
+    usable)."""
+    rows, columns = read_rows(str(source), split, key=key)
     result = PreferenceSet([], str(source))
     for index, row in rows:
         pair, reason = _to_pair(index, row)
@@ -89,9 +93,10 @@ def load_preferences(source: str | Path, *, max_rows: Optional[int] = None, spli
         if max_rows is not None and len(result.pairs) >= max_rows:
             break
     if not result.pairs:
-        raise ValueError(f"{source}: no usable preference pair (skipped: "
-                         f"{dict(result.skipped) or 'none, the source is empty'}); columns found: {sorted(columns)}; "
-                         f"accepted row shapes: {ACCEPTED_SHAPES}")
+        raise unreadable_source(str(source), key, result.skipped) or ConfigError(
+            f"{source} has no usable preference pair (rows skipped, by reason: {dict(result.skipped)}); columns "
+            f"found: {', '.join(sorted(columns)) or 'none'}", key=key, allowed=f"rows shaped as {ACCEPTED_SHAPES}",
+            fix=f"write the rows in one of these shapes, or point {key} at a preference file")
     if result.num_skipped:
         logger.warning("%s: skipped %d bad rows %s", source, result.num_skipped, dict(result.skipped))
     return result
@@ -246,8 +251,7 @@ def encode_prompt_messages(messages: Sequence[dict], tokenizer: Any, template: P
         text = "\n\n".join(m["content"] for m in messages)
         return list(tokenizer(text, add_special_tokens=True)["input_ids"])
     if not getattr(tokenizer, "chat_template", None):
-        raise ValueError("data.prompt_template=chat needs a tokenizer with a chat template; this tokenizer has "
-                         "none: set data.prompt_template=plain")
+        raise no_chat_template()
     text = tokenizer.apply_chat_template([dict(m) for m in messages], tokenize=False, add_generation_prompt=True)
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 

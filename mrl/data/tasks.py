@@ -2,7 +2,8 @@
 
     data.arith set     -> the synthetic addition task: training pairs, held-out pairs, plain prompts without an
                           instruction ("37+05=")
-    data.train / .val  -> problem/answer files (jsonl/parquet); bad rows are skipped and counted
+    data.train / .val  -> problem/answer files (jsonl/parquet); bad rows are skipped and counted, a file with no
+                          usable row is a ConfigError naming its key (mrl/data/datasets.py)
 Prompts are token ids made with the configured template; a prompt over `data.max_prompt_length` is dropped (or
 truncated, per `generation.overlong_prompt`) and counted, never fatal.
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
+from mrl.config.errors import ConfigError
 from mrl.config.schema import MrlConfig
 from mrl.data.datasets import Problem, load_problems
 from mrl.data.templates import PromptTemplate
@@ -36,11 +38,12 @@ def load_task_data(cfg: MrlConfig, *, val_source: Optional[str] = None) -> TaskD
         return TaskData(task.train_problems(), task.heldout_problems(), PromptTemplate("plain", ""), arith=task)
     template = PromptTemplate(data.prompt_template, data.instruction)
     keys = dict(problem_key=data.problem_key, answer_key=data.answer_key)
-    train = load_problems(data.train, **keys) if data.train else None
-    val_path = val_source or data.val
-    val = load_problems(val_path, split="test", **keys) if val_path else None
+    train = load_problems(data.train, key="data.train", **keys) if data.train else None
+    val_path, val_key = (val_source, "eval.data") if val_source else (data.val, "data.val")
+    val = load_problems(val_path, split="test", key=val_key, **keys) if val_path else None
     if train is None and val is None:
-        raise ValueError("no data: set data.train (and data.val or eval.data) to a jsonl/parquet file, or data.arith")
+        raise ConfigError("no data to read", key="data.train",
+                          fix="set data.train (and data.val or eval.data) to a jsonl/parquet file, or data.arith")
     skipped = {f"{part.source}:{reason}": n for part in (train, val) if part for reason, n in part.skipped.items()}
     return TaskData(train.problems if train else [], val.problems if val else [], template, skipped)
 

@@ -16,6 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal, Optional, Sequence
 
+from mrl.config.errors import ConfigError
+
 #: How a multi-turn episode shows an observation after a model turn with a plain template (mrl/algorithms/agent.py):
 #: the text on its own line, then the model's next turn.
 PLAIN_OBSERVATION = "\n{}\n"
@@ -41,8 +43,7 @@ class PromptTemplate:
         if self.kind == "plain":
             return text
         if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-            raise ValueError("data.prompt_template=chat needs a tokenizer with a chat template; this tokenizer has "
-                             "none: set data.prompt_template=plain")
+            raise no_chat_template()
         return tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
                                              add_generation_prompt=True)
 
@@ -72,6 +73,13 @@ class PromptTemplate:
             if found is not None:
                 return found
         return tokenizer.eos_token_id
+
+
+def no_chat_template() -> ConfigError:
+    """The error for chat prompts from a tokenizer without a chat template (a base model's, often)."""
+    return ConfigError("chat prompts need the tokenizer's chat template, and this tokenizer has none",
+                       key="data.prompt_template", given="chat",
+                       fix="set data.prompt_template=plain, or use a model (or policy.tokenizer) with a chat template")
 
 
 def chat_turn_end_id(tokenizer: Any) -> Optional[int]:

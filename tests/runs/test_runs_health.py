@@ -81,9 +81,13 @@ def test_steps_that_train_on_nothing_warn_each_step_and_stop_with_exit_2(tmp_pat
     assert "Traceback" not in out, out[-4000:]
     warnings = re.findall(r"\[mrl\] step (\d): every group's rewards were equal \(rewards seen: [0-9., ]+\): every "
                           r"advantage is 0, so the step changes nothing\. Every group is one sample "
-                          r"\(grpo.num_generations_per_prompt=1\)", out)
+                          r"\(grpo.num_generations_per_prompt is 1\)", out)
     assert warnings == ["1", "2"], out[-4000:]
     assert "mrl: training stopped: steps 1..2 trained on nothing (2 in a row; grpo.max_idle_steps=2)" in out
+    # stopped, it still writes its summary, saying why, and says where its results are
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["stopped"]["by"] == "grpo.max_idle_steps" and len(summary["reward_curve"]) == 2
+    assert f"results so far in {tmp_path}/" in out and f"tensorboard --logdir {tmp_path}/logs/tensorboard" in out
     logged = metrics(tmp_path / "logs")
     assert logged[2]["train/zero_variance_groups"] == 1.0 and logged[2]["train/prompts_rejected_fraction"] == 0.0
     assert (tmp_path / "checkpoints" / "step_1").is_dir()  # one idle step, under the limit: saved as usual

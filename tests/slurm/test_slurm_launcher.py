@@ -148,7 +148,8 @@ def test_container_mode_commands(tmp_path):
                           capture_output=True, text=True, env=env)
     assert done.returncode == 0, done.stderr
     lines = [line for line in done.stdout.splitlines() if line.startswith("+ srun")]
-    image = "--container-image=nvcr.io/org/mrl:1 --container-mounts=/lustre:/lustre"
+    # the user's mounts and the submit folder, which every step runs in (slurm/ray-sbatch.sh with_submit_dir)
+    image = f"--container-image=nvcr.io/org/mrl:1 --container-mounts=/lustre:/lustre,{tmp_path}:{tmp_path} "
     assert all(image in line for line in lines) and len(lines) == 4  # head, worker, wait, driver
 
     def one(*parts: str) -> str:

@@ -46,7 +46,7 @@ def test_convert_round_trip_through_the_cli_is_bit_exact(tmp_path):
     assert original.keys() == restored.keys()
     assert all(torch_equal(original[k], restored[k]) for k in original)
     bad = mrl("convert", "hf-to-megatron", "--hf", str(tmp_path / "missing"), "--out", str(tmp_path / "x"))
-    assert bad.returncode == 1 and "config.json" in bad.stderr
+    assert bad.returncode == 2 and "--hf: not an HF model folder: there is no such folder" in bad.stderr
 
 
 def torch_equal(a, b) -> bool:

@@ -64,10 +64,27 @@ def test_equal_rewards_are_idle_without_kl_and_name_the_rewards_seen():
     assert cause.idle and "rewards seen: 0" in cause.message and "never answers right" in cause.message
     alone = MrlConfig.model_validate({"grpo": {"num_generations_per_prompt": 1, "num_prompts_per_step": 256}})
     (cause,) = step_causes(alone, metrics, r)  # groups of one: the cause is the setting, not the model
-    assert "grpo.num_generations_per_prompt=1" in cause.message and "never answers" not in cause.message
+    assert "grpo.num_generations_per_prompt is 1" in cause.message and "never answers" not in cause.message
+    assert "grpo.num_generations_per_prompt=2 or more" in cause.message
     with_kl = MrlConfig.model_validate({"loss": {"kl_beta": 0.1}})
     (cause,) = step_causes(with_kl, metrics, r)
     assert not cause.idle and "only from the KL term" in cause.message
+
+
+def test_the_advice_never_proposes_the_group_size_the_run_already_has():
+    """The run that stopped has its own setting: proposing it again would be no fix (it proposed
+    grpo.num_generations_per_prompt=4 to runs with 4)."""
+    r = rollouts([[0.0, 0.0], [0.0, 0.0]])
+    metrics = {**health_metrics(r, r.rewards.view(2, 2)), "train/kept_samples": 4.0}
+    for size in (1, 2, 3, 4, 8, 16):
+        cfg = MrlConfig.model_validate({"grpo": {"num_generations_per_prompt": size},
+                                        "policy": {"train_global_batch_size": 32}})
+        guard = IdleGuard(limit=1)
+        guard.observe(1, step_causes(cfg, metrics, r))
+        with pytest.raises(IdleTraining) as stopped:
+            guard.stop_if_exhausted()
+        proposed = [int(v) for v in re.findall(r"grpo\.num_generations_per_prompt=(\d+)", str(stopped.value))]
+        assert proposed and all(value > size for value in proposed), (size, str(stopped.value))
 
 
 def test_a_step_the_model_solves_whole_warns_but_is_not_idle():

@@ -36,9 +36,16 @@ def test_the_cluster_recipes_fit_an_h100_and_deepseek_v3s_bf16_engines_only_acro
     plan = make_plan(cfg)
     assert not plan.fits and len(plan.stages) == 8
     assert plan.engine.weights > plan.engine.budget  # 671B in bf16 over an engine of TP 8: 156 GiB a GPU
-    assert plan.problems == [f"the engine's KV cache (0.0 GiB) holds no 8192-token sequence"]
+    # twice the GPU: no gpu_memory_utilization holds the weights, and the verdict says so, not "raise it"
+    (problem,) = plan.problems
+    assert problem.startswith("the engine's weights do not fit its GPUs: an engine of TP 8 puts 156.2 GiB of weights "
+                              "on each GPU, more than the GPU's 79.6 GiB")
+    assert not any("gpu_memory_utilization" in fix and "raise" in fix for fix in plan.fixes)
+    assert plan.fixes[0] == ("an engine over several nodes: generation.vllm.tensor_parallel_size=8 and "
+                             "generation.vllm.pipeline_parallel_size=4 (32 GPUs an engine, 42.9 GiB of weights a GPU)")
+    assert plan.fixes[1].startswith("a bigger GPU for this engine layout: b200-180gb (`--gpu b200-180gb`)")
     text = render(plan, cfg)
-    assert "verdict: does NOT fit" in text and "generation.vllm.pipeline_parallel_size" in text
+    assert "verdict: does NOT fit" in text and "generation.vllm.pipeline_parallel_size=4" in text
     assert "engine TP 8 x PP 4 (32 GPUs, 4 nodes)" in render(v3, load_config(DEEPSEEK_V3))
 
 
@@ -137,3 +144,68 @@ def test_the_refit_buckets_and_what_a_colocated_gpu_hands_over_are_printed():
     assert f"refit: 3.3 GiB in {plan.refit.buckets} buckets of at most 445 MiB" in text
     assert ("hands over: optimizer states to host memory 19.9 GiB, gradients freed 6.6 GiB; keeps weights 3.3 GiB"
             in text)
+
+
+def test_an_engine_whose_weights_exceed_its_gpu_is_offered_what_holds_them_not_a_larger_share():
+    # Qwen3-30B-A3B on one A100 40GB an engine: 56.9 GiB of weights a GPU; TP 2 leaves 28 GiB, over the recipe's share
+    cfg = load_config(QWEN3, ["generation.vllm.tensor_parallel_size=1"])
+    plan = make_plan(cfg, gpu="a100-40gb")
+    engine_problems = [p for p in plan.problems if p.startswith("the engine")]
+    assert engine_problems == [
+        "the engine's weights do not fit its GPUs: an engine of TP 1 puts 56.9 GiB of weights on each GPU, more than "
+        "the GPU's 40.0 GiB (59.6 GiB with vLLM's 2.0 GiB and one sequence's KV cache); no "
+        "generation.vllm.gpu_memory_utilization can hold them"]
+    assert "more tensor parallelism for the engine: generation.vllm.tensor_parallel_size=4 (14.2 GiB of weights a " \
+           "GPU)" in plan.fixes
+    wider = make_plan(load_config(QWEN3, ["generation.vllm.tensor_parallel_size=4"]), gpu="a100-40gb")
+    assert not any(p.startswith("the engine") for p in wider.problems)  # what the fix says holds
+    assert any(f.startswith("a bigger GPU for this engine layout: h100-80gb") for f in plan.fixes)
+    # a share too small for weights that fit the GPU: then a larger share is the fix, with the value that holds
+    small = make_plan(load_config(R1_8K, ["generation.vllm.gpu_memory_utilization=0.05"]))
+    assert small.problems == ["the engine's KV cache (0.0 GiB) holds no 8192-token sequence: "
+                              "generation.vllm.gpu_memory_utilization=0.05 gives it 4.0 GiB of the GPU, its weights "
+                              "take 3.3 GiB"]
+    assert small.fixes[0].startswith("generation.vllm.gpu_memory_utilization=0.07 or more")
+    assert make_plan(load_config(R1_8K, ["generation.vllm.gpu_memory_utilization=0.07"])).fits
+
+
+def test_a_staged_recipe_is_planned_stage_by_stage_each_with_its_commands_workers(capsys):
+    from mrl.app.plan_stages import fits, plan_command, render_plans
+
+    plans = plan_command(RECIPES_DIR / "deepscaler-1.5b-staged.yaml", [])
+    assert [(p.stage, p.command) for p in plans] == [("grpo-8K", "grpo"), ("grpo-16K", "grpo"), ("grpo-24K", "grpo"),
+                                                     ("eval-aime24", "eval")]
+    assert [p.plan.engine.sequence_tokens for p in plans] == [8192, 16384, 24576, 8192]
+    # the later stages start from exports not written yet: planned with the model the first stage starts from
+    assert plans[1].plan.model_source.endswith("as the earlier stage exports it to "
+                                               f"{plans[0].cfg.run.output_dir}/final_hf")
+    assert plans[3].plan.stages == [] and plans[3].plan.refit is None and plans[3].plan.time is None  # eval: no policy
+    assert fits(plans)
+    text = render_plans(plans)
+    assert [line for line in text.splitlines() if line.startswith("=== stage")] == [
+        "=== stage 1/4 'grpo-8K' (mrl grpo) ===", "=== stage 2/4 'grpo-16K' (mrl grpo) ===",
+        "=== stage 3/4 'grpo-24K' (mrl grpo) ===", "=== stage 4/4 'eval-aime24' (mrl eval) ==="]
+    assert text.count("verdict: fits") == 4 and text.count("assumptions (--assume") == 1
+    assert text.endswith("recipe verdict: every stage planned fits (4 of 4 stages planned)")
+    # on an A100 40GB the first stage fits and the longer ones do not: the recipe does not, naming them, on the
+    # command line and in `mrl submit`'s preflight (both planned the first stage alone, and passed)
+    small = plan_command("deepscaler-1.5b-staged", [], gpu="a100-40gb")
+    assert [p.plan.fits for p in small] == [True, False, False, True]
+    assert main(["plan", "--config", "deepscaler-1.5b-staged", "--gpu", "a100-40gb"]) == 2
+    printed = capsys.readouterr().out
+    assert printed.rstrip().endswith("recipe verdict: does NOT fit: stage 'grpo-16K', 'grpo-24K' (each stage's "
+                                     "verdict above says why)")
+    from mrl.app.slurm import check_command_memory
+
+    with pytest.raises(PreflightError, match="a stage's layout does not fit a a100-40gb GPU") as refused:
+        check_command_memory(["mrl", "run", "deepscaler-1.5b-staged"], "a100-40gb", [])
+    assert "=== stage 2/4 'grpo-16K' (mrl grpo) ===" in str(refused.value)
+    check_command_memory(["mrl", "run", "deepscaler-1.5b-staged"], "h100-80gb", [])  # fits: nothing raised
+
+
+def test_a_staged_recipe_of_random_models_lists_its_stages_unplanned():
+    from mrl.app.plan_stages import fits, plan_command, render_plans
+
+    plans = plan_command("arith-tiny-cpu", [])
+    assert [p.plan for p in plans] == [None] * len(plans) and fits(plans)
+    assert "not planned: a random model (policy.build)" in render_plans(plans)

@@ -73,3 +73,33 @@ def test_submit_fetches_the_hub_ids_first_and_queues_nothing_when_one_is_missing
     commit = place(tmp_path / "hub", "org/model", {"config.json": b"{}", "model.safetensors": b"w"})
     assert slurm.submit(_submit_args(command, tmp_path)) == 0 and len(queued) == 1
     assert f"org/model -> commit {commit}" in capsys.readouterr().err
+
+
+
+def _launcher_mounts(mounts: str, submit_dir) -> str:
+    """The container mounts the launcher gives every step (slurm/ray-sbatch.sh `with_submit_dir`, run alone: the
+    whole launcher in dry-run mode is tests/slurm's)."""
+    import subprocess
+
+    script = slurm.LAUNCHER.read_text()
+    function = script[script.index("with_submit_dir() {"):]
+    function = function[:function.index("\n}\n") + 3]
+    done = subprocess.run(["bash", "-c", f'set -euo pipefail\n{function}with_submit_dir "$1" "$2"', "-", mounts,
+                           str(submit_dir)], capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
+
+
+def test_custom_container_mounts_keep_the_submit_folder_every_step_runs_in(tmp_path):
+    submit = tmp_path / "project"
+    assert '--container-mounts="$mounts" --container-workdir="$submit_dir"' in slurm.LAUNCHER.read_text()
+    assert _launcher_mounts("", submit) == f"{submit}:{submit}"  # none given: the submit folder
+    # the user's mounts, and the submit folder added: it is the working directory of every step
+    assert _launcher_mounts("/lustre:/lustre", submit) == f"/lustre:/lustre,{submit}:{submit}"
+    assert _launcher_mounts(f"{submit}:/work", submit) == f"{submit}:/work,{submit}:{submit}"  # elsewhere inside
+    assert _launcher_mounts(f"{submit}:{submit}:ro", submit) == f"{submit}:{submit}:ro,{submit}:{submit}"
+    assert _launcher_mounts(f"{tmp_path}/proj:{tmp_path}/proj", submit) == \
+        f"{tmp_path}/proj:{tmp_path}/proj,{submit}:{submit}"  # a name that only starts the same
+    # already there at its own path, writable: the folder itself or one above it, with or without a destination
+    for covering in (f"{submit}:{submit}", f"/data:/data,{tmp_path}/", f"{tmp_path}:{tmp_path}:rw", "/"):
+        assert _launcher_mounts(covering, submit) == covering

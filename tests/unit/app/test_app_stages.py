@@ -43,3 +43,46 @@ def test_the_final_table_has_a_health_column_for_grpo_stages():
     assert lines[0].split()[-1] == "health"
     assert lines[2].split()[-1] == "ok" and lines[3].endswith("3 warned, 2 idle") and lines[4].split()[-1] == "-"
     assert lines[2].split()[:4] == ["rl", "grpo", "1.0", "min"]
+
+
+def test_a_stage_a_guard_stops_ends_the_staged_run_with_its_summary_and_where_the_results_are(tmp_path, monkeypatch,
+                                                                                            capsys):
+    """Fakes stand for the stages' runs: SFT finishes, GRPO is stopped by the idle guard (it writes its summary,
+    saying why, as mrl/app/results.py summary_on_stop does); the staged run writes its own summary.json and reward
+    curve all the same, its table says which stage stopped, and it prints where the results are."""
+    import json
+
+    import pytest
+
+    from mrl.algorithms.health import IdleTraining
+    from mrl.app import commands
+    from mrl.app.results import save_summary
+    from mrl.app.stages import run_staged
+
+    def sft(cfg):
+        out = Path(cfg.run.output_dir)
+        (out / "final_hf").mkdir(parents=True)
+        (out / "final_hf" / ".complete").write_text("")
+        summary = {"algorithm": "sft", "seconds": 6.0, "final": {}}
+        save_summary(out, summary)
+        return summary
+
+    def grpo(cfg):
+        save_summary(Path(cfg.run.output_dir), {"algorithm": "grpo", "seconds": 3.0, "final": {},
+                                                "reward_curve": [0.0, 0.0, 0.0],
+                                                "stopped": {"by": "grpo.max_idle_steps", "reason": "idle"}})
+        raise IdleTraining("steps 1..3 trained on nothing")
+
+    monkeypatch.setitem(commands.RUNNERS, "sft", sft)
+    monkeypatch.setitem(commands.RUNNERS, "grpo", grpo)
+    monkeypatch.setitem(commands.RUNNERS, "eval", lambda cfg: pytest.fail("a stage after the stopped one ran"))
+    with pytest.raises(IdleTraining):
+        run_staged("arith-tiny-cpu", [f"run.output_dir={tmp_path}"])
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert list(summary) == ["sft-warmup", "grpo"] and summary["grpo"]["stopped"]["by"] == "grpo.max_idle_steps"
+    assert (tmp_path / "reward_curve.png").is_file() and (tmp_path / "grpo" / "reward_curve.png").is_file()
+    printed = capsys.readouterr().out
+    assert "stopped (grpo.max_idle_steps)" in printed
+    assert f"stage sft-warmup: {tmp_path}/sft-warmup/   (model {tmp_path}/sft-warmup/final_hf/)" in printed
+    assert f"stage grpo:       {tmp_path}/grpo/   (stopped: its summary.json says why)" in printed
+    assert f"stage eval:       {tmp_path}/eval/   (not run)" in printed

@@ -5,6 +5,7 @@ from collections import Counter
 
 import pytest
 
+from mrl.config.errors import ConfigError
 from mrl.data.dataloader import PromptDataLoader
 from mrl.data.datasets import Problem, load_problems
 from mrl.data.templates import COT_INSTRUCTION, PromptTemplate
@@ -46,16 +47,39 @@ def test_configurable_columns_and_max_rows(tmp_path):
 
 def test_wrong_columns_name_the_keys_to_set(tmp_path):
     path = write_jsonl(tmp_path / "d.jsonl", [{"question": "q", "final": "1"}])
-    with pytest.raises(ValueError, match=r"columns found: \['final', 'question'\].*data.problem_key"):
+    with pytest.raises(ConfigError) as err:
         load_problems(path)
+    assert err.value.key == "data.problem_key" and err.value.given == "problem"
+    assert err.value.allowed == "columns found: final, question" and str(path) in err.value.message
+
+
+def test_a_missing_answer_column_names_data_answer_key_and_the_closest_column(tmp_path):
+    path = write_jsonl(tmp_path / "d.jsonl", [{"problem": "1+1", "final_answer": "2"}, "{broken"])
+    with pytest.raises(ConfigError) as err:
+        load_problems(path, key="data.val")
+    assert err.value.key == "data.answer_key"
+    assert err.value.message == f"{path}: 1 of its 2 rows lack the column 'answer', and no row is usable"
+    assert err.value.fix == "data.answer_key=final_answer"   # the column found that is closest to the one asked
+
+
+def test_empty_and_unparsable_files_name_the_key_that_named_them(tmp_path):
+    (tmp_path / "empty.jsonl").write_text("\n\n")
+    with pytest.raises(ConfigError, match="it is empty") as err:
+        load_problems(tmp_path / "empty.jsonl", key="eval.data")
+    assert err.value.key == "eval.data" and str(tmp_path / "empty.jsonl") in err.value.message
+    write_jsonl(tmp_path / "bad.jsonl", ["not json", "{bad", "[1, 2"])
+    with pytest.raises(ConfigError, match="none of its 3 lines is valid JSON") as err:
+        load_problems(tmp_path / "bad.jsonl")
+    assert err.value.key == "data.train" and ".jsonl" in err.value.fix
 
 
 def test_missing_files_and_unknown_formats_are_clear_errors(tmp_path):
-    with pytest.raises(FileNotFoundError, match="does not exist"):
-        load_problems(tmp_path / "nope.jsonl")
+    with pytest.raises(FileNotFoundError, match="data.val: data file .* does not exist"):
+        load_problems(tmp_path / "nope.jsonl", key="data.val")
     (tmp_path / "d.csv").write_text("problem,answer\n")
-    with pytest.raises(ValueError, match="unknown data format"):
+    with pytest.raises(ConfigError, match="mrl does not read the format '.csv'") as err:
         load_problems(tmp_path / "d.csv")
+    assert err.value.key == "data.train" and ".jsonl" in err.value.allowed and "to_json" in err.value.fix
 
 
 def test_parquet(tmp_path):

@@ -6,6 +6,7 @@ from collections import Counter
 import pytest
 import torch
 
+from mrl.config.errors import ConfigError
 from mrl.data.preferences import (PreferencePair, build_preference_batch, encode_prompt_messages, load_preferences,
                                   prompt_fits)
 from mrl.data.templates import PromptTemplate
@@ -124,11 +125,21 @@ def test_bad_rows_are_skipped_and_counted_by_reason(tmp_path):
 
 def test_no_usable_row_names_the_columns_and_the_shapes(tmp_path):
     path = write_jsonl(tmp_path / "wrong.jsonl", [{"question": "q", "good": "a", "bad": "b"}])
-    with pytest.raises(ValueError, match=r"columns found: \['bad', 'good', 'question'\]; accepted row shapes") as err:
-        load_preferences(path)
-    assert "unknown shape" in str(err.value) and "sharegpt" in str(err.value)
+    with pytest.raises(ConfigError, match=r"columns found: bad, good, question") as err:
+        load_preferences(path, key="data.val")
+    assert err.value.key == "data.val" and "unknown shape" in err.value.message and "sharegpt" in err.value.allowed
     with pytest.raises(FileNotFoundError, match="does not exist"):
         load_preferences(tmp_path / "missing.jsonl")
+
+
+def test_empty_and_unparsable_preference_files_are_config_errors(tmp_path):
+    (tmp_path / "empty.jsonl").write_text("")
+    with pytest.raises(ConfigError, match="it is empty") as err:
+        load_preferences(tmp_path / "empty.jsonl")
+    assert err.value.key == "data.train"
+    write_jsonl(tmp_path / "bad.jsonl", ["{oops", "nope"])
+    with pytest.raises(ConfigError, match="none of its 2 lines is valid JSON"):
+        load_preferences(tmp_path / "bad.jsonl")
 
 
 # ------------------------------------------------------------------------------------------------------- encoding

@@ -1,0 +1,136 @@
+"""What a command reads, checked in the controller before any worker starts: a mistake in a file the user named ends
+the command with a `ConfigError` (exit 2, one message naming the key, what was found and the fix), not with a
+worker's traceback after the workers and the engine have started (tens of seconds on CPU, minutes on a cluster).
+
+    the data           data.train / data.val / eval.data, read in full: a file that is empty, has no valid JSON line,
+                       lacks the configured columns or is in a format mrl does not read (mrl/data/datasets.py,
+                       preferences.py). Each command loads its data before its workers start; `mrl run` also reads
+                       every stage still to run before the first starts (`check_stage`).
+    the tokenizer      policy.tokenizer, else the model folder, holds vocabulary files (`check_tokenizer_folder`)
+    the engine's model vLLM's CPU attention has kernels for some head sizes only (`check_engine_model`)
+    mrl score --input  a row to score (`check_score_rows`)
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import torch
+
+from mrl.checkpoint.megatron import HF_SUBDIR
+from mrl.config.errors import ConfigError
+from mrl.config.schema import MrlConfig
+from mrl.data import hub
+from mrl.data.tokenizers import vocabulary_files
+from mrl.inference.vllm_backend import CPU_ATTENTION_HEAD_SIZES
+
+
+def check_tokenizer_folder(folder: str | Path, key: str) -> None:
+    """`folder` holds a tokenizer's vocabulary. Without one transformers 5 builds an empty tokenizer of one token,
+    and the run fails later on something else (the chat template), or trains on nothing (a loss of 0)."""
+    path = Path(folder)
+    if not path.exists() and hub.parse_hub_id(str(folder)) is not None:
+        return  # a hub id (a run resolves its own before this: mrl/app/hub_ids.py)
+    if not path.is_dir():
+        raise ConfigError("there is no such folder", key=key, given=str(folder),
+                          fix="pass a folder holding the tokenizer files (tokenizer.json, or vocab.json + merges.txt, "
+                              "or tokenizer.model), or a hub id (org/name[@revision])")
+    if vocabulary_files(path):
+        return
+    held = sorted(p.name for p in path.iterdir())
+    raise ConfigError(f"{folder} holds no tokenizer: none of tokenizer.json, vocab.json, vocab.txt, *.model, "
+                      f"*.tiktoken (it holds {', '.join(held[:8]) or 'nothing'}{', ...' if len(held) > 8 else ''})",
+                      key=key, given=str(folder),
+                      fix=f"copy the tokenizer files of the model it came from into {folder}, or set "
+                          "policy.tokenizer to a folder (or hub id) that has them")
+
+
+def attention_head_size(hf_config: dict) -> Optional[int]:
+    """The per-head size of the model's attention (config.json's head_dim, else hidden_size / heads); None for
+    multi-latent attention (vLLM serves it with another kernel, of its own limits) or a config that does not say."""
+    if hf_config.get("kv_lora_rank"):
+        return None
+    if isinstance(hf_config.get("head_dim"), int):
+        return hf_config["head_dim"]
+    hidden, heads = hf_config.get("hidden_size"), hf_config.get("num_attention_heads")
+    return hidden // heads if isinstance(hidden, int) and isinstance(heads, int) and heads else None
+
+
+def engine_on_cpu(cfg: MrlConfig) -> bool:
+    """A vLLM engine that will run on CPU: this process sees no CUDA device (the rule mrl/app/runtime.py starts a run
+    by: no CUDA here, a CPU run)."""
+    return cfg.generation.backend == "vllm" and not torch.cuda.is_available()
+
+
+def check_engine_model(cfg: MrlConfig, hf_config: dict) -> None:
+    """On CPU, vLLM's attention has kernels for `CPU_ATTENTION_HEAD_SIZES` only: another head size passes the
+    engine's start and fails inside its first generation, the same way on every re-run. Refused here instead."""
+    size = attention_head_size(hf_config)
+    if size is None or size in CPU_ATTENTION_HEAD_SIZES or not engine_on_cpu(cfg):
+        return
+    how = ("config.json's head_dim" if "head_dim" in hf_config else
+           f"hidden_size {hf_config.get('hidden_size')} / {hf_config.get('num_attention_heads')} heads")
+    build = cfg.policy.build is not None
+    raise ConfigError(f"the model's attention head size is {size} ({how}), and vLLM's CPU attention has no kernel "
+                      "for it", key="policy.build.num_attention_heads" if build else "policy.model_name",
+                      given=cfg.policy.build.num_attention_heads if build else cfg.policy.model_name,
+                      allowed=f"a model of head size {', '.join(map(str, CPU_ATTENTION_HEAD_SIZES))}",
+                      fix=("a hidden_size / num_attention_heads giving one of these" if build else
+                           "start from a model of one of these head sizes") +
+                          "; or generation.backend=megatron (the policy's own model generates, at any head size); "
+                          "or GPUs")
+
+
+def check_stage(cfg: MrlConfig, algorithm: str) -> None:
+    """What a stage of a staged recipe reads that exists before the first stage starts: its data files (a stage
+    naming a hub id reads its data when it starts), and the engine's model where known (a random model's size, or a
+    model folder that exists; an earlier stage's export keeps the architecture the first stage was checked with)."""
+    sources = [s for s in (cfg.data.train, cfg.data.val, cfg.eval.data) if s]
+    if not any(hub.parse_hub_id(source) for source in sources):
+        _read_stage_data(cfg, algorithm)
+    config = _known_model_config(cfg)
+    if algorithm in ("grpo", "eval") and config is not None:
+        check_engine_model(cfg, config)
+
+
+def _read_stage_data(cfg: MrlConfig, algorithm: str) -> None:
+    """The stage's data, read as its command reads it (errors as there)."""
+    from mrl.data.preferences import load_preferences
+    from mrl.data.tasks import load_task_data
+
+    if algorithm not in ("dpo", "rm"):
+        load_task_data(cfg, val_source=cfg.eval.data if algorithm in ("grpo", "eval") else None)
+        return
+    for name, source in (("train", cfg.data.train), ("val", cfg.data.val)):
+        if source and cfg.data.arith is None:
+            load_preferences(source, split="train" if name == "train" else "test", key=f"data.{name}")
+
+
+def _known_model_config(cfg: MrlConfig) -> Optional[dict]:
+    """The policy model's config when it is known before the run: a random model's size (`policy.build`), or the
+    config.json of a model folder that exists (HF, or a Megatron folder's hf/); else None."""
+    build = cfg.policy.build
+    if build is not None:
+        return {"hidden_size": build.hidden_size, "num_attention_heads": build.num_attention_heads}
+    if not cfg.policy.model_name:
+        return None
+    folder = Path(cfg.policy.model_name)
+    for path in (folder / "config.json", folder / HF_SUBDIR / "config.json"):
+        if path.is_file():
+            return json.loads(path.read_text())
+    return None
+
+
+def check_score_rows(input_path: str, rows: Sequence[Any]) -> None:
+    """`mrl score` has a row to score (`rows`: mrl.algorithms.score's, each with its ids or its error): an unusable
+    row is reported in the output and skipped, but a file with none to score is a mistake."""
+    if any(row.ids is not None for row in rows):
+        return
+    shapes = '{"text": ...}, {"prompt": ..., "completion": ...} or {"input_ids": [...]}, one JSON object per line'
+    if not rows:
+        raise ConfigError(f"{input_path} holds no rows: it is empty", key="--input", allowed=shapes,
+                          fix="pass a jsonl file of rows to score")
+    raise ConfigError(f"{input_path}: none of its {len(rows)} rows can be scored (first, line {rows[0].index + 1}: "
+                      f"{rows[0].error})", key="--input", allowed=shapes, fix="write the rows in one of these shapes")

@@ -1,0 +1,123 @@
+"""Checks made in the controller before any worker starts (mrl/app/preflight.py): a model folder without a
+tokenizer, a head size vLLM's CPU attention has no kernel for, a staged recipe's later stage reading bad data, an
+`mrl score` input with nothing to score. Hand-made folders and configs; nothing starts."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from mrl.algorithms.score import ScoreRow
+from mrl.app.preflight import (attention_head_size, check_engine_model, check_score_rows, check_stage,
+                               check_tokenizer_folder)
+from mrl.config.errors import ConfigError
+from mrl.config.schema import MrlConfig
+from mrl.inference.vllm_backend import CPU_ATTENTION_HEAD_SIZES
+
+
+def _cfg(**tree) -> MrlConfig:
+    return MrlConfig.model_validate(tree)
+
+
+def _files(root: Path, *names: str) -> Path:
+    root.mkdir(parents=True, exist_ok=True)
+    for name in names:
+        (root / name).write_text("{}")
+    return root
+
+
+@pytest.mark.parametrize("vocabulary", ["tokenizer.json", "vocab.json", "tokenizer.model", "qwen.tiktoken"])
+def test_a_folder_with_a_vocabulary_file_holds_a_tokenizer(tmp_path, vocabulary):
+    check_tokenizer_folder(_files(tmp_path, "config.json", vocabulary), "policy.model_name")
+
+
+def test_a_model_folder_without_tokenizer_files_is_refused_naming_what_it_holds(tmp_path):
+    folder = _files(tmp_path / "model", "config.json", "model.safetensors", "tokenizer_config.json",
+                    "chat_template.jinja")  # config files of a tokenizer, no vocabulary: transformers builds 1 token
+    with pytest.raises(ConfigError) as err:
+        check_tokenizer_folder(folder, "policy.model_name")
+    assert err.value.key == "policy.model_name" and f"{folder} holds no tokenizer" in err.value.message
+    assert "it holds chat_template.jinja, config.json, model.safetensors, tokenizer_config.json" in err.value.message
+    assert "policy.tokenizer" in err.value.fix
+    with pytest.raises(ConfigError, match="there is no such folder"):
+        check_tokenizer_folder(tmp_path / "missing", "policy.tokenizer")
+
+
+def test_the_head_size_is_head_dim_else_hidden_over_heads_and_none_for_latent_attention():
+    assert attention_head_size({"head_dim": 128, "hidden_size": 1024, "num_attention_heads": 16}) == 128
+    assert attention_head_size({"hidden_size": 64, "num_attention_heads": 4}) == 16
+    assert attention_head_size({"kv_lora_rank": 512, "hidden_size": 64, "num_attention_heads": 4}) is None
+
+
+@pytest.fixture
+def cpu_only(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+
+def test_a_head_size_without_a_cpu_kernel_is_refused_for_the_vllm_engine_on_cpu(cpu_only):
+    cfg = _cfg(policy={"model_name": "/models/tiny"})
+    with pytest.raises(ConfigError) as err:
+        check_engine_model(cfg, {"hidden_size": 64, "num_attention_heads": 4})
+    assert err.value.key == "policy.model_name" and err.value.given == "/models/tiny"
+    assert "head size is 16 (hidden_size 64 / 4 heads)" in err.value.message
+    assert "32, 64, 80" in err.value.allowed and "generation.backend=megatron" in err.value.fix
+    check_engine_model(cfg, {"hidden_size": 64, "num_attention_heads": 2})  # 32: served
+    check_engine_model(_cfg(generation={"backend": "megatron"}), {"head_dim": 16})  # not vLLM: any size
+
+
+def test_the_head_size_rule_holds_only_where_there_is_no_cuda(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    check_engine_model(_cfg(), {"head_dim": 16})
+
+
+def test_the_cpu_head_sizes_are_those_of_the_installed_vllm():
+    """Read from vLLM's source without importing it (importing vLLM takes seconds)."""
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("vLLM is not installed")
+    source = Path(spec.submodule_search_locations[0], "v1", "attention", "backends", "cpu_attn.py").read_text()
+    listed = re.search(r"def get_supported_head_sizes\(cls\) -> list\[int\]:\s*return \[([\d, ]+)\]", source)
+    assert listed, "vLLM's CPUAttentionBackend.get_supported_head_sizes moved: update CPU_ATTENTION_HEAD_SIZES"
+    assert tuple(int(size) for size in listed.group(1).split(",")) == CPU_ATTENTION_HEAD_SIZES
+
+
+def _stage_cfg(tmp_path: Path, **data) -> MrlConfig:
+    return _cfg(run={"output_dir": str(tmp_path / "out")}, data=data,
+                policy={"build": {"family": "qwen2", "num_layers": 1, "hidden_size": 64, "num_attention_heads": 2}})
+
+
+def test_a_stage_s_data_is_read_before_the_first_stage_starts(tmp_path):
+    (tmp_path / "rows.jsonl").write_text(json.dumps({"problem": "1+1", "solution": "2"}) + "\n")
+    with pytest.raises(ConfigError) as err:
+        check_stage(_stage_cfg(tmp_path, train=str(tmp_path / "rows.jsonl")), "grpo")
+    assert err.value.key == "data.answer_key" and "columns found: problem, solution" in err.value.allowed
+    (tmp_path / "pairs.jsonl").write_text("")
+    with pytest.raises(ConfigError, match="it is empty"):
+        check_stage(_stage_cfg(tmp_path, train=str(tmp_path / "pairs.jsonl")), "dpo")
+    check_stage(_stage_cfg(tmp_path, train="org/dataset"), "sft")  # a hub id: read when its stage starts
+
+
+def test_a_stage_s_random_model_is_checked_against_the_cpu_engine(tmp_path, cpu_only):
+    (tmp_path / "rows.jsonl").write_text(json.dumps({"problem": "1+1", "answer": "2"}) + "\n")
+    cfg = _stage_cfg(tmp_path, train=str(tmp_path / "rows.jsonl"))
+    check_stage(cfg, "grpo")  # 64 / 2 heads = 32
+    cfg.policy.build.num_attention_heads = 4
+    check_stage(cfg, "sft")  # no engine
+    with pytest.raises(ConfigError, match="head size is 16") as err:
+        check_stage(cfg, "eval")
+    assert err.value.key == "policy.build.num_attention_heads" and err.value.given == 4
+
+
+def test_an_input_with_no_row_to_score_is_refused():
+    with pytest.raises(ConfigError, match="it is empty") as err:
+        check_score_rows("in.jsonl", [])
+    assert err.value.key == "--input" and '{"text": ...}' in err.value.allowed
+    unusable = [ScoreRow(0, None, error="a row needs 'text'"), ScoreRow(2, None, error="invalid")]
+    with pytest.raises(ConfigError, match=r"none of its 2 rows can be scored \(first, line 1: a row needs 'text'\)"):
+        check_score_rows("in.jsonl", unusable)
+    check_score_rows("in.jsonl", [*unusable, ScoreRow(3, [1, 2, 3], start=1)])  # one to score: the rest reported
