@@ -211,6 +211,14 @@ def _predicting_space(batch: RankBatch, width: int) -> dict[str, torch.Tensor]:
     return out
 
 
+def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host-built index or offset tensor on `device`: on a GPU through pinned memory without blocking, so building
+    a micro-batch makes the host wait for nothing (from pageable memory each copy would)."""
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 def _packed_seq_params(plan: MicroBatchPlan, index: int, filler: int, cp_group, device: torch.device):
     """THD offsets of pack `index`: real lengths in cu_seqlens (what TE attends over on GPU), rounded lengths in the
     *_padded offsets (the layout tokens sit in; Megatron's RoPE and our CPU attention read these). The filler that
@@ -220,10 +228,36 @@ def _packed_seq_params(plan: MicroBatchPlan, index: int, filler: int, cp_group, 
     seqs = plan.bins[index]
     padded = [plan.padded_lengths[j] for j in seqs] + ([filler] if filler else [])
     real = [plan.lengths[j] for j in seqs] + ([0] if filler else [])
-    cu = lambda sizes: torch.tensor([0] + sizes, device=device).cumsum(0).to(torch.int32)  # noqa: E731  [n + 1]
+    cu = lambda sizes: _to_device(torch.tensor([0] + sizes).cumsum(0).to(torch.int32), device)  # noqa: E731  [n + 1]
     return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu(real), cu_seqlens_kv=cu(real),
                            cu_seqlens_q_padded=cu(padded), cu_seqlens_kv_padded=cu(padded),
                            max_seqlen_q=max(padded), max_seqlen_kv=max(padded), cp_group=cp_group)
+
+
+@dataclass(frozen=True)
+class _PackIndex:
+    """Where pack `index`'s tokens come from, built on the host and moved to the device once (one gather a tensor
+    instead of one indexing per sequence). b sequences, W = the longest one's local token count."""
+
+    rows: torch.Tensor  # [t] the batch row of each packed token (t = the pack's tokens without the filler)
+    cols: torch.Tensor  # [t] its column
+    seqs: torch.Tensor  # [b] the pack's batch rows
+    grid_cols: torch.Tensor  # [b, W] each sequence's token columns, 0 past its end
+    valid: torch.Tensor  # [b, W] within the sequence
+    unpack: torch.Tensor  # [b, W] the packed position of each (sequence, step), 0 past the end
+    positions: torch.Tensor  # [1, L / cp] position ids, the filler's 0
+
+
+def _pack_index(seqs: list[int], local: list[torch.Tensor], filler: int, device: torch.device) -> _PackIndex:
+    sizes = torch.tensor([len(pos) for pos in local])
+    width = int(sizes.max())
+    valid = torch.arange(width)[None, :] < sizes[:, None]
+    starts = torch.cumsum(sizes, 0) - sizes
+    host = dict(rows=torch.repeat_interleave(torch.tensor(seqs), sizes), cols=torch.cat(local), seqs=torch.tensor(seqs),
+                grid_cols=pad_sequence(local, batch_first=True), valid=valid,
+                unpack=torch.where(valid, starts[:, None] + torch.arange(width)[None, :], 0),
+                positions=torch.cat(local + [torch.zeros(filler, dtype=torch.long)])[None])
+    return _PackIndex(**{name: _to_device(t, device) for name, t in host.items()})
 
 
 def _packed_micro_batch(full: dict[str, torch.Tensor], batch: RankBatch, plan: MicroBatchPlan, index: int,
@@ -234,26 +268,23 @@ def _packed_micro_batch(full: dict[str, torch.Tensor], batch: RankBatch, plan: M
     seqs = plan.bins[index]
     local = [local_token_positions(plan.padded_lengths[j], ctx.cp_size, ctx.cp_rank) for j in seqs]
     filler = plan.budget - sum(plan.padded_lengths[j] for j in seqs) if fixed_size else 0
+    device = full["input_ids"].device
+    at = _pack_index(seqs, local, filler // ctx.cp_size, device)
 
     def pack(x: torch.Tensor, fill: int = 0) -> torch.Tensor:  # [N, width, ...] -> [1, L / cp, ...]
         pad = x.new_full((filler // ctx.cp_size, *x.shape[2:]), fill)
-        return torch.cat([x[j, pos] for j, pos in zip(seqs, local)] + [pad])[None]
+        return torch.cat([x[at.rows, at.cols], pad])[None]
 
-    device = full["input_ids"].device
-    sizes = torch.tensor([len(pos) for pos in local], device=device)
-    steps = torch.arange(int(sizes.max()), device=device)
-    valid = steps[None, :] < sizes[:, None]  # [b, W]
-    starts = torch.cumsum(sizes, 0) - sizes
-    data = {"input_ids": pack(full["input_ids"]), "targets": pack(full["targets"]),
-            "position_ids": torch.cat(local + [torch.zeros(filler // ctx.cp_size, dtype=torch.long)])[None].to(device),
+    data = {"input_ids": pack(full["input_ids"]), "targets": pack(full["targets"]), "position_ids": at.positions,
             "packed_seq_params": _packed_seq_params(plan, index, filler, ctx.cp_group, device),
-            "unpack_index": torch.where(valid, starts[:, None] + steps[None, :], 0), "unpack_valid": valid}
+            "unpack_index": at.unpack, "unpack_valid": at.valid}
     if "routing" in full:  # the filler routes freshly
         data["routing"] = pack(full["routing"], fill=no_route(full["routing"].dtype))
-    for name in ("loss_mask", *batch.token_data):
-        data[name] = pad_sequence([full[name][j, pos] for j, pos in zip(seqs, local)], batch_first=True)
-    data.update({k: v[seqs] for k, v in batch.seq_data.items()})
-    data["seq_num_tokens"] = full["loss_mask"][seqs].sum(dim=1)  # whole sequences, also under CP
+    for name in ("loss_mask", *batch.token_data):  # [b, W], 0 past each sequence's end
+        values = full[name][at.seqs[:, None], at.grid_cols]
+        data[name] = torch.where(at.valid, values, torch.zeros((), dtype=values.dtype, device=values.device))
+    data.update({k: v[at.seqs.to(v.device)] for k, v in batch.seq_data.items()})
+    data["seq_num_tokens"] = full["loss_mask"][at.seqs].sum(dim=1)  # whole sequences, also under CP
     return data
 
 

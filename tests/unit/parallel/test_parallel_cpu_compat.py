@@ -533,10 +533,34 @@ def test_packed_rope_in_one_gather():
     def rope(freqs):
         return rope_utils._apply_rotary_pos_emb_thd(t, cu_seqlens, freqs, cp_group=group)
 
-    assert cpu_speed._packed_positions(cu_seqlens).tolist() == [i for n in lengths for i in range(n)]
+    assert cpu_speed._packed_positions(cu_seqlens, 18).tolist() == [i for n in lengths for i in range(n)]
+    empty_inside = torch.tensor([0, 2, 2, 5, 5], dtype=torch.int32)  # sequences of 0 tokens (a pack's filler row)
+    assert cpu_speed._packed_positions(empty_inside, 5).tolist() == [0, 1, 0, 1, 2]
     without("packed_rope_in_one_gather")
     loop = [rope(per_length), rope(per_token)]
     cpu_compat.apply()
     assert torch.equal(rope(per_length), loop[0]) and torch.equal(rope(per_token), loop[1])
     assert "aten::split_with_sizes" in _ops_run(lambda: rope(per_token))  # Megatron's own branch
-    assert "aten::split_with_sizes" not in _ops_run(lambda: rope(per_length))
+    gathered = _ops_run(lambda: rope(per_length))
+    assert "aten::split_with_sizes" not in gathered
+    assert "aten::_local_scalar_dense" not in gathered  # no value read back to the host: a GPU would wait for it
+    assert "packed_rope_in_one_gather" in cpu_compat.WITHOUT_TE  # GPUs without Transformer Engine take it too
+
+
+def test_grad_norm_on_device():
+    """Gradient clipping's fallback norm (no Apex, no TE): the same value, bit for bit, with nothing read back to the
+    host, where Megatron's reads every tensor's norm (one GPU synchronisation each)."""
+    from megatron.core.optimizer import clip_grads
+
+    g = torch.Generator().manual_seed(0)
+    grads = [torch.randn(shape, generator=g) for shape in ((7, 5), (5,), (3, 4, 2), (1,))]
+    independent = math.sqrt(sum(float((t.double() ** 2).sum()) for t in grads))
+    without("grad_norm_on_device")
+    megatron = clip_grads.get_grad_norm_fp32(grads)
+    with cpu_compat._CudaToCpuMode(fake_cuda_type=False):  # its result goes to device="cuda", here the CPU
+        assert "aten::_local_scalar_dense" in _ops_run(lambda: clip_grads.l2_norm_impl(0, None, [grads], False))
+    cpu_compat.apply()
+    assert clip_grads.get_grad_norm_fp32(grads) == megatron == pytest.approx(independent, rel=1e-6)
+    ops = _ops_run(lambda: clip_grads.l2_norm_impl(0, None, [grads], False))
+    assert "aten::_local_scalar_dense" not in ops
+    assert "grad_norm_on_device" in cpu_compat.WITHOUT_TE
