@@ -7,7 +7,8 @@ worker's traceback after the workers and the engine have started (tens of second
                        preferences.py). Each command loads its data before its workers start; `mrl run` also reads
                        every stage still to run before the first starts (`check_stage`).
     the tokenizer      policy.tokenizer, else the model folder, holds vocabulary files (`check_tokenizer_folder`)
-    the engine's model vLLM's CPU attention has kernels for some head sizes only (`check_engine_model`)
+    the engine's model vLLM's CPU attention has kernels for some head sizes only, and vLLM refuses a context longer
+                       than the model's max_position_embeddings (`check_engine_model`)
     mrl score --input  a row to score (`check_score_rows`)
 """
 
@@ -24,6 +25,7 @@ from mrl.config.errors import ConfigError
 from mrl.config.schema import MrlConfig
 from mrl.data import hub
 from mrl.data.tokenizers import vocabulary_files
+from mrl.inference.factory import engine_context_length
 from mrl.inference.vllm_backend import CPU_ATTENTION_HEAD_SIZES
 
 
@@ -65,8 +67,10 @@ def engine_on_cpu(cfg: MrlConfig) -> bool:
 
 
 def check_engine_model(cfg: MrlConfig, hf_config: dict) -> None:
-    """On CPU, vLLM's attention has kernels for `CPU_ATTENTION_HEAD_SIZES` only: another head size passes the
-    engine's start and fails inside its first generation, the same way on every re-run. Refused here instead."""
+    """What vLLM refuses of this model, refused here before any worker starts (both fail the same way on every
+    re-run): a context longer than the model's (`check_context_length`) and, on CPU, a head size its attention has
+    no kernel for (`CPU_ATTENTION_HEAD_SIZES`: the engine starts, then fails inside its first generation)."""
+    check_context_length(cfg, hf_config)
     size = attention_head_size(hf_config)
     if size is None or size in CPU_ATTENTION_HEAD_SIZES or not engine_on_cpu(cfg):
         return
@@ -81,6 +85,24 @@ def check_engine_model(cfg: MrlConfig, hf_config: dict) -> None:
                            "start from a model of one of these head sizes") +
                           "; or generation.backend=megatron (the policy's own model generates, at any head size); "
                           "or GPUs")
+
+
+def check_context_length(cfg: MrlConfig, hf_config: dict) -> None:
+    """vLLM's engine refuses a `max_model_len` above the model's `max_position_embeddings` at its start (a
+    ValidationError inside the worker; vLLM's override is an environment variable that accepts wrong outputs)."""
+    limit = hf_config.get("max_position_embeddings")
+    context = engine_context_length(cfg)
+    if cfg.generation.backend != "vllm" or not isinstance(limit, int) or context <= limit:
+        return
+    key = ("generation.vllm.max_model_len" if cfg.generation.vllm.max_model_len else
+           "policy.max_total_sequence_length")
+    raise ConfigError(f"the engine's context of {context} tokens is longer than the model's: its config.json has "
+                      f"max_position_embeddings {limit}, and vLLM refuses a longer one", key=key, given=context,
+                      allowed=f"at most {limit}",
+                      fix=f"set {key}={limit} or less (prompt + response" +
+                          (f"; and generation.max_new_tokens below it, now {cfg.generation.max_new_tokens}"
+                           if cfg.generation.max_new_tokens >= limit else "") +
+                          "), or start from a model of a longer context")
 
 
 def check_stage(cfg: MrlConfig, algorithm: str) -> None:

@@ -70,6 +70,27 @@ def test_a_head_size_without_a_cpu_kernel_is_refused_for_the_vllm_engine_on_cpu(
     check_engine_model(_cfg(generation={"backend": "megatron"}), {"head_dim": 16})  # not vLLM: any size
 
 
+def test_an_engine_context_longer_than_the_model_s_is_refused_naming_the_key_that_sets_it():
+    """Found running the README's own-model recipe (max_total_sequence_length 512) on a model of 256 positions: vLLM
+    refused it inside its worker, and the run ended in a traceback."""
+    model = {"head_dim": 64, "max_position_embeddings": 256}
+    cfg = _cfg(policy={"model_name": "/m", "max_total_sequence_length": 512}, generation={"max_new_tokens": 256})
+    with pytest.raises(ConfigError) as err:
+        check_engine_model(cfg, model)
+    assert err.value.key == "policy.max_total_sequence_length" and err.value.given == 512
+    assert "max_position_embeddings 256" in err.value.message and err.value.allowed == "at most 256"
+    assert "policy.max_total_sequence_length=256" in err.value.fix and "max_new_tokens below it" in err.value.fix
+    engine_set = _cfg(policy={"model_name": "/m", "max_total_sequence_length": 256},
+                      generation={"max_new_tokens": 64, "vllm": {"max_model_len": 300}})
+    with pytest.raises(ConfigError) as err:
+        check_engine_model(engine_set, model)
+    assert err.value.key == "generation.vllm.max_model_len" and "max_new_tokens" not in err.value.fix
+    check_engine_model(_cfg(policy={"model_name": "/m", "max_total_sequence_length": 256},
+                            generation={"max_new_tokens": 64}), model)  # fits
+    check_engine_model(_cfg(policy={"model_name": "/m", "max_total_sequence_length": 512},
+                            generation={"backend": "megatron", "max_new_tokens": 64}), model)  # rope at any length
+
+
 def test_the_head_size_rule_holds_only_where_there_is_no_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     check_engine_model(_cfg(), {"head_dim": 16})
