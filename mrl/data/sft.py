@@ -15,6 +15,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from mrl.config.errors import ConfigError
 from mrl.data.templates import PromptTemplate
 
 
@@ -34,7 +35,10 @@ def build_sft_batch(prompts: Sequence[str], targets: Sequence[str], tokenizer: A
         raise ValueError(f"{len(prompts)} prompts but {len(targets)} targets")
     turn_end = template.turn_end_id(tokenizer)
     if turn_end is None:
-        raise ValueError("the tokenizer has no EOS token; SFT needs one to teach the model to stop")
+        raise ConfigError("the tokenizer has neither an EOS token nor an end-of-turn token of its chat template: SFT "
+                          "appends one to every target to teach the model to stop", key="policy.tokenizer",
+                          fix="use a tokenizer with eos_token set (tokenizer_config.json's eos_token), or set "
+                              "policy.tokenizer to one that has it")
     prompt_ids, _ = template.encode(prompts, tokenizer)
     rows, masks, truncated = [], [], 0
     for p_ids, target in zip(prompt_ids, targets):

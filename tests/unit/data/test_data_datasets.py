@@ -135,6 +135,22 @@ def test_a_response_ends_with_the_templates_end_of_turn(tmp_path):
     assert PromptTemplate("chat").turn_end_id(tok) == tok.eos_token_id
 
 
+def test_sft_with_a_tokenizer_without_eos_is_a_configuration_error(tmp_path):
+    """No EOS and no chat end-of-turn token: SFT cannot teach the model to stop; a user's mistake in their tokenizer
+    folder, refused with the key and the fix (it was a ValueError's traceback)."""
+    from transformers import AutoTokenizer
+
+    from mrl.config.errors import ConfigError
+    from mrl.data.sft import build_sft_batch
+    from mrl.testing.tiny_models import build_tokenizer
+
+    tok = AutoTokenizer.from_pretrained(build_tokenizer(tmp_path / "tok"))
+    tok.eos_token = None
+    with pytest.raises(ConfigError) as err:
+        build_sft_batch(["What is 2+2?"], ["4"], tok, PromptTemplate("plain", instruction=""))
+    assert err.value.key == "policy.tokenizer" and "eos_token" in err.value.fix
+
+
 def test_overlong_prompts_are_rejected_or_truncated_from_the_left():
     from mrl.data.arith import build_arith_tokenizer
 
