@@ -70,9 +70,9 @@ test-slurm: install
 
 # Faults injected for real into whole runs (tests/faults): a learning rate that overflows, a policy rank stopped (a
 # hang), a full disk under the checkpoints (a small tmpfs: mounted as root, skips in one line elsewhere), the engine
-# killed mid-generation and mid-refit (restarted), an environment server that stops answering, the whole run killed
-# with SIGKILL and a policy worker killed (both re-run and resumed). One test process: each test is one run after
-# another of the command line.
+# killed mid-generation, mid-refit, in its sleep and in its wake-up (restarted), an environment server that stops
+# answering, the whole run killed with SIGKILL and a policy worker killed (both re-run and resumed). One test
+# process: each test is one run after another of the command line.
 test-faults: install
 	$(BIN)/python -m pytest tests/faults -q
 

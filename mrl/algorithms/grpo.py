@@ -70,13 +70,14 @@ def training_rows(rollouts: Rollouts, advantages: torch.Tensor, keep: torch.Tens
 def run_validation(cfg: MrlConfig, workers: Workers, env: Environment, data: TaskData, step: int) -> dict[str, float]:
     """Validation metrics of the current policy (its samples go to <run.output_dir>/val_samples/step_<N>.jsonl;
     multi-turn episodes: their mean reward and the fraction of reward 1, no samples file). Both wake the engine;
-    it sleeps again after (colocated: the policy trains or saves next)."""
-    try:
-        if isinstance(env, ServerEnvironment):
-            return validate_episodes(cfg, workers, env, data)
-        result = validate(cfg, workers.engine, env, workers.tokenizer, data)
-    finally:
+    it sleeps again after (colocated: the policy trains or saves next); not after a failure, which ends the run (a
+    sleep of a dead engine would report its death in 'finish_generation' instead of where it died)."""
+    if isinstance(env, ServerEnvironment):
+        metrics = validate_episodes(cfg, workers, env, data)
         workers.engine.finish_generation()
+        return metrics
+    result = validate(cfg, workers.engine, env, workers.tokenizer, data)
+    workers.engine.finish_generation()
     if result is None:
         return {}
     write_samples(Path(cfg.run.output_dir) / "val_samples" / f"step_{step}.jsonl", result.samples)

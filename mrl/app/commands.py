@@ -82,6 +82,13 @@ def explained_failures(cfg: MrlConfig) -> Iterator[None]:
         raise RunFailed(f"{message}\n  {_resume_hint(cfg)}{detail}") from error
 
 
+def _started(cfg: MrlConfig, **options: Any) -> Runtime:
+    """`start_runtime(cfg, **options)`; a worker that dies or fails while the run starts ends it as in the loop
+    (`explained_failures`: one message, where a re-run resumes, exit 4), never with a traceback."""
+    with explained_failures(cfg):
+        return start_runtime(cfg, **options)
+
+
 def export_final(runtime: Runtime) -> Path:
     """The policy's current weights in `run.final_format` (see the module docstring). Written under a temporary
     name, marked complete, then renamed into place: an interrupted export never looks finished, and a run started
@@ -171,8 +178,8 @@ def run_grpo(cfg: MrlConfig) -> dict[str, Any]:
     tokenizer = load_tokenizer(cfg, source)
     check_prompt_budget(cfg, tokenizer, data.template, data.train)
     _check_reward_model_tokenizer(cfg, tokenizer)
-    runtime = start_runtime(cfg, total_steps=cfg.grpo.max_num_steps, reference=cfg.loss.kl_beta > 0,
-                            padded_vocab=resume_padded_vocab(cfg), source=source, tokenizer=tokenizer)
+    runtime = _started(cfg, total_steps=cfg.grpo.max_num_steps, reference=cfg.loss.kl_beta > 0,
+                       padded_vocab=resume_padded_vocab(cfg), source=source, tokenizer=tokenizer)
     try:
         env = _grpo_environment(cfg, runtime, data.template)
     except BaseException:
@@ -205,8 +212,8 @@ def run_sft(cfg: MrlConfig) -> dict[str, Any]:
     source = resolve_model(cfg)
     tokenizer = load_tokenizer(cfg, source)
     check_sft_rows(cfg, tokenizer, data.template, data.train)
-    runtime = start_runtime(cfg, total_steps=cfg.sft.max_num_steps, engine=False,
-                            padded_vocab=resume_padded_vocab(cfg), source=source, tokenizer=tokenizer)
+    runtime = _started(cfg, total_steps=cfg.sft.max_num_steps, engine=False,
+                       padded_vocab=resume_padded_vocab(cfg), source=source, tokenizer=tokenizer)
     try:
         with explained_failures(cfg), RunCheckpoints(cfg, runtime) as ckpt, \
                 _logger(cfg, cfg.sft.max_num_steps, f"{cfg.run.name} sft", KEY_METRICS) as logger, \
@@ -255,8 +262,8 @@ def _run_pairs(cfg: MrlConfig, algorithm: str, steps: int, train: Any, key_metri
     source = source or resolve_model(cfg)
     tokenizer = load_tokenizer(cfg, source) if tokenizer is None else tokenizer
     data = load_pair_data(cfg, tokenizer) if data is None else data  # before any worker starts: errors are the data's
-    runtime = start_runtime(cfg, total_steps=steps, engine=False, reference=reference, source=source,
-                            padded_vocab=resume_padded_vocab(cfg), tokenizer=tokenizer)
+    runtime = _started(cfg, total_steps=steps, engine=False, reference=reference, source=source,
+                       padded_vocab=resume_padded_vocab(cfg), tokenizer=tokenizer)
     try:
         with explained_failures(cfg), RunCheckpoints(cfg, runtime) as ckpt, \
                 _logger(cfg, steps, f"{cfg.run.name} {algorithm}", key_metrics) as logger, \
@@ -309,7 +316,7 @@ def run_eval(cfg: MrlConfig) -> dict[str, Any]:
     source = resolve_model(cfg)
     tokenizer = load_tokenizer(cfg, source)
     check_prompt_budget(cfg, tokenizer, data.template, [])  # the template renders, with room for a problem
-    runtime = start_runtime(cfg, total_steps=1, policy=False, source=source, tokenizer=tokenizer)
+    runtime = _started(cfg, total_steps=1, policy=False, source=source, tokenizer=tokenizer)
     env = build_environment(cfg.env)
     try:
         with explained_failures(cfg):
@@ -339,7 +346,7 @@ def run_score(cfg: MrlConfig, input_path: str, out_path: str) -> dict[str, float
     tokenizer = load_tokenizer(cfg, source)
     rows = read_inputs(input_path, tokenizer, cfg.policy.max_total_sequence_length)
     check_score_rows(input_path, rows)
-    runtime = start_runtime(cfg, total_steps=1, engine=False, source=source, tokenizer=tokenizer)
+    runtime = _started(cfg, total_steps=1, engine=False, source=source, tokenizer=tokenizer)
     try:
         with explained_failures(cfg):
             pad = runtime.tokenizer.pad_token_id if runtime.tokenizer.pad_token_id is not None else 0

@@ -238,23 +238,44 @@ class Runtime:
         """New engines in place of the group `error` says died (no weights yet where a policy will refit them)."""
         if not engine_died(error, self.engine):
             raise error
-        refusal = restart_refusal(self.cfg, self.engine_restarts,
-                                  weights_reachable=self.policy is not None or not self.source.is_megatron)
-        if refusal:
-            print(f"[mrl] the engine is not restarted: {refusal}", file=sys.stderr)
-            raise error
-        self.engine_restarts += 1
-        announce(error, self.engine_restarts, self.cfg.generation.max_restarts)
+        self._count_restart(error)
         engine = cast(RestartingEngine, self.engine)
-        try:
-            engine.current.shutdown()
-        except Exception as failure:  # noqa: BLE001 -- the dead group is killed whatever its clean-up says
-            log.warning("shutdown of the dead engine group: %s", failure)
+        _stop_engine(engine.current)  # the dead group is killed whatever its clean-up says
         self._broadcast = None  # a new broadcast group with the new engines, on the next refit
         share = group_share(self.cfg, engine=True, reward_model=self.reward_model is not None)
         # From the config alone when the policy refits them next; from the model's files for a run without one.
-        engine.current = _build_engine(self, share, load_weights=self.policy is None)
+        engine.current = self._new_engine(share, load_weights=self.policy is None)
         _arm_watchdogs(self, only=engine.current)
+
+    def _new_engine(self, share: float, *, load_weights: bool, sleep: bool = False,
+                    starting: bool = False) -> RolloutEngine:
+        """Engines started on the placement (`sleep`: then put to sleep, the colocated start-up's order). Engines that
+        die meanwhile are started again, each time one restart more (`_count_restart`; `starting`: the run's first
+        engines, whose weights a Megatron source's policy brings after the start)."""
+        while True:
+            engine: Optional[RolloutEngine] = None
+            try:
+                engine = _build_engine(self, share, load_weights=load_weights)  # a group that fails stops itself
+                if sleep:
+                    engine.finish_generation()
+                return engine
+            except WorkerDiedError as error:  # the only group built here is the engines'
+                if engine is not None:
+                    _stop_engine(engine)
+                self._count_restart(error, starting=starting)
+
+    def _count_restart(self, error: WorkerDiedError, *, starting: bool = False) -> None:
+        """One restart more after `error`, said on a line; raise `error` when the engines are not to be restarted
+        (mrl/app/engine_restarts.py `restart_refusal`)."""
+        reachable = starting or self.policy is not None or not self.source.is_megatron
+        refusal = restart_refusal(self.cfg, self.engine_restarts, weights_reachable=reachable, starting=starting)
+        if refusal:
+            print(f"[mrl] the engine is not restarted: {refusal}", file=sys.stderr, flush=True)
+            raise error
+        self.engine_restarts += 1
+        how = ("(the run is starting)" if starting else "with the policy's current weights" if self.policy is not None
+               else "from the model's files")
+        announce(error, self.engine_restarts, self.cfg.generation.max_restarts, how=how)
 
     def _transport(self) -> WeightTransport:
         if self.cfg.generation.colocated or self.cfg.generation.backend != "vllm":
@@ -317,14 +338,15 @@ def start_runtime(cfg: MrlConfig, *, total_steps: int, policy: bool = True, engi
                                              name="reward_model") if scorer else None)}
             try:
                 if engine:
-                    _start_engine(runtime, share)
+                    _start_engine(runtime, share, sleep=asleep is not None)
                     if asleep:
-                        runtime.engine.finish_generation()  # type: ignore[union-attr]
                         asleep.set()
-            finally:
+            except BaseException:
                 if asleep:
-                    asleep.fail()  # a no-op once set: the groups waiting on a failed engine give up
-                _collect_started(runtime, starting)
+                    asleep.fail()  # the groups waiting on the failed engine give up ...
+                _collect_started(runtime, starting, raising=False)  # ... a consequence: the engine's failure is raised
+                raise
+            _collect_started(runtime, starting)
         if asleep:
             _report_start_order(runtime, started)
         _arm_watchdogs(runtime)
@@ -471,13 +493,22 @@ def _threads(cfg: MrlConfig) -> dict[str, Any]:
     return {"omp_num_threads": threads, "busy_per_node": busy_per_node}
 
 
-def _start_engine(runtime: Runtime, share: float) -> None:
-    """vLLM engines in Ray actors on the placement, or the Megatron engine in this (driver) process. From a Megatron
-    source the engine starts from the config alone (`start_runtime` refits it before anything can generate). vLLM
-    engines that die are replaced (`Runtime.restart_engine`)."""
-    engine = _build_engine(runtime, share, load_weights=not runtime.source.is_megatron)
+def _start_engine(runtime: Runtime, share: float, *, sleep: bool = False) -> None:
+    """vLLM engines in Ray actors on the placement, or the Megatron engine in this (driver) process; `sleep`: asleep
+    once started (colocated: before the groups sharing its devices build). From a Megatron source the engine starts
+    from the config alone (`start_runtime` refits it before anything can generate). vLLM engines that die, while
+    starting too, are replaced (`Runtime.restart_engine`, `Runtime._new_engine`)."""
+    engine = runtime._new_engine(share, load_weights=not runtime.source.is_megatron, sleep=sleep, starting=True)
     refill = runtime.refit if runtime.trains else None
     runtime.engine = RestartingEngine(engine, runtime.restart_engine, refill) if hasattr(engine, "workers") else engine
+
+
+def _stop_engine(engine: Any) -> None:
+    """Stop an engine group that died (its live engines cleanly, the rest killed), logging what its clean-up says."""
+    try:
+        engine.shutdown()
+    except Exception as failure:  # noqa: BLE001 -- a dead group is killed whatever its clean-up says
+        log.warning("shutdown of the dead engine group: %s", failure)
 
 
 def _build_engine(runtime: Runtime, share: float, *, load_weights: bool) -> RolloutEngine:
@@ -487,8 +518,9 @@ def _build_engine(runtime: Runtime, share: float, *, load_weights: bool) -> Roll
                             load_weights=load_weights, refitted=runtime.trains)
 
 
-def _collect_started(runtime: Runtime, starting: dict[str, Optional[Future]]) -> None:
-    """Every group that started becomes the runtime's (so `shutdown` stops it); then the first failure is raised."""
+def _collect_started(runtime: Runtime, starting: dict[str, Optional[Future]], *, raising: bool = True) -> None:
+    """Every group that started becomes the runtime's (so `shutdown` stops it); then the first failure is raised
+    (`raising=False`: none, when the caller raises a failure of its own that caused theirs)."""
     failures = []
     for name, future in starting.items():
         if future is None:
@@ -497,5 +529,5 @@ def _collect_started(runtime: Runtime, starting: dict[str, Optional[Future]]) ->
             setattr(runtime, name, future.result())
         except BaseException as error:  # noqa: BLE001 -- collect every group before raising
             failures.append(error)
-    if failures:
+    if failures and raising:
         raise failures[0]

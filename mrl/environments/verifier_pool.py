@@ -11,9 +11,10 @@ imports and warm-up). `ray.wait` sleeps until a result arrives or the earliest d
 So one bad sample costs at most `timeout_s` of its actor's time and never blocks the other actors.
 A verifier returns a score, or a (score, extracted answer) pair when it can say what it read in the response.
 Hazard: a replacement that never becomes ready (its import fails) would stall the queue: after `startup_timeout_s`
-the pool raises with the actor's error instead. The deadlines are checked after collecting every result that has
-arrived: the first `score` may come minutes after the pool started (a long generation), when every deadline has
-passed and every actor is long ready.
+the pool raises with the actor's error instead, as a worker group's failure (a `WorkerError` of the group
+'verifiers': the run ends with one message and where a re-run resumes, exit 4, not a traceback). The deadlines are
+checked after collecting every result that has arrived: the first `score` may come minutes after the pool started
+(a long generation), when every deadline has passed and every actor is long ready.
 """
 
 from __future__ import annotations
@@ -23,6 +24,11 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence, Union
+
+from mrl.distributed.errors import WorkerDiedError, WorkerError, WorkerTimeoutError
+
+#: The name the pool's failures carry (`WorkerError.group`), as a worker group's do.
+GROUP = "verifiers"
 
 VerifyFn = Callable[[str, str], Union[float, tuple[float, Optional[str]]]]
 
@@ -139,7 +145,8 @@ class VerifierPool:
                 self._replace(slot.actor, result)
         for ref, slot in list(self._starting.items()):
             if now >= slot.started + self.startup_timeout_s:
-                raise RuntimeError(f"a verifier worker did not start within {self.startup_timeout_s:g}s")
+                raise WorkerTimeoutError(f"worker group '{GROUP}': a verifier worker did not start within "
+                                         f"{self.startup_timeout_s:g}s", group=GROUP, rank=0, method="ready")
 
     def _on_ready(self, ref: Any) -> None:
         import ray
@@ -147,8 +154,13 @@ class VerifierPool:
         slot = self._starting.pop(ref)
         try:
             ray.get(ref)
-        except ray.exceptions.RayError as err:
-            raise RuntimeError(f"a verifier worker failed to start: {err}") from err
+        except ray.exceptions.RayError as err:  # a death, or its warm-up (import) raised
+            died = isinstance(err, ray.exceptions.RayActorError)
+            cause = getattr(err, "cause", None) if isinstance(err, ray.exceptions.RayTaskError) else None
+            detail = f"{type(cause).__name__}: {cause}" if cause is not None else " ".join(str(err).split())[:300]
+            raise (WorkerDiedError if died else WorkerError)(
+                f"worker group '{GROUP}': a verifier worker failed to start: {detail}", group=GROUP, rank=0,
+                method="ready", cause=cause) from err
         self._idle.append(slot.actor)
 
     def _replace(self, actor: Any, result: ScoreResult) -> None:

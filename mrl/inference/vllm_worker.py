@@ -13,7 +13,8 @@
   transition runs on every engine at once (REPLICATED), and each engine checks its own state again.
 - An engine actor that dies surfaces as `mrl.distributed.WorkerDiedError` naming the group ("generation"), the
   engine's rank and its node/pid; the run replaces the engines (mrl/app/engine_restarts.py). The fault suite kills
-  an engine at the named points `engine.generate` and `engine.refit_bucket` (mrl/distributed/faults.py).
+  an engine at the named points `engine.start`, `engine.wake` (its wake-up to generate), `engine.generate`,
+  `engine.sleep` and `engine.refit_bucket` (mrl/distributed/faults.py).
 
 An engine of several workers (tensor parallel size x pipeline stages) runs vLLM's own worker processes inside its
 actor: on CPU give its bundle that many CPUs; on GPUs vLLM's Ray executor puts one worker on each of its GPU bundles,
@@ -46,6 +47,7 @@ class VllmEngineWorker:
     """Lives in one Ray actor: one vLLM engine."""
 
     def __init__(self, config: VllmEngineConfig) -> None:
+        inject("engine.start")
         self.backend = VllmBackend(config.for_engine(int(os.environ.get("RANK", "0"))))
 
     def generate_shard(self, shard: dict[str, list], sampling: SamplingConfig) -> dict[str, list]:
@@ -86,9 +88,11 @@ class VllmEngineWorker:
         self.backend.begin_refit()
 
     def prepare_for_generation(self) -> None:
+        inject("engine.wake")
         self.backend.prepare_for_generation()
 
     def finish_generation(self, refit_follows: bool = False) -> None:
+        inject("engine.sleep")
         self.backend.finish_generation(refit_follows)
 
     def sleep_events(self) -> list[tuple[str, float]]:

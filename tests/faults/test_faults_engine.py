@@ -74,3 +74,36 @@ def test_an_engine_killed_mid_generation_and_mid_refit_is_replaced_and_the_run_i
                 and "time" not in k}
         assert {k: faulted[step][k] for k in same} == same, step
     assert faulted[4]["val/accuracy"] == reference[4]["val/accuracy"]
+
+
+def test_an_engine_killed_in_its_sleep_and_in_its_wake_up_is_replaced_and_the_run_is_unchanged(warm, tmp_path):
+    """The colocated engine's memory hand-over, the calls around every generation (on CPU the sleep-mode contract,
+    mrl/inference/cpu_sleep_mode.py): a death there was not covered before (exit 4: "died while running
+    'prepare_for_generation' ... The group cannot continue")."""
+    sleep_kill, wake_kill = tmp_path / "killed-sleeping", tmp_path / "killed-waking"
+    # Counted in each engine process: the 1st engine sleeps once started (sleep 1), wakes to validate at step 0
+    # (wake 1), sleeps (2), wakes for step 1 (2), generates and dies going to sleep before step 1 trains (sleep 3).
+    # Its replacement (refitted, awake) sleeps (1), is refitted after step 1, wakes for step 2 (1), step 3 (2), and
+    # dies waking for step 4 (3).
+    faults = f"engine.sleep@3:{sleep_kill},engine.wake@3:{wake_kill}"
+    reference_run = _grpo(warm, tmp_path / "reference")
+    faulted_run = _grpo(warm, tmp_path / "faulted", env={"MRL_INJECT_FAULT": faults})
+    finish(reference_run)
+    lines = _lines_with_times(faulted_run)
+    out = "".join(line for _, line in lines)
+    assert faulted_run.returncode == 0, out[-4000:]
+    assert "Traceback" not in out, out[-4000:]
+
+    reference, faulted = metrics(tmp_path / "reference" / "logs"), metrics(tmp_path / "faulted" / "logs")
+    kills = [json.loads(path.read_text()) for path in (sleep_kill, wake_kill)]
+    assert [k["point"] for k in kills] == ["engine.sleep", "engine.wake"]
+    assert kills[0]["pid"] != kills[1]["pid"]  # the second death is the replacement's
+    died = [line for _, line in lines if "[mrl] engine rank 0 died" in line]
+    assert [("'finish_generation'" in line, "'prepare_for_generation'" in line) for line in died] == \
+        [(1, 0), (0, 1)], out
+    assert [faulted[step]["train/engine_restarts"] for step in (1, 2, 3, 4)] == [1.0, 1.0, 1.0, 2.0]
+    for step in (1, 2, 3, 4):
+        same = {k: v for k, v in reference[step].items()
+                if k.startswith("train/") and k != "train/engine_restarts" and "time" not in k}
+        assert {k: faulted[step][k] for k in same} == same, step
+    assert faulted[4]["val/accuracy"] == reference[4]["val/accuracy"]

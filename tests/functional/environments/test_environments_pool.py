@@ -1,6 +1,8 @@
 """The Ray verifier pool: failing and hanging verifiers score 0 within the timeout, are counted, and the pool
-keeps working; the math environment end to end through the pool."""
+keeps working; a replacement that cannot start is a named worker failure; the math environment end to end through
+the pool."""
 
+import functools
 import os
 import sys
 import time
@@ -9,6 +11,7 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
+from mrl.distributed.errors import WorkerError  # noqa: E402
 from mrl.environments.math import MathEnvironment  # noqa: E402
 from mrl.environments.verifier_pool import VerifierPool  # noqa: E402
 
@@ -86,6 +89,36 @@ def test_a_first_batch_long_after_the_start_is_scored():
         time.sleep(2.5)  # ... and the start-up deadline has passed before the first batch
         result = pool.score(["1", "2", "3"], ["1", "2", "x"])
         assert result.scores == [1.0, 1.0, 0.0] and result.num_errors == 0 and result.num_restarts == 0
+    finally:
+        pool.shutdown()
+
+
+def crashing_verify(response: str, answer: str) -> float:
+    """Test-only verifier whose process dies on "crash"."""
+    if response == "crash":
+        os._exit(1)
+    return float(response == answer)
+
+
+def fail_once_marked(marker: str) -> None:
+    """Test-only warm-up: fails once `marker` exists (a verifier library that broke after the first start)."""
+    if os.path.exists(marker):
+        raise ImportError("the verifier's library cannot be imported")
+
+
+def test_a_replacement_that_cannot_start_is_a_named_worker_failure(tmp_path):
+    """Before, a bare RuntimeError: a traceback and exit 1 instead of the run's one message and exit 4."""
+    marker = tmp_path / "broken"
+    pool = VerifierPool(crashing_verify, num_workers=1, timeout_s=10.0,
+                        warmup=functools.partial(fail_once_marked, str(marker)))
+    try:
+        assert pool.score(["1"], ["1"]).scores == [1.0]
+        marker.write_text("")
+        with pytest.raises(WorkerError) as failed:  # the sample's actor dies, its replacement cannot start
+            pool.score(["crash", "2"], ["1", "2"])
+        assert failed.value.group == "verifiers" and failed.value.method == "ready"
+        assert "a verifier worker failed to start: ImportError: the verifier's library cannot be imported" \
+            in str(failed.value)
     finally:
         pool.shutdown()
 

@@ -68,7 +68,8 @@ def test_an_engine_start_that_fails_from_the_configuration_is_a_configuration_er
 
     monkeypatch.setattr(runtime.RayCluster, "from_config", staticmethod(lambda config: Cluster()))
     monkeypatch.setattr(runtime, "reserve_placement", failing_start)
-    cfg = MrlConfig.model_validate({"policy": {"model_name": str(model)}})
+    cfg = MrlConfig.model_validate({"policy": {"model_name": str(model), "max_total_sequence_length": 256},
+                                    "generation": {"max_new_tokens": 64}})  # within the model's 256 positions
     with pytest.raises(ConfigError, match="a re-run fails the same way"):
         runtime.start_runtime(cfg, total_steps=1, policy=False)
     assert stopped == [True]
