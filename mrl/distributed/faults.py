@@ -21,7 +21,19 @@ from collections import Counter
 from pathlib import Path
 
 ENV = "MRL_INJECT_FAULT"
+#: A folder where each worker process leaves a file ROLE-PID (`register`), so that a fault campaign
+#: (benchmarks/fault_campaign.py) can kill a process of a chosen role at a random moment.
+PIDS_ENV = "MRL_FAULT_PIDS"
 _hits: Counter[str] = Counter()
+
+
+def register(role: str) -> None:
+    """Record this process as one of `role` (a worker class's name) where MRL_FAULT_PIDS names a folder; unset (every
+    real run), one environment lookup."""
+    folder = os.environ.get(PIDS_ENV)
+    if folder:
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        (Path(folder) / f"{role}-{os.getpid()}").touch()
 
 
 def inject(point: str) -> None:

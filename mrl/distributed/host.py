@@ -14,7 +14,7 @@ from typing import Any
 
 import ray
 
-from mrl.distributed import stacks
+from mrl.distributed import faults, stacks
 from mrl.distributed.env import BIND_GLOO_TO_NODE_IP, find_free_port, gloo_interface, take_thread_share
 from mrl.distributed.transport import decode, encode
 from mrl.logging.known_noise import silence_known_noise
@@ -59,6 +59,7 @@ class WorkerHost:
             if interface:
                 os.environ["GLOO_SOCKET_IFNAME"] = interface
         args, kwargs = decode(payload)
+        faults.register(worker_cls.__name__)
         self._worker = worker_cls(*args, **kwargs)
         return began
 

@@ -1,0 +1,190 @@
+"""A fault campaign: GRPO runs, each with one fault of a random kind at a random moment, and a table of outcomes.
+
+The run is the fault suite's (tests/faults): the embedded recipe's 1-digit task from a policy SFT-warmed once, a
+checkpoint every step. An uninterrupted run of the same seed is the reference, and its wall time T the window:
+each trial starts the same command, waits a time drawn uniformly from [0, T), and SIGKILLs
+    engine      a vLLM engine worker process (`VllmEngineWorker`: workers leave their pid under MRL_FAULT_PIDS)
+    policy      a policy worker process (`PolicyWorker`)
+    controller  the controller and every process it started (its process group), then runs the command again
+then waits for the command's end (`steps_logged_at_fault` says how far the run was) (at most 3T + 180 s, else `hung`). Outcomes:
+    survived         exit 0 without a re-run
+    stopped cleanly  exit 4 with the resume command and no traceback; the command is run again
+    crashed          any other end, or a traceback in the output
+    hung             the command did not end in time (killed)
+    missed           nothing of that kind was alive at the moment (the run had not started it, or had ended)
+For every run that finished (at once or re-run), `exact` says whether each step's training metrics (`train/*`
+but times and restart counts) equal the reference's: what the docs promise for seeded sampling and for a resume.
+
+    python benchmarks/fault_campaign.py --trials 50 --seed 0 [--kinds engine policy controller] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import subprocess
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+
+from mrl.distributed.faults import PIDS_ENV
+from mrl.testing.runs import RECIPE, SHORT_ARITH, finish, metrics, mrl
+
+ROLES = {"engine": "VllmEngineWorker", "policy": "PolicyWorker"}
+OUTCOMES = ("survived", "stopped cleanly", "crashed", "hung", "missed")
+
+
+def _parse(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--trials", type=int, default=10)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--kinds", nargs="+", default=["engine", "policy", "controller"],
+                        choices=["engine", "policy", "controller"])
+    parser.add_argument("--steps", type=int, default=6, help="GRPO steps of each run")
+    parser.add_argument("--json", metavar="FILE", help="also write every trial to FILE")
+    return parser.parse_args(argv)
+
+
+def grpo_args(warm: Path, out: Path, steps: int) -> list[str]:
+    return ["grpo", "--config", RECIPE, *SHORT_ARITH, f"policy.model_name={warm}", "~policy.build",
+            "checkpointing.save_every=1", "grpo.val_every=0", "policy.optimizer.lr=1e-3",
+            f"grpo.max_num_steps={steps}", f"run.output_dir={out}"]
+
+
+def same_training(got: dict[int, dict], reference: dict[int, dict]) -> bool:
+    """Every reference step logged with the same training metrics (times and restart counts aside)."""
+    for step, row in reference.items():
+        wanted = {k: v for k, v in row.items() if k.startswith("train/") and "time" not in k
+                  and "restarts" not in k and "refit" not in k}
+        if step not in got or {k: got[step].get(k) for k in wanted} != wanted:
+            return False
+    return True
+
+
+def _victim(kind: str, pids_dir: Path) -> int | None:
+    """A live process of `kind` (the newest registered), or None."""
+    live = []
+    for path in pids_dir.glob(f"{ROLES[kind]}-*"):
+        pid = int(path.name.rsplit("-", 1)[1])
+        try:
+            os.kill(pid, 0)
+            live.append((path.stat().st_mtime, pid))
+        except OSError:
+            continue
+    return max(live)[1] if live else None
+
+
+def _wait(proc: subprocess.Popen, timeout_s: float) -> tuple[int | None, str]:
+    try:
+        out, _ = proc.communicate(timeout=timeout_s)
+        return proc.returncode, out
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        return None, proc.communicate()[0]
+
+
+def _steps_logged(out_dir: Path) -> int:
+    try:
+        return len(metrics(out_dir / "logs"))
+    except (OSError, ValueError):
+        return 0
+
+
+def _classify(code: int | None, out: str) -> str:
+    if code is None:
+        return "hung"
+    if "Traceback (most recent call last)" in out:
+        return "crashed"
+    if code == 0:
+        return "survived"
+    if code == 4 and "resume" in out:
+        return "stopped cleanly"
+    return "crashed"
+
+
+def trial(index: int, kind: str, delay: float, warm: Path, root: Path, steps: int, window: float,
+          reference: dict[int, dict]) -> dict:
+    out_dir, pids = root / f"trial{index}", root / f"pids{index}"
+    args = grpo_args(warm, out_dir, steps)
+    proc = mrl(*args, env={PIDS_ENV: str(pids)})
+    time.sleep(delay)
+    record = {"trial": index, "kind": kind, "delay_s": round(delay, 2)}
+    if proc.poll() is not None:
+        _wait(proc, 10)
+        return {**record, "outcome": "missed", "why": "the run had ended"}
+    record["steps_logged_at_fault"] = _steps_logged(out_dir)  # = steps: the fault came after the last step
+    if kind == "controller":
+        os.killpg(proc.pid, signal.SIGKILL)  # the driver and every Ray process it started, at once
+        proc.communicate()
+        code, out = _wait(mrl(*args), 3 * window + 180)  # the operator's re-run
+        outcome = _classify(code, out)
+        outcome = "stopped cleanly" if outcome == "survived" else outcome  # killed, then resumed by the re-run
+        return {**record, "outcome": outcome, "resumed": code == 0,
+                "exact": code == 0 and same_training(metrics(out_dir / "logs"), reference), "tail": out[-1500:]}
+    pid = _victim(kind, pids)
+    if pid is None:
+        _wait(proc, 3 * window + 180)
+        return {**record, "outcome": "missed", "why": f"no {ROLES[kind]} alive"}
+    os.kill(pid, signal.SIGKILL)
+    code, out = _wait(proc, 3 * window + 180)
+    outcome = _classify(code, out)
+    record.update(outcome=outcome, pid=pid, exit=code)
+    if outcome == "stopped cleanly":
+        code, out2 = _wait(mrl(*args), 3 * window + 180)
+        record["resumed"] = code == 0
+        out += out2
+    finished = code == 0
+    record["exact"] = finished and same_training(metrics(out_dir / "logs"), reference)
+    if outcome in ("crashed", "hung"):
+        record["tail"] = out[-3000:]
+    return record
+
+
+def table(trials: list[dict], kinds: list[str]) -> str:
+    counts = Counter((t["kind"], t["outcome"]) for t in trials)
+    exact = Counter(t["kind"] for t in trials if t.get("exact"))
+    finished = Counter(t["kind"] for t in trials if t["outcome"] in ("survived", "stopped cleanly"))
+    lines = [f"{'fault':12}" + "".join(f"{o:>17}" for o in OUTCOMES) + f"{'exact / finished':>18}"]
+    for kind in kinds:
+        lines.append(f"{kind:12}" + "".join(f"{counts[kind, o]:17d}" for o in OUTCOMES)
+                     + f"{exact[kind]:>12d} / {finished[kind]}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> list[dict]:
+    args = _parse(argv)
+    rng = random.Random(args.seed)
+    with tempfile.TemporaryDirectory(prefix="mrl-campaign-") as folder:
+        root = Path(folder)
+        finish(mrl("sft", "--config", RECIPE, *SHORT_ARITH, f"run.output_dir={root / 'sft'}"))
+        warm = root / "sft" / "final_hf"
+        finish(mrl(*grpo_args(warm, root / "reference", args.steps)))  # the first run also fills the compile caches
+        start = time.monotonic()
+        finish(mrl(*grpo_args(warm, root / "window", args.steps)))
+        window = time.monotonic() - start  # a run as long as the trials' (the caches warm)
+        reference = metrics(root / "reference" / "logs")
+        twin = same_training(metrics(root / "window" / "logs"), reference)
+        second = "equal to" if twin else "NOT equal to"
+        print(f"[campaign] reference run: {args.steps} steps in {window:.0f} s (a second run {second} the first); "
+              f"faults uniform over [0, {window:.0f}) s")
+        trials = []
+        for index in range(args.trials):
+            kind, delay = rng.choice(args.kinds), rng.uniform(0, window)
+            result = trial(index, kind, delay, warm, root, args.steps, window, reference)
+            trials.append(result)
+            late = result.get("steps_logged_at_fault") == args.steps
+            print(f"[campaign] {index}: {kind} at {delay:.1f} s -> {result['outcome']}"
+                  f"{' (exact)' if result.get('exact') else ''}{' ' + result['why'] if 'why' in result else ''}"
+                  f"{' (after the last step)' if late else ''}", flush=True)
+    print(table(trials, args.kinds))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"window_s": window, "trials": trials}, indent=1))
+    return trials
+
+
+if __name__ == "__main__":
+    main()
