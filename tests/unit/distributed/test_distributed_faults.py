@@ -51,3 +51,16 @@ def test_unset_or_other_points_do_nothing(tmp_path):
 def test_a_malformed_spec_names_the_form():
     with pytest.raises(ValueError, match=r"<point>@<hit>:<marker file>"):
         _parse("engine.generate:3")
+
+
+def test_a_worker_registers_its_role_and_pid_only_where_a_campaign_asks(tmp_path, monkeypatch):
+    import os
+
+    from mrl.distributed.faults import PIDS_ENV, register
+
+    monkeypatch.delenv(PIDS_ENV, raising=False)
+    register("PolicyWorker")
+    assert list(tmp_path.iterdir()) == []
+    monkeypatch.setenv(PIDS_ENV, str(tmp_path / "pids"))
+    register("PolicyWorker")
+    assert [p.name for p in (tmp_path / "pids").iterdir()] == [f"PolicyWorker-{os.getpid()}"]
