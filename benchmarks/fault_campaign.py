@@ -32,7 +32,7 @@ from collections import Counter
 from pathlib import Path
 
 from mrl.distributed.faults import PIDS_ENV
-from mrl.testing.runs import RECIPE, SHORT_ARITH, finish, metrics, mrl
+from mrl.testing.runs import RECIPE, SHORT_ARITH, finish, metrics, mrl, training_metrics
 
 ROLES = {"engine": "VllmEngineWorker", "policy": "PolicyWorker"}
 OUTCOMES = ("survived", "stopped cleanly", "crashed", "hung", "missed")
@@ -58,8 +58,7 @@ def grpo_args(warm: Path, out: Path, steps: int) -> list[str]:
 def same_training(got: dict[int, dict], reference: dict[int, dict]) -> bool:
     """Every reference step logged with the same training metrics (times and restart counts aside)."""
     for step, row in reference.items():
-        wanted = {k: v for k, v in row.items() if k.startswith("train/") and "time" not in k
-                  and "restarts" not in k and "refit" not in k}
+        wanted = training_metrics(row, skip=("refit",))
         if step not in got or {k: got[step].get(k) for k in wanted} != wanted:
             return False
     return True

@@ -247,7 +247,8 @@ def _bare_path(config: dict, state: dict, batch, args):
 
 
 class _Padded(list):
-    count: float
+    count: float  # the step's loss tokens
+    bins: list[list[int]]  # each micro-batch's batch rows
 
 
 def _padded(batch, budget: int) -> _Padded:
@@ -259,7 +260,8 @@ def _padded(batch, budget: int) -> _Padded:
     device = _device()
     out = _Padded()
     out.count = float(mask[:, 1:].sum())
-    for rows in _padded_micro_batches(lengths.tolist(), budget):
+    out.bins = _padded_micro_batches(lengths.tolist(), budget)
+    for rows in out.bins:
         width = int(lengths[rows].max())
         mb_ids = ids[rows, :width]
         targets = torch.roll(mb_ids, -1, dims=1)
@@ -284,7 +286,6 @@ def _hf_path(config: dict, state: dict, batch, args):
     micro = _padded(batch, args.micro_tokens)
     autocast = torch.autocast(_device().type, dtype=torch.bfloat16, enabled=args.precision == "bfloat16")
     _, _, _, lengths = batch
-    bins = _padded_micro_batches(lengths.tolist(), args.micro_tokens)
 
     def forward(ids, rows) -> torch.Tensor:
         """[b, T] logprobs of the next tokens; each row's log-softmax in fp32 on its own (TRL's
@@ -299,14 +300,14 @@ def _hf_path(config: dict, state: dict, batch, args):
 
     def train() -> None:
         optimizer.zero_grad(set_to_none=True)
-        for (ids, _, _, loss_mask, adv), rows in zip(micro, bins):
+        for (ids, _, _, loss_mask, adv), rows in zip(micro, micro.bins):
             ((-forward(ids, rows) * adv * loss_mask).sum() / micro.count).backward()
         optimizer.step()
 
     @torch.no_grad()
     def logprobs():
         model.eval()
-        out = [forward(ids, rows) for (ids, *_), rows in zip(micro, bins)]
+        out = [forward(ids, rows) for (ids, *_), rows in zip(micro, micro.bins)]
         model.train()
         return out
 

@@ -18,8 +18,9 @@ Design choices:
   `TorchFunctionMode` is active only while they run (`_CudaToCpuMode`); nothing outside them is rewritten.
 - Every patch is recorded, so tests can apply all but one (`apply(skip=...)`) and undo them (`revert()`):
   each patch has a test showing the megatron behaviour fails without it and works with it.
-- Two patches change speed, not behaviour (`mrl/parallel/cpu_speed.py`): linear layers compute with oneDNN instead
-  of MKL, and packed RoPE gathers its frequencies in one indexing op instead of a Python loop over sequences. They
+- Three patches change speed, not behaviour (`mrl/parallel/cpu_speed.py`): linear layers compute with oneDNN instead
+  of MKL, packed RoPE gathers its frequencies in one indexing op instead of a Python loop over sequences, and the
+  gradient norm without Apex stays on the device. They
   are applied, skipped and reverted like the others; their tests show the same results (to float32 rounding, or bit
   for bit) and that the fast path runs.
 
@@ -42,7 +43,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from mrl.parallel import collectives, cpu_isa
-from mrl.parallel.cpu_speed import linear_gemms_on_onednn, packed_rope_in_one_gather
+from mrl.parallel.cpu_speed import grad_norm_on_device, linear_gemms_on_onednn, packed_rope_in_one_gather
 
 SUPPORTED_MEGATRON_VERSION = "0.16.1"
 
@@ -512,28 +513,6 @@ def distributed_optimizer_torch_adam_state(patch: Patcher) -> None:
 
     patch.set(DistributedOptimizer, "_set_main_param_and_optimizer_states", _set_main_param_and_optimizer_states)
     patch.set(DistributedOptimizer, "load_state_dict", load_state_dict)
-
-
-def _l2_norm_on_device(chunk_size: int, noop_flag: Any, tensor_lists: list, per_tensor: bool, *args: Any):
-    """megatron-core's `local_multi_tensor_l2_norm` (core/utils.py) without its host reads: the same per-tensor
-    norms and norm of norms, stacked where the tensors are instead of read one by one into a host tensor."""
-    norms = [torch.norm(tensor).float() for tensor_list in tensor_lists for tensor in tensor_list]
-    return torch.norm(torch.stack(norms)).reshape(1), None
-
-
-def grad_norm_on_device(patch: Patcher) -> None:
-    """Gradient clipping's norm without Apex computes on the device, not through the host (speed; the same value).
-
-    Why: without Apex's `amp_C.multi_tensor_l2norm` (no TE either), `clip_grads.get_grad_norm_fp32` falls back to
-    `local_multi_tensor_l2_norm`, which builds a host tensor from every parameter's norm: one host read per
-    parameter tensor and step, where the GPU drains its queue each time (an H200's Qwen3-0.6B step: 226 of its
-    1,135 host synchronisations). How: the norms stay on the device and are stacked; the norm of the stack is the
-    fallback's result (bit for bit on CPU). Left alone where Apex or TE provides the kernel."""
-    from megatron.core import utils
-    from megatron.core.optimizer import clip_grads
-
-    if clip_grads.l2_norm_impl is utils.local_multi_tensor_l2_norm:
-        patch.set(clip_grads, "l2_norm_impl", _l2_norm_on_device)
 
 
 def nvtx_is_noop(patch: Patcher) -> None:

@@ -44,6 +44,13 @@ def metrics(log_dir: Path) -> dict[int, dict]:
     return {row["step"]: row for row in rows}
 
 
+def training_metrics(row: dict, *, skip: tuple[str, ...] = ()) -> dict:
+    """A step's `train/*` metrics that an interrupted run must reproduce: all but wall times, restart counts and any
+    key holding one of `skip`."""
+    return {k: v for k, v in row.items() if k.startswith("train/") and "time" not in k and "restarts" not in k
+            and not any(word in k for word in skip)}
+
+
 def wait_for_file(proc: subprocess.Popen, path: Path, timeout_s: float = 300) -> None:
     """Wait until `path` exists (e.g. a checkpoint's COMPLETE marker) while `proc` runs; fail with its output's tail
     if it ends first or the time runs out."""

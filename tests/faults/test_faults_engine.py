@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from mrl.testing.runs import RECIPE, SHORT_ARITH, finish, metrics, mrl
+from mrl.testing.runs import RECIPE, SHORT_ARITH, finish, metrics, mrl, training_metrics
 
 # The SFT warm-up (`warm`, tests/faults/conftest.py), then two GRPO runs side by side: minutes on an AVX2-only EPYC.
 pytestmark = pytest.mark.timeout(1500)
@@ -69,9 +69,7 @@ def test_an_engine_killed_mid_generation_and_mid_refit_is_replaced_and_the_run_i
     assert [faulted[step]["train/engine_restarts"] for step in (1, 2, 3, 4)] == [0.0, 1.0, 2.0, 2.0]
     assert [reference[step]["train/engine_restarts"] for step in (1, 2, 3, 4)] == [0.0] * 4
     for step in (1, 2, 3, 4):
-        same = {k: v for k, v in reference[step].items()
-                if k.startswith("train/") and k != "train/engine_restarts"
-                and "time" not in k}
+        same = training_metrics(reference[step])
         assert {k: faulted[step][k] for k in same} == same, step
     assert faulted[4]["val/accuracy"] == reference[4]["val/accuracy"]
 
@@ -103,7 +101,6 @@ def test_an_engine_killed_in_its_sleep_and_in_its_wake_up_is_replaced_and_the_ru
         [(1, 0), (0, 1)], out
     assert [faulted[step]["train/engine_restarts"] for step in (1, 2, 3, 4)] == [1.0, 1.0, 1.0, 2.0]
     for step in (1, 2, 3, 4):
-        same = {k: v for k, v in reference[step].items()
-                if k.startswith("train/") and k != "train/engine_restarts" and "time" not in k}
+        same = training_metrics(reference[step])
         assert {k: faulted[step][k] for k in same} == same, step
     assert faulted[4]["val/accuracy"] == reference[4]["val/accuracy"]
