@@ -45,6 +45,7 @@ class WorkerHost:
         """Import ahead what building the worker needs, so that a group that must wait before building its workers
         (`WorkerGroup(wait_before_init=...)`) imports meanwhile: Ray imports the class's module on the way in, and
         the class's own `preload()` (a static method, if it has one) the rest (Megatron, vLLM: seconds)."""
+        faults.register(worker_cls.__name__)  # a fault campaign may kill it from here on
         hook = getattr(worker_cls, "preload", None)
         if callable(hook):
             hook()

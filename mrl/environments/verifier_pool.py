@@ -7,8 +7,11 @@ imports and warm-up). `ray.wait` sleeps until a result arrives or the earliest d
 - a verifier that hangs (sleep, endless loop, a regex or sympy call that never returns, even one holding the GIL):
   at the deadline the driver kills the actor process (the only way to stop arbitrary stuck code), scores the
   sample 0 with a timeout error, and starts a replacement that takes samples once it is ready;
-- an actor that dies: the sample scores 0 with an error and the actor is replaced.
-So one bad sample costs at most `timeout_s` of its actor's time and never blocks the other actors.
+- an actor that dies under a sample (killed from outside, out of memory): the actor is replaced and the sample
+  scored again by the next idle actor, so a lost worker changes no reward; a sample under which actors die twice
+  (a verifier that kills its process on that input) scores 0 with an error;
+- an actor that dies while starting is started again, up to `MAX_START_DEATHS` deaths in a row.
+So one bad sample costs at most `timeout_s` (or two actors) of the pool's time and never blocks the other actors.
 A verifier returns a score, or a (score, extracted answer) pair when it can say what it read in the response.
 Hazard: a replacement that never becomes ready (its import fails) would stall the queue: after `startup_timeout_s`
 the pool raises with the actor's error instead, as a worker group's failure (a `WorkerError` of the group
@@ -29,6 +32,11 @@ from mrl.distributed.errors import WorkerDiedError, WorkerError, WorkerTimeoutEr
 
 #: The name the pool's failures carry (`WorkerError.group`), as a worker group's do.
 GROUP = "verifiers"
+#: Actors that die while starting, in a row, before the pool gives up (a killed actor is started again; a warm-up
+#: that raises is not a death and fails at once).
+MAX_START_DEATHS = 3
+#: Actor deaths under one sample before it scores 0 (the second: the sample itself kills its verifier).
+MAX_SAMPLE_DEATHS = 2
 
 VerifyFn = Callable[[str, str], Union[float, tuple[float, Optional[str]]]]
 
@@ -37,6 +45,9 @@ class _VerifierActor:
     """Runs `verify_fn(response, answer)`; never raises for a verifier error."""
 
     def __init__(self, verify_fn: VerifyFn, warmup: Optional[Callable[[], None]]):
+        from mrl.distributed import faults
+
+        faults.register("VerifierActor")  # for a fault campaign's random kills (benchmarks/fault_campaign.py)
         self._verify_fn = verify_fn
         self._warmup = warmup
 
@@ -94,6 +105,7 @@ class VerifierPool:
         self.startup_timeout_s = startup_timeout_s
         self._starting: dict[Any, _Slot] = {}  # ready() ref -> actor
         self._idle: list[Any] = []
+        self._start_deaths = 0  # actors that died while starting, in a row
         for _ in range(num_workers):
             self._start_actor()
 
@@ -108,15 +120,21 @@ class VerifierPool:
         result = ScoreResult([0.0] * len(responses), [None] * len(responses), [None] * len(responses))
         queue = deque(range(len(responses)))
         running: dict[Any, tuple[_Slot, int]] = {}  # verify() ref -> (actor, sample index)
+        deaths: dict[int, int] = {}  # sample index -> actors that died under it
         while queue or running:
             while queue and self._idle:
                 i = queue.popleft()
                 actor = self._idle.pop()
                 running[actor.verify.remote(responses[i], answers[i])] = (_Slot(actor), i)
-            self._wait_and_collect(running, result)
+            for i in self._wait_and_collect(running, result):  # the samples whose actor died: again, or 0
+                deaths[i] = deaths.get(i, 0) + 1
+                if deaths[i] < MAX_SAMPLE_DEATHS:
+                    queue.appendleft(i)
         return result
 
-    def _wait_and_collect(self, running: dict, result: ScoreResult) -> None:
+    def _wait_and_collect(self, running: dict, result: ScoreResult) -> list[int]:
+        """Collect what has arrived (or wait until something does or a deadline passes); the indices of the samples
+        whose actor died under them (scored 0 with the error, for the caller to queue again)."""
         import ray
 
         deadlines = [slot.started + self.timeout_s for slot, _ in running.values()]
@@ -126,6 +144,7 @@ class VerifierPool:
         done, pending = ray.wait(refs, num_returns=1, timeout=wait_s)
         if pending:  # everything else that has finished too: only what has not may miss its deadline below
             done += ray.wait(pending, num_returns=len(pending), timeout=0)[0]
+        orphans = []
         for ref in done:
             if ref in self._starting:
                 self._on_ready(ref)
@@ -137,6 +156,7 @@ class VerifierPool:
             except ray.exceptions.RayError as err:  # the actor died under this sample
                 result.errors[i] = f"verifier worker died: {type(err).__name__}"
                 self._replace(slot.actor, result)
+                orphans.append(i)
         now = time.monotonic()
         for ref, (slot, i) in list(running.items()):
             if now >= slot.started + self.timeout_s:
@@ -147,6 +167,7 @@ class VerifierPool:
             if now >= slot.started + self.startup_timeout_s:
                 raise WorkerTimeoutError(f"worker group '{GROUP}': a verifier worker did not start within "
                                          f"{self.startup_timeout_s:g}s", group=GROUP, rank=0, method="ready")
+        return orphans
 
     def _on_ready(self, ref: Any) -> None:
         import ray
@@ -156,11 +177,17 @@ class VerifierPool:
             ray.get(ref)
         except ray.exceptions.RayError as err:  # a death, or its warm-up (import) raised
             died = isinstance(err, ray.exceptions.RayActorError)
+            self._start_deaths += died
+            if died and self._start_deaths < MAX_START_DEATHS:
+                ray.kill(slot.actor, no_restart=True)
+                self._start_actor()
+                return
             cause = getattr(err, "cause", None) if isinstance(err, ray.exceptions.RayTaskError) else None
             detail = f"{type(cause).__name__}: {cause}" if cause is not None else " ".join(str(err).split())[:300]
             raise (WorkerDiedError if died else WorkerError)(
                 f"worker group '{GROUP}': a verifier worker failed to start: {detail}", group=GROUP, rank=0,
                 method="ready", cause=cause) from err
+        self._start_deaths = 0
         self._idle.append(slot.actor)
 
     def _replace(self, actor: Any, result: ScoreResult) -> None:

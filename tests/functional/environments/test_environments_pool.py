@@ -1,6 +1,6 @@
 """The Ray verifier pool: failing and hanging verifiers score 0 within the timeout, are counted, and the pool
-keeps working; a replacement that cannot start is a named worker failure; the math environment end to end through
-the pool."""
+keeps working; an actor that dies (under a sample or while starting) is replaced and changes no score; a replacement
+that cannot start is a named worker failure; the math environment end to end through the pool."""
 
 import functools
 import os
@@ -104,6 +104,46 @@ def fail_once_marked(marker: str) -> None:
     """Test-only warm-up: fails once `marker` exists (a verifier library that broke after the first start)."""
     if os.path.exists(marker):
         raise ImportError("the verifier's library cannot be imported")
+
+
+def die_once_marked(marker: str, response: str = "", answer: str = "") -> float:
+    """Test-only verifier or warm-up: the first process to call it dies (an OOM kill, a lost worker); later calls
+    score as usual."""
+    if not os.path.exists(marker):
+        open(marker, "w").close()
+        os._exit(1)
+    return float(response == answer)
+
+
+def test_an_actor_that_dies_under_a_sample_is_replaced_and_the_sample_scored_again(tmp_path):
+    pool = VerifierPool(functools.partial(die_once_marked, str(tmp_path / "died")), num_workers=1, timeout_s=10.0)
+    try:
+        result = pool.score(["1", "2", "3"], ["1", "x", "3"])
+        assert (tmp_path / "died").exists()
+        assert result.scores == [1.0, 0.0, 1.0] and result.num_errors == 0 and result.num_restarts == 1
+    finally:
+        pool.shutdown()
+
+
+def test_a_sample_that_kills_its_verifier_twice_scores_zero_and_the_pool_goes_on():
+    pool = VerifierPool(crashing_verify, num_workers=2, timeout_s=10.0)
+    try:
+        result = pool.score(["1", "crash", "3"], ["1", "1", "3"])
+        assert result.scores == [1.0, 0.0, 1.0] and result.num_restarts == 2
+        assert [i for i, e in enumerate(result.errors) if e] == [1] and "verifier worker died" in result.errors[1]
+        assert pool.score(["4"], ["4"]).scores == [1.0]
+    finally:
+        pool.shutdown()
+
+
+def test_an_actor_that_dies_while_starting_is_started_again(tmp_path):
+    pool = VerifierPool(flaky_verify, num_workers=1, timeout_s=10.0,
+                        warmup=functools.partial(die_once_marked, str(tmp_path / "died")))
+    try:
+        assert pool.score(["1", "2"], ["1", "x"]).scores == [1.0, 0.0]
+        assert (tmp_path / "died").exists() and pool.num_workers == 1
+    finally:
+        pool.shutdown()
 
 
 def test_a_replacement_that_cannot_start_is_a_named_worker_failure(tmp_path):
