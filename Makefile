@@ -143,6 +143,19 @@ lock-gpu:
 check-gpu-lock:
 	bash requirements/lock_gpu.sh check
 
+# The house's machine checks (a stage of .ci/run): ruff's lint and its format check, then mypy with the protocols
+# checked, over mrl/ and converters/; rules in pyproject.toml, tools at requirements/lint.lock's versions (installed
+# into .venv once, again when the lock changes). `ruff format mrl converters` writes what the format check wants.
+LINT_STAMP := $(VENV)/.lint-installed
+$(LINT_STAMP): requirements/lint.lock $(STAMP)
+	$(BIN)/python -m pip install -q --no-deps -r requirements/lint.lock
+	touch $(LINT_STAMP)
+
+lint: install $(LINT_STAMP)
+	$(BIN)/ruff check mrl converters
+	$(BIN)/ruff format --check mrl converters
+	$(BIN)/mypy
+
 # The docs site (mkdocs.yml): MkDocs + Material + mkdocstrings at requirements/docs.lock's versions, installed into
 # .venv with --no-deps (again only when the lock changed), then built with --strict into site/; the configuration
 # reference is generated from the schema during the build (docs/hooks/config_reference.py). NO_MKDOCS_2_WARNING

@@ -13,12 +13,13 @@ hf_io.py reads and writes HF folders. Imports nothing from mrl: the file-level c
 `mrl.app.convert`, the Megatron model they build is `mrl.model`.
 """
 
+from converters.family import ConversionError, MLADims, MoEDims
 from converters.mapping import (
     ParamRule,
     expected_hf_shapes,
+    experts_per_rank,
     hf_to_megatron,
     layer_index,
-    experts_per_rank,
     megatron_to_hf,
     param_rules,
     resolve_padded_vocab,
@@ -28,7 +29,6 @@ from converters.mapping import (
     select_pp_stage,
     to_local_expert,
 )
-from converters.family import ConversionError, MLADims, MoEDims
 from converters.spec import ModelDims, detect_family, is_score_model, model_dims, supported_families
 from converters.transforms import padded_vocab_size, tp_shard, tp_unshard
 

@@ -11,7 +11,8 @@ Name map per layer (HF `model.layers.i.` <-> Megatron `decoder.layers.i.`, local
     self_attn.kv_b_proj.weight           [nh*(nope+v), kv_lora]     -> self_attention.linear_kv_up_proj.weight
     self_attn.o_proj.weight              [h, nh*v]                  -> self_attention.linear_proj.weight
     mlp.gate.weight / .e_score_correction_bias                      -> mlp.router.weight / .expert_bias
-    mlp.experts.{e}.*, mlp.shared_experts.*                         -> mlp.experts.local_experts.{e}.*, mlp.shared_experts.*
+    mlp.experts.{e}.*, mlp.shared_experts.*                         -> mlp.experts.local_experts.{e}.*,
+    mlp.shared_experts.*
 Row orders are the same on both sides (kv_b_proj per head [k_nope, v]; kv_a_proj_with_mqa [latent, k_rope]), and
 Megatron's MLA de-interleaves the rotary part exactly as HF's `rope_interleave=True` does, so every tensor copies
 (tensor parallelism splits the up projections by heads; the down projections are replicated).
@@ -33,29 +34,40 @@ from converters.family import Family, MLADims, MoEDims
 def moe_dims(cfg: Mapping[str, Any]) -> MoEDims:
     first_moe = int(cfg.get("first_k_dense_replace") or 0)
     groups = int(cfg.get("n_group") or 1)
-    return MoEDims(num_experts=int(cfg["n_routed_experts"]), topk=int(cfg["num_experts_per_tok"]),
-                   ffn_hidden_size=int(cfg["moe_intermediate_size"]),
-                   shared_ffn_hidden_size=int(cfg["moe_intermediate_size"]) * int(cfg.get("n_shared_experts") or 0),
-                   layers=tuple(i >= first_moe for i in range(int(cfg["num_hidden_layers"]))),
-                   score_function="sigmoid", normalize_topk=bool(cfg.get("norm_topk_prob", True)),
-                   scaling_factor=float(cfg.get("routed_scaling_factor") or 1.0), expert_bias=True,
-                   num_groups=groups if groups > 1 else None,
-                   group_topk=int(cfg["topk_group"]) if groups > 1 else None)
+    return MoEDims(
+        num_experts=int(cfg["n_routed_experts"]),
+        topk=int(cfg["num_experts_per_tok"]),
+        ffn_hidden_size=int(cfg["moe_intermediate_size"]),
+        shared_ffn_hidden_size=int(cfg["moe_intermediate_size"]) * int(cfg.get("n_shared_experts") or 0),
+        layers=tuple(i >= first_moe for i in range(int(cfg["num_hidden_layers"]))),
+        score_function="sigmoid",
+        normalize_topk=bool(cfg.get("norm_topk_prob", True)),
+        scaling_factor=float(cfg.get("routed_scaling_factor") or 1.0),
+        expert_bias=True,
+        num_groups=groups if groups > 1 else None,
+        group_topk=int(cfg["topk_group"]) if groups > 1 else None,
+    )
 
 
 def mla_dims(cfg: Mapping[str, Any]) -> MLADims:
     q_lora = cfg.get("q_lora_rank")
-    return MLADims(q_lora_rank=int(q_lora) if q_lora else None, kv_lora_rank=int(cfg["kv_lora_rank"]),
-                   qk_nope_head_dim=int(cfg["qk_nope_head_dim"]), qk_rope_head_dim=int(cfg["qk_rope_head_dim"]),
-                   v_head_dim=int(cfg["v_head_dim"]))
+    return MLADims(
+        q_lora_rank=int(q_lora) if q_lora else None,
+        kv_lora_rank=int(cfg["kv_lora_rank"]),
+        qk_nope_head_dim=int(cfg["qk_nope_head_dim"]),
+        qk_rope_head_dim=int(cfg["qk_rope_head_dim"]),
+        v_head_dim=int(cfg["v_head_dim"]),
+    )
 
 
 def _routing_problems(cfg: Mapping[str, Any]) -> list[str]:
     problems = []
     groups, topk = int(cfg.get("n_group") or 1), int(cfg["num_experts_per_tok"])
     if groups > 1 and topk // int(cfg["topk_group"]) != 2:
-        problems.append(f"num_experts_per_tok / topk_group = {topk} / {cfg['topk_group']} != 2 (DeepSeek-V3 scores a "
-                        "group by its top 2 experts, Megatron by its top num_experts_per_tok / topk_group)")
+        problems.append(
+            f"num_experts_per_tok / topk_group = {topk} / {cfg['topk_group']} != 2 (DeepSeek-V3 scores a "
+            "group by its top 2 experts, Megatron by its top num_experts_per_tok / topk_group)"
+        )
     if not cfg.get("norm_topk_prob", True) and topk > 1:
         problems.append("norm_topk_prob=false (Megatron's sigmoid router always renormalises the top-k weights)")
     if cfg.get("scoring_func", "sigmoid") != "sigmoid":

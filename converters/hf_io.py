@@ -22,8 +22,16 @@ from converters.family import ConversionError
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 #: Files of a model folder that are weights (not copied as "metadata" beside a converted checkpoint).
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".msgpack", ".h5", ".safetensors.index.json",
-                    ".bin.index.json")
+_WEIGHT_SUFFIXES = (
+    ".safetensors",
+    ".bin",
+    ".pt",
+    ".pth",
+    ".msgpack",
+    ".h5",
+    ".safetensors.index.json",
+    ".bin.index.json",
+)
 DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
 
 
@@ -73,8 +81,10 @@ def load_hf_state(hf_dir: str | Path) -> dict[str, torch.Tensor]:
         return state
     if (folder / SINGLE_FILE).is_file():
         return _read_safetensors(folder / SINGLE_FILE)
-    raise ConversionError(f"no {SINGLE_FILE} or {INDEX_FILE} in {folder}: only safetensors checkpoints are "
-                          f"supported (re-save with save_pretrained(..., safe_serialization=True))")
+    raise ConversionError(
+        f"no {SINGLE_FILE} or {INDEX_FILE} in {folder}: only safetensors checkpoints are "
+        f"supported (re-save with save_pretrained(..., safe_serialization=True))"
+    )
 
 
 def _owned(tensor: torch.Tensor) -> torch.Tensor:

@@ -64,19 +64,35 @@ class TERename:
 
 
 TE_RENAMES: tuple[TERename, ...] = (
-    TERename("input_layernorm.weight", "self_attention.linear_qkv.layer_norm_weight", "gqa",
-             "L274-289: no input_layernorm (the IdentityOp default); L279 linear_qkv = "
-             "backend.column_parallel_layer_norm_linear() (TELayerNormColumnParallelLinear)"),
-    TERename("self_attention.q_layernorm.weight", "self_attention.linear_q_up_proj.layer_norm_weight", "mla",
-             "L260 q_layernorm=IdentityOp; L235-239 linear_q_up_proj = column_parallel_layer_norm_linear() when "
-             "qk_layernorm (mrl sets it for MLA); with no q LoRA there is neither (MLASelfAttention builds "
-             "linear_q_proj, L253)"),
-    TERename("self_attention.kv_layernorm.weight", "self_attention.linear_kv_up_proj.layer_norm_weight", "mla",
-             "L261 kv_layernorm=IdentityOp; L240-244 linear_kv_up_proj = column_parallel_layer_norm_linear() when "
-             "qk_layernorm"),
-    TERename("pre_mlp_layernorm.weight", "mlp.linear_fc1.layer_norm_weight", "dense",
-             "L265/L291 pre_mlp_layernorm=IdentityOp without experts (TENorm with them); L492-497 a dense MLP's "
-             "linear_fc1 = column_parallel_layer_norm_linear() (TESpecProvider.fuse_layernorm_and_linear)"),
+    TERename(
+        "input_layernorm.weight",
+        "self_attention.linear_qkv.layer_norm_weight",
+        "gqa",
+        "L274-289: no input_layernorm (the IdentityOp default); L279 linear_qkv = "
+        "backend.column_parallel_layer_norm_linear() (TELayerNormColumnParallelLinear)",
+    ),
+    TERename(
+        "self_attention.q_layernorm.weight",
+        "self_attention.linear_q_up_proj.layer_norm_weight",
+        "mla",
+        "L260 q_layernorm=IdentityOp; L235-239 linear_q_up_proj = column_parallel_layer_norm_linear() when "
+        "qk_layernorm (mrl sets it for MLA); with no q LoRA there is neither (MLASelfAttention builds "
+        "linear_q_proj, L253)",
+    ),
+    TERename(
+        "self_attention.kv_layernorm.weight",
+        "self_attention.linear_kv_up_proj.layer_norm_weight",
+        "mla",
+        "L261 kv_layernorm=IdentityOp; L240-244 linear_kv_up_proj = column_parallel_layer_norm_linear() when "
+        "qk_layernorm",
+    ),
+    TERename(
+        "pre_mlp_layernorm.weight",
+        "mlp.linear_fc1.layer_norm_weight",
+        "dense",
+        "L265/L291 pre_mlp_layernorm=IdentityOp without experts (TENorm with them); L492-497 a dense MLP's "
+        "linear_fc1 = column_parallel_layer_norm_linear() (TESpecProvider.fuse_layernorm_and_linear)",
+    ),
 )
 
 
@@ -128,9 +144,11 @@ def _mla_rules(dims: ModelDims, m: str, h: str) -> list[ParamRule]:
     if dims.mla.q_lora_rank is None:  # type: ignore[union-attr]
         rules.append(ParamRule(attn + "linear_q_proj.weight", (hf + "q_proj.weight",), "copy", 0))
     else:
-        rules += [ParamRule(attn + "linear_q_down_proj.weight", (hf + "q_a_proj.weight",), "copy", None),
-                  ParamRule(attn + "q_layernorm.weight", (hf + "q_a_layernorm.weight",), "copy", None),
-                  ParamRule(attn + "linear_q_up_proj.weight", (hf + "q_b_proj.weight",), "copy", 0)]
+        rules += [
+            ParamRule(attn + "linear_q_down_proj.weight", (hf + "q_a_proj.weight",), "copy", None),
+            ParamRule(attn + "q_layernorm.weight", (hf + "q_a_layernorm.weight",), "copy", None),
+            ParamRule(attn + "linear_q_up_proj.weight", (hf + "q_b_proj.weight",), "copy", 0),
+        ]
     return rules + [
         ParamRule(attn + "linear_kv_down_proj.weight", (hf + "kv_a_proj_with_mqa.weight",), "copy", None),
         ParamRule(attn + "kv_layernorm.weight", (hf + "kv_a_layernorm.weight",), "copy", None),
@@ -141,8 +159,10 @@ def _mla_rules(dims: ModelDims, m: str, h: str) -> list[ParamRule]:
 
 def _swiglu_rules(m: str, h: str) -> list[ParamRule]:
     """linear_fc1 = cat[gate, up] and linear_fc2 = down of one SwiGLU MLP (`m`, `h`: the two modules' prefixes)."""
-    return [ParamRule(m + "linear_fc1.weight", (h + "gate_proj.weight", h + "up_proj.weight"), "gate_up", 0),
-            ParamRule(m + "linear_fc2.weight", (h + "down_proj.weight",), "copy", 1)]
+    return [
+        ParamRule(m + "linear_fc1.weight", (h + "gate_proj.weight", h + "up_proj.weight"), "gate_up", 0),
+        ParamRule(m + "linear_fc2.weight", (h + "down_proj.weight",), "copy", 1),
+    ]
 
 
 def _mlp_rules(dims: ModelDims, i: int, m: str, h: str) -> list[ParamRule]:
@@ -159,8 +179,9 @@ def _mlp_rules(dims: ModelDims, i: int, m: str, h: str) -> list[ParamRule]:
     if moe.shared_ffn_hidden_size:  # type: ignore[union-attr]
         rules += _swiglu_rules(m + "mlp.shared_experts.", f"{h}mlp.{moe.shared_expert_name}.")  # type: ignore[union-attr]
     if moe.shared_expert_gate:  # type: ignore[union-attr]
-        rules.append(ParamRule(m + "mlp.shared_experts.gate_weight", (h + "mlp.shared_expert_gate.weight",), "copy",
-                               None))
+        rules.append(
+            ParamRule(m + "mlp.shared_experts.gate_weight", (h + "mlp.shared_expert_gate.weight",), "copy", None)
+        )
     return rules
 
 
@@ -193,11 +214,20 @@ def layer_rules(dims: ModelDims, i: int, names: SpecNames) -> list[ParamRule]:
 def _gqa_shapes(dims: ModelDims) -> dict[str, tuple[int, ...]]:
     h, hd = dims.hidden_size, dims.head_dim
     q_rows, kv_rows = dims.num_heads * hd, dims.num_kv_heads * hd
-    shapes = {"self_attn.q_proj.weight": (q_rows, h), "self_attn.k_proj.weight": (kv_rows, h),
-              "self_attn.v_proj.weight": (kv_rows, h), "self_attn.o_proj.weight": (h, q_rows)}
+    shapes = {
+        "self_attn.q_proj.weight": (q_rows, h),
+        "self_attn.k_proj.weight": (kv_rows, h),
+        "self_attn.v_proj.weight": (kv_rows, h),
+        "self_attn.o_proj.weight": (h, q_rows),
+    }
     if dims.qkv_bias:
-        shapes.update({"self_attn.q_proj.bias": (q_rows,), "self_attn.k_proj.bias": (kv_rows,),
-                       "self_attn.v_proj.bias": (kv_rows,)})
+        shapes.update(
+            {
+                "self_attn.q_proj.bias": (q_rows,),
+                "self_attn.k_proj.bias": (kv_rows,),
+                "self_attn.v_proj.bias": (kv_rows,),
+            }
+        )
     if dims.qk_norm:
         shapes.update({"self_attn.q_norm.weight": (hd,), "self_attn.k_norm.weight": (hd,)})
     return shapes
@@ -207,22 +237,31 @@ def _mla_shapes(dims: ModelDims) -> dict[str, tuple[int, ...]]:
     mla, h, nh = dims.mla, dims.hidden_size, dims.num_heads
     assert mla is not None
     q_rows = nh * mla.qk_head_dim
-    shapes = {"self_attn.kv_a_proj_with_mqa.weight": (mla.kv_lora_rank + mla.qk_rope_head_dim, h),
-              "self_attn.kv_a_layernorm.weight": (mla.kv_lora_rank,),
-              "self_attn.kv_b_proj.weight": (nh * (mla.qk_nope_head_dim + mla.v_head_dim), mla.kv_lora_rank),
-              "self_attn.o_proj.weight": (h, nh * mla.v_head_dim)}
+    shapes = {
+        "self_attn.kv_a_proj_with_mqa.weight": (mla.kv_lora_rank + mla.qk_rope_head_dim, h),
+        "self_attn.kv_a_layernorm.weight": (mla.kv_lora_rank,),
+        "self_attn.kv_b_proj.weight": (nh * (mla.qk_nope_head_dim + mla.v_head_dim), mla.kv_lora_rank),
+        "self_attn.o_proj.weight": (h, nh * mla.v_head_dim),
+    }
     if mla.q_lora_rank is None:
         shapes["self_attn.q_proj.weight"] = (q_rows, h)
     else:
-        shapes.update({"self_attn.q_a_proj.weight": (mla.q_lora_rank, h),
-                       "self_attn.q_a_layernorm.weight": (mla.q_lora_rank,),
-                       "self_attn.q_b_proj.weight": (q_rows, mla.q_lora_rank)})
+        shapes.update(
+            {
+                "self_attn.q_a_proj.weight": (mla.q_lora_rank, h),
+                "self_attn.q_a_layernorm.weight": (mla.q_lora_rank,),
+                "self_attn.q_b_proj.weight": (q_rows, mla.q_lora_rank),
+            }
+        )
     return shapes
 
 
 def _swiglu_shapes(prefix: str, hidden: int, ffn: int) -> dict[str, tuple[int, ...]]:
-    return {prefix + "gate_proj.weight": (ffn, hidden), prefix + "up_proj.weight": (ffn, hidden),
-            prefix + "down_proj.weight": (hidden, ffn)}
+    return {
+        prefix + "gate_proj.weight": (ffn, hidden),
+        prefix + "up_proj.weight": (ffn, hidden),
+        prefix + "down_proj.weight": (hidden, ffn),
+    }
 
 
 def _mlp_shapes(dims: ModelDims, i: int) -> dict[str, tuple[int, ...]]:

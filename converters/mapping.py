@@ -93,11 +93,15 @@ def per_expert_state(hf_state: Mapping[str, torch.Tensor], dims: ModelDims) -> d
             out.update({f"{fused.group(1)}.{e}.down_proj.weight": t for e, t in enumerate(tensor)})
         else:
             for e, t in enumerate(tensor):
-                out[f"{fused.group(1)}.{e}.gate_proj.weight"], out[f"{fused.group(1)}.{e}.up_proj.weight"] = \
+                out[f"{fused.group(1)}.{e}.gate_proj.weight"], out[f"{fused.group(1)}.{e}.up_proj.weight"] = (
                     T.split_gate_up(t)
+                )
     if mtp:
-        log.warning("dropping the multi-token-prediction layer(s) %s of the checkpoint: transformers and vLLM do not "
-                    "build them, so they are not part of the model", sorted(mtp))
+        log.warning(
+            "dropping the multi-token-prediction layer(s) %s of the checkpoint: transformers and vLLM do not "
+            "build them, so they are not part of the model",
+            sorted(mtp),
+        )
     return out
 
 
@@ -111,23 +115,29 @@ def _check_hf_state(hf_state: Mapping[str, torch.Tensor], dims: ModelDims) -> No
     present = {k for k in hf_state if not k.endswith(_SKIPPED_HF_SUFFIXES)}
     if dims.tied and "lm_head.weight" in present:
         if not torch.equal(hf_state["lm_head.weight"], hf_state.get("model.embed_tokens.weight", torch.empty(0))):
-            raise ConversionError("tie_word_embeddings=true but lm_head.weight differs from model.embed_tokens.weight;"
-                                  " set tie_word_embeddings=false in config.json to keep both")
+            raise ConversionError(
+                "tie_word_embeddings=true but lm_head.weight differs from model.embed_tokens.weight;"
+                " set tie_word_embeddings=false in config.json to keep both"
+            )
         present.discard("lm_head.weight")
     missing, unmapped = sorted(set(expected) - present), sorted(present - set(expected))
     if missing:
         raise ConversionError(f"HF checkpoint is missing {len(missing)} tensor(s) the config requires: {missing[:8]}")
     if unmapped:
-        raise ConversionError(f"HF checkpoint has {len(unmapped)} tensor(s) no {dims.family} rule maps "
-                              f"(they would be lost): {unmapped[:8]}")
+        raise ConversionError(
+            f"HF checkpoint has {len(unmapped)} tensor(s) no {dims.family} rule maps "
+            f"(they would be lost): {unmapped[:8]}"
+        )
     for name, shape in expected.items():
         if tuple(hf_state[name].shape) != shape:
-            raise ConversionError(f"HF tensor {name} has shape {tuple(hf_state[name].shape)}, but config.json "
-                                  f"implies {shape}")
+            raise ConversionError(
+                f"HF tensor {name} has shape {tuple(hf_state[name].shape)}, but config.json implies {shape}"
+            )
 
 
-def _to_megatron_full(rule: ParamRule, hf_state: Mapping[str, torch.Tensor], dims: ModelDims,
-                      padded_vocab: int, tp_size: int) -> torch.Tensor:
+def _to_megatron_full(
+    rule: ParamRule, hf_state: Mapping[str, torch.Tensor], dims: ModelDims, padded_vocab: int, tp_size: int
+) -> torch.Tensor:
     parts = [hf_state[n] for n in rule.hf]
     if rule.kind == "qkv":
         return T.merge_qkv(*parts, dims.num_heads, dims.num_kv_heads, dims.head_dim)
@@ -140,13 +150,16 @@ def _to_megatron_full(rule: ParamRule, hf_state: Mapping[str, torch.Tensor], dim
     return parts[0]
 
 
-def resolve_padded_vocab(dims: ModelDims, tp_size: int, padded_vocab: int | None,
-                         make_vocab_size_divisible_by: int = 128) -> int:
+def resolve_padded_vocab(
+    dims: ModelDims, tp_size: int, padded_vocab: int | None, make_vocab_size_divisible_by: int = 128
+) -> int:
     """The padded vocabulary: given (e.g. recorded in a checkpoint) or Megatron's rule; must be divisible by TP."""
     size = padded_vocab or T.padded_vocab_size(dims.vocab_size, make_vocab_size_divisible_by, tp_size)
     if size < dims.vocab_size or size % tp_size != 0:
-        raise ConversionError(f"padded vocab size {size} must be >= vocab_size={dims.vocab_size} and divisible by "
-                              f"tensor parallel size {tp_size}")
+        raise ConversionError(
+            f"padded vocab size {size} must be >= vocab_size={dims.vocab_size} and divisible by "
+            f"tensor parallel size {tp_size}"
+        )
     return size
 
 
@@ -250,8 +263,10 @@ def megatron_to_hf(
             raise ConversionError(f"Megatron tensor {name} has no {dims.family} mapping rule (it would be lost)")
         for hf_name, hf_tensor in _to_hf(rule, tensor, dims):
             if tuple(hf_tensor.shape) != expected[hf_name]:
-                raise ConversionError(f"Megatron tensor {name} gives {hf_name} of shape {tuple(hf_tensor.shape)}, "
-                                      f"but the config implies {expected[hf_name]}")
+                raise ConversionError(
+                    f"Megatron tensor {name} gives {hf_name} of shape {tuple(hf_tensor.shape)}, "
+                    f"but the config implies {expected[hf_name]}"
+                )
             produced.add(hf_name)
             yield hf_name, hf_tensor
         if name == "embedding.word_embeddings.weight":
@@ -276,8 +291,13 @@ def hf_layer_index(hf_name: str) -> int | None:
 
 
 def select_pp_stage(
-    state: Mapping[str, torch.Tensor], layer_offset: int, num_layers: int, *, pre_process: bool,
-    post_process: bool, tied: bool,
+    state: Mapping[str, torch.Tensor],
+    layer_offset: int,
+    num_layers: int,
+    *,
+    pre_process: bool,
+    post_process: bool,
+    tied: bool,
 ) -> dict[str, torch.Tensor]:
     """The part of a full-model Megatron state one pipeline stage holds, renamed to its local layer indices.
 
@@ -290,7 +310,8 @@ def select_pp_stage(
         idx = layer_index(name)
         if idx is not None:
             if layer_offset <= idx < layer_offset + num_layers:
-                out[_LAYER_RE.sub(lambda m: f"decoder.layers.{idx - layer_offset}.{m.group(2)}", name)] = tensor
+                renamed = _LAYER_RE.sub(lambda m: f"decoder.layers.{idx - layer_offset}.{m.group(2)}", name)  # noqa: B023 (called here)
+                out[renamed] = tensor
         elif name.startswith("embedding.") and pre_process:
             out[name] = tensor
         elif (name.startswith("decoder.final_layernorm") or name.startswith("output_layer.")) and post_process:
@@ -318,11 +339,12 @@ def to_local_expert(name: str, ep_rank: int, per_rank: int) -> str | None:
     local = int(match.group(1)) - ep_rank * per_rank
     if not 0 <= local < per_rank:
         return None
-    return name[:match.start(1)] + str(local) + name[match.end(1):]
+    return name[: match.start(1)] + str(local) + name[match.end(1) :]
 
 
-def select_ep_experts(state: Mapping[str, torch.Tensor], dims: ModelDims, ep_rank: int,
-                      ep_size: int) -> dict[str, torch.Tensor]:
+def select_ep_experts(
+    state: Mapping[str, torch.Tensor], dims: ModelDims, ep_rank: int, ep_size: int
+) -> dict[str, torch.Tensor]:
     """The part of a state an expert-parallel rank holds: its block of routed experts, renamed to local indices, and
     every other (non-expert) tensor."""
     per_rank = experts_per_rank(dims, ep_size)

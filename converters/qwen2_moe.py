@@ -22,8 +22,12 @@ from converters.family import Family, MoEDims
 
 def moe_dims(cfg: Mapping[str, Any]) -> MoEDims:
     shared = int(cfg.get("shared_expert_intermediate_size") or 0)
-    return replace(qwen3_moe.moe_dims(cfg), shared_ffn_hidden_size=shared, shared_expert_name="shared_expert",
-                   shared_expert_gate=shared > 0)
+    return replace(
+        qwen3_moe.moe_dims(cfg),
+        shared_ffn_hidden_size=shared,
+        shared_expert_name="shared_expert",
+        shared_expert_gate=shared > 0,
+    )
 
 
 def _unsupported(cfg: Mapping[str, Any]) -> list[str]:

@@ -25,10 +25,17 @@ def moe_dims(cfg: Mapping[str, Any]) -> MoEDims:
     step = int(cfg.get("decoder_sparse_step") or 1)
     dense_only = set(cfg.get("mlp_only_layers") or [])
     layers = tuple(i not in dense_only and (i + 1) % step == 0 for i in range(int(cfg["num_hidden_layers"])))
-    return MoEDims(num_experts=_num_experts(cfg), topk=int(cfg["num_experts_per_tok"]),
-                   ffn_hidden_size=int(cfg["moe_intermediate_size"]), shared_ffn_hidden_size=0, layers=layers,
-                   score_function="softmax", normalize_topk=bool(cfg.get("norm_topk_prob", False)),
-                   scaling_factor=1.0, expert_bias=False)
+    return MoEDims(
+        num_experts=_num_experts(cfg),
+        topk=int(cfg["num_experts_per_tok"]),
+        ffn_hidden_size=int(cfg["moe_intermediate_size"]),
+        shared_ffn_hidden_size=0,
+        layers=layers,
+        score_function="softmax",
+        normalize_topk=bool(cfg.get("norm_topk_prob", False)),
+        scaling_factor=1.0,
+        expert_bias=False,
+    )
 
 
 def _unsupported(cfg: Mapping[str, Any]) -> list[str]:

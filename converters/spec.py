@@ -1,6 +1,7 @@
 """The families mrl converts, their detection from config.json, and the dimensions the mapping needs.
 
-A `Family` (family.py) says what differs between the dense decoder families mrl converts (QKV bias, q/k RMSNorm) and which
+A `Family` (family.py) says what differs between the dense decoder families mrl converts (QKV bias, q/k RMSNorm) and
+which
 config values it cannot represent in Megatron-Core (so they fail loudly instead of converting into a different
 model). `model_dims(config)` reads an HF config (a dict from config.json or a transformers config object) into a
 validated `ModelDims`, the one record both the name mapping and the Megatron model builder read.
@@ -25,8 +26,14 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 MLA_ROPE_TYPES = ("default", "yarn")
 
 #: Every family mrl converts, looked up by architecture first, then by model type.
-FAMILIES: tuple[Family, ...] = (llama.FAMILY, qwen2.FAMILY, qwen3.FAMILY, qwen3_moe.FAMILY, qwen2_moe.FAMILY,
-                                deepseek_v3.FAMILY)
+FAMILIES: tuple[Family, ...] = (
+    llama.FAMILY,
+    qwen2.FAMILY,
+    qwen3.FAMILY,
+    qwen3_moe.FAMILY,
+    qwen2_moe.FAMILY,
+    deepseek_v3.FAMILY,
+)
 
 
 def supported_families() -> tuple[str, ...]:
@@ -46,8 +53,7 @@ def detect_family(config: Mapping[str, Any]) -> Family:
     for family in FAMILIES:
         if model_type in family.model_types:
             return family
-    supported = ", ".join(f"{f.name} ({'/'.join(f.architectures)})" for f in sorted(FAMILIES,
-                                                                                     key=lambda f: f.name))
+    supported = ", ".join(f"{f.name} ({'/'.join(f.architectures)})" for f in sorted(FAMILIES, key=lambda f: f.name))
     raise ConversionError(
         f"unsupported model family: architectures={architectures}, model_type={model_type!r}. "
         f"Supported families: {supported}."
@@ -61,7 +67,7 @@ SEQUENCE_CLASSIFICATION = "ForSequenceClassification"
 def causal_lm_architecture(architecture: str) -> str:
     """`LlamaForSequenceClassification` -> `LlamaForCausalLM` (the decoder a reward model is built on)."""
     if architecture.endswith(SEQUENCE_CLASSIFICATION):
-        return architecture[:-len(SEQUENCE_CLASSIFICATION)] + "ForCausalLM"
+        return architecture[: -len(SEQUENCE_CLASSIFICATION)] + "ForCausalLM"
     return architecture
 
 
@@ -132,8 +138,9 @@ def _common_problems(cfg: Mapping[str, Any], rope: Mapping[str, Any], family: Fa
     if rope["rope_type"] not in rope_types:
         problems.append(f"rope_type={rope['rope_type']!r} (supported for {family.name}: {', '.join(rope_types)})")
     elif rope["rope_type"] == "yarn" and not rope.get("mscale_all_dim") and rope.get("mscale", 1.0) != 1.0:
-        problems.append("yarn with mscale != 1 and no mscale_all_dim (transformers then ignores mscale, Megatron "
-                        "does not)")
+        problems.append(
+            "yarn with mscale != 1 and no mscale_all_dim (transformers then ignores mscale, Megatron does not)"
+        )
     if float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor") or 1.0)) != 1.0:
         problems.append("partial_rotary_factor != 1 (mrl rotates every head dim)")
     if cfg.get("use_sliding_window"):

@@ -51,8 +51,10 @@ def split_qkv(
     heads_per_group = _check_qkv_sizes(num_heads, num_groups)
     rows = num_groups * (heads_per_group + 2) * head_dim
     if qkv.shape[0] != rows:
-        raise ValueError(f"fused QKV has {qkv.shape[0]} rows, expected {rows} for nh={num_heads}, ng={num_groups}, "
-                         f"head_dim={head_dim}")
+        raise ValueError(
+            f"fused QKV has {qkv.shape[0]} rows, expected {rows} for nh={num_heads}, ng={num_groups}, "
+            f"head_dim={head_dim}"
+        )
     rest = tuple(qkv.shape[1:])
     grouped = qkv.reshape(num_groups, (heads_per_group + 2) * head_dim, *rest)
     q, k, v = torch.split(grouped, [heads_per_group * head_dim, head_dim, head_dim], dim=1)
@@ -107,7 +109,9 @@ def tp_shard(full: torch.Tensor, dim: int | None, tp_rank: int, tp_size: int, *,
         gate, up = split_gate_up(full)
         return torch.cat([tp_shard(gate, 0, tp_rank, tp_size), tp_shard(up, 0, tp_rank, tp_size)], dim=0)
     if full.shape[dim] % tp_size != 0:
-        raise ValueError(f"dimension {dim} of size {full.shape[dim]} is not divisible by tensor parallel size {tp_size}")
+        raise ValueError(
+            f"dimension {dim} of size {full.shape[dim]} is not divisible by tensor parallel size {tp_size}"
+        )
     return torch.chunk(full, tp_size, dim=dim)[tp_rank].contiguous()
 
 

@@ -1,7 +1,8 @@
 """`mrl` command line: `mrl <command> --config FILE [overrides...]`.
 
 Every command validates its configuration before anything starts: a bad key, type or combination exits with status 2
-and a message naming the dotted key. Exit statuses are listed in mrl/app/errors.py. The commands themselves live in mrl/app (imported when used, so that
+and a message naming the dotted key. Exit statuses are listed in mrl/app/errors.py. The commands themselves live in
+mrl/app (imported when used, so that
 `mrl config show` and `--help` do not load torch, Ray or vLLM).
 """
 
@@ -26,29 +27,44 @@ CONFIG_COMMANDS: dict[str, str] = {
     "eval": "pass@1 / pass@k of a model on a problem/answer file with the rollout engine.",
 }
 
-OVERRIDE_HELP = ("overrides in Hydra's grammar: key=value (set), +key=value (add), ++key=value (set or add), "
-                 "~key (remove); e.g. policy.optimizer.lr=1e-5 grpo.num_generations_per_prompt=8")
+OVERRIDE_HELP = (
+    "overrides in Hydra's grammar: key=value (set), +key=value (add), ++key=value (set or add), "
+    "~key (remove); e.g. policy.optimizer.lr=1e-5 grpo.num_generations_per_prompt=8"
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="mrl", description="RL post-training for LLMs on Megatron-Core, vLLM and Ray.")
+    parser = argparse.ArgumentParser(
+        prog="mrl", description="RL post-training for LLMs on Megatron-Core, vLLM and Ray."
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, help_text in CONFIG_COMMANDS.items():
         cmd = sub.add_parser(name, help=help_text, description=help_text)
         _add_config_args(cmd)
-    run = sub.add_parser("run", help="Run a staged recipe (e.g. sft -> grpo 8K -> grpo 16K), handing checkpoints on.",
-                         description="Run every stage of a recipe in order; each stage starts from the previous "
-                                     "stage's final checkpoint.")
-    run.add_argument("recipe", help="recipe YAML file with a `stages:` list, or a shipped recipe's name "
-                                    "(e.g. arith-tiny-cpu)")
+    run = sub.add_parser(
+        "run",
+        help="Run a staged recipe (e.g. sft -> grpo 8K -> grpo 16K), handing checkpoints on.",
+        description="Run every stage of a recipe in order; each stage starts from the previous "
+        "stage's final checkpoint.",
+    )
+    run.add_argument(
+        "recipe", help="recipe YAML file with a `stages:` list, or a shipped recipe's name (e.g. arith-tiny-cpu)"
+    )
     run.add_argument("overrides", nargs="*", help=OVERRIDE_HELP)
-    score = sub.add_parser("score", help="Per-token logprobs and perplexity of texts under the Megatron model.",
-                           description="Per-token logprobs and perplexity of texts (or token ids) under the Megatron "
-                                       "policy, in any parallel layout (e.g. policy.parallel.tensor_parallel_size=2 "
-                                       "cluster.devices_per_node=2).")
-    score.add_argument("--model", required=True, metavar="MODEL",
-                       help="HF model folder, a hub id (org/name[@revision]), or a Megatron checkpoint folder (`mrl "
-                            "convert hf-to-megatron` output, a training step_N or final_megatron)")
+    score = sub.add_parser(
+        "score",
+        help="Per-token logprobs and perplexity of texts under the Megatron model.",
+        description="Per-token logprobs and perplexity of texts (or token ids) under the Megatron "
+        "policy, in any parallel layout (e.g. policy.parallel.tensor_parallel_size=2 "
+        "cluster.devices_per_node=2).",
+    )
+    score.add_argument(
+        "--model",
+        required=True,
+        metavar="MODEL",
+        help="HF model folder, a hub id (org/name[@revision]), or a Megatron checkpoint folder (`mrl "
+        "convert hf-to-megatron` output, a training step_N or final_megatron)",
+    )
     score.add_argument("--input", required=True, metavar="FILE", help="jsonl: text | prompt+completion | input_ids")
     score.add_argument("--out", required=True, metavar="FILE", help="jsonl written with per-token logprobs")
     score.add_argument("--config", metavar="FILE", help="optional YAML config (parallel layout, precision, ...)")
@@ -67,8 +83,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_config_args(cmd: argparse.ArgumentParser) -> None:
-    cmd.add_argument("--config", required=True, metavar="FILE",
-                     help="YAML config or recipe file, or a shipped recipe's name (e.g. arith-tiny-cpu.yaml)")
+    cmd.add_argument(
+        "--config",
+        required=True,
+        metavar="FILE",
+        help="YAML config or recipe file, or a shipped recipe's name (e.g. arith-tiny-cpu.yaml)",
+    )
     cmd.add_argument("overrides", nargs="*", help=OVERRIDE_HELP)
 
 
@@ -76,7 +96,12 @@ def _add_convert_parser(sub) -> None:
     convert = sub.add_parser("convert", help="Convert checkpoints between Hugging Face and Megatron formats.")
     conv_sub = convert.add_subparsers(dest="direction", required=True, metavar="DIRECTION")
     to_meg = conv_sub.add_parser("hf-to-megatron", help="HF folder -> Megatron distributed checkpoint.")
-    to_meg.add_argument("--hf", required=True, metavar="DIR", help="HF model folder (config.json + safetensors) or hub id (org/name[@revision])")
+    to_meg.add_argument(
+        "--hf",
+        required=True,
+        metavar="DIR",
+        help="HF model folder (config.json + safetensors) or hub id (org/name[@revision])",
+    )
     to_meg.add_argument("--out", required=True, metavar="DIR", help="output folder")
     to_meg.add_argument("--tp", type=int, default=1, help="tensor parallel size of the written checkpoint")
     to_meg.add_argument("--pp", type=int, default=1, help="pipeline parallel size of the written checkpoint")
@@ -89,8 +114,10 @@ def _add_convert_parser(sub) -> None:
 
 
 def _add_download_parser(sub) -> None:
-    text = ("Fill the hub cache (HF_HOME / HF_HUB_CACHE) with what runs read of a model or dataset: on a login node "
-            "with network, before runs on compute nodes without (HF_HUB_OFFLINE=1).")
+    text = (
+        "Fill the hub cache (HF_HOME / HF_HUB_CACHE) with what runs read of a model or dataset: on a login node "
+        "with network, before runs on compute nodes without (HF_HUB_OFFLINE=1)."
+    )
     download = sub.add_parser("download", help=text, description=text)
     download.add_argument("id", metavar="MODEL_OR_DATASET", help="hub id, org/name[@revision]")
     download.add_argument("--revision", help="branch, tag or commit (default: main, or the id's @revision)")
@@ -102,19 +129,26 @@ def _run_download(args: argparse.Namespace) -> int:
 
     ref = hub.parse_hub_id(args.id)
     if ref is None:
-        raise ConfigError("not a hub id (org/name[@revision]), or a local path that exists",
-                          key="MODEL_OR_DATASET", given=args.id)
+        raise ConfigError(
+            "not a hub id (org/name[@revision]), or a local path that exists", key="MODEL_OR_DATASET", given=args.id
+        )
     if args.revision:
         ref = hub.HubRef(ref.repo_id, args.revision)
     if hub.offline():
-        raise ConfigError("HF_HUB_OFFLINE=1 forbids fetching", key="HF_HUB_OFFLINE", given="1",
-                          fix="unset it for `mrl download` (on a machine with network)")
+        raise ConfigError(
+            "HF_HUB_OFFLINE=1 forbids fetching",
+            key="HF_HUB_OFFLINE",
+            given="1",
+            fix="unset it for `mrl download` (on a machine with network)",
+        )
     kind = "dataset" if args.dataset else "model"
     result = hub.resolve(ref, repo_type=kind, key="MODEL_OR_DATASET")
     files = [p for p in Path(result.path).rglob("*") if p.is_file()]
     size = sum(p.stat().st_size for p in files)
-    print(f"{ref} ({kind}): commit {result.commit}, {len(files)} files, {size / 2**20:.1f} MiB in {result.path}\n"
-          f"runs with the same HF_HOME read it offline (HF_HUB_OFFLINE=1) as {ref}")
+    print(
+        f"{ref} ({kind}): commit {result.commit}, {len(files)} files, {size / 2**20:.1f} MiB in {result.path}\n"
+        f"runs with the same HF_HOME read it offline (HF_HUB_OFFLINE=1) as {ref}"
+    )
     return 0
 
 
@@ -122,14 +156,19 @@ def _add_env_parser(sub) -> None:
     env = sub.add_parser("env", help="Environments as HTTP resource servers (tools + verifier) for agent loops.")
     env_sub = env.add_subparsers(dest="env_command", required=True, metavar="ACTION")
     serve = env_sub.add_parser(
-        "serve", help="Serve an example environment until Ctrl-C.",
+        "serve",
+        help="Serve an example environment until Ctrl-C.",
         description="Serve an example resource server (mrl/environments/servers/examples.py) in this process: "
-                    "POST /seed_session, one POST /<tool> per tool, POST /verify, POST /aggregate_metrics, GET /tools, "
-                    "GET /health. Prints its URL and tools; Ctrl-C stops it.")
+        "POST /seed_session, one POST /<tool> per tool, POST /verify, POST /aggregate_metrics, GET /tools, "
+        "GET /health. Prints its URL and tools; Ctrl-C stops it.",
+    )
     serve.add_argument("name", metavar="NAME", help="the example: guess_number or calculator")
-    serve.add_argument("--host", default="127.0.0.1",
-                       help="address to bind (default 127.0.0.1: this machine only; sessions are unauthenticated, so "
-                            "0.0.0.0 exposes them to the network)")
+    serve.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to bind (default 127.0.0.1: this machine only; sessions are unauthenticated, so "
+        "0.0.0.0 exposes them to the network)",
+    )
     serve.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
     rows = env_sub.add_parser("rows", help="Write dataset rows of an example game (guess_number) as jsonl.")
     rows.add_argument("name", metavar="NAME", help="the example: guess_number")
@@ -138,62 +177,103 @@ def _add_env_parser(sub) -> None:
     rows.add_argument("--max-turns", type=int, default=7, help="guesses allowed per game")
     rows.add_argument("--low", type=int, default=0, help="smallest secret (default 0)")
     rows.add_argument("--high", type=int, default=99, help="largest secret (default 99)")
-    rows.add_argument("--warmup", action="store_true",
-                      help="SFT rows of a naive player's games instead (random guesses: the format, not the strategy)")
-    rows.add_argument("--turn-end", default=EOS_TOKEN,
-                      help="text of the token that ends a model turn, for --warmup (default: the tiny tokenizer's EOS)")
+    rows.add_argument(
+        "--warmup",
+        action="store_true",
+        help="SFT rows of a naive player's games instead (random guesses: the format, not the strategy)",
+    )
+    rows.add_argument(
+        "--turn-end",
+        default=EOS_TOKEN,
+        help="text of the token that ends a model turn, for --warmup (default: the tiny tokenizer's EOS)",
+    )
     rows.add_argument("--out", required=True, metavar="FILE", help="jsonl file written")
 
 
 def _add_submit_parser(sub) -> None:
     submit = sub.add_parser(
-        "submit", help="Check a command's config against a Slurm allocation, then sbatch it (slurm/ray-sbatch.sh).",
+        "submit",
+        help="Check a command's config against a Slurm allocation, then sbatch it (slurm/ray-sbatch.sh).",
         description="Preflight (the config is validated, the allocation checked against cluster.* and, with GPUs, "
-                    "the layout's memory against the GPU: mrl plan), then "
-                    "`sbatch slurm/ray-sbatch.sh <command>`: a Ray head on the first node, a worker on each other, "
-                    "the command on the head. Example: mrl submit --time=04:00:00 --requeue -- mrl grpo --config X")
+        "the layout's memory against the GPU: mrl plan), then "
+        "`sbatch slurm/ray-sbatch.sh <command>`: a Ray head on the first node, a worker on each other, "
+        "the command on the head. Example: mrl submit --time=04:00:00 --requeue -- mrl grpo --config X",
+    )
     submit.add_argument("--nodes", type=int, help="nodes (default: cluster.num_nodes of the config)")
     submit.add_argument("--gpus-per-node", type=int, help="GPUs per node (default: cluster.devices_per_node)")
-    submit.add_argument("--no-gpus", dest="gpus", action="store_false",
-                        help="request no GPUs (CPU clusters: devices are worker processes)")
-    submit.add_argument("--gpu", default="h100-80gb",
-                        help="the GPU the memory plan checks the layout against (default h100-80gb; see mrl plan)")
-    submit.add_argument("--assume", action="append", default=[], metavar="KEY=VALUE",
-                        help="replace one of the memory plan's assumptions (see mrl plan)")
+    submit.add_argument(
+        "--no-gpus",
+        dest="gpus",
+        action="store_false",
+        help="request no GPUs (CPU clusters: devices are worker processes)",
+    )
+    submit.add_argument(
+        "--gpu",
+        default="h100-80gb",
+        help="the GPU the memory plan checks the layout against (default h100-80gb; see mrl plan)",
+    )
+    submit.add_argument(
+        "--assume",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="replace one of the memory plan's assumptions (see mrl plan)",
+    )
     submit.add_argument("--time", help="time limit (sbatch --time)")
     submit.add_argument("--partition", help="sbatch --partition")
     submit.add_argument("--account", help="sbatch --account")
     submit.add_argument("--job-name", default="mrl", help="sbatch --job-name (default: mrl)")
-    submit.add_argument("--requeue", action="store_true",
-                        help="after a pre-emption (SIGTERM) the run saves, and the job is re-queued to resume")
+    submit.add_argument(
+        "--requeue",
+        action="store_true",
+        help="after a pre-emption (SIGTERM) the run saves, and the job is re-queued to resume",
+    )
     submit.add_argument("--container-image", help="pyxis/enroot image for every step (default: bare, the venv)")
-    submit.add_argument("--container-mounts", help="pyxis container mounts, SRC[:DST[:FLAGS]],... (the submit folder "
-                                                   "is mounted at its own path in any case: every step runs in it)")
+    submit.add_argument(
+        "--container-mounts",
+        help="pyxis container mounts, SRC[:DST[:FLAGS]],... (the submit folder "
+        "is mounted at its own path in any case: every step runs in it)",
+    )
     submit.add_argument("--log-root", default="slurm-logs", help="logs go to LOG_ROOT/<job id>/ (default: slurm-logs)")
     submit.add_argument("--sbatch-arg", action="append", default=[], metavar="ARG", help="extra sbatch argument")
     submit.add_argument("--dry-run", action="store_true", help="print the sbatch command instead of running it")
-    submit.add_argument("submitted", nargs=argparse.REMAINDER, metavar="COMMAND",
-                        help="-- mrl <command> --config FILE [overrides]")
+    submit.add_argument(
+        "submitted", nargs=argparse.REMAINDER, metavar="COMMAND", help="-- mrl <command> --config FILE [overrides]"
+    )
 
 
 def _add_plan_parser(sub) -> None:
-    text = ("A recipe's memory per GPU (policy ranks by pipeline stage, the engine's weights and KV cache), with the "
-            "assumptions printed, and whether it fits; a staged recipe's, stage by stage; exit 2 when one does not.")
+    text = (
+        "A recipe's memory per GPU (policy ranks by pipeline stage, the engine's weights and KV cache), with the "
+        "assumptions printed, and whether it fits; a staged recipe's, stage by stage; exit 2 when one does not."
+    )
     plan = sub.add_parser("plan", help=text, description=text)
-    plan.add_argument("--config", required=True, metavar="FILE", help="YAML config or recipe, or a shipped recipe's name")
+    plan.add_argument(
+        "--config", required=True, metavar="FILE", help="YAML config or recipe, or a shipped recipe's name"
+    )
     plan.add_argument("--gpu", default="h100-80gb", help="the GPU (default h100-80gb; h200-141gb, a100-80gb, ...)")
-    plan.add_argument("--assume", action="append", default=[], metavar="KEY=VALUE",
-                      help="replace one of the plan's assumptions with your own measurement (repeatable)")
-    plan.add_argument("--model-config", metavar="FILE", help="the model's config.json (default: policy.model_name's, "
-                                                            "from its folder, the hub cache or mrl's shipped copies)")
+    plan.add_argument(
+        "--assume",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="replace one of the plan's assumptions with your own measurement (repeatable)",
+    )
+    plan.add_argument(
+        "--model-config",
+        metavar="FILE",
+        help="the model's config.json (default: policy.model_name's, "
+        "from its folder, the hub cache or mrl's shipped copies)",
+    )
     plan.add_argument("overrides", nargs="*", help=OVERRIDE_HELP)
 
 
 def _run_plan(args: argparse.Namespace) -> int:
     from mrl.app.plan_stages import fits, plan_command, render_plans
 
-    plans = plan_command(args.config, args.overrides, gpu=args.gpu, assume=args.assume,
-                         model_config_path=args.model_config)  # a staged recipe: every stage
+    plans = plan_command(
+        args.config, args.overrides, gpu=args.gpu, assume=args.assume, model_config_path=args.model_config
+    )  # a staged recipe: every stage
     print(render_plans(plans))
     return 0 if fits(plans) else CONFIG_ERROR_EXIT_CODE
 
@@ -263,8 +343,11 @@ def _write_rows(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     bounds = dict(max_turns=args.max_turns, low=args.low, high=args.high)
-    rows = (example.warmup_rows(args.count, seed=args.seed, turn_end=args.turn_end, **bounds) if args.warmup else
-            example.rows(args.count, seed=args.seed, **bounds))
+    rows = (
+        example.warmup_rows(args.count, seed=args.seed, turn_end=args.turn_end, **bounds)
+        if args.warmup
+        else example.rows(args.count, seed=args.seed, **bounds)
+    )
     out.write_text("".join(json.dumps(row) + "\n" for row in rows))
     print(f"wrote {len(rows)} rows to {out}")
     return 0
@@ -280,8 +363,7 @@ def _run_env(args: argparse.Namespace) -> int:
         return _write_rows(args)
 
     if args.name not in EXAMPLES:
-        print(f"mrl env serve: unknown environment {args.name!r}: choose one of {', '.join(EXAMPLES)}",
-              file=sys.stderr)
+        print(f"mrl env serve: unknown environment {args.name!r}: choose one of {', '.join(EXAMPLES)}", file=sys.stderr)
         return CONFIG_ERROR_EXIT_CODE
     server = EXAMPLES[args.name]()
     try:
@@ -289,8 +371,10 @@ def _run_env(args: argparse.Namespace) -> int:
     except OSError as exc:  # port in use, an address not on this machine, or no start in time
         print(f"mrl env serve: {exc}", file=sys.stderr)
         return 1
-    print(f"{server.name} at {running.url}: POST /seed_session {{\"row\": ...}}, then the tools and POST /verify "
-          "with the X-Session-Id header (or the mrl_session cookie)")
+    print(
+        f'{server.name} at {running.url}: POST /seed_session {{"row": ...}}, then the tools and POST /verify '
+        "with the X-Session-Id header (or the mrl_session cookie)"
+    )
     for spec in tool_specs(server):
         summary = spec.description.split("\n")[0]
         print(f"  POST {running.url}/{spec.name} {{{', '.join(spec.parameters)}}}  {summary}")
@@ -326,8 +410,10 @@ def _run_convert(args: argparse.Namespace) -> int:
             from mrl.checkpoint.manager import MARKER_FILE
 
             if not (Path(args.checkpoint) / MARKER_FILE).is_file():
-                raise ConversionError(f"{args.checkpoint} is not a complete training checkpoint (no {MARKER_FILE} "
-                                      "marker): pass a <checkpointing.dir>/step_N folder")
+                raise ConversionError(
+                    f"{args.checkpoint} is not a complete training checkpoint (no {MARKER_FILE} "
+                    "marker): pass a <checkpointing.dir>/step_N folder"
+                )
             out = convert.megatron_to_hf(args.checkpoint, args.out)  # step_N/model (weights) + step_N/hf (config)
     except (ConversionError, CheckpointError, FileNotFoundError) as exc:
         print(f"mrl convert: {exc}", file=sys.stderr)

@@ -123,21 +123,28 @@ def observation_tokens(text: str, tokenizer: "PreTrainedTokenizerBase", template
         return list(tokenizer(PLAIN_OBSERVATION.format(text), add_special_tokens=False)["input_ids"])
     marker = "mrl-agent-turn"
     messages = [{"role": "user", "content": "1"}, {"role": "assistant", "content": marker}]
-    full = tokenizer.apply_chat_template(messages + [{"role": "tool", "content": text}], tokenize=False,
-                                         add_generation_prompt=True)
-    after = full[full.index(marker) + len(marker):]
+    full = tokenizer.apply_chat_template(
+        messages + [{"role": "tool", "content": text}], tokenize=False, add_generation_prompt=True
+    )
+    after = full[full.index(marker) + len(marker) :]
     end_id = template.turn_end_id(tokenizer)
     end_text = tokenizer.decode([end_id]) if end_id is not None else ""
     if end_text and after.startswith(end_text):
-        after = after[len(end_text):]  # the model wrote its turn's end itself
+        after = after[len(end_text) :]  # the model wrote its turn's end itself
     return list(tokenizer(after, add_special_tokens=False)["input_ids"])
 
 
 class AgentRunner:
     """Runs episodes of many rows at once against one resource server (see the module docstring)."""
 
-    def __init__(self, url: str, tokenizer: "PreTrainedTokenizerBase", template: PromptTemplate, fmt: ToolFormat,
-                 limits: AgentLimits) -> None:
+    def __init__(
+        self,
+        url: str,
+        tokenizer: "PreTrainedTokenizerBase",
+        template: PromptTemplate,
+        fmt: ToolFormat,
+        limits: AgentLimits,
+    ) -> None:
         self.url, self.tokenizer, self.template, self.fmt, self.limits = url, tokenizer, template, fmt, limits
 
     # ---------------------------------------------------------------------------------------- server calls
@@ -165,8 +172,9 @@ class AgentRunner:
         return list(self.tokenizer(f"{text}\n", add_special_tokens=False)["input_ids"])
 
     def _call_tools(self, calls: list[tuple[Episode, tuple[str, dict]]]) -> None:
-        results = self._gather([lambda c, e=e, call=call: c.call_tool(e.session, call[0], call[1])
-                                for e, call in calls])
+        results = self._gather(
+            [lambda c, e=e, call=call: c.call_tool(e.session, call[0], call[1]) for e, call in calls]
+        )
         for (episode, _), result in zip(calls, results):
             episode.tool_calls += 1
             if result.error_kind not in (None, "tool"):
@@ -180,8 +188,9 @@ class AgentRunner:
 
     def _verify(self, episodes: list[Episode]) -> None:
         live = [e for e in episodes if e.session is not None and e.server_error is None]
-        results = self._gather([lambda c, e=e: c.verify(e.session, e.row, {"text": e.last_text, "turns": e.turns})
-                                for e in live])
+        results = self._gather(
+            [lambda c, e=e: c.verify(e.session, e.row, {"text": e.last_text, "turns": e.turns}) for e in live]
+        )
         for episode, result in zip(live, results):
             if result.error is not None:
                 episode.server_error = f"verify: {result.error}"
@@ -217,16 +226,23 @@ class AgentRunner:
         if calls:
             self._call_tools(calls)
         for episode in live:
-            if not episode.done and (episode.turns >= self.limits.max_turns or
-                                     len(episode.ids) >= self.limits.max_total_tokens):
+            if not episode.done and (
+                episode.turns >= self.limits.max_turns or len(episode.ids) >= self.limits.max_total_tokens
+            ):
                 episode.truncated = len(episode.ids) >= self.limits.max_total_tokens
                 episode.end()
 
-    def run(self, engine: GenerationBackend, rows: Sequence[dict], prompt_ids: Sequence[Sequence[int]],
-            sampling: SamplingConfig) -> list[Episode]:
+    def run(
+        self,
+        engine: GenerationBackend,
+        rows: Sequence[dict],
+        prompt_ids: Sequence[Sequence[int]],
+        sampling: SamplingConfig,
+    ) -> list[Episode]:
         """`sampling.n` episodes per row, every one played to its end, then verified."""
-        episodes = [Episode(dict(row), list(ids), len(ids)) for row, ids in zip(rows, prompt_ids)
-                    for _ in range(sampling.n)]
+        episodes = [
+            Episode(dict(row), list(ids), len(ids)) for row, ids in zip(rows, prompt_ids) for _ in range(sampling.n)
+        ]
         self._seed(episodes)
         engine.prepare_for_generation()  # a colocated engine may be asleep (validation after a refit)
         base = replace(sampling, n=1, max_new_tokens=self.limits.max_new_tokens)
@@ -247,27 +263,35 @@ def rollouts_from_episodes(episodes: Sequence[Episode], pad_id: int) -> Rollouts
     mask = torch.zeros((len(episodes), width))
     gen = torch.zeros((len(episodes), width))
     for row, e in enumerate(episodes):
-        ids[row, :len(e.ids)] = torch.tensor(e.ids)
-        mask[row, :len(e.mask)] = torch.tensor(e.mask)
-        gen[row, :len(e.logprobs)] = torch.tensor(e.logprobs)
-    return Rollouts(ids, mask, gen, torch.tensor([e.reward for e in episodes]),
-                    torch.tensor([int(sum(e.mask)) for e in episodes]),
-                    torch.tensor([e.truncated for e in episodes]),
-                    num_reward_errors=sum(e.server_error is not None for e in episodes),
-                    reward_errors=[e.server_error for e in episodes if e.server_error is not None][:4],
-                    lengths=torch.tensor([len(e.ids) for e in episodes]),
-                    responses=[e.last_text for e in episodes], extracted_answers=[None] * len(episodes),
-                    finish_reasons=[e.finish_reason for e in episodes])
+        ids[row, : len(e.ids)] = torch.tensor(e.ids)
+        mask[row, : len(e.mask)] = torch.tensor(e.mask)
+        gen[row, : len(e.logprobs)] = torch.tensor(e.logprobs)
+    return Rollouts(
+        ids,
+        mask,
+        gen,
+        torch.tensor([e.reward for e in episodes]),
+        torch.tensor([int(sum(e.mask)) for e in episodes]),
+        torch.tensor([e.truncated for e in episodes]),
+        num_reward_errors=sum(e.server_error is not None for e in episodes),
+        reward_errors=[e.server_error for e in episodes if e.server_error is not None][:4],
+        lengths=torch.tensor([len(e.ids) for e in episodes]),
+        responses=[e.last_text for e in episodes],
+        extracted_answers=[None] * len(episodes),
+        finish_reasons=[e.finish_reason for e in episodes],
+    )
 
 
 def episode_metrics(episodes: Sequence[Episode]) -> dict[str, float]:
     """Per-environment metrics of a step's episodes: means per episode, and the server failures counted."""
     count = max(len(episodes), 1)
     mean = lambda values: float(sum(values)) / count  # noqa: E731
-    return {"train/env_turns": mean(e.turns for e in episodes),
-            "train/env_tool_calls": mean(e.tool_calls for e in episodes),
-            "train/env_tool_errors": mean(e.tool_errors for e in episodes),
-            "train/env_server_errors": float(sum(e.server_error is not None for e in episodes))}
+    return {
+        "train/env_turns": mean(e.turns for e in episodes),
+        "train/env_tool_calls": mean(e.tool_calls for e in episodes),
+        "train/env_tool_errors": mean(e.tool_errors for e in episodes),
+        "train/env_server_errors": float(sum(e.server_error is not None for e in episodes)),
+    }
 
 
 def problem_rows(problems: Sequence[Problem]) -> list[dict]:
@@ -278,14 +302,24 @@ def problem_rows(problems: Sequence[Problem]) -> list[dict]:
 def runner_for(env: Any, tokenizer: "PreTrainedTokenizerBase", template: PromptTemplate) -> AgentRunner:
     """The agent loop of a `ServerEnvironment` (its `env.server` settings)."""
     cfg = env.cfg
-    return AgentRunner(env.url, tokenizer, template, ToolFormat(cfg.tool_format, cfg.tool, cfg.argument),
-                       AgentLimits(cfg.max_turns, cfg.max_turn_tokens, cfg.max_total_tokens, cfg.timeout_s,
-                                   cfg.opening_observation))
+    return AgentRunner(
+        env.url,
+        tokenizer,
+        template,
+        ToolFormat(cfg.tool_format, cfg.tool, cfg.argument),
+        AgentLimits(cfg.max_turns, cfg.max_turn_tokens, cfg.max_total_tokens, cfg.timeout_s, cfg.opening_observation),
+    )
 
 
-def agent_rollouts(env: Any, engine: GenerationBackend, tokenizer: "PreTrainedTokenizerBase",
-                   template: PromptTemplate, problems: Sequence[Problem], prompt_ids: Sequence[Sequence[int]],
-                   sampling: SamplingConfig) -> tuple[Rollouts, dict[str, float]]:
+def agent_rollouts(
+    env: Any,
+    engine: GenerationBackend,
+    tokenizer: "PreTrainedTokenizerBase",
+    template: PromptTemplate,
+    problems: Sequence[Problem],
+    prompt_ids: Sequence[Sequence[int]],
+    sampling: SamplingConfig,
+) -> tuple[Rollouts, dict[str, float]]:
     """`sampling.n` multi-turn episodes per problem as training rows, and the step's per-environment metrics."""
     runner = runner_for(env, tokenizer, template)
     episodes = runner.run(engine, problem_rows(problems), prompt_ids, sampling)
@@ -300,7 +334,7 @@ def validate_episodes(cfg: Any, workers: Any, env: Any, data: Any) -> dict[str, 
     from mrl.data.tasks import encode_prompts
     from mrl.inference.factory import sampling_config
 
-    problems = data.val[:cfg.eval.max_problems] if cfg.eval.max_problems else data.val
+    problems = data.val[: cfg.eval.max_problems] if cfg.eval.max_problems else data.val
     if not problems:
         return {}
     problems, prompts = encode_prompts(problems, workers.tokenizer, data.template, cfg)
@@ -309,5 +343,9 @@ def validate_episodes(cfg: Any, workers: Any, env: Any, data: Any) -> dict[str, 
     episodes = runner.run(workers.engine, problem_rows(problems), prompts, sampling)
     rewards = [e.reward for e in episodes]
     server_metrics = {f"val/env/{key}": value for key, value in runner.aggregate(episodes).items()}
-    return {"val/reward": sum(rewards) / len(rewards), "val/accuracy": sum(r >= 1.0 for r in rewards) / len(rewards),
-            "val/server_errors": float(sum(e.server_error is not None for e in episodes)), **server_metrics}
+    return {
+        "val/reward": sum(rewards) / len(rewards),
+        "val/accuracy": sum(r >= 1.0 for r in rewards) / len(rewards),
+        "val/server_errors": float(sum(e.server_error is not None for e in episodes)),
+        **server_metrics,
+    }

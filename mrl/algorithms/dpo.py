@@ -56,9 +56,12 @@ def dpo_validation(cfg: MrlConfig, workers: Workers, data: PairData, loss_fn: DP
     totals: dict[str, float] = {}
     count = 2.0 * len(data.val)  # sequences of the whole validation set: metrics come out as means over pairs
     for pairs, real in validation_chunks(data.val, workers.policy.data_parallel_size, VAL_PAIRS_PER_CALL):
-        batch = add_reference(workers.policy, pair_batch(pairs, workers.tokenizer, data.template,
-                                                         cfg.policy.max_total_sequence_length), loss_fn)
-        logprobs = workers.policy.logprobs(batch)[:2 * real]
+        batch = add_reference(
+            workers.policy,
+            pair_batch(pairs, workers.tokenizer, data.template, cfg.policy.max_total_sequence_length),
+            loss_fn,
+        )
+        logprobs = workers.policy.logprobs(batch)[: 2 * real]
         with torch.no_grad():
             _, metrics = loss_fn(logprobs, masked_batch_dict(batch, 2 * real), count)
         for key, value in metrics.items():
@@ -76,10 +79,19 @@ def dpo_step(workers: Workers, batch: RankBatch, loss_fn: DPOLoss) -> dict[str, 
     return metrics | {"timing/reference_logprobs": t1 - t0, "timing/train": time.perf_counter() - t1}
 
 
-def dpo_train(cfg: MrlConfig, workers: Workers, data: PairData, logger: MetricsLogger,
-              ckpt: LoopCheckpoints) -> dict[str, float]:
+def dpo_train(
+    cfg: MrlConfig, workers: Workers, data: PairData, logger: MetricsLogger, ckpt: LoopCheckpoints
+) -> dict[str, float]:
     """The whole DPO run (resumes from the newest checkpoint when there is one). Returns the last step's metrics."""
     loss_fn = dpo_loss(cfg.dpo)
-    return train_on_pairs(cfg, cfg.dpo, workers, data, logger, ckpt,
-                          step_fn=lambda batch: dpo_step(workers, batch, loss_fn),
-                          validate=lambda: dpo_validation(cfg, workers, data, loss_fn), command="dpo")
+    return train_on_pairs(
+        cfg,
+        cfg.dpo,
+        workers,
+        data,
+        logger,
+        ckpt,
+        step_fn=lambda batch: dpo_step(workers, batch, loss_fn),
+        validate=lambda: dpo_validation(cfg, workers, data, loss_fn),
+        command="dpo",
+    )

@@ -55,9 +55,15 @@ class Evaluation:
     samples: list[SampleRecord]
 
 
-def evaluate(engine: GenerationBackend, env: Environment, tokenizer: "PreTrainedTokenizerBase",
-             problems: Sequence[Problem], prompt_ids: Sequence[Sequence[int]], sampling: SamplingConfig,
-             pass_k: Sequence[int]) -> Evaluation:
+def evaluate(
+    engine: GenerationBackend,
+    env: Environment,
+    tokenizer: "PreTrainedTokenizerBase",
+    problems: Sequence[Problem],
+    prompt_ids: Sequence[Sequence[int]],
+    sampling: SamplingConfig,
+    pass_k: Sequence[int],
+) -> Evaluation:
     """`val/accuracy`, `val/response_length`, `val/pass@k` for each k, and the held-out health (responses cut at
     max_new_tokens, answers the reward could not read), with every sample."""
     problem = pass_k_problem(pass_k, sampling.n)
@@ -66,20 +72,31 @@ def evaluate(engine: GenerationBackend, env: Environment, tokenizer: "PreTrained
     engine.prepare_for_generation()  # a colocated engine may be asleep (a start-up or a refit left it so)
     rollouts = generate_and_score(engine, env, tokenizer, problems, prompt_ids, sampling)
     correct = (rollouts.rewards > 0.5).view(len(prompt_ids), sampling.n).sum(dim=1).tolist()
-    metrics = {"val/accuracy": float(rollouts.rewards.mean()),
-               "val/response_length": float(rollouts.response_lengths.float().mean()),
-               "val/truncated_fraction": float(rollouts.truncated.float().mean()),
-               "val/reward_error_fraction": rollouts.num_reward_errors / max(len(rollouts.responses), 1)}
+    metrics = {
+        "val/accuracy": float(rollouts.rewards.mean()),
+        "val/response_length": float(rollouts.response_lengths.float().mean()),
+        "val/truncated_fraction": float(rollouts.truncated.float().mean()),
+        "val/reward_error_fraction": rollouts.num_reward_errors / max(len(rollouts.responses), 1),
+    }
     for k in pass_k:
         metrics[f"val/pass@{k}"] = sum(pass_at_k(sampling.n, c, k) for c in correct) / len(correct)
     prompts = [tokenizer.decode(list(ids), skip_special_tokens=False) for ids in prompt_ids]
     mean_logprobs = response_mean_logprobs(rollouts.generation_logprobs, rollouts.loss_mask)
-    samples = [SampleRecord(problems[row // sampling.n].row, row % sampling.n, problems[row // sampling.n].problem,
-                            prompts[row // sampling.n],
-                            rollouts.responses[row], problems[row // sampling.n].answer,
-                            rollouts.extracted_answers[row], float(rollouts.rewards[row]),
-                            rollouts.finish_reasons[row].value, mean_logprobs[row])
-               for row in range(len(rollouts.responses))]
+    samples = [
+        SampleRecord(
+            problems[row // sampling.n].row,
+            row % sampling.n,
+            problems[row // sampling.n].problem,
+            prompts[row // sampling.n],
+            rollouts.responses[row],
+            problems[row // sampling.n].answer,
+            rollouts.extracted_answers[row],
+            float(rollouts.rewards[row]),
+            rollouts.finish_reasons[row].value,
+            mean_logprobs[row],
+        )
+        for row in range(len(rollouts.responses))
+    ]
     return Evaluation(metrics, samples)
 
 
@@ -89,8 +106,9 @@ def response_mean_logprobs(logprobs: "torch.Tensor", mask: "torch.Tensor") -> li
     return ((logprobs * mask).sum(dim=1) / counts.clamp(min=1)).tolist()
 
 
-def validate(cfg: MrlConfig, engine: GenerationBackend, env: Environment, tokenizer: "PreTrainedTokenizerBase",
-             data: TaskData) -> Optional[Evaluation]:
+def validate(
+    cfg: MrlConfig, engine: GenerationBackend, env: Environment, tokenizer: "PreTrainedTokenizerBase", data: TaskData
+) -> Optional[Evaluation]:
     """Evaluate on the run's validation problems (at most eval.max_problems) with the eval sampling settings;
     None when the run has none."""
     if not data.val:
@@ -116,13 +134,16 @@ def write_samples(path: Path, samples: Sequence[SampleRecord]) -> Path:
 
 def format_examples(samples: Sequence[SampleRecord], count: int = 3, width: int = 100) -> str:
     """The first sample of the first `count` problems, one block each: prompt, response, gold/extracted, reward."""
+
     def cut(text: str) -> str:
         text = " ".join(text.split())
         return text if len(text) <= width else text[: width - 3] + "..."
 
     blocks = []
     for sample in [s for s in samples if s.sample_index == 0][:count]:
-        blocks.append(f"  prompt:   {cut(sample.prompt)}\n  response: {cut(sample.response)}\n"
-                      f"  gold: {sample.gold_answer!r}  extracted: {sample.extracted_answer!r}  "
-                      f"reward: {sample.reward:g}  ({sample.finish_reason})")
+        blocks.append(
+            f"  prompt:   {cut(sample.prompt)}\n  response: {cut(sample.response)}\n"
+            f"  gold: {sample.gold_answer!r}  extracted: {sample.extracted_answer!r}  "
+            f"reward: {sample.reward:g}  ({sample.finish_reason})"
+        )
     return "\n".join(blocks)

@@ -58,13 +58,17 @@ def training_rows(rollouts: Rollouts, advantages: torch.Tensor, keep: torch.Tens
     kept = keep.nonzero().squeeze(1)
     index = torch.cat([kept, kept[:1].repeat(-len(kept) % dp_size)])
     mask = rollouts.loss_mask[index].clone()
-    mask[len(kept):] = 0
+    mask[len(kept) :] = 0
     adv = advantages[index][:, None].expand_as(mask).contiguous()
     lengths = None if rollouts.lengths is None else rollouts.lengths[index]
     routing = None if rollouts.routing is None else rollouts.routing[index]  # router replay's engine choices
-    return RankBatch(rollouts.input_ids[index], mask,
-                     {"advantages": adv, GENERATION_LOGPROBS: rollouts.generation_logprobs[index]}, lengths=lengths,
-                     routing=routing)
+    return RankBatch(
+        rollouts.input_ids[index],
+        mask,
+        {"advantages": adv, GENERATION_LOGPROBS: rollouts.generation_logprobs[index]},
+        lengths=lengths,
+        routing=routing,
+    )
 
 
 def run_validation(cfg: MrlConfig, workers: Workers, env: Environment, data: TaskData, step: int) -> dict[str, float]:
@@ -84,8 +88,16 @@ def run_validation(cfg: MrlConfig, workers: Workers, env: Environment, data: Tas
     return result.metrics
 
 
-def produce_rollouts(cfg: MrlConfig, workers: Workers, env: Environment, data: TaskData, problems, step: int,
-                     logger: MetricsLogger, policy_version: int) -> tuple[Rollouts, dict[str, float]]:
+def produce_rollouts(
+    cfg: MrlConfig,
+    workers: Workers,
+    env: Environment,
+    data: TaskData,
+    problems,
+    step: int,
+    logger: MetricsLogger,
+    policy_version: int,
+) -> tuple[Rollouts, dict[str, float]]:
     """Step `step`'s samples from the engine (which holds the weights after step `policy_version`), scored."""
     m: dict[str, float] = {}
     problems, prompts = encode_prompts(problems, workers.tokenizer, data.template, cfg)
@@ -93,8 +105,9 @@ def produce_rollouts(cfg: MrlConfig, workers: Workers, env: Environment, data: T
     with logger.timer("generation", m):
         workers.engine.prepare_for_generation()  # colocated on GPUs: the engine takes its memory back
         if isinstance(env, ServerEnvironment):  # multi-turn episodes against a resource server
-            rollouts, env_metrics = agent_rollouts(env, workers.engine, workers.tokenizer, data.template, problems,
-                                                   prompts, sampling)
+            rollouts, env_metrics = agent_rollouts(
+                env, workers.engine, workers.tokenizer, data.template, problems, prompts, sampling
+            )
             m.update(env_metrics)
         else:
             rollouts = generate_and_score(workers.engine, env, workers.tokenizer, problems, prompts, sampling)
@@ -104,19 +117,25 @@ def produce_rollouts(cfg: MrlConfig, workers: Workers, env: Environment, data: T
     return rollouts, m
 
 
-def learn(cfg: MrlConfig, workers: Workers, rollouts: Rollouts, step: int, loss_fn: GRPOLoss,
-          logger: MetricsLogger) -> dict[str, float]:
+def learn(
+    cfg: MrlConfig, workers: Workers, rollouts: Rollouts, step: int, loss_fn: GRPOLoss, logger: MetricsLogger
+) -> dict[str, float]:
     """reward -> advantage -> logprobs -> train on step `step`'s rollouts. Returns the step's training metrics."""
     m: dict[str, float] = {}
     n = cfg.grpo.num_generations_per_prompt
     with logger.timer("reward", m):
         rewards = rollouts.rewards
         if cfg.grpo.overlong_buffer:
-            rewards = rewards + overlong_penalty(rollouts.response_lengths, max_length=cfg.generation.max_new_tokens,
-                                                 buffer=cfg.grpo.overlong_buffer, penalty=cfg.grpo.overlong_penalty)
+            rewards = rewards + overlong_penalty(
+                rollouts.response_lengths,
+                max_length=cfg.generation.max_new_tokens,
+                buffer=cfg.grpo.overlong_buffer,
+                penalty=cfg.grpo.overlong_penalty,
+            )
         grouped = rewards.view(-1, n)  # [P, G]
-        advantages = grpo_advantages(grouped, leave_one_out=cfg.grpo.leave_one_out,
-                                     normalize_std=cfg.grpo.normalize_std).view(-1)
+        advantages = grpo_advantages(
+            grouped, leave_one_out=cfg.grpo.leave_one_out, normalize_std=cfg.grpo.normalize_std
+        ).view(-1)
         keep = _groups_kept(grouped, cfg.grpo.dynamic_sampling).repeat_interleave(n)
         keep &= rollouts.loss_mask.sum(dim=1) > 0
         batch = training_rows(rollouts, advantages, keep, workers.policy.data_parallel_size)
@@ -129,8 +148,9 @@ def learn(cfg: MrlConfig, workers: Workers, rollouts: Rollouts, step: int, loss_
     with logger.timer("logprobs", m):
         if len(batch) > _rows_per_update(cfg, workers):  # pi_old must stay fixed over the step's updates
             batch.token_data[PREV_LOGPROBS] = workers.policy.logprobs(batch)
-            mismatch = mismatch_metrics(batch.token_data[GENERATION_LOGPROBS], batch.token_data[PREV_LOGPROBS],
-                                        batch.loss_mask)
+            mismatch = mismatch_metrics(
+                batch.token_data[GENERATION_LOGPROBS], batch.token_data[PREV_LOGPROBS], batch.loss_mask
+            )
         if loss_fn.needs_reference:
             batch.token_data[REF_LOGPROBS] = workers.policy.logprobs(batch, reference=True)
     with logger.timer("train", m):
@@ -144,8 +164,9 @@ def learn(cfg: MrlConfig, workers: Workers, rollouts: Rollouts, step: int, loss_
     return m
 
 
-def refit_engine(workers: Workers, logger: MetricsLogger,
-                 on_sent: Callable[[], None] | None = None) -> dict[str, float]:
+def refit_engine(
+    workers: Workers, logger: MetricsLogger, on_sent: Callable[[], None] | None = None
+) -> dict[str, float]:
     """Stream the policy's weights into the engine; the refit's metrics (`on_sent`: `Workers.refit`'s)."""
     m: dict[str, float] = {}
     with logger.timer("refit", m):
@@ -155,12 +176,17 @@ def refit_engine(workers: Workers, logger: MetricsLogger,
 
 
 def _rollout_metrics(rollouts: Rollouts, keep: torch.Tensor) -> dict[str, float]:
-    return {"train/reward": float(rollouts.rewards.mean()), "train/reward_errors": float(rollouts.num_reward_errors),
-            "train/response_length": float(rollouts.response_lengths.float().mean()),
-            "train/sequence_length_max": float(rollouts.input_ids.shape[1] if rollouts.lengths is None
-                                               else rollouts.lengths.max()),
-            "train/truncated_fraction": float(rollouts.truncated.float().mean()),
-            "train/prompts_rejected": float(rollouts.num_prompts_rejected), "train/kept_samples": float(keep.sum())}
+    return {
+        "train/reward": float(rollouts.rewards.mean()),
+        "train/reward_errors": float(rollouts.num_reward_errors),
+        "train/response_length": float(rollouts.response_lengths.float().mean()),
+        "train/sequence_length_max": float(
+            rollouts.input_ids.shape[1] if rollouts.lengths is None else rollouts.lengths.max()
+        ),
+        "train/truncated_fraction": float(rollouts.truncated.float().mean()),
+        "train/prompts_rejected": float(rollouts.num_prompts_rejected),
+        "train/kept_samples": float(keep.sum()),
+    }
 
 
 def _groups_kept(grouped_rewards: torch.Tensor, dynamic_sampling: bool) -> torch.Tensor:
@@ -187,12 +213,21 @@ def _train_in_minibatches(cfg: MrlConfig, workers: Workers, batch: RankBatch, lo
     results = [workers.policy.train(s, loss_fn, temperature=1.0) for s in steps]
     # a metric some steps lack is the mean of those that have it (the routing disagreement: the first step's alone)
     keys = dict.fromkeys(k for r in results for k in r)
-    return {k: sum(r[k] for r in results if k in r) / sum(k in r for r in results) for k in keys} | \
-        {"optimizer_steps": float(len(results))}
+    return {k: sum(r[k] for r in results if k in r) / sum(k in r for r in results) for k in keys} | {
+        "optimizer_steps": float(len(results))
+    }
 
 
-def grpo_train(cfg: MrlConfig, workers: Workers, env: Environment, data: TaskData, logger: MetricsLogger,
-               ckpt: LoopCheckpoints, *, val_env: Environment | None = None) -> dict[str, float]:
+def grpo_train(
+    cfg: MrlConfig,
+    workers: Workers,
+    env: Environment,
+    data: TaskData,
+    logger: MetricsLogger,
+    ckpt: LoopCheckpoints,
+    *,
+    val_env: Environment | None = None,
+) -> dict[str, float]:
     """The whole GRPO run (resumes from the newest checkpoint when there is one). Returns the final metrics.
     `val_env` scores validation (default `env`; with a reward model as the training reward, the task's verifier).
     `grpo.max_off_policy_steps: 1` generates step n+1 while step n trains (mrl/algorithms/ahead.py)."""
@@ -213,8 +248,11 @@ def grpo_train(cfg: MrlConfig, workers: Workers, env: Environment, data: TaskDat
     def produce(step: int, problems, version: int) -> tuple[Rollouts, dict[str, float]]:
         return produce_rollouts(cfg, workers, env, data, problems, step, logger, version)
 
-    ahead = (RolloutsAhead(produce, lambda on_sent: refit_engine(workers, logger, on_sent), engine_version=start)
-             if cfg.grpo.max_off_policy_steps else None)
+    ahead = (
+        RolloutsAhead(produce, lambda on_sent: refit_engine(workers, logger, on_sent), engine_version=start)
+        if cfg.grpo.max_off_policy_steps
+        else None
+    )
     if ahead is not None and state:
         ahead.load_state_dict(state.get("in_flight"))
     final: dict[str, float] = {}

@@ -52,9 +52,12 @@ class NonFiniteGuard:
         self._last = metrics
         metrics["train/nonfinite_steps"] = float(self.total)
         if skipped:
-            print(f"[mrl] step {step}: the loss or the gradients were not finite: its update was skipped "
-                  f"({len(self.in_a_row)} in a row; policy.max_nonfinite_steps={self.limit})", file=sys.stderr,
-                  flush=True)
+            print(
+                f"[mrl] step {step}: the loss or the gradients were not finite: its update was skipped "
+                f"({len(self.in_a_row)} in a row; policy.max_nonfinite_steps={self.limit})",
+                file=sys.stderr,
+                flush=True,
+            )
         return skipped
 
     def stop_if_exhausted(self) -> None:
@@ -65,9 +68,11 @@ class NonFiniteGuard:
     def _message(self, metrics: dict[str, float]) -> str:
         first, last = self.in_a_row[0], self.in_a_row[-1]
         loss = metrics.get("train/loss", math.nan)
-        return (f"steps {first}..{last}: the loss ({loss:g} at step {last}) or the gradients were not finite on "
-                f"{len(self.in_a_row)} steps in a row (policy.max_nonfinite_steps={self.limit}). None of them was "
-                "applied: the weights are those of the last finite update, and no checkpoint holds non-finite "
-                "weights. Usual causes: a learning rate too high for the model (lower policy.optimizer.lr, add "
-                "policy.scheduler.warmup_steps), no gradient clipping (policy.optimizer.clip_grad=1.0), or weights "
-                "that were already non-finite when loaded.")
+        return (
+            f"steps {first}..{last}: the loss ({loss:g} at step {last}) or the gradients were not finite on "
+            f"{len(self.in_a_row)} steps in a row (policy.max_nonfinite_steps={self.limit}). None of them was "
+            "applied: the weights are those of the last finite update, and no checkpoint holds non-finite "
+            "weights. Usual causes: a learning rate too high for the model (lower policy.optimizer.lr, add "
+            "policy.scheduler.warmup_steps), no gradient clipping (policy.optimizer.clip_grad=1.0), or weights "
+            "that were already non-finite when loaded."
+        )

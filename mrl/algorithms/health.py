@@ -55,8 +55,10 @@ def prompt_token_limit(cfg: Any) -> int:
 
 
 #: The keys that give a prompt more room.
-_LENGTH_FIX = ("raise policy.max_total_sequence_length (and generation.vllm.max_model_len when set), lower "
-               "generation.max_new_tokens")
+_LENGTH_FIX = (
+    "raise policy.max_total_sequence_length (and generation.vllm.max_model_len when set), lower "
+    "generation.max_new_tokens"
+)
 #: Training rows whose prompts are measured before any worker starts (`check_prompt_budget`).
 PREFLIGHT_ROWS = 64
 
@@ -77,8 +79,11 @@ def check_prompt_budget(cfg: Any, tokenizer: Any, template: Any, problems: Seque
     if bare > budget:
         raise ConfigError(
             f"the prompt template and instruction alone take {bare} tokens, more than the {budget} a prompt may take",
-            key="data.instruction", given=template.instruction, allowed=f"a prompt of at most {budget} tokens",
-            fix=f"{keys}, or shorten data.instruction")
+            key="data.instruction",
+            given=template.instruction,
+            allowed=f"a prompt of at most {budget} tokens",
+            fix=f"{keys}, or shorten data.instruction",
+        )
     sample = list(problems[:PREFLIGHT_ROWS])
     if cfg.generation.overlong_prompt != "reject" or not sample:
         return
@@ -87,8 +92,11 @@ def check_prompt_budget(cfg: Any, tokenizer: Any, template: Any, problems: Seque
         raise ConfigError(
             f"all {len(sample)} of the first {len(sample)} training prompts exceed the {budget} tokens a prompt may "
             f"take (shortest {min(lengths)}, longest {max(lengths)} tokens): generation.overlong_prompt=reject would "
-            "drop every one", key="generation.overlong_prompt", given="reject",
-            fix=f"{keys}, shorten data.instruction or the prompts, or set generation.overlong_prompt=truncate")
+            "drop every one",
+            key="generation.overlong_prompt",
+            given="reject",
+            fix=f"{keys}, shorten data.instruction or the prompts, or set generation.overlong_prompt=truncate",
+        )
 
 
 def check_sft_rows(cfg: Any, tokenizer: Any, template: Any, problems: Sequence[Any]) -> None:
@@ -108,13 +116,20 @@ def check_sft_rows(cfg: Any, tokenizer: Any, template: Any, problems: Sequence[A
         raise ConfigError(
             f"all {count} of the first {count} training rows have a prompt of {limit} tokens or more (shortest "
             f"{min(prompts)}, longest {max(prompts)}): cut to {limit} tokens, no response token is left to train on",
-            key="policy.max_total_sequence_length", given=limit, allowed=f"more than {min(prompts)}",
-            fix="raise policy.max_total_sequence_length, or shorten the prompts (data.instruction, the problems)")
+            key="policy.max_total_sequence_length",
+            given=limit,
+            allowed=f"more than {min(prompts)}",
+            fix="raise policy.max_total_sequence_length, or shorten the prompts (data.instruction, the problems)",
+        )
     if min(lengths) > limit:
-        print(f"[mrl] all {count} of the first {count} training rows are longer than policy.max_total_sequence_length="
-              f"{limit} (shortest {min(lengths)}, longest {max(lengths)} tokens): each is cut to its "
-              f"first {limit} tokens, so no response is learned to its end. Fix: raise "
-              "policy.max_total_sequence_length", file=sys.stderr, flush=True)
+        print(
+            f"[mrl] all {count} of the first {count} training rows are longer than policy.max_total_sequence_length="
+            f"{limit} (shortest {min(lengths)}, longest {max(lengths)} tokens): each is cut to its "
+            f"first {limit} tokens, so no response is learned to its end. Fix: raise "
+            "policy.max_total_sequence_length",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def health_metrics(rollouts: Any, grouped_rewards: torch.Tensor, *, reads_answers: bool = True) -> dict[str, float]:
@@ -130,9 +145,12 @@ def health_metrics(rollouts: Any, grouped_rewards: torch.Tensor, *, reads_answer
     unparsed = 0.0
     if reads_answers and ended and len(rollouts.extracted_answers) == len(rollouts.truncated):
         unparsed = sum(rollouts.extracted_answers[i] is None for i in ended) / len(ended)
-    return {"train/prompts_rejected_fraction": rollouts.num_prompts_rejected / prompts,
-            "train/zero_variance_groups": uniform, "train/reward_error_fraction": rollouts.num_reward_errors / samples,
-            "train/unparsed_fraction": unparsed}
+    return {
+        "train/prompts_rejected_fraction": rollouts.num_prompts_rejected / prompts,
+        "train/zero_variance_groups": uniform,
+        "train/reward_error_fraction": rollouts.num_reward_errors / samples,
+        "train/unparsed_fraction": unparsed,
+    }
 
 
 def env_reads_answers(cfg: Any) -> bool:
@@ -142,8 +160,10 @@ def env_reads_answers(cfg: Any) -> bool:
 
 
 #: What each environment that reads answers looks for in a response (mrl/environments/arith.py, math.py).
-_ANSWER_FORMATS = {"arith": "the first integer of the response",
-                   "math": "the last \\boxed{...}, else the number after 'final answer is', else the last number"}
+_ANSWER_FORMATS = {
+    "arith": "the first integer of the response",
+    "math": "the last \\boxed{...}, else the number after 'final answer is', else the last number",
+}
 
 
 @dataclass(frozen=True)
@@ -162,44 +182,96 @@ def step_causes(cfg: Any, metrics: dict[str, float], rollouts: Any) -> list[Caus
     kl = cfg.loss.kl_beta > 0
     if metrics["train/prompts_rejected_fraction"] >= 1.0:
         limit = prompt_token_limit(cfg)
-        causes.append(Cause("prompts too long", (
-            f"every prompt of the step was rejected for length: the longest has {longest_prompt} tokens, and a prompt "
-            f"may take {limit} (the engine's context {limit + cfg.generation.max_new_tokens} less "
-            f"generation.max_new_tokens={cfg.generation.max_new_tokens}). Fix: {_LENGTH_FIX}, shorten "
-            "data.instruction or the prompts, or set generation.overlong_prompt=truncate"), idle=True))
+        causes.append(
+            Cause(
+                "prompts too long",
+                (
+                    f"every prompt of the step was rejected for length: the longest has {longest_prompt} tokens, and "
+                    "a prompt "
+                    f"may take {limit} (the engine's context {limit + cfg.generation.max_new_tokens} less "
+                    f"generation.max_new_tokens={cfg.generation.max_new_tokens}). Fix: {_LENGTH_FIX}, shorten "
+                    "data.instruction or the prompts, or set generation.overlong_prompt=truncate"
+                ),
+                idle=True,
+            )
+        )
     elif metrics["train/zero_variance_groups"] >= 1.0:
         seen = sorted({round(float(r), 4) for r in rollouts.rewards.tolist()})
         effect = "learns only from the KL term" if kl else "changes nothing"
         if len(seen) == 1 and seen[0] > 0:
-            causes.append(Cause("all solved", (
-                f"every sample of the step got the same reward, {seen[0]:g}: the model solves every problem of the "
-                f"step, so every advantage is 0 and the step {effect}. Not counted as idle (the run is not stuck); "
-                "if it goes on, the data is too easy for the model: harder problems, or fewer steps"), idle=False))
+            causes.append(
+                Cause(
+                    "all solved",
+                    (
+                        f"every sample of the step got the same reward, {seen[0]:g}: the model solves every problem "
+                        "of the "
+                        f"step, so every advantage is 0 and the step {effect}. Not counted as idle (the run is not "
+                        "stuck); "
+                        "if it goes on, the data is too easy for the model: harder problems, or fewer steps"
+                    ),
+                    idle=False,
+                )
+            )
         else:
-            causes.append(Cause("equal rewards", f"every group's rewards were equal (rewards seen: {_few(seen)}): "
-                                f"every advantage is 0, so the step {effect}. {_equal_rewards_fix(cfg)}",
-                                idle=not kl))
+            causes.append(
+                Cause(
+                    "equal rewards",
+                    f"every group's rewards were equal (rewards seen: {_few(seen)}): "
+                    f"every advantage is 0, so the step {effect}. {_equal_rewards_fix(cfg)}",
+                    idle=not kl,
+                )
+            )
     elif metrics.get("train/kept_samples", 1.0) == 0:
-        causes.append(Cause("no samples", "no sample of the step was kept for training (every response empty, or "
-                            "every group dropped by grpo.dynamic_sampling)", idle=True))
+        causes.append(
+            Cause(
+                "no samples",
+                "no sample of the step was kept for training (every response empty, or "
+                "every group dropped by grpo.dynamic_sampling)",
+                idle=True,
+            )
+        )
     if _all_cut_or_empty(rollouts):
         empty = sum(not text.strip() for text in rollouts.responses)
-        causes.append(Cause("responses cut", (
-            f"every response was cut at generation.max_new_tokens={cfg.generation.max_new_tokens} before it ended"
-            + (f" ({empty} of {len(rollouts.responses)} were empty)" if empty else "") + ": raise "
-            "generation.max_new_tokens (and policy.max_total_sequence_length with it), or ask for shorter answers in "
-            "data.instruction"), idle=False))
+        causes.append(
+            Cause(
+                "responses cut",
+                (
+                    f"every response was cut at generation.max_new_tokens={cfg.generation.max_new_tokens} before it "
+                    "ended" + (f" ({empty} of {len(rollouts.responses)} were empty)" if empty else "") + ": raise "
+                    "generation.max_new_tokens (and policy.max_total_sequence_length with it), or ask for shorter "
+                    "answers in "
+                    "data.instruction"
+                ),
+                idle=False,
+            )
+        )
     if metrics["train/reward_error_fraction"] >= 1.0:
         example = rollouts.reward_errors[0] if rollouts.reward_errors else "no message"
-        causes.append(Cause("reward failed", (
-            f"the reward failed on every sample ({example}), so each scored 0: fix what the message names (a gold "
-            "answer the environment cannot read is a data problem; a timeout: raise env.timeout_s)"), idle=False))
+        causes.append(
+            Cause(
+                "reward failed",
+                (
+                    f"the reward failed on every sample ({example}), so each scored 0: fix what the message names (a "
+                    "gold "
+                    "answer the environment cannot read is a data problem; a timeout: raise env.timeout_s)"
+                ),
+                idle=False,
+            )
+        )
     elif metrics.get("train/unparsed_fraction", 0.0) >= 1.0:
         expected = _ANSWER_FORMATS.get(cfg.env.kind, f"the answer env.kind={cfg.env.kind} reads")
-        causes.append(Cause("no answer found", (
-            f"the reward found no answer in any response that ended, e.g. {_excerpt(rollouts)}; it reads "
-            f"{expected}: ask for that format in data.instruction (or prompt_template), or use an environment that "
-            "reads the model's format"), idle=False))
+        causes.append(
+            Cause(
+                "no answer found",
+                (
+                    f"the reward found no answer in any response that ended, e.g. {_excerpt(rollouts)}; it reads "
+                    f"{expected}: ask for that format in data.instruction (or prompt_template), or use an environment "
+                    "that "
+                    "reads the model's format"
+                ),
+                idle=False,
+            )
+        )
     return causes
 
 
@@ -214,13 +286,17 @@ def _all_cut_or_empty(rollouts: Any) -> bool:
 def _equal_rewards_fix(cfg: Any) -> str:
     size = cfg.grpo.num_generations_per_prompt
     if size == 1:
-        return ("Every group is one sample (grpo.num_generations_per_prompt is 1), whose advantage is always 0: "
-                "grpo.num_generations_per_prompt=2 or more")
+        return (
+            "Every group is one sample (grpo.num_generations_per_prompt is 1), whose advantage is always 0: "
+            "grpo.num_generations_per_prompt=2 or more"
+        )
     # The setting proposed is never the one the run has (the run with it is the one that stopped)
-    return ("All 0: the model never answers right (start from a stronger or SFT-warmed model, easier data, or check "
-            "that the reward can read its answers); groups all right beside groups all wrong: the data mixes problems "
-            "too easy and too hard for it. More samples per prompt make a differing one likelier: "
-            f"grpo.num_generations_per_prompt={2 * size} (now {size}; twice the samples a step)")
+    return (
+        "All 0: the model never answers right (start from a stronger or SFT-warmed model, easier data, or check "
+        "that the reward can read its answers); groups all right beside groups all wrong: the data mixes problems "
+        "too easy and too hard for it. More samples per prompt make a differing one likelier: "
+        f"grpo.num_generations_per_prompt={2 * size} (now {size}; twice the samples a step)"
+    )
 
 
 def _few(values: list[float]) -> str:
@@ -256,7 +332,8 @@ class IdleGuard:
             raise IdleTraining(
                 f"steps {first}..{last} trained on nothing ({len(self.in_a_row)} in a row; grpo.max_idle_steps="
                 f"{self.limit}): {self._causes[0].message}. The run stopped before saving step {last}; "
-                "grpo.max_idle_steps=0 lets such a run go on")
+                "grpo.max_idle_steps=0 lets such a run go on"
+            )
 
 
 #: Training steps in a row whose loss is exactly 0 before `ZeroLoss` warns (SFT, DPO, reward model).
@@ -265,7 +342,8 @@ ZERO_LOSS_STEPS = 2
 _ZERO_LOSS_CAUSES = {
     "sft": "every answer token masked (empty answers, or prompts that fill policy.max_total_sequence_length)",
     "dpo": "no response token in the pairs (empty responses, or prompts that fill policy.max_total_sequence_length)",
-    "rm": "no pair scored (empty responses, or prompts that fill policy.max_total_sequence_length)"}
+    "rm": "no pair scored (empty responses, or prompts that fill policy.max_total_sequence_length)",
+}
 
 
 @dataclass
@@ -281,20 +359,30 @@ class ZeroLoss:
         self.in_a_row = self.in_a_row + 1 if metrics.get("train/loss") == 0.0 else 0
         if self.in_a_row == ZERO_LOSS_STEPS:
             grad = metrics.get("train/grad_norm")
-            print(f"[mrl] step {step}: train/loss has been exactly 0 for {ZERO_LOSS_STEPS} steps in a row"
-                  + (f" (train/grad_norm {grad:g})" if grad is not None else "") + ": the steps learn nothing. "
-                  f"Likely cause: {_ZERO_LOSS_CAUSES[self.command]}; check the rows (mrl score or the data files)",
-                  file=sys.stderr, flush=True)
+            print(
+                f"[mrl] step {step}: train/loss has been exactly 0 for {ZERO_LOSS_STEPS} steps in a row"
+                + (f" (train/grad_norm {grad:g})" if grad is not None else "")
+                + ": the steps learn nothing. "
+                f"Likely cause: {_ZERO_LOSS_CAUSES[self.command]}; check the rows (mrl score or the data files)",
+                file=sys.stderr,
+                flush=True,
+            )
 
 
 #: The figures whose run means `health_summary` reports.
-_MEANS = ("prompts_rejected_fraction", "zero_variance_groups", "reward_error_fraction", "unparsed_fraction",
-          "truncated_fraction")
+_MEANS = (
+    "prompts_rejected_fraction",
+    "zero_variance_groups",
+    "reward_error_fraction",
+    "unparsed_fraction",
+    "truncated_fraction",
+)
 
 
 def health_summary(history: dict[str, list[tuple[int, float]]]) -> dict[str, Any]:
     """The run's health for summary.json, from the logged history: steps that warned and steps that trained on
     nothing, the run mean of each step figure, and the last held-out figures (None where never logged)."""
+
     def values(name: str) -> list[float]:
         return [value for _, value in history.get(name, [])]
 
@@ -302,11 +390,17 @@ def health_summary(history: dict[str, list[tuple[int, float]]]) -> dict[str, Any
         seen = values(name)
         return sum(seen) / len(seen) if seen else None
 
-    summary: dict[str, Any] = {"steps_warned": sum(v > 0 for v in values("train/health_warnings")),
-                               "steps_idle": sum(v > 0 for v in values("train/idle"))}
+    summary: dict[str, Any] = {
+        "steps_warned": sum(v > 0 for v in values("train/health_warnings")),
+        "steps_idle": sum(v > 0 for v in values("train/idle")),
+    }
     summary.update({name: mean(f"train/{name}") for name in _MEANS})
-    summary.update({f"val_{name}": (values(f"val/{name}") or [None])[-1]
-                    for name in ("truncated_fraction", "reward_error_fraction")})
+    summary.update(
+        {
+            f"val_{name}": (values(f"val/{name}") or [None])[-1]
+            for name in ("truncated_fraction", "reward_error_fraction")
+        }
+    )
     return summary
 
 

@@ -24,8 +24,13 @@ from mrl.algorithms.guards import NonFiniteGuard
 from mrl.algorithms.health import ZeroLoss
 from mrl.config.errors import ConfigError
 from mrl.config.schema import MrlConfig
-from mrl.data.preferences import (PreferencePair, build_preference_batch, encode_prompt_messages, load_preferences,
-                                  prompt_fits)
+from mrl.data.preferences import (
+    PreferencePair,
+    build_preference_batch,
+    encode_prompt_messages,
+    load_preferences,
+    prompt_fits,
+)
 from mrl.data.templates import PromptTemplate
 from mrl.objectives.preference import CHOSEN, PAIR_ID, SCORE_INDEX
 from mrl.policy.interface import RankBatch
@@ -59,10 +64,14 @@ def _arith_pairs(cfg: MrlConfig) -> tuple[list[PreferencePair], list[PreferenceP
     from mrl.data.arith import ArithTask
 
     task = ArithTask.from_config(cfg.data.arith, cfg.run.seed)
-    as_pairs = lambda triples: [PreferencePair(({"role": "user", "content": p},), c, r, i)  # noqa: E731
-                                for i, (p, c, r) in enumerate(triples)]
-    return (as_pairs(task.preference_triples(task.train_pairs, cfg.run.seed + 2)),
-            as_pairs(task.preference_triples(task.heldout_pairs, cfg.run.seed + 3)))
+
+    def as_pairs(triples):
+        return [PreferencePair(({"role": "user", "content": p},), c, r, i) for i, (p, c, r) in enumerate(triples)]
+
+    return (
+        as_pairs(task.preference_triples(task.train_pairs, cfg.run.seed + 2)),
+        as_pairs(task.preference_triples(task.heldout_pairs, cfg.run.seed + 3)),
+    )
 
 
 def _no_room(source: str) -> str:
@@ -70,8 +79,14 @@ def _no_room(source: str) -> str:
     return f"{source}:prompt leaves no room in policy.max_total_sequence_length"
 
 
-def _encode(pairs: Sequence[PreferencePair], tokenizer: Any, template: PromptTemplate, max_length: int,
-            skipped: dict[str, int], source: str) -> list[EncodedPair]:
+def _encode(
+    pairs: Sequence[PreferencePair],
+    tokenizer: Any,
+    template: PromptTemplate,
+    max_length: int,
+    skipped: dict[str, int],
+    source: str,
+) -> list[EncodedPair]:
     out, reason = [], _no_room(source)
     for pair in pairs:
         ids = encode_prompt_messages(list(pair.prompt), tokenizer, template)
@@ -93,9 +108,12 @@ def load_pair_data(cfg: MrlConfig, tokenizer: Any) -> PairData:
         for name, pairs in zip(("train", "val"), _arith_pairs(cfg)):
             parts[name] = _encode(pairs, tokenizer, template, max_length, skipped, train_source)
     elif not cfg.data.train:
-        raise ConfigError("no preference data", key="data.train",
-                          fix="set data.train (and optionally data.val) to a jsonl/json/parquet file of "
-                              "prompt/chosen/rejected rows, or data.arith for the synthetic task")
+        raise ConfigError(
+            "no preference data",
+            key="data.train",
+            fix="set data.train (and optionally data.val) to a jsonl/json/parquet file of "
+            "prompt/chosen/rejected rows, or data.arith for the synthetic task",
+        )
     else:
         template, train_source = PromptTemplate(cfg.data.prompt_template, ""), cfg.data.train
         for name, source in (("train", cfg.data.train), ("val", cfg.data.val)):
@@ -104,25 +122,38 @@ def load_pair_data(cfg: MrlConfig, tokenizer: Any) -> PairData:
                 skipped.update({f"{source}:{reason}": n for reason, n in loaded.skipped.items()})
                 parts[name] = _encode(loaded.pairs, tokenizer, template, max_length, skipped, source)
     if not parts["train"]:
-        raise ConfigError(f"no preference pair of {train_source} fits: the prompts of "
-                          f"{skipped.get(_no_room(train_source), 0)} leave no room for a response",
-                          key="policy.max_total_sequence_length", given=max_length,
-                          fix="raise policy.max_total_sequence_length, or shorten the prompts")
+        raise ConfigError(
+            f"no preference pair of {train_source} fits: the prompts of "
+            f"{skipped.get(_no_room(train_source), 0)} leave no room for a response",
+            key="policy.max_total_sequence_length",
+            given=max_length,
+            fix="raise policy.max_total_sequence_length, or shorten the prompts",
+        )
     if skipped and cfg.data.arith is None:
         log.warning("preference pairs skipped: %s", skipped)
     return PairData(parts["train"], parts.get("val", []), template, skipped)
 
 
-def pair_batch(pairs: Sequence[EncodedPair], tokenizer: Any, template: PromptTemplate, max_length: int, *,
-               turn_end: bool = True) -> RankBatch:
+def pair_batch(
+    pairs: Sequence[EncodedPair], tokenizer: Any, template: PromptTemplate, max_length: int, *, turn_end: bool = True
+) -> RankBatch:
     """The policy's batch of `pairs` (layout in the module docstring); `turn_end=False` leaves the end-of-turn token
     off the responses (reward models score the answer's last token)."""
-    built = build_preference_batch([p.prompt_ids for p in pairs], [p.chosen for p in pairs],
-                                   [p.rejected for p in pairs], tokenizer, template, max_length=max_length,
-                                   turn_end=turn_end)
+    built = build_preference_batch(
+        [p.prompt_ids for p in pairs],
+        [p.chosen for p in pairs],
+        [p.rejected for p in pairs],
+        tokenizer,
+        template,
+        max_length=max_length,
+        turn_end=turn_end,
+    )
     n = len(pairs)
-    seq = {PAIR_ID: torch.arange(n).repeat_interleave(2), CHOSEN: torch.tensor([1, 0] * n),
-           SCORE_INDEX: built.lengths - 1}
+    seq = {
+        PAIR_ID: torch.arange(n).repeat_interleave(2),
+        CHOSEN: torch.tensor([1, 0] * n),
+        SCORE_INDEX: built.lengths - 1,
+    }
     return RankBatch(built.input_ids, built.loss_mask, seq_data=seq, lengths=built.lengths, group_size=2)
 
 
@@ -139,16 +170,21 @@ def pairs_per_step(cfg: MrlConfig) -> int:
     if size % 2:
         from mrl.config.errors import ConfigError
 
-        raise ConfigError("a preference step trains whole pairs (chosen + rejected)",
-                          key="policy.train_global_batch_size", given=size, allowed="an even number")
+        raise ConfigError(
+            "a preference step trains whole pairs (chosen + rejected)",
+            key="policy.train_global_batch_size",
+            given=size,
+            allowed="an even number",
+        )
     return size // 2
 
 
-def validation_chunks(pairs: Sequence[EncodedPair], data_parallel: int,
-                      per_call: int) -> list[tuple[list[EncodedPair], int]]:
+def validation_chunks(
+    pairs: Sequence[EncodedPair], data_parallel: int, per_call: int
+) -> list[tuple[list[EncodedPair], int]]:
     """The validation pairs in calls of at most `per_call` pairs, each padded to whole pairs on every data-parallel
     rank: (pairs, number of real ones)."""
-    return [padded_pairs(pairs[i:i + per_call], data_parallel) for i in range(0, len(pairs), per_call)]
+    return [padded_pairs(pairs[i : i + per_call], data_parallel) for i in range(0, len(pairs), per_call)]
 
 
 def masked_batch_dict(batch: RankBatch, rows: int) -> dict[str, torch.Tensor]:
@@ -158,10 +194,19 @@ def masked_batch_dict(batch: RankBatch, rows: int) -> dict[str, torch.Tensor]:
     return {"loss_mask": mask, "seq_num_tokens": mask.sum(dim=1), **{k: v[:rows] for k, v in batch.seq_data.items()}}
 
 
-def train_on_pairs(cfg: MrlConfig, section: "DPOConfig | RMConfig", workers: "Workers", data: PairData,
-                   logger: "MetricsLogger", ckpt: "LoopCheckpoints", *,
-                   step_fn: Callable[[RankBatch], dict[str, float]], validate: Callable[[], dict[str, float]],
-                   command: str, turn_end: bool = True) -> dict[str, float]:
+def train_on_pairs(
+    cfg: MrlConfig,
+    section: "DPOConfig | RMConfig",
+    workers: "Workers",
+    data: PairData,
+    logger: "MetricsLogger",
+    ckpt: "LoopCheckpoints",
+    *,
+    step_fn: Callable[[RankBatch], dict[str, float]],
+    validate: Callable[[], dict[str, float]],
+    command: str,
+    turn_end: bool = True,
+) -> dict[str, float]:
     """The loop DPO and reward models share: a batch of pairs per step -> `step_fn` (one optimizer step; its
     metrics) -> validation (before the first step, every `section.val_every` steps and after the last) -> log ->
     checkpoint. Resumes from the newest checkpoint (the pair stream's position included). Returns the last metrics."""
@@ -169,8 +214,10 @@ def train_on_pairs(cfg: MrlConfig, section: "DPOConfig | RMConfig", workers: "Wo
 
     per_step = pairs_per_step(cfg)
     if len(data.train) < per_step:
-        raise ValueError(f"{len(data.train)} training pairs cannot fill one step of {per_step} pairs "
-                         f"(policy.train_global_batch_size / 2): lower it or add data")
+        raise ValueError(
+            f"{len(data.train)} training pairs cannot fill one step of {per_step} pairs "
+            f"(policy.train_global_batch_size / 2): lower it or add data"
+        )
     stream = PromptDataLoader(data.train, per_step, seed=cfg.run.seed)
     last = section.max_num_steps
     if not data.val:
@@ -185,8 +232,11 @@ def train_on_pairs(cfg: MrlConfig, section: "DPOConfig | RMConfig", workers: "Wo
     zero = ZeroLoss(command)
     for step in range(int(state["step"]) + 1 if state else 1, last + 1):
         t0 = time.perf_counter()
-        metrics = step_fn(pair_batch(next(stream), workers.tokenizer, data.template,
-                                     cfg.policy.max_total_sequence_length, turn_end=turn_end))
+        metrics = step_fn(
+            pair_batch(
+                next(stream), workers.tokenizer, data.template, cfg.policy.max_total_sequence_length, turn_end=turn_end
+            )
+        )
         done = step == last or stream.passes_done(section.max_num_epochs)
         if done or (section.val_every and step % section.val_every == 0):
             metrics.update(validate())

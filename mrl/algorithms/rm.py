@@ -1,5 +1,6 @@
 """Reward-model training on Megatron, with sequence packing: a score head r(x, y) on the decoder (its value at the
-response's last token, the end-of-turn token left off: see mrl/app/reward_model.py), trained on preference pairs with the Bradley-Terry loss (Ouyang et al. 2022)
+response's last token, the end-of-turn token left off: see mrl/app/reward_model.py), trained on preference pairs with
+the Bradley-Terry loss (Ouyang et al. 2022)
     L = -log sigmoid(r(x, y_c) - r(x, y_r))       averaged over the step's pairs
 (exact normalisation: mrl/objectives/preference.py). The model is an HF `*ForSequenceClassification` folder with one
 label: `mrl rm` starting from a language model (an SFT export, say) turns it into one first, with a fresh score head
@@ -34,9 +35,10 @@ def rm_validation(cfg: MrlConfig, workers: Workers, data: PairData) -> dict[str,
     loss_fn, totals = BradleyTerryLoss(), {}
     count = 2.0 * len(data.val)
     for pairs, real in validation_chunks(data.val, workers.policy.data_parallel_size, VAL_PAIRS_PER_CALL):
-        batch = pair_batch(pairs, workers.tokenizer, data.template, cfg.policy.max_total_sequence_length,
-                           turn_end=False)
-        values = workers.policy.logprobs(batch)[:2 * real]  # [2n, T] the score at every token
+        batch = pair_batch(
+            pairs, workers.tokenizer, data.template, cfg.policy.max_total_sequence_length, turn_end=False
+        )
+        values = workers.policy.logprobs(batch)[: 2 * real]  # [2n, T] the score at every token
         with torch.no_grad():
             loss, metrics = loss_fn(values, masked_batch_dict(batch, 2 * real), count)
         for key, value in {**metrics, "loss": loss}.items():
@@ -49,8 +51,19 @@ def rm_step(workers: Workers, batch: RankBatch) -> dict[str, float]:
     return {f"train/{k}": v for k, v in workers.policy.train(batch, BradleyTerryLoss()).items() if k != "rm_loss"}
 
 
-def rm_train(cfg: MrlConfig, workers: Workers, data: PairData, logger: MetricsLogger,
-             ckpt: LoopCheckpoints) -> dict[str, float]:
+def rm_train(
+    cfg: MrlConfig, workers: Workers, data: PairData, logger: MetricsLogger, ckpt: LoopCheckpoints
+) -> dict[str, float]:
     """The whole reward-model run (resumes from the newest checkpoint). Returns the last step's metrics."""
-    return train_on_pairs(cfg, cfg.rm, workers, data, logger, ckpt, step_fn=lambda batch: rm_step(workers, batch),
-                          validate=lambda: rm_validation(cfg, workers, data), command="rm", turn_end=False)
+    return train_on_pairs(
+        cfg,
+        cfg.rm,
+        workers,
+        data,
+        logger,
+        ckpt,
+        step_fn=lambda batch: rm_step(workers, batch),
+        validate=lambda: rm_validation(cfg, workers, data),
+        command="rm",
+        turn_end=False,
+    )

@@ -25,19 +25,19 @@ if TYPE_CHECKING:
 
 @dataclass
 class Rollouts:
-    input_ids: torch.Tensor            # [B, T] int64
-    loss_mask: torch.Tensor            # [B, T] float32
+    input_ids: torch.Tensor  # [B, T] int64
+    loss_mask: torch.Tensor  # [B, T] float32
     generation_logprobs: torch.Tensor  # [B, T] float32
-    rewards: torch.Tensor              # [B] float32
-    response_lengths: torch.Tensor     # [B] int64
-    truncated: torch.Tensor            # [B] bool: cut by max_new_tokens
+    rewards: torch.Tensor  # [B] float32
+    response_lengths: torch.Tensor  # [B] int64
+    truncated: torch.Tensor  # [B] bool: cut by max_new_tokens
     num_reward_errors: int = 0
     num_prompts_rejected: int = 0
     lengths: Optional[torch.Tensor] = None  # [B] prompt + response tokens of each row (the rest is padding)
-    responses: list[str] = field(default_factory=list)                # [B] decoded responses
+    responses: list[str] = field(default_factory=list)  # [B] decoded responses
     extracted_answers: list[Optional[str]] = field(default_factory=list)  # [B] what the environment read as answer
     finish_reasons: list[FinishReason] = field(default_factory=list)  # [B]
-    policy_version: int = 0            # the training step whose weights generated them (0: the initial model)
+    policy_version: int = 0  # the training step whose weights generated them (0: the initial model)
     reward_errors: list[str] = field(default_factory=list)  # the reward's failure messages (at most a few)
     routing: Optional[torch.Tensor] = None  # [B, T, layers, k] uint8 / int16: the engine's experts (router replay)
 
@@ -62,28 +62,51 @@ def rows_from_output(out: GenerationOutput, pad_id: int) -> tuple[torch.Tensor, 
         p, r = len(sample.prompt_token_ids), sample.length
         ids[row, :p] = torch.tensor(sample.prompt_token_ids, dtype=torch.long)
         if r:
-            ids[row, p:p + r] = torch.tensor(sample.token_ids, dtype=torch.long)
-            mask[row, p:p + r] = 1.0
+            ids[row, p : p + r] = torch.tensor(sample.token_ids, dtype=torch.long)
+            mask[row, p : p + r] = 1.0
             if sample.logprobs is not None:
-                gen[row, p:p + r] = torch.tensor(sample.logprobs, dtype=torch.float32)
+                gen[row, p : p + r] = torch.tensor(sample.logprobs, dtype=torch.float32)
     return ids, mask, gen
 
 
-def generate_and_score(engine: GenerationBackend, env: Environment, tokenizer: "PreTrainedTokenizerBase",
-                       problems: Sequence[Problem], prompt_ids: Sequence[Sequence[int]],
-                       sampling: SamplingConfig) -> Rollouts:
+def generate_and_score(
+    engine: GenerationBackend,
+    env: Environment,
+    tokenizer: "PreTrainedTokenizerBase",
+    problems: Sequence[Problem],
+    prompt_ids: Sequence[Sequence[int]],
+    sampling: SamplingConfig,
+) -> Rollouts:
     """Sample `sampling.n` responses per prompt and score them with the environment."""
     out = engine.generate(prompt_ids, sampling)
     texts = [tokenizer.decode(list(s.token_ids), skip_special_tokens=True) for s in out.samples]
     logs = [[{"role": "assistant", "content": t}] for t in texts]
-    meta = [{ANSWER: problems[s.prompt_index].answer, FINISHED: s.finish_reason is FinishReason.STOP,
-             PROMPT_TOKEN_IDS: list(s.prompt_token_ids), RESPONSE_TOKEN_IDS: list(s.token_ids)} for s in out.samples]
+    meta = [
+        {
+            ANSWER: problems[s.prompt_index].answer,
+            FINISHED: s.finish_reason is FinishReason.STOP,
+            PROMPT_TOKEN_IDS: list(s.prompt_token_ids),
+            RESPONSE_TOKEN_IDS: list(s.token_ids),
+        }
+        for s in out.samples
+    ]
     scored = env.step(logs, meta)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     ids, mask, gen = rows_from_output(out, pad)
     lengths = torch.tensor([len(s.prompt_token_ids) + s.length for s in out.samples], dtype=torch.long)
-    return Rollouts(ids, mask, gen, scored.rewards.float(), out.lengths(),
-                    torch.tensor([s.truncated for s in out.samples]), scored.num_errors, out.num_prompts_rejected,
-                    lengths, texts, [m.get(EXTRACTED_ANSWER) for m in scored.metadata],
-                    [s.finish_reason for s in out.samples], reward_errors=scored.error_messages[:4],
-                    routing=routing_rows([s.routing for s in out.samples], ids.shape[1]))
+    return Rollouts(
+        ids,
+        mask,
+        gen,
+        scored.rewards.float(),
+        out.lengths(),
+        torch.tensor([s.truncated for s in out.samples]),
+        scored.num_errors,
+        out.num_prompts_rejected,
+        lengths,
+        texts,
+        [m.get(EXTRACTED_ANSWER) for m in scored.metadata],
+        [s.finish_reason for s in out.samples],
+        reward_errors=scored.error_messages[:4],
+        routing=routing_rows([s.routing for s in out.samples], ids.shape[1]),
+    )

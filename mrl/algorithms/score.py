@@ -66,8 +66,10 @@ def _routing(row: dict, tokens: int) -> Optional[torch.Tensor]:
         raise ValueError("routed_experts belong to token ids: give the row's input_ids")
     routing = torch.tensor(row["routed_experts"], dtype=torch.int16)
     if routing.dim() != 3 or len(routing) > tokens:
-        raise ValueError(f"routed_experts must be [tokens][layers][k] for at most the row's {tokens} tokens, got "
-                         f"shape {list(routing.shape)}")
+        raise ValueError(
+            f"routed_experts must be [tokens][layers][k] for at most the row's {tokens} tokens, got "
+            f"shape {list(routing.shape)}"
+        )
     return routing
 
 
@@ -98,12 +100,12 @@ def _score_batch(policy: TrainablePolicy, batch: list[ScoreRow], pad_id: int) ->
     mask = torch.zeros((len(rows), width))
     for i, row in enumerate(rows):
         ids[i, : len(row.ids)] = torch.tensor(row.ids)
-        mask[i, row.start: len(row.ids)] = 1
+        mask[i, row.start : len(row.ids)] = 1
     lengths = torch.tensor([len(r.ids) for r in rows])
     extra = [None] * (len(rows) - len(batch))  # the extra rows route freshly and are not counted
     routing = routing_rows([r.routing for r in batch] + extra, width)
     logprobs = policy.logprobs(RankBatch(ids, mask, lengths=lengths, routing=routing))  # [B, T]
-    return [logprobs[i, row.start: len(row.ids)] for i, row in enumerate(batch)]
+    return [logprobs[i, row.start : len(row.ids)] for i, row in enumerate(batch)]
 
 
 def read_inputs(input_path: str, tokenizer: Any, max_length: int) -> list[ScoreRow]:
@@ -121,7 +123,7 @@ def score_rows(policy: Any, rows: list[ScoreRow], pad_id: int) -> tuple[dict[int
     scored: dict[int, torch.Tensor] = {}
     counts = None
     for start in range(0, len(good), ROWS_PER_CALL):
-        chunk = good[start: start + ROWS_PER_CALL]
+        chunk = good[start : start + ROWS_PER_CALL]
         scored.update(zip((r.index for r in chunk), _score_batch(policy, chunk, pad_id)))
         if any(r.routing is not None for r in chunk):
             part = policy.routing_counts()
@@ -130,8 +132,9 @@ def score_rows(policy: Any, rows: list[ScoreRow], pad_id: int) -> tuple[dict[int
     return scored, ({} if counts is None else disagreement_metrics(counts))
 
 
-def write_scores(out_path: str, rows: list[ScoreRow], scored: dict[int, torch.Tensor],
-                 routing: Optional[dict[str, float]] = None) -> dict[str, float]:
+def write_scores(
+    out_path: str, rows: list[ScoreRow], scored: dict[int, torch.Tensor], routing: Optional[dict[str, float]] = None
+) -> dict[str, float]:
     """The output file (see the module docstring) and the corpus summary (with the per-layer routing disagreement
     when rows carried routed_experts)."""
     total_lp, total_tokens = 0.0, 0
@@ -144,14 +147,31 @@ def write_scores(out_path: str, rows: list[ScoreRow], scored: dict[int, torch.Te
             lp = scored[row.index]
             total_lp += float(lp.double().sum())
             total_tokens += len(lp)
-            out.write(json.dumps({"index": row.index, "num_scored_tokens": len(lp), "token_ids": row.ids[row.start:],
-                                  "logprobs": lp.tolist(), "sum_logprob": float(lp.double().sum()),
-                                  "perplexity": math.exp(-float(lp.double().mean()))}) + "\n")
+            out.write(
+                json.dumps(
+                    {
+                        "index": row.index,
+                        "num_scored_tokens": len(lp),
+                        "token_ids": row.ids[row.start :],
+                        "logprobs": lp.tolist(),
+                        "sum_logprob": float(lp.double().sum()),
+                        "perplexity": math.exp(-float(lp.double().mean())),
+                    }
+                )
+                + "\n"
+            )
     skipped = sum(1 for r in rows if r.ids is None)
-    summary = {"rows": float(len(rows)), "rows_skipped": float(skipped),
-               "perplexity": math.exp(-total_lp / total_tokens) if total_tokens else float("nan"), **(routing or {})}
-    print(f"[mrl score] {len(rows) - skipped} rows scored, {skipped} skipped; corpus perplexity "
-          f"{summary['perplexity']:.4f} -> {out_path}", file=sys.stderr)
+    summary = {
+        "rows": float(len(rows)),
+        "rows_skipped": float(skipped),
+        "perplexity": math.exp(-total_lp / total_tokens) if total_tokens else float("nan"),
+        **(routing or {}),
+    }
+    print(
+        f"[mrl score] {len(rows) - skipped} rows scored, {skipped} skipped; corpus perplexity "
+        f"{summary['perplexity']:.4f} -> {out_path}",
+        file=sys.stderr,
+    )
     for name, value in (routing or {}).items():
         print(f"[mrl score] {name}: {value:.4f}", file=sys.stderr)
     return summary

@@ -19,7 +19,6 @@ import sys
 import time
 from typing import Optional
 
-
 from mrl.algorithms.guards import NonFiniteGuard
 from mrl.algorithms.health import ZeroLoss
 from mrl.algorithms.interfaces import LoopCheckpoints, Workers
@@ -75,12 +74,13 @@ def validation_loss(workers: Workers, data: TaskData, max_length: int) -> dict[s
     dp = workers.policy.data_parallel_size
     total = count = 0.0
     for start in range(0, len(data.val), VAL_ROWS_PER_CALL):
-        chunk = data.val[start:start + VAL_ROWS_PER_CALL]
-        sft = build_sft_batch([p.problem for p in chunk], [p.answer for p in chunk], workers.tokenizer, data.template,
-                              max_length)
+        chunk = data.val[start : start + VAL_ROWS_PER_CALL]
+        sft = build_sft_batch(
+            [p.problem for p in chunk], [p.answer for p in chunk], workers.tokenizer, data.template, max_length
+        )
         rows = list(range(len(chunk))) + [0] * (-len(chunk) % dp)  # every data-parallel rank needs rows
         mask = sft.loss_mask[rows].clone()
-        mask[len(chunk):] = 0  # the repeated rows count for nothing
+        mask[len(chunk) :] = 0  # the repeated rows count for nothing
         logprobs = workers.policy.logprobs(RankBatch(sft.input_ids[rows], mask, lengths=sft.lengths[rows]))
         total -= float((logprobs.double() * mask).sum())
         count += float(mask.sum())
@@ -91,8 +91,9 @@ def _validation_due(cfg: MrlConfig, step: int, done: bool) -> bool:
     return done or bool(cfg.sft.val_every and step % cfg.sft.val_every == 0)
 
 
-def sft_train(cfg: MrlConfig, workers: Workers, data: TaskData, logger: MetricsLogger,
-              ckpt: LoopCheckpoints) -> dict[str, float]:
+def sft_train(
+    cfg: MrlConfig, workers: Workers, data: TaskData, logger: MetricsLogger, ckpt: LoopCheckpoints
+) -> dict[str, float]:
     """The whole SFT run (resumes from the newest checkpoint when there is one). Returns the last step's metrics."""
     examples = _Examples(cfg, data)
     loss_fn = NLLLoss(level="token")
@@ -109,8 +110,9 @@ def sft_train(cfg: MrlConfig, workers: Workers, data: TaskData, logger: MetricsL
         t0 = time.perf_counter()
         prompts, targets = examples.next()
         sft = build_sft_batch(prompts, targets, workers.tokenizer, data.template, cfg.policy.max_total_sequence_length)
-        metrics = {f"train/{k}": v for k, v in workers.policy.train(RankBatch(sft.input_ids, sft.loss_mask),
-                                                                    loss_fn).items()}
+        metrics = {
+            f"train/{k}": v for k, v in workers.policy.train(RankBatch(sft.input_ids, sft.loss_mask), loss_fn).items()
+        }
         metrics["train/rows_truncated"] = float(sft.num_truncated)
         done = step == last or examples.passes_done(cfg.sft.max_num_epochs)
         if _validation_due(cfg, step, done):

@@ -41,9 +41,8 @@ def resume_padded_vocab(cfg: MrlConfig) -> Optional[int]:
     """The padded vocabulary of the checkpoint a run will resume from (None: no resume). The policy must be built
     with it: Megatron pads the vocabulary to a multiple of 128 * tp, so a checkpoint from another TP size has
     another embedding shape."""
-    from mrl.checkpoint.megatron import checkpoint_padded_vocab
     from mrl.checkpoint.manager import CheckpointManager
-    from mrl.checkpoint.megatron import MODEL_SUBDIR
+    from mrl.checkpoint.megatron import MODEL_SUBDIR, checkpoint_padded_vocab
 
     if not _resumes(cfg):
         return None
@@ -63,9 +62,13 @@ class RunCheckpoints:
 
         ck = cfg.checkpointing
         self.cfg, self.runtime = cfg, runtime
-        self.manager = CheckpointManager(ck.dir, keep_last=ck.keep_last, keep_best=ck.keep_best,
-                                         metric=ck.metric if ck.keep_best else None,
-                                         higher_is_better=ck.higher_is_better)
+        self.manager = CheckpointManager(
+            ck.dir,
+            keep_last=ck.keep_last,
+            keep_best=ck.keep_best,
+            metric=ck.metric if ck.keep_best else None,
+            higher_is_better=ck.higher_is_better,
+        )
         self.stop_requested = False
         self.interrupted_at: Optional[int] = None  # the step after which a SIGTERM stopped an unfinished loop
         self._previous_handler: Any = None
@@ -74,8 +77,11 @@ class RunCheckpoints:
         from converters.hf_io import load_hf_config
         from mrl.checkpoint.manager import model_record
 
-        return model_record(load_hf_config(self.runtime.model_dir), tokenizer_dir=self.runtime.model_dir,
-                            precision=self.cfg.policy.precision)
+        return model_record(
+            load_hf_config(self.runtime.model_dir),
+            tokenizer_dir=self.runtime.model_dir,
+            precision=self.cfg.policy.precision,
+        )
 
     # ---------------------------------------------------------------------------------------------------- save
     def due(self, step: int, last_step: int, *, final: bool = False) -> bool:
@@ -116,9 +122,14 @@ class RunCheckpoints:
         """Raise `Preempted` when a SIGTERM stopped the loop before its end: no export, no summary, no next stage."""
         if self.interrupted_at is not None:
             saved = self.manager.latest() if self.cfg.checkpointing.enabled else None
-            raise Preempted(f"stopped by SIGTERM after step {self.interrupted_at}; "
-                            + (f"saved {saved}: re-running the same command resumes from it" if saved else
-                               "checkpointing is off, so nothing was saved"))
+            raise Preempted(
+                f"stopped by SIGTERM after step {self.interrupted_at}; "
+                + (
+                    f"saved {saved}: re-running the same command resumes from it"
+                    if saved
+                    else "checkpointing is off, so nothing was saved"
+                )
+            )
 
     # -------------------------------------------------------------------------------------------------- resume
     def newest(self) -> Optional[Path]:
@@ -140,8 +151,10 @@ class RunCheckpoints:
         reasons = check_compatible(state.get("model_record", {}), self._record())
         if reasons:
             raise CheckpointIncompatibleError(
-                f"cannot resume from {path}:\n- " + "\n- ".join(reasons)
-                + "\n(set checkpointing.resume=false or another checkpointing.dir to start fresh)")
+                f"cannot resume from {path}:\n- "
+                + "\n- ".join(reasons)
+                + "\n(set checkpointing.resume=false or another checkpointing.dir to start fresh)"
+            )
         reports = self.runtime.policy.load(str(path))
         restore_rng_state(state["rng"])
         _say(f"resuming from {path} (step {state['step']})")

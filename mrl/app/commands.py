@@ -43,8 +43,13 @@ def _say(message: str) -> None:
 
 
 def _logger(cfg: MrlConfig, total_steps: int, description: str, key_metrics) -> MetricsLogger:
-    return MetricsLogger.from_config(cfg.logger, total_steps=total_steps, description=description,
-                                     key_metrics=key_metrics, run_config=cfg.model_dump(mode="json"))
+    return MetricsLogger.from_config(
+        cfg.logger,
+        total_steps=total_steps,
+        description=description,
+        key_metrics=key_metrics,
+        run_config=cfg.model_dump(mode="json"),
+    )
 
 
 def _resume_hint(cfg: MrlConfig) -> str:
@@ -77,8 +82,11 @@ def explained_failures(cfg: MrlConfig) -> Iterator[None]:
         if refused is not None:
             raise refused from error
         message = str(error).split("\n--- remote traceback ---")[0]
-        detail = "" if isinstance(error, WorkerDiedError) or not error.remote_traceback else \
-            f"\n--- remote traceback ---\n{error.remote_traceback}"
+        detail = (
+            ""
+            if isinstance(error, WorkerDiedError) or not error.remote_traceback
+            else f"\n--- remote traceback ---\n{error.remote_traceback}"
+        )
         raise RunFailed(f"{message}\n  {_resume_hint(cfg)}{detail}") from error
 
 
@@ -128,13 +136,18 @@ def _curve(history: dict, name: str) -> list[float]:
 def _grpo_summary(history: dict, final: dict[str, float], seconds: float) -> dict[str, Any]:
     rewards = _curve(history, "train/reward")
     accuracy = _curve(history, "val/accuracy")
-    return {"algorithm": "grpo", "seconds": seconds, "reward_curve": rewards,
-            "reward_first10": sum(rewards[:10]) / max(1, len(rewards[:10])),
-            "reward_last10": sum(rewards[-10:]) / max(1, len(rewards[-10:])),
-            "val_accuracy_before": accuracy[0] if accuracy else None,
-            "val_accuracy_after": final.get("val/accuracy"),
-            "token_mult_prob_error_max": max(_curve(history, "train/token_mult_prob_error"), default=None),
-            "health": health_summary(history), "final": final}
+    return {
+        "algorithm": "grpo",
+        "seconds": seconds,
+        "reward_curve": rewards,
+        "reward_first10": sum(rewards[:10]) / max(1, len(rewards[:10])),
+        "reward_last10": sum(rewards[-10:]) / max(1, len(rewards[-10:])),
+        "val_accuracy_before": accuracy[0] if accuracy else None,
+        "val_accuracy_after": final.get("val/accuracy"),
+        "token_mult_prob_error_max": max(_curve(history, "train/token_mult_prob_error"), default=None),
+        "health": health_summary(history),
+        "final": final,
+    }
 
 
 def _grpo_environment(cfg: MrlConfig, runtime: Runtime, template: Any) -> Any:
@@ -149,8 +162,9 @@ def _grpo_environment(cfg: MrlConfig, runtime: Runtime, template: Any) -> Any:
     tokenizer = runtime.tokenizer
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     ends = {template.turn_end_id(tokenizer), tokenizer.eos_token_id} - {None}
-    return RewardModelEnvironment(env, runtime.reward_model, pad_id=pad, weight=rm.weight,
-                                  verifier_weight=rm.verifier_weight, end_token_ids=ends)
+    return RewardModelEnvironment(
+        env, runtime.reward_model, pad_id=pad, weight=rm.weight, verifier_weight=rm.verifier_weight, end_token_ids=ends
+    )
 
 
 def _check_reward_model_tokenizer(cfg: MrlConfig, tokenizer: Any) -> None:
@@ -163,9 +177,12 @@ def _check_reward_model_tokenizer(cfg: MrlConfig, tokenizer: Any) -> None:
     reward_model = classify_model_path(cfg.env.reward_model.model, key="env.reward_model.model").config_dir
     check_tokenizer_folder(reward_model, "env.reward_model.model")
     if load_folder_tokenizer(reward_model).get_vocab() != tokenizer.get_vocab():
-        raise ConfigError("the reward model's tokenizer differs from the policy's; it scores the policy's token ids",
-                          key="env.reward_model.model", given=str(reward_model),
-                          fix="train the reward model from the same base model (same tokenizer)")
+        raise ConfigError(
+            "the reward model's tokenizer differs from the policy's; it scores the policy's token ids",
+            key="env.reward_model.model",
+            given=str(reward_model),
+            fix="train the reward model from the same base model (same tokenizer)",
+        )
 
 
 def run_grpo(cfg: MrlConfig) -> dict[str, Any]:
@@ -178,20 +195,38 @@ def run_grpo(cfg: MrlConfig) -> dict[str, Any]:
     tokenizer = load_tokenizer(cfg, source)
     check_prompt_budget(cfg, tokenizer, data.template, data.train)
     _check_reward_model_tokenizer(cfg, tokenizer)
-    runtime = _started(cfg, total_steps=cfg.grpo.max_num_steps, reference=cfg.loss.kl_beta > 0,
-                       padded_vocab=resume_padded_vocab(cfg), source=source, tokenizer=tokenizer)
+    runtime = _started(
+        cfg,
+        total_steps=cfg.grpo.max_num_steps,
+        reference=cfg.loss.kl_beta > 0,
+        padded_vocab=resume_padded_vocab(cfg),
+        source=source,
+        tokenizer=tokenizer,
+    )
     try:
         env = _grpo_environment(cfg, runtime, data.template)
     except BaseException:
         runtime.shutdown()
         raise
     try:
-        with explained_failures(cfg), RunCheckpoints(cfg, runtime) as ckpt, \
-                _logger(cfg, cfg.grpo.max_num_steps, f"{cfg.run.name} grpo", KEY_METRICS) as logger, \
-                summary_on_stop(Path(cfg.run.output_dir), lambda: _grpo_summary(
-                    logger.history, last_metrics(logger.history), time.perf_counter() - start)):
-            final = grpo_train(cfg, runtime, env, data, logger, ckpt,  # type: ignore[arg-type]
-                               val_env=getattr(env, "verifier", env))
+        with (
+            explained_failures(cfg),
+            RunCheckpoints(cfg, runtime) as ckpt,
+            _logger(cfg, cfg.grpo.max_num_steps, f"{cfg.run.name} grpo", KEY_METRICS) as logger,
+            summary_on_stop(
+                Path(cfg.run.output_dir),
+                lambda: _grpo_summary(logger.history, last_metrics(logger.history), time.perf_counter() - start),
+            ),
+        ):
+            final = grpo_train(
+                cfg,
+                runtime,
+                env,
+                data,
+                logger,
+                ckpt,  # type: ignore[arg-type]
+                val_env=getattr(env, "verifier", env),
+            )
             ckpt.end_if_interrupted()
             history = logger.history
             export_final(runtime)
@@ -212,13 +247,24 @@ def run_sft(cfg: MrlConfig) -> dict[str, Any]:
     source = resolve_model(cfg)
     tokenizer = load_tokenizer(cfg, source)
     check_sft_rows(cfg, tokenizer, data.template, data.train)
-    runtime = _started(cfg, total_steps=cfg.sft.max_num_steps, engine=False,
-                       padded_vocab=resume_padded_vocab(cfg), source=source, tokenizer=tokenizer)
+    runtime = _started(
+        cfg,
+        total_steps=cfg.sft.max_num_steps,
+        engine=False,
+        padded_vocab=resume_padded_vocab(cfg),
+        source=source,
+        tokenizer=tokenizer,
+    )
     try:
-        with explained_failures(cfg), RunCheckpoints(cfg, runtime) as ckpt, \
-                _logger(cfg, cfg.sft.max_num_steps, f"{cfg.run.name} sft", KEY_METRICS) as logger, \
-                summary_on_stop(Path(cfg.run.output_dir), lambda: _sft_summary(
-                    last_metrics(logger.history), time.perf_counter() - start)):
+        with (
+            explained_failures(cfg),
+            RunCheckpoints(cfg, runtime) as ckpt,
+            _logger(cfg, cfg.sft.max_num_steps, f"{cfg.run.name} sft", KEY_METRICS) as logger,
+            summary_on_stop(
+                Path(cfg.run.output_dir),
+                lambda: _sft_summary(last_metrics(logger.history), time.perf_counter() - start),
+            ),
+        ):
             final = sft_train(cfg, runtime, data, logger, ckpt)  # type: ignore[arg-type]
             ckpt.end_if_interrupted()
             export_final(runtime)
@@ -242,17 +288,36 @@ def _check_pairs(cfg: MrlConfig) -> None:
         raise ConfigError("", problems=problems)
 
 
-def _pair_summary(algorithm: str, history: dict, final: dict[str, float], seconds: float,
-                  accuracy: str) -> dict[str, Any]:
+def _pair_summary(
+    algorithm: str, history: dict, final: dict[str, float], seconds: float, accuracy: str
+) -> dict[str, Any]:
     curve = _curve(history, accuracy)
     before, after = curve[0] if curve else None, final.get(accuracy)
-    return {"algorithm": algorithm, "seconds": seconds, f"{accuracy}_curve": curve, f"{accuracy}_before": before,
-            f"{accuracy}_after": after, "val_accuracy_before": before, "val_accuracy_after": after, "final": final}
+    return {
+        "algorithm": algorithm,
+        "seconds": seconds,
+        f"{accuracy}_curve": curve,
+        f"{accuracy}_before": before,
+        f"{accuracy}_after": after,
+        "val_accuracy_before": before,
+        "val_accuracy_after": after,
+        "final": final,
+    }
 
 
-def _run_pairs(cfg: MrlConfig, algorithm: str, steps: int, train: Any, key_metrics: Any, accuracy: str, *,
-               reference: bool = False, source: ModelSource | None = None, tokenizer: Any = None,
-               data: Any = None) -> dict[str, Any]:
+def _run_pairs(
+    cfg: MrlConfig,
+    algorithm: str,
+    steps: int,
+    train: Any,
+    key_metrics: Any,
+    accuracy: str,
+    *,
+    reference: bool = False,
+    source: ModelSource | None = None,
+    tokenizer: Any = None,
+    data: Any = None,
+) -> dict[str, Any]:
     """Start the policy (no engine), train on preference pairs with `train`, export, summarise. `tokenizer` and
     `data`: `source`'s and the pairs, when the command already loaded them."""
     from mrl.algorithms.pairs import load_pair_data
@@ -262,13 +327,27 @@ def _run_pairs(cfg: MrlConfig, algorithm: str, steps: int, train: Any, key_metri
     source = source or resolve_model(cfg)
     tokenizer = load_tokenizer(cfg, source) if tokenizer is None else tokenizer
     data = load_pair_data(cfg, tokenizer) if data is None else data  # before any worker starts: errors are the data's
-    runtime = _started(cfg, total_steps=steps, engine=False, reference=reference, source=source,
-                       padded_vocab=resume_padded_vocab(cfg), tokenizer=tokenizer)
+    runtime = _started(
+        cfg,
+        total_steps=steps,
+        engine=False,
+        reference=reference,
+        source=source,
+        padded_vocab=resume_padded_vocab(cfg),
+        tokenizer=tokenizer,
+    )
     try:
-        with explained_failures(cfg), RunCheckpoints(cfg, runtime) as ckpt, \
-                _logger(cfg, steps, f"{cfg.run.name} {algorithm}", key_metrics) as logger, \
-                summary_on_stop(Path(cfg.run.output_dir), lambda: _pair_summary(
-                    algorithm, logger.history, last_metrics(logger.history), time.perf_counter() - start, accuracy)):
+        with (
+            explained_failures(cfg),
+            RunCheckpoints(cfg, runtime) as ckpt,
+            _logger(cfg, steps, f"{cfg.run.name} {algorithm}", key_metrics) as logger,
+            summary_on_stop(
+                Path(cfg.run.output_dir),
+                lambda: _pair_summary(
+                    algorithm, logger.history, last_metrics(logger.history), time.perf_counter() - start, accuracy
+                ),
+            ),
+        ):
             final = train(cfg, runtime, data, logger, ckpt)
             ckpt.end_if_interrupted()
             history = logger.history
@@ -283,24 +362,33 @@ def _run_pairs(cfg: MrlConfig, algorithm: str, steps: int, train: Any, key_metri
 def run_dpo(cfg: MrlConfig) -> dict[str, Any]:
     from mrl.algorithms.dpo import KEY_METRICS, dpo_train
 
-    return _run_pairs(cfg, "dpo", cfg.dpo.max_num_steps, dpo_train, KEY_METRICS, "val/preference_accuracy",
-                      reference=True)
+    return _run_pairs(
+        cfg, "dpo", cfg.dpo.max_num_steps, dpo_train, KEY_METRICS, "val/preference_accuracy", reference=True
+    )
 
 
 def run_rm(cfg: MrlConfig) -> dict[str, Any]:
     """`mrl rm`: a language model is first turned into a reward model (mrl/app/reward_model.py)."""
+    from mrl.algorithms.pairs import load_pair_data
     from mrl.algorithms.rm import KEY_METRICS, rm_train
     from mrl.app.reward_model import reward_model_source
-
-    from mrl.algorithms.pairs import load_pair_data
 
     _check_pairs(cfg)  # the rules, the tokenizer and the data before the reward model's folder is written
     lm = resolve_model(cfg)
     tokenizer = load_tokenizer(cfg, lm)  # the reward model's folder gets a copy of it
     data = load_pair_data(cfg, tokenizer)
     source = reward_model_source(lm, Path(cfg.run.output_dir), pad_token_id=tokenizer.pad_token_id, seed=cfg.run.seed)
-    return _run_pairs(cfg, "rm", cfg.rm.max_num_steps, rm_train, KEY_METRICS, "val/accuracy", source=source,
-                      tokenizer=tokenizer, data=data)
+    return _run_pairs(
+        cfg,
+        "rm",
+        cfg.rm.max_num_steps,
+        rm_train,
+        KEY_METRICS,
+        "val/accuracy",
+        source=source,
+        tokenizer=tokenizer,
+        data=data,
+    )
 
 
 def run_eval(cfg: MrlConfig) -> dict[str, Any]:
@@ -311,8 +399,11 @@ def run_eval(cfg: MrlConfig) -> dict[str, Any]:
     start = time.perf_counter()
     data = load_task_data(cfg, val_source=cfg.eval.data)
     if not data.val:
-        raise ConfigError("nothing to evaluate", key="eval.data",
-                          fix="set eval.data (or data.val) to a problem/answer file (jsonl or parquet)")
+        raise ConfigError(
+            "nothing to evaluate",
+            key="eval.data",
+            fix="set eval.data (or data.val) to a problem/answer file (jsonl or parquet)",
+        )
     source = resolve_model(cfg)
     tokenizer = load_tokenizer(cfg, source)
     check_prompt_budget(cfg, tokenizer, data.template, [])  # the template renders, with room for a problem
@@ -359,6 +450,7 @@ def run_score(cfg: MrlConfig, input_path: str, out_path: str) -> dict[str, float
 def with_hub_ids(run: Callable[[MrlConfig], dict[str, Any]]) -> Callable[[MrlConfig], dict[str, Any]]:
     """`run` on the config with its hub ids resolved to snapshot folders first (mrl/app/hub_ids.py); what they
     resolved to goes into summary.json as `hub`."""
+
     @functools.wraps(run)
     def resolved_run(cfg: MrlConfig) -> dict[str, Any]:
         cfg, resolved = resolve_hub_ids(cfg)
@@ -371,8 +463,10 @@ def with_hub_ids(run: Callable[[MrlConfig], dict[str, Any]]) -> Callable[[MrlCon
     return resolved_run
 
 
-RUNNERS = {name: with_hub_ids(run) for name, run in
-           {"grpo": run_grpo, "sft": run_sft, "dpo": run_dpo, "rm": run_rm, "eval": run_eval}.items()}
+RUNNERS = {
+    name: with_hub_ids(run)
+    for name, run in {"grpo": run_grpo, "sft": run_sft, "dpo": run_dpo, "rm": run_rm, "eval": run_eval}.items()
+}
 
 
 def run_command(name: str, cfg: MrlConfig) -> dict[str, Any]:

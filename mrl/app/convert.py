@@ -29,11 +29,15 @@ from typing import Any
 import torch
 
 from converters import ConversionError, ModelDims, model_dims, resolve_padded_vocab
-from converters.hf_io import (DEFAULT_MAX_SHARD_BYTES, copy_model_metadata, load_hf_config, load_hf_state,
-                              save_hf_state)
+from converters.hf_io import DEFAULT_MAX_SHARD_BYTES, copy_model_metadata, load_hf_config, load_hf_state, save_hf_state
 from converters.mapping import megatron_to_hf as map_megatron_to_hf
-from mrl.checkpoint.megatron import (HF_SUBDIR, MODEL_SUBDIR, checkpoint_padded_vocab, load_megatron_checkpoint,
-                                    save_sharded)
+from mrl.checkpoint.megatron import (
+    HF_SUBDIR,
+    MODEL_SUBDIR,
+    checkpoint_padded_vocab,
+    load_megatron_checkpoint,
+    save_sharded,
+)
 from mrl.config.errors import ConfigError
 from mrl.model.build import build_gpt_model, load_hf_weights, router_settings, transformer_config_from_hf
 from mrl.parallel import collectives
@@ -54,8 +58,10 @@ def init_parallel(tp: int, pp: int, ep: int = 1) -> None:
     try:
         dims = ParallelDims(tp=tp, pp=pp, ep=ep, world_size=world_from_launcher())
     except ParallelLayoutError as err:
-        raise ConversionError(f"running with {world_from_launcher()} process(es) cannot lay out tp={tp}, pp={pp}, "
-                              f"ep={ep}: run in one process or under torchrun --nproc-per-node {tp * pp * ep}") from err
+        raise ConversionError(
+            f"running with {world_from_launcher()} process(es) cannot lay out tp={tp}, pp={pp}, "
+            f"ep={ep}: run in one process or under torchrun --nproc-per-node {tp * pp * ep}"
+        ) from err
     init_process_groups(dims, seed=0)
 
 
@@ -64,9 +70,13 @@ def _build(hf_config: dict[str, Any], padded_vocab: int, tp: int, pp: int, ep: i
     requires it for experts; it changes no weight)."""
     dims = model_dims(hf_config)
     sequence_parallel = tp > 1 and (dims.moe is not None or dims.mla is not None)
-    config = transformer_config_from_hf(hf_config, tensor_parallel=tp, pipeline_parallel=pp,
-                                        sequence_parallel=sequence_parallel,
-                                        **router_settings(dims, expert_parallel=ep))
+    config = transformer_config_from_hf(
+        hf_config,
+        tensor_parallel=tp,
+        pipeline_parallel=pp,
+        sequence_parallel=sequence_parallel,
+        **router_settings(dims, expert_parallel=ep),
+    )
     return build_gpt_model(hf_config, config, padded_vocab=padded_vocab)
 
 
@@ -78,10 +88,19 @@ def check_hf_argument(value: str) -> None:
     folder = Path(value)
     if parse_hub_id(value) is not None or (folder / "config.json").is_file():
         return
-    found = ("there is no such folder" if not folder.exists() else "it is a file" if not folder.is_dir() else
-             f"the folder has no config.json (it holds {', '.join(sorted(p.name for p in folder.iterdir())[:8])})")
-    raise ConfigError(f"not an HF model folder: {found}", key="--hf", given=value,
-                      fix="pass an HF model folder (config.json + *.safetensors) or a hub id (org/name[@revision])")
+    found = (
+        "there is no such folder"
+        if not folder.exists()
+        else "it is a file"
+        if not folder.is_dir()
+        else f"the folder has no config.json (it holds {', '.join(sorted(p.name for p in folder.iterdir())[:8])})"
+    )
+    raise ConfigError(
+        f"not an HF model folder: {found}",
+        key="--hf",
+        given=value,
+        fix="pass an HF model folder (config.json + *.safetensors) or a hub id (org/name[@revision])",
+    )
 
 
 def layout_problems(dims: ModelDims, tp: int, pp: int, ep: int) -> list[ConfigError]:
@@ -89,25 +108,46 @@ def layout_problems(dims: ModelDims, tp: int, pp: int, ep: int) -> list[ConfigEr
     that does not divide the heads is accepted in one process (which builds at TP 1 and records it) and fails only
     when a run loads the checkpoint, and a size below 1 fails on the vocabulary."""
     sizes = {"--tp": tp, "--pp": pp, "--ep": ep}
-    small = [ConfigError("must be 1 or more", key=flag, given=size, allowed="1, 2, ...")
-             for flag, size in sizes.items() if size < 1]
+    small = [
+        ConfigError("must be 1 or more", key=flag, given=size, allowed="1, 2, ...")
+        for flag, size in sizes.items()
+        if size < 1
+    ]
     if small:
         return small
     out = []
     for heads, what in ((dims.num_heads, "attention heads"), (dims.num_kv_heads, "key/value heads")):
         if heads % tp:
-            out.append(ConfigError(f"does not divide the model's {heads} {what}", key="--tp", given=tp,
-                                   allowed=f"a divisor of {heads}: {_divisors(heads)}"))
+            out.append(
+                ConfigError(
+                    f"does not divide the model's {heads} {what}",
+                    key="--tp",
+                    given=tp,
+                    allowed=f"a divisor of {heads}: {_divisors(heads)}",
+                )
+            )
             break
     if dims.num_layers % pp:
-        out.append(ConfigError(f"the model's {dims.num_layers} layers do not split evenly over {pp} pipeline stages",
-                               key="--pp", given=pp, allowed=f"a divisor of {dims.num_layers}: "
-                                                          f"{_divisors(dims.num_layers)}"))
+        out.append(
+            ConfigError(
+                f"the model's {dims.num_layers} layers do not split evenly over {pp} pipeline stages",
+                key="--pp",
+                given=pp,
+                allowed=f"a divisor of {dims.num_layers}: {_divisors(dims.num_layers)}",
+            )
+        )
     experts = dims.moe.num_experts if dims.moe is not None else None
     if ep > 1 and (experts is None or experts % ep):
-        out.append(ConfigError("expert parallelism needs a mixture-of-experts model; this one is dense" if experts
-                               is None else f"does not divide the model's {experts} experts", key="--ep", given=ep,
-                               allowed="1" if experts is None else f"a divisor of {experts}: {_divisors(experts)}"))
+        out.append(
+            ConfigError(
+                "expert parallelism needs a mixture-of-experts model; this one is dense"
+                if experts is None
+                else f"does not divide the model's {experts} experts",
+                key="--ep",
+                given=ep,
+                allowed="1" if experts is None else f"a divisor of {experts}: {_divisors(experts)}",
+            )
+        )
     return out
 
 
@@ -128,8 +168,10 @@ def hf_to_megatron(hf_dir: str | Path, out_dir: str | Path, tp: int = 1, pp: int
     init_parallel(build_tp, build_pp, build_ep)  # extra ranks are data-parallel replicas; they save nothing twice
     if (out / MODEL_SUBDIR).exists() and any((out / MODEL_SUBDIR).iterdir()):
         raise ConversionError(f"{out / MODEL_SUBDIR} is not empty: choose a new --out folder")
-    _log(f"{dims.family}: {dims.num_layers} layers, hidden {dims.hidden_size}, vocab {dims.vocab_size} -> "
-         f"padded {padded}; reading {hf_dir}")
+    _log(
+        f"{dims.family}: {dims.num_layers} layers, hidden {dims.hidden_size}, vocab {dims.vocab_size} -> "
+        f"padded {padded}; reading {hf_dir}"
+    )
     hf_state = load_hf_state(hf_dir)
     model = _build(hf_config, padded, build_tp, build_pp, build_ep)
     load_hf_weights(model, hf_state, hf_config)
@@ -137,8 +179,11 @@ def hf_to_megatron(hf_dir: str | Path, out_dir: str | Path, tp: int = 1, pp: int
     if collectives.rank() == 0:
         (out / MODEL_SUBDIR).mkdir(parents=True, exist_ok=True)
         copy_model_metadata(hf_dir, out / HF_SUBDIR)
-        meta = {"family": dims.family, "padded_vocab_size": padded,
-                "written_with": {"tp": build_tp, "pp": build_pp, "ep": build_ep}}
+        meta = {
+            "family": dims.family,
+            "padded_vocab_size": padded,
+            "written_with": {"tp": build_tp, "pp": build_pp, "ep": build_ep},
+        }
         (out / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
     collectives.barrier()
     _log(f"saving distributed checkpoint to {out / MODEL_SUBDIR}")
@@ -184,7 +229,10 @@ def megatron_hf_state(megatron_dir: str | Path) -> dict[str, torch.Tensor]:
 
 
 def megatron_to_hf(
-    megatron_dir: str | Path, out_dir: str | Path, *, hf_config_dir: str | Path | None = None,
+    megatron_dir: str | Path,
+    out_dir: str | Path,
+    *,
+    hf_config_dir: str | Path | None = None,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
 ) -> Path:
     """Convert a Megatron checkpoint folder into an HF folder: safetensors (sharded above `max_shard_bytes`, with
@@ -196,8 +244,9 @@ def megatron_to_hf(
     init_parallel(1, 1)  # under torchrun every rank loads the full model; rank 0 writes
     model = _load_whole_model(model_dir, hf_config)
     if collectives.rank() == 0:
-        files = save_hf_state(map_megatron_to_hf(model.state_dict(), dims), out, max_shard_bytes=max_shard_bytes,
-                              log=_log)
+        files = save_hf_state(
+            map_megatron_to_hf(model.state_dict(), dims), out, max_shard_bytes=max_shard_bytes, log=_log
+        )
         copy_model_metadata(config_dir, out)
         _log(f"wrote {len(files)} safetensors file(s) and {', '.join(sorted(p.name for p in out.glob('*.json')))}")
     collectives.barrier()

@@ -47,8 +47,9 @@ class RestartingEngine:
     `refill()` refits it when it would wake to generate with discarded weights. Every other attribute is the current
     engine's, so the refit loop (covered as a whole by `Runtime.refit`) and the lifecycle see the engine itself."""
 
-    def __init__(self, engine: Any, replace: Callable[[WorkerDiedError], None],
-                 refill: Callable[[], Any] | None = None) -> None:
+    def __init__(
+        self, engine: Any, replace: Callable[[WorkerDiedError], None], refill: Callable[[], Any] | None = None
+    ) -> None:
         self.current = engine
         self._replace = replace
         self._refill = refill
@@ -99,8 +100,10 @@ def restart_refusal(cfg: Any, restarts: int, *, weights_reachable: bool, startin
     if not weights_reachable:
         return "its weights came from a policy that is no longer running"
     if cfg.grpo.max_off_policy_steps and not starting:
-        return ("engines are not restarted with grpo.max_off_policy_steps=1 (the policy trains while they generate, "
-                "so its weights are not those the engine held)")
+        return (
+            "engines are not restarted with grpo.max_off_policy_steps=1 (the policy trains while they generate, "
+            "so its weights are not those the engine held)"
+        )
     if restarts >= cfg.generation.max_restarts:
         return f"generation.max_restarts={cfg.generation.max_restarts} restart(s) used up"
     return ""
@@ -109,5 +112,9 @@ def restart_refusal(cfg: Any, restarts: int, *, weights_reachable: bool, startin
 def announce(error: WorkerDiedError, restarts: int, limit: int, *, how: str) -> None:
     """One line for a restart (`how`: where the new engines' weights come from)."""
     where = f" in '{error.method}'" if error.method else ""
-    print(f"[mrl] engine rank {error.rank} died{where}; restarting the engines {how} "
-          f"(restart {restarts} of at most {limit}: generation.max_restarts)", file=sys.stderr, flush=True)
+    print(
+        f"[mrl] engine rank {error.rank} died{where}; restarting the engines {how} "
+        f"(restart {restarts} of at most {limit}: generation.max_restarts)",
+        file=sys.stderr,
+        flush=True,
+    )

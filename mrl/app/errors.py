@@ -1,12 +1,13 @@
 """Errors a command ends with, and their exit statuses (light: `mrl.cli` imports this before anything heavy).
 
-    0  done, or pre-empted (`Preempted`: a SIGTERM stopped a loop, which saved; re-running the command resumes)
-    1  a file or checkpoint the user named cannot be used
-    2  configuration error (CONFIG_ERROR_EXIT_CODE), also one a worker met (`configuration_failure`: re-running
-       would meet it again), or a GRPO run that trained on nothing for grpo.max_idle_steps steps in a row
-       (mrl.algorithms.health.IdleTraining): change the settings or the data
-    3  non-finite loss or gradients on policy.max_nonfinite_steps steps in a row (mrl.algorithms.guards.NonFiniteTraining): change the settings, then re-running resumes
-    4  a worker died or raised (RunFailed): re-running the command resumes
+0  done, or pre-empted (`Preempted`: a SIGTERM stopped a loop, which saved; re-running the command resumes)
+1  a file or checkpoint the user named cannot be used
+2  configuration error (CONFIG_ERROR_EXIT_CODE), also one a worker met (`configuration_failure`: re-running
+   would meet it again), or a GRPO run that trained on nothing for grpo.max_idle_steps steps in a row
+   (mrl.algorithms.health.IdleTraining): change the settings or the data
+3  non-finite loss or gradients on policy.max_nonfinite_steps steps in a row (mrl.algorithms.guards.NonFiniteTraining):
+change the settings, then re-running resumes
+4  a worker died or raised (RunFailed): re-running the command resumes
 """
 
 from __future__ import annotations
@@ -22,9 +23,14 @@ RUN_FAILED_EXIT_CODE = 4
 #: never the advice to re-run. Each is refused before any worker starts where mrl can tell (mrl/app/preflight.py);
 #: this is the net for the cases it cannot.
 CONFIGURATION_FAILURES = (
-    ("Unsupported CPU attention configuration", "policy.model_name",
-     ("a model whose attention head size vLLM's CPU attention serves (mrl.inference.vllm_backend."
-      "CPU_ATTENTION_HEAD_SIZES: 32, 64, 80, 96, 112, 128, ...), generation.backend=megatron, or GPUs")),
+    (
+        "Unsupported CPU attention configuration",
+        "policy.model_name",
+        (
+            "a model whose attention head size vLLM's CPU attention serves (mrl.inference.vllm_backend."
+            "CPU_ATTENTION_HEAD_SIZES: 32, 64, 80, 96, 112, 128, ...), generation.backend=megatron, or GPUs"
+        ),
+    ),
 )
 
 
@@ -58,6 +64,7 @@ def configuration_failure(error: BaseException) -> Optional[ConfigError]:
     message = str(error).split("\n--- remote traceback ---")[0]
     for text, key, fix in CONFIGURATION_FAILURES:
         if text in message:
-            return ConfigError(f"{message}\n    this comes from the configuration: a re-run fails the same way",
-                               key=key, fix=fix)
+            return ConfigError(
+                f"{message}\n    this comes from the configuration: a re-run fails the same way", key=key, fix=fix
+            )
     return None

@@ -10,7 +10,8 @@
 
 A repeated or resumed run in the same run.output_dir reads hub.json first and uses the commits recorded there, for the
 same id and revision, whatever the revision points at now; when it now names another commit (on the hub, or in the
-cache's refs/<revision> offline) it says so, and how to take the new one. A hub id that cannot be resolved is a ConfigError naming the key (exit 2).
+cache's refs/<revision> offline) it says so, and how to take the new one. A hub id that cannot be resolved is a
+ConfigError naming the key (exit 2).
 """
 
 from __future__ import annotations
@@ -55,7 +56,9 @@ def fetch_hub_ids(cfg: MrlConfig, *, dry_run: bool = False) -> list[str]:
             ref = hub.parse_hub_id(value) if isinstance(value, str) else None
             if ref is not None:
                 commit = hub.cached_commit(ref, repo_type)
-                state = f"in the hub cache (commit {commit})" if commit else "not in the hub cache: submitting fetches it"
+                state = (
+                    f"in the hub cache (commit {commit})" if commit else "not in the hub cache: submitting fetches it"
+                )
                 print(f"[mrl] {key}: {ref} {state}", file=sys.stderr, flush=True)
         return []
     return [key for key, _ in _resolve_all(cfg, {}, Path(cfg.run.output_dir))]
@@ -99,15 +102,23 @@ def _places() -> Iterator[tuple[str, str, Optional[str]]]:
 def _pinned(record: Optional[dict[str, str]], ref: hub.HubRef, repo_type: str, key: str, out: Path) -> Optional[str]:
     """The commit recorded for this key when it names the same id and revision; a line when the cache's ref has
     moved on since."""
-    if not record or record.get("id") != ref.repo_id or record.get("revision") != (ref.revision or "main") \
-            or record.get("repo_type") != repo_type:
+    if (
+        not record
+        or record.get("id") != ref.repo_id
+        or record.get("revision") != (ref.revision or "main")
+        or record.get("repo_type") != repo_type
+    ):
         return None
     commit = record["commit"]
     now = hub.current_commit(ref, repo_type)
     if now is not None and now != commit:
-        print(f"[mrl] {key}: {ref} now points at commit {now}; this run keeps the commit it "
-              f"recorded, {commit} ({out / RECORD_FILE}). To take the new one, start a new run.output_dir or name "
-              f"it ({ref.repo_id}@{now})", file=sys.stderr, flush=True)
+        print(
+            f"[mrl] {key}: {ref} now points at commit {now}; this run keeps the commit it "
+            f"recorded, {commit} ({out / RECORD_FILE}). To take the new one, start a new run.output_dir or name "
+            f"it ({ref.repo_id}@{now})",
+            file=sys.stderr,
+            flush=True,
+        )
     return commit
 
 

@@ -49,8 +49,12 @@ def classify_model_path(path: str | Path, *, key: str = "policy.model_name") -> 
         return ModelSource(config_dir=folder)
     if _is_megatron_folder(folder) and not _unfinished_training_step(folder):
         return ModelSource(config_dir=folder / HF_SUBDIR, megatron_dir=folder)
-    raise ConfigError(f"neither an HF model folder nor a Megatron checkpoint folder: {_found(folder)}", key=key,
-                      given=str(path), fix=_fix(folder))
+    raise ConfigError(
+        f"neither an HF model folder nor a Megatron checkpoint folder: {_found(folder)}",
+        key=key,
+        given=str(path),
+        fix=_fix(folder),
+    )
 
 
 def _is_hf_folder(folder: Path) -> bool:
@@ -85,8 +89,11 @@ def _found(folder: Path) -> str:
         return "config.json but no *.safetensors weights" + (f" ({', '.join(other)}: not read)" if other else "")
     if (folder / MODEL_SUBDIR).is_dir():
         hf = "hf/config.json" if (folder / HF_SUBDIR / "config.json").is_file() else "no hf/config.json"
-        metadata = (f"{MODEL_SUBDIR}/{_CHECKPOINT_METADATA}" if (folder / MODEL_SUBDIR / _CHECKPOINT_METADATA).is_file()
-                    else f"{MODEL_SUBDIR}/ without {_CHECKPOINT_METADATA}")
+        metadata = (
+            f"{MODEL_SUBDIR}/{_CHECKPOINT_METADATA}"
+            if (folder / MODEL_SUBDIR / _CHECKPOINT_METADATA).is_file()
+            else f"{MODEL_SUBDIR}/ without {_CHECKPOINT_METADATA}"
+        )
         return f"{metadata} and {hf}"
     if _step_folders(folder):
         return f"checkpoint folders {', '.join(_step_folders(folder)[-3:])} (a checkpointing.dir)"
@@ -99,5 +106,7 @@ def _fix(folder: Path) -> str:
         return f"pass one complete step folder, e.g. the newest, {folder / _step_folders(folder)[-1]}"
     if folder.name == HF_SUBDIR and _is_megatron_folder(folder.parent):
         return f"pass the Megatron checkpoint folder {folder.parent} (its hf/ holds the config, model/ the weights)"
-    return ("pass an HF folder (config.json + *.safetensors + tokenizer), a hub id (org/name[@revision]), the --out "
-            "folder of `mrl convert hf-to-megatron`, or a complete training checkpoint <checkpointing.dir>/step_N")
+    return (
+        "pass an HF folder (config.json + *.safetensors + tokenizer), a hub id (org/name[@revision]), the --out "
+        "folder of `mrl convert hf-to-megatron`, or a complete training checkpoint <checkpointing.dir>/step_N"
+    )

@@ -28,17 +28,32 @@ from typing import Any, Mapping, Sequence
 
 from converters.spec import ModelDims, model_dims
 from mrl.app.plan_activations import Activations, stage_activations
+from mrl.app.plan_memory import (
+    GiB,
+    PolicyBytes,
+    engine_stage_bytes,
+    engine_stage_layers,
+    kv_bytes_per_token,
+    kv_capacity_tokens,
+    layout_of,
+    padded_vocab,
+    policy_bytes,
+    stage_params,
+)
 from mrl.app.plan_time import StepTime, step_time
-from mrl.app.plan_memory import (GiB, PolicyBytes, engine_stage_bytes, engine_stage_layers, kv_bytes_per_token,
-                                 kv_capacity_tokens, layout_of, padded_vocab, policy_bytes, stage_params)
 from mrl.config import ConfigError, MrlConfig
 from mrl.data import hub
 
 SHIPPED_CONFIGS = Path(__file__).resolve().parents[1] / "_shipped" / "hf_configs"
 
 #: Memory the driver reports as the GPU's total (nvidia-smi's "MiB" figure), by the names `--gpu` takes.
-GPUS: dict[str, int] = {"h100-80gb": 81559 * 2**20, "h200-141gb": 143771 * 2**20, "a100-80gb": 81920 * 2**20,
-                        "a100-40gb": 40960 * 2**20, "b200-180gb": 183359 * 2**20}
+GPUS: dict[str, int] = {
+    "h100-80gb": 81559 * 2**20,
+    "h200-141gb": 143771 * 2**20,
+    "a100-80gb": 81920 * 2**20,
+    "a100-40gb": 40960 * 2**20,
+    "b200-180gb": 183359 * 2**20,
+}
 
 #: The workers each command starts, as the plan counts them (mrl/app/commands.py): policy ranks, engines.
 POLICY_COMMANDS = ("grpo", "sft", "dpo", "rm")
@@ -57,31 +72,72 @@ class Assumption:
 
 #: Figures the plan cannot derive from the config; `--assume key=value` replaces one.
 ASSUMPTIONS: dict[str, Assumption] = {
-    "cuda_context_gib": Assumption(0.6, "GiB per process on a GPU", "CUDA context and the NCCL communicators, "
-                                   "typical of an H100 (nvidia-smi of an idle torch process with NCCL)"),
-    "engine_overhead_gib": Assumption(2.0, "GiB", "vLLM's non-KV memory besides the weights: the profile run's "
-                                      "activation peak, CUDA graphs, non-torch memory (vLLM's start-up log prints "
-                                      "each: 'Memory profiling takes ...')"),
-    "engine_asleep_gib": Assumption(0.3, "GiB", "what a sleeping colocated engine keeps (level 2 frees weights and "
-                                    "KV cache; level 1 moves the weights to host memory)"),
-    "allocator_slack": Assumption(0.05, "fraction of the live tensors", "the caching allocator's fragmentation on top "
-                                  "of the live tensors (PyTorch's reserved minus allocated, typical)"),
-    "mfu": Assumption(0.35, "of the GPU's dense bf16 peak", "Megatron-Core bf16 training and prefill, typical of "
-                      "published runs of models of this size (35-45%); your run's train time gives yours"),
-    "decode_efficiency": Assumption(0.6, "of the HBM bandwidth", "a vLLM decode step reading the weights and KV "
-                                    "cache at a large batch (50-70% is typical)"),
-    "mean_prompt_tokens": Assumption(256, "tokens", "a math problem with the chat template (DeepScaleR's: about "
-                                     "100-300); your data's train/prompt_tokens_max bounds it"),
-    "mean_response_fraction": Assumption(0.5, "of generation.max_new_tokens", "the mean response's length: a run's "
-                                         "train/response_length over max_new_tokens"),
-    "refit_gib_per_s": Assumption(200, "GiB/s per engine GPU", "CUDA IPC between colocated processes, below what the "
-                                  "GPU tier measured on an H100 (docs/measurements.md, GPU tier)"),
-    "node_broadcast_gib_per_s": Assumption(150, "GiB/s", "a refit bucket broadcast from policy rank 0 over the "
-                                           "policy's ranks of one node (NVLink 4: 900 GB/s per H100, a broadcast "
-                                           "reaches a share of it; nccl-tests' broadcast_perf measures yours)"),
-    "cluster_broadcast_gib_per_s": Assumption(40, "GiB/s", "the same broadcast across nodes (one 400 Gb/s "
-                                              "InfiniBand NIC per GPU, 50 GB/s, of which NCCL reaches 80-90%; "
-                                              "nccl-tests' broadcast_perf over the nodes measures yours)"),
+    "cuda_context_gib": Assumption(
+        0.6,
+        "GiB per process on a GPU",
+        "CUDA context and the NCCL communicators, typical of an H100 (nvidia-smi of an idle torch process with NCCL)",
+    ),
+    "engine_overhead_gib": Assumption(
+        2.0,
+        "GiB",
+        "vLLM's non-KV memory besides the weights: the profile run's "
+        "activation peak, CUDA graphs, non-torch memory (vLLM's start-up log prints "
+        "each: 'Memory profiling takes ...')",
+    ),
+    "engine_asleep_gib": Assumption(
+        0.3,
+        "GiB",
+        "what a sleeping colocated engine keeps (level 2 frees weights and "
+        "KV cache; level 1 moves the weights to host memory)",
+    ),
+    "allocator_slack": Assumption(
+        0.05,
+        "fraction of the live tensors",
+        "the caching allocator's fragmentation on top "
+        "of the live tensors (PyTorch's reserved minus allocated, typical)",
+    ),
+    "mfu": Assumption(
+        0.35,
+        "of the GPU's dense bf16 peak",
+        "Megatron-Core bf16 training and prefill, typical of "
+        "published runs of models of this size (35-45%); your run's train time gives yours",
+    ),
+    "decode_efficiency": Assumption(
+        0.6,
+        "of the HBM bandwidth",
+        "a vLLM decode step reading the weights and KV cache at a large batch (50-70% is typical)",
+    ),
+    "mean_prompt_tokens": Assumption(
+        256,
+        "tokens",
+        "a math problem with the chat template (DeepScaleR's: about "
+        "100-300); your data's train/prompt_tokens_max bounds it",
+    ),
+    "mean_response_fraction": Assumption(
+        0.5,
+        "of generation.max_new_tokens",
+        "the mean response's length: a run's train/response_length over max_new_tokens",
+    ),
+    "refit_gib_per_s": Assumption(
+        200,
+        "GiB/s per engine GPU",
+        "CUDA IPC between colocated processes, below what the "
+        "GPU tier measured on an H100 (docs/measurements.md, GPU tier)",
+    ),
+    "node_broadcast_gib_per_s": Assumption(
+        150,
+        "GiB/s",
+        "a refit bucket broadcast from policy rank 0 over the "
+        "policy's ranks of one node (NVLink 4: 900 GB/s per H100, a broadcast "
+        "reaches a share of it; nccl-tests' broadcast_perf measures yours)",
+    ),
+    "cluster_broadcast_gib_per_s": Assumption(
+        40,
+        "GiB/s",
+        "the same broadcast across nodes (one 400 Gb/s "
+        "InfiniBand NIC per GPU, 50 GB/s, of which NCCL reaches 80-90%; "
+        "nccl-tests' broadcast_perf over the nodes measures yours)",
+    ),
 }
 
 
@@ -90,20 +146,20 @@ class StagePlan:
     states: PolicyBytes
     activations: Activations
     layers: tuple[int, int]
-    train_phase: int       # bytes on the GPU while training (engine asleep)
-    generate_phase: int    # bytes on the GPU while a colocated engine generates (0: not colocated)
+    train_phase: int  # bytes on the GPU while training (engine asleep)
+    generate_phase: int  # bytes on the GPU while a colocated engine generates (0: not colocated)
 
 
 @dataclass(frozen=True)
 class EnginePlan:
-    gpus: int              # GPUs of one engine (its TP x PP)
+    gpus: int  # GPUs of one engine (its TP x PP)
     weights: int
-    budget: int            # gpu_memory_utilization x the GPU
+    budget: int  # gpu_memory_utilization x the GPU
     kv_bytes: int
     kv_tokens: int
-    sequence_tokens: int   # one sequence at the configured lengths
+    sequence_tokens: int  # one sequence at the configured lengths
     block_size: int = 16
-    stages: int = 1        # its pipeline stages (weights and KV cache: the stage with the most weights)
+    stages: int = 1  # its pipeline stages (weights and KV cache: the stage with the most weights)
 
     @property
     def sequences(self) -> int:
@@ -115,8 +171,8 @@ class RefitPlan:
     """The refit's buckets (mrl.policy.export.plan_buckets, as the policy plans them: layers cut at the bound)."""
 
     buckets: int
-    largest: int   # bytes of the largest bucket's HF tensors (bf16)
-    total: int     # bytes of every HF tensor (bf16)
+    largest: int  # bytes of the largest bucket's HF tensors (bf16)
+    total: int  # bytes of every HF tensor (bf16)
 
 
 def refit_plan(cfg: MrlConfig, dims: ModelDims) -> RefitPlan:
@@ -136,10 +192,10 @@ class Plan:
     gpu: str
     gpu_bytes: int
     dims: ModelDims
-    stages: list[StagePlan]         # the policy's pipeline stages (none for `eval`: no policy)
-    engine: EnginePlan | None       # None for sft, dpo and rm: no engine
-    time: StepTime | None           # a GRPO step's; None for the other commands
-    refit: RefitPlan | None         # with a policy and an engine
+    stages: list[StagePlan]  # the policy's pipeline stages (none for `eval`: no policy)
+    engine: EnginePlan | None  # None for sft, dpo and rm: no engine
+    time: StepTime | None  # a GRPO step's; None for the other commands
+    refit: RefitPlan | None  # with a policy and an engine
     assumptions: dict[str, Assumption]
     problems: list[str] = field(default_factory=list)
     fixes: list[str] = field(default_factory=list)
@@ -156,21 +212,35 @@ def parse_assumptions(pairs: Sequence[str]) -> dict[str, Assumption]:
     for pair in pairs:
         key, _, value = pair.partition("=")
         if key not in ASSUMPTIONS:
-            raise ConfigError("not an assumption of the plan", key="--assume", given=pair,
-                              allowed=", ".join(ASSUMPTIONS), fix="--assume KEY=NUMBER with one of those keys")
+            raise ConfigError(
+                "not an assumption of the plan",
+                key="--assume",
+                given=pair,
+                allowed=", ".join(ASSUMPTIONS),
+                fix="--assume KEY=NUMBER with one of those keys",
+            )
         try:
             number = float(value)
         except ValueError:
-            raise ConfigError("the value is not a number", key="--assume", given=pair,
-                              fix=f"--assume {key}=NUMBER ({ASSUMPTIONS[key].unit})") from None
+            raise ConfigError(
+                "the value is not a number",
+                key="--assume",
+                given=pair,
+                fix=f"--assume {key}=NUMBER ({ASSUMPTIONS[key].unit})",
+            ) from None
         out[key] = Assumption(number, ASSUMPTIONS[key].unit, "given with --assume")
     return out
 
 
 def gpu_bytes(name: str) -> int:
     if name not in GPUS:
-        raise ConfigError("unknown GPU", key="--gpu", given=name, allowed=", ".join(GPUS),
-                          fix="name one of those (the memory nvidia-smi reports for it)")
+        raise ConfigError(
+            "unknown GPU",
+            key="--gpu",
+            given=name,
+            allowed=", ".join(GPUS),
+            fix="name one of those (the memory nvidia-smi reports for it)",
+        )
     return GPUS[name]
 
 
@@ -181,8 +251,12 @@ def model_config(cfg: MrlConfig, path: str | None = None) -> tuple[dict[str, Any
         return _read_config(Path(path), "--model-config"), path
     name = cfg.policy.model_name
     if name is None:
-        raise ConfigError("the plan needs the model's config.json", key="policy.model_name", given=None,
-                          fix="set policy.model_name, or pass --model-config FILE")
+        raise ConfigError(
+            "the plan needs the model's config.json",
+            key="policy.model_name",
+            given=None,
+            fix="set policy.model_name, or pass --model-config FILE",
+        )
     folder = Path(name)
     if (folder / "config.json").is_file():
         return _read_config(folder / "config.json", "policy.model_name"), str(folder / "config.json")
@@ -195,9 +269,13 @@ def model_config(cfg: MrlConfig, path: str | None = None) -> tuple[dict[str, Any
         if shipped.is_file():
             return _read_config(shipped, "policy.model_name"), f"{ref.repo_id} (published config.json shipped with mrl)"
     fix = f"`{hub.download_command(ref, 'model')}` on a machine with network" if ref else "a folder with config.json"
-    raise ConfigError("no config.json found for the model: not a local folder, not in the hub cache, and not one "
-                      "of the models whose published config mrl ships", key="policy.model_name", given=name,
-                      fix=f"{fix}, or pass --model-config FILE")
+    raise ConfigError(
+        "no config.json found for the model: not a local folder, not in the hub cache, and not one "
+        "of the models whose published config mrl ships",
+        key="policy.model_name",
+        given=name,
+        fix=f"{fix}, or pass --model-config FILE",
+    )
 
 
 def check_this_gpu(cfg: MrlConfig, gpu_total: int) -> Plan | None:
@@ -211,11 +289,18 @@ def check_this_gpu(cfg: MrlConfig, gpu_total: int) -> Plan | None:
         return None
     text = render(plan, cfg)
     if cfg.cluster.memory_check == "refuse":
-        raise ConfigError(f"the layout does not fit this GPU:\n{text}\n", key="cluster.memory_check",
-                          given="refuse", allowed="refuse, warn, off",
-                          fix="one of the settings the plan names, or cluster.memory_check=warn to start anyway")
-    print(f"[mrl] warning: the layout may not fit this GPU (cluster.memory_check=warn):\n{text}", file=sys.stderr,
-          flush=True)
+        raise ConfigError(
+            f"the layout does not fit this GPU:\n{text}\n",
+            key="cluster.memory_check",
+            given="refuse",
+            allowed="refuse, warn, off",
+            fix="one of the settings the plan names, or cluster.memory_check=warn to start anyway",
+        )
+    print(
+        f"[mrl] warning: the layout may not fit this GPU (cluster.memory_check=warn):\n{text}",
+        file=sys.stderr,
+        flush=True,
+    )
     return plan
 
 
@@ -228,9 +313,16 @@ def _read_config(path: Path, key: str) -> dict[str, Any]:
     return config
 
 
-def make_plan(cfg: MrlConfig, *, gpu: str = "h100-80gb", assume: Sequence[str] = (),
-              model_config_path: str | None = None, gpu_total: int | None = None, command: str = "grpo",
-              model: tuple[dict[str, Any], str] | None = None) -> Plan:
+def make_plan(
+    cfg: MrlConfig,
+    *,
+    gpu: str = "h100-80gb",
+    assume: Sequence[str] = (),
+    model_config_path: str | None = None,
+    gpu_total: int | None = None,
+    command: str = "grpo",
+    model: tuple[dict[str, Any], str] | None = None,
+) -> Plan:
     """The whole plan of a config (module docstring) for `command`'s workers; `gpu_total`: the memory of the GPU at
     hand instead of the named one's (whose rates the time estimate still uses); `model`: the model's config.json and
     where it came from, when the caller has it (a staged recipe's later stages)."""
@@ -239,23 +331,49 @@ def make_plan(cfg: MrlConfig, *, gpu: str = "h100-80gb", assume: Sequence[str] =
     config, source = model or model_config(cfg, model_config_path)
     dims = model_dims(config)
     engine = _engine(cfg, dims, total, assumptions) if command in ENGINE_COMMANDS else None
-    stages = _policy_stages(cfg, dims, engine, assumptions, reference=command == "dpo" or cfg.loss.kl_beta > 0) \
-        if command in POLICY_COMMANDS else []
+    stages = (
+        _policy_stages(cfg, dims, engine, assumptions, reference=command == "dpo" or cfg.loss.kl_beta > 0)
+        if command in POLICY_COMMANDS
+        else []
+    )
     refit = refit_plan(cfg, dims) if engine and stages else None
     time = None
     if command == "grpo":
-        time = step_time(cfg, dims, gpu, {key: a.value for key, a in assumptions.items()},
-                         kv_tokens=engine.kv_tokens, engine_weights=engine.weights,  # type: ignore[union-attr]
-                         refit_bytes=refit.total)  # type: ignore[union-attr]
+        time = step_time(
+            cfg,
+            dims,
+            gpu,
+            {key: a.value for key, a in assumptions.items()},
+            kv_tokens=engine.kv_tokens,
+            engine_weights=engine.weights,  # type: ignore[union-attr]
+            refit_bytes=refit.total,
+        )  # type: ignore[union-attr]
     label = gpu if gpu_total is None else "this GPU"
-    plan = Plan(cfg.policy.model_name or "", source, label, total, dims, stages, engine, time, refit, assumptions,
-                command=command)
+    plan = Plan(
+        cfg.policy.model_name or "",
+        source,
+        label,
+        total,
+        dims,
+        stages,
+        engine,
+        time,
+        refit,
+        assumptions,
+        command=command,
+    )
     _judge(cfg, plan)
     return plan
 
 
-def _policy_stages(cfg: MrlConfig, dims: ModelDims, engine: EnginePlan | None, assumptions: Mapping[str, Assumption],
-                   *, reference: bool) -> list[StagePlan]:
+def _policy_stages(
+    cfg: MrlConfig,
+    dims: ModelDims,
+    engine: EnginePlan | None,
+    assumptions: Mapping[str, Assumption],
+    *,
+    reference: bool,
+) -> list[StagePlan]:
     """A policy rank's bytes per pipeline stage, while training and (beside a colocated engine) while generating;
     `reference`: the run keeps a reference model (DPO, or GRPO's KL term)."""
     layout = layout_of(cfg)
@@ -265,11 +383,16 @@ def _policy_stages(cfg: MrlConfig, dims: ModelDims, engine: EnginePlan | None, a
     asleep = int(assumptions["engine_asleep_gib"].value * GiB) + context if colocated else 0
     stages = []
     for stage in stage_params(dims, layout, freeze_router=cfg.policy.moe.freeze_router):
-        states = policy_bytes(stage, layout, precision=cfg.policy.precision,
-                              distributed_optimizer=cfg.policy.optimizer.use_distributed_optimizer,
-                              reference=reference and not cfg.policy.offload_reference)
-        acts = stage_activations(cfg, dims, stage.layers, last_stage=stage.stage == layout.pp - 1,
-                                 padded_vocab=padded_vocab(dims, layout.tp))
+        states = policy_bytes(
+            stage,
+            layout,
+            precision=cfg.policy.precision,
+            distributed_optimizer=cfg.policy.optimizer.use_distributed_optimizer,
+            reference=reference and not cfg.policy.offload_reference,
+        )
+        acts = stage_activations(
+            cfg, dims, stage.layers, last_stage=stage.stage == layout.pp - 1, padded_vocab=padded_vocab(dims, layout.tp)
+        )
         train = int((states.states + max(acts.train_peak, acts.logprob_peak)) * slack) + context + asleep
         generate = _resident(cfg, states) + context + engine.budget if colocated else 0  # type: ignore[union-attr]
         stages.append(StagePlan(states, acts, stage.layers, train, generate))
@@ -279,8 +402,12 @@ def _policy_stages(cfg: MrlConfig, dims: ModelDims, engine: EnginePlan | None, a
 def _resident(cfg: MrlConfig, states: PolicyBytes) -> int:
     """What a policy rank keeps on its GPU while a colocated engine generates."""
     off = cfg.policy.offload_when_generating
-    return (0 if off.weights else states.weights) + (0 if off.gradients else states.gradients) + \
-        (0 if off.optimizer_states else states.optimizer) + states.reference
+    return (
+        (0 if off.weights else states.weights)
+        + (0 if off.gradients else states.gradients)
+        + (0 if off.optimizer_states else states.optimizer)
+        + states.reference
+    )
 
 
 def _engine(cfg: MrlConfig, dims: ModelDims, total: int, assumptions: Mapping[str, Assumption]) -> EnginePlan:
@@ -300,16 +427,22 @@ def _judge(cfg: MrlConfig, plan: Plan) -> None:
     if plan.stages:
         worst_train = max(plan.stages, key=lambda s: s.train_phase)
         if worst_train.train_phase > total:
-            plan.problems.append(f"training needs {_gib(worst_train.train_phase)} on a stage-"
-                                 f"{worst_train.states.stage} GPU, more than its {_gib(total)}")
+            plan.problems.append(
+                f"training needs {_gib(worst_train.train_phase)} on a stage-"
+                f"{worst_train.states.stage} GPU, more than its {_gib(total)}"
+            )
             plan.fixes += _train_fixes(cfg, worst_train, total)
         worst_generate = max(plan.stages, key=lambda s: s.generate_phase)
         if worst_generate.generate_phase > total:
-            plan.problems.append(f"generation needs {_gib(worst_generate.generate_phase)} on a colocated GPU (the "
-                                 f"engine's {cfg.generation.vllm.gpu_memory_utilization:g} of it and what the policy "
-                                 f"keeps), more than its {_gib(total)}")
-            plan.fixes.append("lower generation.vllm.gpu_memory_utilization, or offload more while generating "
-                              "(policy.offload_when_generating.weights=true)")
+            plan.problems.append(
+                f"generation needs {_gib(worst_generate.generate_phase)} on a colocated GPU (the "
+                f"engine's {cfg.generation.vllm.gpu_memory_utilization:g} of it and what the policy "
+                f"keeps), more than its {_gib(total)}"
+            )
+            plan.fixes.append(
+                "lower generation.vllm.gpu_memory_utilization, or offload more while generating "
+                "(policy.offload_when_generating.weights=true)"
+            )
     if plan.engine is not None and plan.engine.sequences < 1:
         _judge_engine(cfg, plan)
 
@@ -318,8 +451,10 @@ def _engine_need(dims: ModelDims, tp: int, pp: int, sequence_tokens: int, overhe
     """Bytes the fullest GPU of an engine of TP `tp` x PP `pp` needs to hold one sequence: its pipeline stage's
     weights, vLLM's own (`overhead`) and the sequence's KV cache on that stage's layers."""
     stages = zip(engine_stage_bytes(dims, tp, pp), engine_stage_layers(dims.num_layers, pp))
-    return max(weights + overhead + kv_bytes_per_token(dims, tp, layers=last - first) * sequence_tokens
-               for weights, (first, last) in stages)
+    return max(
+        weights + overhead + kv_bytes_per_token(dims, tp, layers=last - first) * sequence_tokens
+        for weights, (first, last) in stages
+    )
 
 
 def _judge_engine(cfg: MrlConfig, plan: Plan) -> None:
@@ -329,25 +464,35 @@ def _judge_engine(cfg: MrlConfig, plan: Plan) -> None:
     engine, vllm, total = plan.engine, cfg.generation.vllm, plan.gpu_bytes
     assert engine is not None
     overhead = int(plan.assumptions["engine_overhead_gib"].value * GiB)
-    need = _engine_need(plan.dims, vllm.tensor_parallel_size, vllm.pipeline_parallel_size, engine.sequence_tokens,
-                        overhead)
+    need = _engine_need(
+        plan.dims, vllm.tensor_parallel_size, vllm.pipeline_parallel_size, engine.sequence_tokens, overhead
+    )
     if need <= MAX_UTILIZATION * total:
-        plan.problems.append(f"the engine's KV cache ({_gib(engine.kv_bytes)}) holds no {engine.sequence_tokens}-token "
-                             f"sequence: generation.vllm.gpu_memory_utilization={vllm.gpu_memory_utilization:g} "
-                             f"gives it {_gib(engine.budget)} of the GPU, its weights take {_gib(engine.weights)}")
-        plan.fixes.append(f"generation.vllm.gpu_memory_utilization={math.ceil(need / total * 100) / 100:g} or more "
-                          f"(weights, vLLM's {_gib(overhead)} and one sequence's KV cache: {_gib(need)} of "
-                          f"{_gib(total)}), or more engine parallelism (generation.vllm.tensor_parallel_size)")
+        plan.problems.append(
+            f"the engine's KV cache ({_gib(engine.kv_bytes)}) holds no {engine.sequence_tokens}-token "
+            f"sequence: generation.vllm.gpu_memory_utilization={vllm.gpu_memory_utilization:g} "
+            f"gives it {_gib(engine.budget)} of the GPU, its weights take {_gib(engine.weights)}"
+        )
+        plan.fixes.append(
+            f"generation.vllm.gpu_memory_utilization={math.ceil(need / total * 100) / 100:g} or more "
+            f"(weights, vLLM's {_gib(overhead)} and one sequence's KV cache: {_gib(need)} of "
+            f"{_gib(total)}), or more engine parallelism (generation.vllm.tensor_parallel_size)"
+        )
         return
     layout = f"an engine of {_engine_layout(engine, cfg)} puts {_gib(engine.weights)} of weights on each GPU"
     if engine.weights > total:
-        why = (f"more than the GPU's {_gib(total)} ({_gib(need)} with vLLM's {_gib(overhead)} and one sequence's KV "
-               "cache)")
+        why = (
+            f"more than the GPU's {_gib(total)} ({_gib(need)} with vLLM's {_gib(overhead)} and one sequence's KV cache)"
+        )
     else:
-        why = (f"which with vLLM's {_gib(overhead)} and one sequence's KV cache need {_gib(need)}, more than the "
-               f"{MAX_UTILIZATION:g} of the GPU's {_gib(total)} an engine can be given")
-    plan.problems.append(f"the engine's weights do not fit its GPUs: {layout}, {why}; no "
-                         "generation.vllm.gpu_memory_utilization can hold them")
+        why = (
+            f"which with vLLM's {_gib(overhead)} and one sequence's KV cache need {_gib(need)}, more than the "
+            f"{MAX_UTILIZATION:g} of the GPU's {_gib(total)} an engine can be given"
+        )
+    plan.problems.append(
+        f"the engine's weights do not fit its GPUs: {layout}, {why}; no "
+        "generation.vllm.gpu_memory_utilization can hold them"
+    )
     plan.fixes += _engine_fixes(cfg, plan, overhead)
 
 
@@ -358,46 +503,69 @@ def _engine_fixes(cfg: MrlConfig, plan: Plan, overhead: int) -> list[str]:
     tokens = plan.engine.sequence_tokens  # type: ignore[union-attr]
     share = vllm.gpu_memory_utilization * plan.gpu_bytes
     tp, pp = vllm.tensor_parallel_size, vllm.pipeline_parallel_size
-    sizes = [t for t in (tp * 2**k for k in range(1, 8)) if t <= cfg.cluster.devices_per_node and
-             dims.num_heads % t == 0]
+    sizes = [
+        t for t in (tp * 2**k for k in range(1, 8)) if t <= cfg.cluster.devices_per_node and dims.num_heads % t == 0
+    ]
     fixes = []
     wider = next((t for t in sizes if _engine_need(dims, t, pp, tokens, overhead) <= share), None)
     if wider is not None:
-        fixes.append(f"more tensor parallelism for the engine: generation.vllm.tensor_parallel_size={wider} "
-                     f"({_gib(max(engine_stage_bytes(dims, wider, pp)))} of weights a GPU)")
+        fixes.append(
+            f"more tensor parallelism for the engine: generation.vllm.tensor_parallel_size={wider} "
+            f"({_gib(max(engine_stage_bytes(dims, wider, pp)))} of weights a GPU)"
+        )
     else:
         node_tp = max([tp, *sizes])
-        stages = next((p for p in range(pp + 1, dims.num_layers + 1)
-                       if _engine_need(dims, node_tp, p, tokens, overhead) <= share), None)
+        stages = next(
+            (
+                p
+                for p in range(pp + 1, dims.num_layers + 1)
+                if _engine_need(dims, node_tp, p, tokens, overhead) <= share
+            ),
+            None,
+        )
         if stages is not None:
-            fixes.append(f"an engine over several nodes: generation.vllm.tensor_parallel_size={node_tp} and "
-                         f"generation.vllm.pipeline_parallel_size={stages} ({node_tp * stages} GPUs an engine, "
-                         f"{_gib(max(engine_stage_bytes(dims, node_tp, stages)))} of weights a GPU)")
+            fixes.append(
+                f"an engine over several nodes: generation.vllm.tensor_parallel_size={node_tp} and "
+                f"generation.vllm.pipeline_parallel_size={stages} ({node_tp * stages} GPUs an engine, "
+                f"{_gib(max(engine_stage_bytes(dims, node_tp, stages)))} of weights a GPU)"
+            )
     need = _engine_need(dims, tp, pp, tokens, overhead)
-    bigger = [name for name, size in sorted(GPUS.items(), key=lambda item: item[1])
-              if size > plan.gpu_bytes and need <= MAX_UTILIZATION * size]
+    bigger = [
+        name
+        for name, size in sorted(GPUS.items(), key=lambda item: item[1])
+        if size > plan.gpu_bytes and need <= MAX_UTILIZATION * size
+    ]
     if bigger:
         size = GPUS[bigger[0]]
-        fixes.append(f"a bigger GPU for this engine layout: {' or '.join(bigger)} (`--gpu {bigger[0]}`), with "
-                     f"generation.vllm.gpu_memory_utilization={math.ceil(need / size * 100) / 100:g} or more")
+        fixes.append(
+            f"a bigger GPU for this engine layout: {' or '.join(bigger)} (`--gpu {bigger[0]}`), with "
+            f"generation.vllm.gpu_memory_utilization={math.ceil(need / size * 100) / 100:g} or more"
+        )
     else:
-        fixes.append(f"no GPU the plan knows ({', '.join(GPUS)}) holds {_gib(need)} for one GPU of this engine "
-                     "layout: more engine parallelism is the way")
+        fixes.append(
+            f"no GPU the plan knows ({', '.join(GPUS)}) holds {_gib(need)} for one GPU of this engine "
+            "layout: more engine parallelism is the way"
+        )
     return fixes
 
 
 def _train_fixes(cfg: MrlConfig, stage: StagePlan, total: int) -> list[str]:
     fixes = []
     if not cfg.policy.optimizer.use_distributed_optimizer and cfg.policy_world_size > 1:
-        fixes.append("policy.optimizer.use_distributed_optimizer=true (shards the optimizer states over the "
-                     "data-parallel ranks)")
+        fixes.append(
+            "policy.optimizer.use_distributed_optimizer=true (shards the optimizer states over the data-parallel ranks)"
+        )
     if not cfg.policy.activation_checkpointing:
         fixes.append("policy.activation_checkpointing=true")
     if stage.activations.train_peak > total // 4:
-        fixes.append("fewer tokens per micro-batch (policy.sequence_packing.tokens_per_microbatch or "
-                     "policy.train_micro_batch_size), or policy.parallel.context_parallel_size")
-    fixes.append("more model parallelism: policy.parallel.tensor_parallel_size, pipeline_parallel_size or (MoE) "
-                 "expert_parallel_size, on more GPUs")
+        fixes.append(
+            "fewer tokens per micro-batch (policy.sequence_packing.tokens_per_microbatch or "
+            "policy.train_micro_batch_size), or policy.parallel.context_parallel_size"
+        )
+    fixes.append(
+        "more model parallelism: policy.parallel.tensor_parallel_size, pipeline_parallel_size or (MoE) "
+        "expert_parallel_size, on more GPUs"
+    )
     return fixes
 
 
@@ -406,8 +574,10 @@ def _gib(value: int) -> str:
 
 
 def _refit_line(refit: RefitPlan, cfg: MrlConfig) -> str:
-    return (f"refit: {refit.total / GiB:.1f} GiB in {refit.buckets} buckets of at most "
-            f"{refit.largest / 2**20:.0f} MiB (generation.refit_bucket_mb={cfg.generation.refit_bucket_mb})")
+    return (
+        f"refit: {refit.total / GiB:.1f} GiB in {refit.buckets} buckets of at most "
+        f"{refit.largest / 2**20:.0f} MiB (generation.refit_bucket_mb={cfg.generation.refit_bucket_mb})"
+    )
 
 
 def _offload_lines(plan: Plan, cfg: MrlConfig) -> list[str]:
@@ -416,13 +586,16 @@ def _offload_lines(plan: Plan, cfg: MrlConfig) -> list[str]:
         return []
     states = max(plan.stages, key=lambda s: s.states.states).states
     off = cfg.policy.offload_when_generating
-    parts = [("optimizer states to host memory", "optimizer_states", off.optimizer_states, states.optimizer),
-             ("gradients freed", "gradients", off.gradients, states.gradients),
-             ("weights to host memory", "weights", off.weights, states.weights)]
+    parts = [
+        ("optimizer states to host memory", "optimizer_states", off.optimizer_states, states.optimizer),
+        ("gradients freed", "gradients", off.gradients, states.gradients),
+        ("weights to host memory", "weights", off.weights, states.weights),
+    ]
     moved = ", ".join(f"{what} {size / GiB:.1f} GiB" for what, _, on, size in parts if on) or "nothing"
     kept = ", ".join(f"{key} {size / GiB:.1f} GiB" for _, key, on, size in parts if not on) or "nothing"
-    return [f"while the engine generates, a policy GPU hands over: {moved}; keeps {kept} "
-            "(policy.offload_when_generating)"]
+    return [
+        f"while the engine generates, a policy GPU hands over: {moved}; keeps {kept} (policy.offload_when_generating)"
+    ]
 
 
 def _engine_layout(engine: EnginePlan, cfg: MrlConfig) -> str:
@@ -436,19 +609,23 @@ def _engine_layout(engine: EnginePlan, cfg: MrlConfig) -> str:
 def _time_line(t: StepTime) -> str:
     if t.generation == float("inf"):
         return "step time: not estimated (no sequence fits the engine's KV cache)"
-    return (f"step time, an estimate: generation {t.generation:.0f} s, logprobs {t.logprobs:.0f} s, train "
-            f"{t.train:.0f} s, refit {t.refit:.1f} s; {t.total:.0f} s a step")
+    return (
+        f"step time, an estimate: generation {t.generation:.0f} s, logprobs {t.logprobs:.0f} s, train "
+        f"{t.train:.0f} s, refit {t.refit:.1f} s; {t.total:.0f} s a step"
+    )
 
 
 def _workers_line(plan: Plan, cfg: MrlConfig) -> str:
     par = cfg.policy.parallel
     parts = []
     if plan.stages:
-        parts.append(f"policy: {cfg.policy_world_size} GPUs, TP {par.tensor_parallel_size} PP "
-                     f"{par.pipeline_parallel_size} CP {par.context_parallel_size} EP {par.expert_parallel_size}, "
-                     f"{cfg.policy.precision}, distributed optimizer "
-                     f"{'on' if cfg.policy.optimizer.use_distributed_optimizer else 'off'}, recompute "
-                     f"{'on' if cfg.policy.activation_checkpointing else 'off'}")
+        parts.append(
+            f"policy: {cfg.policy_world_size} GPUs, TP {par.tensor_parallel_size} PP "
+            f"{par.pipeline_parallel_size} CP {par.context_parallel_size} EP {par.expert_parallel_size}, "
+            f"{cfg.policy.precision}, distributed optimizer "
+            f"{'on' if cfg.policy.optimizer.use_distributed_optimizer else 'off'}, recompute "
+            f"{'on' if cfg.policy.activation_checkpointing else 'off'}"
+        )
     if plan.engine is not None:
         placed = "" if not plan.stages else ", colocated" if cfg.generation.colocated else ", on its own GPUs"
         parts.append(f"engine {_engine_layout(plan.engine, cfg)}{placed}")
@@ -456,36 +633,48 @@ def _workers_line(plan: Plan, cfg: MrlConfig) -> str:
 
 
 def _policy_table(plan: Plan) -> list[str]:
-    lines = ["policy GPU, per pipeline stage (GiB)",
-             f"  {'stage':>5} {'layers':>9} {'params':>9} {'weights':>8} {'grads':>7} {'optim':>7} {'ref':>6} "
-             f"{'act':>7} {'logprob':>8} {'train':>7} {'generate':>9}"]
+    lines = [
+        "policy GPU, per pipeline stage (GiB)",
+        f"  {'stage':>5} {'layers':>9} {'params':>9} {'weights':>8} {'grads':>7} {'optim':>7} {'ref':>6} "
+        f"{'act':>7} {'logprob':>8} {'train':>7} {'generate':>9}",
+    ]
     for s in plan.stages:
         g = s.states
-        lines.append(f"  {g.stage:>5} {f'{s.layers[0]}-{s.layers[1] - 1}':>9} {g.params / 1e9:>8.2f}B "
-                     f"{g.weights / GiB:>8.1f} {g.gradients / GiB:>7.1f} {g.optimizer / GiB:>7.1f} "
-                     f"{g.reference / GiB:>6.1f} {s.activations.train_peak / GiB:>7.1f} "
-                     f"{s.activations.logprob_peak / GiB:>8.1f} {s.train_phase / GiB:>7.1f} "
-                     f"{(s.generate_phase / GiB if s.generate_phase else 0):>9.1f}")
+        lines.append(
+            f"  {g.stage:>5} {f'{s.layers[0]}-{s.layers[1] - 1}':>9} {g.params / 1e9:>8.2f}B "
+            f"{g.weights / GiB:>8.1f} {g.gradients / GiB:>7.1f} {g.optimizer / GiB:>7.1f} "
+            f"{g.reference / GiB:>6.1f} {s.activations.train_peak / GiB:>7.1f} "
+            f"{s.activations.logprob_peak / GiB:>8.1f} {s.train_phase / GiB:>7.1f} "
+            f"{(s.generate_phase / GiB if s.generate_phase else 0):>9.1f}"
+        )
     return lines + [""]
 
 
 def _engine_line(e: EnginePlan, cfg: MrlConfig) -> str:
-    return (f"engine GPU{' (its largest pipeline stage)' if e.stages > 1 else ''}: weights {_gib(e.weights)}, "
-            f"budget {_gib(e.budget)} (gpu_memory_utilization {cfg.generation.vllm.gpu_memory_utilization:g}), KV "
-            f"cache {_gib(e.kv_bytes)} = {e.kv_tokens:,} tokens = {e.sequences} sequences of {e.sequence_tokens} "
-            "tokens")
+    return (
+        f"engine GPU{' (its largest pipeline stage)' if e.stages > 1 else ''}: weights {_gib(e.weights)}, "
+        f"budget {_gib(e.budget)} (gpu_memory_utilization {cfg.generation.vllm.gpu_memory_utilization:g}), KV "
+        f"cache {_gib(e.kv_bytes)} = {e.kv_tokens:,} tokens = {e.sequences} sequences of {e.sequence_tokens} "
+        "tokens"
+    )
 
 
 def assumption_lines(plan: Plan) -> list[str]:
-    return ["assumptions (--assume KEY=VALUE replaces one):",
-            *(f"  {k} = {a.value:g} {a.unit}: {a.source}" for k, a in plan.assumptions.items())]
+    return [
+        "assumptions (--assume KEY=VALUE replaces one):",
+        *(f"  {k} = {a.value:g} {a.unit}: {a.source}" for k, a in plan.assumptions.items()),
+    ]
 
 
 def render(plan: Plan, cfg: MrlConfig, *, assumptions: bool = True) -> str:
     """The plan as the text `mrl plan` prints (`assumptions`: with the assumptions' list; a staged recipe's plans
     print it once)."""
-    lines = [f"mrl plan: {plan.model} on {plan.gpu} ({_gib(plan.gpu_bytes)} per GPU)",
-             f"  model: {plan.model_source}", f"  {_workers_line(plan, cfg)}", ""]
+    lines = [
+        f"mrl plan: {plan.model} on {plan.gpu} ({_gib(plan.gpu_bytes)} per GPU)",
+        f"  model: {plan.model_source}",
+        f"  {_workers_line(plan, cfg)}",
+        "",
+    ]
     if plan.stages:
         lines += _policy_table(plan)
     if plan.engine is not None:
@@ -503,5 +692,9 @@ def render(plan: Plan, cfg: MrlConfig, *, assumptions: bool = True) -> str:
 def _verdict(plan: Plan) -> list[str]:
     if plan.fits:
         return ["verdict: fits"]
-    return ["verdict: does NOT fit", *(f"  - {p}" for p in plan.problems), "  would fit with one or more of:",
-            *(f"  - {f}" for f in plan.fixes)]
+    return [
+        "verdict: does NOT fit",
+        *(f"  - {p}" for p in plan.problems),
+        "  would fit with one or more of:",
+        *(f"  - {f}" for f in plan.fixes),
+    ]

@@ -35,11 +35,11 @@ Kernels = Literal["te", "local"]
 class Activations:
     """Bytes of one rank's activations for one micro-batch (training) and the logprob pass's peak."""
 
-    tokens: int        # tokens of the training micro-batch on this rank (after CP)
-    layers: int        # kept for the backward
-    working: int       # one layer's whole set while it is recomputed (0 without recompute), and the gathered input
-                       # of sequence parallelism (`gather_buffer_bytes`)
-    logits: int        # the last stage's logits and log-softmax chunks (0 on the other stages)
+    tokens: int  # tokens of the training micro-batch on this rank (after CP)
+    layers: int  # kept for the backward
+    working: int  # one layer's whole set while it is recomputed (0 without recompute), and the gathered input
+    # of sequence parallelism (`gather_buffer_bytes`)
+    logits: int  # the last stage's logits and log-softmax chunks (0 on the other stages)
     logprob_peak: int  # the logprob pass: one layer's set and the logits
 
     @property
@@ -51,13 +51,16 @@ class Activations:
 class LayerBytes:
     """One layer's saved bytes per token, by how tensor parallelism divides them."""
 
-    by_tp: int        # heads and MLP columns: divided by TP
-    by_sp: int        # norms and the linears' inputs: divided by TP with sequence parallelism only
-    replicated: int   # rotary tables and positions: on every TP rank whole
+    by_tp: int  # heads and MLP columns: divided by TP
+    by_sp: int  # norms and the linears' inputs: divided by TP with sequence parallelism only
+    replicated: int  # rotary tables and positions: on every TP rank whole
 
     def on_rank(self, tokens: int, tp: int, sequence_parallel: bool) -> int:
-        return (self.by_tp * tokens) // tp + (self.by_sp * tokens) // (tp if sequence_parallel else 1) + \
-            self.replicated * tokens
+        return (
+            (self.by_tp * tokens) // tp
+            + (self.by_sp * tokens) // (tp if sequence_parallel else 1)
+            + self.replicated * tokens
+        )
 
     @property
     def total(self) -> int:
@@ -116,9 +119,17 @@ def rotary_table_bytes(dims: ModelDims) -> int:
     return 0 if dims.mla is not None else 4 * dims.head_dim
 
 
-def decoder_activations(dims: ModelDims, layers: tuple[int, int], *, tokens: int, tp: int = 1,
-                        sequence_parallel: bool = False, recompute: bool = False, kernels: Kernels = "te",
-                        sequence_length: int | None = None) -> tuple[int, int]:
+def decoder_activations(
+    dims: ModelDims,
+    layers: tuple[int, int],
+    *,
+    tokens: int,
+    tp: int = 1,
+    sequence_parallel: bool = False,
+    recompute: bool = False,
+    kernels: Kernels = "te",
+    sequence_length: int | None = None,
+) -> tuple[int, int]:
     """(bytes the decoder layers [first, last) keep for the backward, one layer's whole set while recomputed) on one
     rank, for `tokens` tokens of the micro-batch on that rank, in sequences of `sequence_length` (default: one)."""
     per_layer = [layer_bytes(dims, i, kernels).on_rank(tokens, tp, sequence_parallel) for i in range(*layers)]
@@ -147,19 +158,33 @@ def micro_batch_tokens(cfg: Any, *, logprob: bool = False) -> int:
     return sequences * policy.max_total_sequence_length
 
 
-def stage_activations(cfg: Any, dims: ModelDims, layers: tuple[int, int], *, last_stage: bool,
-                      padded_vocab: int, kernels: Kernels = "te") -> Activations:
+def stage_activations(
+    cfg: Any, dims: ModelDims, layers: tuple[int, int], *, last_stage: bool, padded_vocab: int, kernels: Kernels = "te"
+) -> Activations:
     """The estimate for one rank of the stage holding decoder layers [first, last)."""
     par = cfg.policy.parallel
     tp, cp = par.tensor_parallel_size, par.context_parallel_size
     tokens = micro_batch_tokens(cfg) // cp
-    kept, working = decoder_activations(dims, layers, tokens=tokens, tp=tp, sequence_parallel=par.sequence_parallel,
-                                        recompute=cfg.policy.activation_checkpointing, kernels=kernels,
-                                        sequence_length=min(tokens, cfg.policy.max_total_sequence_length))
+    kept, working = decoder_activations(
+        dims,
+        layers,
+        tokens=tokens,
+        tp=tp,
+        sequence_parallel=par.sequence_parallel,
+        recompute=cfg.policy.activation_checkpointing,
+        kernels=kernels,
+        sequence_length=min(tokens, cfg.policy.max_total_sequence_length),
+    )
     logprob_tokens = micro_batch_tokens(cfg, logprob=True) // cp
-    _, one_layer = decoder_activations(dims, (layers[0], min(layers[0] + 1, layers[1])), tokens=logprob_tokens,
-                                       tp=tp, sequence_parallel=par.sequence_parallel, recompute=True,
-                                       kernels=kernels)
+    _, one_layer = decoder_activations(
+        dims,
+        (layers[0], min(layers[0] + 1, layers[1])),
+        tokens=logprob_tokens,
+        tp=tp,
+        sequence_parallel=par.sequence_parallel,
+        recompute=True,
+        kernels=kernels,
+    )
     logits = _logits(cfg, tokens, padded_vocab // tp, train=True) if last_stage else 0
     lp_logits = _logits(cfg, logprob_tokens, padded_vocab // tp, train=False) if last_stage else 0
     gather = gather_buffer_bytes(dims, tokens=tokens, tp=tp, sequence_parallel=par.sequence_parallel)

@@ -51,9 +51,9 @@ class StageParams:
 
     stage: int
     layers: tuple[int, int]  # [first, last) global decoder layer indices
-    dense: int               # not routed experts (TP shards, replicated norms and routers)
-    experts: int             # routed experts (this EP rank's, this TP shard of each)
-    frozen: int              # frozen routers (no gradient, no optimizer state)
+    dense: int  # not routed experts (TP shards, replicated norms and routers)
+    experts: int  # routed experts (this EP rank's, this TP shard of each)
+    frozen: int  # frozen routers (no gradient, no optimizer state)
 
     @property
     def total(self) -> int:
@@ -92,8 +92,9 @@ def stage_params(dims: ModelDims, layout: Layout, *, freeze_router: bool = False
         dense = experts = frozen = 0
         for rule in rules:
             layer = layer_index(rule.megatron)
-            if rule.megatron.endswith("expert_bias") or not _on_stage(rule.megatron, layer, stage, first, last,
-                                                                      layout.pp):
+            if rule.megatron.endswith("expert_bias") or not _on_stage(
+                rule.megatron, layer, stage, first, last, layout.pp
+            ):
                 continue
             if rule.kind == "vocab":
                 dense += vocab_rows * dims.hidden_size
@@ -113,8 +114,11 @@ def stage_params(dims: ModelDims, layout: Layout, *, freeze_router: bool = False
 
 def total_params(dims: ModelDims) -> int:
     """Every parameter of the model (one copy, unpadded vocabulary): what transformers counts."""
-    return sum(math.prod(shape) for name, shape in expected_hf_shapes(dims).items()
-               if not name.endswith("e_score_correction_bias"))
+    return sum(
+        math.prod(shape)
+        for name, shape in expected_hf_shapes(dims).items()
+        if not name.endswith("e_score_correction_bias")
+    )
 
 
 @dataclass(frozen=True)
@@ -133,8 +137,9 @@ class PolicyBytes:
         return self.weights + self.gradients + self.optimizer + self.reference
 
 
-def policy_bytes(stage: StageParams, layout: Layout, *, precision: str, distributed_optimizer: bool,
-                 reference: bool) -> PolicyBytes:
+def policy_bytes(
+    stage: StageParams, layout: Layout, *, precision: str, distributed_optimizer: bool, reference: bool
+) -> PolicyBytes:
     """The model states of one rank of `stage` (module docstring)."""
     width = 2 if precision == "bfloat16" else 4
     per_param_optimizer = 12 if precision == "bfloat16" else 8
@@ -143,8 +148,14 @@ def policy_bytes(stage: StageParams, layout: Layout, *, precision: str, distribu
         optimizer = (-(-trainable_dense // layout.dp) + -(-stage.experts // layout.expert_dp)) * per_param_optimizer
     else:
         optimizer = (trainable_dense + stage.experts) * per_param_optimizer
-    return PolicyBytes(stage.stage, stage.total, stage.total * width, (trainable_dense + stage.experts) * 4,
-                       optimizer, stage.total * width if reference else 0)
+    return PolicyBytes(
+        stage.stage,
+        stage.total,
+        stage.total * width,
+        (trainable_dense + stage.experts) * 4,
+        optimizer,
+        stage.total * width if reference else 0,
+    )
 
 
 def engine_stage_layers(num_layers: int, pp: int) -> list[tuple[int, int]]:
@@ -163,8 +174,9 @@ def engine_stage_bytes(dims: ModelDims, tp: int, pp: int = 1, *, width: int = 2)
     last the final norm and the output layer, and with tied embeddings the embedding too, as vLLM's models build
     them) over vLLM's TP (its vocabulary padding to 64 per rank, under a megabyte, left out). A checkpoint's layers
     past the model's (DeepSeek-V3's multi-token prediction) are not loaded by vLLM's model."""
-    stage_of = [k for k, (first, last) in enumerate(engine_stage_layers(dims.num_layers, pp))
-                for _ in range(first, last)]
+    stage_of = [
+        k for k, (first, last) in enumerate(engine_stage_layers(dims.num_layers, pp)) for _ in range(first, last)
+    ]
     out = [0] * pp
     for name, shape in expected_hf_shapes(dims).items():
         numel = math.prod(shape)
@@ -199,16 +211,19 @@ def kv_bytes_per_token(dims: ModelDims, tp: int, *, layers: int | None = None, w
     return layers * 2 * heads * dims.head_dim * width
 
 
-def kv_capacity_tokens(dims: ModelDims, tp: int, available_bytes: int | list[int], *, pp: int = 1,
-                       block_size: int = 16, width: int = 2) -> int:
+def kv_capacity_tokens(
+    dims: ModelDims, tp: int, available_bytes: int | list[int], *, pp: int = 1, block_size: int = 16, width: int = 2
+) -> int:
     """Tokens of KV cache an engine holds when each GPU of pipeline stage k has `available_bytes[k]` for it (one
     number: the same on every stage): on each stage whole blocks of `block_size` tokens of the stage's layers, and
     every stage as many blocks as the one with the fewest (vLLM 0.32, vllm/v1/core/kv_cache_utils.py
     `get_kv_cache_configs`: num_blocks = available // bytes per block of the worker's layers, then the smallest over
     the workers; the capacity it logs is num_blocks x block_size, its null block included)."""
     available = available_bytes if isinstance(available_bytes, list) else [available_bytes] * pp
-    blocks = min(max(free, 0) // (kv_bytes_per_token(dims, tp, layers=b - a, width=width) * block_size)
-                 for free, (a, b) in zip(available, engine_stage_layers(dims.num_layers, pp)))
+    blocks = min(
+        max(free, 0) // (kv_bytes_per_token(dims, tp, layers=b - a, width=width) * block_size)
+        for free, (a, b) in zip(available, engine_stage_layers(dims.num_layers, pp))
+    )
     return blocks * block_size
 
 
@@ -223,7 +238,13 @@ def _on_stage(name: str, layer: int | None, stage: int, first: int, last: int, p
 def layout_of(cfg: Any) -> Layout:
     """The policy's layout from a config."""
     par = cfg.policy.parallel
-    return Layout(tp=par.tensor_parallel_size, pp=par.pipeline_parallel_size, cp=par.context_parallel_size,
-                  ep=par.expert_parallel_size, sequence_parallel=par.sequence_parallel,
-                  world_size=cfg.policy_world_size, first_stage_layers=par.first_stage_layers,
-                  last_stage_layers=par.last_stage_layers)
+    return Layout(
+        tp=par.tensor_parallel_size,
+        pp=par.pipeline_parallel_size,
+        cp=par.context_parallel_size,
+        ep=par.expert_parallel_size,
+        sequence_parallel=par.sequence_parallel,
+        world_size=cfg.policy_world_size,
+        first_stage_layers=par.first_stage_layers,
+        last_stage_layers=par.last_stage_layers,
+    )

@@ -32,29 +32,46 @@ class CommandPlan:
     plan: Plan | None  # None: nothing published to plan (a random model from policy.build)
 
 
-def plan_command(recipe: str | Path, overrides: Sequence[str], *, command: str = "grpo", gpu: str = "h100-80gb",
-                 assume: Sequence[str] = (), model_config_path: str | None = None) -> list[CommandPlan]:
+def plan_command(
+    recipe: str | Path,
+    overrides: Sequence[str],
+    *,
+    command: str = "grpo",
+    gpu: str = "h100-80gb",
+    assume: Sequence[str] = (),
+    model_config_path: str | None = None,
+) -> list[CommandPlan]:
     """The plan of `command` on a config, or (a staged recipe) of each stage with its own command; a plain config
     without a model to plan is a ConfigError (make_plan's), a stage without one is listed unplanned."""
     path = find_recipe(recipe)
     root = load_config(path, overrides)
     if not root.stages:
-        return [CommandPlan("", command, root, make_plan(root, gpu=gpu, assume=assume, command=command,
-                                                         model_config_path=model_config_path))]
+        return [
+            CommandPlan(
+                "",
+                command,
+                root,
+                make_plan(root, gpu=gpu, assume=assume, command=command, model_config_path=model_config_path),
+            )
+        ]
     exports: dict[str, Model | None] = {}  # a training stage's final export -> the model it was planned with
     out = []
     for stage, cfg in zip(root.stages, stage_configs(path, root, overrides)):
         model, shown = _stage_model(cfg, exports, model_config_path)
-        plan = None if model is None else make_plan(cfg, gpu=gpu, assume=assume, command=stage.algorithm,
-                                                    model=(model[0], shown))
+        plan = (
+            None
+            if model is None
+            else make_plan(cfg, gpu=gpu, assume=assume, command=stage.algorithm, model=(model[0], shown))
+        )
         out.append(CommandPlan(stage.name, stage.algorithm, cfg, plan))
         if stage.algorithm != "eval":
             exports[str(final_dir(cfg))] = model
     return out
 
 
-def _stage_model(cfg: MrlConfig, exports: dict[str, Model | None],
-                 model_config_path: str | None) -> tuple[Model | None, str]:
+def _stage_model(
+    cfg: MrlConfig, exports: dict[str, Model | None], model_config_path: str | None
+) -> tuple[Model | None, str]:
     """The model a stage is planned with and how the plan names its source: --model-config, the model of the
     earlier stage whose export it starts from (while that export is not written), or its own policy.model_name's;
     None for a random model."""
@@ -82,14 +99,19 @@ def render_plans(plans: Sequence[CommandPlan]) -> str:
     blocks = []
     for index, entry in enumerate(plans, 1):
         heading = f"=== stage {index}/{len(plans)} '{entry.stage}' (mrl {entry.command}) ==="
-        body = render(entry.plan, entry.cfg, assumptions=False) if entry.plan else \
-            "not planned: a random model (policy.build), or the export of one, has no published size"
+        body = (
+            render(entry.plan, entry.cfg, assumptions=False)
+            if entry.plan
+            else "not planned: a random model (policy.build), or the export of one, has no published size"
+        )
         blocks.append(f"{heading}\n{body}")
     planned = [entry.plan for entry in plans if entry.plan is not None]
     if planned:  # the same for every stage (one --assume for all)
         blocks.append("\n".join(assumption_lines(planned[0])))
     unfit = [f"'{entry.stage}'" for entry in plans if entry.plan is not None and not entry.plan.fits]
-    verdict = (f"recipe verdict: every stage planned fits ({len(planned)} of {len(plans)} stages planned)"
-               if not unfit else f"recipe verdict: does NOT fit: stage {', '.join(unfit)} (each stage's verdict "
-               "above says why)")
+    verdict = (
+        f"recipe verdict: every stage planned fits ({len(planned)} of {len(plans)} stages planned)"
+        if not unfit
+        else f"recipe verdict: does NOT fit: stage {', '.join(unfit)} (each stage's verdict above says why)"
+    )
     return "\n\n".join([*blocks, verdict])

@@ -31,9 +31,13 @@ from mrl.app.plan_memory import GiB, engine_weight_bytes, kv_bytes_per_token, to
 
 #: Dense bf16 tensor-core peak (FLOP/s) and HBM bandwidth (B/s) of each GPU `--gpu` names: NVIDIA's data sheets
 #: (SXM parts; dense, without sparsity).
-GPU_RATES: dict[str, tuple[float, float]] = {"h100-80gb": (989e12, 3.35e12), "h200-141gb": (989e12, 4.8e12),
-                                             "a100-80gb": (312e12, 2.04e12), "a100-40gb": (312e12, 1.56e12),
-                                             "b200-180gb": (2250e12, 8.0e12)}
+GPU_RATES: dict[str, tuple[float, float]] = {
+    "h100-80gb": (989e12, 3.35e12),
+    "h200-141gb": (989e12, 4.8e12),
+    "a100-80gb": (312e12, 2.04e12),
+    "a100-40gb": (312e12, 1.56e12),
+    "b200-180gb": (2250e12, 8.0e12),
+}
 
 
 @dataclass(frozen=True)
@@ -66,8 +70,16 @@ def attention_flops_per_token(dims: ModelDims, mean_length: float) -> float:
     return 2.0 * dims.num_layers * dims.num_heads * head_dim * mean_length
 
 
-def step_time(cfg: Any, dims: ModelDims, gpu: str, assume: Mapping[str, float], *, kv_tokens: int,
-              engine_weights: int, refit_bytes: int = 0) -> StepTime:
+def step_time(
+    cfg: Any,
+    dims: ModelDims,
+    gpu: str,
+    assume: Mapping[str, float],
+    *,
+    kv_tokens: int,
+    engine_weights: int,
+    refit_bytes: int = 0,
+) -> StepTime:
     """The estimate for `cfg` on `gpu` (module docstring); `assume` holds the plan's assumptions by key."""
     peak, bandwidth = GPU_RATES[gpu]
     mfu = assume["mfu"]
@@ -81,16 +93,29 @@ def step_time(cfg: Any, dims: ModelDims, gpu: str, assume: Mapping[str, float], 
     world = cfg.policy_world_size
     passes = 1 + (cfg.loss.kl_beta > 0)
     logprobs = passes * tokens * (2 * active + attention) / (world * peak * mfu)
-    per_token = (8 if cfg.policy.activation_checkpointing else 6) * active + (4 if cfg.policy.activation_checkpointing
-                                                                             else 3) * attention
+    per_token = (8 if cfg.policy.activation_checkpointing else 6) * active + (
+        4 if cfg.policy.activation_checkpointing else 3
+    ) * attention
     train = tokens * per_token / (world * peak * mfu)
     engine_tp = cfg.generation.vllm.tensor_parallel_size
     engine_size = engine_tp * cfg.generation.vllm.pipeline_parallel_size
     engine_gpus = world if cfg.generation.colocated else (cfg.generation.num_devices or world)
     engines = max(engine_gpus // engine_size, 1)
-    generation = _generation(cfg, dims, sequences, engines, engine_tp, engine_size, kv_tokens,
-                             engine_weight_bytes(dims, engine_tp), prompt, mean_length, active,
-                             bandwidth * assume["decode_efficiency"], peak * mfu)
+    generation = _generation(
+        cfg,
+        dims,
+        sequences,
+        engines,
+        engine_tp,
+        engine_size,
+        kv_tokens,
+        engine_weight_bytes(dims, engine_tp),
+        prompt,
+        mean_length,
+        active,
+        bandwidth * assume["decode_efficiency"],
+        peak * mfu,
+    )
     refit = engine_weights / (assume["refit_gib_per_s"] * GiB) + refit_bytes / _broadcast_rate(cfg, assume)
     return StepTime(generation, logprobs, train, refit)
 
@@ -105,9 +130,21 @@ def _broadcast_rate(cfg: Any, assume: Mapping[str, float]) -> float:
     return assume["node_broadcast_gib_per_s" if one_node else "cluster_broadcast_gib_per_s"] * GiB
 
 
-def _generation(cfg: Any, dims: ModelDims, sequences: int, engines: int, engine_tp: int, engine_size: int,
-                kv_tokens: int, engine_weights: int, prompt: float, mean_length: float, active: int, bandwidth: float,
-                flops: float) -> float:
+def _generation(
+    cfg: Any,
+    dims: ModelDims,
+    sequences: int,
+    engines: int,
+    engine_tp: int,
+    engine_size: int,
+    kv_tokens: int,
+    engine_weights: int,
+    prompt: float,
+    mean_length: float,
+    active: int,
+    bandwidth: float,
+    flops: float,
+) -> float:
     per_engine = -(-sequences // engines)
     longest = prompt + cfg.generation.max_new_tokens
     if kv_tokens < longest:

@@ -36,17 +36,24 @@ def check_tokenizer_folder(folder: str | Path, key: str) -> None:
     if not path.exists() and hub.parse_hub_id(str(folder)) is not None:
         return  # a hub id (a run resolves its own before this: mrl/app/hub_ids.py)
     if not path.is_dir():
-        raise ConfigError("there is no such folder", key=key, given=str(folder),
-                          fix="pass a folder holding the tokenizer files (tokenizer.json, or vocab.json + merges.txt, "
-                              "or tokenizer.model), or a hub id (org/name[@revision])")
+        raise ConfigError(
+            "there is no such folder",
+            key=key,
+            given=str(folder),
+            fix="pass a folder holding the tokenizer files (tokenizer.json, or vocab.json + merges.txt, "
+            "or tokenizer.model), or a hub id (org/name[@revision])",
+        )
     if vocabulary_files(path):
         return
     held = sorted(p.name for p in path.iterdir())
-    raise ConfigError(f"{folder} holds no tokenizer: none of tokenizer.json, vocab.json, vocab.txt, *.model, "
-                      f"*.tiktoken (it holds {', '.join(held[:8]) or 'nothing'}{', ...' if len(held) > 8 else ''})",
-                      key=key, given=str(folder),
-                      fix=f"copy the tokenizer files of the model it came from into {folder}, or set "
-                          "policy.tokenizer to a folder (or hub id) that has them")
+    raise ConfigError(
+        f"{folder} holds no tokenizer: none of tokenizer.json, vocab.json, vocab.txt, *.model, "
+        f"*.tiktoken (it holds {', '.join(held[:8]) or 'nothing'}{', ...' if len(held) > 8 else ''})",
+        key=key,
+        given=str(folder),
+        fix=f"copy the tokenizer files of the model it came from into {folder}, or set "
+        "policy.tokenizer to a folder (or hub id) that has them",
+    )
 
 
 def attention_head_size(hf_config: dict) -> Optional[int]:
@@ -74,17 +81,25 @@ def check_engine_model(cfg: MrlConfig, hf_config: dict) -> None:
     size = attention_head_size(hf_config)
     if size is None or size in CPU_ATTENTION_HEAD_SIZES or not engine_on_cpu(cfg):
         return
-    how = ("config.json's head_dim" if "head_dim" in hf_config else
-           f"hidden_size {hf_config.get('hidden_size')} / {hf_config.get('num_attention_heads')} heads")
+    how = (
+        "config.json's head_dim"
+        if "head_dim" in hf_config
+        else f"hidden_size {hf_config.get('hidden_size')} / {hf_config.get('num_attention_heads')} heads"
+    )
     build = cfg.policy.build is not None
-    raise ConfigError(f"the model's attention head size is {size} ({how}), and vLLM's CPU attention has no kernel "
-                      "for it", key="policy.build.num_attention_heads" if build else "policy.model_name",
-                      given=cfg.policy.build.num_attention_heads if build else cfg.policy.model_name,
-                      allowed=f"a model of head size {', '.join(map(str, CPU_ATTENTION_HEAD_SIZES))}",
-                      fix=("a hidden_size / num_attention_heads giving one of these" if build else
-                           "start from a model of one of these head sizes") +
-                          "; or generation.backend=megatron (the policy's own model generates, at any head size); "
-                          "or GPUs")
+    raise ConfigError(
+        f"the model's attention head size is {size} ({how}), and vLLM's CPU attention has no kernel for it",
+        key="policy.build.num_attention_heads" if build else "policy.model_name",
+        given=cfg.policy.build.num_attention_heads if build else cfg.policy.model_name,
+        allowed=f"a model of head size {', '.join(map(str, CPU_ATTENTION_HEAD_SIZES))}",
+        fix=(
+            "a hidden_size / num_attention_heads giving one of these"
+            if build
+            else "start from a model of one of these head sizes"
+        )
+        + "; or generation.backend=megatron (the policy's own model generates, at any head size); "
+        "or GPUs",
+    )
 
 
 def check_context_length(cfg: MrlConfig, hf_config: dict) -> None:
@@ -94,15 +109,21 @@ def check_context_length(cfg: MrlConfig, hf_config: dict) -> None:
     context = engine_context_length(cfg)
     if cfg.generation.backend != "vllm" or not isinstance(limit, int) or context <= limit:
         return
-    key = ("generation.vllm.max_model_len" if cfg.generation.vllm.max_model_len else
-           "policy.max_total_sequence_length")
-    raise ConfigError(f"the engine's context of {context} tokens is longer than the model's: its config.json has "
-                      f"max_position_embeddings {limit}, and vLLM refuses a longer one", key=key, given=context,
-                      allowed=f"at most {limit}",
-                      fix=f"set {key}={limit} or less (prompt + response" +
-                          (f"; and generation.max_new_tokens below it, now {cfg.generation.max_new_tokens}"
-                           if cfg.generation.max_new_tokens >= limit else "") +
-                          "), or start from a model of a longer context")
+    key = "generation.vllm.max_model_len" if cfg.generation.vllm.max_model_len else "policy.max_total_sequence_length"
+    raise ConfigError(
+        f"the engine's context of {context} tokens is longer than the model's: its config.json has "
+        f"max_position_embeddings {limit}, and vLLM refuses a longer one",
+        key=key,
+        given=context,
+        allowed=f"at most {limit}",
+        fix=f"set {key}={limit} or less (prompt + response"
+        + (
+            f"; and generation.max_new_tokens below it, now {cfg.generation.max_new_tokens}"
+            if cfg.generation.max_new_tokens >= limit
+            else ""
+        )
+        + "), or start from a model of a longer context",
+    )
 
 
 def check_stage(cfg: MrlConfig, algorithm: str) -> None:
@@ -152,7 +173,15 @@ def check_score_rows(input_path: str, rows: Sequence[Any]) -> None:
         return
     shapes = '{"text": ...}, {"prompt": ..., "completion": ...} or {"input_ids": [...]}, one JSON object per line'
     if not rows:
-        raise ConfigError(f"{input_path} holds no rows: it is empty", key="--input", allowed=shapes,
-                          fix="pass a jsonl file of rows to score")
-    raise ConfigError(f"{input_path}: none of its {len(rows)} rows can be scored (first, line {rows[0].index + 1}: "
-                      f"{rows[0].error})", key="--input", allowed=shapes, fix="write the rows in one of these shapes")
+        raise ConfigError(
+            f"{input_path} holds no rows: it is empty",
+            key="--input",
+            allowed=shapes,
+            fix="pass a jsonl file of rows to score",
+        )
+    raise ConfigError(
+        f"{input_path}: none of its {len(rows)} rows can be scored (first, line {rows[0].index + 1}: {rows[0].error})",
+        key="--input",
+        allowed=shapes,
+        fix="write the rows in one of these shapes",
+    )

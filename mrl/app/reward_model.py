@@ -38,8 +38,14 @@ def sequence_classification_config(lm_config: dict, pad_token_id: int | None) ->
     archs = [causal_lm_architecture(a) for a in lm_config.get("architectures") or []]
     if not archs:
         raise ValueError("the model's config.json names no architecture; cannot make its reward-model variant")
-    config = dict(lm_config, architectures=[a.replace("ForCausalLM", "ForSequenceClassification") for a in archs],
-                  num_labels=1, id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0}, tie_word_embeddings=False)
+    config = dict(
+        lm_config,
+        architectures=[a.replace("ForCausalLM", "ForSequenceClassification") for a in archs],
+        num_labels=1,
+        id2label={"0": "LABEL_0"},
+        label2id={"LABEL_0": 0},
+        tie_word_embeddings=False,
+    )
     if pad_token_id is not None:
         config["pad_token_id"] = pad_token_id
     return config
@@ -71,8 +77,9 @@ def reward_model_source(lm: ModelSource, out_dir: Path, *, pad_token_id: int | N
         return ModelSource(config_dir=out)
     state = {k: v for k, v in _lm_state(lm).items() if k != "lm_head.weight"}
     rm_config = sequence_classification_config(config, pad_token_id)
-    state["score.weight"] = score_head(int(config["hidden_size"]), float(config.get("initializer_range", 0.02)),
-                                       seed).to(state["model.embed_tokens.weight"].dtype)
+    state["score.weight"] = score_head(
+        int(config["hidden_size"]), float(config.get("initializer_range", 0.02)), seed
+    ).to(state["model.embed_tokens.weight"].dtype)
     save_hf_state(state.items(), out, log=lambda message: None)
     copy_model_metadata(lm.config_dir, out)
     (out / "config.json").write_text(json.dumps(rm_config, indent=2) + "\n")

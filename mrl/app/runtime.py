@@ -22,7 +22,8 @@ memory, and only then do the other groups build (their actors import meanwhile: 
 
 Placement: `cluster.num_nodes x cluster.devices_per_node` bundles, each holding one GPU when the Ray cluster has
 GPUs (each rank then uses the device Ray gave it: mrl/parallel/devices.py). Colocated (the default): the policy's
-ranks and the engines share the bundles, each taking half of a bundle's resources (a third each with a reward model); the engine gets the policy's weights by
+ranks and the engines share the bundles, each taking half of a bundle's resources (a third each with a reward model);
+the engine gets the policy's weights by
 refit after every step (mrl/inference/refit.py), as shared-memory files written by the policy's rank 0 (on GPUs:
 device buffers the engine maps by CUDA IPC). An engine
 on devices of its own (`generation.colocated: false`) receives them by broadcast in a group of the policy's rank 0
@@ -55,8 +56,13 @@ from mrl.inference.factory import engine_spans_nodes
 from mrl.inference.interface import RolloutEngine
 from mrl.inference.lifecycle import EngineState
 from mrl.inference.refit import RefitStats, refit
-from mrl.inference.transports import (CollectiveTransport, CudaIpcTransport, SharedMemoryFileTransport, WeightTransport,
-                                     collective)
+from mrl.inference.transports import (
+    CollectiveTransport,
+    CudaIpcTransport,
+    SharedMemoryFileTransport,
+    WeightTransport,
+    collective,
+)
 from mrl.parallel import cpu_isa
 from mrl.policy.interface import ReleasesMemory, TrainablePolicy
 
@@ -90,8 +96,12 @@ def _family_settings(build: ModelBuildConfig) -> dict[str, Any]:
     if build.family == "qwen2":
         return {"use_sliding_window": False}
     if build.family == "qwen3_moe":
-        return {"num_experts": build.num_experts, "num_experts_per_tok": build.num_experts_per_tok,
-                "moe_intermediate_size": build.moe_intermediate_size, "norm_topk_prob": True}
+        return {
+            "num_experts": build.num_experts,
+            "num_experts_per_tok": build.num_experts_per_tok,
+            "moe_intermediate_size": build.moe_intermediate_size,
+            "norm_topk_prob": True,
+        }
     return {}
 
 
@@ -103,9 +113,14 @@ def _rope_settings(cfg: MrlConfig, build: ModelBuildConfig) -> dict:
     if build.rope_scaling is None:
         return {"max_position_embeddings": native}
     extended = int(native * build.rope_scaling_factor) if build.rope_scaling == "yarn" else native
-    return {"max_position_embeddings": extended,
-            "rope_parameters": {"rope_type": build.rope_scaling, "factor": build.rope_scaling_factor,
-                                "original_max_position_embeddings": native}}  # rope_theta: the family's default
+    return {
+        "max_position_embeddings": extended,
+        "rope_parameters": {
+            "rope_type": build.rope_scaling,
+            "factor": build.rope_scaling_factor,
+            "original_max_position_embeddings": native,
+        },
+    }  # rope_theta: the family's default
 
 
 def build_initial_model(cfg: MrlConfig, build: ModelBuildConfig, out: Path) -> Path:
@@ -119,15 +134,22 @@ def build_initial_model(cfg: MrlConfig, build: ModelBuildConfig, out: Path) -> P
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = _build_tokenizer(cfg, out)
     config = AutoConfig.for_model(
-        build.family, vocab_size=len(tokenizer), hidden_size=build.hidden_size,
-        intermediate_size=build.intermediate_size, num_hidden_layers=build.num_layers,
+        build.family,
+        vocab_size=len(tokenizer),
+        hidden_size=build.hidden_size,
+        intermediate_size=build.intermediate_size,
+        num_hidden_layers=build.num_layers,
         num_attention_heads=build.num_attention_heads,
         num_key_value_heads=build.num_key_value_heads or build.num_attention_heads,
         head_dim=build.hidden_size // build.num_attention_heads,
         **_rope_settings(cfg, build),
-        tie_word_embeddings=build.tie_word_embeddings, eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, dtype="float32",
-        **_family_settings(build))
+        tie_word_embeddings=build.tie_word_embeddings,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        dtype="float32",
+        **_family_settings(build),
+    )
     torch.manual_seed(cfg.run.seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     hf_logging.disable_progress_bar()  # one tiny shard: a progress bar would be noise
@@ -144,9 +166,12 @@ def resolve_model(cfg: MrlConfig) -> ModelSource:
     if cfg.policy.build is not None:
         return ModelSource(build_initial_model(cfg, cfg.policy.build, Path(cfg.run.output_dir) / INITIAL_MODEL_DIR))
     if not cfg.policy.model_name:
-        raise ConfigError("no model to start from", key="policy.model_name",
-                          fix="set policy.model_name (an HF model folder or a Megatron checkpoint folder) or "
-                              "policy.build (a random model of a given size)")
+        raise ConfigError(
+            "no model to start from",
+            key="policy.model_name",
+            fix="set policy.model_name (an HF model folder or a Megatron checkpoint folder) or "
+            "policy.build (a random model of a given size)",
+        )
     return classify_model_path(cfg.policy.model_name, key="policy.model_name")
 
 
@@ -158,15 +183,22 @@ def _padded_vocab(cfg: MrlConfig, source: ModelSource, resume: Optional[int]) ->
 
     start = None if source.megatron_dir is None else checkpoint_padded_vocab(source.megatron_dir / MODEL_SUBDIR)
     if resume is not None and start is not None and resume != start:
-        raise ConfigError(f"the checkpoint to resume pads the vocabulary to {resume} rows, the Megatron checkpoint "
-                          f"the run starts from to {start}", key="policy.model_name", given=cfg.policy.model_name,
-                          fix="start from the model the run was started from, or set checkpointing.resume=false")
+        raise ConfigError(
+            f"the checkpoint to resume pads the vocabulary to {resume} rows, the Megatron checkpoint "
+            f"the run starts from to {start}",
+            key="policy.model_name",
+            given=cfg.policy.model_name,
+            fix="start from the model the run was started from, or set checkpointing.resume=false",
+        )
     padded, tp = resume or start, cfg.policy.parallel.tensor_parallel_size
     if padded is not None and padded % tp:
-        raise ConfigError(f"the checkpoint's vocabulary is padded to {padded} rows, which do not split over {tp} "
-                          "tensor-parallel ranks", key="policy.parallel.tensor_parallel_size", given=tp,
-                          fix="use a tensor parallel size that divides it (any that divides the size it was written "
-                              "with)")
+        raise ConfigError(
+            f"the checkpoint's vocabulary is padded to {padded} rows, which do not split over {tp} "
+            "tensor-parallel ranks",
+            key="policy.parallel.tensor_parallel_size",
+            given=tp,
+            fix="use a tensor parallel size that divides it (any that divides the size it was written with)",
+        )
     return padded
 
 
@@ -221,8 +253,13 @@ class Runtime:
         handover = self.cfg.generation.colocated and hasattr(self.policy, "release_memory")
         if handover:
             cast(ReleasesMemory, self.policy).release_memory()
-        stats = refit(self.policy, self.engine, self._transport(), on_sent=on_sent,
-                      bucket_bytes=self.cfg.generation.refit_bucket_mb << 20)
+        stats = refit(
+            self.policy,
+            self.engine,
+            self._transport(),
+            on_sent=on_sent,
+            bucket_bytes=self.cfg.generation.refit_bucket_mb << 20,
+        )
         if handover and self.cfg.policy.offload_when_generating.weights:
             cast(ReleasesMemory, self.policy).release_memory()
         return stats
@@ -247,8 +284,9 @@ class Runtime:
         engine.current = self._new_engine(share, load_weights=self.policy is None)
         _arm_watchdogs(self, only=engine.current)
 
-    def _new_engine(self, share: float, *, load_weights: bool, sleep: bool = False,
-                    starting: bool = False) -> RolloutEngine:
+    def _new_engine(
+        self, share: float, *, load_weights: bool, sleep: bool = False, starting: bool = False
+    ) -> RolloutEngine:
         """Engines started on the placement (`sleep`: then put to sleep, the colocated start-up's order). Engines that
         die meanwhile are started again, each time one restart more (`_count_restart`; `starting`: the run's first
         engines, whose weights a Megatron source's policy brings after the start)."""
@@ -273,8 +311,13 @@ class Runtime:
             print(f"[mrl] the engine is not restarted: {refusal}", file=sys.stderr, flush=True)
             raise error
         self.engine_restarts += 1
-        how = ("(the run is starting)" if starting else "with the policy's current weights" if self.policy is not None
-               else "from the model's files")
+        how = (
+            "(the run is starting)"
+            if starting
+            else "with the policy's current weights"
+            if self.policy is not None
+            else "from the model's files"
+        )
         announce(error, self.engine_restarts, self.cfg.generation.max_restarts, how=how)
 
     def _transport(self) -> WeightTransport:
@@ -298,16 +341,34 @@ class Runtime:
         self.cluster.shutdown()
 
 
-def start_runtime(cfg: MrlConfig, *, total_steps: int, policy: bool = True, engine: bool = True,
-                  reference: bool = False, padded_vocab: Optional[int] = None,
-                  source: Optional[ModelSource] = None, tokenizer: Any = None) -> Runtime:
+def start_runtime(
+    cfg: MrlConfig,
+    *,
+    total_steps: int,
+    policy: bool = True,
+    engine: bool = True,
+    reference: bool = False,
+    padded_vocab: Optional[int] = None,
+    source: Optional[ModelSource] = None,
+    tokenizer: Any = None,
+) -> Runtime:
     """Start Ray, reserve the bundles, then the policy group and/or the engines (see the module docstring).
     `padded_vocab`: that of a checkpoint to resume; `source` replaces the configured model (a reward model's variant
     of it, `mrl rm`); `tokenizer`: `source`'s, when the command already loaded it for its checks."""
     source = source or resolve_model(cfg)
     feeder = engine and not policy and source.is_megatron  # a frozen policy brings the engine its weights
-    main = (_policy_spec(cfg, source, total_steps=total_steps, with_reference=reference, trainable=policy,
-                         padded_vocab=_padded_vocab(cfg, source, padded_vocab)) if policy or feeder else None)
+    main = (
+        _policy_spec(
+            cfg,
+            source,
+            total_steps=total_steps,
+            with_reference=reference,
+            trainable=policy,
+            padded_vocab=_padded_vocab(cfg, source, padded_vocab),
+        )
+        if policy or feeder
+        else None
+    )
     scorer = _reward_model_spec(cfg) if policy and engine else None
     if tokenizer is None:
         tokenizer = load_tokenizer(cfg, source)  # every check that reads files, before Ray starts
@@ -334,8 +395,12 @@ def start_runtime(cfg: MrlConfig, *, total_steps: int, policy: bool = True, engi
         with ThreadPoolExecutor(max_workers=2, thread_name_prefix="mrl-start") as pool:
             starting = {
                 "policy": pool.submit(_start_policy, cfg, main, runtime.placement, share, wait=wait) if main else None,
-                "reward_model": (pool.submit(_start_policy, cfg, scorer, runtime.placement, share, wait=wait,
-                                             name="reward_model") if scorer else None)}
+                "reward_model": (
+                    pool.submit(_start_policy, cfg, scorer, runtime.placement, share, wait=wait, name="reward_model")
+                    if scorer
+                    else None
+                ),
+            }
             try:
                 if engine:
                     _start_engine(runtime, share, sleep=asleep is not None)
@@ -386,9 +451,14 @@ def _models_on_every_node(placement: Placement, folders: list[str]) -> None:
         return
     task = ray.remote(num_cpus=0, max_retries=0)(_ensure_snapshots)
     nodes = sorted({bundle.node_id for bundle in placement.bundles})
-    done = ray.get([task.options(name="mrl-fetch-models",
-                                 scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False))
-                    .remote(folders, ensure_model_snapshot) for node in nodes])
+    done = ray.get(
+        [
+            task.options(
+                name="mrl-fetch-models", scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)
+            ).remote(folders, ensure_model_snapshot)
+            for node in nodes
+        ]
+    )
     for node, outcome in zip(nodes, done):
         if any(line != "present" for line in outcome):
             print(f"[mrl] node {node[:12]}: {'; '.join(outcome)}", file=sys.stderr, flush=True)
@@ -398,15 +468,29 @@ def _ensure_snapshots(folders: list[str], ensure: Any) -> list[str]:
     return [ensure(folder) for folder in folders]
 
 
-def _policy_spec(cfg: MrlConfig, source: ModelSource, *, total_steps: int, padded_vocab: Optional[int],
-                 trainable: bool = True, with_reference: bool = False) -> "PolicySpec":
+def _policy_spec(
+    cfg: MrlConfig,
+    source: ModelSource,
+    *,
+    total_steps: int,
+    padded_vocab: Optional[int],
+    trainable: bool = True,
+    with_reference: bool = False,
+) -> "PolicySpec":
     """What every rank of a policy (or reward model) group builds and loads (`padded_vocab`: `_padded_vocab`'s)."""
     from mrl.policy.worker import PolicySpec
 
     megatron = None if source.megatron_dir is None else str(source.megatron_dir)
-    return PolicySpec(hf_dir=str(source.config_dir), megatron_dir=megatron, policy=cfg.policy, seed=cfg.run.seed,
-                      total_steps=total_steps, with_reference=with_reference, trainable=trainable,
-                      padded_vocab=padded_vocab)
+    return PolicySpec(
+        hf_dir=str(source.config_dir),
+        megatron_dir=megatron,
+        policy=cfg.policy,
+        seed=cfg.run.seed,
+        total_steps=total_steps,
+        with_reference=with_reference,
+        trainable=trainable,
+        padded_vocab=padded_vocab,
+    )
 
 
 def _reward_model_spec(cfg: MrlConfig) -> Optional["PolicySpec"]:
@@ -424,8 +508,13 @@ def reserve_placement(cfg: MrlConfig, cluster: RayCluster) -> Placement:
     gpus = cluster.has_gpus()
     one_group = gpus and cfg.generation.backend == "vllm" and engine_spans_nodes(cfg)
     return cluster.create_placement(
-        f"{cfg.run.name}-workers", bundles_per_node=cfg.cluster.devices_per_node, num_nodes=cfg.cluster.num_nodes,
-        cpus_per_bundle=cfg.cluster.cpus_per_worker, gpus_per_bundle=1.0 if gpus else 0.0, one_group=one_group)
+        f"{cfg.run.name}-workers",
+        bundles_per_node=cfg.cluster.devices_per_node,
+        num_nodes=cfg.cluster.num_nodes,
+        cpus_per_bundle=cfg.cluster.cpus_per_worker,
+        gpus_per_bundle=1.0 if gpus else 0.0,
+        one_group=one_group,
+    )
 
 
 def group_share(cfg: MrlConfig, *, engine: bool, reward_model: bool) -> float:
@@ -440,8 +529,11 @@ def _report_start_order(runtime: Runtime, started: float) -> None:
     parts = [part.workers for part in (runtime.policy, runtime.reward_model) if part is not None]  # type: ignore
     built = min(t for workers in parts for t in workers.init_started)
     done = max(workers.init_finished for workers in parts)
-    print(f"[mrl] colocated start-up: engine up and asleep at +{slept - started:.1f} s, policy built from "
-          f"+{built - started:.1f} s to +{done - started:.1f} s", file=sys.stderr)
+    print(
+        f"[mrl] colocated start-up: engine up and asleep at +{slept - started:.1f} s, policy built from "
+        f"+{built - started:.1f} s to +{done - started:.1f} s",
+        file=sys.stderr,
+    )
 
 
 class _EngineAsleep:
@@ -472,20 +564,38 @@ def _arm_watchdogs(runtime: Runtime, only: Any = None) -> None:
     watchdog = runtime.cfg.run.watchdog
     if not watchdog.enabled:
         return
-    deadlines = Deadlines(floor_s=watchdog.floor_s, tokens_per_s=watchdog.tokens_per_s,
-                          bytes_per_s=watchdog.mb_per_s * 1e6, overrides=dict(watchdog.overrides))
+    deadlines = Deadlines(
+        floor_s=watchdog.floor_s,
+        tokens_per_s=watchdog.tokens_per_s,
+        bytes_per_s=watchdog.mb_per_s * 1e6,
+        overrides=dict(watchdog.overrides),
+    )
     for part in (only,) if only is not None else (runtime.policy, runtime.engine, runtime.reward_model):
         group = getattr(part, "workers", None)
         if isinstance(group, WorkerGroup):
             group.deadlines = deadlines
 
 
-def _start_policy(cfg: MrlConfig, spec: "PolicySpec", placement: Placement, share: float, *,
-                  wait: Optional[Callable[[], None]] = None, name: str = "policy") -> TrainablePolicy:
+def _start_policy(
+    cfg: MrlConfig,
+    spec: "PolicySpec",
+    placement: Placement,
+    share: float,
+    *,
+    wait: Optional[Callable[[], None]] = None,
+    name: str = "policy",
+) -> TrainablePolicy:
     from mrl.policy.group import Policy
 
-    return Policy(spec, placement, world_size=cfg.policy_world_size, resource_fraction=share,
-                  **_threads(cfg), name=name, wait_before_init=wait)
+    return Policy(
+        spec,
+        placement,
+        world_size=cfg.policy_world_size,
+        resource_fraction=share,
+        **_threads(cfg),
+        name=name,
+        wait_before_init=wait,
+    )
 
 
 def _threads(cfg: MrlConfig) -> dict[str, Any]:
@@ -514,8 +624,14 @@ def _stop_engine(engine: Any) -> None:
 def _build_engine(runtime: Runtime, share: float, *, load_weights: bool) -> RolloutEngine:
     from mrl.inference.factory import build_generation
 
-    return build_generation(runtime.cfg, str(runtime.model_dir), runtime.placement, colocated_share=share,
-                            load_weights=load_weights, refitted=runtime.trains)
+    return build_generation(
+        runtime.cfg,
+        str(runtime.model_dir),
+        runtime.placement,
+        colocated_share=share,
+        load_weights=load_weights,
+        refitted=runtime.trains,
+    )
 
 
 def _collect_started(runtime: Runtime, starting: dict[str, Optional[Future]], *, raising: bool = True) -> None:

@@ -28,12 +28,16 @@ from typing import Any, Iterable, Optional
 
 from mrl.app.real_assets import write_atomically, write_jsonl
 
-
 REJECTED = ("random", "likeliest")
 
 
-def pairs_from_samples(samples: Iterable[dict[str, Any]], instruction: str, max_pairs_per_problem: int = 2,
-                       seed: int = 0, rejected: str = "random") -> list[dict[str, str]]:
+def pairs_from_samples(
+    samples: Iterable[dict[str, Any]],
+    instruction: str,
+    max_pairs_per_problem: int = 2,
+    seed: int = 0,
+    rejected: str = "random",
+) -> list[dict[str, str]]:
     """Up to `max_pairs_per_problem` (right, wrong) pairs per question, each sample in at most one pair; questions in
     the order of their first sample. The right answers are taken in random order, the wrong ones in random order or
     likeliest first (`rejected`, see the module doc). Deterministic in `seed`."""
@@ -54,8 +58,7 @@ def pairs_from_samples(samples: Iterable[dict[str, Any]], instruction: str, max_
             wrong.sort(key=lambda s: -s["mean_logprob"])  # stable: equal ones stay in their random order
         right, wrong = [s["response"].strip() for s in right], [s["response"].strip() for s in wrong]
         prompt = f"{group[0]['problem']} {instruction}".strip()
-        pairs += [{"prompt": prompt, "chosen": c, "rejected": r}
-                  for c, r in zip(right, wrong)][:max_pairs_per_problem]
+        pairs += [{"prompt": prompt, "chosen": c, "rejected": r} for c, r in zip(right, wrong)][:max_pairs_per_problem]
     return pairs
 
 
@@ -65,8 +68,10 @@ def _by_problem(samples: Iterable[dict[str, Any]], needed: set[str]) -> dict[int
     for sample in samples:
         missing = needed - set(sample)
         if missing:
-            raise ValueError(f"a sample lacks {sorted(missing)}: samples.jsonl of `mrl eval` has them (an older one "
-                             f"may lack mean_logprob: run `mrl eval` again, or pass --rejected random)")
+            raise ValueError(
+                f"a sample lacks {sorted(missing)}: samples.jsonl of `mrl eval` has them (an older one "
+                f"may lack mean_logprob: run `mrl eval` again, or pass --rejected random)"
+            )
         by_problem[sample["problem_index"]].append(sample)
     return by_problem
 
@@ -87,8 +92,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--instruction", default="", help="the data.instruction the eval ran with")
     parser.add_argument("--max-pairs-per-problem", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--rejected", choices=REJECTED, default="random",
-                        help="which wrong answers to pair: any (random) or the model's likeliest first")
+    parser.add_argument(
+        "--rejected",
+        choices=REJECTED,
+        default="random",
+        help="which wrong answers to pair: any (random) or the model's likeliest first",
+    )
     args = parser.parse_args(argv)
     with open(args.samples, encoding="utf-8") as f:
         samples = [json.loads(line) for line in f if line.strip()]

@@ -1,19 +1,19 @@
 """Slurm: `mrl submit` (preflight, then sbatch of slurm/ray-sbatch.sh) and the launcher's bounded wait for nodes.
 
-    mrl submit [--nodes N] [--gpus-per-node G] [--time T] [--requeue] [--container-image I] ... -- mrl grpo --config F
-      1. preflight, before anything is queued: the command's config is loaded and validated (a bad key exits 2 as
-         everywhere; a staged recipe, `mrl run`: every stage's), and the allocation is checked against it (the first
-         stage's): N must be cluster.num_nodes and G must be cluster.devices_per_node (each defaults to the config's
-         value), so a layout that cannot run is refused at submission instead of after minutes in the queue; every
-         hub id of every config (policy.model_name, data.train, ...) is fetched into the hub cache, or found there
-         with HF_HUB_OFFLINE=1 (mrl/app/hub_ids.py): compute nodes without network read it from there when HF_HOME
-         is on a shared file system (--dry-run only says which are cached); with GPUs, the memory plan of every
-         config (every stage's, each with its command's workers: mrl plan) must fit the GPU;
-      2. `sbatch --nodes N --gpus-per-node G [options] slurm/ray-sbatch.sh <the mrl command>` (printed, not run, with
-         --dry-run); the job id is printed.
-    python -m mrl.app.slurm wait-for-nodes --address A --nodes n1 n2 ... --timeout-s S
-      used by the launcher: polls the Ray cluster at A until every node of the allocation has a live Ray node; at the
-      deadline it names the missing nodes and where their Ray logs are, and exits 1.
+mrl submit [--nodes N] [--gpus-per-node G] [--time T] [--requeue] [--container-image I] ... -- mrl grpo --config F
+  1. preflight, before anything is queued: the command's config is loaded and validated (a bad key exits 2 as
+     everywhere; a staged recipe, `mrl run`: every stage's), and the allocation is checked against it (the first
+     stage's): N must be cluster.num_nodes and G must be cluster.devices_per_node (each defaults to the config's
+     value), so a layout that cannot run is refused at submission instead of after minutes in the queue; every
+     hub id of every config (policy.model_name, data.train, ...) is fetched into the hub cache, or found there
+     with HF_HUB_OFFLINE=1 (mrl/app/hub_ids.py): compute nodes without network read it from there when HF_HOME
+     is on a shared file system (--dry-run only says which are cached); with GPUs, the memory plan of every
+     config (every stage's, each with its command's workers: mrl plan) must fit the GPU;
+  2. `sbatch --nodes N --gpus-per-node G [options] slurm/ray-sbatch.sh <the mrl command>` (printed, not run, with
+     --dry-run); the job id is printed.
+python -m mrl.app.slurm wait-for-nodes --address A --nodes n1 n2 ... --timeout-s S
+  used by the launcher: polls the Ray cluster at A until every node of the allocation has a live Ray node; at the
+  deadline it names the missing nodes and where their Ray logs are, and exits 1.
 """
 
 from __future__ import annotations
@@ -59,8 +59,10 @@ def _command_words(command: Sequence[str]) -> tuple[str, str, list[str]]:
         return words[0], words[2], words[3:]
     if len(words) >= 2 and words[0] == "run":
         return "run", words[1], words[2:]
-    raise PreflightError(f"cannot check `{shlex.join(command)}`: submit `mrl <{'|'.join(CONFIG_COMMANDS)}> --config "
-                         "FILE [overrides]` or `mrl run RECIPE [overrides]`")
+    raise PreflightError(
+        f"cannot check `{shlex.join(command)}`: submit `mrl <{'|'.join(CONFIG_COMMANDS)}> --config "
+        "FILE [overrides]` or `mrl run RECIPE [overrides]`"
+    )
 
 
 def command_config(command: Sequence[str]):
@@ -92,9 +94,11 @@ def check_allocation(cfg, nodes: Optional[int], gpus_per_node: Optional[int]) ->
     if gpus_per_node is not None and gpus_per_node != want.gpus_per_node:
         problems.append(f"--gpus-per-node {gpus_per_node} but cluster.devices_per_node={want.gpus_per_node}")
     if problems:
-        raise PreflightError("the allocation does not match the config: " + "; ".join(problems) + ". Set the "
-                             "config's cluster.* (and its parallel layout) for the allocation, or drop the flags "
-                             "to request what the config says")
+        raise PreflightError(
+            "the allocation does not match the config: " + "; ".join(problems) + ". Set the "
+            "config's cluster.* (and its parallel layout) for the allocation, or drop the flags "
+            "to request what the config says"
+        )
     return want
 
 
@@ -107,8 +111,10 @@ def check_memory(cfg, gpu: str, assume: Sequence[str], *, command: str = "grpo")
         return
     plan = make_plan(cfg, gpu=gpu, assume=assume, command=command)
     if not plan.fits:
-        raise PreflightError(f"the layout does not fit a {gpu} GPU (`mrl plan` says why; --gpu names another GPU, "
-                             f"--assume replaces an assumption):\n{render(plan, cfg)}")
+        raise PreflightError(
+            f"the layout does not fit a {gpu} GPU (`mrl plan` says why; --gpu names another GPU, "
+            f"--assume replaces an assumption):\n{render(plan, cfg)}"
+        )
 
 
 def check_command_memory(command: Sequence[str], gpu: str, assume: Sequence[str]) -> None:
@@ -121,8 +127,10 @@ def check_command_memory(command: Sequence[str], gpu: str, assume: Sequence[str]
         return check_memory(command_config(command), gpu, assume, command=name)
     plans = plan_command(config, overrides, gpu=gpu, assume=assume)
     if not fits(plans):
-        raise PreflightError(f"a stage's layout does not fit a {gpu} GPU (`mrl plan --config {config}` says why; "
-                             f"--gpu names another GPU, --assume replaces an assumption):\n{render_plans(plans)}")
+        raise PreflightError(
+            f"a stage's layout does not fit a {gpu} GPU (`mrl plan --config {config}` says why; "
+            f"--gpu names another GPU, --assume replaces an assumption):\n{render_plans(plans)}"
+        )
 
 
 def sbatch_command(allocation: Allocation, command: Sequence[str], args: argparse.Namespace) -> list[str]:
@@ -194,8 +202,9 @@ def _short(host: str) -> str:
     return host.split(".")[0]
 
 
-def wait_for_nodes(address: str, nodes: Sequence[str], timeout_s: float, log_dir: str = "",
-                   poll_s: float = 2.0) -> None:
+def wait_for_nodes(
+    address: str, nodes: Sequence[str], timeout_s: float, log_dir: str = "", poll_s: float = 2.0
+) -> None:
     """Return once every node of `nodes` runs a live Ray node in the cluster at `address`; raise naming the missing
     ones at the deadline (also when the head itself never came up)."""
     deadline = time.monotonic() + timeout_s
@@ -205,14 +214,16 @@ def wait_for_nodes(address: str, nodes: Sequence[str], timeout_s: float, log_dir
             live = {_short(host) for host in _live_hosts(address)}
             missing = {node for node in nodes if _short(node) not in live}
             error = ""
-        except Exception as exc:  # the head's GCS is not up yet: any connection error, keep trying
+        except Exception as exc:  # noqa: BLE001 (the head's GCS is not up yet: any connection error, keep trying
             error = f" (the Ray head at {address} did not answer: {type(exc).__name__}: {exc})"
         if not missing:
             return
         time.sleep(poll_s)
     logs = f"; see {log_dir}/ray-<node>.log" if log_dir else ""
-    raise TimeoutError(f"after {timeout_s:g} s, {len(missing)} of {len(nodes)} node(s) have not joined the Ray "
-                       f"cluster: {', '.join(sorted(missing))}{error}{logs}")
+    raise TimeoutError(
+        f"after {timeout_s:g} s, {len(missing)} of {len(nodes)} node(s) have not joined the Ray "
+        f"cluster: {', '.join(sorted(missing))}{error}{logs}"
+    )
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -230,8 +241,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except TimeoutError as exc:
         print(f"[mrl-launcher] {exc}", file=sys.stderr, flush=True)
         return 1
-    print(f"[mrl-launcher] all {len(args.nodes)} node(s) joined the Ray cluster in {time.monotonic() - start:.1f} s",
-          file=sys.stderr, flush=True)
+    print(
+        f"[mrl-launcher] all {len(args.nodes)} node(s) joined the Ray cluster in {time.monotonic() - start:.1f} s",
+        file=sys.stderr,
+        flush=True,
+    )
     return 0
 
 

@@ -38,21 +38,33 @@ from mrl.config.schema import MrlConfig, StageConfig
 
 def _earlier(stage: StageConfig, key: str, name: str, done: dict[str, Path]) -> Path:
     if name not in done:
-        raise ConfigError(f"stage '{stage.name}': {key} names no earlier training stage", key=f"stages.{key}",
-                          given=name, allowed=", ".join(done) or "none (it is the first stage)")
+        raise ConfigError(
+            f"stage '{stage.name}': {key} names no earlier training stage",
+            key=f"stages.{key}",
+            given=name,
+            allowed=", ".join(done) or "none (it is the first stage)",
+        )
     return done[name]
 
 
-def stage_config(recipe: Path, root: MrlConfig, stage: StageConfig, overrides: Sequence[str],
-                 previous: Path | None, earlier: dict[str, Path] | None = None) -> MrlConfig:
+def stage_config(
+    recipe: Path,
+    root: MrlConfig,
+    stage: StageConfig,
+    overrides: Sequence[str],
+    previous: Path | None,
+    earlier: dict[str, Path] | None = None,
+) -> MrlConfig:
     """The resolved config of one stage (see the module docstring); `previous` and `earlier` (by stage name) are the
     final exports of the training stages before it."""
     source = recipe.parent / stage.config if stage.config else recipe
     earlier = earlier or {}
     extra = [f"++run.output_dir={Path(root.run.output_dir) / stage.name}"]
     if stage.init_from is not None:
-        extra += [f"++policy.model_name={_earlier(stage, 'init_from', stage.init_from, earlier)}",
-                  "++policy.build=null"]
+        extra += [
+            f"++policy.model_name={_earlier(stage, 'init_from', stage.init_from, earlier)}",
+            "++policy.build=null",
+        ]
     elif stage.init_from_previous and previous is not None:
         extra += [f"++policy.model_name={previous}", "++policy.build=null"]
     if stage.reward_model_from is not None:
@@ -66,8 +78,14 @@ def _check_stage(stage: StageConfig, cfg: MrlConfig) -> None:
     try:
         check_stage(cfg, stage.algorithm)
     except ConfigError as error:
-        raise ConfigError(f"stage '{stage.name}': {error.message}", key=error.key, given=error.given,
-                          allowed=error.allowed, fix=error.fix, problems=error.problems) from error
+        raise ConfigError(
+            f"stage '{stage.name}': {error.message}",
+            key=error.key,
+            given=error.given,
+            allowed=error.allowed,
+            fix=error.fix,
+            problems=error.problems,
+        ) from error
 
 
 def _stage_done(cfg: MrlConfig, stage: StageConfig) -> bool:
@@ -94,8 +112,11 @@ def staged_recipe(recipe: str | Path, overrides: Sequence[str]) -> tuple[MrlConf
     recipe = find_recipe(recipe)  # a shipped recipe by name: its stages' `config:` files are found beside it
     root = load_config(recipe, overrides)
     if not root.stages:
-        raise ConfigError("a staged recipe needs a non-empty `stages:` list", key="stages",
-                          fix="use `mrl grpo --config ...` for a single run")
+        raise ConfigError(
+            "a staged recipe needs a non-empty `stages:` list",
+            key="stages",
+            fix="use `mrl grpo --config ...` for a single run",
+        )
     return root, stage_configs(recipe, root, overrides)
 
 
@@ -114,12 +135,18 @@ def run_staged(recipe: str | Path, overrides: Sequence[str]) -> dict[str, Any]:
         for index, (stage, cfg) in enumerate(zip(root.stages, configs), 1):
             out = Path(cfg.run.output_dir)
             if _stage_done(cfg, stage):
-                print(f"[mrl] stage {index}/{len(root.stages)} '{stage.name}' already done ({out}); skipping",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"[mrl] stage {index}/{len(root.stages)} '{stage.name}' already done ({out}); skipping",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 summaries[stage.name] = json.loads((out / SUMMARY_FILE).read_text())
             else:
-                print(f"[mrl] stage {index}/{len(root.stages)} '{stage.name}' ({stage.algorithm}) -> {out}",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"[mrl] stage {index}/{len(root.stages)} '{stage.name}' ({stage.algorithm}) -> {out}",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 summaries[stage.name] = RUNNERS[stage.algorithm](cfg)
     except TrainingStopped:
         stopped, cfg = root.stages[len(summaries)], configs[len(summaries)]
@@ -149,12 +176,23 @@ def summary_table(summaries: dict[str, Any]) -> str:
     """One row per stage: algorithm, minutes, training reward first/last 10 steps, held-out accuracy (GRPO and
     eval: answers right; DPO: preference accuracy; reward model: pair accuracy), and GRPO's run health ("ok", or the
     steps that warned and those that trained on nothing; mrl/algorithms/health.py)."""
-    rows = [("stage", "algorithm", "time", "reward first10", "reward last10", "val acc before", "val acc after",
-             "health")]
+    rows = [
+        ("stage", "algorithm", "time", "reward first10", "reward last10", "val acc before", "val acc after", "health")
+    ]
     for name, s in summaries.items():
         after = s.get("val_accuracy_after", s["final"].get("val/accuracy") if s["algorithm"] == "eval" else None)
-        rows.append((name, s["algorithm"], f"{s['seconds'] / 60:.1f} min", _fmt(s.get("reward_first10")),
-                     _fmt(s.get("reward_last10")), _fmt(s.get("val_accuracy_before")), _fmt(after), health_cell(s)))
+        rows.append(
+            (
+                name,
+                s["algorithm"],
+                f"{s['seconds'] / 60:.1f} min",
+                _fmt(s.get("reward_first10")),
+                _fmt(s.get("reward_last10")),
+                _fmt(s.get("val_accuracy_before")),
+                _fmt(after),
+                health_cell(s),
+            )
+        )
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))

@@ -97,4 +97,5 @@ def storage_guard(what: str, folder: Path, cleanup: Callable[[], None]) -> Itera
             f"could not write {what} under {folder}: {reason}. That file system now has {free_space(folder)}. "
             "The partial write was removed; every earlier checkpoint is untouched (a checkpoint becomes visible "
             "only once complete). Free some space (or fix the folder's permissions, or point checkpointing.dir / "
-            "run.output_dir elsewhere)") from error
+            "run.output_dir elsewhere)"
+        ) from error

@@ -60,7 +60,7 @@ def _fsync_path(path: Path) -> None:
 
 def _fsync_tree(root: Path) -> None:
     """fsync every file, then every directory bottom-up, so names and contents are both on disk."""
-    for dirpath, dirnames, filenames in os.walk(root, topdown=False):
+    for dirpath, _, filenames in os.walk(root, topdown=False):
         for name in filenames:
             file = Path(dirpath) / name
             if not file.is_symlink():
@@ -115,11 +115,19 @@ class CheckpointManager:
     never cleaned, so a save may stay open while an older one commits.
     """
 
-    def __init__(self, root: str | os.PathLike, *, keep_last: int, keep_best: int = 0, metric: str | None = None,
-                 higher_is_better: bool = True) -> None:
+    def __init__(
+        self,
+        root: str | os.PathLike,
+        *,
+        keep_last: int,
+        keep_best: int = 0,
+        metric: str | None = None,
+        higher_is_better: bool = True,
+    ) -> None:
         if not isinstance(keep_last, int) or keep_last < 1:
-            raise ValueError(f"keep_last must be an integer >= 1 (the newest checkpoint is needed to resume), "
-                             f"got {keep_last!r}")
+            raise ValueError(
+                f"keep_last must be an integer >= 1 (the newest checkpoint is needed to resume), got {keep_last!r}"
+            )
         if not isinstance(keep_best, int) or keep_best < 0:
             raise ValueError(f"keep_best must be an integer >= 0, got {keep_best!r}")
         if keep_best and not metric:
@@ -148,8 +156,10 @@ class CheckpointManager:
         _check_step(step)
         tmp = Path(tmp)
         if tmp.parent.resolve() != self.root.resolve() or not tmp.name.startswith(f"{_TMP_PREFIX}step_{step}-"):
-            raise CheckpointError(f"{tmp} is not a temporary folder of step {step} under {self.root}: "
-                                  "pass the folder returned by begin(step)")
+            raise CheckpointError(
+                f"{tmp} is not a temporary folder of step {step} under {self.root}: "
+                "pass the folder returned by begin(step)"
+            )
         if not tmp.is_dir():
             raise CheckpointError(f"{tmp} does not exist (already committed, or cleaned as stale?)")
         record = {"step": step, "metrics": _json_metrics(metrics or {})}
@@ -192,8 +202,9 @@ class CheckpointManager:
         """Folder of a complete checkpoint; raises CheckpointError when step `step` has none."""
         folder = self.root / f"step_{step}"
         if _read_marker(folder) is None:
-            raise CheckpointError(f"no complete checkpoint for step {step} in {self.root} "
-                                  f"(complete steps: {self.steps()})")
+            raise CheckpointError(
+                f"no complete checkpoint for step {step} in {self.root} (complete steps: {self.steps()})"
+            )
         return folder
 
     def metrics(self, step: int) -> dict[str, Any]:
@@ -225,7 +236,7 @@ class CheckpointManager:
 
     def _apply_retention(self) -> None:
         steps = self.steps()
-        keep = set(steps[-self.keep_last:]) | set(self._ranked_by_metric()[: self.keep_best])
+        keep = set(steps[-self.keep_last :]) | set(self._ranked_by_metric()[: self.keep_best])
         for step in steps:
             if step not in keep:
                 _remove_dir(self.root / f"step_{step}", self.root)
@@ -241,7 +252,7 @@ class CheckpointManager:
             if not child.is_dir() or child in self._open:
                 continue
             if name.startswith(_OLD_PREFIX):
-                original = self.root / name[len(_OLD_PREFIX):].rsplit("-", 1)[0]
+                original = self.root / name[len(_OLD_PREFIX) :].rsplit("-", 1)[0]
                 if not original.exists() and (child / MARKER_FILE).is_file():
                     os.rename(child, original)
                     _fsync_path(self.root)
@@ -275,9 +286,13 @@ def capture_rng_state() -> dict[str, Any]:
     state: dict[str, Any] = {
         "python": random.getstate(),
         # numpy's MT19937 key as a list of ints: loadable with torch.load(weights_only=True)
-        "numpy": {"bit_generator": np_state["bit_generator"], "key": np_state["state"]["key"].tolist(),
-                  "pos": int(np_state["state"]["pos"]), "has_gauss": int(np_state["has_gauss"]),
-                  "gauss": float(np_state["gauss"])},
+        "numpy": {
+            "bit_generator": np_state["bit_generator"],
+            "key": np_state["state"]["key"].tolist(),
+            "pos": int(np_state["state"]["pos"]),
+            "has_gauss": int(np_state["has_gauss"]),
+            "gauss": float(np_state["gauss"]),
+        },
         "torch": torch.get_rng_state(),
     }
     if torch.cuda.is_available():
@@ -290,9 +305,14 @@ def restore_rng_state(state: Mapping[str, Any]) -> None:
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
     saved = state["numpy"]
-    np.random.set_state({"bit_generator": saved["bit_generator"],
-                         "state": {"key": np.asarray(saved["key"], dtype=np.uint32), "pos": saved["pos"]},
-                         "has_gauss": saved["has_gauss"], "gauss": saved["gauss"]})
+    np.random.set_state(
+        {
+            "bit_generator": saved["bit_generator"],
+            "state": {"key": np.asarray(saved["key"], dtype=np.uint32), "pos": saved["pos"]},
+            "has_gauss": saved["has_gauss"],
+            "gauss": saved["gauss"],
+        }
+    )
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
@@ -313,8 +333,10 @@ def _check_storable(value: Any, where: str) -> Any:
         return items if isinstance(value, list) else tuple(items)
     if isinstance(value, _ALLOWED_LEAVES):
         return value
-    raise TypeError(f"training state {where} has type {type(value).__name__}: store tensors, numbers, strings, "
-                    "None and dicts/lists/tuples of them (e.g. convert numpy arrays with torch.from_numpy)")
+    raise TypeError(
+        f"training state {where} has type {type(value).__name__}: store tensors, numbers, strings, "
+        "None and dicts/lists/tuples of them (e.g. convert numpy arrays with torch.from_numpy)"
+    )
 
 
 def save_train_state(path: str | os.PathLike, state: Mapping[str, Any]) -> Path:
@@ -343,10 +365,27 @@ def load_train_state(path: str | os.PathLike) -> dict[str, Any]:
 
 # ----------------------------------------------------------------------------------------------- compatibility
 #: HF config keys that change the weights' meaning or shapes. Max context length and the like may differ.
-ARCHITECTURE_KEYS = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-                     "head_dim", "intermediate_size", "vocab_size", "tie_word_embeddings", "rms_norm_eps",
-                     "rope_theta", "rope_scaling", "rope_parameters", "attention_bias", "mlp_bias",
-                     "num_experts", "num_local_experts", "moe_intermediate_size", "num_experts_per_tok")
+ARCHITECTURE_KEYS = (
+    "model_type",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "intermediate_size",
+    "vocab_size",
+    "tie_word_embeddings",
+    "rms_norm_eps",
+    "rope_theta",
+    "rope_scaling",
+    "rope_parameters",
+    "attention_bias",
+    "mlp_bias",
+    "num_experts",
+    "num_local_experts",
+    "moe_intermediate_size",
+    "num_experts_per_tok",
+)
 
 
 def tokenizer_fingerprint(tokenizer_dir: str | os.PathLike) -> str:
@@ -359,8 +398,9 @@ def tokenizer_fingerprint(tokenizer_dir: str | os.PathLike) -> str:
     fast = folder / "tokenizer.json"
     if fast.is_file():
         spec = json.loads(fast.read_text())
-        digest.update(json.dumps({"model": spec.get("model"), "added_tokens": spec.get("added_tokens")},
-                                 sort_keys=True).encode())
+        digest.update(
+            json.dumps({"model": spec.get("model"), "added_tokens": spec.get("added_tokens")}, sort_keys=True).encode()
+        )
         return digest.hexdigest()
     files = [f for f in ("vocab.json", "merges.txt", "tokenizer.model", "vocab.txt") if (folder / f).is_file()]
     if not files:
@@ -370,8 +410,13 @@ def tokenizer_fingerprint(tokenizer_dir: str | os.PathLike) -> str:
     return digest.hexdigest()
 
 
-def model_record(hf_config: Mapping[str, Any], *, tokenizer_dir: str | os.PathLike | None = None,
-                 precision: str | None = None, parallel: Mapping[str, Any] | None = None) -> dict[str, Any]:
+def model_record(
+    hf_config: Mapping[str, Any],
+    *,
+    tokenizer_dir: str | os.PathLike | None = None,
+    precision: str | None = None,
+    parallel: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
     """What `check_compatible` compares, recorded by the controller at save time (e.g. in the train state).
 
     `hf_config`: the model's config.json dict; `precision`: the parameter dtype name; `parallel`: the layout it
@@ -398,16 +443,28 @@ def check_compatible(saved_config: Mapping[str, Any], current_config: Mapping[st
     saved_model, current_model = saved_config.get("model") or {}, current_config.get("model") or {}
     for key in ARCHITECTURE_KEYS:
         if key in saved_model and key in current_model and saved_model[key] != current_model[key]:
-            reasons.append(f"model {key}: the checkpoint has {saved_model[key]!r}, the current model "
-                           f"{current_model[key]!r} (another model: start a new run, or point policy.model_name "
-                           "at the checkpoint's model)")
-    if saved_config.get("tokenizer") and current_config.get("tokenizer") \
-            and saved_config["tokenizer"] != current_config["tokenizer"]:
-        reasons.append("tokenizer: the checkpoint was trained with another vocabulary (fingerprints differ); "
-                       "set policy.tokenizer to the checkpoint's tokenizer (its hf/ folder)")
-    if saved_config.get("precision") and current_config.get("precision") \
-            and saved_config["precision"] != current_config["precision"]:
-        reasons.append(f"precision: the checkpoint was written in {saved_config['precision']}, the current run "
-                       f"uses {current_config['precision']}; set policy.precision={saved_config['precision']} to "
-                       "resume (export to HF to change it)")
+            reasons.append(
+                f"model {key}: the checkpoint has {saved_model[key]!r}, the current model "
+                f"{current_model[key]!r} (another model: start a new run, or point policy.model_name "
+                "at the checkpoint's model)"
+            )
+    if (
+        saved_config.get("tokenizer")
+        and current_config.get("tokenizer")
+        and saved_config["tokenizer"] != current_config["tokenizer"]
+    ):
+        reasons.append(
+            "tokenizer: the checkpoint was trained with another vocabulary (fingerprints differ); "
+            "set policy.tokenizer to the checkpoint's tokenizer (its hf/ folder)"
+        )
+    if (
+        saved_config.get("precision")
+        and current_config.get("precision")
+        and saved_config["precision"] != current_config["precision"]
+    ):
+        reasons.append(
+            f"precision: the checkpoint was written in {saved_config['precision']}, the current run "
+            f"uses {current_config['precision']}; set policy.precision={saved_config['precision']} to "
+            "resume (export to HF to change it)"
+        )
     return reasons

@@ -56,9 +56,14 @@ class MegatronLoadReport:
 def _parallel_layout() -> dict[str, int]:
     from megatron.core import parallel_state as ps
 
-    return {"tp": ps.get_tensor_model_parallel_world_size(), "pp": ps.get_pipeline_model_parallel_world_size(),
-            "cp": ps.get_context_parallel_world_size(), "ep": ps.get_expert_model_parallel_world_size(),
-            "dp": ps.get_data_parallel_world_size(), "world_size": collectives.world_size()}
+    return {
+        "tp": ps.get_tensor_model_parallel_world_size(),
+        "pp": ps.get_pipeline_model_parallel_world_size(),
+        "cp": ps.get_context_parallel_world_size(),
+        "ep": ps.get_expert_model_parallel_world_size(),
+        "dp": ps.get_data_parallel_world_size(),
+        "world_size": collectives.world_size(),
+    }
 
 
 def _model_sharded_state_dict(model_chunks: list) -> dict:
@@ -79,8 +84,9 @@ def _training_sharded_state_dict(model_sd: dict, optimizer: Any, scheduler: Any,
     """Optimizer (sharded by the model's sharded tensors) and the LR schedule (a plain dict: common.pt)."""
     state: dict[str, Any] = {}
     if optimizer is not None:
-        state["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=is_loading,
-                                                          metadata=dict(_SHARDED_METADATA))
+        state["optimizer"] = optimizer.sharded_state_dict(
+            model_sd, is_loading=is_loading, metadata=dict(_SHARDED_METADATA)
+        )
     if scheduler is not None:
         state["scheduler"] = scheduler.state_dict()
     return state
@@ -121,8 +127,9 @@ def save_megatron_state(path: str | Path, model_chunks: list, optimizer: Any, sc
     # optimizer's sharded dict maps its state to the model's ShardedTensors: each call gets its own model dict.
     save_sharded(_model_sharded_state_dict(model_chunks), model_dir)
     if training_state:
-        training = _training_sharded_state_dict(_model_sharded_state_dict(model_chunks), optimizer, scheduler,
-                                                is_loading=False)
+        training = _training_sharded_state_dict(
+            _model_sharded_state_dict(model_chunks), optimizer, scheduler, is_loading=False
+        )
         content = {**_SHARDED_METADATA, "distributed_optimizer": _is_distributed(optimizer)}
         save_sharded(training, train_dir, content_metadata=content)
     write_atomic(rng_dir / f"rank_{collectives.rank():05d}.pt", lambda f: torch.save(rng, f))
@@ -132,8 +139,9 @@ def save_megatron_state(path: str | Path, model_chunks: list, optimizer: Any, sc
     collectives.barrier()
 
 
-def load_megatron_state(path: str | Path, model_chunks: list, optimizer: Any, scheduler: Any, *,
-                        load_optimizer: bool = True) -> MegatronLoadReport:
+def load_megatron_state(
+    path: str | Path, model_chunks: list, optimizer: Any, scheduler: Any, *, load_optimizer: bool = True
+) -> MegatronLoadReport:
     """Load a checkpoint written by `save_megatron_state` (any parallel layout) into this rank's model.
 
     load_optimizer=False loads the weights only (optimizer and schedule keep their fresh state; e.g. starting
@@ -146,31 +154,40 @@ def load_megatron_state(path: str | Path, model_chunks: list, optimizer: Any, sc
     folder = Path(path)
     model_dir, train_dir = folder / MODEL_SUBDIR, folder / TRAINING_SUBDIR
     if not (model_dir / "metadata.json").is_file():
-        raise CheckpointError(f"no Megatron distributed checkpoint in {model_dir} (metadata.json missing): "
-                              "pass a complete step folder (CheckpointManager.latest())")
+        raise CheckpointError(
+            f"no Megatron distributed checkpoint in {model_dir} (metadata.json missing): "
+            "pass a complete step folder (CheckpointManager.latest())"
+        )
     resume = load_optimizer and (optimizer is not None or scheduler is not None)
     if resume and not (train_dir / "metadata.json").is_file():
         raise CheckpointError(f"{folder} holds weights only ({train_dir} missing): load with load_optimizer=False")
     if resume and optimizer is not None:
         _check_same_optimizer_kind(train_dir, optimizer)
         _init_distributed_optimizer_state(optimizer)  # before the sharded state dicts are built from its state
-    training_sd = _training_sharded_state_dict(_model_sharded_state_dict(model_chunks),  # own dict: see save
-                                               optimizer if load_optimizer else None,
-                                               scheduler if load_optimizer else None, is_loading=True)
+    training_sd = _training_sharded_state_dict(
+        _model_sharded_state_dict(model_chunks),  # own dict: see save
+        optimizer if load_optimizer else None,
+        scheduler if load_optimizer else None,
+        is_loading=True,
+    )
     loaded_model = dist_checkpointing.load(_model_sharded_state_dict(model_chunks), str(model_dir))
     modules = unwrap_model(list(model_chunks))
     for i, module in enumerate(modules):
         prefix = "" if len(modules) == 1 else f"chunk{i}."
-        own = {k[len(prefix):]: v for k, v in loaded_model.items() if k.startswith(prefix)}
+        own = {k[len(prefix) :]: v for k, v in loaded_model.items() if k.startswith(prefix)}
         _load_model_strict(module, own, model_dir)
     if not resume:
         return MegatronLoadReport(optimizer_loaded=False, rng_restored=False, note="weights only")
     loaded = dist_checkpointing.load(training_sd, str(train_dir))
-    missing = [name for name, obj in (("optimizer", optimizer), ("scheduler", scheduler))
-               if obj is not None and name not in loaded]
+    missing = [
+        name
+        for name, obj in (("optimizer", optimizer), ("scheduler", scheduler))
+        if obj is not None and name not in loaded
+    ]
     if missing:
-        raise CheckpointError(f"{train_dir} holds no {' or '.join(missing)} state: pass None for it, or load with "
-                              "load_optimizer=False")
+        raise CheckpointError(
+            f"{train_dir} holds no {' or '.join(missing)} state: pass None for it, or load with load_optimizer=False"
+        )
     if optimizer is not None:
         optimizer.load_state_dict(loaded["optimizer"])
     if scheduler is not None:
@@ -196,7 +213,8 @@ def _check_same_optimizer_kind(train_dir: Path, optimizer: Any) -> None:
         raise CheckpointError(
             f"the optimizer state in {train_dir} was written with use_distributed_optimizer={saved}, this run "
             f"uses {current}: set policy.optimizer.use_distributed_optimizer={saved} to resume (the parallel "
-            "layout may differ), or load the weights only (load_optimizer=False)")
+            "layout may differ), or load the weights only (load_optimizer=False)"
+        )
 
 
 def _init_distributed_optimizer_state(optimizer: Any) -> None:
@@ -233,8 +251,9 @@ def _load_model_strict(module: Any, state: dict, model_dir: Path) -> None:
     missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]
     unexpected = [k for k in result.unexpected_keys if not k.endswith("_extra_state")]
     if missing or unexpected:
-        raise CheckpointError(f"checkpoint {model_dir} does not match the model: missing {missing[:8]}, "
-                              f"unexpected {unexpected[:8]}")
+        raise CheckpointError(
+            f"checkpoint {model_dir} does not match the model: missing {missing[:8]}, unexpected {unexpected[:8]}"
+        )
 
 
 def _rank_rng_state() -> dict[str, Any]:

@@ -16,8 +16,13 @@ from pydantic import BaseModel, ValidationError
 
 from mrl.config.errors import ConfigError, suggest
 from mrl.objectives.passk import pass_k_problem
-from mrl.parallel.layout import (Violation, layout_violations, length_multiple, micro_batching_violations,
-                                 pipeline_split_violations)
+from mrl.parallel.layout import (
+    Violation,
+    layout_violations,
+    length_multiple,
+    micro_batching_violations,
+    pipeline_split_violations,
+)
 
 if TYPE_CHECKING:
     from mrl.config.schema import MrlConfig, PolicyConfig
@@ -29,8 +34,9 @@ def cross_field_problems(cfg: "MrlConfig") -> list[ConfigError]:
 
 
 def _from_rule(violation: Violation) -> ConfigError:
-    return ConfigError(violation.message, key=violation.key, given=violation.given, allowed=violation.allowed,
-                       fix=violation.fix)
+    return ConfigError(
+        violation.message, key=violation.key, given=violation.given, allowed=violation.allowed, fix=violation.fix
+    )
 
 
 @dataclass(frozen=True)
@@ -48,8 +54,12 @@ def model_facts(policy: "PolicyConfig") -> Optional[ModelFacts]:
     """The policy model's facts when known before start-up: from `build`, or the HF folder's config.json."""
     if policy.build is not None:
         b = policy.build
-        return ModelFacts(b.num_attention_heads, b.num_key_value_heads or b.num_attention_heads, b.num_layers,
-                          b.num_experts if b.family == "qwen3_moe" else None)
+        return ModelFacts(
+            b.num_attention_heads,
+            b.num_key_value_heads or b.num_attention_heads,
+            b.num_layers,
+            b.num_experts if b.family == "qwen3_moe" else None,
+        )
     cfg_file = Path(policy.model_name) / "config.json" if policy.model_name else None
     if cfg_file is None or not cfg_file.is_file():
         return None
@@ -58,8 +68,13 @@ def model_facts(policy: "PolicyConfig") -> Optional[ModelFacts]:
     if not isinstance(heads, int):
         return None
     experts = hf.get("num_experts") or hf.get("num_local_experts") or hf.get("n_routed_experts")
-    return ModelFacts(heads, hf.get("num_key_value_heads") or heads, layers if isinstance(layers, int) else None,
-                      int(experts) if experts else None, latent_attention=bool(hf.get("kv_lora_rank")))
+    return ModelFacts(
+        heads,
+        hf.get("num_key_value_heads") or heads,
+        layers if isinstance(layers, int) else None,
+        int(experts) if experts else None,
+        latent_attention=bool(hf.get("kv_lora_rank")),
+    )
 
 
 def _model_problems(cfg: "MrlConfig", facts: ModelFacts) -> list[ConfigError]:
@@ -68,42 +83,89 @@ def _model_problems(cfg: "MrlConfig", facts: ModelFacts) -> list[ConfigError]:
     tp, pp, ep = par.tensor_parallel_size, par.pipeline_parallel_size, par.expert_parallel_size
     out = []
     if facts.heads % tp:
-        out.append(ConfigError(f"tensor parallel size does not divide the model's {facts.heads} attention heads",
-                               key="policy.parallel.tensor_parallel_size", given=tp,
-                               allowed=f"a divisor of {facts.heads}: {_divisors(facts.heads)}"))
+        out.append(
+            ConfigError(
+                f"tensor parallel size does not divide the model's {facts.heads} attention heads",
+                key="policy.parallel.tensor_parallel_size",
+                given=tp,
+                allowed=f"a divisor of {facts.heads}: {_divisors(facts.heads)}",
+            )
+        )
     elif facts.kv_heads % tp:
-        out.append(ConfigError(f"tensor parallel size does not divide the model's {facts.kv_heads} key/value heads",
-                               key="policy.parallel.tensor_parallel_size", given=tp,
-                               allowed=f"a divisor of {facts.kv_heads}: {_divisors(facts.kv_heads)}"))
+        out.append(
+            ConfigError(
+                f"tensor parallel size does not divide the model's {facts.kv_heads} key/value heads",
+                key="policy.parallel.tensor_parallel_size",
+                given=tp,
+                allowed=f"a divisor of {facts.kv_heads}: {_divisors(facts.kv_heads)}",
+            )
+        )
     if facts.layers is not None:
-        out += [_from_rule(v) for v in pipeline_split_violations(
-            layers=facts.layers, pp=pp, first=par.first_stage_layers, last=par.last_stage_layers)]
+        out += [
+            _from_rule(v)
+            for v in pipeline_split_violations(
+                layers=facts.layers, pp=pp, first=par.first_stage_layers, last=par.last_stage_layers
+            )
+        ]
     if ep > 1 and facts.experts is None:
-        out.append(ConfigError("expert parallelism needs a mixture-of-experts model; this one is dense",
-                               key="policy.parallel.expert_parallel_size", given=ep, allowed="1"))
+        out.append(
+            ConfigError(
+                "expert parallelism needs a mixture-of-experts model; this one is dense",
+                key="policy.parallel.expert_parallel_size",
+                given=ep,
+                allowed="1",
+            )
+        )
     elif (facts.experts is not None or facts.latent_attention) and tp > 1 and not par.sequence_parallel:
-        out.append(ConfigError("mixture-of-experts and multi-latent-attention models train under tensor parallelism "
-                               "only with sequence parallelism (Megatron requires it for experts; MLA's rotary key "
-                               "gradient is summed over TP only then)", key="policy.parallel.sequence_parallel",
-                               given=False, fix="set policy.parallel.sequence_parallel=true"))
+        out.append(
+            ConfigError(
+                "mixture-of-experts and multi-latent-attention models train under tensor parallelism "
+                "only with sequence parallelism (Megatron requires it for experts; MLA's rotary key "
+                "gradient is summed over TP only then)",
+                key="policy.parallel.sequence_parallel",
+                given=False,
+                fix="set policy.parallel.sequence_parallel=true",
+            )
+        )
     if facts.experts is not None and facts.experts % ep:
-        out.append(ConfigError(f"expert parallel size does not divide the model's {facts.experts} experts",
-                               key="policy.parallel.expert_parallel_size", given=ep,
-                               allowed=f"a divisor of {facts.experts}: {_divisors(facts.experts)}"))
+        out.append(
+            ConfigError(
+                f"expert parallel size does not divide the model's {facts.experts} experts",
+                key="policy.parallel.expert_parallel_size",
+                given=ep,
+                allowed=f"a divisor of {facts.experts}: {_divisors(facts.experts)}",
+            )
+        )
     replay = cfg.policy.moe.router_replay
     if replay != "off" and facts.experts is None:
-        out.append(ConfigError("router replay needs a mixture-of-experts model; this one is dense",
-                               key="policy.moe.router_replay", given=replay, allowed="off"))
+        out.append(
+            ConfigError(
+                "router replay needs a mixture-of-experts model; this one is dense",
+                key="policy.moe.router_replay",
+                given=replay,
+                allowed="off",
+            )
+        )
     vllm_tp = cfg.generation.vllm.tensor_parallel_size
     if vllm_tp > 1 and facts.heads % vllm_tp:
-        out.append(ConfigError(f"vLLM tensor parallel size does not divide the model's {facts.heads} heads",
-                               key="generation.vllm.tensor_parallel_size", given=vllm_tp,
-                               allowed=f"a divisor of {facts.heads}: {_divisors(facts.heads)}"))
+        out.append(
+            ConfigError(
+                f"vLLM tensor parallel size does not divide the model's {facts.heads} heads",
+                key="generation.vllm.tensor_parallel_size",
+                given=vllm_tp,
+                allowed=f"a divisor of {facts.heads}: {_divisors(facts.heads)}",
+            )
+        )
     vllm_pp = cfg.generation.vllm.pipeline_parallel_size
     if facts.layers is not None and vllm_pp > facts.layers:
-        out.append(ConfigError(f"vLLM pipeline stages outnumber the model's {facts.layers} layers",
-                               key="generation.vllm.pipeline_parallel_size", given=vllm_pp,
-                               allowed=f"1 to {facts.layers}"))
+        out.append(
+            ConfigError(
+                f"vLLM pipeline stages outnumber the model's {facts.layers} layers",
+                key="generation.vllm.pipeline_parallel_size",
+                given=vllm_pp,
+                allowed=f"1 to {facts.layers}",
+            )
+        )
     return out
 
 
@@ -112,12 +174,25 @@ def _parallel_problems(cfg: "MrlConfig") -> list[ConfigError]:
     tp = par.tensor_parallel_size
     world = cfg.policy_world_size
     if world < 1:
-        return [ConfigError("the engine takes every device, none is left for the policy", key="generation.num_devices",
-                            given=cfg.generation.num_devices,
-                            allowed=f"< {cfg.cluster.num_nodes * cfg.cluster.devices_per_node}")]
-    out = [_from_rule(v) for v in layout_violations(
-        tp=tp, pp=par.pipeline_parallel_size, cp=par.context_parallel_size, ep=par.expert_parallel_size,
-        sequence_parallel=par.sequence_parallel, world_size=world)]
+        return [
+            ConfigError(
+                "the engine takes every device, none is left for the policy",
+                key="generation.num_devices",
+                given=cfg.generation.num_devices,
+                allowed=f"< {cfg.cluster.num_nodes * cfg.cluster.devices_per_node}",
+            )
+        ]
+    out = [
+        _from_rule(v)
+        for v in layout_violations(
+            tp=tp,
+            pp=par.pipeline_parallel_size,
+            cp=par.context_parallel_size,
+            ep=par.expert_parallel_size,
+            sequence_parallel=par.sequence_parallel,
+            world_size=world,
+        )
+    ]
     facts = model_facts(cfg.policy)
     if facts is not None:
         out += _model_problems(cfg, facts)
@@ -130,23 +205,38 @@ def _batch_problems(cfg: "MrlConfig") -> list[ConfigError]:
     dp = max(cfg.data_parallel_size, 1)
     per_step = pol.train_micro_batch_size * dp
     if pol.train_global_batch_size % per_step:
-        out.append(ConfigError(
-            f"train_global_batch_size must be a multiple of train_micro_batch_size * data-parallel size "
-            f"= {pol.train_micro_batch_size} * {dp} = {per_step}",
-            key="policy.train_global_batch_size", given=pol.train_global_batch_size,
-            allowed=f"a multiple of {per_step}"))
+        out.append(
+            ConfigError(
+                f"train_global_batch_size must be a multiple of train_micro_batch_size * data-parallel size "
+                f"= {pol.train_micro_batch_size} * {dp} = {per_step}",
+                key="policy.train_global_batch_size",
+                given=pol.train_global_batch_size,
+                allowed=f"a multiple of {per_step}",
+            )
+        )
     rollouts = cfg.grpo.num_prompts_per_step * cfg.grpo.num_generations_per_prompt
     if rollouts % pol.train_global_batch_size and _runs(cfg, "grpo"):
-        out.append(ConfigError(
-            f"the {rollouts} rollouts of a step (num_prompts_per_step * num_generations_per_prompt) must split into "
-            f"whole optimizer batches of policy.train_global_batch_size",
-            key="policy.train_global_batch_size", given=pol.train_global_batch_size,
-            allowed=f"a divisor of {rollouts}"))
+        out.append(
+            ConfigError(
+                f"the {rollouts} rollouts of a step (num_prompts_per_step * num_generations_per_prompt) must split "
+                "into "
+                f"whole optimizer batches of policy.train_global_batch_size",
+                key="policy.train_global_batch_size",
+                given=pol.train_global_batch_size,
+                allowed=f"a divisor of {rollouts}",
+            )
+        )
     out += _pair_problems(cfg, dp)
     pass_k = pass_k_problem(cfg.eval.pass_k, cfg.eval.num_samples)
     if pass_k:
-        out.append(ConfigError(pass_k, key="eval.pass_k", given=cfg.eval.pass_k,
-                               allowed=f"values in 1..{cfg.eval.num_samples} (eval.num_samples)"))
+        out.append(
+            ConfigError(
+                pass_k,
+                key="eval.pass_k",
+                given=cfg.eval.pass_k,
+                allowed=f"values in 1..{cfg.eval.num_samples} (eval.num_samples)",
+            )
+        )
     return out
 
 
@@ -162,14 +252,26 @@ def pair_problems(cfg: "MrlConfig", dp: int) -> list[ConfigError]:
     pol, out = cfg.policy, []
     for key in ("train_micro_batch_size", "logprob_micro_batch_size"):
         if getattr(pol, key) % 2:
-            out.append(ConfigError("preference pairs (chosen + rejected) stay in one micro-batch: it needs an even "
-                                   "number of sequences", key=f"policy.{key}", given=getattr(pol, key),
-                                   allowed="an even number"))
+            out.append(
+                ConfigError(
+                    "preference pairs (chosen + rejected) stay in one micro-batch: it needs an even "
+                    "number of sequences",
+                    key=f"policy.{key}",
+                    given=getattr(pol, key),
+                    allowed="an even number",
+                )
+            )
     if pol.parallel.context_parallel_size > 1:
-        out.append(ConfigError("DPO and reward models need each sequence's whole response on one rank (its sum of "
-                               "logprobs, its last token's score); context parallelism is not supported there",
-                               key="policy.parallel.context_parallel_size", given=pol.parallel.context_parallel_size,
-                               allowed="1", fix="use tensor or pipeline parallelism for these stages"))
+        out.append(
+            ConfigError(
+                "DPO and reward models need each sequence's whole response on one rank (its sum of "
+                "logprobs, its last token's score); context parallelism is not supported there",
+                key="policy.parallel.context_parallel_size",
+                given=pol.parallel.context_parallel_size,
+                allowed="1",
+                fix="use tensor or pipeline parallelism for these stages",
+            )
+        )
     return out
 
 
@@ -178,43 +280,83 @@ def _length_problems(cfg: "MrlConfig") -> list[ConfigError]:
     pol = cfg.policy
     for name, section in (("sequence_packing", pol.sequence_packing), ("dynamic_batching", pol.dynamic_batching)):
         if section.enabled and section.tokens_per_microbatch < pol.max_total_sequence_length:
-            out.append(ConfigError("the token budget must hold the longest sequence (policy.max_total_sequence_length)",
-                                   key=f"policy.{name}.tokens_per_microbatch", given=section.tokens_per_microbatch,
-                                   allowed=f">= {pol.max_total_sequence_length}"))
+            out.append(
+                ConfigError(
+                    "the token budget must hold the longest sequence (policy.max_total_sequence_length)",
+                    key=f"policy.{name}.tokens_per_microbatch",
+                    given=section.tokens_per_microbatch,
+                    allowed=f">= {pol.max_total_sequence_length}",
+                )
+            )
     par = pol.parallel
     packing, dynamic = pol.sequence_packing, pol.dynamic_batching
-    multiple = length_multiple(par.tensor_parallel_size, par.context_parallel_size,
-                               sequence_parallel=par.sequence_parallel)
-    out += [_from_rule(v) for v in micro_batching_violations(
-        packing=packing.enabled, dynamic_batching=dynamic.enabled, pp=par.pipeline_parallel_size, multiple=multiple,
-        tokens_per_microbatch=(packing if packing.enabled else dynamic).tokens_per_microbatch)]
+    multiple = length_multiple(
+        par.tensor_parallel_size, par.context_parallel_size, sequence_parallel=par.sequence_parallel
+    )
+    out += [
+        _from_rule(v)
+        for v in micro_batching_violations(
+            packing=packing.enabled,
+            dynamic_batching=dynamic.enabled,
+            pp=par.pipeline_parallel_size,
+            multiple=multiple,
+            tokens_per_microbatch=(packing if packing.enabled else dynamic).tokens_per_microbatch,
+        )
+    ]
     if cfg.generation.max_new_tokens >= pol.max_total_sequence_length:
-        out.append(ConfigError("responses must leave room for the prompt within policy.max_total_sequence_length",
-                               key="generation.max_new_tokens", given=cfg.generation.max_new_tokens,
-                               allowed=f"< {pol.max_total_sequence_length}"))
+        out.append(
+            ConfigError(
+                "responses must leave room for the prompt within policy.max_total_sequence_length",
+                key="generation.max_new_tokens",
+                given=cfg.generation.max_new_tokens,
+                allowed=f"< {pol.max_total_sequence_length}",
+            )
+        )
     if cfg.grpo.overlong_buffer >= cfg.generation.max_new_tokens:
-        out.append(ConfigError("the overlong buffer must be shorter than generation.max_new_tokens",
-                               key="grpo.overlong_buffer", given=cfg.grpo.overlong_buffer,
-                               allowed=f"< {cfg.generation.max_new_tokens}"))
+        out.append(
+            ConfigError(
+                "the overlong buffer must be shorter than generation.max_new_tokens",
+                key="grpo.overlong_buffer",
+                given=cfg.grpo.overlong_buffer,
+                allowed=f"< {cfg.generation.max_new_tokens}",
+            )
+        )
     return out
 
 
 def _misc_problems(cfg: "MrlConfig") -> list[ConfigError]:
     out = []
     if not cfg.generation.colocated and cfg.generation.num_devices is None:
-        out.append(ConfigError("a non-colocated engine needs its own devices", key="generation.num_devices",
-                               fix="set generation.num_devices, or generation.colocated=true"))
+        out.append(
+            ConfigError(
+                "a non-colocated engine needs its own devices",
+                key="generation.num_devices",
+                fix="set generation.num_devices, or generation.colocated=true",
+            )
+        )
     if cfg.grpo.max_off_policy_steps and _runs(cfg, "grpo"):
         out += _async_problems(cfg)
     if cfg.loss.icepop_low >= cfg.loss.icepop_high:
-        out.append(ConfigError("ICE-POP needs icepop_low < icepop_high", key="loss.icepop_low",
-                               given=cfg.loss.icepop_low, allowed=f"< {cfg.loss.icepop_high}"))
+        out.append(
+            ConfigError(
+                "ICE-POP needs icepop_low < icepop_high",
+                key="loss.icepop_low",
+                given=cfg.loss.icepop_low,
+                allowed=f"< {cfg.loss.icepop_high}",
+            )
+        )
     arith = cfg.data.arith
-    half = (10 ** arith.digits) ** 2 // 2 if arith is not None else 0  # half of mrl/data/arith.py's pairs
+    half = (10**arith.digits) ** 2 // 2 if arith is not None else 0  # half of mrl/data/arith.py's pairs
     if arith is not None and arith.num_heldout > half:
-        out.append(ConfigError(f"{arith.digits}-digit addition has {2 * half} pairs; at most half may be held out",
-                               key="data.arith.num_heldout", given=arith.num_heldout, allowed=f"1..{half}",
-                               fix=f"data.arith.num_heldout={min(half, 20)}, or raise data.arith.digits"))
+        out.append(
+            ConfigError(
+                f"{arith.digits}-digit addition has {2 * half} pairs; at most half may be held out",
+                key="data.arith.num_heldout",
+                given=arith.num_heldout,
+                allowed=f"1..{half}",
+                fix=f"data.arith.num_heldout={min(half, 20)}, or raise data.arith.digits",
+            )
+        )
     return out
 
 
@@ -223,18 +365,35 @@ def _async_problems(cfg: "MrlConfig") -> list[ConfigError]:
     the engine must generate while the policy trains (devices of its own)."""
     out = []
     if cfg.loss.importance_sampling == "none":
-        out.append(ConfigError("asynchronous GRPO trains on samples of an older policy: the loss must correct for it",
-                               key="loss.importance_sampling", given="none", allowed="tis, icepop",
-                               fix="set loss.importance_sampling=tis (or grpo.max_off_policy_steps=0)"))
+        out.append(
+            ConfigError(
+                "asynchronous GRPO trains on samples of an older policy: the loss must correct for it",
+                key="loss.importance_sampling",
+                given="none",
+                allowed="tis, icepop",
+                fix="set loss.importance_sampling=tis (or grpo.max_off_policy_steps=0)",
+            )
+        )
     if cfg.generation.colocated:
-        out.append(ConfigError("asynchronous GRPO generates while the policy trains, so the engine needs devices of "
-                               "its own", key="generation.colocated", given=True, allowed="false",
-                               fix="set generation.colocated=false and generation.num_devices (or "
-                                   "grpo.max_off_policy_steps=0)"))
+        out.append(
+            ConfigError(
+                "asynchronous GRPO generates while the policy trains, so the engine needs devices of its own",
+                key="generation.colocated",
+                given=True,
+                allowed="false",
+                fix="set generation.colocated=false and generation.num_devices (or grpo.max_off_policy_steps=0)",
+            )
+        )
     if cfg.generation.backend != "vllm":
-        out.append(ConfigError("asynchronous GRPO needs engines in their own processes", key="generation.backend",
-                               given=cfg.generation.backend, allowed="vllm",
-                               fix="set generation.backend=vllm (or grpo.max_off_policy_steps=0)"))
+        out.append(
+            ConfigError(
+                "asynchronous GRPO needs engines in their own processes",
+                key="generation.backend",
+                given=cfg.generation.backend,
+                allowed="vllm",
+                fix="set generation.backend=vllm (or grpo.max_off_policy_steps=0)",
+            )
+        )
     return out
 
 
@@ -259,8 +418,11 @@ def errors_from_validation(exc: ValidationError, model: type[BaseModel], given_t
         elif err["type"] == "extra_forbidden":
             problems.append(_unknown_key(model, loc, err.get("input")))
         else:
-            problems.append(ConfigError(err["msg"], key=key or None, given=err.get("input") if loc else None,
-                                        allowed=_allowed(model, loc)))
+            problems.append(
+                ConfigError(
+                    err["msg"], key=key or None, given=err.get("input") if loc else None, allowed=_allowed(model, loc)
+                )
+            )
     return problems[0] if len(problems) == 1 else ConfigError("", problems=problems)
 
 
@@ -270,8 +432,13 @@ def _unknown_key(model: type[BaseModel], loc: list[str], given: Any) -> ConfigEr
     close = suggest(loc[-1], known)
     prefix = ".".join(loc[:-1])
     fix = f"did you mean '{prefix + '.' if prefix else ''}{close}'?" if close else None
-    return ConfigError("unknown key", key=".".join(loc), given=given,
-                       allowed=f"keys under {prefix or 'the top level'}: {', '.join(known)}", fix=fix)
+    return ConfigError(
+        "unknown key",
+        key=".".join(loc),
+        given=given,
+        allowed=f"keys under {prefix or 'the top level'}: {', '.join(known)}",
+        fix=fix,
+    )
 
 
 def _model_at(model: type[BaseModel], loc: list[str]) -> type[BaseModel] | None:

@@ -12,8 +12,16 @@ CONFIG_ERROR_EXIT_CODE = 2
 class ConfigError(ValueError):
     """A configuration problem found before any worker starts."""
 
-    def __init__(self, message: str, *, key: str | None = None, given: Any = None, allowed: str | None = None,
-                 fix: str | None = None, problems: list["ConfigError"] | None = None):
+    def __init__(
+        self,
+        message: str,
+        *,
+        key: str | None = None,
+        given: Any = None,
+        allowed: str | None = None,
+        fix: str | None = None,
+        problems: list["ConfigError"] | None = None,
+    ):
         self.message, self.key, self.given, self.allowed, self.fix = message, key, given, allowed, fix
         self.problems = problems or []
         super().__init__(self.render())

@@ -76,8 +76,10 @@ def apply_overrides(tree: dict[str, Any], overrides: Iterable[str]) -> dict[str,
         try:
             (ov,) = parser.parse_overrides([text])
         except OverrideParseException as exc:
-            raise ConfigError(f"cannot parse override '{text}': {exc.message.splitlines()[0]}",
-                              fix="write key=value, +key=value, ++key=value or ~key") from None
+            raise ConfigError(
+                f"cannot parse override '{text}': {exc.message.splitlines()[0]}",
+                fix="write key=value, +key=value, ++key=value or ~key",
+            ) from None
         key = ov.key_or_group
         present = OmegaConf.select(cfg, key, default=_MISSING, throw_on_missing=False) is not _MISSING
         if ov.is_delete():
@@ -86,8 +88,12 @@ def apply_overrides(tree: dict[str, Any], overrides: Iterable[str]) -> dict[str,
             _delete(cfg, key)
             continue
         if ov.is_add() and present:
-            raise ConfigError("'+' adds a key that is not set yet, but this one is", key=key, given=text,
-                              fix=f"use {key}=... or ++{key}=...")
+            raise ConfigError(
+                "'+' adds a key that is not set yet, but this one is",
+                key=key,
+                given=text,
+                fix=f"use {key}=... or ++{key}=...",
+            )
         value = ov.value()
         try:
             OmegaConf.update(cfg, key, value, merge=False, force_add=True)

@@ -37,9 +37,12 @@ def find_recipe(path: str | Path) -> Path:
         for candidate in (RECIPES / name, RECIPES / f"{name}.yaml"):
             if candidate.is_file():
                 return candidate.resolve()
-    raise ConfigError(f"config file not found: {given.resolve()}", given=str(path),
-                      allowed="a YAML file, or a shipped recipe by name: " + ", ".join(shipped_recipes()),
-                      fix="check the path, or name a shipped recipe (e.g. arith-tiny-cpu)")
+    raise ConfigError(
+        f"config file not found: {given.resolve()}",
+        given=str(path),
+        allowed="a YAML file, or a shipped recipe by name: " + ", ".join(shipped_recipes()),
+        fix="check the path, or name a shipped recipe (e.g. arith-tiny-cpu)",
+    )
 
 
 def _shipped_name(given: Path) -> str | None:

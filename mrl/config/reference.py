@@ -36,8 +36,12 @@ Unknown keys are errors, and so are values outside the allowed ones.
     it always matches the code it was built from. `mrl config show` prints the defaults as YAML.
 """
 
-_BOUNDS = ((annotated_types.Ge, "ge", "≥"), (annotated_types.Gt, "gt", ">"), (annotated_types.Le, "le", "≤"),
-           (annotated_types.Lt, "lt", "<"))
+_BOUNDS = (
+    (annotated_types.Ge, "ge", "≥"),
+    (annotated_types.Gt, "gt", ">"),
+    (annotated_types.Le, "le", "≤"),
+    (annotated_types.Lt, "lt", "<"),
+)
 
 
 def config_reference_markdown(root: type[BaseModel] = MrlConfig) -> str:
@@ -58,8 +62,9 @@ def format_default(value: Any) -> str:
 
 
 # ----------------------------------------------------------------------------------------------------- the sections
-def _section(parts: list[str], model: type[BaseModel], path: str, depth: int, intro: str | None, optional: bool,
-             is_list: bool) -> None:
+def _section(
+    parts: list[str], model: type[BaseModel], path: str, depth: int, intro: str | None, optional: bool, is_list: bool
+) -> None:
     leaves: list[tuple[str, FieldInfo]] = []
     children: list[tuple[str, FieldInfo, type[BaseModel], bool, bool]] = []
     for name, field in model.model_fields.items():
@@ -74,8 +79,9 @@ def _section(parts: list[str], model: type[BaseModel], path: str, depth: int, in
         parts.append(f"{level} `{path}`\n")
         notes = [text for text in (None if optional or is_list else intro, _doc(model)) if text]
         if optional:
-            notes.append("An optional section: `null` by default (off); set it to a mapping of the keys below to "
-                         "turn it on.")
+            notes.append(
+                "An optional section: `null` by default (off); set it to a mapping of the keys below to turn it on."
+            )
         if is_list:
             notes.append(f"A list (empty by default); each item is a mapping of the keys below (`{path}[i].key`).")
         parts.extend(f"{_escape(note)}\n" for note in notes)
@@ -89,8 +95,19 @@ def _section(parts: list[str], model: type[BaseModel], path: str, depth: int, in
     if leaves:
         for name, field in leaves:
             key = f"{path}.{name}" if path else name
-            parts.append("| " + " | ".join((f"`{key}`", _escape(_type_name(field.annotation)), _default_cell(field),
-                                            _escape(_allowed(field)), _escape(field.description or ""))) + " |")
+            parts.append(
+                "| "
+                + " | ".join(
+                    (
+                        f"`{key}`",
+                        _escape(_type_name(field.annotation)),
+                        _default_cell(field),
+                        _escape(_allowed(field)),
+                        _escape(field.description or ""),
+                    )
+                )
+                + " |"
+            )
         parts.append("")
     for name, field, sub, sub_optional, sub_list in children:
         sub_path = f"{path}.{name}" if path else name

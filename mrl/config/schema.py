@@ -37,12 +37,20 @@ class WatchdogConfig(Section):
 
     enabled: bool = Field(True, description="Deadlines on every call the controller waits on; false: wait forever.")
     floor_s: float = Field(600.0, gt=0, description="Seconds every call may take whatever its work.")
-    tokens_per_s: float = Field(20.0, gt=0, description="Slowest accepted speed of a call's tokens (generation: "
-                                "prompt plus generated tokens; train: 3 x its tokens, forward and backward).")
-    mb_per_s: float = Field(10.0, gt=0, description="Slowest accepted speed of a call's bytes (refit bucket, save, "
-                            "load), in MB/s.")
-    overrides: dict[str, float] = Field(default_factory=dict, description="A worker method's fixed deadline in "
-                                        "seconds, e.g. {train: 3600, generate_shard: 1800, save: 7200}.")
+    tokens_per_s: float = Field(
+        20.0,
+        gt=0,
+        description="Slowest accepted speed of a call's tokens (generation: "
+        "prompt plus generated tokens; train: 3 x its tokens, forward and backward).",
+    )
+    mb_per_s: float = Field(
+        10.0, gt=0, description="Slowest accepted speed of a call's bytes (refit bucket, save, load), in MB/s."
+    )
+    overrides: dict[str, float] = Field(
+        default_factory=dict,
+        description="A worker method's fixed deadline in "
+        "seconds, e.g. {train: 3600, generate_shard: 1800, save: 7200}.",
+    )
 
 
 class RunConfig(Section):
@@ -50,29 +58,40 @@ class RunConfig(Section):
     seed: int = Field(42, description="Seed for every random source (data order, init, sampling).")
     output_dir: str = Field("results/${run.name}", description="Folder for logs, plots and checkpoints of the run.")
     final_format: Literal["hf", "megatron"] = Field(
-        "hf", description="What a training command leaves as its result: final_hf/ (an HF folder: safetensors + "
+        "hf",
+        description="What a training command leaves as its result: final_hf/ (an HF folder: safetensors + "
         "config + tokenizer, for vLLM or transformers) or final_megatron/ (the policy's weights as a Megatron "
         "checkpoint folder, written by every rank, no HF export; any mrl command starts from it, so staged recipes "
-        "hand stages on without converting).")
+        "hand stages on without converting).",
+    )
     watchdog: WatchdogConfig = Field(default_factory=WatchdogConfig)
 
 
 class ClusterConfig(Section):
     num_nodes: int = Field(1, ge=1, description="Nodes in the Ray cluster.")
-    devices_per_node: int = Field(1, ge=1, description="GPUs per node on GPU clusters; worker processes per node on CPU.")
-    ray_address: Optional[str] = Field(None, description="Address of a running Ray cluster; None: $RAY_ADDRESS if "
-                                       "set (the Slurm launcher sets it), else a local one.")
+    devices_per_node: int = Field(
+        1, ge=1, description="GPUs per node on GPU clusters; worker processes per node on CPU."
+    )
+    ray_address: Optional[str] = Field(
+        None,
+        description="Address of a running Ray cluster; None: $RAY_ADDRESS if "
+        "set (the Slurm launcher sets it), else a local one.",
+    )
     cpus_per_worker: float = Field(1.0, gt=0, description="Ray CPUs reserved per worker.")
     omp_num_threads: Union[int, Literal["auto"]] = Field(
-        "auto", description="Threads (OMP_NUM_THREADS, torch's intra-op threads) of each worker process. auto: "
+        "auto",
+        description="Threads (OMP_NUM_THREADS, torch's intra-op threads) of each worker process. auto: "
         "$OMP_NUM_THREADS of the shell that starts mrl when it is set (the Makefile and the test suite set 1); else "
         "each node's cores shared by the worker processes that compute on it at the same time: a group's own ranks "
         "when the phases take turns (synchronous GRPO, SFT, DPO: a phase alone uses every core), all the node's "
         "workers when they overlap (grpo.max_off_policy_steps=1). vLLM's CPU engine binds its own threads "
-        "(VLLM_CPU_OMP_THREADS_BIND).")
+        "(VLLM_CPU_OMP_THREADS_BIND).",
+    )
     memory_check: Literal["refuse", "warn", "off"] = Field(
-        "refuse", description="On a GPU, before Ray starts: `mrl plan`'s memory per GPU against this GPU's; refuse: a "
-        "layout that does not fit stops with exit 2 and the plan; warn: it prints the plan and starts; off: no check.")
+        "refuse",
+        description="On a GPU, before Ray starts: `mrl plan`'s memory per GPU against this GPU's; refuse: a "
+        "layout that does not fit stops with exit 2 and the plan; warn: it prints the plan and starts; off: no check.",
+    )
 
     @field_validator("memory_check", mode="before")
     @classmethod
@@ -84,10 +103,14 @@ class ClusterConfig(Section):
     def _threads(cls, value: Any) -> Any:
         if value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
             return value
-        raise ConfigError("not a thread count", key="cluster.omp_num_threads", given=value,
-                          allowed="a whole number >= 1, or 'auto'",
-                          fix="leave it at auto (each phase uses its share of the node's cores) or give the threads "
-                          "of one worker process")
+        raise ConfigError(
+            "not a thread count",
+            key="cluster.omp_num_threads",
+            given=value,
+            allowed="a whole number >= 1, or 'auto'",
+            fix="leave it at auto (each phase uses its share of the node's cores) or give the threads "
+            "of one worker process",
+        )
 
 
 # ------------------------------------------------------------------------------------------------------------ policy
@@ -96,11 +119,20 @@ class ParallelConfig(Section):
     pipeline_parallel_size: int = Field(1, ge=1, description="Pipeline parallel size (layers split in stages).")
     context_parallel_size: int = Field(1, ge=1, description="Context parallel size (sequence split across ranks).")
     expert_parallel_size: int = Field(1, ge=1, description="Expert parallel size for MoE models.")
-    sequence_parallel: bool = Field(False, description="Megatron sequence parallelism; requires tensor_parallel_size > 1.")
-    first_stage_layers: Optional[int] = Field(None, ge=1, description="Decoder layers of the first pipeline stage "
-                                              "when they do not split evenly (DeepSeek-V3's 61); None = an even split.")
-    last_stage_layers: Optional[int] = Field(None, ge=1, description="Decoder layers of the last pipeline stage; "
-                                             "None = an even split of what the first stage leaves.")
+    sequence_parallel: bool = Field(
+        False, description="Megatron sequence parallelism; requires tensor_parallel_size > 1."
+    )
+    first_stage_layers: Optional[int] = Field(
+        None,
+        ge=1,
+        description="Decoder layers of the first pipeline stage "
+        "when they do not split evenly (DeepSeek-V3's 61); None = an even split.",
+    )
+    last_stage_layers: Optional[int] = Field(
+        None,
+        ge=1,
+        description="Decoder layers of the last pipeline stage; None = an even split of what the first stage leaves.",
+    )
 
 
 class ModelBuildConfig(Section):
@@ -117,10 +149,16 @@ class ModelBuildConfig(Section):
     num_experts_per_tok: int = Field(2, ge=1, description="qwen3_moe: experts each token is routed to.")
     moe_intermediate_size: int = Field(128, ge=8, description="qwen3_moe: MLP hidden size of each expert.")
     rope_scaling: Optional[Literal["linear", "yarn"]] = Field(
-        None, description="Scale RoPE past the native length (max(64, policy.max_total_sequence_length) at build "
-                          "time), as the HF config's rope_parameters; None = plain RoPE.")
-    rope_scaling_factor: float = Field(1.0, ge=1.0, description="Context extension factor of rope_scaling: the model "
-                                       "serves native length x factor tokens (later stages may grow into it).")
+        None,
+        description="Scale RoPE past the native length (max(64, policy.max_total_sequence_length) at build "
+        "time), as the HF config's rope_parameters; None = plain RoPE.",
+    )
+    rope_scaling_factor: float = Field(
+        1.0,
+        ge=1.0,
+        description="Context extension factor of rope_scaling: the model "
+        "serves native length x factor tokens (later stages may grow into it).",
+    )
 
 
 class MoEConfig(Section):
@@ -132,11 +170,13 @@ class MoEConfig(Section):
     aux_loss_coeff: float = Field(0.0, ge=0, description="Load-balancing loss weight; 0 = none (RL default).")
     expert_bias_update_rate: float = Field(0.0, ge=0, description="DeepSeek-V3 expert-bias balancing rate; 0 = fixed.")
     router_replay: Literal["off", "measure", "replay"] = Field(
-        "off", description="replay: the engine returns each token's experts and the trainer routes every token to "
+        "off",
+        description="replay: the engine returns each token's experts and the trainer routes every token to "
         "them (router replay, R3; mrl/model/router_replay.py); measure: the engine returns them, the trainer routes "
         "freshly; both log, every train step and per MoE layer, the fraction of tokens the trainer would route "
         "elsewhere (train/moe_routing_differs/layer_i). The routing comes from vLLM on CUDA (its routed-experts "
-        "output) or from the Megatron engine.")
+        "output) or from the Megatron engine.",
+    )
 
     @field_validator("router_replay", mode="before")
     @classmethod
@@ -162,31 +202,48 @@ class SpeedConfig(Section):
     (`mrl/policy/speed.py`: what auto becomes, and the wiring each option needs)."""
 
     gradient_accumulation_fusion: Union[bool, Literal["auto"]] = Field(
-        "auto", description="Weight-gradient GEMMs accumulate straight into the fp32 gradient buffer (no bf16 "
+        "auto",
+        description="Weight-gradient GEMMs accumulate straight into the fp32 gradient buffer (no bf16 "
         "gradient tensor, no separate add): needs CUDA and Apex's fused_weight_gradient_mlp_cuda, which the "
-        "output layer calls even under Transformer Engine.")
+        "output layer calls even under Transformer Engine.",
+    )
     overlap_grad_reduce: Union[bool, Literal["auto"]] = Field(
-        "auto", description="Reduce each gradient bucket over data-parallel ranks as soon as the last micro-batch's "
-        "backward fills it, while the backward goes on; auto = with CUDA and more than one data-parallel rank.")
+        "auto",
+        description="Reduce each gradient bucket over data-parallel ranks as soon as the last micro-batch's "
+        "backward fills it, while the backward goes on; auto = with CUDA and more than one data-parallel rank.",
+    )
     overlap_param_gather: Union[bool, Literal["auto"]] = Field(
-        "auto", description="With the distributed optimizer: gather the updated weight shards during the next "
+        "auto",
+        description="With the distributed optimizer: gather the updated weight shards during the next "
         "forward instead of after the optimizer step (a refit or a save completes the gather first); auto = with "
-        "CUDA, optimizer.use_distributed_optimizer and more than one data-parallel rank.")
+        "CUDA, optimizer.use_distributed_optimizer and more than one data-parallel rank.",
+    )
     grouped_expert_gemm: Union[bool, Literal["auto"]] = Field(
-        "auto", description="Mixture-of-experts models: a rank's routed experts run as one grouped GEMM per linear "
+        "auto",
+        description="Mixture-of-experts models: a rank's routed experts run as one grouped GEMM per linear "
         "(torch._grouped_mm) instead of a loop of two GEMMs per expert, with the same parameters "
         "(mrl/model/grouped_experts.py), with or without Transformer Engine; auto = with CUDA. "
-        "Dense models ignore it.")
+        "Dense models ignore it.",
+    )
 
-    @field_validator("gradient_accumulation_fusion", "overlap_grad_reduce", "overlap_param_gather",
-                     "grouped_expert_gemm", mode="before")
+    @field_validator(
+        "gradient_accumulation_fusion",
+        "overlap_grad_reduce",
+        "overlap_param_gather",
+        "grouped_expert_gemm",
+        mode="before",
+    )
     @classmethod
     def _switch(cls, value: Any, info: Any) -> Any:
         if value == "auto" or isinstance(value, bool):
             return value
-        raise ConfigError("not a switch", key=f"policy.speed.{info.field_name}", given=value,
-                          allowed="auto, true or false",
-                          fix="leave it at auto (on where the hardware supports it) or set true or false")
+        raise ConfigError(
+            "not a switch",
+            key=f"policy.speed.{info.field_name}",
+            given=value,
+            allowed="auto, true or false",
+            fix="leave it at auto (on where the hardware supports it) or set true or false",
+        )
 
 
 class SchedulerConfig(Section):
@@ -210,21 +267,33 @@ class OffloadConfig(Section):
     back when it next computes (train, logprobs, refit, save); the CUDA cache is emptied either way; on CPU nothing
     moves. Why the defaults fit DeepScaleR 8K on one 80 GB GPU: README, "Memory on a shared GPU"."""
 
-    optimizer_states: bool = Field(True, description="Adam's two moments and the fp32 main weights of bf16 training "
-                                   "(12 B per parameter, per data-parallel shard with the distributed optimizer); "
-                                   "copied to pinned host memory and back, bit for bit.")
-    gradients: bool = Field(True, description="Free the fp32 gradient buffers (4 B per parameter); not copied: every "
-                            "step zeroes them before its first backward.")
-    weights: bool = Field(False, description="Also the model weights (2 B per parameter in bf16); a refit's export "
-                          "and a logprob pass bring them back, so release again after the refit.")
+    optimizer_states: bool = Field(
+        True,
+        description="Adam's two moments and the fp32 main weights of bf16 training "
+        "(12 B per parameter, per data-parallel shard with the distributed optimizer); "
+        "copied to pinned host memory and back, bit for bit.",
+    )
+    gradients: bool = Field(
+        True,
+        description="Free the fp32 gradient buffers (4 B per parameter); not copied: every "
+        "step zeroes them before its first backward.",
+    )
+    weights: bool = Field(
+        False,
+        description="Also the model weights (2 B per parameter in bf16); a refit's export "
+        "and a logprob pass bring them back, so release again after the refit.",
+    )
 
 
 class PolicyConfig(Section):
-    model_name: Optional[str] = Field(None, description="HF model folder (config.json + safetensors + tokenizer), "
-                                      "a hub id (org/name[@revision], fetched into the HF cache before the run, "
-                                      "read from it with HF_HUB_OFFLINE=1), or a Megatron checkpoint folder (`mrl "
-                                      "convert hf-to-megatron` output, a training step_N/ or final_megatron/): "
-                                      "loaded in any parallel layout.")
+    model_name: Optional[str] = Field(
+        None,
+        description="HF model folder (config.json + safetensors + tokenizer), "
+        "a hub id (org/name[@revision], fetched into the HF cache before the run, "
+        "read from it with HF_HUB_OFFLINE=1), or a Megatron checkpoint folder (`mrl "
+        "convert hf-to-megatron` output, a training step_N/ or final_megatron/): "
+        "loaded in any parallel layout.",
+    )
     tokenizer: Optional[str] = Field(None, description="Tokenizer folder or hub id; None = model_name's.")
     build: Optional[ModelBuildConfig] = Field(None, description="Build a random model instead of loading model_name.")
     precision: Literal["float32", "bfloat16"] = Field("bfloat16", description="Parameter/compute dtype (fp32 on CPU).")
@@ -232,23 +301,36 @@ class PolicyConfig(Section):
     train_global_batch_size: int = Field(256, ge=1, description="Sequences per optimizer step (all DP ranks).")
     train_micro_batch_size: int = Field(4, ge=1, description="Sequences per forward/backward micro-batch per rank.")
     logprob_micro_batch_size: int = Field(8, ge=1, description="Sequences per micro-batch when computing logprobs.")
-    logprob_chunk_tokens: int = Field(1024, ge=1, description="Tokens whose fp32 logits the log-softmax holds at once "
-                                      "(forward and backward); the full [tokens, vocabulary] fp32 copy never exists.")
+    logprob_chunk_tokens: int = Field(
+        1024,
+        ge=1,
+        description="Tokens whose fp32 logits the log-softmax holds at once "
+        "(forward and backward); the full [tokens, vocabulary] fp32 copy never exists.",
+    )
     max_total_sequence_length: int = Field(4096, ge=2, description="Prompt + response tokens, at most.")
     activation_checkpointing: bool = Field(False, description="Recompute activations in the backward pass.")
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
-    speed: SpeedConfig = Field(default_factory=SpeedConfig, description="Megatron's speed options (on by default "
-                               "where the hardware supports them).")
+    speed: SpeedConfig = Field(
+        default_factory=SpeedConfig,
+        description="Megatron's speed options (on by default where the hardware supports them).",
+    )
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
     sequence_packing: PackingConfig = Field(default_factory=PackingConfig)
     dynamic_batching: DynamicBatchingConfig = Field(default_factory=DynamicBatchingConfig)
-    offload_reference: bool = Field(False, description="Keep the frozen reference model in CPU memory between uses (GPU).")
+    offload_reference: bool = Field(
+        False, description="Keep the frozen reference model in CPU memory between uses (GPU)."
+    )
     offload_when_generating: OffloadConfig = Field(
-        default_factory=OffloadConfig, description="What moves to host memory while a colocated engine generates.")
+        default_factory=OffloadConfig, description="What moves to host memory while a colocated engine generates."
+    )
     moe: MoEConfig = Field(default_factory=MoEConfig)
-    max_nonfinite_steps: int = Field(3, ge=1, description="A step whose loss or gradients are not finite is skipped "
-                                     "(no update; GRPO does not refit the engine); this many such steps in a row "
-                                     "stop the run (exit 3) before anything more is saved.")
+    max_nonfinite_steps: int = Field(
+        3,
+        ge=1,
+        description="A step whose loss or gradients are not finite is skipped "
+        "(no update; GRPO does not refit the engine); this many such steps in a row "
+        "stop the run (exit 3) before anything more is saved.",
+    )
 
 
 # -------------------------------------------------------------------------------------------------------- generation
@@ -259,18 +341,23 @@ ENFORCE_EAGER_ENV = "MRL_VLLM_ENFORCE_EAGER"
 class VllmConfig(Section):
     tensor_parallel_size: int = Field(1, ge=1, description="vLLM tensor parallel size of each engine.")
     pipeline_parallel_size: int = Field(
-        1, ge=1, description="vLLM pipeline stages of each engine (its layers split in that many parts, each on "
-                             "tensor_parallel_size GPUs of one node): an engine of more GPUs than a node has, e.g. "
-                             "TP 8 x PP 4 over 4 nodes; needs a colocated engine on GPUs.")
+        1,
+        ge=1,
+        description="vLLM pipeline stages of each engine (its layers split in that many parts, each on "
+        "tensor_parallel_size GPUs of one node): an engine of more GPUs than a node has, e.g. "
+        "TP 8 x PP 4 over 4 nodes; needs a colocated engine on GPUs.",
+    )
     gpu_memory_utilization: float = Field(0.6, gt=0, le=1, description="Fraction of GPU memory vLLM may take.")
     kv_cache_gib: float = Field(1.0, gt=0, description="KV cache size on CPU (VLLM_CPU_KVCACHE_SPACE).")
     enforce_eager: Optional[bool] = Field(
-        None, description="Skip vLLM's compilation of the model (torch.compile) and, on GPUs, its CUDA graph capture: "
-                          "a faster start, a slower decode. None: $MRL_VLLM_ENFORCE_EAGER where it is set (1 or 0; "
-                          "the test suite sets 1, its engines live seconds), else false, vLLM's own default: the "
-                          "first start on a machine compiles (about 20 s on 2 CPU cores), later ones read vLLM's "
-                          "compile cache (about 7 s); on the tiny CPU workload generation then takes 0.16 s a step "
-                          "instead of 0.20 s (docs/measurements.md).")
+        None,
+        description="Skip vLLM's compilation of the model (torch.compile) and, on GPUs, its CUDA graph capture: "
+        "a faster start, a slower decode. None: $MRL_VLLM_ENFORCE_EAGER where it is set (1 or 0; "
+        "the test suite sets 1, its engines live seconds), else false, vLLM's own default: the "
+        "first start on a machine compiles (about 20 s on 2 CPU cores), later ones read vLLM's "
+        "compile cache (about 7 s); on the tiny CPU workload generation then takes 0.16 s a step "
+        "instead of 0.20 s (docs/measurements.md).",
+    )
     max_model_len: Optional[int] = Field(None, ge=2, description="Engine context length; None = policy max length.")
 
     def eager(self) -> bool:
@@ -281,9 +368,13 @@ class VllmConfig(Section):
         if given is None:
             return False
         if given not in ("0", "1"):
-            raise ConfigError(f"${ENFORCE_EAGER_ENV} decides it (the key is null) and is neither 1 nor 0",
-                              key="generation.vllm.enforce_eager", given=given, allowed="1 (eager) or 0 (compiled)",
-                              fix=f"unset ${ENFORCE_EAGER_ENV}, set it to 1 or 0, or set the key itself")
+            raise ConfigError(
+                f"${ENFORCE_EAGER_ENV} decides it (the key is null) and is neither 1 nor 0",
+                key="generation.vllm.enforce_eager",
+                given=given,
+                allowed="1 (eager) or 0 (compiled)",
+                fix=f"unset ${ENFORCE_EAGER_ENV}, set it to 1 or 0, or set the key itself",
+            )
         return given == "1"
 
     @model_validator(mode="after")
@@ -300,32 +391,46 @@ class GenerationConfig(Section):
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
     top_k: Optional[int] = Field(None, ge=1, description="Top-k sampling; None = off.")
     max_new_tokens: int = Field(512, ge=1, description="Response tokens at most.")
-    stop_token_ids: list[int] = Field(default_factory=list, description="Extra token ids that end a response (EOS always does).")
+    stop_token_ids: list[int] = Field(
+        default_factory=list, description="Extra token ids that end a response (EOS always does)."
+    )
     stop_strings: list[str] = Field(default_factory=list, description="Strings that end a response.")
-    overlong_prompt: Literal["truncate", "reject"] = Field("reject", description="What to do with a prompt that does not fit.")
+    overlong_prompt: Literal["truncate", "reject"] = Field(
+        "reject", description="What to do with a prompt that does not fit."
+    )
     refit_bucket_mb: int = Field(
-        256, ge=1, description="Most MiB of HF tensors per refit bucket, a bound on every policy rank: a layer larger than "
-                               "this is cut into several buckets (the engine loads them in one reload session), only "
-                               "a single tensor larger than this goes alone; extra memory per policy rank is about "
-                               "one bucket plus one parameter in flight, plus the transport's slots.")
+        256,
+        ge=1,
+        description="Most MiB of HF tensors per refit bucket, a bound on every policy rank: a layer larger than "
+        "this is cut into several buckets (the engine loads them in one reload session), only "
+        "a single tensor larger than this goes alone; extra memory per policy rank is about "
+        "one bucket plus one parameter in flight, plus the transport's slots.",
+    )
     seeded_sampling: Optional[bool] = Field(
-        None, description="Seed every request (prompt i, sample k: seed + i * n + k): reproducible samples, an exact "
-                          "resume. On GPUs seeded requests leave vLLM's fused FlashInfer top-k/top-p sampler (its V1 model "
-                          "runner even samples them one by one: vllm/v1/sample/ops/topk_topp_sampler.py). None: seeded "
-                          "where the engine runs on CPU, unseeded on GPUs (not bitwise reproducible there anyway).")
+        None,
+        description="Seed every request (prompt i, sample k: seed + i * n + k): reproducible samples, an exact "
+        "resume. On GPUs seeded requests leave vLLM's fused FlashInfer top-k/top-p sampler (its V1 model "
+        "runner even samples them one by one: vllm/v1/sample/ops/topk_topp_sampler.py). None: seeded "
+        "where the engine runs on CPU, unseeded on GPUs (not bitwise reproducible there anyway).",
+    )
     sleep_level: Literal[1, 2] = Field(
-        2, description="vLLM sleep level of a colocated engine while the policy trains on its rollouts (GPUs; on CPU "
-                       "the contract alone). 2: the weights are discarded, not copied to host memory and back: the "
-                       "refit after the step overwrites them all (vLLM's LLM.sleep: level 2 is for updating the "
-                       "weights), so a step saves two host copies of the model. A step that trains on nothing (no "
-                       "refit) has the engine refitted before it generates again. 1: weights kept in host memory "
-                       "(NeMo-RL's choice). Every other sleep (after a validation, at start-up) is level 1, and so is "
-                       "every sleep of an engine without a policy to refit it (mrl eval, the model server).")
+        2,
+        description="vLLM sleep level of a colocated engine while the policy trains on its rollouts (GPUs; on CPU "
+        "the contract alone). 2: the weights are discarded, not copied to host memory and back: the "
+        "refit after the step overwrites them all (vLLM's LLM.sleep: level 2 is for updating the "
+        "weights), so a step saves two host copies of the model. A step that trains on nothing (no "
+        "refit) has the engine refitted before it generates again. 1: weights kept in host memory "
+        "(NeMo-RL's choice). Every other sleep (after a validation, at start-up) is level 1, and so is "
+        "every sleep of an engine without a policy to refit it (mrl eval, the model server).",
+    )
     max_restarts: int = Field(
-        2, ge=0, description="vLLM engines that die (a process killed, a crash) are replaced this many times in a run: "
-                             "new engines on the same devices get the policy's current weights and the interrupted "
-                             "generation or refit is done again (seeded: the same samples). 0: a death ends the run "
-                             "(re-running resumes). Not with grpo.max_off_policy_steps=1.")
+        2,
+        ge=0,
+        description="vLLM engines that die (a process killed, a crash) are replaced this many times in a run: "
+        "new engines on the same devices get the policy's current weights and the interrupted "
+        "generation or refit is done again (seeded: the same samples). 0: a death ends the run "
+        "(re-running resumes). Not with grpo.max_off_policy_steps=1.",
+    )
     vllm: VllmConfig = Field(default_factory=VllmConfig)
 
 
@@ -338,27 +443,43 @@ class LossConfig(Section):
     """The fields of `mrl.objectives.loss.GRPOLoss`, which the GRPO loop builds from this section."""
 
     clip_low: float = Field(0.2, ge=0, lt=1, description="PPO ratio clip below 1 (ratio >= 1 - clip_low).")
-    clip_high: float = Field(0.2, ge=0, description="PPO ratio clip above 1 (ratio <= 1 + clip_high; DAPO clip-higher).")
-    dual_clip: Optional[float] = Field(None, gt=1, description="Dual-clip constant c > 1 for negative advantages; None = off.")
-    kl_beta: float = Field(0.0, ge=0, description="Weight of the KL penalty to the reference policy (0 skips the reference).")
+    clip_high: float = Field(
+        0.2, ge=0, description="PPO ratio clip above 1 (ratio <= 1 + clip_high; DAPO clip-higher)."
+    )
+    dual_clip: Optional[float] = Field(
+        None, gt=1, description="Dual-clip constant c > 1 for negative advantages; None = off."
+    )
+    kl_beta: float = Field(
+        0.0, ge=0, description="Weight of the KL penalty to the reference policy (0 skips the reference)."
+    )
     kl_kind: Literal["k1", "k2", "k3"] = Field("k3", description="KL estimator.")
-    level: Literal["token", "sequence"] = Field("token", description="Average over all tokens, or per sequence then over sequences.")
-    importance_sampling: Literal["none", "tis", "icepop"] = Field("none", description="Engine/trainer mismatch correction.")
+    level: Literal["token", "sequence"] = Field(
+        "token", description="Average over all tokens, or per sequence then over sequences."
+    )
+    importance_sampling: Literal["none", "tis", "icepop"] = Field(
+        "none", description="Engine/trainer mismatch correction."
+    )
     is_cap: float = Field(2.0, gt=0, description="TIS: importance weights truncated at this value.")
     icepop_low: float = Field(0.5, gt=0, description="ICE-POP: tokens with ratio below this are masked.")
     icepop_high: float = Field(2.0, gt=0, description="ICE-POP: tokens with ratio above this are masked.")
     ratio_level: Literal["token", "sequence"] = Field(
-        "token", description="The importance ratio per token (PPO, GRPO) or per sequence: GSPO, the geometric mean of "
+        "token",
+        description="The importance ratio per token (PPO, GRPO) or per sequence: GSPO, the geometric mean of "
         "a sequence's token ratios, clipped per sequence; needs level: sequence, and GSPO's published clip range is "
-        "clip_low 3e-4, clip_high 4e-4.")
+        "clip_low 3e-4, clip_high 4e-4.",
+    )
 
     @model_validator(mode="after")
     def _gspo_level(self) -> "LossConfig":
         if self.ratio_level == "sequence" and self.level != "sequence":
-            raise ConfigError("GSPO (loss.ratio_level=sequence) averages each sequence's tokens, then the sequences",
-                              key="loss.level", given=self.level, allowed="sequence with loss.ratio_level=sequence",
-                              fix=f"set loss.level=sequence (and GSPO's clip range: loss.clip_low={GSPO_CLIP[0]} "
-                                  f"loss.clip_high={GSPO_CLIP[1]}), or loss.ratio_level=token")
+            raise ConfigError(
+                "GSPO (loss.ratio_level=sequence) averages each sequence's tokens, then the sequences",
+                key="loss.level",
+                given=self.level,
+                allowed="sequence with loss.ratio_level=sequence",
+                fix=f"set loss.level=sequence (and GSPO's clip range: loss.clip_low={GSPO_CLIP[0]} "
+                f"loss.clip_high={GSPO_CLIP[1]}), or loss.ratio_level=token",
+            )
         return self
 
 
@@ -368,17 +489,30 @@ class GRPOConfig(Section):
     max_num_steps: int = Field(100, ge=1, description="Training steps of the run.")
     max_num_epochs: int = Field(1, ge=1, description="Passes over the prompt set at most.")
     leave_one_out: bool = Field(True, description="Baseline = mean of the other samples in the group.")
-    normalize_std: bool = Field(True, description="Divide advantages by the group std (off + no leave-one-out = Dr.GRPO).")
+    normalize_std: bool = Field(
+        True, description="Divide advantages by the group std (off + no leave-one-out = Dr.GRPO)."
+    )
     dynamic_sampling: bool = Field(False, description="Drop groups whose rewards are all equal (DAPO).")
-    overlong_buffer: int = Field(0, ge=0, description="DAPO overlong shaping: penalty ramp over the last N tokens; 0 = off.")
+    overlong_buffer: int = Field(
+        0, ge=0, description="DAPO overlong shaping: penalty ramp over the last N tokens; 0 = off."
+    )
     overlong_penalty: float = Field(1.0, ge=0, description="DAPO overlong shaping: penalty at max length.")
     val_every: int = Field(0, ge=0, description="Evaluate every N steps (0 = only at the end).")
-    max_idle_steps: int = Field(3, ge=0, description="Stop the run (exit 2, with the cause and the fix) after this "
-                                "many steps in a row that trained on nothing: every prompt too long, every group's "
-                                "rewards equal, no sample kept; 0 = warn only. Every such step warns.")
-    max_off_policy_steps: int = Field(0, ge=0, le=1, description="0: synchronous (on-policy). 1: asynchronous, "
-                                      "generation of step n+1 overlaps training of step n (samples one step stale; "
-                                      "needs loss.importance_sampling and a non-colocated engine).")
+    max_idle_steps: int = Field(
+        3,
+        ge=0,
+        description="Stop the run (exit 2, with the cause and the fix) after this "
+        "many steps in a row that trained on nothing: every prompt too long, every group's "
+        "rewards equal, no sample kept; 0 = warn only. Every such step warns.",
+    )
+    max_off_policy_steps: int = Field(
+        0,
+        ge=0,
+        le=1,
+        description="0: synchronous (on-policy). 1: asynchronous, "
+        "generation of step n+1 overlaps training of step n (samples one step stale; "
+        "needs loss.importance_sampling and a non-colocated engine).",
+    )
 
 
 class SFTConfig(Section):
@@ -391,10 +525,13 @@ class DPOConfig(Section):
     """Direct preference optimisation (`mrl dpo`; objective in mrl/objectives/preference.py). Batch sizes in
     `policy.*` count sequences: a pair is two (its chosen and its rejected response, kept in one micro-batch)."""
 
-    loss: Literal["sigmoid", "ipo"] = Field("sigmoid", description="DPO's -log sigmoid(beta h), or IPO's (h - 1/2beta)^2.")
+    loss: Literal["sigmoid", "ipo"] = Field(
+        "sigmoid", description="DPO's -log sigmoid(beta h), or IPO's (h - 1/2beta)^2."
+    )
     beta: float = Field(0.1, gt=0, description="Strength of the implicit KL anchor to the reference.")
-    length_normalize: Optional[bool] = Field(None, description="Mean instead of sum of response logprobs; None = "
-                                             "true for ipo, false for sigmoid.")
+    length_normalize: Optional[bool] = Field(
+        None, description="Mean instead of sum of response logprobs; None = true for ipo, false for sigmoid."
+    )
     sft_weight: float = Field(0.0, ge=0, description="Weight of an NLL term on the chosen responses (RPO); 0 = off.")
     max_num_steps: int = Field(100, ge=1, description="Optimizer steps.")
     max_num_epochs: int = Field(1, ge=1, description="Passes over the pairs at most.")
@@ -411,10 +548,15 @@ class RMConfig(Section):
 
 
 class EvalConfig(Section):
-    data: Optional[str] = Field(None, description="Problems and answers: a jsonl/json/parquet file, a dataset folder "
-                                "or a hub dataset id (its test split).")
+    data: Optional[str] = Field(
+        None,
+        description="Problems and answers: a jsonl/json/parquet file, a dataset folder "
+        "or a hub dataset id (its test split).",
+    )
     num_samples: int = Field(1, ge=1, description="Samples per problem (k).")
-    pass_k: list[int] = Field(default_factory=lambda: [1], description="k values reported as pass@k (each <= num_samples).")
+    pass_k: list[int] = Field(
+        default_factory=lambda: [1], description="k values reported as pass@k (each <= num_samples)."
+    )
     temperature: float = Field(0.0, ge=0, description="Sampling temperature of evaluation.")
     max_problems: Optional[int] = Field(None, ge=1, description="Evaluate at most this many problems.")
 
@@ -426,23 +568,40 @@ class ArithTaskConfig(Section):
     digits: int = Field(2, ge=1, le=4, description="Digits per operand.")
     num_heldout: int = Field(200, ge=1, description="Pairs held out for evaluation, never trained on.")
     near_miss_fraction: float = Field(0.5, ge=0, le=1, description="SFT labels replaced by a near miss (a+b +-1/2).")
-    label_offset: int = Field(0, ge=-2, le=2, description="A systematic error in the SFT labels (a+b+offset) and the "
-                              "rejected answer of preference pairs (0: near misses are rejected).")
-    context_examples: int = Field(0, ge=0, description="Solved training pairs placed before every prompt "
-                                  "(\"12+30=42 05+17=22 37+05=\"): 9 tokens each at 2 digits, a long-prompt variant of "
-                                  "the task for long-context recipes.")
+    label_offset: int = Field(
+        0,
+        ge=-2,
+        le=2,
+        description="A systematic error in the SFT labels (a+b+offset) and the "
+        "rejected answer of preference pairs (0: near misses are rejected).",
+    )
+    context_examples: int = Field(
+        0,
+        ge=0,
+        description="Solved training pairs placed before every prompt "
+        '("12+30=42 05+17=22 37+05="): 9 tokens each at 2 digits, a long-prompt variant of '
+        "the task for long-context recipes.",
+    )
 
 
 class DataConfig(Section):
-    train: Optional[str] = Field(None, description="Training prompts: a jsonl/json/parquet file, a dataset folder, or "
-                                 "a hub dataset id (org/name[@revision]; its train split).")
-    val: Optional[str] = Field(None, description="Validation prompts, same forms (a hub dataset's test split, else "
-                               "its validation split, else its only one).")
+    train: Optional[str] = Field(
+        None,
+        description="Training prompts: a jsonl/json/parquet file, a dataset folder, or "
+        "a hub dataset id (org/name[@revision]; its train split).",
+    )
+    val: Optional[str] = Field(
+        None,
+        description="Validation prompts, same forms (a hub dataset's test split, else "
+        "its validation split, else its only one).",
+    )
     problem_key: str = Field("problem", description="Column holding the problem text.")
     answer_key: str = Field("answer", description="Column holding the gold answer.")
     prompt_template: Literal["chat", "plain"] = Field("chat", description="Tokenizer chat template, or plain text.")
-    instruction: str = Field("Let's think step by step and output the final answer within \\boxed{}.",
-                             description="Appended to each problem.")
+    instruction: str = Field(
+        "Let's think step by step and output the final answer within \\boxed{}.",
+        description="Appended to each problem.",
+    )
     max_prompt_length: Optional[int] = Field(None, ge=1, description="Prompt tokens at most; None = no limit.")
     arith: Optional[ArithTaskConfig] = Field(None, description="Use the synthetic arithmetic task instead of files.")
 
@@ -451,26 +610,36 @@ class RewardModelEnvConfig(Section):
     """A trained reward model (`*ForSequenceClassification`, e.g. `mrl rm`'s final export) scoring rollouts,
     served by its own Megatron worker group."""
 
-    model: str = Field(..., description="Reward model: an HF folder (config.json + safetensors + tokenizer), a hub "
-                       "id (org/name[@revision]) or a Megatron checkpoint folder.")
+    model: str = Field(
+        ...,
+        description="Reward model: an HF folder (config.json + safetensors + tokenizer), a hub "
+        "id (org/name[@revision]) or a Megatron checkpoint folder.",
+    )
     weight: float = Field(1.0, description="Reward += weight * the model's score.")
-    verifier_weight: float = Field(0.0, description="Reward += verifier_weight * the task verifier's 0/1 score "
-                                   "(env.kind's math or arith check); 0 = the reward model alone.")
+    verifier_weight: float = Field(
+        0.0,
+        description="Reward += verifier_weight * the task verifier's 0/1 score "
+        "(env.kind's math or arith check); 0 = the reward model alone.",
+    )
 
 
 class ServerEnvConfig(Section):
     """A resource server (mrl/environments/servers) played in multi-turn episodes by the agent loop
     (mrl/algorithms/agent.py): one of mrl's examples started by the run, or a server already running at `url`."""
 
-    example: Optional[Literal["guess_number", "calculator"]] = Field(None, description="Start this example server "
-                                                                     "on loopback for the run.")
+    example: Optional[Literal["guess_number", "calculator"]] = Field(
+        None, description="Start this example server on loopback for the run."
+    )
     url: Optional[str] = Field(None, description="Base URL of a running resource server (when no example).")
-    tool_format: Literal["json", "bare"] = Field("json", description="How a turn becomes a tool call: "
-                                                 "<tool_call>{json}</tool_call>, or the bare text as one argument.")
+    tool_format: Literal["json", "bare"] = Field(
+        "json",
+        description="How a turn becomes a tool call: <tool_call>{json}</tool_call>, or the bare text as one argument.",
+    )
     tool: Optional[str] = Field(None, description="bare: the tool every turn calls.")
     argument: Optional[str] = Field(None, description="bare: the argument the turn's text fills.")
-    opening_observation: bool = Field(True, description="Show the server's opening observation (from "
-                                      "/seed_session) after the prompt.")
+    opening_observation: bool = Field(
+        True, description="Show the server's opening observation (from /seed_session) after the prompt."
+    )
     max_turns: int = Field(4, ge=1, description="Model turns per episode at most.")
     max_turn_tokens: int = Field(16, ge=1, description="Tokens of one model turn at most.")
     max_total_tokens: int = Field(256, ge=2, description="Tokens of a whole episode at most.")
@@ -478,14 +647,17 @@ class ServerEnvConfig(Section):
 
 
 class EnvConfig(Section):
-    kind: Literal["math", "arith", "server"] = Field("math", description="Reward environment (the verifier), or "
-                                                     "a resource server played in multi-turn episodes.")
+    kind: Literal["math", "arith", "server"] = Field(
+        "math", description="Reward environment (the verifier), or a resource server played in multi-turn episodes."
+    )
     num_workers: int = Field(2, ge=1, description="Verifier actors.")
     timeout_s: float = Field(10.0, gt=0, description="Per-sample verifier timeout; a timeout scores 0.")
-    reward_model: Optional[RewardModelEnvConfig] = Field(None, description="Score rollouts with a trained reward "
-                                                         "model (combined with the verifier by the weights).")
-    server: Optional[ServerEnvConfig] = Field(None, description="kind=server: the resource server and the "
-                                              "agent loop's settings.")
+    reward_model: Optional[RewardModelEnvConfig] = Field(
+        None, description="Score rollouts with a trained reward model (combined with the verifier by the weights)."
+    )
+    server: Optional[ServerEnvConfig] = Field(
+        None, description="kind=server: the resource server and the agent loop's settings."
+    )
 
 
 # ----------------------------------------------------------------------------------------------- checkpoint, logger
@@ -519,14 +691,19 @@ class LoggerConfig(Section):
 class StageConfig(Section):
     name: str = Field(..., description="Stage name (folder under run.output_dir).")
     algorithm: Literal["sft", "dpo", "rm", "grpo", "eval"] = Field(..., description="What the stage runs.")
-    config: Optional[str] = Field(None, description="The stage's recipe file, relative to the staged recipe; "
-                                                    "None = the staged recipe itself.")
+    config: Optional[str] = Field(
+        None, description="The stage's recipe file, relative to the staged recipe; None = the staged recipe itself."
+    )
     overrides: list[str] = Field(default_factory=list, description="Overrides applied to the recipe for this stage.")
     init_from_previous: bool = Field(True, description="Start from the previous stage's final checkpoint.")
-    init_from: Optional[str] = Field(None, description="Start from this earlier stage's final checkpoint instead of "
-                                     "the previous one's (e.g. GRPO from the SFT stage, not the reward model).")
-    reward_model_from: Optional[str] = Field(None, description="Serve this earlier stage's final checkpoint (an `rm` "
-                                             "stage) as env.reward_model.model.")
+    init_from: Optional[str] = Field(
+        None,
+        description="Start from this earlier stage's final checkpoint instead of "
+        "the previous one's (e.g. GRPO from the SFT stage, not the reward model).",
+    )
+    reward_model_from: Optional[str] = Field(
+        None, description="Serve this earlier stage's final checkpoint (an `rm` stage) as env.reward_model.model."
+    )
 
 
 # -------------------------------------------------------------------------------------------------------------- root
@@ -545,7 +722,9 @@ class MrlConfig(Section):
     env: EnvConfig = Field(default_factory=EnvConfig)
     checkpointing: CheckpointConfig = Field(default_factory=CheckpointConfig)
     logger: LoggerConfig = Field(default_factory=LoggerConfig)
-    stages: list[StageConfig] = Field(default_factory=list, description="Staged recipe: run these in order (`mrl run`).")
+    stages: list[StageConfig] = Field(
+        default_factory=list, description="Staged recipe: run these in order (`mrl run`)."
+    )
 
     @model_validator(mode="after")
     def _cross_checks(self) -> "MrlConfig":

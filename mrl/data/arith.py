@@ -32,8 +32,15 @@ class SFTExample:
 class ArithTask:
     """Two-operand addition with `digits`-digit zero-padded operands."""
 
-    def __init__(self, digits: int = 2, num_heldout: int = 200, near_miss_fraction: float = 0.5, seed: int = 0,
-                 label_offset: int = 0, context_examples: int = 0):
+    def __init__(
+        self,
+        digits: int = 2,
+        num_heldout: int = 200,
+        near_miss_fraction: float = 0.5,
+        seed: int = 0,
+        label_offset: int = 0,
+        context_examples: int = 0,
+    ):
         if digits < 1:
             raise ValueError(f"data.arith.digits must be >= 1, got {digits}")
         if not 0 <= near_miss_fraction <= 1:
@@ -42,11 +49,13 @@ class ArithTask:
         self.near_miss_fraction = near_miss_fraction
         self.label_offset = label_offset
         self.context_examples = context_examples
-        largest = 10 ** digits - 1
+        largest = 10**digits - 1
         pairs = [(a, b) for a in range(largest + 1) for b in range(largest + 1)]
         if not 0 < num_heldout <= len(pairs) // 2:
-            raise ValueError(f"data.arith.num_heldout={num_heldout} must be between 1 and half of the "
-                             f"{len(pairs)} pairs of {digits}-digit addition; lower it or raise data.arith.digits")
+            raise ValueError(
+                f"data.arith.num_heldout={num_heldout} must be between 1 and half of the "
+                f"{len(pairs)} pairs of {digits}-digit addition; lower it or raise data.arith.digits"
+            )
         random.Random(seed).shuffle(pairs)
         self.heldout_pairs: list[tuple[int, int]] = pairs[:num_heldout]
         self.train_pairs: list[tuple[int, int]] = pairs[num_heldout:]
@@ -96,7 +105,6 @@ class ArithTask:
             out.append(SFTExample(self.prompt(a, b), str(answer), not wrong and self.label_offset == 0))
         return out
 
-
     def preference_triples(self, pairs: list[tuple[int, int]], seed: int) -> list[tuple[str, str, str]]:
         """(prompt, chosen, rejected) for each operand pair: the right sum is preferred to the SFT labels' systematic
         error a+b+label_offset, or (offset 0) to a near miss drawn with `seed`. A checkable preference: DPO and
@@ -115,5 +123,6 @@ def build_arith_tokenizer() -> Any:
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<|unk|>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tok.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|pad|>",
-                                   unk_token="<|unk|>")
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|pad|>", unk_token="<|unk|>"
+    )

@@ -17,13 +17,16 @@ class PromptDataLoader(Generic[T]):
     """Endless iterator of batches (lists of items); `epoch` counts completed passes, so the driver stops at its
     max_num_epochs. drop_last=True: every batch has exactly `batch_size` items (the tail of an epoch is skipped)."""
 
-    def __init__(self, items: Sequence[T], batch_size: int, *, seed: int = 0, shuffle: bool = True,
-                 drop_last: bool = True):
+    def __init__(
+        self, items: Sequence[T], batch_size: int, *, seed: int = 0, shuffle: bool = True, drop_last: bool = True
+    ):
         if batch_size < 1:
             raise ValueError(f"batch size must be >= 1, got {batch_size}")
         if drop_last and len(items) < batch_size:
-            raise ValueError(f"{len(items)} prompts cannot fill one batch of {batch_size}: lower the prompts per "
-                             "step (grpo.num_prompts_per_step) or add data")
+            raise ValueError(
+                f"{len(items)} prompts cannot fill one batch of {batch_size}: lower the prompts per "
+                "step (grpo.num_prompts_per_step) or add data"
+            )
         if not items:
             raise ValueError("the dataset is empty")
         self.items = items
@@ -62,19 +65,26 @@ class PromptDataLoader(Generic[T]):
             self.position = 0
             self._order = self._epoch_order(self.epoch)
         stop = min(self.position + self.batch_size, len(self.items))
-        batch = [self.items[i] for i in self._order[self.position:stop]]
+        batch = [self.items[i] for i in self._order[self.position : stop]]
         self.position = stop
         return batch
 
     def state_dict(self) -> dict[str, Any]:
-        return {"epoch": self.epoch, "position": self.position, "seed": self.seed, "num_items": len(self.items),
-                "batch_size": self.batch_size}
+        return {
+            "epoch": self.epoch,
+            "position": self.position,
+            "seed": self.seed,
+            "num_items": len(self.items),
+            "batch_size": self.batch_size,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for key, mine in (("num_items", len(self.items)), ("seed", self.seed)):
             if state[key] != mine:
-                raise ValueError(f"cannot resume the data loader: the checkpoint has {key}={state[key]}, this run "
-                                 f"{mine}; resume with the same data and seed (run.seed) or start a new run")
+                raise ValueError(
+                    f"cannot resume the data loader: the checkpoint has {key}={state[key]}, this run "
+                    f"{mine}; resume with the same data and seed (run.seed) or start a new run"
+                )
         self.epoch = int(state["epoch"])
         self.position = int(state["position"])
         self._order = self._epoch_order(self.epoch)

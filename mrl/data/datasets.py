@@ -53,8 +53,15 @@ class ProblemSet:
         return len(self.problems)
 
 
-def load_problems(source: str | Path, *, problem_key: str = "problem", answer_key: str = "answer",
-                  split: str = "train", max_rows: Optional[int] = None, key: str = "data.train") -> ProblemSet:
+def load_problems(
+    source: str | Path,
+    *,
+    problem_key: str = "problem",
+    answer_key: str = "answer",
+    split: str = "train",
+    max_rows: Optional[int] = None,
+    key: str = "data.train",
+) -> ProblemSet:
     """Read a jsonl/parquet file (or a dataset folder) into `Problem`s, skipping and counting bad rows; `key` is the
     config key that named `source` (for the error when no row is usable: see the module docstring)."""
     rows, columns = read_rows(str(source), split, key=key)
@@ -70,7 +77,8 @@ def load_problems(source: str | Path, *, problem_key: str = "problem", answer_ke
     if not result.problems:
         columns_of = {"data.problem_key": (problem_key, "problem"), "data.answer_key": (answer_key, "gold answer")}
         raise unreadable_source(str(source), key, result.skipped) or _no_usable_row(
-            str(source), key, result.skipped, columns, columns_of)
+            str(source), key, result.skipped, columns, columns_of
+        )
     if result.num_skipped:
         logger.warning("%s: skipped %d bad rows %s", source, result.num_skipped, dict(result.skipped))
     return result
@@ -81,16 +89,21 @@ def unreadable_source(source: str, key: str, skipped: Counter) -> Optional[Confi
     JSON; None when some rows parse (the caller then says what they lack)."""
     formats = "one JSON object per line (.jsonl), a .json file holding one array of objects, or .parquet"
     if not skipped:
-        return ConfigError(f"{source} holds no rows: it is empty", key=key,
-                           fix=f"point {key} at a file of rows: {formats}")
+        return ConfigError(
+            f"{source} holds no rows: it is empty", key=key, fix=f"point {key} at a file of rows: {formats}"
+        )
     if set(skipped) == {"invalid JSON"}:
-        return ConfigError(f"{source}: none of its {skipped['invalid JSON']} lines is valid JSON", key=key,
-                           fix=f"write it as {formats}")
+        return ConfigError(
+            f"{source}: none of its {skipped['invalid JSON']} lines is valid JSON",
+            key=key,
+            fix=f"write it as {formats}",
+        )
     return None
 
 
-def _no_usable_row(source: str, key: str, skipped: Counter, columns: set[str],
-                   columns_of: dict[str, tuple[str, str]]) -> ConfigError:
+def _no_usable_row(
+    source: str, key: str, skipped: Counter, columns: set[str], columns_of: dict[str, tuple[str, str]]
+) -> ConfigError:
     """The error for rows that parse, none usable: the key naming a column (`columns_of`: config key -> (column,
     what it holds)) when that column is what most rows lack, with the closest column found; else `key`, with the
     reasons counted."""
@@ -100,14 +113,26 @@ def _no_usable_row(source: str, key: str, skipped: Counter, columns: set[str],
         if reason == f"missing {column!r}":
             near = suggest(column, columns)
             total = sum(skipped.values())
-            lack = (f"none of its {total} rows has the column {column!r}" if count == total else
-                    f"{count} of its {total} rows lack the column {column!r}, and no row is usable")
-            return ConfigError(f"{source}: {lack}", key=column_key, given=column, allowed=f"columns found: {found}",
-                               fix=f"{column_key}={near}" if near else
-                               f"set {column_key} to the column of {source} that holds the {holds}")
-    return ConfigError(f"{source} has no usable row (rows skipped, by reason: {dict(skipped)})", key=key,
-                       allowed=f"columns found: {found}",
-                       fix=f"rows with a non-empty problem and answer ({', '.join(columns_of)} name their columns)")
+            lack = (
+                f"none of its {total} rows has the column {column!r}"
+                if count == total
+                else f"{count} of its {total} rows lack the column {column!r}, and no row is usable"
+            )
+            return ConfigError(
+                f"{source}: {lack}",
+                key=column_key,
+                given=column,
+                allowed=f"columns found: {found}",
+                fix=f"{column_key}={near}"
+                if near
+                else f"set {column_key} to the column of {source} that holds the {holds}",
+            )
+    return ConfigError(
+        f"{source} has no usable row (rows skipped, by reason: {dict(skipped)})",
+        key=key,
+        allowed=f"columns found: {found}",
+        fix=f"rows with a non-empty problem and answer ({', '.join(columns_of)} name their columns)",
+    )
 
 
 def _to_problem(index: int, row: Any, problem_key: str, answer_key: str) -> tuple[Optional[Problem], str]:
@@ -148,8 +173,10 @@ def read_rows(source: str, split: str, *, key: str = "data.train") -> tuple[Iter
     elif path.suffix.lower() in JSONL_SUFFIXES + PARQUET_SUFFIXES:
         raise FileNotFoundError(f"{key}: data file {source} does not exist")
     else:
-        raise FileNotFoundError(f"{key}: {source!r} is neither a data file (.jsonl / .json / .parquet), a dataset "
-                                "folder nor a hub id (org/name[@revision]) resolved before the run")
+        raise FileNotFoundError(
+            f"{key}: {source!r} is neither a data file (.jsonl / .json / .parquet), a dataset "
+            "folder nor a hub id (org/name[@revision]) resolved before the run"
+        )
     columns = {k for _, r in rows[:100] if isinstance(r, dict) for k in r}
     return rows, columns
 
@@ -161,9 +188,13 @@ def _file_rows(path: Path, key: str) -> list[tuple[int, Any]]:
         return list(enumerate(array)) if array is not None else list(_jsonl_rows(path))
     if suffix in PARQUET_SUFFIXES:
         return list(enumerate(_parquet_rows(path)))
-    raise ConfigError(f"{path}: mrl does not read the format {path.suffix or '(no suffix)'!r}", key=key, allowed=", ".join(JSONL_SUFFIXES + PARQUET_SUFFIXES),
-                      fix="convert it to .jsonl (one JSON object per line) or .parquet, e.g. with pandas: "
-                          "pd.read_csv(FILE).to_json(OUT, orient='records', lines=True)")
+    raise ConfigError(
+        f"{path}: mrl does not read the format {path.suffix or '(no suffix)'!r}",
+        key=key,
+        allowed=", ".join(JSONL_SUFFIXES + PARQUET_SUFFIXES),
+        fix="convert it to .jsonl (one JSON object per line) or .parquet, e.g. with pandas: "
+        "pd.read_csv(FILE).to_json(OUT, orient='records', lines=True)",
+    )
 
 
 def _json_array(path: Path) -> Optional[list]:

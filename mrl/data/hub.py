@@ -28,7 +28,6 @@ second cache filled on the node that runs.
 from __future__ import annotations
 
 import fnmatch
-import os
 import re
 import sys
 from dataclasses import asdict, dataclass
@@ -116,7 +115,7 @@ def current_commit(ref: HubRef, repo_type: str) -> Optional[str]:
     if not offline():
         try:
             return _hub_commit(ref, repo_type)
-        except Exception:  # out of reach, or gone: the cache's answer is the best there is
+        except Exception:  # noqa: BLE001 (out of reach, or gone): the cache's answer is the best there is
             pass
     return cached_commit(ref, repo_type)
 
@@ -126,8 +125,9 @@ def download_command(ref: HubRef, repo_type: str) -> str:
     return f"mrl download {ref.repo_id}{revision}{' --dataset' if repo_type == 'dataset' else ''}"
 
 
-def resolve(ref: HubRef, *, repo_type: str, key: str, split: Optional[str] = None,
-            pinned: Optional[str] = None) -> Resolved:
+def resolve(
+    ref: HubRef, *, repo_type: str, key: str, split: Optional[str] = None, pinned: Optional[str] = None
+) -> Resolved:
     """The snapshot of `ref` in the cache, fetched first when online (see the module docstring); `pinned`: the commit
     an earlier resolution recorded, used whatever the revision points at now; `split`: a dataset's split to fetch.
     Online with the hub out of reach, a cached snapshot is used (with a line saying so)."""
@@ -148,8 +148,9 @@ def cached_snapshot(ref: HubRef, repo_type: str, pinned: Optional[str] = None) -
     return folder if commit is not None and folder.is_dir() else None
 
 
-def _download(ref: HubRef, repo_type: str, key: str, split: Optional[str], pinned: Optional[str],
-              cache: Optional[Path] = None) -> str:
+def _download(
+    ref: HubRef, repo_type: str, key: str, split: Optional[str], pinned: Optional[str], cache: Optional[Path] = None
+) -> str:
     """snapshot_download of the files mrl reads; by the branch or tag name when not pinned, so that the cache's
     refs/<revision> is written for a later offline run."""
     from huggingface_hub import snapshot_download
@@ -161,23 +162,39 @@ def _download(ref: HubRef, repo_type: str, key: str, split: Optional[str], pinne
             patterns, ignore = MODEL_PATTERNS, NOT_TOP_LEVEL
         else:
             patterns, ignore = _dataset_patterns(ref, commit, split, key), None
-        print(f"[mrl] {key}: fetching {ref} ({repo_type}, commit {commit[:12]}) into {cache or cache_dir()}",
-              file=sys.stderr, flush=True)
-        return snapshot_download(ref.repo_id, repo_type=repo_type, revision=pinned or ref.revision or "main",
-                                 allow_patterns=patterns, ignore_patterns=ignore, cache_dir=cache)
+        print(
+            f"[mrl] {key}: fetching {ref} ({repo_type}, commit {commit[:12]}) into {cache or cache_dir()}",
+            file=sys.stderr,
+            flush=True,
+        )
+        return snapshot_download(
+            ref.repo_id,
+            repo_type=repo_type,
+            revision=pinned or ref.revision or "main",
+            allow_patterns=patterns,
+            ignore_patterns=ignore,
+            cache_dir=cache,
+        )
     except ConfigError:
         raise
     except ValueError as error:  # split_files: no such split; huggingface_hub: not a valid repo id
-        raise ConfigError(str(error), key=key, given=str(ref),
-                          fix="check the id (org/name[@revision]); for a dataset, name one with the split it reads, "
-                              "or download its files and pass the file to read") from error
+        raise ConfigError(
+            str(error),
+            key=key,
+            given=str(ref),
+            fix="check the id (org/name[@revision]); for a dataset, name one with the split it reads, "
+            "or download its files and pass the file to read",
+        ) from error
     except Exception as error:  # the hub's errors: gated, missing repo or revision, unreachable
         answered = isinstance(error, (RepositoryNotFoundError, RevisionNotFoundError))  # gated is one too
         cached = None if answered else cached_snapshot(ref, repo_type, pinned)
         if cached is None:
             raise _hub_error(error, ref, repo_type, key) from error
-        print(f"[mrl] {key}: the hub is out of reach ({type(error).__name__}); using the cached commit {cached.name}",
-              file=sys.stderr, flush=True)
+        print(
+            f"[mrl] {key}: the hub is out of reach ({type(error).__name__}); using the cached commit {cached.name}",
+            file=sys.stderr,
+            flush=True,
+        )
         return str(cached)
 
 
@@ -193,10 +210,18 @@ def _dataset_patterns(ref: HubRef, commit: str, split: Optional[str], key: str) 
     from huggingface_hub import HfApi, hf_hub_download
 
     files = HfApi().list_repo_files(ref.repo_id, repo_type="dataset", revision=commit)
-    readme = (Path(hf_hub_download(ref.repo_id, README, repo_type="dataset", revision=commit)).read_text(
-        encoding="utf-8", errors="replace") if README in files else "")
-    chosen = (split_files(files, split, readme, source=f"{key}={ref}")[1] if split else
-              [f for f in files if f.lower().endswith(DATA_SUFFIXES)])
+    readme = (
+        Path(hf_hub_download(ref.repo_id, README, repo_type="dataset", revision=commit)).read_text(
+            encoding="utf-8", errors="replace"
+        )
+        if README in files
+        else ""
+    )
+    chosen = (
+        split_files(files, split, readme, source=f"{key}={ref}")[1]
+        if split
+        else [f for f in files if f.lower().endswith(DATA_SUFFIXES)]
+    )
     return [README, *(_escape(name) for name in chosen)] if README in files else [_escape(n) for n in chosen]
 
 
@@ -210,31 +235,47 @@ def _hub_error(error: Exception, ref: HubRef, repo_type: str, key: str) -> Confi
 
     kind = "dataset" if repo_type == "dataset" else "model"
     if isinstance(error, GatedRepoError):
-        return ConfigError(f"the {kind} {ref.repo_id} is gated: its terms must be accepted on the hub first",
-                           key=key, given=str(ref),
-                           fix=f"accept them on https://huggingface.co/{'datasets/' if kind == 'dataset' else ''}"
-                               f"{ref.repo_id}, then `hf auth login` (or set HF_TOKEN) and re-run")
+        return ConfigError(
+            f"the {kind} {ref.repo_id} is gated: its terms must be accepted on the hub first",
+            key=key,
+            given=str(ref),
+            fix=f"accept them on https://huggingface.co/{'datasets/' if kind == 'dataset' else ''}"
+            f"{ref.repo_id}, then `hf auth login` (or set HF_TOKEN) and re-run",
+        )
     if isinstance(error, RevisionNotFoundError):
-        return ConfigError(f"the {kind} {ref.repo_id} has no revision {ref.revision!r}", key=key, given=str(ref),
-                           fix="name a branch, tag or commit it has (org/name@revision), or drop @revision for main")
+        return ConfigError(
+            f"the {kind} {ref.repo_id} has no revision {ref.revision!r}",
+            key=key,
+            given=str(ref),
+            fix="name a branch, tag or commit it has (org/name@revision), or drop @revision for main",
+        )
     if isinstance(error, RepositoryNotFoundError):
-        return ConfigError(f"no {kind} {ref.repo_id} on the hub (misspelt, private, or a local path that does not "
-                           "exist)", key=key, given=str(ref),
-                           fix="check the id on https://huggingface.co, `hf auth login` for a private repo, or pass "
-                               "an existing local folder")
-    return ConfigError(f"{ref} could not be fetched from the hub ({type(error).__name__}: {str(error)[:300]}) and is "
-                       "not in the cache", key=key, given=str(ref),
-                       fix=f"run `{download_command(ref, repo_type)}` on a machine with network (the same HF_HOME), "
-                           "then re-run here with HF_HUB_OFFLINE=1, or pass a local folder")
+        return ConfigError(
+            f"no {kind} {ref.repo_id} on the hub (misspelt, private, or a local path that does not exist)",
+            key=key,
+            given=str(ref),
+            fix="check the id on https://huggingface.co, `hf auth login` for a private repo, or pass "
+            "an existing local folder",
+        )
+    return ConfigError(
+        f"{ref} could not be fetched from the hub ({type(error).__name__}: {str(error)[:300]}) and is not in the cache",
+        key=key,
+        given=str(ref),
+        fix=f"run `{download_command(ref, repo_type)}` on a machine with network (the same HF_HOME), "
+        "then re-run here with HF_HUB_OFFLINE=1, or pass a local folder",
+    )
 
 
 def _not_cached(ref: HubRef, repo_type: str, key: str, commit: Optional[str]) -> ConfigError:
     what = f"commit {commit}" if commit else f"revision {ref.revision or 'main'}"
-    return ConfigError(f"{ref} ({repo_type}, {what}) is not in the hub cache {cache_dir()}, and HF_HUB_OFFLINE=1 "
-                       "forbids fetching it (or it is neither a hub id nor an existing local path)", key=key,
-                       given=str(ref),
-                       fix=f"run `{download_command(ref, repo_type)}` on a machine with network (the same HF_HOME), "
-                           "or pass a local folder")
+    return ConfigError(
+        f"{ref} ({repo_type}, {what}) is not in the hub cache {cache_dir()}, and HF_HUB_OFFLINE=1 "
+        "forbids fetching it (or it is neither a hub id nor an existing local path)",
+        key=key,
+        given=str(ref),
+        fix=f"run `{download_command(ref, repo_type)}` on a machine with network (the same HF_HOME), "
+        "or pass a local folder",
+    )
 
 
 def split_files(files: Iterable[str], split: str, readme: str = "", *, source: str = "") -> tuple[str, list[str]]:
@@ -248,11 +289,16 @@ def split_files(files: Iterable[str], split: str, readme: str = "", *, source: s
             return name, splits[name]
     if len(splits) == 1:
         only = next(iter(splits))
-        print(f"[mrl] {source or 'dataset'}: no {split!r} split; reading its only split {only!r}", file=sys.stderr,
-              flush=True)
+        print(
+            f"[mrl] {source or 'dataset'}: no {split!r} split; reading its only split {only!r}",
+            file=sys.stderr,
+            flush=True,
+        )
         return only, splits[only]
-    raise ValueError(f"{source or 'dataset'}: no {split!r} split" + (
-        f"; it has {', '.join(sorted(splits))}" if splits else f" and no data file ({', '.join(DATA_SUFFIXES)})"))
+    raise ValueError(
+        f"{source or 'dataset'}: no {split!r} split"
+        + (f"; it has {', '.join(sorted(splits))}" if splits else f" and no data file ({', '.join(DATA_SUFFIXES)})")
+    )
 
 
 def data_files(files: Iterable[str]) -> list[str]:
@@ -273,9 +319,12 @@ def _readme_splits(readme: str, files: list[str]) -> dict[str, list[str]]:
     if config is None:
         return {}
     data_files = config.get("data_files")
-    entries = ([{"split": "train", "path": data_files}] if isinstance(data_files, (str, list)) and not
-               (isinstance(data_files, list) and data_files and isinstance(data_files[0], dict))
-               else data_files or [])
+    entries = (
+        [{"split": "train", "path": data_files}]
+        if isinstance(data_files, (str, list))
+        and not (isinstance(data_files, list) and data_files and isinstance(data_files[0], dict))
+        else data_files or []
+    )
     out: dict[str, list[str]] = {}
     for entry in entries:
         if isinstance(entry, dict) and "split" in entry:
@@ -338,9 +387,11 @@ def ensure_model_snapshot(path: str) -> str:
         raise FileNotFoundError(f"model folder {path} is missing on this node and is no hub cache snapshot")
     kind, org, name, commit = match.groups()
     if offline():
-        raise FileNotFoundError(f"model snapshot {path} is missing on this node and HF_HUB_OFFLINE=1: fill this "
-                                f"node's cache (`mrl download {org}/{name} --revision {commit}`) or share HF_HOME")
-    cache = Path(path[:match.start()])
+        raise FileNotFoundError(
+            f"model snapshot {path} is missing on this node and HF_HUB_OFFLINE=1: fill this "
+            f"node's cache (`mrl download {org}/{name} --revision {commit}`) or share HF_HOME"
+        )
+    cache = Path(path[: match.start()])
     _download(HubRef(f"{org}/{name}", commit), kind[:-1], "model", None, commit, cache=cache)
     return f"fetched {org}/{name}@{commit[:12]} into {cache}"
 

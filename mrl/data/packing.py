@@ -5,7 +5,8 @@ which micro-batch, in which order, and how to put per-sequence results back in t
 
 Packing (THD layout): sequences of one micro-batch are concatenated into one row of at most `budget` tokens,
 each starting at a `cu_seqlens` boundary. Every length is first rounded up to `multiple`, the granularity the
-parallel layout needs (`mrl.parallel.layout.length_multiple`). Bins are filled first-fit-decreasing (longest first, into the
+parallel layout needs (`mrl.parallel.layout.length_multiple`). Bins are filled first-fit-decreasing (longest first,
+into the
 first bin with room), which uses at most 11/9 OPT + 6/9 bins (Dosa 2007).
     packing_efficiency = real tokens / (micro-batches * budget)
 i.e. the fraction of the fixed-size buffers (what pipeline parallelism sends between stages) holding real tokens.
@@ -92,9 +93,11 @@ def _rounded(lengths: Sequence[int], budget: int, multiple: int, key: str) -> li
             raise ValueError(f"sequence {i} has length {length}; every sequence needs at least one token")
         rounded = round_up(int(length), multiple)
         if rounded > budget:
-            raise ValueError(f"sequence {i} has {length} tokens ({rounded} rounded to a multiple of {multiple}), "
-                             f"more than the micro-batch budget of {budget}: raise {key} to at least {rounded} "
-                             "(or lower the maximum sequence length)")
+            raise ValueError(
+                f"sequence {i} has {length} tokens ({rounded} rounded to a multiple of {multiple}), "
+                f"more than the micro-batch budget of {budget}: raise {key} to at least {rounded} "
+                "(or lower the maximum sequence length)"
+            )
         padded.append(rounded)
     return padded
 
@@ -112,12 +115,15 @@ def _groups(count: int, group_size: int) -> list[list[int]]:
 
 
 def _group_budget_error(group: list[int], tokens: int, budget: int, key: str) -> ValueError:
-    return ValueError(f"sequences {group[0]}..{group[-1]} must share a micro-batch (one preference pair) and take "
-                      f"{tokens} tokens together, more than the budget of {budget}: raise {key} to at least {tokens}")
+    return ValueError(
+        f"sequences {group[0]}..{group[-1]} must share a micro-batch (one preference pair) and take "
+        f"{tokens} tokens together, more than the budget of {budget}: raise {key} to at least {tokens}"
+    )
 
 
-def pack_sequences(lengths: Sequence[int], budget: int, *, multiple: int = 1, min_micro_batches: int = 1,
-                   group_size: int = 1) -> MicroBatchPlan:
+def pack_sequences(
+    lengths: Sequence[int], budget: int, *, multiple: int = 1, min_micro_batches: int = 1, group_size: int = 1
+) -> MicroBatchPlan:
     """First-fit-decreasing packing of sequence `lengths` into micro-batches of at most `budget` tokens each.
     `min_micro_batches` splits the work into at least that many bins (e.g. so every pipeline stage has work).
     Consecutive groups of `group_size` sequences are packed as one item (they stay in one micro-batch, in order)."""
@@ -187,11 +193,17 @@ class PackedMicroBatch:
         """Per-token values [1, L] (or [L]) -> one [length] tensor per sequence, padding dropped."""
         flat = values.reshape(-1)
         starts = self.cu_seqlens[:-1].tolist()
-        return [flat[s:s + n] for s, n in zip(starts, self.seq_lengths.tolist())]
+        return [flat[s : s + n] for s, n in zip(starts, self.seq_lengths.tolist())]
 
 
-def build_packed_micro_batch(plan: MicroBatchPlan, bin_index: int, sequences: Sequence[torch.Tensor], *,
-                             pad_id: int = 0, fixed_size: bool = False) -> PackedMicroBatch:
+def build_packed_micro_batch(
+    plan: MicroBatchPlan,
+    bin_index: int,
+    sequences: Sequence[torch.Tensor],
+    *,
+    pad_id: int = 0,
+    fixed_size: bool = False,
+) -> PackedMicroBatch:
     """Lay out bin `bin_index` of a packing `plan`; `sequences[j]` = token ids [lengths[j]] of original sequence j."""
     if not plan.packed:
         raise ValueError("build_packed_micro_batch needs a plan from pack_sequences, not dynamic_batches")
@@ -204,8 +216,8 @@ def build_packed_micro_batch(plan: MicroBatchPlan, bin_index: int, sequences: Se
         tokens = sequences[j]
         if tokens.numel() != plan.lengths[j]:
             raise ValueError(f"sequence {j} has {tokens.numel()} tokens but the plan expects {plan.lengths[j]}")
-        input_ids[0, start:start + tokens.numel()] = tokens
-        position_ids[0, start:start + plan.padded_lengths[j]] = torch.arange(plan.padded_lengths[j])
+        input_ids[0, start : start + tokens.numel()] = tokens
+        position_ids[0, start : start + plan.padded_lengths[j]] = torch.arange(plan.padded_lengths[j])
     lengths = torch.tensor([plan.lengths[j] for j in indices], dtype=torch.int32)
     return PackedMicroBatch(input_ids, position_ids, cu, lengths, list(indices))
 
@@ -216,8 +228,10 @@ def context_parallel_chunks(length: int, cp_size: int, cp_rank: int) -> list[tup
     if cp_size < 2:
         return [(0, length)]
     if length % (2 * cp_size):
-        raise ValueError(f"a sequence of {length} tokens does not split into {2 * cp_size} chunks; round lengths "
-                         f"with mrl.parallel.layout.length_multiple")
+        raise ValueError(
+            f"a sequence of {length} tokens does not split into {2 * cp_size} chunks; round lengths "
+            f"with mrl.parallel.layout.length_multiple"
+        )
     chunk = length // (2 * cp_size)
     first, second = cp_rank, 2 * cp_size - 1 - cp_rank
     return [(first * chunk, (first + 1) * chunk), (second * chunk, (second + 1) * chunk)]

@@ -39,11 +39,13 @@ from mrl.data.templates import PromptTemplate, no_chat_template
 
 logger = logging.getLogger(__name__)
 
-ACCEPTED_SHAPES = ('{"prompt": str, "chosen": str, "rejected": str}; '
-                   '{"chosen": [messages], "rejected": [messages]} (UltraFeedback, last message is the answer); '
-                   '{"prompt": [messages], "chosen": [assistant message] or str, "rejected": ...} (TRL); '
-                   '{"chosen": "\\n\\nHuman: ...\\n\\nAssistant: ...", "rejected": ...} (HH-RLHF); '
-                   '{"conversations": [{"from", "value"}], "chosen": {"from", "value"}, "rejected": ...} (sharegpt)')
+ACCEPTED_SHAPES = (
+    '{"prompt": str, "chosen": str, "rejected": str}; '
+    '{"chosen": [messages], "rejected": [messages]} (UltraFeedback, last message is the answer); '
+    '{"prompt": [messages], "chosen": [assistant message] or str, "rejected": ...} (TRL); '
+    '{"chosen": "\\n\\nHuman: ...\\n\\nAssistant: ...", "rejected": ...} (HH-RLHF); '
+    '{"conversations": [{"from", "value"}], "chosen": {"from", "value"}, "rejected": ...} (sharegpt)'
+)
 SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "system": "system"}
 HH_HUMAN, HH_ASSISTANT = "\n\nHuman:", "\n\nAssistant:"
 _HH_TURN = re.compile(r"\n\n(Human|Assistant):")
@@ -77,8 +79,9 @@ class PreferenceSet:
 
 
 # ------------------------------------------------------------------------------------------------------- loading
-def load_preferences(source: str | Path, *, max_rows: Optional[int] = None, split: str = "train",
-                     key: str = "data.train") -> PreferenceSet:
+def load_preferences(
+    source: str | Path, *, max_rows: Optional[int] = None, split: str = "train", key: str = "data.train"
+) -> PreferenceSet:
     """Read a jsonl/json/parquet file (or a dataset folder) into `PreferencePair`s, skipping and counting bad
     rows; at most `max_rows` pairs. `key`: the config key that named `source` (for the error when no row is
     usable)."""
@@ -95,8 +98,11 @@ def load_preferences(source: str | Path, *, max_rows: Optional[int] = None, spli
     if not result.pairs:
         raise unreadable_source(str(source), key, result.skipped) or ConfigError(
             f"{source} has no usable preference pair (rows skipped, by reason: {dict(result.skipped)}); columns "
-            f"found: {', '.join(sorted(columns)) or 'none'}", key=key, allowed=f"rows shaped as {ACCEPTED_SHAPES}",
-            fix=f"write the rows in one of these shapes, or point {key} at a preference file")
+            f"found: {', '.join(sorted(columns)) or 'none'}",
+            key=key,
+            allowed=f"rows shaped as {ACCEPTED_SHAPES}",
+            fix=f"write the rows in one of these shapes, or point {key} at a preference file",
+        )
     if result.num_skipped:
         logger.warning("%s: skipped %d bad rows %s", source, result.num_skipped, dict(result.skipped))
     return result
@@ -211,11 +217,11 @@ def _parse_hh(chosen: str, rejected: str) -> Parsed:
     if prompt is None:
         return "text before the first Human turn"
     end = cut_chosen + len(HH_ASSISTANT)
-    return prompt, chosen[end:].strip(), rejected[cut_rejected + len(HH_ASSISTANT):].strip()
+    return prompt, chosen[end:].strip(), rejected[cut_rejected + len(HH_ASSISTANT) :].strip()
 
 
 def _hh_messages(dialogue: str) -> Optional[Messages]:
-    """"\\n\\nHuman: a\\n\\nAssistant: b\\n\\nHuman: c" -> user a, assistant b, user c (None if text precedes)."""
+    """ "\\n\\nHuman: a\\n\\nAssistant: b\\n\\nHuman: c" -> user a, assistant b, user c (None if text precedes)."""
     parts = _HH_TURN.split(dialogue)  # [before, role, content, role, content, ...]
     if parts[0].strip():
         return None
@@ -265,12 +271,20 @@ def prompt_fits(prompt_ids: Sequence[int], max_length: Optional[int]) -> bool:
 class PreferenceBatch:
     input_ids: torch.Tensor  # [2P, T] int64, row 2i = pair i's chosen, row 2i+1 = its rejected
     loss_mask: torch.Tensor  # [2P, T] float32, 1 on response tokens and the end-of-turn token
-    lengths: torch.Tensor    # [2P] int64 real tokens
+    lengths: torch.Tensor  # [2P] int64 real tokens
 
 
-def build_preference_batch(prompts: Sequence[list[int]], chosen: Sequence[str], rejected: Sequence[str],
-                           tokenizer: Any, template: PromptTemplate, *, max_length: Optional[int] = None,
-                           pad_to_multiple: int = 1, turn_end: bool = True) -> PreferenceBatch:
+def build_preference_batch(
+    prompts: Sequence[list[int]],
+    chosen: Sequence[str],
+    rejected: Sequence[str],
+    tokenizer: Any,
+    template: PromptTemplate,
+    *,
+    max_length: Optional[int] = None,
+    pad_to_multiple: int = 1,
+    turn_end: bool = True,
+) -> PreferenceBatch:
     """Token ids and response masks of P pairs, chosen and rejected interleaved (see the module docstring).
 
     `prompts` are encoded prompt ids (`encode_prompt_messages`). Each answer is tokenised on its own (the
@@ -291,21 +305,25 @@ def build_preference_batch(prompts: Sequence[list[int]], chosen: Sequence[str], 
     rows: list[tuple[list[int], list[float]]] = []
     for index, (p_ids, answers) in enumerate(zip(prompts, zip(chosen, rejected))):
         if not prompt_fits(p_ids, max_length):
-            raise ValueError(f"pair {index}: the prompt has {len(p_ids)} tokens and max_length is {max_length}, "
-                             "leaving no room for the answer; drop such pairs first (prompt_fits) or raise the "
-                             "max length")
+            raise ValueError(
+                f"pair {index}: the prompt has {len(p_ids)} tokens and max_length is {max_length}, "
+                "leaving no room for the answer; drop such pairs first (prompt_fits) or raise the "
+                "max length"
+            )
         for answer in answers:
             rows.append(_answer_row(list(p_ids), answer, tokenizer, end if turn_end else None, max_length))
     return _pad_rows(rows, _pad_id(tokenizer), pad_to_multiple)
 
 
-def _answer_row(prompt_ids: list[int], answer: str, tokenizer: Any, turn_end: Optional[int],
-                max_length: Optional[int]) -> tuple[list[int], list[float]]:
+def _answer_row(
+    prompt_ids: list[int], answer: str, tokenizer: Any, turn_end: Optional[int], max_length: Optional[int]
+) -> tuple[list[int], list[float]]:
     """(prompt + answer + end of turn (when given), its mask); the answer cut from the right to fit `max_length`."""
-    response = list(tokenizer(answer, add_special_tokens=False)["input_ids"]) + ([turn_end] if turn_end is not None
-                                                                                 else [])
+    response = list(tokenizer(answer, add_special_tokens=False)["input_ids"]) + (
+        [turn_end] if turn_end is not None else []
+    )
     if max_length is not None and len(prompt_ids) + len(response) > max_length:
-        response = response[:max_length - len(prompt_ids)]  # >= 1 token: the caller checked the prompt fits
+        response = response[: max_length - len(prompt_ids)]  # >= 1 token: the caller checked the prompt fits
     return prompt_ids + response, [0.0] * len(prompt_ids) + [1.0] * len(response)
 
 
@@ -322,8 +340,8 @@ def _pad_rows(rows: Iterable[tuple[list[int], list[float]]], pad: int, multiple:
     lengths = [len(ids) for ids, _ in rows]
     width = -(-(max(lengths) + 1) // multiple) * multiple
     input_ids = torch.full((len(rows), width), pad, dtype=torch.long)  # [2P, T]
-    loss_mask = torch.zeros((len(rows), width), dtype=torch.float32)   # [2P, T]
+    loss_mask = torch.zeros((len(rows), width), dtype=torch.float32)  # [2P, T]
     for i, (ids, mask) in enumerate(rows):
-        input_ids[i, :len(ids)] = torch.tensor(ids, dtype=torch.long)
-        loss_mask[i, :len(mask)] = torch.tensor(mask, dtype=torch.float32)
+        input_ids[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+        loss_mask[i, : len(mask)] = torch.tensor(mask, dtype=torch.float32)
     return PreferenceBatch(input_ids, loss_mask, torch.tensor(lengths, dtype=torch.long))

@@ -23,22 +23,30 @@ from mrl.data.templates import PromptTemplate
 class SFTBatch:
     input_ids: torch.Tensor  # [N, T] int64
     loss_mask: torch.Tensor  # [N, T] float32
-    lengths: torch.Tensor    # [N] real tokens per row
-    num_truncated: int = 0   # rows cut to max_length
+    lengths: torch.Tensor  # [N] real tokens per row
+    num_truncated: int = 0  # rows cut to max_length
 
 
-def build_sft_batch(prompts: Sequence[str], targets: Sequence[str], tokenizer: Any,
-                    template: PromptTemplate, max_length: Optional[int] = None) -> SFTBatch:
+def build_sft_batch(
+    prompts: Sequence[str],
+    targets: Sequence[str],
+    tokenizer: Any,
+    template: PromptTemplate,
+    max_length: Optional[int] = None,
+) -> SFTBatch:
     """Tokenise (prompt, target) pairs; the target is tokenised on its own so the prompt/response boundary is
     exact (no merge across it), and the end-of-turn token is appended."""
     if len(prompts) != len(targets):
         raise ValueError(f"{len(prompts)} prompts but {len(targets)} targets")
     turn_end = template.turn_end_id(tokenizer)
     if turn_end is None:
-        raise ConfigError("the tokenizer has neither an EOS token nor an end-of-turn token of its chat template: SFT "
-                          "appends one to every target to teach the model to stop", key="policy.tokenizer",
-                          fix="use a tokenizer with eos_token set (tokenizer_config.json's eos_token), or set "
-                              "policy.tokenizer to one that has it")
+        raise ConfigError(
+            "the tokenizer has neither an EOS token nor an end-of-turn token of its chat template: SFT "
+            "appends one to every target to teach the model to stop",
+            key="policy.tokenizer",
+            fix="use a tokenizer with eos_token set (tokenizer_config.json's eos_token), or set "
+            "policy.tokenizer to one that has it",
+        )
     prompt_ids, _ = template.encode(prompts, tokenizer)
     rows, masks, truncated = [], [], 0
     for p_ids, target in zip(prompt_ids, targets):
@@ -53,6 +61,6 @@ def build_sft_batch(prompts: Sequence[str], targets: Sequence[str], tokenizer: A
     input_ids = torch.full((len(rows), width), pad, dtype=torch.long)
     loss_mask = torch.zeros((len(rows), width), dtype=torch.float32)
     for i, (ids, mask) in enumerate(zip(rows, masks)):
-        input_ids[i, :len(ids)] = torch.tensor(ids)
-        loss_mask[i, :len(mask)] = torch.tensor(mask)
+        input_ids[i, : len(ids)] = torch.tensor(ids)
+        loss_mask[i, : len(mask)] = torch.tensor(mask)
     return SFTBatch(input_ids, loss_mask, torch.tensor([len(r) for r in rows]), truncated)

@@ -42,15 +42,23 @@ def load_task_data(cfg: MrlConfig, *, val_source: Optional[str] = None) -> TaskD
     val_path, val_key = (val_source, "eval.data") if val_source else (data.val, "data.val")
     val = load_problems(val_path, split="test", key=val_key, **keys) if val_path else None
     if train is None and val is None:
-        raise ConfigError("no data to read", key="data.train",
-                          fix="set data.train (and data.val or eval.data) to a jsonl/parquet file, or data.arith")
+        raise ConfigError(
+            "no data to read",
+            key="data.train",
+            fix="set data.train (and data.val or eval.data) to a jsonl/parquet file, or data.arith",
+        )
     skipped = {f"{part.source}:{reason}": n for part in (train, val) if part for reason, n in part.skipped.items()}
     return TaskData(train.problems if train else [], val.problems if val else [], template, skipped)
 
 
-def encode_prompts(problems: Sequence[Problem], tokenizer: Any, template: PromptTemplate, cfg: MrlConfig
-                   ) -> tuple[list[Problem], list[list[int]]]:
+def encode_prompts(
+    problems: Sequence[Problem], tokenizer: Any, template: PromptTemplate, cfg: MrlConfig
+) -> tuple[list[Problem], list[list[int]]]:
     """The problems whose prompts fit, and their token ids (see the module docstring)."""
-    ids, kept = template.encode([p.problem for p in problems], tokenizer, max_length=cfg.data.max_prompt_length,
-                                overlong=cfg.generation.overlong_prompt)
+    ids, kept = template.encode(
+        [p.problem for p in problems],
+        tokenizer,
+        max_length=cfg.data.max_prompt_length,
+        overlong=cfg.generation.overlong_prompt,
+    )
     return [problems[i] for i in kept], ids

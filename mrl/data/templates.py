@@ -44,11 +44,18 @@ class PromptTemplate:
             return text
         if tokenizer is None or not getattr(tokenizer, "chat_template", None):
             raise no_chat_template()
-        return tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                             add_generation_prompt=True)
+        return tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+        )
 
-    def encode(self, problems: Sequence[str], tokenizer: Any, *, max_length: Optional[int] = None,
-               overlong: Literal["truncate", "reject"] = "reject") -> tuple[list[list[int]], list[int]]:
+    def encode(
+        self,
+        problems: Sequence[str],
+        tokenizer: Any,
+        *,
+        max_length: Optional[int] = None,
+        overlong: Literal["truncate", "reject"] = "reject",
+    ) -> tuple[list[list[int]], list[int]]:
         """Token ids of each prompt, and the indices of the problems kept.
 
         A prompt longer than `max_length`: "reject" drops it (its index is missing from the kept list);
@@ -77,9 +84,12 @@ class PromptTemplate:
 
 def no_chat_template() -> ConfigError:
     """The error for chat prompts from a tokenizer without a chat template (a base model's, often)."""
-    return ConfigError("chat prompts need the tokenizer's chat template, and this tokenizer has none",
-                       key="data.prompt_template", given="chat",
-                       fix="set data.prompt_template=plain, or use a model (or policy.tokenizer) with a chat template")
+    return ConfigError(
+        "chat prompts need the tokenizer's chat template, and this tokenizer has none",
+        key="data.prompt_template",
+        given="chat",
+        fix="set data.prompt_template=plain, or use a model (or policy.tokenizer) with a chat template",
+    )
 
 
 def chat_turn_end_id(tokenizer: Any) -> Optional[int]:
@@ -87,7 +97,7 @@ def chat_turn_end_id(tokenizer: Any) -> Optional[int]:
     template writes no special token there."""
     messages = [{"role": "user", "content": "1+1"}, {"role": "assistant", "content": _SENTINEL}]
     text = tokenizer.apply_chat_template(messages, tokenize=False)
-    after = text[text.rfind(_SENTINEL) + len(_SENTINEL):]
+    after = text[text.rfind(_SENTINEL) + len(_SENTINEL) :]
     ids = tokenizer(after, add_special_tokens=False)["input_ids"] if after else []
     special = set(tokenizer.all_special_ids) | {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
     return ids[0] if ids and ids[0] in special else None

@@ -36,8 +36,11 @@ def vocabulary_files(folder: str | Path) -> list[str]:
     """The vocabulary files in `folder`: none means no tokenizer, although transformers 5 then builds one anyway (an
     empty one of a single token, from tokenizer_config.json or config.json alone) and the error comes later, blaming
     something else (the chat template, the EOS token, or nothing: a loss of 0)."""
-    return sorted(p.name for p in Path(folder).iterdir()
-                  if p.is_file() and (p.name in VOCABULARY_FILES or p.suffix in VOCABULARY_SUFFIXES))
+    return sorted(
+        p.name
+        for p in Path(folder).iterdir()
+        if p.is_file() and (p.name in VOCABULARY_FILES or p.suffix in VOCABULARY_SUFFIXES)
+    )
 
 
 def load_tokenizer(name_or_path: str | Path) -> Any:
@@ -102,9 +105,7 @@ def build_tokenizer(out_dir: str | Path, *, vocab_size: int = 500) -> Path:
         show_progress=False,
     )
     tok.train_from_iterator(_corpus(), trainer)
-    hf_tok = PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token=EOS_TOKEN, pad_token=EOS_TOKEN, bos_token=IM_START
-    )
+    hf_tok = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS_TOKEN, pad_token=EOS_TOKEN, bos_token=IM_START)
     hf_tok.chat_template = CHAT_TEMPLATE
     hf_tok.save_pretrained(out)
     return out

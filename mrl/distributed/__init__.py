@@ -10,12 +10,24 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 _HOMES = {
-    "merge_shards": "batch", "replicated_field": "batch", "split_batch": "batch",
-    "Bundle": "cluster", "Placement": "cluster", "RayCluster": "cluster",
-    "ClusterResourceError": "errors", "WorkerDiedError": "errors", "WorkerError": "errors",
-    "WorkerTimeoutError": "errors", "Deadlines": "deadlines", "Work": "deadlines",
-    "DataParallelLayout": "worker_group", "GroupFuture": "worker_group", "WorkerGroup": "worker_group",
-    "WorkerInfo": "worker_group", "result_watching": "worker_group", "wait_all": "worker_group",
+    "merge_shards": "batch",
+    "replicated_field": "batch",
+    "split_batch": "batch",
+    "Bundle": "cluster",
+    "Placement": "cluster",
+    "RayCluster": "cluster",
+    "ClusterResourceError": "errors",
+    "WorkerDiedError": "errors",
+    "WorkerError": "errors",
+    "WorkerTimeoutError": "errors",
+    "Deadlines": "deadlines",
+    "Work": "deadlines",
+    "DataParallelLayout": "worker_group",
+    "GroupFuture": "worker_group",
+    "WorkerGroup": "worker_group",
+    "WorkerInfo": "worker_group",
+    "result_watching": "worker_group",
+    "wait_all": "worker_group",
 }
 
 if TYPE_CHECKING:
@@ -23,8 +35,14 @@ if TYPE_CHECKING:
     from mrl.distributed.cluster import Bundle, Placement, RayCluster
     from mrl.distributed.deadlines import Deadlines, Work
     from mrl.distributed.errors import ClusterResourceError, WorkerDiedError, WorkerError, WorkerTimeoutError
-    from mrl.distributed.worker_group import (DataParallelLayout, GroupFuture, WorkerGroup, WorkerInfo,
-                                             result_watching, wait_all)
+    from mrl.distributed.worker_group import (
+        DataParallelLayout,
+        GroupFuture,
+        WorkerGroup,
+        WorkerInfo,
+        result_watching,
+        wait_all,
+    )
 
 
 def __getattr__(name: str) -> Any:
@@ -32,6 +50,7 @@ def __getattr__(name: str) -> Any:
     if home is None:
         raise AttributeError(f"module 'mrl.distributed' has no attribute {name!r}")
     return getattr(importlib.import_module(f"mrl.distributed.{home}"), name)
+
 
 __all__ = [
     "Bundle",

@@ -91,14 +91,17 @@ def start_local_ray(**init_kwargs: Any) -> None:
         try:
             ray.init(**init_kwargs)
             return
-        except Exception as error:  # noqa: BLE001 -- Ray raises a bare Exception; only this one is retried
+        except Exception as error:
             if NODE_START_TIMEOUT not in str(error):
                 raise
             _kill_new_children(before)
             if attempt == LOCAL_START_TRIES:
                 raise
-            log.warning("Ray's local node did not register within Ray's 30 s (try %d of %d); starting it again",
-                        attempt, LOCAL_START_TRIES)
+            log.warning(
+                "Ray's local node did not register within Ray's 30 s (try %d of %d); starting it again",
+                attempt,
+                LOCAL_START_TRIES,
+            )
 
 
 def _kill_new_children(before: set[int]) -> None:
@@ -124,8 +127,10 @@ def nodes_in_order(bundles: list[Bundle], per_node: int) -> list[Bundle]:
         nodes.setdefault(bundle.node_id, []).append(bundle)
     counts = {node: len(held) for node, held in nodes.items()}
     if len(nodes) > 1 and any(count != per_node for count in counts.values()):
-        raise ClusterResourceError(f"a placement group of {len(bundles)} bundles landed as {sorted(counts.values())} "
-                                   f"per node, not {per_node} on each: free whole nodes for it")
+        raise ClusterResourceError(
+            f"a placement group of {len(bundles)} bundles landed as {sorted(counts.values())} "
+            f"per node, not {per_node} on each: free whole nodes for it"
+        )
     return [bundle for held in nodes.values() for bundle in held]
 
 
@@ -284,7 +289,7 @@ class RayCluster:
         for group in placement.groups:
             try:
                 remove_placement_group(group)
-            except Exception as error:  # already removed, or Ray is going down: nothing left to release
+            except Exception as error:  # noqa: BLE001 already removed, or Ray is going down: nothing left to release
                 log.debug("removing placement group of '%s': %s", placement.name, error)
         if placement in self._placements:
             self._placements.remove(placement)

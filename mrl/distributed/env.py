@@ -57,8 +57,9 @@ def local_ranks(node_of_rank: Sequence[str]) -> list[tuple[int, int]]:
     return [(position, counts[node]) for position, node in zip(positions, node_of_rank)]
 
 
-def rank_environment(node_of_rank: Sequence[str], omp_num_threads: Threads,
-                     busy_per_node: Optional[int] = None) -> list[dict[str, str]]:
+def rank_environment(
+    node_of_rank: Sequence[str], omp_num_threads: Threads, busy_per_node: Optional[int] = None
+) -> list[dict[str, str]]:
     """Per-rank environment without the rendezvous address (added once rank 0's port is known).
 
     `omp_num_threads`: threads per rank, or "auto": the node's cores divided by `busy_per_node` (the processes that
@@ -74,8 +75,11 @@ def rank_environment(node_of_rank: Sequence[str], omp_num_threads: Threads,
     world_size = len(node_of_rank)
     envs = []
     for rank, (local_rank, local_world_size) in enumerate(local_ranks(node_of_rank)):
-        threads = ({CORES_SHARED_BY: str(busy_per_node or local_world_size)} if omp_num_threads == "auto"
-                   else {"OMP_NUM_THREADS": str(omp_num_threads)})
+        threads = (
+            {CORES_SHARED_BY: str(busy_per_node or local_world_size)}
+            if omp_num_threads == "auto"
+            else {"OMP_NUM_THREADS": str(omp_num_threads)}
+        )
         envs.append(
             {
                 "RANK": str(rank),
@@ -101,8 +105,10 @@ def worker_threads(cfg: "MrlConfig", launcher: Mapping[str, str] = os.environ) -
     exported = launcher.get("OMP_NUM_THREADS", "").strip()
     if exported:
         if not exported.isdigit() or int(exported) < 1:
-            raise ValueError(f"OMP_NUM_THREADS={exported!r} in the environment that started mrl is not a whole number "
-                             ">= 1: unset it (cluster.omp_num_threads=auto then shares the cores) or set it right")
+            raise ValueError(
+                f"OMP_NUM_THREADS={exported!r} in the environment that started mrl is not a whole number "
+                ">= 1: unset it (cluster.omp_num_threads=auto then shares the cores) or set it right"
+            )
         return int(exported), None
     return "auto", cfg.cluster.devices_per_node if cfg.grpo.max_off_policy_steps else None
 

@@ -13,8 +13,16 @@ class WorkerError(RuntimeError):
     """A worker method raised. `cause` is the original exception as raised inside the worker (when Ray could
     rebuild it), so callers can inspect it; the message carries the remote traceback (also `remote_traceback`)."""
 
-    def __init__(self, message: str, *, group: str, rank: int, cause: Optional[BaseException] = None,
-                 method: str = "", remote_traceback: str = ""):
+    def __init__(
+        self,
+        message: str,
+        *,
+        group: str,
+        rank: int,
+        cause: Optional[BaseException] = None,
+        method: str = "",
+        remote_traceback: str = "",
+    ):
         super().__init__(message)
         self.group = group
         self.rank = rank

@@ -56,6 +56,7 @@ def _parse(spec: str) -> list[tuple[str, int, Path]]:
             name, hit = where.split("@", 1)
             faults.append((name, int(hit), Path(marker)))
         except ValueError:
-            raise ValueError(f"{ENV}={spec!r}: {item!r} is not <point>@<hit>:<marker file> "
-                             "(e.g. engine.generate@2:/tmp/killed)") from None
+            raise ValueError(
+                f"{ENV}={spec!r}: {item!r} is not <point>@<hit>:<marker file> (e.g. engine.generate@2:/tmp/killed)"
+            ) from None
     return faults

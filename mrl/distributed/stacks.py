@@ -92,8 +92,10 @@ def stacks_of(workers: Sequence[tuple[str, int]], timeout_s: float = 20.0) -> li
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     task = ray.remote(num_cpus=0, max_retries=0)(_dump)
-    refs = [task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote(pid)
-            for node, pid in workers]
+    refs = [
+        task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote(pid)
+        for node, pid in workers
+    ]
     out = []
     for ref in refs:
         try:

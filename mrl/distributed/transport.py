@@ -2,7 +2,8 @@
 
 Ray's object store deserialises numpy arrays zero-copy (the array maps the shared-memory object), while torch
 tensors are pickled and copied: a 100 MB tensor takes ~0.3 s per put+get, the same array ~0.1 ms to get
-(measured with Ray 2.60 on a 2-core machine). So `encode` replaces every CPU-convertible torch tensor inside dicts, lists, tuples and dataclasses
+(measured with Ray 2.60 on a 2-core machine). So `encode` replaces every CPU-convertible torch tensor inside dicts,
+lists, tuples and dataclasses
 by a `TensorPayload` holding a numpy array, and `decode` turns payloads back into torch tensors on the other side.
 
 Data flow: caller tensor -> encode (detach, to CPU, numpy view; bf16 travels as int16 bits) -> object store ->

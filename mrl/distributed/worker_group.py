@@ -119,11 +119,17 @@ def _worker_exception(group: str, method: str, info: WorkerInfo, error: BaseExce
     if isinstance(error, ray.exceptions.RayActorError):
         return WorkerDiedError(
             f"{who} died while running '{method}': {_exit_detail(error)}. The group cannot continue; shut it down "
-            "and restart (from a checkpoint)", **where)
+            "and restart (from a checkpoint)",
+            **where,
+        )
     if isinstance(error, ray.exceptions.RayTaskError):
         cause = error.cause
-        return WorkerError(f"{who} raised {type(cause).__name__} in '{method}': {cause}\n--- remote traceback ---\n"
-                           f"{error}", cause=cause, remote_traceback=str(error), **where)
+        return WorkerError(
+            f"{who} raised {type(cause).__name__} in '{method}': {cause}\n--- remote traceback ---\n{error}",
+            cause=cause,
+            remote_traceback=str(error),
+            **where,
+        )
     return WorkerError(f"{who} failed in '{method}': {error!r}", cause=error, **where)
 
 
@@ -163,8 +169,15 @@ class GroupFuture:
 
     def then(self, fn: Callable[[Any], Any]) -> "GroupFuture":
         """The same pending calls, their post-processed values passed through `fn` too."""
-        return GroupFuture(self._group, self._method, self._refs, self._ranks, lambda values: fn(self._finish(values)),
-                           self._deadline_s, self._started)
+        return GroupFuture(
+            self._group,
+            self._method,
+            self._refs,
+            self._ranks,
+            lambda values: fn(self._finish(values)),
+            self._deadline_s,
+            self._started,
+        )
 
     def result(self, timeout_s: Optional[float] = None) -> Any:
         """Values of the call, post-processed. Raises the first rank's failure as soon as Ray reports it, and
@@ -202,7 +215,7 @@ def _wait_refs(futures: Sequence[GroupFuture], timeout_s: Optional[float]) -> li
             future = futures[f_index]
             try:
                 values[f_index][slot] = decode(ray.get(ref))
-            except Exception as error:  # noqa: BLE001 -- every Ray failure is mapped to a named worker error
+            except Exception as error:
                 if not isinstance(error, ray.exceptions.RayActorError):
                     # A peer's death makes the others' collectives fail too; report the death, the root cause.
                     ref, error = _find_death(pending, _DEATH_GRACE_S) or (ref, error)
@@ -212,8 +225,11 @@ def _wait_refs(futures: Sequence[GroupFuture], timeout_s: Optional[float]) -> li
                 info = future._group.info[future._ranks[slot]]
                 raise _worker_exception(future._group.name, future._method, info, error) from error
         now = time.monotonic()
-        late = [i for i, end in enumerate(ends) if end is not None and now >= end
-                and any(owner[ref][0] == i for ref in pending)]
+        late = [
+            i
+            for i, end in enumerate(ends)
+            if end is not None and now >= end and any(owner[ref][0] == i for ref in pending)
+        ]
         if pending and late:
             future = futures[late[0]]
             ranks = sorted(future._ranks[owner[ref][1]] for ref in pending if owner[ref][0] == late[0])
@@ -230,12 +246,16 @@ def _timeout_error(future: GroupFuture, ranks: list[int], waited_s: float, limit
     group.hung = True  # its shutdown asks no clean-up of ranks that do not answer
     shown = [rank for rank in ranks if group.info[rank].pid > 0][:_STACKS_SHOWN]
     dumps = stacks_of([(group.info[rank].node_id, group.info[rank].pid) for rank in shown]) if shown else []
-    text = "".join(f"\n--- stack of rank {rank} ({group.info[rank].where()}) ---\n{dump}"
-                   for rank, dump in zip(shown, dumps))
+    text = "".join(
+        f"\n--- stack of rank {rank} ({group.info[rank].where()}) ---\n{dump}" for rank, dump in zip(shown, dumps)
+    )
     return WorkerTimeoutError(
         f"worker group '{group.name}': '{future._method}' did not finish within {limit_s:g} s on ranks {ranks} "
         f"(waited {waited_s:.0f} s; a hang: a stopped rank, or a collective waiting for one){text}",
-        group=group.name, rank=ranks[0], method=future._method)
+        group=group.name,
+        rank=ranks[0],
+        method=future._method,
+    )
 
 
 def _find_death(refs: Sequence[ray.ObjectRef], grace_s: float) -> Optional[tuple[ray.ObjectRef, BaseException]]:
@@ -294,7 +314,8 @@ class WorkerGroup:
 
     Each actor asks for `resource_fraction` of its bundle's resources: 1.0 gives a group its bundles alone; two
     groups with 0.5 each share the same bundles (colocation). `gpu_fraction` sets the GPU share apart (0: an actor
-    that holds no GPU itself, e.g. a vLLM engine whose own Ray workers hold them). `env` adds variables to every rank (not for control
+    that holds no GPU itself, e.g. a vLLM engine whose own Ray workers hold them). `env` adds variables to every rank
+    (not for control
     flags: those are arguments). The worker's __init__ gets `init_args`/`init_kwargs`, and MASTER_ADDR/PORT are
     already set then. `omp_num_threads`: each rank's threads, or "auto": its node's cores divided by `busy_per_node`
     processes (default: the group's ranks on that node; mrl/distributed/env.py).
@@ -364,8 +385,13 @@ class WorkerGroup:
 
     # ------------------------------------------------------------------------------------------------- start-up
     def _start(
-        self, init_args: Sequence[Any], init_kwargs: dict[str, Any], fraction: float,
-        threads: tuple[Threads, Optional[int]], extra_env: dict[str, str], timeout_s: float,
+        self,
+        init_args: Sequence[Any],
+        init_kwargs: dict[str, Any],
+        fraction: float,
+        threads: tuple[Threads, Optional[int]],
+        extra_env: dict[str, str],
+        timeout_s: float,
     ) -> None:
         envs = rank_environment([bundle.node_id for bundle in self.bundles], *threads)
         host_cls = ray.remote(WorkerHost)
@@ -381,8 +407,10 @@ class WorkerGroup:
             self._actors.append(actor)
         # Placeholder infos so a failure while starting can already name the rank.
         self.info = [WorkerInfo(rank, bundle.node_ip, bundle.node_id, -1) for rank, bundle in enumerate(self.bundles)]
-        wanted = {key: value * (self._gpu_fraction if key == "GPU" else fraction)
-                  for key, value in self.bundles[0].resources.items()}
+        wanted = {
+            key: value * (self._gpu_fraction if key == "GPU" else fraction)
+            for key, value in self.bundles[0].resources.items()
+        }
         try:
             reports = GroupFuture(self, "start", [a.info.remote() for a in self._actors], range(self.world_size))
             reports = reports.result(timeout_s)
@@ -404,8 +432,9 @@ class WorkerGroup:
             self._wait_before_init()
             GroupFuture(self, "import", preloads, range(self.world_size)).result(timeout_s)
         refs = [actor.start.remote(cls_ref, rendezvous, payload) for actor in self._actors]
-        self.init_started = GroupFuture(self, f"{self.worker_cls.__name__}.__init__", refs,
-                                        range(self.world_size)).result()
+        self.init_started = GroupFuture(
+            self, f"{self.worker_cls.__name__}.__init__", refs, range(self.world_size)
+        ).result()
         self.init_finished = time.time()
         self.master_addr, self.master_port = rendezvous["MASTER_ADDR"], port
         log.info("worker group '%s': %d ranks up, rendezvous %s:%s", self.name, self.world_size, *rendezvous.values())
@@ -449,8 +478,9 @@ class WorkerGroup:
     def run_all(self, method: str, /, *args: Any, work: Optional[Work] = None, **kwargs: Any) -> list[Any]:
         return self.run_all_async(method, *args, work=work, **kwargs).result()
 
-    def run_on_leaders_async(self, method: str, /, *args: Any, work: Optional[Work] = None,
-                             **kwargs: Any) -> GroupFuture:
+    def run_on_leaders_async(
+        self, method: str, /, *args: Any, work: Optional[Work] = None, **kwargs: Any
+    ) -> GroupFuture:
         """Only the leader of each data-parallel group runs the method (replicated arguments); the result is the
         list of leader return values in data-parallel order. The method must not enter collectives that need the
         other ranks: they are not called."""
@@ -464,8 +494,14 @@ class WorkerGroup:
         return self.run_on_leaders_async(method, *args, work=work, **kwargs).result()
 
     def shard_and_run_async(
-        self, method: str, batch: Any, /, *args: Any, allow_uneven: bool = False, work: Optional[Work] = None,
-        **kwargs: Any
+        self,
+        method: str,
+        batch: Any,
+        /,
+        *args: Any,
+        allow_uneven: bool = False,
+        work: Optional[Work] = None,
+        **kwargs: Any,
     ) -> GroupFuture:
         """Split `batch` along axis 0 over the data-parallel ranks (contract in mrl.distributed.batch), call
         `method(shard, *args, **kwargs)` on every rank -- all ranks of a data-parallel group get the same shard;
@@ -486,13 +522,21 @@ class WorkerGroup:
         def gather_leaders(values: list[Any]) -> Any:  # values in global rank order; keep one per DP group
             return merge_shards([values[rank] for rank in leaders])
 
-        return GroupFuture(self, method, refs, range(self.world_size), gather_leaders,
-                           deadline_s=self._deadline(method, work))
+        return GroupFuture(
+            self, method, refs, range(self.world_size), gather_leaders, deadline_s=self._deadline(method, work)
+        )
 
-    def shard_and_run(self, method: str, batch: Any, /, *args: Any, allow_uneven: bool = False,
-                      work: Optional[Work] = None, **kwargs: Any) -> Any:
-        return self.shard_and_run_async(method, batch, *args, allow_uneven=allow_uneven, work=work,
-                                        **kwargs).result()
+    def shard_and_run(
+        self,
+        method: str,
+        batch: Any,
+        /,
+        *args: Any,
+        allow_uneven: bool = False,
+        work: Optional[Work] = None,
+        **kwargs: Any,
+    ) -> Any:
+        return self.shard_and_run_async(method, batch, *args, allow_uneven=allow_uneven, work=work, **kwargs).result()
 
     # ------------------------------------------------------------------------------------------------- shutdown
     def _ask_clean_up(self, method: str, timeout_s: float) -> None:
@@ -507,8 +551,13 @@ class WorkerGroup:
             log.debug("worker group '%s': '%s' before shutdown: %s", self.name, method, error)
             return
         if late:
-            log.debug("worker group '%s': '%s' before shutdown: %d rank(s) still busy after %g s",
-                      self.name, method, len(late), timeout_s)
+            log.debug(
+                "worker group '%s': '%s' before shutdown: %d rank(s) still busy after %g s",
+                self.name,
+                method,
+                len(late),
+                timeout_s,
+            )
 
     def shutdown(self, clean: Optional[str] = None, timeout_s: float = CLEAN_SHUTDOWN_S) -> None:
         """Kill every actor (also ones blocked in a collective) and, if owned, remove the placement. With `clean`,
@@ -522,7 +571,7 @@ class WorkerGroup:
         for actor in self._actors:
             try:
                 ray.kill(actor, no_restart=True)
-            except Exception as error:  # already dead or Ray is gone: nothing to kill
+            except Exception as error:  # noqa: BLE001 already dead or Ray is gone: nothing to kill
                 log.debug("worker group '%s': kill: %s", self.name, error)
         self._actors = []
         if self._owns_placement:
@@ -531,5 +580,5 @@ class WorkerGroup:
             for group in self.placement.groups:
                 try:
                     remove_placement_group(group)
-                except Exception as error:
+                except Exception as error:  # noqa: BLE001 already removed, or Ray is gone
                     log.debug("worker group '%s': remove placement: %s", self.name, error)

@@ -9,8 +9,7 @@ from __future__ import annotations
 import re
 from typing import Any, Mapping, Optional, Sequence
 
-from mrl.environments.base import (EnvironmentStep, Message, last_response, read_answers_and_finished,
-                                   single_turn_step)
+from mrl.environments.base import EnvironmentStep, Message, last_response, read_answers_and_finished, single_turn_step
 
 _FIRST_INTEGER = re.compile(r"-?\d+")
 
@@ -36,8 +35,7 @@ def arith_reward(response: str, answer: str) -> float:
 class ArithEnvironment:
     """Single-turn exact-match reward; a truncated response scores 0."""
 
-    def step(self, message_logs: Sequence[Sequence[Message]],
-             metadata: Sequence[Mapping[str, Any]]) -> EnvironmentStep:
+    def step(self, message_logs: Sequence[Sequence[Message]], metadata: Sequence[Mapping[str, Any]]) -> EnvironmentStep:
         answers, finished = read_answers_and_finished(metadata)
         scores: list[float] = []
         errors: list[Optional[str]] = []

@@ -33,17 +33,16 @@ RESPONSE_TOKEN_IDS = "response_token_ids"
 
 @dataclass
 class EnvironmentStep:
-    rewards: torch.Tensor                # [N] float32
-    observations: list[dict[str, str]]   # [N] the next message for each sample (empty content when done)
-    done: torch.Tensor                   # [N] bool
-    metadata: list[dict[str, Any]]       # [N] the metadata, with what the environment learned added
-    num_errors: int = 0                  # verifier failures (raised or timed out), each scored 0
+    rewards: torch.Tensor  # [N] float32
+    observations: list[dict[str, str]]  # [N] the next message for each sample (empty content when done)
+    done: torch.Tensor  # [N] bool
+    metadata: list[dict[str, Any]]  # [N] the metadata, with what the environment learned added
+    num_errors: int = 0  # verifier failures (raised or timed out), each scored 0
     error_messages: list[str] = field(default_factory=list)
 
 
 class Environment(Protocol):
-    def step(self, message_logs: Sequence[Sequence[Message]],
-             metadata: Sequence[Mapping[str, Any]]) -> EnvironmentStep:
+    def step(self, message_logs: Sequence[Sequence[Message]], metadata: Sequence[Mapping[str, Any]]) -> EnvironmentStep:
         """Score every sample. Must not raise because of what a response contains."""
 
     def shutdown(self) -> None:
@@ -64,15 +63,22 @@ def read_answers_and_finished(metadata: Sequence[Mapping[str, Any]]) -> tuple[li
     for i, meta in enumerate(metadata):
         missing = [k for k in (ANSWER, FINISHED) if k not in meta]
         if missing:
-            raise KeyError(f"sample {i}: environment metadata lacks {missing}; every sample needs "
-                           f"'{ANSWER}' (gold answer) and '{FINISHED}' (ended with EOS)")
+            raise KeyError(
+                f"sample {i}: environment metadata lacks {missing}; every sample needs "
+                f"'{ANSWER}' (gold answer) and '{FINISHED}' (ended with EOS)"
+            )
         answers.append(str(meta[ANSWER]))
         finished.append(bool(meta[FINISHED]))
     return answers, finished
 
 
-def single_turn_step(scores: Sequence[float], finished: Sequence[bool], metadata: Sequence[Mapping[str, Any]],
-                     errors: Sequence[str | None], extracted: Sequence[str | None]) -> EnvironmentStep:
+def single_turn_step(
+    scores: Sequence[float],
+    finished: Sequence[bool],
+    metadata: Sequence[Mapping[str, Any]],
+    errors: Sequence[str | None],
+    extracted: Sequence[str | None],
+) -> EnvironmentStep:
     """Assemble the result of a single-turn verifier: a truncated response scores 0 whatever it says."""
     rewards = torch.tensor([s if f else 0.0 for s, f in zip(scores, finished)], dtype=torch.float32)
     error_messages = [e for e in errors if e is not None]
@@ -80,6 +86,11 @@ def single_turn_step(scores: Sequence[float], finished: Sequence[bool], metadata
     for meta, error in zip(new_meta, errors):
         if error is not None:
             meta["reward_error"] = error
-    return EnvironmentStep(rewards=rewards, observations=[{"role": "environment", "content": ""} for _ in scores],
-                           done=torch.ones(len(scores), dtype=torch.bool), metadata=new_meta,
-                           num_errors=len(error_messages), error_messages=error_messages)
+    return EnvironmentStep(
+        rewards=rewards,
+        observations=[{"role": "environment", "content": ""} for _ in scores],
+        done=torch.ones(len(scores), dtype=torch.bool),
+        metadata=new_meta,
+        num_errors=len(error_messages),
+        error_messages=error_messages,
+    )

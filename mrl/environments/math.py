@@ -21,8 +21,7 @@ import logging
 import re
 from typing import Any, Mapping, Optional, Sequence
 
-from mrl.environments.base import (EnvironmentStep, Message, last_response, read_answers_and_finished,
-                                   single_turn_step)
+from mrl.environments.base import EnvironmentStep, Message, last_response, read_answers_and_finished, single_turn_step
 from mrl.environments.verifier_pool import VerifierPool, VerifyFn
 
 
@@ -97,18 +96,24 @@ class MathEnvironment:
     """Single-turn math environment: reward 1 for a correct final answer, 0 otherwise (also for truncated
     responses, failing verifiers and timeouts). `verify_fn` exists for tests and custom checkers."""
 
-    def __init__(self, *, num_workers: int = 2, timeout_s: float = 10.0, verify_fn: Optional[VerifyFn] = None,
-                 warmup: Any = warm_up_math_verify):
-        self.pool = VerifierPool(verify_fn or math_verify_verdict, num_workers=num_workers, timeout_s=timeout_s,
-                                 warmup=warmup)
+    def __init__(
+        self,
+        *,
+        num_workers: int = 2,
+        timeout_s: float = 10.0,
+        verify_fn: Optional[VerifyFn] = None,
+        warmup: Any = warm_up_math_verify,
+    ):
+        self.pool = VerifierPool(
+            verify_fn or math_verify_verdict, num_workers=num_workers, timeout_s=timeout_s, warmup=warmup
+        )
 
     @classmethod
     def from_config(cls, cfg: Any) -> "MathEnvironment":
         """From an `EnvConfig` (env.*)."""
         return cls(num_workers=cfg.num_workers, timeout_s=cfg.timeout_s)
 
-    def step(self, message_logs: Sequence[Sequence[Message]],
-             metadata: Sequence[Mapping[str, Any]]) -> EnvironmentStep:
+    def step(self, message_logs: Sequence[Sequence[Message]], metadata: Sequence[Mapping[str, Any]]) -> EnvironmentStep:
         answers, finished = read_answers_and_finished(metadata)
         # Truncated responses score 0 without being verified.
         todo = [i for i, f in enumerate(finished) if f]

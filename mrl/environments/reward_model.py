@@ -38,7 +38,7 @@ def sequence_rows(sequences: Sequence[Sequence[int]], pad_id: int, data_parallel
     width = max(map(len, rows))
     ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
     for i, row in enumerate(rows):
-        ids[i, :len(row)] = torch.tensor(row, dtype=torch.long)
+        ids[i, : len(row)] = torch.tensor(row, dtype=torch.long)
     lengths = torch.tensor([len(r) for r in rows])
     mask = (torch.arange(width)[None, :] < lengths[:, None]).float()
     return RankBatch(ids, mask, lengths=lengths)
@@ -47,8 +47,16 @@ def sequence_rows(sequences: Sequence[Sequence[int]], pad_id: int, data_parallel
 class RewardModelEnvironment:
     """Wraps a verifier environment and adds the reward model's score (see the module docstring)."""
 
-    def __init__(self, verifier: Environment, scorer: Scorer, *, pad_id: int, weight: float = 1.0,
-                 verifier_weight: float = 0.0, end_token_ids: Collection[int] = ()) -> None:
+    def __init__(
+        self,
+        verifier: Environment,
+        scorer: Scorer,
+        *,
+        pad_id: int,
+        weight: float = 1.0,
+        verifier_weight: float = 0.0,
+        end_token_ids: Collection[int] = (),
+    ) -> None:
         self.verifier, self.scorer, self.pad_id = verifier, scorer, pad_id
         self.weight, self.verifier_weight = weight, verifier_weight
         self.end_token_ids = set(end_token_ids)  # a response's closing token(s), left off before scoring
@@ -62,18 +70,19 @@ class RewardModelEnvironment:
         sequences = []
         for i, meta in enumerate(metadata):
             if PROMPT_TOKEN_IDS not in meta or RESPONSE_TOKEN_IDS not in meta:
-                raise KeyError(f"sample {i}: the reward model needs '{PROMPT_TOKEN_IDS}' and '{RESPONSE_TOKEN_IDS}' "
-                               "in the environment metadata (mrl.algorithms.rollout adds them)")
+                raise KeyError(
+                    f"sample {i}: the reward model needs '{PROMPT_TOKEN_IDS}' and '{RESPONSE_TOKEN_IDS}' "
+                    "in the environment metadata (mrl.algorithms.rollout adds them)"
+                )
             sequences.append(list(meta[PROMPT_TOKEN_IDS]) + self._content(meta[RESPONSE_TOKEN_IDS]))
         out = []
         for start in range(0, len(sequences), ROWS_PER_CALL):
-            chunk = sequences[start:start + ROWS_PER_CALL]
+            chunk = sequences[start : start + ROWS_PER_CALL]
             scores = self.scorer.scores(sequence_rows(chunk, self.pad_id, self.scorer.data_parallel_size))
-            out.append(scores[:len(chunk)].float())
+            out.append(scores[: len(chunk)].float())
         return torch.cat(out) if out else torch.zeros(0)
 
-    def step(self, message_logs: Sequence[Sequence[Message]],
-             metadata: Sequence[Mapping[str, Any]]) -> EnvironmentStep:
+    def step(self, message_logs: Sequence[Sequence[Message]], metadata: Sequence[Mapping[str, Any]]) -> EnvironmentStep:
         result = self.verifier.step(message_logs, metadata)
         scores = self.score(metadata)
         result.rewards = self.weight * scores + self.verifier_weight * result.rewards.float()

@@ -25,16 +25,21 @@ class ServerEnvironment:
         elif cfg.url:
             self.url = cfg.url.rstrip("/")
         else:
-            raise ValueError("env.kind=server needs env.server.example (one of mrl's example servers) or "
-                             "env.server.url (a running resource server)")
+            raise ValueError(
+                "env.kind=server needs env.server.example (one of mrl's example servers) or "
+                "env.server.url (a running resource server)"
+            )
         if cfg.tool_format == "bare" and not (cfg.tool and cfg.argument):
-            raise ValueError("env.server.tool_format=bare needs env.server.tool and env.server.argument (the one "
-                             "tool every turn calls, and the argument the turn's text fills)")
+            raise ValueError(
+                "env.server.tool_format=bare needs env.server.tool and env.server.argument (the one "
+                "tool every turn calls, and the argument the turn's text fills)"
+            )
 
-    def step(self, message_logs: Sequence[Sequence[Message]],
-             metadata: Sequence[Mapping[str, Any]]) -> EnvironmentStep:
-        raise TypeError("a resource-server environment is played in multi-turn episodes by the agent loop "
-                        "(mrl.algorithms.agent), not scored one response at a time")
+    def step(self, message_logs: Sequence[Sequence[Message]], metadata: Sequence[Mapping[str, Any]]) -> EnvironmentStep:
+        raise TypeError(
+            "a resource-server environment is played in multi-turn episodes by the agent loop "
+            "(mrl.algorithms.agent), not scored one response at a time"
+        )
 
     def shutdown(self) -> None:
         if self._running is not None:

@@ -62,7 +62,7 @@ class _VerifierActor:
             verdict = self._verify_fn(response, answer)
             score, extracted = verdict if isinstance(verdict, tuple) else (verdict, None)
             score = float(score)
-        except Exception as err:  # any verifier failure scores 0 and is reported, by design
+        except Exception as err:  # noqa: BLE001 any verifier failure scores 0 and is reported, by design
             return 0.0, f"{type(err).__name__}: {err}", None
         if not math.isfinite(score):
             return 0.0, f"verifier returned {score}", extracted
@@ -90,9 +90,16 @@ class _Slot:
 class VerifierPool:
     """`num_workers` actors scoring samples with `verify_fn`; see the module docstring for the timeout policy."""
 
-    def __init__(self, verify_fn: VerifyFn, *, num_workers: int = 2, timeout_s: float = 10.0,
-                 warmup: Optional[Callable[[], None]] = None, num_cpus: float = 0.0,
-                 startup_timeout_s: float = 120.0):
+    def __init__(
+        self,
+        verify_fn: VerifyFn,
+        *,
+        num_workers: int = 2,
+        timeout_s: float = 10.0,
+        warmup: Optional[Callable[[], None]] = None,
+        num_cpus: float = 0.0,
+        startup_timeout_s: float = 120.0,
+    ):
         import ray
 
         if num_workers < 1 or timeout_s <= 0:
@@ -163,10 +170,14 @@ class VerifierPool:
                 running.pop(ref)
                 result.scores[i], result.errors[i] = 0.0, f"timed out after {self.timeout_s:g}s"
                 self._replace(slot.actor, result)
-        for ref, slot in list(self._starting.items()):
+        for slot in list(self._starting.values()):
             if now >= slot.started + self.startup_timeout_s:
-                raise WorkerTimeoutError(f"worker group '{GROUP}': a verifier worker did not start within "
-                                         f"{self.startup_timeout_s:g}s", group=GROUP, rank=0, method="ready")
+                raise WorkerTimeoutError(
+                    f"worker group '{GROUP}': a verifier worker did not start within {self.startup_timeout_s:g}s",
+                    group=GROUP,
+                    rank=0,
+                    method="ready",
+                )
         return orphans
 
     def _on_ready(self, ref: Any) -> None:
@@ -185,8 +196,12 @@ class VerifierPool:
             cause = getattr(err, "cause", None) if isinstance(err, ray.exceptions.RayTaskError) else None
             detail = f"{type(cause).__name__}: {cause}" if cause is not None else " ".join(str(err).split())[:300]
             raise (WorkerDiedError if died else WorkerError)(
-                f"worker group '{GROUP}': a verifier worker failed to start: {detail}", group=GROUP, rank=0,
-                method="ready", cause=cause) from err
+                f"worker group '{GROUP}': a verifier worker failed to start: {detail}",
+                group=GROUP,
+                rank=0,
+                method="ready",
+                cause=cause,
+            ) from err
         self._start_deaths = 0
         self._idle.append(slot.actor)
 

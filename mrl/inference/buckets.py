@@ -85,7 +85,9 @@ def _in_layer_order(named_tensors: Mapping[str, torch.Tensor] | ItemsView) -> li
 
 
 def iter_buckets(
-    named_tensors: Iterable[NamedTensor] | Mapping[str, torch.Tensor], bucket_bytes: int, *,
+    named_tensors: Iterable[NamedTensor] | Mapping[str, torch.Tensor],
+    bucket_bytes: int,
+    *,
     split_layers: bool = False,
 ) -> Iterator[list[NamedTensor]]:
     """Yield lists of (name, tensor) of at most `bucket_bytes` each, in input order.
@@ -139,10 +141,12 @@ def pack_flat(bucket: list[NamedTensor], header: list[FlatEntry], buffer: torch.
     """Copy the bucket's bytes into `buffer` (uint8, at least the layout's size, on any device) at the header's
     offsets."""
     for (_, tensor), (_, _, _, start, size) in zip(bucket, header):
-        buffer[start:start + size] = tensor.detach().contiguous().view(-1).view(torch.uint8)
+        buffer[start : start + size] = tensor.detach().contiguous().view(-1).view(torch.uint8)
 
 
 def flat_views(buffer: torch.Tensor, header: list[FlatEntry]) -> list[NamedTensor]:
     """The bucket's tensors as views of `buffer` (no copy): the receiving side of `pack_flat`."""
-    return [(name, buffer[start:start + size].view(getattr(torch, dtype)).view(shape))
-            for name, dtype, shape, start, size in header]
+    return [
+        (name, buffer[start : start + size].view(getattr(torch, dtype)).view(shape))
+        for name, dtype, shape, start, size in header
+    ]

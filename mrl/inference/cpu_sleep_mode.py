@@ -78,10 +78,13 @@ class CpuSleepMode:
         if self.released:
             raise SleepContractError(
                 f"generate on a sleeping vLLM engine ({', '.join(sorted(self.released))} released): its scheduler is "
-                "paused until every allocation is resident, so on a GPU the request would never be scheduled")
+                "paused until every allocation is resident, so on a GPU the request would never be scheduled"
+            )
         if self.garbage:
-            raise SleepContractError("generate on a vLLM engine whose weights a level-2 sleep discarded, before a refit "
-                                     "rewrote them: on a GPU it would sample from whatever the memory held")
+            raise SleepContractError(
+                "generate on a vLLM engine whose weights a level-2 sleep discarded, before a refit "
+                "rewrote them: on a GPU it would sample from whatever the memory held"
+            )
         self._note("generate")
         return self._llm.generate(*args, **kwargs)
 
@@ -90,7 +93,8 @@ class CpuSleepMode:
             if "weights" in self.released:
                 raise SleepContractError(
                     f"{method} on a vLLM engine whose weights are released: on a GPU their memory is unmapped (an "
-                    "illegal address), and the next wake-up would restore the old weights over the new ones")
+                    "illegal address), and the next wake-up would restore the old weights over the new ones"
+                )
             self._note(method)
         result = self._llm.collective_rpc(method, *args, **kwargs)
         if method == "mrl_finish_refit":

@@ -34,8 +34,9 @@ STEP_SEED_STRIDE = 10_000_019
 EVAL_SEED_OFFSET = 7
 
 
-def sampling_config(cfg: "MrlConfig", step: int = 0, *, purpose: Literal["train", "eval"] = "train",
-                    turn_end_id: Optional[int] = None) -> SamplingConfig:
+def sampling_config(
+    cfg: "MrlConfig", step: int = 0, *, purpose: Literal["train", "eval"] = "train", turn_end_id: Optional[int] = None
+) -> SamplingConfig:
     """How the engine samples: for GRPO step `step` (n = grpo.num_generations_per_prompt, generation.temperature),
     or for evaluation (n = eval.num_samples, eval.temperature). Every other setting (top-p/k, stop tokens and
     strings, length, overlong prompts) is generation.*'s in both, so validation sees what training sees.
@@ -108,9 +109,11 @@ def engine_seats(cfg: "MrlConfig", placement: Any, *, colocated_share: float = 0
     first = 0 if cfg.generation.colocated else cfg.policy_world_size
     if placement.num_bundles < first + engines * span:
         after = f" after {first} policy ranks" if first else ""
-        raise ValueError(f"{engines} generation engines of {span} bundle(s){after} need {first + engines * span} "
-                         f"bundles, placement '{placement.name}' has {placement.num_bundles}: raise "
-                         "cluster.devices_per_node or cluster.num_nodes")
+        raise ValueError(
+            f"{engines} generation engines of {span} bundle(s){after} need {first + engines * span} "
+            f"bundles, placement '{placement.name}' has {placement.num_bundles}: raise "
+            "cluster.devices_per_node or cluster.num_nodes"
+        )
     actors = tuple(first + e * span for e in range(engines))
     workers = tuple(tuple(range(a, a + span)) for a in actors) if span > 1 else ()
     for bundles in workers:
@@ -122,24 +125,36 @@ def _check_engine_bundles(cfg: "MrlConfig", placement: Any, bundles: tuple[int, 
     """One engine's worker bundles: each stage's tensor-parallel group on one node, all in one placement group, and
     across nodes only colocated (a non-colocated engine's actor receives each bucket and hands it to its workers by
     CUDA IPC, which reaches its own node's GPUs only)."""
-    stages = [bundles[i:i + tp] for i in range(0, len(bundles), tp)]
+    stages = [bundles[i : i + tp] for i in range(0, len(bundles), tp)]
     if any(len({placement.bundles[b].node_id for b in stage}) != 1 for stage in stages):
-        raise ValueError(f"a vLLM engine's tensor-parallel group of {tp} GPUs must sit on one node, but bundles "
-                         f"{list(bundles)} put one across nodes: make generation.vllm.tensor_parallel_size divide "
-                         "cluster.devices_per_node (and, not colocated, the policy's ranks on the first node); an "
-                         "engine larger than a node takes generation.vllm.pipeline_parallel_size stages")
+        raise ValueError(
+            f"a vLLM engine's tensor-parallel group of {tp} GPUs must sit on one node, but bundles "
+            f"{list(bundles)} put one across nodes: make generation.vllm.tensor_parallel_size divide "
+            "cluster.devices_per_node (and, not colocated, the policy's ranks on the first node); an "
+            "engine larger than a node takes generation.vllm.pipeline_parallel_size stages"
+        )
     if len({placement.bundles[b].group.id for b in bundles}) != 1:
-        raise ValueError(f"a vLLM engine's workers (bundles {list(bundles)}) must be in one placement group, but "
-                         f"placement '{placement.name}' has a group per node: reserve it with one group "
-                         "(mrl.app.runtime.reserve_placement does when an engine spans nodes)")
+        raise ValueError(
+            f"a vLLM engine's workers (bundles {list(bundles)}) must be in one placement group, but "
+            f"placement '{placement.name}' has a group per node: reserve it with one group "
+            "(mrl.app.runtime.reserve_placement does when an engine spans nodes)"
+        )
     if len({placement.bundles[b].node_id for b in bundles}) > 1 and not cfg.generation.colocated:
-        raise ValueError(f"a vLLM engine across nodes (bundles {list(bundles)}) needs generation.colocated=true: a "
-                         "non-colocated engine's refit arrives in its actor and reaches only its own node's GPUs")
+        raise ValueError(
+            f"a vLLM engine across nodes (bundles {list(bundles)}) needs generation.colocated=true: a "
+            "non-colocated engine's refit arrives in its actor and reaches only its own node's GPUs"
+        )
 
 
-def vllm_engine_config(cfg: "MrlConfig", model_path: str, *, load_weights: bool = True,
-                       seats: Optional[EngineSeats] = None, placement: Any = None,
-                       refitted: bool = False) -> "VllmEngineConfig":
+def vllm_engine_config(
+    cfg: "MrlConfig",
+    model_path: str,
+    *,
+    load_weights: bool = True,
+    seats: Optional[EngineSeats] = None,
+    placement: Any = None,
+    refitted: bool = False,
+) -> "VllmEngineConfig":
     """Settings of every vLLM engine of the run, starting from the HF folder `model_path` (`load_weights=False`: its
     config alone, the weights come by refit); `seats` on `placement`: where the engines' workers go, whose devices
     decide GPU settings (None: this process's)."""
@@ -173,8 +188,15 @@ def vllm_engine_config(cfg: "MrlConfig", model_path: str, *, load_weights: bool 
     )
 
 
-def build_vllm_engines(cfg: "MrlConfig", model_path: str, placement: Any, *, colocated_share: float = 0.5,
-                       load_weights: bool = True, refitted: bool = False) -> "VllmEngineGroup":
+def build_vllm_engines(
+    cfg: "MrlConfig",
+    model_path: str,
+    placement: Any,
+    *,
+    colocated_share: float = 0.5,
+    load_weights: bool = True,
+    refitted: bool = False,
+) -> "VllmEngineGroup":
     """One engine per generation data-parallel rank on `placement` (which must hold that many bundles).
 
     Colocated engines take `colocated_share` of each bundle (half by default), leaving the rest to the policy group
@@ -188,8 +210,9 @@ def build_vllm_engines(cfg: "MrlConfig", model_path: str, placement: Any, *, col
     seats = engine_seats(cfg, placement, colocated_share=colocated_share)
     threads, busy_per_node = worker_threads(cfg)
     return VllmEngineGroup(
-        vllm_engine_config(cfg, model_path, load_weights=load_weights, seats=seats, placement=placement,
-                           refitted=refitted),
+        vllm_engine_config(
+            cfg, model_path, load_weights=load_weights, seats=seats, placement=placement, refitted=refitted
+        ),
         placement,
         bundle_indices=list(seats.actors),
         resource_fraction=seats.share,
@@ -226,8 +249,15 @@ def megatron_engine_config(cfg: "MrlConfig", model_path: str, *, load_weights: b
     )
 
 
-def build_generation(cfg: "MrlConfig", model_path: str, placement: Any, *, colocated_share: float = 0.5,
-                     load_weights: bool = True, refitted: bool = False) -> "RolloutEngine":
+def build_generation(
+    cfg: "MrlConfig",
+    model_path: str,
+    placement: Any,
+    *,
+    colocated_share: float = 0.5,
+    load_weights: bool = True,
+    refitted: bool = False,
+) -> "RolloutEngine":
     """The rollout backend `generation.backend` names: vLLM engines on `placement` (`build_vllm_engines`), or one
     Megatron static-inference engine in this process at TP1 (`placement` unused: it holds its own model copy).
     `colocated_share`: the part of a shared bundle a colocated engine asks for. `load_weights=False`: the engines
@@ -237,5 +267,6 @@ def build_generation(cfg: "MrlConfig", model_path: str, placement: Any, *, coloc
         from mrl.inference.megatron_backend import MegatronBackend
 
         return MegatronBackend(megatron_engine_config(cfg, model_path, load_weights=load_weights))
-    return build_vllm_engines(cfg, model_path, placement, colocated_share=colocated_share, load_weights=load_weights,
-                              refitted=refitted)
+    return build_vllm_engines(
+        cfg, model_path, placement, colocated_share=colocated_share, load_weights=load_weights, refitted=refitted
+    )

@@ -144,8 +144,10 @@ def compact_routing(routing: torch.Tensor, num_experts: int) -> torch.Tensor:
     """An engine's expert ids (any integer dtype; vLLM 0.32: uint8, or uint16 past 256 experts) in
     `routing_dtype(num_experts)`; an id outside the model's experts is refused (the engine serves another model)."""
     if routing.numel() and not 0 <= int(routing.min()) <= int(routing.max()) < num_experts:
-        raise ValueError(f"expert ids {int(routing.min())}..{int(routing.max())} are not those of a model with "
-                         f"{num_experts} routed experts (0..{num_experts - 1})")
+        raise ValueError(
+            f"expert ids {int(routing.min())}..{int(routing.max())} are not those of a model with "
+            f"{num_experts} routed experts (0..{num_experts - 1})"
+        )
     return routing.to(routing_dtype(num_experts))
 
 
@@ -162,8 +164,10 @@ def routing_rows(routings: Sequence[Optional[torch.Tensor]], width: int) -> Opti
         if routing is None:
             continue
         if routing.shape[1:] != carried[0].shape[1:] or routing.dtype != dtype:
-            raise ValueError(f"row {row}: routing of shape {list(routing.shape)} ({routing.dtype}) against "
-                             f"{list(carried[0].shape)} ({dtype}) in another row (another model?)")
+            raise ValueError(
+                f"row {row}: routing of shape {list(routing.shape)} ({routing.dtype}) against "
+                f"{list(carried[0].shape)} ({dtype}) in another row (another model?)"
+            )
         tokens = min(len(routing), width)
         out[row, :tokens] = routing[:tokens]
     return out

@@ -53,9 +53,15 @@ class EngineLifecycle:
     engine); they run only on a real transition. `sleeps=False`: the engine never sleeps (see the module docstring).
     """
 
-    def __init__(self, name: str, *, sleeps: bool, sleep: Callable[[], None] = lambda: None,
-                 wake: Callable[[Sequence[str]], None] = lambda tags: None,
-                 discard_sleep: Optional[Callable[[], None]] = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        *,
+        sleeps: bool,
+        sleep: Callable[[], None] = lambda: None,
+        wake: Callable[[Sequence[str]], None] = lambda tags: None,
+        discard_sleep: Optional[Callable[[], None]] = None,
+    ) -> None:
         self.name = name
         self.sleeps = sleeps
         self._sleep, self._wake, self._discard_sleep = sleep, wake, discard_sleep
@@ -89,8 +95,10 @@ class EngineLifecycle:
     def wake_all(self) -> None:
         """Weights and KV cache resident: the engine can generate."""
         if self.needs_refit:
-            raise EngineStateError(f"{self.name}: its weights were discarded by a level-2 sleep and no refit has "
-                                   "written them since; refit the engine before it generates")
+            raise EngineStateError(
+                f"{self.name}: its weights were discarded by a level-2 sleep and no refit has "
+                "written them since; refit the engine before it generates"
+            )
         if self.state is EngineState.ASLEEP:
             self._wake((WEIGHTS, KV_CACHE))
         elif self.state is EngineState.WEIGHTS_AWAKE:
@@ -102,12 +110,16 @@ class EngineLifecycle:
     def check_load(self, what: str = "a refit bucket") -> None:
         """Raise unless the weights are resident."""
         if self.state is EngineState.ASLEEP:
-            raise EngineStateError(f"{self.name}: cannot load {what} while the engine is {self.state.value} (its "
-                                   "weights' memory is released); a refit wakes the weights first "
-                                   "(`prepare_for_refit`)")
+            raise EngineStateError(
+                f"{self.name}: cannot load {what} while the engine is {self.state.value} (its "
+                "weights' memory is released); a refit wakes the weights first "
+                "(`prepare_for_refit`)"
+            )
 
     def check_generate(self) -> None:
         """Raise unless weights and KV cache are resident."""
         if self.state is not EngineState.FULLY_AWAKE:
-            raise EngineStateError(f"{self.name}: cannot generate while the engine is {self.state.value} (no KV "
-                                   "cache to schedule on); call `prepare_for_generation()` first")
+            raise EngineStateError(
+                f"{self.name}: cannot generate while the engine is {self.state.value} (no KV "
+                "cache to schedule on); call `prepare_for_generation()` first"
+            )

@@ -123,7 +123,7 @@ class _UnpaddedLogitsWrapper(GPTInferenceWrapper):
     def run_one_forward_step(self, inference_input, recv_buffer_seq_len=None):
         logits = super().run_one_forward_step(inference_input, recv_buffer_seq_len)  # [b, s, V_padded]
         if logits is not None:
-            logits[..., self.vocab_size:] = float("-inf")
+            logits[..., self.vocab_size :] = float("-inf")
         if self.routing is not None:
             self.routing.collect(inference_input["position_ids"][0])
         return logits
@@ -149,8 +149,7 @@ class _RoutingRecorder:
         rows, positions = self.buffer.shape[0], positions.cpu()
         for layer, chosen in self.replay.record.items():
             (top,) = chosen  # one forward since the last collect
-            self.buffer[:, positions, layer] = top.view(len(positions), rows, -1).transpose(0, 1).to(
-                self.dtype).cpu()
+            self.buffer[:, positions, layer] = top.view(len(positions), rows, -1).transpose(0, 1).to(self.dtype).cpu()
         self.replay.record = {}
 
 
@@ -271,8 +270,7 @@ class MegatronBackend:
         self._pending: dict[str, torch.Tensor] = {}
         # The same state machine as vLLM's engines; asleep it holds its weights still, and gives back what the
         # allocator caches (the KV context and activations are allocated per generation).
-        self.lifecycle = EngineLifecycle("Megatron engine", sleeps=config.sleep_when_idle,
-                                         sleep=_release_cached_memory)
+        self.lifecycle = EngineLifecycle("Megatron engine", sleeps=config.sleep_when_idle, sleep=_release_cached_memory)
 
     # ------------------------------------------------------------------------------------------------ generation
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig) -> GenerationOutput:
@@ -283,13 +281,19 @@ class MegatronBackend:
                 "the Megatron generation backend works on token ids and cannot match stop strings "
                 f"{list(sampling.stop_strings)}: use generation.stop_token_ids, or generation.backend=vllm"
             )
-        fitted = fit_prompts(prompts, max_prompt_tokens(self.max_model_len, sampling.max_new_tokens),
-                             sampling.overlong_prompt)
+        fitted = fit_prompts(
+            prompts, max_prompt_tokens(self.max_model_len, sampling.max_new_tokens), sampling.overlong_prompt
+        )
         rows = [ids for ids in fitted.token_ids for _ in range(sampling.n)]  # prompt-major
         results = self._run(rows, sampling) if rows else []
-        by_prompt = {index: results[j * sampling.n:(j + 1) * sampling.n] for j, index in enumerate(fitted.indices)}
-        return assemble_output(fitted, len(prompts), sampling.n, by_prompt,
-                               lambda index, requests, cut: self._prompt_samples(index, requests, sampling, cut))
+        by_prompt = {index: results[j * sampling.n : (j + 1) * sampling.n] for j, index in enumerate(fitted.indices)}
+        return assemble_output(
+            fitted,
+            len(prompts),
+            sampling.n,
+            by_prompt,
+            lambda index, requests, cut: self._prompt_samples(index, requests, sampling, cut),
+        )
 
     def _run(self, rows: list[list[int]], sampling: SamplingConfig) -> list[InferenceRequest]:
         """Megatron's finished requests for `rows`, in row order."""
@@ -301,13 +305,15 @@ class MegatronBackend:
         if sampling.seed is not None:
             self.controller.sampling_rng.manual_seed(sampling.seed)
         params = _megatron_sampling_params(sampling)
-        requests = [InferenceRequest(request_id=i, prompt="", sampling_params=params, prompt_tokens=list(ids))
-                    for i, ids in enumerate(rows)]
+        requests = [
+            InferenceRequest(request_id=i, prompt="", sampling_params=params, prompt_tokens=list(ids))
+            for i, ids in enumerate(rows)
+        ]
         # A static batch prefills up to its shortest prompt and feeds the rest one token per step: batch rows of
         # similar length together.
         by_length = sorted(requests, key=lambda r: len(r.prompt_tokens))
         for start in range(0, len(by_length), self.config.max_batch_size):
-            batch = by_length[start:start + self.config.max_batch_size]
+            batch = by_length[start : start + self.config.max_batch_size]
             recorder = self.controller.inference_wrapped_model.routing
             if recorder is not None:
                 recorder.start(len(batch), self.topk)
@@ -333,8 +339,18 @@ class MegatronBackend:
             tokens = [int(t) for t in request.generated_tokens.tolist()]
             logprobs = [float(x) for x in request.generated_log_probs] if sampling.logprobs else None
             reason = FinishReason.STOP if tokens and tokens[-1] in stops else FinishReason.LENGTH
-            samples.append(GeneratedSample(index, k, list(request.prompt_tokens), tokens, logprobs, reason, truncated,
-                                           getattr(request, "routing", None)))
+            samples.append(
+                GeneratedSample(
+                    index,
+                    k,
+                    list(request.prompt_tokens),
+                    tokens,
+                    logprobs,
+                    reason,
+                    truncated,
+                    getattr(request, "routing", None),
+                )
+            )
         return samples
 
     # ---------------------------------------------------------------------------------------------------- refit
@@ -393,7 +409,9 @@ def _build_model(hf_config: Mapping[str, Any], dtype: torch.dtype) -> Any:
     tp = parallel_state.get_tensor_model_parallel_world_size()
     pp = parallel_state.get_pipeline_model_parallel_world_size()
     if (tp, pp) != (1, 1):
-        raise ValueError(f"the Megatron generation backend runs at TP1/PP1, but this process's groups are "
-                         f"tp={tp}, pp={pp}: build it in a process of its own")
+        raise ValueError(
+            f"the Megatron generation backend runs at TP1/PP1, but this process's groups are "
+            f"tp={tp}, pp={pp}: build it in a process of its own"
+        )
     model = build_gpt_model(hf_config, transformer_config_from_hf(hf_config, params_dtype=dtype))
     return model.eval()

@@ -70,17 +70,25 @@ class ResponsesRequest(BaseModel):
     seed: Optional[int] = None
 
     def messages(self) -> list[dict]:
-        turns = [{"role": "user", "content": self.input}] if isinstance(self.input, str) else [
-            m.model_dump() for m in self.input]
+        turns = (
+            [{"role": "user", "content": self.input}]
+            if isinstance(self.input, str)
+            else [m.model_dump() for m in self.input]
+        )
         return ([{"role": "system", "content": self.instructions}] if self.instructions else []) + turns
 
 
 def _sampling(request: ChatRequest, default_max_tokens: int, turn_end_id: Optional[int]) -> SamplingConfig:
     stops = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
-    return SamplingConfig(n=request.n, temperature=request.temperature, top_p=request.top_p,
-                          max_new_tokens=request.max_completion_tokens or request.max_tokens or default_max_tokens,
-                          stop_token_ids=(turn_end_id,) if turn_end_id is not None else (),
-                          stop_strings=tuple(stops), seed=request.seed)
+    return SamplingConfig(
+        n=request.n,
+        temperature=request.temperature,
+        top_p=request.top_p,
+        max_new_tokens=request.max_completion_tokens or request.max_tokens or default_max_tokens,
+        stop_token_ids=(turn_end_id,) if turn_end_id is not None else (),
+        stop_strings=tuple(stops),
+        seed=request.seed,
+    )
 
 
 def _response(sample: Any, prompt_ids: list[int], tokenizer: Any, model: str) -> dict:
@@ -89,30 +97,52 @@ def _response(sample: Any, prompt_ids: list[int], tokenizer: Any, model: str) ->
     message = choice["message"]
     text = message.pop("content")
     complete = choice["finish_reason"] == "stop"
-    output = {"type": "message", "id": f"msg_{uuid.uuid4().hex}", "status": "completed" if complete else "incomplete",
-              **message, "content": [{"type": "output_text", "text": text, "annotations": []}]}
-    return {"id": f"resp_{uuid.uuid4().hex}", "object": "response", "created_at": int(time.time()), "model": model,
-            "status": "completed" if complete else "incomplete",
-            "incomplete_details": None if complete else {"reason": "max_output_tokens"}, "output": [output],
-            "output_text": text, "usage": {"input_tokens": len(prompt_ids), "output_tokens": len(sample.token_ids),
-                                           "total_tokens": len(prompt_ids) + len(sample.token_ids)}}
+    output = {
+        "type": "message",
+        "id": f"msg_{uuid.uuid4().hex}",
+        "status": "completed" if complete else "incomplete",
+        **message,
+        "content": [{"type": "output_text", "text": text, "annotations": []}],
+    }
+    return {
+        "id": f"resp_{uuid.uuid4().hex}",
+        "object": "response",
+        "created_at": int(time.time()),
+        "model": model,
+        "status": "completed" if complete else "incomplete",
+        "incomplete_details": None if complete else {"reason": "max_output_tokens"},
+        "output": [output],
+        "output_text": text,
+        "usage": {
+            "input_tokens": len(prompt_ids),
+            "output_tokens": len(sample.token_ids),
+            "total_tokens": len(prompt_ids) + len(sample.token_ids),
+        },
+    }
 
 
 def _choice(index: int, sample: Any, prompt_ids: list[int], tokenizer: Any) -> dict:
     text = tokenizer.decode(list(sample.token_ids), skip_special_tokens=True)
-    message = {"role": "assistant", "content": text, "prompt_token_ids": prompt_ids,
-               "generation_token_ids": list(sample.token_ids), "generation_log_probs": list(sample.logprobs or [])}
+    message = {
+        "role": "assistant",
+        "content": text,
+        "prompt_token_ids": prompt_ids,
+        "generation_token_ids": list(sample.token_ids),
+        "generation_log_probs": list(sample.logprobs or []),
+    }
     return {"index": index, "message": message, "finish_reason": _FINISH.get(sample.finish_reason, "stop")}
 
 
-def build_model_app(engine: GenerationBackend, tokenizer: Any, *, model_name: str = "mrl-policy",
-                    default_max_tokens: int = 256) -> FastAPI:
+def build_model_app(
+    engine: GenerationBackend, tokenizer: Any, *, model_name: str = "mrl-policy", default_max_tokens: int = 256
+) -> FastAPI:
     """The FastAPI app of the model server (see the module docstring)."""
     from mrl.data.templates import chat_turn_end_id
 
     if not getattr(tokenizer, "chat_template", None):
-        raise ValueError("the model server renders chat messages with the tokenizer's chat template; this tokenizer "
-                         "has none")
+        raise ValueError(
+            "the model server renders chat messages with the tokenizer's chat template; this tokenizer has none"
+        )
     app, lock, turn_end = FastAPI(title="mrl model server"), threading.Lock(), chat_turn_end_id(tokenizer)
 
     @app.get("/health")
@@ -144,17 +174,30 @@ def build_model_app(engine: GenerationBackend, tokenizer: Any, *, model_name: st
         out = generate(prompt_ids, _sampling(request, default_max_tokens, turn_end), "messages")
         choices = [_choice(i, s, prompt_ids, tokenizer) for i, s in enumerate(out.samples)]
         completion = sum(len(s.token_ids) for s in out.samples)
-        return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
-                "model": request.model or model_name, "choices": choices,
-                "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": completion,
-                          "total_tokens": len(prompt_ids) + completion}}
+        return {
+            "id": f"chatcmpl-{uuid.uuid4().hex}",
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": request.model or model_name,
+            "choices": choices,
+            "usage": {
+                "prompt_tokens": len(prompt_ids),
+                "completion_tokens": completion,
+                "total_tokens": len(prompt_ids) + completion,
+            },
+        }
 
     @app.post("/v1/responses")
     def responses(request: ResponsesRequest) -> dict:
         prompt_ids = render(request.messages(), "input")
-        sampling = SamplingConfig(n=1, temperature=request.temperature, top_p=request.top_p,
-                                  max_new_tokens=request.max_output_tokens or default_max_tokens,
-                                  stop_token_ids=(turn_end,) if turn_end is not None else (), seed=request.seed)
+        sampling = SamplingConfig(
+            n=1,
+            temperature=request.temperature,
+            top_p=request.top_p,
+            max_new_tokens=request.max_output_tokens or default_max_tokens,
+            stop_token_ids=(turn_end,) if turn_end is not None else (),
+            seed=request.seed,
+        )
         out = generate(prompt_ids, sampling, "input")
         return _response(out.samples[0], prompt_ids, tokenizer, request.model or model_name)
 

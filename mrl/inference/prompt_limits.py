@@ -61,12 +61,22 @@ def fit_prompts(prompts: Sequence[Sequence[int]], limit: int, policy: OverlongPr
     return FittedPrompts(kept, indices, frozenset(truncated), frozenset(rejected))
 
 
-def assemble_output(fitted: FittedPrompts, num_prompts: int, n: int, results: Mapping[int, Any],
-                    samples_of: Callable[[int, Optional[Any], bool], list[GeneratedSample]]) -> GenerationOutput:
+def assemble_output(
+    fitted: FittedPrompts,
+    num_prompts: int,
+    n: int,
+    results: Mapping[int, Any],
+    samples_of: Callable[[int, Optional[Any], bool], list[GeneratedSample]],
+) -> GenerationOutput:
     """Every prompt's n samples in prompt order: `samples_of(index, its engine result or None if rejected,
     truncated?)` builds them from the engine's own result type."""
     samples: list[GeneratedSample] = []
     for index in range(num_prompts):
         samples.extend(samples_of(index, results.get(index), index in fitted.truncated))
-    return GenerationOutput(samples=samples, num_prompts=num_prompts, n=n,
-                            num_prompts_truncated=len(fitted.truncated), num_prompts_rejected=len(fitted.rejected))
+    return GenerationOutput(
+        samples=samples,
+        num_prompts=num_prompts,
+        n=n,
+        num_prompts_truncated=len(fitted.truncated),
+        num_prompts_rejected=len(fitted.rejected),
+    )

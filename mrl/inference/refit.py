@@ -143,8 +143,14 @@ class LocalWeights:
         return transport.pack(self._bucket)
 
 
-def refit(source: WeightSource, sink: RefitSink, transport: WeightTransport, *, bucket_bytes: int,
-          on_sent: Optional[Callable[[], None]] = None) -> RefitStats:
+def refit(
+    source: WeightSource,
+    sink: RefitSink,
+    transport: WeightTransport,
+    *,
+    bucket_bytes: int,
+    on_sent: Optional[Callable[[], None]] = None,
+) -> RefitStats:
     """Move every bucket of `source` into `sink` through `transport` (see the module docstring). `on_sent` is called
     once the source has handed over its last bucket: its weights may change from then on, while the sink may still
     be loading that bucket (asynchronous GRPO trains the policy's next step meanwhile)."""
@@ -187,8 +193,13 @@ def _close_after_failure(sink: RefitSink) -> None:
         log.warning("closing the failed refit: %s", error)
 
 
-def _moved(source: WeightSource, sink: RefitSink, transport: WeightTransport, plan: Iterable[int],
-           on_sent: Optional[Callable[[], None]]) -> Iterator[Payload]:
+def _moved(
+    source: WeightSource,
+    sink: RefitSink,
+    transport: WeightTransport,
+    plan: Iterable[int],
+    on_sent: Optional[Callable[[], None]],
+) -> Iterator[Payload]:
     """One bucket at a time from the source into every worker of the sink (`on_sent` after the last is loaded)."""
     for index in plan:
         payload = source.send_bucket(index, transport)
@@ -201,8 +212,13 @@ def _moved(source: WeightSource, sink: RefitSink, transport: WeightTransport, pl
         on_sent()
 
 
-def _met(source: WeightSource, sink: RefitSink, transport: WeightTransport, plan: Iterable[int],
-         on_sent: Optional[Callable[[], None]]) -> Iterator[Payload]:
+def _met(
+    source: WeightSource,
+    sink: RefitSink,
+    transport: WeightTransport,
+    plan: Iterable[int],
+    on_sent: Optional[Callable[[], None]],
+) -> Iterator[Payload]:
     """Sender and receivers meet in one broadcast per bucket: both start, and both end before the next bucket (a
     sender blocked in a broadcast whose receiver died would never return). Only the last bucket's receivers may
     still be loading when `on_sent` is called: its sender is done, and a receiver that fails before then is
@@ -210,8 +226,10 @@ def _met(source: WeightSource, sink: RefitSink, transport: WeightTransport, plan
     from mrl.distributed import result_watching, wait_all
 
     if not (hasattr(source, "send_bucket_async") and hasattr(sink, "load_payload_async")):
-        raise TypeError(f"a {transport.kind} transport needs a CollectiveWeightSource and a CollectiveRefitSink, "
-                        f"got {type(source).__name__} and {type(sink).__name__}")
+        raise TypeError(
+            f"a {transport.kind} transport needs a CollectiveWeightSource and a CollectiveRefitSink, "
+            f"got {type(source).__name__} and {type(sink).__name__}"
+        )
     indices = list(plan)  # a collective source plans from its config alone (`Policy.plan_buckets`: a range)
     several = getattr(transport, "senders", 1) > 1 and hasattr(source, "bucket_sender")
     for position, index in enumerate(indices):
@@ -236,8 +254,13 @@ def _pipelines(sink: RefitSink, transport: WeightTransport) -> bool:
     return not transport.meets and transport.in_flight >= 2 and hasattr(sink, "load_payload_async")
 
 
-def _pipelined(source: WeightSource, sink: RefitSink, transport: WeightTransport, plan: Iterable[int],
-               on_sent: Optional[Callable[[], None]]) -> Iterator[Payload]:
+def _pipelined(
+    source: WeightSource,
+    sink: RefitSink,
+    transport: WeightTransport,
+    plan: Iterable[int],
+    on_sent: Optional[Callable[[], None]],
+) -> Iterator[Payload]:
     """Double-buffered: the source gathers and packs bucket i + 1 while every worker of the sink loads bucket i;
     bucket i is released once loaded, before bucket i + 2 is packed (at most two payloads alive). `on_sent` comes
     after the last bucket is packed, while the sink loads it."""

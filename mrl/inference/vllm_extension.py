@@ -254,7 +254,8 @@ def allocate_pp_receive_buffers(worker: Any) -> bool:
     if get_pp_group().is_first_rank or getattr(runner, "intermediate_tensors", None) is not None:
         return False
     runner.intermediate_tensors = runner.get_model().make_empty_intermediate_tensors(
-        batch_size=runner.max_num_tokens, dtype=runner.model_config.dtype, device=runner.device)
+        batch_size=runner.max_num_tokens, dtype=runner.model_config.dtype, device=runner.device
+    )
     return True
 
 

@@ -30,16 +30,15 @@ from typing import Any, Optional
 
 import torch
 
+from mrl.distributed import GroupFuture, Work, WorkerGroup
+from mrl.distributed.env import Threads
+from mrl.distributed.faults import inject
 from mrl.inference.buckets import NamedTensor
 from mrl.inference.interface import GeneratedSample, GenerationOutput, SamplingConfig
 from mrl.inference.lifecycle import WEIGHTS, EngineLifecycle
 from mrl.inference.refit import LocalWeights, RefitStats, refit
 from mrl.inference.transports import CollectiveTransport, Payload, make_transport
 from mrl.inference.vllm_backend import VllmBackend, VllmEngineConfig, expected_tensor_names
-
-from mrl.distributed import GroupFuture, Work, WorkerGroup
-from mrl.distributed.env import Threads
-from mrl.distributed.faults import inject
 from mrl.logging.known_noise import ENGINE_ENV
 
 
@@ -109,9 +108,13 @@ def engine_actor_options(config: VllmEngineConfig) -> dict[str, Any]:
     """What an engine's actor asks of its bundle beyond the group's share (`WorkerGroup` keywords). With vLLM's Ray
     executor the actor holds no GPU (its workers do) and sees its node's GPUs, as vLLM's platform code expects."""
     executor = bool(config.ray_executor_bundles)
-    return {"gpu_fraction": 0.0 if executor else None,
-            "env": {**ENGINE_ENV,  # vLLM's INFO logs and torch's C++ notices, known to be harmless
-                    **({"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"} if executor else {})}}
+    return {
+        "gpu_fraction": 0.0 if executor else None,
+        "env": {
+            **ENGINE_ENV,  # vLLM's INFO logs and torch's C++ notices, known to be harmless
+            **({"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"} if executor else {}),
+        },
+    }
 
 
 class VllmEngineGroup:
@@ -134,15 +137,26 @@ class VllmEngineGroup:
         self.config = config
         self.expected_names = expected_tensor_names(config)
         self._transport = make_transport(config.refit_transport)
-        self.lifecycle = EngineLifecycle(f"engine group '{name}'", sleeps=config.sleep_when_idle,
-                                         sleep=lambda: self.workers.run_all("finish_generation"),
-                                         wake=self._wake,
-                                         discard_sleep=(lambda: self.workers.run_all("finish_generation", True))
-                                         if config.sleep_level == 2 else None)
-        self.workers = WorkerGroup(name, VllmEngineWorker, placement, init_args=(config,),
-                                   bundle_indices=bundle_indices, resource_fraction=resource_fraction,
-                                   omp_num_threads=omp_num_threads, busy_per_node=busy_per_node,
-                                   **engine_actor_options(config))
+        self.lifecycle = EngineLifecycle(
+            f"engine group '{name}'",
+            sleeps=config.sleep_when_idle,
+            sleep=lambda: self.workers.run_all("finish_generation"),
+            wake=self._wake,
+            discard_sleep=(lambda: self.workers.run_all("finish_generation", True))
+            if config.sleep_level == 2
+            else None,
+        )
+        self.workers = WorkerGroup(
+            name,
+            VllmEngineWorker,
+            placement,
+            init_args=(config,),
+            bundle_indices=bundle_indices,
+            resource_fraction=resource_fraction,
+            omp_num_threads=omp_num_threads,
+            busy_per_node=busy_per_node,
+            **engine_actor_options(config),
+        )
 
     @property
     def num_engines(self) -> int:
@@ -162,8 +176,9 @@ class VllmEngineGroup:
         }
         uneven = (count + pads) % self.num_engines != 0
         tokens = sum(len(p) for p in prompts) + count * sampling.n * sampling.max_new_tokens
-        merged = self.workers.shard_and_run("generate_shard", batch, sampling, allow_uneven=uneven,
-                                            work=Work(tokens=tokens))
+        merged = self.workers.shard_and_run(
+            "generate_shard", batch, sampling, allow_uneven=uneven, work=Work(tokens=tokens)
+        )
         samples: list[GeneratedSample] = [s for s in merged["samples"] if s.prompt_index < count]
         return GenerationOutput(
             samples=samples,

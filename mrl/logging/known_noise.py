@@ -32,27 +32,46 @@ class KnownNoise:
 
 
 WARNINGS = (
-    KnownNoise(r"megatron\.core\.", r"Transformer Engine and Apex are not installed",
-               "CPU machines have neither: the local layer spec and torch's optimizers are what mrl uses there; GPU "
-               "images install Transformer Engine, and then the warning is not raised"),
-    KnownNoise(r"megatron\.core\.", r"Apex is not installed\. Falling back to Torch Norm",
-               "Apex is not on PyPI; torch's RMSNorm is the norm of the local spec"),
-    KnownNoise(r"megatron\.core\.transformer\.transformer_config", r"full scope is deprecated",
-               "megatron-core 0.16.1 warns about its own default cuda_graph_scope; mrl captures no CUDA graphs"),
-    KnownNoise(r"megatron\.core\.inference\.engines\.static_engine", r"The static engine will be deprecated",
-               "the legacy static engine is the only Megatron inference that runs on CPU (the dynamic one needs "
-               "flash_attn)"),
-    KnownNoise(r"vllm\.triton_utils\.dispatcher", r"`torch\.distributed\.reduce_op` is deprecated",
-               "vLLM 0.32 touches torch's deprecated alias while scanning modules for Triton kernels"),
-    KnownNoise(r"torch\.distributed\.c10d_logger",
-               r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated",
-               "megatron-core 0.16.1 calls the collectives by their deprecated names (mixture-of-experts dispatch); "
-               "the operations are the same"),
+    KnownNoise(
+        r"megatron\.core\.",
+        r"Transformer Engine and Apex are not installed",
+        "CPU machines have neither: the local layer spec and torch's optimizers are what mrl uses there; GPU "
+        "images install Transformer Engine, and then the warning is not raised",
+    ),
+    KnownNoise(
+        r"megatron\.core\.",
+        r"Apex is not installed\. Falling back to Torch Norm",
+        "Apex is not on PyPI; torch's RMSNorm is the norm of the local spec",
+    ),
+    KnownNoise(
+        r"megatron\.core\.transformer\.transformer_config",
+        r"full scope is deprecated",
+        "megatron-core 0.16.1 warns about its own default cuda_graph_scope; mrl captures no CUDA graphs",
+    ),
+    KnownNoise(
+        r"megatron\.core\.inference\.engines\.static_engine",
+        r"The static engine will be deprecated",
+        "the legacy static engine is the only Megatron inference that runs on CPU (the dynamic one needs flash_attn)",
+    ),
+    KnownNoise(
+        r"vllm\.triton_utils\.dispatcher",
+        r"`torch\.distributed\.reduce_op` is deprecated",
+        "vLLM 0.32 touches torch's deprecated alias while scanning modules for Triton kernels",
+    ),
+    KnownNoise(
+        r"torch\.distributed\.c10d_logger",
+        r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated",
+        "megatron-core 0.16.1 calls the collectives by their deprecated names (mixture-of-experts dispatch); "
+        "the operations are the same",
+    ),
 )
 
 LOG_RECORDS = (
-    KnownNoise("torch._library.triton", r"Triton not available",
-               "Triton is CUDA-only and removed from the CPU stack; nothing mrl runs on CPU needs it"),
+    KnownNoise(
+        "torch._library.triton",
+        r"Triton not available",
+        "Triton is CUDA-only and removed from the CPU stack; nothing mrl runs on CPU needs it",
+    ),
 )
 
 #: Environment of vLLM engine processes (set when the process starts: torch reads it at import).

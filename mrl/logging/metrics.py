@@ -66,7 +66,9 @@ class WandbSink:
         try:
             import wandb
         except ImportError:
-            raise RuntimeError("logger.wandb.enabled=true but wandb is not installed: pip install 'mrl[wandb]'") from None
+            raise RuntimeError(
+                "logger.wandb.enabled=true but wandb is not installed: pip install 'mrl[wandb]'"
+            ) from None
         self._run = wandb.init(project=project, name=name, entity=entity, config=dict(config or {}))
 
     def log(self, metrics: Mapping[str, float], step: int) -> None:
@@ -79,8 +81,9 @@ class WandbSink:
 class ConsoleSink:
     """Progress bar on a TTY (tqdm), a plain line every `log_every` steps otherwise."""
 
-    def __init__(self, total_steps: int | None, description: str, key_metrics: Sequence[str], log_every: int = 1,
-                 stream=None):
+    def __init__(
+        self, total_steps: int | None, description: str, key_metrics: Sequence[str], log_every: int = 1, stream=None
+    ):
         self.stream = stream or sys.stderr
         self.key_metrics = list(key_metrics)
         self.log_every, self.total = log_every, total_steps
@@ -107,8 +110,11 @@ class ConsoleSink:
             eta = f" eta {_duration(elapsed / step * (self.total - step))}"
         of_total = f"/{self.total}" if self.total else ""
         values = " ".join(f"{k}={_fmt(v)}" for k, v in shown.items())
-        print(f"[{self.description}] step {step}{of_total} {_duration(elapsed)}{eta} {values}".rstrip(),
-              file=self.stream, flush=True)
+        print(
+            f"[{self.description}] step {step}{of_total} {_duration(elapsed)}{eta} {values}".rstrip(),
+            file=self.stream,
+            flush=True,
+        )
 
     def close(self) -> None:
         if self._bar is not None:
@@ -126,8 +132,15 @@ class MetricsLogger:
         self.history: dict[str, list[tuple[int, float]]] = {}
 
     @classmethod
-    def from_config(cls, cfg, *, total_steps: int | None, description: str, key_metrics: Sequence[str] = (),
-                    run_config: Mapping[str, Any] | None = None) -> "MetricsLogger":
+    def from_config(
+        cls,
+        cfg,
+        *,
+        total_steps: int | None,
+        description: str,
+        key_metrics: Sequence[str] = (),
+        run_config: Mapping[str, Any] | None = None,
+    ) -> "MetricsLogger":
         """Sinks from a `LoggerConfig` (mrl.config.schema)."""
         log_dir = Path(cfg.log_dir)
         sinks: list[Sink] = []
@@ -187,4 +200,8 @@ def _fmt(value: float) -> str:
 
 def _duration(seconds: float) -> str:
     seconds = int(seconds)
-    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}" if seconds >= 3600 else f"{seconds // 60}:{seconds % 60:02d}"
+    return (
+        f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+        if seconds >= 3600
+        else f"{seconds // 60}:{seconds % 60:02d}"
+    )

@@ -200,11 +200,18 @@ def _moe_kwargs(dims: ModelDims) -> dict[str, Any]:
     moe = dims.moe
     assert moe is not None
     kwargs: dict[str, Any] = dict(
-        num_moe_experts=moe.num_experts, moe_router_topk=moe.topk, moe_ffn_hidden_size=moe.ffn_hidden_size,
+        num_moe_experts=moe.num_experts,
+        moe_router_topk=moe.topk,
+        moe_ffn_hidden_size=moe.ffn_hidden_size,
         moe_layer_freq=[int(is_moe) for is_moe in moe.layers],  # a list: Megatron reads an int N as i % N == 0
-        moe_router_score_function=moe.score_function, moe_token_dispatcher_type="alltoall", moe_grouped_gemm=False,
-        moe_permute_fusion=False, moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
-        moe_router_dtype="fp32")
+        moe_router_score_function=moe.score_function,
+        moe_token_dispatcher_type="alltoall",
+        moe_grouped_gemm=False,
+        moe_permute_fusion=False,
+        moe_router_load_balancing_type="none",
+        moe_aux_loss_coeff=0.0,
+        moe_router_dtype="fp32",
+    )
     if moe.score_function == "softmax":  # top-k of the logits, softmax over the k = HF's renormalised top-k
         kwargs["moe_router_pre_softmax"] = not moe.normalize_topk
     if moe.scaling_factor != 1.0:
@@ -224,26 +231,47 @@ def _mla_kwargs(dims: ModelDims) -> dict[str, Any]:
     mla, rope = dims.mla, dims.rope_parameters
     assert mla is not None
     kwargs: dict[str, Any] = dict(
-        multi_latent_attention=True, q_lora_rank=mla.q_lora_rank, kv_lora_rank=mla.kv_lora_rank,
-        qk_head_dim=mla.qk_nope_head_dim, qk_pos_emb_head_dim=mla.qk_rope_head_dim, v_head_dim=mla.v_head_dim,
-        kv_channels=mla.v_head_dim, rotary_base=dims.rope_theta)
+        multi_latent_attention=True,
+        q_lora_rank=mla.q_lora_rank,
+        kv_lora_rank=mla.kv_lora_rank,
+        qk_head_dim=mla.qk_nope_head_dim,
+        qk_pos_emb_head_dim=mla.qk_rope_head_dim,
+        v_head_dim=mla.v_head_dim,
+        kv_channels=mla.v_head_dim,
+        rotary_base=dims.rope_theta,
+    )
     if dims.rope_type != "yarn":
         return {**kwargs, "rope_type": "rope", "rotary_scaling_factor": 1.0}
-    return {**kwargs, "rope_type": "yarn", "rotary_scaling_factor": float(rope["factor"]),
-            "original_max_position_embeddings": int(rope["original_max_position_embeddings"]),
-            "beta_fast": float(rope.get("beta_fast") or 32), "beta_slow": float(rope.get("beta_slow") or 1),
-            "mscale": float(rope.get("mscale") or 1.0), "mscale_all_dim": float(rope.get("mscale_all_dim") or 0.0)}
+    return {
+        **kwargs,
+        "rope_type": "yarn",
+        "rotary_scaling_factor": float(rope["factor"]),
+        "original_max_position_embeddings": int(rope["original_max_position_embeddings"]),
+        "beta_fast": float(rope.get("beta_fast") or 32),
+        "beta_slow": float(rope.get("beta_slow") or 1),
+        "mscale": float(rope.get("mscale") or 1.0),
+        "mscale_all_dim": float(rope.get("mscale_all_dim") or 0.0),
+    }
 
 
-def router_settings(dims: ModelDims, *, expert_parallel: int = 1, router_dtype: str = "fp32",
-                    aux_loss_coeff: float = 0.0, expert_bias_update_rate: float = 0.0) -> dict[str, Any]:
+def router_settings(
+    dims: ModelDims,
+    *,
+    expert_parallel: int = 1,
+    router_dtype: str = "fp32",
+    aux_loss_coeff: float = 0.0,
+    expert_bias_update_rate: float = 0.0,
+) -> dict[str, Any]:
     """TransformerConfig overrides of a run's expert layout and router settings (`policy.moe`); {} for a dense
     model. A load-balancing loss is added only with a positive coefficient."""
     if dims.moe is None:
         return {}
     settings: dict[str, Any] = dict(
-        expert_model_parallel_size=expert_parallel, moe_router_dtype=router_dtype, moe_aux_loss_coeff=aux_loss_coeff,
-        moe_router_load_balancing_type="aux_loss" if aux_loss_coeff > 0 else "none")
+        expert_model_parallel_size=expert_parallel,
+        moe_router_dtype=router_dtype,
+        moe_aux_loss_coeff=aux_loss_coeff,
+        moe_router_load_balancing_type="aux_loss" if aux_loss_coeff > 0 else "none",
+    )
     if dims.moe.expert_bias:
         settings["moe_router_bias_update_rate"] = expert_bias_update_rate
     return settings
@@ -375,8 +403,15 @@ def _score_head(config: Any, tp: int, tp_group: Any) -> Any:
     from converters import score_rows
 
     return tensor_parallel.ColumnParallelLinear(
-        config.hidden_size, score_rows(tp), config=config, init_method=config.init_method, bias=False,
-        skip_bias_add=False, gather_output=False, tp_group=tp_group)
+        config.hidden_size,
+        score_rows(tp),
+        config=config,
+        init_method=config.init_method,
+        bias=False,
+        skip_bias_add=False,
+        gather_output=False,
+        tp_group=tp_group,
+    )
 
 
 def stage_layer_offset(model: Any) -> int:
@@ -391,13 +426,18 @@ def check_expert_layout() -> None:
     a rank's expert shard is the one its TP rank gives."""
     from megatron.core import parallel_state as ps
 
-    if (ps.get_expert_tensor_parallel_world_size(), ps.get_expert_tensor_parallel_rank()) != \
-            (ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()):
+    if (ps.get_expert_tensor_parallel_world_size(), ps.get_expert_tensor_parallel_rank()) != (
+        ps.get_tensor_model_parallel_world_size(),
+        ps.get_tensor_model_parallel_rank(),
+    ):
         raise ValueError("expert tensor parallelism other than the tensor-parallel layout is not supported")
 
 
 def load_hf_weights(
-    model: Any, hf_state: Mapping[str, torch.Tensor], hf_config: Mapping[str, Any] | Any, *,
+    model: Any,
+    hf_state: Mapping[str, torch.Tensor],
+    hf_config: Mapping[str, Any] | Any,
+    *,
     names: str | None = None,
 ) -> None:
     """Copy an HF state dict into this rank's GPTModel (its TP shard, its PP stage's layers, its EP rank's experts).
@@ -412,20 +452,34 @@ def load_hf_weights(
     if names is None:
         names = "te" if any(k.endswith("layer_norm_weight") for k in own) else "local"  # TE fuses norms (MLA too)
     full = hf_to_megatron(
-        hf_state, dims, parallel_state.get_tensor_model_parallel_rank(),
+        hf_state,
+        dims,
+        parallel_state.get_tensor_model_parallel_rank(),
         parallel_state.get_tensor_model_parallel_world_size(),
-        padded_vocab=model.vocab_size, names=names,  # GPTModel.vocab_size: the global padded size
+        padded_vocab=model.vocab_size,
+        names=names,  # GPTModel.vocab_size: the global padded size
     )
-    stage = select_pp_stage(full, stage_layer_offset(model), len(model.decoder.layers),
-                            pre_process=model.pre_process, post_process=model.post_process, tied=dims.tied)
+    stage = select_pp_stage(
+        full,
+        stage_layer_offset(model),
+        len(model.decoder.layers),
+        pre_process=model.pre_process,
+        post_process=model.post_process,
+        tied=dims.tied,
+    )
     if dims.moe is not None:
         check_expert_layout()
-        stage = select_ep_experts(stage, dims, parallel_state.get_expert_model_parallel_rank(),
-                                  parallel_state.get_expert_model_parallel_world_size())
+        stage = select_ep_experts(
+            stage,
+            dims,
+            parallel_state.get_expert_model_parallel_rank(),
+            parallel_state.get_expert_model_parallel_world_size(),
+        )
     if dims.tied and "output_layer.weight" not in own:
         stage.pop("output_layer.weight", None)
     if set(stage) != own:
-        raise ValueError(f"converted state does not match the model: missing {sorted(own - set(stage))[:8]}, "
-                         f"unexpected {sorted(set(stage) - own)[:8]}")
+        raise ValueError(
+            f"converted state does not match the model: missing {sorted(own - set(stage))[:8]}, "
+            f"unexpected {sorted(set(stage) - own)[:8]}"
+        )
     model.load_state_dict(stage, strict=False)
-

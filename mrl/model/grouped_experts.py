@@ -64,8 +64,10 @@ def grouped_path_applies(experts: SequentialMLP) -> str | None:
     config = experts.config
     first = experts.local_experts[0]
     hidden, ffn = config.hidden_size, config.moe_ffn_hidden_size
-    layout = [(tuple(e.linear_fc1.weight.shape), tuple(e.linear_fc2.weight.shape)) == ((2 * ffn, hidden), (hidden, ffn))
-              for e in experts.local_experts]
+    layout = [
+        (tuple(e.linear_fc1.weight.shape), tuple(e.linear_fc2.weight.shape)) == ((2 * ffn, hidden), (hidden, ffn))
+        for e in experts.local_experts
+    ]
     reasons = [
         (experts.num_local_experts < 2, "one local expert"),
         (experts.tp_group is not None and experts.tp_group.size() > 1, "expert tensor parallelism > 1"),
@@ -76,8 +78,10 @@ def grouped_path_applies(experts: SequentialMLP) -> str | None:
         (config.activation_func_clamp_value is not None or config.glu_linear_offset != 0, "a clamped or offset GLU"),
         (config.delay_wgrad_compute, "delay_wgrad_compute (the linears' own delayed backward)"),
         (not all(layout), "expert linears' weights not [2F, H] and [H, F]"),
-        (not (_aligned(hidden, first.linear_fc1.weight.dtype) and _aligned(ffn, first.linear_fc1.weight.dtype)),
-         f"hidden {hidden} or expert MLP {ffn} not a multiple of 16 bytes"),
+        (
+            not (_aligned(hidden, first.linear_fc1.weight.dtype) and _aligned(ffn, first.linear_fc1.weight.dtype)),
+            f"hidden {hidden} or expert MLP {ffn} not a multiple of 16 bytes",
+        ),
     ]
     return next((why for bad, why in reasons if bad), None)
 
@@ -99,8 +103,9 @@ class GroupedGemmExperts(SequentialMLP):
         super().__init__(*args, **kwargs)
         self.loop_reason = grouped_path_applies(self)
 
-    def forward(self, permuted_local_hidden_states: torch.Tensor, tokens_per_expert: torch.Tensor,
-                permuted_probs: torch.Tensor):
+    def forward(
+        self, permuted_local_hidden_states: torch.Tensor, tokens_per_expert: torch.Tensor, permuted_probs: torch.Tensor
+    ):
         if self.loop_reason is not None:
             return super().forward(permuted_local_hidden_states, tokens_per_expert, permuted_probs)
         x = permuted_local_hidden_states  # [T, H]

@@ -76,9 +76,14 @@ class _LayerReplay:
         self.current: Optional[torch.Tensor] = None  # [n, k] long, this forward's targets (-1: route freshly)
         self.recompute_queue: deque[torch.Tensor] = deque()
 
-    def get_replay_topk(self, scores: torch.Tensor, topk: int, num_groups: Optional[int] = None,
-                        group_topk: Optional[int] = None,
-                        default_compute_topk: Optional[Callable] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def get_replay_topk(
+        self,
+        scores: torch.Tensor,
+        topk: int,
+        num_groups: Optional[int] = None,
+        group_topk: Optional[int] = None,
+        default_compute_topk: Optional[Callable] = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         probs, fresh = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
         recomputing = self.owner.recompute and torch.is_grad_enabled() and self.owner.training
         target = self.recompute_queue.popleft() if recomputing else self.current
@@ -87,8 +92,10 @@ class _LayerReplay:
         if target is None:
             return probs, fresh
         if target.shape != fresh.shape:
-            raise ValueError(f"router replay: layer {self.layer} sees {tuple(fresh.shape)} token choices, the batch's "
-                             f"routing gives {tuple(target.shape)}: the routing was cut for another layout")
+            raise ValueError(
+                f"router replay: layer {self.layer} sees {tuple(fresh.shape)} token choices, the batch's "
+                f"routing gives {tuple(target.shape)}: the routing was cut for another layout"
+            )
         known = (target >= 0).all(dim=-1)
         if not recomputing and self.owner.counting:
             self.owner.count(self.layer, fresh, target, known)
@@ -105,8 +112,16 @@ class RoutingReplay:
     recompute: activation checkpointing is on (recomputed forwards take their targets from the queue)
     """
 
-    def __init__(self, chunks: list[Any], *, replay: bool, recompute: bool, tp_rank: int = 0, tp_size: int = 1,
-                 sequence_parallel: bool = False) -> None:
+    def __init__(
+        self,
+        chunks: list[Any],
+        *,
+        replay: bool,
+        recompute: bool,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        sequence_parallel: bool = False,
+    ) -> None:
         from megatron.core.transformer.moe.router import TopKRouter
 
         self.replay, self.recompute = replay, recompute
@@ -119,8 +134,10 @@ class RoutingReplay:
             states = []
             for router in (m for m in chunk.modules() if isinstance(m, TopKRouter)):
                 if router.config.moe_router_fusion:
-                    raise ValueError("router replay needs megatron's unfused top-k (moe_router_fusion=False): the "
-                                     "fused kernel does not consult the replay hook")
+                    raise ValueError(
+                        "router replay needs megatron's unfused top-k (moe_router_fusion=False): the "
+                        "fused kernel does not consult the replay hook"
+                    )
                 router.router_replay = _LayerReplay(router.layer_number - 1, self)
                 states.append(router.router_replay)
             self.routers[id(chunk)] = states

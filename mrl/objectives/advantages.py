@@ -32,8 +32,9 @@ from __future__ import annotations
 import torch
 
 
-def grpo_advantages(rewards: torch.Tensor, *, leave_one_out: bool = True, normalize_std: bool = True,
-                    eps: float = 1e-6) -> torch.Tensor:
+def grpo_advantages(
+    rewards: torch.Tensor, *, leave_one_out: bool = True, normalize_std: bool = True, eps: float = 1e-6
+) -> torch.Tensor:
     """Per-response advantages from rewards [num_prompts, group_size]; returns the same shape (float32)."""
     if rewards.dim() != 2:
         raise ValueError(f"rewards must be [num_prompts, group_size], got shape {tuple(rewards.shape)}")
@@ -41,8 +42,10 @@ def grpo_advantages(rewards: torch.Tensor, *, leave_one_out: bool = True, normal
     group = rewards.shape[1]
     if leave_one_out:
         if group < 2:
-            raise ValueError("leave-one-out needs at least 2 responses per prompt (grpo.num_generations_per_prompt "
-                             ">= 2); set grpo.leave_one_out=false for a single response")
+            raise ValueError(
+                "leave-one-out needs at least 2 responses per prompt (grpo.num_generations_per_prompt "
+                ">= 2); set grpo.leave_one_out=false for a single response"
+            )
         baseline, std = _leave_one_out_stats(rewards)  # [P, G] each
     else:
         baseline = rewards.mean(dim=1, keepdim=True).expand_as(rewards)
@@ -57,7 +60,7 @@ def _leave_one_out_stats(rewards: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     """Mean and unbiased std of the OTHER samples of each group, both [P, G]."""
     group = rewards.shape[1]
     others = (1.0 - torch.eye(group, dtype=rewards.dtype)).unsqueeze(0)  # [1, G, G]: row i selects j != i
-    values = rewards.unsqueeze(1).expand(-1, group, -1)                   # [P, G, G]: row i = the whole group
+    values = rewards.unsqueeze(1).expand(-1, group, -1)  # [P, G, G]: row i = the whole group
     mean = (values * others).sum(dim=2) / (group - 1)
     return mean, _unbiased_std(values, others.expand_as(values))
 
@@ -70,8 +73,9 @@ def _unbiased_std(values: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     return torch.where(count > 1, var.sqrt(), torch.zeros_like(var))
 
 
-def overlong_penalty(response_lengths: torch.Tensor, *, max_length: int, buffer: int,
-                     penalty: float = 1.0) -> torch.Tensor:
+def overlong_penalty(
+    response_lengths: torch.Tensor, *, max_length: int, buffer: int, penalty: float = 1.0
+) -> torch.Tensor:
     """DAPO soft overlong punishment for responses of `response_lengths` [N] tokens; returns [N] (<= 0) to add to
     the rewards. `buffer` = 0 turns it off (all zeros)."""
     lengths = response_lengths.float()

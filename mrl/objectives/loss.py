@@ -86,8 +86,9 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: KLKind)
     return kl.clamp(-KL_CLAMP, KL_CLAMP)
 
 
-def token_weights(mask: torch.Tensor, level: Level, global_count: float,
-                  seq_num_tokens: Optional[torch.Tensor] = None) -> torch.Tensor:
+def token_weights(
+    mask: torch.Tensor, level: Level, global_count: float, seq_num_tokens: Optional[torch.Tensor] = None
+) -> torch.Tensor:
     """Weight of each token in the step's loss, so that `(values * weights).sum()` is this micro-batch's share of the
     batch mean. mask [b, T]; seq_num_tokens [b] = valid tokens of each WHOLE sequence (defaults to mask.sum(1)).
     Returns [b, T] float32 (0 on masked tokens)."""
@@ -116,9 +117,13 @@ def sequence_log_ratio_sums(logprobs: torch.Tensor, old_logprobs: torch.Tensor, 
         return zero_masked(logprobs.float() - old_logprobs.float(), mask.bool()).sum(dim=1)
 
 
-def sequence_ratios(logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: torch.Tensor,
-                    seq_num_tokens: Optional[torch.Tensor] = None,
-                    seq_log_ratio_sum: Optional[torch.Tensor] = None) -> torch.Tensor:
+def sequence_ratios(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    seq_num_tokens: Optional[torch.Tensor] = None,
+    seq_log_ratio_sum: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
     """GSPO's per-token ratio r_t = sg[s_b] * exp(lp - sg[lp]) [b, T], s_b the geometric mean of the sequence's
     token ratios. The whole sequence's log-ratio sum and token count come from the batch under CP, else from
     these rows."""
@@ -126,12 +131,14 @@ def sequence_ratios(logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: to
         seq_log_ratio_sum = sequence_log_ratio_sums(logprobs, old_logprobs, mask)
     count = mask.float().sum(dim=1) if seq_num_tokens is None else seq_num_tokens.float()
     mean = (seq_log_ratio_sum.detach().to(logprobs.dtype) / count.to(logprobs.dtype).clamp(min=1)).clamp(
-        -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+        -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP
+    )
     return torch.exp(mean)[:, None] * torch.exp(logprobs - logprobs.detach())
 
 
-def _clipped_surrogate(ratio: torch.Tensor, advantages: torch.Tensor, clip_low: float, clip_high: float,
-                       dual_clip: Optional[float]) -> tuple[torch.Tensor, torch.Tensor]:
+def _clipped_surrogate(
+    ratio: torch.Tensor, advantages: torch.Tensor, clip_low: float, clip_high: float, dual_clip: Optional[float]
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token clipped surrogate loss and the 'ratio outside the clip range' flags, both [b, T].
     advantages: [b] (broadcast over tokens) or [b, T]."""
     adv = advantages.float().unsqueeze(1) if advantages.dim() == 1 else advantages.float()
@@ -149,10 +156,18 @@ def zero_masked(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return torch.where(mask, values, torch.zeros_like(values))
 
 
-def clipped_pg_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
-                    mask: torch.Tensor, *, clip_low: float = 0.2, clip_high: float = 0.2,
-                    dual_clip: Optional[float] = None, is_weights: Optional[torch.Tensor] = None,
-                    level: Level = "token") -> torch.Tensor:
+def clipped_pg_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    dual_clip: Optional[float] = None,
+    is_weights: Optional[torch.Tensor] = None,
+    level: Level = "token",
+) -> torch.Tensor:
     """Clipped PPO/GRPO surrogate averaged over this batch alone (scalar). logprobs, old_logprobs, mask [B, T];
     advantages [B] or [B, T]; is_weights [B, T] (no gradient) multiply each token's loss.
     level "token": mean over all valid tokens; "sequence": mean over tokens within a sequence, then over sequences."""
@@ -165,8 +180,15 @@ def clipped_pg_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantag
     return (zero_masked(loss, mask) * weights).sum()
 
 
-def importance_weights(train_logprobs: torch.Tensor, gen_logprobs: torch.Tensor, kind: ISKind, *,
-                       cap: float = 2.0, low: float = 0.5, high: float = 2.0) -> tuple[torch.Tensor, torch.Tensor]:
+def importance_weights(
+    train_logprobs: torch.Tensor,
+    gen_logprobs: torch.Tensor,
+    kind: ISKind,
+    *,
+    cap: float = 2.0,
+    low: float = 0.5,
+    high: float = 2.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Engine/trainer mismatch correction. Returns (weights, modified), both [b, T]: the weights (no gradient) and
     where they differ from the raw ratio exp(train - gen) (TIS: truncated; ICE-POP: masked to 0)."""
     ratio = torch.exp((train_logprobs - gen_logprobs).detach().clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
@@ -205,8 +227,9 @@ class GRPOLoss:
         if self.level not in ("token", "sequence"):
             raise ValueError(f"loss.level must be 'token' or 'sequence', got {self.level!r}")
         if not 0 <= self.clip_low < 1 or self.clip_high < 0:
-            raise ValueError(f"need 0 <= loss.clip_low < 1 and loss.clip_high >= 0, "
-                             f"got {self.clip_low} and {self.clip_high}")
+            raise ValueError(
+                f"need 0 <= loss.clip_low < 1 and loss.clip_high >= 0, got {self.clip_low} and {self.clip_high}"
+            )
         if self.dual_clip is not None and self.dual_clip <= 1:
             raise ValueError(f"loss.dual_clip must be > 1 (or null to disable), got {self.dual_clip}")
         if self.icepop_low >= self.icepop_high:
@@ -225,8 +248,9 @@ class GRPOLoss:
         """Whether the train step must add `SEQ_LOG_RATIO_SUM` where a rank holds part of each sequence (CP)."""
         return self.ratio_level == "sequence"
 
-    def __call__(self, logprobs: torch.Tensor, batch: Mapping[str, torch.Tensor],
-                 global_count: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def __call__(
+        self, logprobs: torch.Tensor, batch: Mapping[str, torch.Tensor], global_count: float
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         mask = batch[LOSS_MASK].bool()
         lp = zero_masked(logprobs, mask)
         old = zero_masked(batch[PREV_LOGPROBS], mask) if PREV_LOGPROBS in batch else lp.detach()
@@ -246,10 +270,13 @@ class GRPOLoss:
         is_w, modified = torch.ones_like(lp), torch.zeros_like(mask)
         if self.importance_sampling != "none":
             if gen is None:
-                raise KeyError(f"loss.importance_sampling={self.importance_sampling} needs "
-                               f"'{GENERATION_LOGPROBS}' in the batch (the engine's logprobs)")
-            is_w, modified = importance_weights(old, gen, self.importance_sampling, cap=self.is_cap,
-                                                low=self.icepop_low, high=self.icepop_high)
+                raise KeyError(
+                    f"loss.importance_sampling={self.importance_sampling} needs "
+                    f"'{GENERATION_LOGPROBS}' in the batch (the engine's logprobs)"
+                )
+            is_w, modified = importance_weights(
+                old, gen, self.importance_sampling, cap=self.is_cap, low=self.icepop_low, high=self.icepop_high
+            )
             per_token = per_token * is_w
         weights = token_weights(mask, self.level, global_count, batch.get(SEQ_NUM_TOKENS))
         loss = (zero_masked(per_token, mask) * weights).sum()
@@ -259,9 +286,18 @@ class GRPOLoss:
                 metrics["entropy"] = (zero_masked(batch[TOKEN_ENTROPY].float(), mask) * weights).sum()
         return loss, metrics
 
-    def _metrics(self, weights: torch.Tensor, mask: torch.Tensor, pg: torch.Tensor, outside: torch.Tensor,
-                 kl: Optional[torch.Tensor], is_w: torch.Tensor, modified: torch.Tensor, old: torch.Tensor,
-                 gen: Optional[torch.Tensor]) -> dict[str, torch.Tensor]:
+    def _metrics(
+        self,
+        weights: torch.Tensor,
+        mask: torch.Tensor,
+        pg: torch.Tensor,
+        outside: torch.Tensor,
+        kl: Optional[torch.Tensor],
+        is_w: torch.Tensor,
+        modified: torch.Tensor,
+        old: torch.Tensor,
+        gen: Optional[torch.Tensor],
+    ) -> dict[str, torch.Tensor]:
         """Additive metrics: each is weighted like the loss, so summing over micro-batches gives the batch mean."""
         with torch.no_grad():
             mean = lambda values: (zero_masked(values.float(), mask) * weights).sum()  # noqa: E731
@@ -288,8 +324,9 @@ class NLLLoss:
         if self.level not in ("token", "sequence"):
             raise ValueError(f"loss level must be 'token' or 'sequence', got {self.level!r}")
 
-    def __call__(self, logprobs: torch.Tensor, batch: Mapping[str, torch.Tensor],
-                 global_count: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def __call__(
+        self, logprobs: torch.Tensor, batch: Mapping[str, torch.Tensor], global_count: float
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         mask = batch[LOSS_MASK].bool()
         weights = token_weights(mask, self.level, global_count, batch.get(SEQ_NUM_TOKENS))
         loss = -(zero_masked(logprobs, mask) * weights).sum()

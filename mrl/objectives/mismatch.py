@@ -37,4 +37,3 @@ def mismatch_metrics(gen_logprobs: torch.Tensor, train_logprobs: torch.Tensor, m
         "max_abs_logprob_error": float(diff.max()),
         "num_tokens": float(count),
     }
-

@@ -52,15 +52,21 @@ def pair_rows(batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Te
     order_r = torch.argsort(pair_id[~chosen], stable=True)
     rows = torch.arange(len(pair_id), device=pair_id.device)
     chosen_rows, rejected_rows = rows[chosen][order_c], rows[~chosen][order_r]
-    if len(chosen_rows) != len(rejected_rows) or not torch.equal(pair_id[chosen_rows], pair_id[rejected_rows]) \
-            or len(torch.unique(pair_id)) != len(chosen_rows):
-        raise ValueError(f"micro-batch rows do not form whole chosen/rejected pairs (pair ids {pair_id.tolist()}, "
-                         f"chosen {chosen.int().tolist()}): a pair must stay in one micro-batch (RankBatch.group_size=2)")
+    if (
+        len(chosen_rows) != len(rejected_rows)
+        or not torch.equal(pair_id[chosen_rows], pair_id[rejected_rows])
+        or len(torch.unique(pair_id)) != len(chosen_rows)
+    ):
+        raise ValueError(
+            f"micro-batch rows do not form whole chosen/rejected pairs (pair ids {pair_id.tolist()}, "
+            f"chosen {chosen.int().tolist()}): a pair must stay in one micro-batch (RankBatch.group_size=2)"
+        )
     return chosen_rows, rejected_rows
 
 
-def sequence_logprobs(logprobs: torch.Tensor, mask: torch.Tensor, num_tokens: torch.Tensor,
-                      length_normalize: bool) -> torch.Tensor:
+def sequence_logprobs(
+    logprobs: torch.Tensor, mask: torch.Tensor, num_tokens: torch.Tensor, length_normalize: bool
+) -> torch.Tensor:
     """[b, T] token logprobs, [b, T] mask, [b] whole-sequence token counts -> [b] sum (or mean) over the response."""
     total = (zero_masked(logprobs, mask) * mask).sum(dim=1)
     return total / num_tokens.clamp(min=1) if length_normalize else total
@@ -92,8 +98,9 @@ class DPOLoss:
             return (margin - 1.0 / (2.0 * self.beta)).square()
         return -torch.nn.functional.logsigmoid(self.beta * margin)
 
-    def __call__(self, logprobs: torch.Tensor, batch: Mapping[str, torch.Tensor],
-                 global_count: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def __call__(
+        self, logprobs: torch.Tensor, batch: Mapping[str, torch.Tensor], global_count: float
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         mask = batch[LOSS_MASK].bool()
         num_tokens = batch.get(SEQ_NUM_TOKENS, mask.sum(dim=1))
         policy = sequence_logprobs(logprobs, mask, num_tokens, self.length_normalize)  # [b]
@@ -110,15 +117,30 @@ class DPOLoss:
             loss = loss + self.sft_alpha * sft
         return loss, self._metrics(policy, ratio, margin, c, r, pairs, sft)
 
-    def _metrics(self, policy: torch.Tensor, ratio: torch.Tensor, margin: torch.Tensor, c: torch.Tensor,
-                 r: torch.Tensor, pairs: float, sft: torch.Tensor) -> dict[str, torch.Tensor]:
+    def _metrics(
+        self,
+        policy: torch.Tensor,
+        ratio: torch.Tensor,
+        margin: torch.Tensor,
+        c: torch.Tensor,
+        r: torch.Tensor,
+        pairs: float,
+        sft: torch.Tensor,
+    ) -> dict[str, torch.Tensor]:
         with torch.no_grad():
             mean = lambda values: values.float().sum() / pairs  # noqa: E731  (this micro-batch's share)
-            return {"dpo_loss": mean(self.pair_losses(margin)), "reward_accuracy": mean(margin > 0),
-                    "chosen_reward": mean(self.beta * ratio[c]), "rejected_reward": mean(self.beta * ratio[r]),
-                    "reward_margin": mean(self.beta * margin), "preference_accuracy": mean(policy[c] > policy[r]),
-                    "chosen_logprob": mean(policy[c]), "rejected_logprob": mean(policy[r]),
-                    "sft_loss": sft.detach(), "num_pairs": torch.tensor(float(len(c)))}
+            return {
+                "dpo_loss": mean(self.pair_losses(margin)),
+                "reward_accuracy": mean(margin > 0),
+                "chosen_reward": mean(self.beta * ratio[c]),
+                "rejected_reward": mean(self.beta * ratio[r]),
+                "reward_margin": mean(self.beta * margin),
+                "preference_accuracy": mean(policy[c] > policy[r]),
+                "chosen_logprob": mean(policy[c]),
+                "rejected_logprob": mean(policy[r]),
+                "sft_loss": sft.detach(),
+                "num_pairs": torch.tensor(float(len(c))),
+            }
 
 
 @dataclass(frozen=True)
@@ -127,8 +149,9 @@ class BradleyTerryLoss:
 
     level: str = "sequence"
 
-    def __call__(self, values: torch.Tensor, batch: Mapping[str, torch.Tensor],
-                 global_count: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def __call__(
+        self, values: torch.Tensor, batch: Mapping[str, torch.Tensor], global_count: float
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         scores = values.gather(1, batch[SCORE_INDEX].long()[:, None]).squeeze(1)  # [b]
         c, r = pair_rows(batch)
         margin = scores[c] - scores[r]
@@ -136,7 +159,12 @@ class BradleyTerryLoss:
         loss = -torch.nn.functional.logsigmoid(margin).sum() / pairs
         with torch.no_grad():
             mean = lambda v: v.float().sum() / pairs  # noqa: E731
-            metrics = {"rm_loss": loss.detach(), "accuracy": mean(margin > 0), "chosen_score": mean(scores[c]),
-                       "rejected_score": mean(scores[r]), "score_margin": mean(margin),
-                       "num_pairs": torch.tensor(float(len(c)))}
+            metrics = {
+                "rm_loss": loss.detach(),
+                "accuracy": mean(margin > 0),
+                "chosen_score": mean(scores[c]),
+                "rejected_score": mean(scores[r]),
+                "score_margin": mean(margin),
+                "num_pairs": torch.tensor(float(len(c))),
+            }
         return loss, metrics

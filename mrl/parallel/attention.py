@@ -24,7 +24,8 @@ the local spec (same constructor, same forward contract) and handles both:
   no [sq, sk] scores. A pack in bf16 or fp16 goes through torch's variable-length flash kernel
   (`torch.nn.attention.varlen.varlen_attn`) in one call over the whole pack, with the offsets on the device: no
   loop over its sequences and no host synchronisation (`varlen_causal`); fp32 packs (the kernel has no fp32) and
-  heads of unequal size loop over the sequences with SDPA. CP on such a GPU keeps the dense path (its chunks need the lower-right causal rectangle
+  heads of unequal size loop over the sequences with SDPA. CP on such a GPU keeps the dense path (its chunks need the
+  lower-right causal rectangle
   that `mrl.parallel.flash_attention` builds from the CPU kernel).
 
 Every case reduces to one rule: a query attends to a key iff both belong to the same sequence and (when
@@ -52,7 +53,6 @@ from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
-
 from megatron.core import parallel_state
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
@@ -239,8 +239,14 @@ class TorchCoreAttention(MegatronModule):
     def _sdpa_applies(self, mask_type: AttnMaskType, attention_mask, q: torch.Tensor, k: torch.Tensor) -> bool:
         """Causal self-attention without an explicit mask, live dropout or CP, on a GPU (`sdpa_device`)."""
         dropout = self.training and self.dropout_p > 0
-        return (sdpa_device(q) and mask_type in _CAUSAL_TYPES and attention_mask is None and not dropout
-                and self._cp()[0] == 1 and q.shape[2] == k.shape[2])
+        return (
+            sdpa_device(q)
+            and mask_type in _CAUSAL_TYPES
+            and attention_mask is None
+            and not dropout
+            and self._cp()[0] == 1
+            and q.shape[2] == k.shape[2]
+        )
 
     def _attend_sdpa(self, q, k, v, packed: Optional[PackedSeqParams]) -> torch.Tensor:
         """Top-left causal SDPA over the whole batch, or over each sequence of a pack (queries and keys are the
@@ -249,11 +255,18 @@ class TorchCoreAttention(MegatronModule):
         if packed is not None and varlen_applies(q, k, v, self.softmax_scale):
             cu = packed.cu_seqlens_q_padded if packed.cu_seqlens_q_padded is not None else packed.cu_seqlens_q
             longest = packed.max_seqlen_q
-            thd = lambda x: x[0].transpose(0, 1)  # noqa: E731  [1, np, t, hn] -> [t, np, hn]
+
+            def thd(x):  # [1, np, t, hn] -> [t, np, hn]
+                return x[0].transpose(0, 1)
+
             out = varlen_causal(thd(q), thd(k), thd(v), cu, longest, self.softmax_scale)  # [t, np, hn]
             return out.transpose(0, 1).unsqueeze(0)
-        attend = lambda a, b: F.scaled_dot_product_attention(  # noqa: E731
-            q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], is_causal=True, scale=self.softmax_scale)
+
+        def attend(a: int, b: int) -> torch.Tensor:
+            return F.scaled_dot_product_attention(
+                q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], is_causal=True, scale=self.softmax_scale
+            )
+
         if packed is None:
             return attend(0, q.shape[2])
         bounds = [0]
@@ -273,7 +286,7 @@ class TorchCoreAttention(MegatronModule):
             qi = (q_ids == seq_id).nonzero().squeeze(1)  # contiguous: token_layout keeps a sequence together
             ki = (k_ids == seq_id).nonzero().squeeze(1)
             ki = ki[k_pos[ki].argsort()].to(k.device)  # key j of the sequence at position j
-            q_seq = q[:, :, int(qi[0]):int(qi[-1]) + 1]
+            q_seq = q[:, :, int(qi[0]) : int(qi[-1]) + 1]
             outs.append(causal_attention(q_seq, k[:, :, ki], v[:, :, ki], q_pos[qi], self.softmax_scale))
         return torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
 
@@ -324,13 +337,21 @@ def varlen_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
     """Whether torch's variable-length flash kernel takes this pack: CUDA, bf16 or fp16 (flash has no fp32), one head
     size for q, k and v that flash supports, and a softmax scale it can be given."""
     head = q.shape[-1]
-    return (bool(_VARLEN) and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and k.shape[-1] == head
-            and v.shape[-1] == head and head % 8 == 0 and head <= 256
-            and ("scale" in _VARLEN or math.isclose(scale, head ** -0.5)))
+    return (
+        bool(_VARLEN)
+        and q.is_cuda
+        and q.dtype in (torch.bfloat16, torch.float16)
+        and k.shape[-1] == head
+        and v.shape[-1] == head
+        and head % 8 == 0
+        and head <= 256
+        and ("scale" in _VARLEN or math.isclose(scale, head**-0.5))
+    )
 
 
-def varlen_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
-                  scale: float) -> torch.Tensor:
+def varlen_causal(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, scale: float
+) -> torch.Tensor:
     """Block-diagonal causal attention of a pack in one flash call. q/k/v [t, heads, hn] (k/v heads already repeated
     for GQA), `cu_seqlens` int32 [n + 1] on the device, `max_seqlen` a Python int -> [t, heads, hn].
     torch 2.10 took `is_causal=True`; 2.11 on replaced it with `window_size=(-1, 0)` (no left or right limit but
@@ -350,7 +371,7 @@ def transformer_engine_available() -> bool:
         return False
     try:
         import transformer_engine  # noqa: F401
-    except Exception:
+    except Exception:  # noqa: BLE001 an ImportError, or an OSError from CUDA libraries it cannot load
         return False
     return True
 
@@ -374,8 +395,9 @@ def gpt_layer_spec(config: TransformerConfig, use_te: Optional[bool] = None):
 
     use_te = transformer_engine_available() if use_te is None else use_te
     if config.num_moe_experts or config.multi_latent_attention:
-        block = gpt_layer_specs.get_gpt_decoder_block_spec(config, use_transformer_engine=use_te,
-                                                           normalization=config.normalization)
+        block = gpt_layer_specs.get_gpt_decoder_block_spec(
+            config, use_transformer_engine=use_te, normalization=config.normalization
+        )
         if not use_te:
             for layer in block.layer_specs:
                 attention = layer.submodules.self_attention.submodules

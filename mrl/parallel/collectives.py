@@ -48,8 +48,16 @@ ReduceOp = Literal["sum", "max", "min"]
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
 #: The dtypes `broadcast_tensor` carries (a dtype's index goes in the header).
-DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.uint8,
-          torch.bool)
+DTYPES = (
+    torch.float32,
+    torch.bfloat16,
+    torch.float16,
+    torch.float64,
+    torch.int64,
+    torch.int32,
+    torch.uint8,
+    torch.bool,
+)
 _MAX_DIMS = 7
 
 
@@ -118,21 +126,24 @@ def broadcast(tensor: torch.Tensor, group_src: int, group: Group = None) -> None
     _back(work, tensor)
 
 
-def broadcast_tensor(tensor: Optional[torch.Tensor], group_src: int, group: Group = None,
-                     device: Optional[torch.device] = None) -> torch.Tensor:
+def broadcast_tensor(
+    tensor: Optional[torch.Tensor], group_src: int, group: Group = None, device: Optional[torch.device] = None
+) -> torch.Tensor:
     """Group rank `group_src`'s `tensor` (None on the other members) on every member: its rank, dtype and shape go
     first, in a header of 2 + 7 int64, then the data. Receivers get it on `device` (default: the group's device);
     the sender gets its own tensor back."""
     header = torch.zeros(2 + _MAX_DIMS, dtype=torch.long)  # [rank, dtype index, shape..., 0 padding]
     if tensor is not None:
         if tensor.dim() > _MAX_DIMS or tensor.dtype not in DTYPES:
-            raise ValueError(f"broadcast_tensor carries up to {_MAX_DIMS} dims of {DTYPES}; got {tensor.dim()} dims "
-                             f"of {tensor.dtype}")
+            raise ValueError(
+                f"broadcast_tensor carries up to {_MAX_DIMS} dims of {DTYPES}; got {tensor.dim()} dims "
+                f"of {tensor.dtype}"
+            )
         header[0], header[1] = tensor.dim(), DTYPES.index(tensor.dtype)
-        header[2:2 + tensor.dim()] = torch.tensor(tensor.shape)
+        header[2 : 2 + tensor.dim()] = torch.tensor(tensor.shape)
     broadcast(header, group_src, group)
     if tensor is None:
-        shape = tuple(int(s) for s in header[2:2 + int(header[0])])
+        shape = tuple(int(s) for s in header[2 : 2 + int(header[0])])
         tensor = torch.empty(shape, dtype=DTYPES[int(header[1])], device=device or group_device(group))
     broadcast(tensor, group_src, group)
     return tensor

@@ -393,7 +393,7 @@ def torch_norm_allows_sequence_parallel(patch: Patcher) -> None:
         unflagged.sequence_parallel = False
         norm = original_new(cls, unflagged, hidden_size, eps, **kwargs)
         for param in norm.parameters():
-            setattr(param, "sequence_parallel", config.sequence_parallel)
+            param.sequence_parallel = config.sequence_parallel
         return norm
 
     patch.set(torch_norm.WrappedTorchNorm, "__new__", staticmethod(__new__))
@@ -582,8 +582,14 @@ PATCHES: dict[str, Callable[[Patcher], None]] = {
 
 #: The patches for Megatron without Transformer Engine (and Apex): needed on a GPU machine that lacks TE too. The
 #: last two change speed alone: each removes host synchronisations from every train step on such a GPU.
-WITHOUT_TE = ("torch_norm_allows_sequence_parallel", "moe_router_gemm_defined", "mla_without_transformer_engine",
-              "distributed_optimizer_torch_adam_state", "packed_rope_in_one_gather", "grad_norm_on_device")
+WITHOUT_TE = (
+    "torch_norm_allows_sequence_parallel",
+    "moe_router_gemm_defined",
+    "mla_without_transformer_engine",
+    "distributed_optimizer_torch_adam_state",
+    "packed_rope_in_one_gather",
+    "grad_norm_on_device",
+)
 
 _applied: dict[str, Patcher] = {}
 _lock = threading.Lock()
@@ -605,7 +611,7 @@ def needed() -> list[str]:
         return list(PATCHES)
     try:
         import transformer_engine  # noqa: F401
-    except Exception:
+    except Exception:  # noqa: BLE001 an ImportError, or an OSError from CUDA libraries it cannot load
         return list(WITHOUT_TE)
     return []
 

@@ -94,12 +94,17 @@ class CpuIsa:
     def summary(self) -> str:
         forced = f" (forced {self.forced}; the CPU has {self.native})" if self.forced else ""
         level = self.level or "below avx2 / not x86"
-        caps = "" if self.level is None else (
-            f"; oneDNN <= {ONEDNN_CAP[self.level]}, MKL <= {MKL_CAP[self.level]}, ATen {ATEN_CAP[self.level]}")
-        return (f"CPU {self.model}, {self.cores} cores: ISA {level}{forced}, AMX {'yes' if self.amx else 'no'}; "
-                f"vLLM kernels {self.vllm_kernels} (TP collectives: "
-                f"{'shared memory' if self.vllm_shm_collectives else 'torch.distributed'}){caps}; "
-                f"Megatron linear GEMMs: {self.linear_gemm}")
+        caps = (
+            ""
+            if self.level is None
+            else (f"; oneDNN <= {ONEDNN_CAP[self.level]}, MKL <= {MKL_CAP[self.level]}, ATen {ATEN_CAP[self.level]}")
+        )
+        return (
+            f"CPU {self.model}, {self.cores} cores: ISA {level}{forced}, AMX {'yes' if self.amx else 'no'}; "
+            f"vLLM kernels {self.vllm_kernels} (TP collectives: "
+            f"{'shared memory' if self.vllm_shm_collectives else 'torch.distributed'}){caps}; "
+            f"Megatron linear GEMMs: {self.linear_gemm}"
+        )
 
 
 def _model_name() -> str:
@@ -133,8 +138,10 @@ def _forced(environ: Mapping[str, str]) -> Optional[str]:
     if not value:
         return None
     if value not in LEVELS:
-        raise ValueError(f"{FORCE_ENV}={value!r} is not an instruction-set level; use one of {', '.join(LEVELS)} "
-                         f"(or unset it for the CPU's own)")
+        raise ValueError(
+            f"{FORCE_ENV}={value!r} is not an instruction-set level; use one of {', '.join(LEVELS)} "
+            f"(or unset it for the CPU's own)"
+        )
     return value
 
 
@@ -144,8 +151,11 @@ def detect(environ: Mapping[str, str] | None = None) -> CpuIsa:
 
     capabilities = torch.cpu.get_capabilities()
     return CpuIsa(
-        model=_model_name(), cores=os.cpu_count() or 1, native=native_level(capabilities),
-        forced=_forced(os.environ if environ is None else environ), amx=bool(capabilities.get("amx_tile")),
+        model=_model_name(),
+        cores=os.cpu_count() or 1,
+        native=native_level(capabilities),
+        forced=_forced(os.environ if environ is None else environ),
+        amx=bool(capabilities.get("amx_tile")),
         onednn_available=torch.backends.mkldnn.is_available(),
     )
 
@@ -183,13 +193,20 @@ def forced_environment(level: str, environ: Mapping[str, str] | None = None) -> 
     level = _forced({FORCE_ENV: level})
     native = detect({}).native
     if level is None or native is None or LEVELS.index(level) > LEVELS.index(native):
-        raise ValueError(f"cannot force {level!r} on this CPU (its own level: {native}); force one of "
-                         f"{', '.join(LEVELS[:LEVELS.index(native) + 1]) if native else 'none'}")
+        raise ValueError(
+            f"cannot force {level!r} on this CPU (its own level: {native}); force one of "
+            f"{', '.join(LEVELS[: LEVELS.index(native) + 1]) if native else 'none'}"
+        )
     path = [str(BOOT_DIR), *[p for p in environ.get("PYTHONPATH", "").split(os.pathsep) if p]]
-    return {FORCE_ENV: level, "ONEDNN_MAX_CPU_ISA": ONEDNN_CAP[level], "MKL_ENABLE_INSTRUCTIONS": MKL_CAP[level],
-            "ATEN_CPU_CAPABILITY": ATEN_CAP[level], "PYTHONPATH": os.pathsep.join(path),
-            "TORCHINDUCTOR_CACHE_DIR": _compile_cache(level, "inductor"),
-            "VLLM_CACHE_ROOT": _compile_cache(level, "vllm")}
+    return {
+        FORCE_ENV: level,
+        "ONEDNN_MAX_CPU_ISA": ONEDNN_CAP[level],
+        "MKL_ENABLE_INSTRUCTIONS": MKL_CAP[level],
+        "ATEN_CPU_CAPABILITY": ATEN_CAP[level],
+        "PYTHONPATH": os.pathsep.join(path),
+        "TORCHINDUCTOR_CACHE_DIR": _compile_cache(level, "inductor"),
+        "VLLM_CACHE_ROOT": _compile_cache(level, "vllm"),
+    }
 
 
 def _compile_cache(level: str, kind: str) -> str:

@@ -27,9 +27,14 @@ def _onednn_fits(a: Any, b: Any) -> bool:
     """`a @ b` that oneDNN's linear computes: fp32 [..., k] @ [k, n], no autograd through the call, no empty
     operand (oneDNN has no primitive for k = 0: the weight gradient of an MoE expert that received no token)."""
     return (
-        isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
-        and a.dtype == torch.float32 and b.dtype == torch.float32 and a.dim() >= 2 and b.dim() == 2
-        and a.numel() > 0 and b.numel() > 0
+        isinstance(a, torch.Tensor)
+        and isinstance(b, torch.Tensor)
+        and a.dtype == torch.float32
+        and b.dtype == torch.float32
+        and a.dim() >= 2
+        and b.dim() == 2
+        and a.numel() > 0
+        and b.numel() > 0
         and not (torch.is_grad_enabled() and (a.requires_grad or b.requires_grad))
     )
 
@@ -162,13 +167,17 @@ def packed_rope_in_one_gather(patch: Patcher) -> None:
 
     loop = rope_utils._apply_rotary_pos_emb_thd
 
-    def gathered(t, cu_seqlens, freqs, rotary_interleaved=False, multi_latent_attention=False, mscale=1.0,
-                 cp_group=None):
+    def gathered(
+        t, cu_seqlens, freqs, rotary_interleaved=False, multi_latent_attention=False, mscale=1.0, cp_group=None
+    ):
         if cp_group is None or cp_group.size() > 1 or freqs.size(0) == t.shape[0]:
             return loop(t, cu_seqlens, freqs, rotary_interleaved, multi_latent_attention, mscale, cp_group)
         return rope_utils._apply_rotary_pos_emb_bshd(
-            t.unsqueeze(1), freqs[_packed_positions(cu_seqlens, t.shape[0])], rotary_interleaved=rotary_interleaved,
-            multi_latent_attention=multi_latent_attention, mscale=mscale,
+            t.unsqueeze(1),
+            freqs[_packed_positions(cu_seqlens, t.shape[0])],
+            rotary_interleaved=rotary_interleaved,
+            multi_latent_attention=multi_latent_attention,
+            mscale=mscale,
         ).squeeze(1)
 
     patch.set(rope_utils, "_apply_rotary_pos_emb_thd", gathered)

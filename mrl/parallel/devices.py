@@ -31,7 +31,8 @@ def device_index(local_rank: int, local_world_size: int, visible: int) -> int:
         raise DeviceRuleError(
             f"rank {local_rank} of {local_world_size} on its node sees no CUDA device (CUDA_VISIBLE_DEVICES="
             f"{os.environ.get('CUDA_VISIBLE_DEVICES')!r}): a Ray actor placed on GPUs must ask for a GPU share "
-            "(num_gpus > 0), else Ray hides every GPU from it")
+            "(num_gpus > 0), else Ray hides every GPU from it"
+        )
     if visible == 1:
         return 0
     if visible >= local_world_size and 0 <= local_rank < visible:
@@ -39,7 +40,8 @@ def device_index(local_rank: int, local_world_size: int, visible: int) -> int:
     raise DeviceRuleError(
         f"rank {local_rank} of {local_world_size} on its node sees {visible} CUDA devices: expected 1 (a Ray actor's "
         f"own GPU) or at least {local_world_size} (every GPU of the node, as torchrun starts ranks); set "
-        "CUDA_VISIBLE_DEVICES accordingly")
+        "CUDA_VISIBLE_DEVICES accordingly"
+    )
 
 
 def local_cuda_device(visible: Optional[int] = None) -> int:

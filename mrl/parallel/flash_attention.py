@@ -79,12 +79,12 @@ def _chunk(q, k, v, start: int, scale: float) -> torch.Tensor:
     if start == 0:
         return F.scaled_dot_product_attention(q, k[:, :, :length], v[:, :, :length], is_causal=True, scale=scale)
     end = start + length
-    return _PrefixThenCausal.apply(q, k[:, :, :start], v[:, :, :start], k[:, :, start:end], v[:, :, start:end],
-                                   scale)
+    return _PrefixThenCausal.apply(q, k[:, :, :start], v[:, :, :start], k[:, :, start:end], v[:, :, start:end], scale)
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_positions: torch.Tensor,
-                     scale: float) -> torch.Tensor:
+def causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_positions: torch.Tensor, scale: float
+) -> torch.Tensor:
     """Causal attention of one sequence's queries at `q_positions` [sq] (ascending runs, as a CP rank holds them)
     over all of its keys k/v [b, h, L, d] in position order (key j at position j). Returns [b, h, sq, d_v]."""
     dq, dv = q.shape[-1], v.shape[-1]
@@ -96,8 +96,9 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_positi
     return out[..., :dv] if dq != dv else out
 
 
-def padded_pack_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: list[int],
-                          scale: float) -> torch.Tensor | None:
+def padded_pack_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: list[int], scale: float
+) -> torch.Tensor | None:
     """A pack's causal attention as ONE kernel call over its sequences laid out as a right-padded batch.
 
     q/k/v [1, h, t, d] hold whole sequences of `seq_lens` back to back (no context parallelism). Each sequence

@@ -17,7 +17,6 @@ import torch.distributed as dist
 
 from mrl.parallel.layout import ParallelDims, ParallelLayoutError
 
-
 #: Where `free_port` looks: above Ray's worker ports (10002-19999 by default) and below the OS's ephemeral range.
 PICKED_PORTS = (20000, 32768)
 _EPHEMERAL_RANGE = "/proc/sys/net/ipv4/ip_local_port_range"
@@ -135,12 +134,15 @@ def init_fake_process_groups(world: int, rank: int, *, tp: int = 1, pp: int = 1,
 
     cpu_compat.apply()
     from megatron.core import parallel_state
-
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                             expert_model_parallel_size=ep, create_gloo_process_groups=False)
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        expert_model_parallel_size=ep,
+        create_gloo_process_groups=False,
+    )
     model_parallel_cuda_manual_seed(0)  # the model-parallel RNG states a forward pass forks
 
 
@@ -154,8 +156,9 @@ def destroy_process_groups() -> None:
         dist.destroy_process_group()
 
 
-def standalone_group(address: str, port: int, member: int, size: int, backend: str,
-                     timeout_s: float = 600.0) -> dist.ProcessGroup:
+def standalone_group(
+    address: str, port: int, member: int, size: int, backend: str, timeout_s: float = 600.0
+) -> dist.ProcessGroup:
     """A process group of `size` members outside torch.distributed's world (no init_process_group: the policy's
     and vLLM's worlds are left alone), joined as `member`; member 0 hosts its TCPStore at address:port. One gloo or
     NCCL backend, registered for the device type it serves (gloo: the CPU; NCCL: CUDA), as torch's own group
@@ -168,11 +171,17 @@ def standalone_group(address: str, port: int, member: int, size: int, backend: s
     if backend == "nccl":
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
-        kind, device, backend_group = (dist.ProcessGroup.BackendType.NCCL, torch.device("cuda"),
-                                       dist.ProcessGroupNCCL(store, member, size, options))
+        kind, device, backend_group = (
+            dist.ProcessGroup.BackendType.NCCL,
+            torch.device("cuda"),
+            dist.ProcessGroupNCCL(store, member, size, options),
+        )
     else:
-        kind, device, backend_group = (dist.ProcessGroup.BackendType.GLOO, torch.device("cpu"),
-                                       dist.ProcessGroupGloo(store, member, size, timeout))
+        kind, device, backend_group = (
+            dist.ProcessGroup.BackendType.GLOO,
+            torch.device("cpu"),
+            dist.ProcessGroupGloo(store, member, size, timeout),
+        )
     group._register_backend(device, kind, backend_group)
     group._set_default_backend(kind)
     return group

@@ -31,8 +31,11 @@ class Violation:
     fix: Optional[str] = None
 
     def __str__(self) -> str:
-        extra = [f"given {self.given!r}" if self.given is not None else "",
-                 f"allowed: {self.allowed}" if self.allowed else "", f"fix: {self.fix}" if self.fix else ""]
+        extra = [
+            f"given {self.given!r}" if self.given is not None else "",
+            f"allowed: {self.allowed}" if self.allowed else "",
+            f"fix: {self.fix}" if self.fix else "",
+        ]
         return f"{self.key}: {self.message}" + "".join(f"; {part}" for part in extra if part)
 
 
@@ -48,74 +51,123 @@ def length_multiple(tp: int = 1, cp: int = 1, *, sequence_parallel: bool = False
     return (tp if sequence_parallel else 1) * (2 * cp if cp > 1 else 1)
 
 
-def layout_violations(*, tp: int, pp: int, cp: int, ep: int, sequence_parallel: bool,
-                      world_size: int) -> list[Violation]:
+def layout_violations(
+    *, tp: int, pp: int, cp: int, ep: int, sequence_parallel: bool, world_size: int
+) -> list[Violation]:
     """Every rule of Megatron's layout that the sizes break."""
     out: list[Violation] = []
-    sizes = {"tensor_parallel_size": tp, "pipeline_parallel_size": pp, "context_parallel_size": cp,
-             "expert_parallel_size": ep}
+    sizes = {
+        "tensor_parallel_size": tp,
+        "pipeline_parallel_size": pp,
+        "context_parallel_size": cp,
+        "expert_parallel_size": ep,
+    }
     for name, value in sizes.items():
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             out.append(Violation(f"policy.parallel.{name}", "must be a positive integer", value))
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
-        out.append(Violation("cluster.devices_per_node", "the policy's world size must be a positive integer",
-                             world_size))
+        out.append(
+            Violation("cluster.devices_per_node", "the policy's world size must be a positive integer", world_size)
+        )
     if out:
         return out
     if world_size % (tp * pp * cp):
-        out.append(Violation("policy.parallel", f"policy world size {world_size} is not divisible by tp*pp*cp = "
-                                                f"{tp * pp * cp} (tp={tp}, pp={pp}, cp={cp})",
-                             fix="change the parallel sizes, or the devices (cluster.devices_per_node)"))
+        out.append(
+            Violation(
+                "policy.parallel",
+                f"policy world size {world_size} is not divisible by tp*pp*cp = "
+                f"{tp * pp * cp} (tp={tp}, pp={pp}, cp={cp})",
+                fix="change the parallel sizes, or the devices (cluster.devices_per_node)",
+            )
+        )
     elif (world_size // (tp * pp)) % ep:
-        out.append(Violation("policy.parallel.expert_parallel_size",
-                             f"expert parallel size {ep} must divide dp*cp = {world_size // (tp * pp)} (experts are "
-                             "spread over the data- and context-parallel ranks of each tp*pp shard)", ep,
-                             allowed=f"a divisor of {world_size // (tp * pp)}"))
+        out.append(
+            Violation(
+                "policy.parallel.expert_parallel_size",
+                f"expert parallel size {ep} must divide dp*cp = {world_size // (tp * pp)} (experts are "
+                "spread over the data- and context-parallel ranks of each tp*pp shard)",
+                ep,
+                allowed=f"a divisor of {world_size // (tp * pp)}",
+            )
+        )
     if sequence_parallel and tp == 1:
-        out.append(Violation("policy.parallel.sequence_parallel", "sequence parallelism needs tensor parallelism "
-                             "(it splits each sequence over the tensor-parallel ranks)", True,
-                             fix="set policy.parallel.tensor_parallel_size > 1 or sequence_parallel=false"))
+        out.append(
+            Violation(
+                "policy.parallel.sequence_parallel",
+                "sequence parallelism needs tensor parallelism "
+                "(it splits each sequence over the tensor-parallel ranks)",
+                True,
+                fix="set policy.parallel.tensor_parallel_size > 1 or sequence_parallel=false",
+            )
+        )
     return out
 
 
-def micro_batching_violations(*, packing: bool, dynamic_batching: bool, tokens_per_microbatch: int, pp: int,
-                              multiple: int) -> list[Violation]:
+def micro_batching_violations(
+    *, packing: bool, dynamic_batching: bool, tokens_per_microbatch: int, pp: int, multiple: int
+) -> list[Violation]:
     """Rules of token-budget micro-batches (`policy.sequence_packing` / `policy.dynamic_batching`): `multiple` is
     `length_multiple` of the layout, `tokens_per_microbatch` the budget of whichever is enabled."""
     out: list[Violation] = []
     if packing and dynamic_batching:
-        out.append(Violation("policy.dynamic_batching.enabled", "sequence packing and dynamic batching are "
-                             "alternatives; enable one", True,
-                             fix="set policy.dynamic_batching.enabled or policy.sequence_packing.enabled to false"))
+        out.append(
+            Violation(
+                "policy.dynamic_batching.enabled",
+                "sequence packing and dynamic batching are alternatives; enable one",
+                True,
+                fix="set policy.dynamic_batching.enabled or policy.sequence_packing.enabled to false",
+            )
+        )
     elif dynamic_batching and pp > 1:
-        out.append(Violation("policy.dynamic_batching.enabled", "dynamic batching makes micro-batches of different "
-                             "shapes, which pipeline parallelism cannot send between stages", True,
-                             fix="use policy.sequence_packing (packs are padded to a fixed size) with pipeline "
-                                 "parallelism"))
+        out.append(
+            Violation(
+                "policy.dynamic_batching.enabled",
+                "dynamic batching makes micro-batches of different "
+                "shapes, which pipeline parallelism cannot send between stages",
+                True,
+                fix="use policy.sequence_packing (packs are padded to a fixed size) with pipeline parallelism",
+            )
+        )
     elif packing and pp > 1 and tokens_per_microbatch % multiple:
-        out.append(Violation("policy.sequence_packing.tokens_per_microbatch", "with pipeline parallelism every pack "
-                             "is padded to the budget, which must split over the sequence-splitting ranks "
-                             "(tp with sequence parallel x 2*cp)", tokens_per_microbatch,
-                             allowed=f"a multiple of {multiple}"))
+        out.append(
+            Violation(
+                "policy.sequence_packing.tokens_per_microbatch",
+                "with pipeline parallelism every pack "
+                "is padded to the budget, which must split over the sequence-splitting ranks "
+                "(tp with sequence parallel x 2*cp)",
+                tokens_per_microbatch,
+                allowed=f"a multiple of {multiple}",
+            )
+        )
     return out
 
 
-def pipeline_split_violations(*, layers: int, pp: int, first: Optional[int],
-                              last: Optional[int]) -> list[Violation]:
+def pipeline_split_violations(*, layers: int, pp: int, first: Optional[int], last: Optional[int]) -> list[Violation]:
     """Decoder layers over pipeline stages: the first and last stage may hold a given number, the stages between
     them an equal share of the rest (Megatron's num_layers_in_{first,last}_pipeline_stage)."""
     if pp == 1:
         given = [k for k, v in (("first_stage_layers", first), ("last_stage_layers", last)) if v is not None]
-        return [Violation(f"policy.parallel.{k}", "needs pipeline parallelism", fix="remove it or set "
-                          "policy.parallel.pipeline_parallel_size > 1") for k in given]
+        return [
+            Violation(
+                f"policy.parallel.{k}",
+                "needs pipeline parallelism",
+                fix="remove it or set policy.parallel.pipeline_parallel_size > 1",
+            )
+            for k in given
+        ]
     middle_layers = layers - (first or 0) - (last or 0)
     middle_stages = pp - (first is not None) - (last is not None)
     if middle_layers < 0 or (middle_stages == 0 and middle_layers) or (middle_stages and middle_layers % middle_stages):
         split = f"first {first}, last {last}" if first or last else "an even split"
-        return [Violation("policy.parallel.pipeline_parallel_size",
-                          f"{layers} decoder layers do not split over {pp} pipeline stages ({split})", pp,
-                          fix="choose a size whose stages hold equal numbers of layers, or set "
-                              "policy.parallel.first_stage_layers / last_stage_layers")]
+        return [
+            Violation(
+                "policy.parallel.pipeline_parallel_size",
+                f"{layers} decoder layers do not split over {pp} pipeline stages ({split})",
+                pp,
+                fix="choose a size whose stages hold equal numbers of layers, or set "
+                "policy.parallel.first_stage_layers / last_stage_layers",
+            )
+        ]
     return []
 
 
@@ -135,11 +187,18 @@ class ParallelDims:
     world_size: int = 1
 
     def __post_init__(self) -> None:
-        problems = layout_violations(tp=self.tp, pp=self.pp, cp=self.cp, ep=self.ep,
-                                     sequence_parallel=self.sequence_parallel, world_size=self.world_size)
+        problems = layout_violations(
+            tp=self.tp,
+            pp=self.pp,
+            cp=self.cp,
+            ep=self.ep,
+            sequence_parallel=self.sequence_parallel,
+            world_size=self.world_size,
+        )
         if problems:
-            raise ParallelLayoutError("invalid parallel layout " + self.describe() + ":\n- "
-                                      + "\n- ".join(str(p) for p in problems))
+            raise ParallelLayoutError(
+                "invalid parallel layout " + self.describe() + ":\n- " + "\n- ".join(str(p) for p in problems)
+            )
 
     @property
     def dp(self) -> int:

@@ -142,8 +142,15 @@ def _units(dims: ModelDims, names: str) -> list[list[ParamRule]]:
     return units
 
 
-def plan_buckets(dims: ModelDims, names: str, bucket_bytes: int, element_size: int, *,
-                 split_units: bool = False, stages: StageInfo | None = None) -> list[Bucket]:
+def plan_buckets(
+    dims: ModelDims,
+    names: str,
+    bucket_bytes: int,
+    element_size: int,
+    *,
+    split_units: bool = False,
+    stages: StageInfo | None = None,
+) -> list[Bucket]:
     """The pieces of each refit bucket, in model order (identical on every rank): whole units packed up to
     `bucket_bytes` of HF tensors; a larger unit alone (`split_units=False`) or cut at tensor granularity into
     buckets of at most `bucket_bytes` (`split_units=True`; the receiver must then keep one layerwise reload
@@ -307,16 +314,24 @@ class ShardedExporter:
         """The routed-expert parameters from `pieces[start]` on that one expert-parallel rank holds, each carried
         whole by this bucket, of one dtype, on this rank's stage: what `_receive_experts` moves in one broadcast."""
         first = pieces[start].rule
-        if (self.ep_size == 1 or first.expert is None or first.megatron in self._experts
-                or self.stages.owner(first.megatron) != self.pp_rank):
+        if (
+            self.ep_size == 1
+            or first.expert is None
+            or first.megatron in self._experts
+            or self.stages.owner(first.megatron) != self.pp_rank
+        ):
             return []
         owner = first.expert // self.experts_per_rank
         dtype = self.params[self._local_name(first.megatron, owner)].dtype
         run = []
         for piece in pieces[start:]:
             rule = piece.rule
-            if (rule.expert is None or rule.expert // self.experts_per_rank != owner or len(piece.hf) != len(rule.hf)
-                    or self.params[self._local_name(rule.megatron, owner)].dtype != dtype):
+            if (
+                rule.expert is None
+                or rule.expert // self.experts_per_rank != owner
+                or len(piece.hf) != len(rule.hf)
+                or self.params[self._local_name(rule.megatron, owner)].dtype != dtype
+            ):
                 break
             run.append(rule)
         return run

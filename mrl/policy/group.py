@@ -12,7 +12,9 @@ Dispatch contract (what is split, what is replicated):
   output. A collective transport made with `refit_addresses` has one sender per pipeline stage: only the bucket's
   owner stage gathers it (no PP broadcast) and that stage's first rank packs it as sender `bucket_sender(index)`;
   its payload is the output (every bucket lies within one stage: the plan never spans two). CUDA IPC: rank 0's
-  packed bucket is broadcast to every rank, each shares its own GPU's copy, and the parts are MERGED into one payload with a handle per GPU (mrl/inference/transports/cuda_ipc.py). The loop hands it to the engine before asking for the next bucket, so extra memory stays at one bucket.
+  packed bucket is broadcast to every rank, each shares its own GPU's copy, and the parts are MERGED into one payload
+  with a handle per GPU (mrl/inference/transports/cuda_ipc.py). The loop hands it to the engine before asking for
+  the next bucket, so extra memory stays at one bucket.
 - `save`/`load`: every rank writes/reads its shards of one distributed checkpoint folder.
 - `release_memory()` / `reclaim_memory()`: no data; every rank moves its own shards off / back on its device
   (mrl/policy/memory.py). The release's report: GB moved SUMMED over ranks, CUDA memory reserved the MAX over ranks
@@ -44,16 +46,31 @@ def _rank0(values: list[Any]) -> Any:
 class Policy:
     """`world_size` PolicyWorker actors on the first bundles of `placement`."""
 
-    def __init__(self, spec: PolicySpec, placement: Any, *, world_size: int, resource_fraction: float = 1.0,
-                 omp_num_threads: Threads = 1, busy_per_node: Optional[int] = None,
-                 name: str = "policy",
-                 wait_before_init: Optional[Callable[[], None]] = None) -> None:
+    def __init__(
+        self,
+        spec: PolicySpec,
+        placement: Any,
+        *,
+        world_size: int,
+        resource_fraction: float = 1.0,
+        omp_num_threads: Threads = 1,
+        busy_per_node: Optional[int] = None,
+        name: str = "policy",
+        wait_before_init: Optional[Callable[[], None]] = None,
+    ) -> None:
         self.spec = spec
-        self.workers = WorkerGroup(name, PolicyWorker, placement, init_args=(spec,),
-                                   bundle_indices=list(range(world_size)), resource_fraction=resource_fraction,
-                                   omp_num_threads=omp_num_threads, busy_per_node=busy_per_node,
-                                   start_timeout_s=300.0,
-                                   wait_before_init=wait_before_init)
+        self.workers = WorkerGroup(
+            name,
+            PolicyWorker,
+            placement,
+            init_args=(spec,),
+            bundle_indices=list(range(world_size)),
+            resource_fraction=resource_fraction,
+            omp_num_threads=omp_num_threads,
+            busy_per_node=busy_per_node,
+            start_timeout_s=300.0,
+            wait_before_init=wait_before_init,
+        )
         self.workers.layout_from_workers("data_parallel_layout")
         self._planned: Optional[tuple[int, list[int]]] = None  # (bucket_bytes, each bucket's owner stage) held
         self._stage_ranks: Optional[list[int]] = None  # the global rank of each pipeline stage's first rank
@@ -67,8 +84,9 @@ class Policy:
         """[B, T] log-probabilities of `batch.input_ids` (position 0 is 0) under the policy or its reference; for a
         reward model, its score at every token (the sequence's score at position length - 1)."""
         self._check_groups(batch)
-        return self.workers.shard_and_run("logprobs", batch, temperature=temperature, reference=reference,
-                                          work=Work(tokens=batch.input_ids.numel()))
+        return self.workers.shard_and_run(
+            "logprobs", batch, temperature=temperature, reference=reference, work=Work(tokens=batch.input_ids.numel())
+        )
 
     def scores(self, batch: RankBatch) -> torch.Tensor:
         """[B] a reward model's score of each sequence: its value at the last real token (`batch.lengths`)."""
@@ -85,16 +103,19 @@ class Policy:
     def _check_groups(self, batch: RankBatch) -> None:
         dp = self.data_parallel_size
         if batch.group_size > 1 and (len(batch) % dp or (len(batch) // dp) % batch.group_size):
-            raise ValueError(f"{len(batch)} rows in groups of {batch.group_size} (preference pairs) do not split "
-                             f"into whole groups over {dp} data-parallel ranks: use a multiple of "
-                             f"{dp * batch.group_size} rows")
+            raise ValueError(
+                f"{len(batch)} rows in groups of {batch.group_size} (preference pairs) do not split "
+                f"into whole groups over {dp} data-parallel ranks: use a multiple of "
+                f"{dp * batch.group_size} rows"
+            )
 
     def train(self, batch: RankBatch, loss_fn: PolicyLoss, *, temperature: float = 1.0) -> dict[str, float]:
         """One optimizer step on the whole batch (all rows, every data-parallel rank)."""
         self._check_groups(batch)
         count = global_count(batch.loss_mask, loss_fn.level)
-        merged = self.workers.shard_and_run("train", batch, loss_fn, count, temperature=temperature,
-                                            work=Work(tokens=3 * batch.input_ids.numel()))  # forward + backward
+        merged = self.workers.shard_and_run(
+            "train", batch, loss_fn, count, temperature=temperature, work=Work(tokens=3 * batch.input_ids.numel())
+        )  # forward + backward
         return _merge_metrics(merged)
 
     # ------------------------------------------------------------------------------------ memory hand-over
@@ -147,8 +168,9 @@ class Policy:
         parts under EP, shared-memory files: each EP rank's experts in its own file, merged). A transport with one
         sender per pipeline stage: the owner stage's first rank packs and its payload is the result."""
         par = self.spec.policy.parallel
-        if getattr(transport, "every_rank", False) or packs_in_parts(transport, par.expert_parallel_size,
-                                                                     par.pipeline_parallel_size):
+        if getattr(transport, "every_rank", False) or packs_in_parts(
+            transport, par.expert_parallel_size, par.pipeline_parallel_size
+        ):
             merge = transport.merge
         elif sends_by_stage(transport, self._pipeline_stages()):
             sender = self._sender_ranks()[self.bucket_sender(index)]

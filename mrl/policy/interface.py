@@ -32,8 +32,9 @@ class PolicyLoss(Protocol):
 
     level: Literal["token", "sequence"]
 
-    def __call__(self, logprobs: torch.Tensor, batch: dict[str, torch.Tensor],
-                 global_count: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def __call__(
+        self, logprobs: torch.Tensor, batch: dict[str, torch.Tensor], global_count: float
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """logprobs [b, T'] of the target tokens; `batch` holds `loss_mask` [b, T'], the token data [b, T'], the
         sequence data [b] and `seq_num_tokens` [b] (valid tokens per whole sequence, also under CP).
         Returns (scalar loss = sum over this micro-batch / global_count, additive metrics)."""
@@ -55,17 +56,26 @@ class RankBatch:
     def to(self, device: torch.device) -> "RankBatch":
         """Every tensor on `device` (the rank's CUDA device on GPUs; batches travel between processes on the host)."""
         move = lambda x: x.to(device, non_blocking=True)  # noqa: E731
-        return RankBatch(move(self.input_ids), move(self.loss_mask), {k: move(v) for k, v in self.token_data.items()},
-                         {k: move(v) for k, v in self.seq_data.items()},
-                         None if self.lengths is None else move(self.lengths), self.group_size,
-                         None if self.routing is None else move(self.routing))
+        return RankBatch(
+            move(self.input_ids),
+            move(self.loss_mask),
+            {k: move(v) for k, v in self.token_data.items()},
+            {k: move(v) for k, v in self.seq_data.items()},
+            None if self.lengths is None else move(self.lengths),
+            self.group_size,
+            None if self.routing is None else move(self.routing),
+        )
 
     def slice(self, start: int, stop: int) -> "RankBatch":
-        return RankBatch(self.input_ids[start:stop], self.loss_mask[start:stop],
-                         {k: v[start:stop] for k, v in self.token_data.items()},
-                         {k: v[start:stop] for k, v in self.seq_data.items()},
-                         None if self.lengths is None else self.lengths[start:stop], self.group_size,
-                         None if self.routing is None else self.routing[start:stop])
+        return RankBatch(
+            self.input_ids[start:stop],
+            self.loss_mask[start:stop],
+            {k: v[start:stop] for k, v in self.token_data.items()},
+            {k: v[start:stop] for k, v in self.seq_data.items()},
+            None if self.lengths is None else self.lengths[start:stop],
+            self.group_size,
+            None if self.routing is None else self.routing[start:stop],
+        )
 
     def select(self, rows: list[int], width: int) -> "RankBatch":
         """Rows `rows` (in that order) with every [N, T] tensor cut or right-padded (zeros) to `width` columns."""
@@ -74,15 +84,22 @@ class RankBatch:
         def cols(x: torch.Tensor) -> torch.Tensor:  # [N, T] -> [len(rows), width]
             return x[rows, :width] if width <= t else torch.nn.functional.pad(x[rows], (0, width - t))
 
-        return RankBatch(cols(self.input_ids), cols(self.loss_mask), {k: cols(v) for k, v in self.token_data.items()},
-                         {k: v[rows] for k, v in self.seq_data.items()},
-                         None if self.lengths is None else self.lengths[rows], self.group_size,
-                         None if self.routing is None else pad_routing(self.routing[rows], width))
+        return RankBatch(
+            cols(self.input_ids),
+            cols(self.loss_mask),
+            {k: cols(v) for k, v in self.token_data.items()},
+            {k: v[rows] for k, v in self.seq_data.items()},
+            None if self.lengths is None else self.lengths[rows],
+            self.group_size,
+            None if self.routing is None else pad_routing(self.routing[rows], width),
+        )
 
     def micro_batches(self, size: int) -> list["RankBatch"]:
         if size % self.group_size:
-            raise ValueError(f"micro-batches of {size} rows would split the groups of {self.group_size} rows "
-                             "(preference pairs); use an even micro-batch size")
+            raise ValueError(
+                f"micro-batches of {size} rows would split the groups of {self.group_size} rows "
+                "(preference pairs); use an even micro-batch size"
+            )
         if len(self) % size:
             # Pipeline schedules send fixed-shape activations between stages: every micro-batch has `size` rows.
             raise ValueError(f"{len(self)} sequences on this rank do not split into micro-batches of {size}")

@@ -28,9 +28,14 @@ def next_token_targets(input_ids: torch.Tensor) -> torch.Tensor:
 LOGPROB_CHUNK_TOKENS = 1024
 
 
-def vocab_parallel_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
-                            vocab_size: int | None = None, chunk_tokens: int = LOGPROB_CHUNK_TOKENS,
-                            entropy: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+def vocab_parallel_logprobs(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float = 1.0,
+    vocab_size: int | None = None,
+    chunk_tokens: int = LOGPROB_CHUNK_TOKENS,
+    entropy: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """log p(targets) under softmax(logits / temperature), with the vocabulary split over the TP group; with
     `entropy`, also that distribution's entropy at every token (a metric: no gradient flows through it).
 
@@ -58,9 +63,16 @@ def vocab_parallel_logprobs(logits: torch.Tensor, targets: torch.Tensor, tempera
     # multiple of 128 x TP leaves the last ranks nothing but padding), `local` where there is none.
     padded_from = local if vocab_size is None else min(max(vocab_size - start, 0), local)
     group = parallel_state.get_tensor_model_parallel_group()
-    flat, entropies = _ChunkedVocabParallelLogprobs.apply(logits.reshape(-1, local), targets.reshape(-1),
-                                                          float(temperature), start, padded_from, group, chunk_tokens,
-                                                          entropy)
+    flat, entropies = _ChunkedVocabParallelLogprobs.apply(
+        logits.reshape(-1, local),
+        targets.reshape(-1),
+        float(temperature),
+        start,
+        padded_from,
+        group,
+        chunk_tokens,
+        entropy,
+    )
     if entropy:
         return flat.view(targets.shape), entropies.view(targets.shape)
     return flat.view(targets.shape)
@@ -88,8 +100,7 @@ class _ChunkedVocabParallelLogprobs(torch.autograd.Function):
     `with_entropy`; not differentiable); see `vocab_parallel_logprobs`."""
 
     @staticmethod
-    def forward(ctx, logits, targets, temperature, start, padded_from, group, chunk_tokens,  # noqa: D102
-                with_entropy):
+    def forward(ctx, logits, targets, temperature, start, padded_from, group, chunk_tokens, with_entropy):
         from mrl.parallel import collectives
 
         reduce = collectives.world_size(group) > 1  # per micro-batch: a group of one keeps its shortcut
@@ -129,7 +140,7 @@ class _ChunkedVocabParallelLogprobs(torch.autograd.Function):
         return out, entropy
 
     @staticmethod
-    def backward(ctx, grad_out, _grad_entropy):  # noqa: D102
+    def backward(ctx, grad_out, _grad_entropy):
         logits, targets, top, sum_exp = ctx.saved_tensors
         n, local = logits.shape
         grad = torch.empty_like(logits)

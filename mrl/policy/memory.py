@@ -105,16 +105,22 @@ def optimizer_params(optimizer: Any) -> list[torch.Tensor]:
 
 def optimizer_states(optimizer: Any) -> list[torch.Tensor]:
     """Per-parameter state tensors (exp_avg, exp_avg_sq, step, ...)."""
-    return [v for inner in _inner_optimizers(optimizer) for state in inner.state.values() for v in state.values()
-            if isinstance(v, torch.Tensor)]
+    return [
+        v
+        for inner in _inner_optimizers(optimizer)
+        for state in inner.state.values()
+        for v in state.values()
+        if isinstance(v, torch.Tensor)
+    ]
 
 
 class HostOffload:
     """The hand-over of one policy rank: `release` moves the configured parts off the device and empties the
     allocator's cache; `reclaim(parts)` brings parts back (all by default). Both are idempotent."""
 
-    def __init__(self, chunks: Sequence[torch.nn.Module], optimizer: Any, settings: OffloadConfig, *,
-                 active: bool) -> None:
+    def __init__(
+        self, chunks: Sequence[torch.nn.Module], optimizer: Any, settings: OffloadConfig, *, active: bool
+    ) -> None:
         self.chunks = list(chunks)  # DDP-wrapped when trainable
         self.optimizer = optimizer  # None for a frozen model
         self.settings = settings
@@ -157,16 +163,21 @@ class HostOffload:
                 for p in main:
                     p.grad = None
                 moved["optimizer_states"] = self._parking["optimizer_states"].park(
-                    main + optimizer_states(self.optimizer), device, skip=model)
+                    main + optimizer_states(self.optimizer), device, skip=model
+                )
             if self.settings.gradients and self._ddp_chunks() and not self._grads_parked:
-                moved["gradients"] = sum(b.grad_data.numel() * b.grad_data.element_size()
-                                         for c in self._ddp_chunks() for b in c.buffers + c.expert_parallel_buffers)
+                moved["gradients"] = sum(
+                    b.grad_data.numel() * b.grad_data.element_size()
+                    for c in self._ddp_chunks()
+                    for b in c.buffers + c.expert_parallel_buffers
+                )
                 for chunk in self._ddp_chunks():
                     chunk.offload_grad_buffers(synchronize=False, empty_cache=False)
                 self._grads_parked = True
             if self.settings.weights:
                 moved["weights"] = self._parking["weights"].park(
-                    (p for c in self.chunks for p in c.parameters()), device)
+                    (p for c in self.chunks for p in c.parameters()), device
+                )
             gc.collect()
             if cuda:
                 torch.cuda.empty_cache()

@@ -11,8 +11,9 @@ import torch
 from mrl.config.schema import OptimizerConfig, SchedulerConfig
 
 
-def build_optimizer(model: list, cfg: OptimizerConfig, *, params_dtype: torch.dtype,
-                    overlap_param_gather: bool = False):
+def build_optimizer(
+    model: list, cfg: OptimizerConfig, *, params_dtype: torch.dtype, overlap_param_gather: bool = False
+):
     """A MegatronOptimizer over the model chunks (DDP-wrapped); `overlap_param_gather` as the chunks' DDP config
     (`mrl/policy/speed.py`)."""
     from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
@@ -20,11 +21,21 @@ def build_optimizer(model: list, cfg: OptimizerConfig, *, params_dtype: torch.dt
 
     bf16 = params_dtype == torch.bfloat16
     megatron_cfg = MegatronOptimizerConfig(
-        optimizer="adam", lr=cfg.lr, min_lr=cfg.min_lr, weight_decay=cfg.weight_decay,
-        adam_beta1=cfg.adam_beta1, adam_beta2=cfg.adam_beta2, adam_eps=cfg.adam_eps,
-        clip_grad=cfg.clip_grad, decoupled_weight_decay=cfg.name == "adamw",
-        bf16=bf16, fp16=False, params_dtype=params_dtype,
-        use_distributed_optimizer=cfg.use_distributed_optimizer, overlap_param_gather=overlap_param_gather)
+        optimizer="adam",
+        lr=cfg.lr,
+        min_lr=cfg.min_lr,
+        weight_decay=cfg.weight_decay,
+        adam_beta1=cfg.adam_beta1,
+        adam_beta2=cfg.adam_beta2,
+        adam_eps=cfg.adam_eps,
+        clip_grad=cfg.clip_grad,
+        decoupled_weight_decay=cfg.name == "adamw",
+        bf16=bf16,
+        fp16=False,
+        params_dtype=params_dtype,
+        use_distributed_optimizer=cfg.use_distributed_optimizer,
+        overlap_param_gather=overlap_param_gather,
+    )
     return get_megatron_optimizer(megatron_cfg, model)
 
 
@@ -34,7 +45,15 @@ def build_scheduler(optimizer, opt_cfg: OptimizerConfig, cfg: SchedulerConfig, *
 
     decay_steps = cfg.decay_steps or max(total_steps, cfg.warmup_steps + 1)
     return OptimizerParamScheduler(
-        optimizer, init_lr=0.0 if cfg.warmup_steps else opt_cfg.lr, max_lr=opt_cfg.lr, min_lr=opt_cfg.min_lr,
-        lr_warmup_steps=cfg.warmup_steps, lr_decay_steps=decay_steps, lr_decay_style=cfg.style,
-        start_wd=opt_cfg.weight_decay, end_wd=opt_cfg.weight_decay, wd_incr_steps=decay_steps,
-        wd_incr_style="constant")
+        optimizer,
+        init_lr=0.0 if cfg.warmup_steps else opt_cfg.lr,
+        max_lr=opt_cfg.lr,
+        min_lr=opt_cfg.min_lr,
+        lr_warmup_steps=cfg.warmup_steps,
+        lr_decay_steps=decay_steps,
+        lr_decay_style=cfg.style,
+        start_wd=opt_cfg.weight_decay,
+        end_wd=opt_cfg.weight_decay,
+        wd_incr_steps=decay_steps,
+        wd_incr_style="constant",
+    )

@@ -52,19 +52,22 @@ def fused_wgrad_available() -> bool:
     return importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None
 
 
-def resolve_speed(cfg: SpeedConfig, *, cuda: bool, fused_wgrad: bool, data_parallel: int,
-                  distributed_optimizer: bool) -> SpeedSettings:
+def resolve_speed(
+    cfg: SpeedConfig, *, cuda: bool, fused_wgrad: bool, data_parallel: int, distributed_optimizer: bool
+) -> SpeedSettings:
     """Each option's value on a rank with (or without) CUDA and Apex's kernel, `data_parallel` ranks (with context
     parallelism) and the distributed optimizer or not; `SpeedOptionError` for a forced option that cannot run."""
     if cfg.gradient_accumulation_fusion is True and not (cuda and fused_wgrad):
         raise SpeedOptionError(
             "policy.speed.gradient_accumulation_fusion=true needs CUDA and Apex's fused_weight_gradient_mlp_cuda "
             f"(CUDA {'present' if cuda else 'absent'}, the kernel {'installed' if fused_wgrad else 'not installed'}); "
-            "set it to auto, or install Apex with its CUDA extensions")
+            "set it to auto, or install Apex with its CUDA extensions"
+        )
     if cfg.overlap_param_gather is True and not distributed_optimizer:
         raise SpeedOptionError(
             "policy.speed.overlap_param_gather=true needs policy.optimizer.use_distributed_optimizer=true (without it "
-            "every rank holds all the weights and nothing is gathered); set one of them")
+            "every rank holds all the weights and nothing is gathered); set one of them"
+        )
     several = data_parallel > 1
 
     def pick(value: Any, auto: bool) -> bool:
@@ -74,7 +77,8 @@ def resolve_speed(cfg: SpeedConfig, *, cuda: bool, fused_wgrad: bool, data_paral
         gradient_accumulation_fusion=pick(cfg.gradient_accumulation_fusion, cuda and fused_wgrad),
         overlap_grad_reduce=pick(cfg.overlap_grad_reduce, cuda and several),
         overlap_param_gather=pick(cfg.overlap_param_gather, cuda and several and distributed_optimizer),
-        grouped_expert_gemm=pick(cfg.grouped_expert_gemm, cuda))
+        grouped_expert_gemm=pick(cfg.grouped_expert_gemm, cuda),
+    )
 
 
 def wire_overlaps(settings: SpeedSettings, tconfig: Any, model: list) -> None:

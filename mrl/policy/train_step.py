@@ -56,8 +56,15 @@ from mrl.objectives.loss import LOSS_MASK, PREV_LOGPROBS, SEQ_LOG_RATIO_SUM, TOK
 from mrl.parallel import collectives
 from mrl.parallel.layout import length_multiple, micro_batching_violations
 from mrl.policy.interface import PolicyLoss, RankBatch, pad_routing
-from mrl.policy.logprobs import (LOGPROB_CHUNK_TOKENS, merge_from_context_parallel, next_token_targets, score_values,
-                                 shift_to_token_positions, split_for_context_parallel, vocab_parallel_logprobs)
+from mrl.policy.logprobs import (
+    LOGPROB_CHUNK_TOKENS,
+    merge_from_context_parallel,
+    next_token_targets,
+    score_values,
+    shift_to_token_positions,
+    split_for_context_parallel,
+    vocab_parallel_logprobs,
+)
 
 if TYPE_CHECKING:
     from mrl.config.schema import DynamicBatchingConfig, PackingConfig
@@ -89,8 +96,13 @@ def _prepare(mb: RankBatch, ctx: StepContext) -> dict[str, torch.Tensor]:
     mask = shift(mb.loss_mask).clone()
     mask[:, -1] = 0
     positions = torch.arange(mb.input_ids.shape[1]).unsqueeze(0).expand_as(mb.input_ids)
-    full = {"input_ids": mb.input_ids, "position_ids": positions, "targets": next_token_targets(mb.input_ids),
-            "loss_mask": mask, **{k: shift(v) for k, v in mb.token_data.items()}}
+    full = {
+        "input_ids": mb.input_ids,
+        "position_ids": positions,
+        "targets": next_token_targets(mb.input_ids),
+        "loss_mask": mask,
+        **{k: shift(v) for k, v in mb.token_data.items()},
+    }
     if mb.routing is not None:  # the router at position t routes token t: not shifted
         full["routing"] = mb.routing
     out = {k: split_for_context_parallel(v, ctx.cp_rank, ctx.cp_size) for k, v in full.items()}
@@ -113,8 +125,10 @@ def _target_logprobs(output: torch.Tensor, data: dict, ctx: StepContext) -> torc
     (zeros past each sequence's own tokens), the layout losses and the logprob merge expect."""
     if ctx.head == "score":
         return _unpacked(score_values(output), data)
-    return _unpacked(vocab_parallel_logprobs(output, data["targets"], ctx.temperature, ctx.vocab_size,
-                                             ctx.logprob_chunk_tokens), data)
+    return _unpacked(
+        vocab_parallel_logprobs(output, data["targets"], ctx.temperature, ctx.vocab_size, ctx.logprob_chunk_tokens),
+        data,
+    )
 
 
 def _train_inputs(output: torch.Tensor, data: dict, ctx: StepContext) -> tuple[torch.Tensor, dict]:
@@ -123,8 +137,9 @@ def _train_inputs(output: torch.Tensor, data: dict, ctx: StepContext) -> tuple[t
     pass, which losses may report."""
     if ctx.head == "score":
         return _target_logprobs(output, data, ctx), data
-    logprobs, entropy = vocab_parallel_logprobs(output, data["targets"], ctx.temperature, ctx.vocab_size,
-                                                ctx.logprob_chunk_tokens, entropy=True)
+    logprobs, entropy = vocab_parallel_logprobs(
+        output, data["targets"], ctx.temperature, ctx.vocab_size, ctx.logprob_chunk_tokens, entropy=True
+    )
     return _unpacked(logprobs, data), {**data, TOKEN_ENTROPY: _unpacked(entropy, data)}
 
 
@@ -155,13 +170,17 @@ def sequence_lengths(batch: RankBatch) -> torch.Tensor:
         return (valid * torch.arange(1, t + 1, device=valid.device)).amax(dim=1).clamp(min=1)  # 1 + last loss token
     lengths = batch.lengths.long()
     if lengths.shape != (n,) or bool((lengths < 1).any()) or bool((lengths > t).any()):
-        raise ValueError(f"RankBatch.lengths must be [{n}] token counts in 1..{t} (the padded width), "
-                         f"got shape {tuple(lengths.shape)}, range {int(lengths.min())}..{int(lengths.max())}")
+        raise ValueError(
+            f"RankBatch.lengths must be [{n}] token counts in 1..{t} (the padded width), "
+            f"got shape {tuple(lengths.shape)}, range {int(lengths.min())}..{int(lengths.max())}"
+        )
     beyond = (valid & (torch.arange(t, device=valid.device)[None, :] >= lengths[:, None])).any(dim=1)
     if bool(beyond.any()):
         j = int(beyond.nonzero()[0])
-        raise ValueError(f"sequence {j}: loss_mask marks tokens past its length {int(lengths[j])}; RankBatch.lengths "
-                         "must count the prompt and the response tokens")
+        raise ValueError(
+            f"sequence {j}: loss_mask marks tokens past its length {int(lengths[j])}; RankBatch.lengths "
+            "must count the prompt and the response tokens"
+        )
     return lengths
 
 
@@ -173,8 +192,14 @@ def _model_layout(model: list) -> tuple[int, bool, int]:
     return config.tensor_model_parallel_size, config.sequence_parallel, config.pipeline_model_parallel_size
 
 
-def plan_micro_batches(batch: RankBatch, model: list, ctx: StepContext, *, packing: "PackingConfig | None" = None,
-                       dynamic_batching: "DynamicBatchingConfig | None" = None) -> MicroBatchPlan | None:
+def plan_micro_batches(
+    batch: RankBatch,
+    model: list,
+    ctx: StepContext,
+    *,
+    packing: "PackingConfig | None" = None,
+    dynamic_batching: "DynamicBatchingConfig | None" = None,
+) -> MicroBatchPlan | None:
     """The token-budget plan of this rank's batch, or None for fixed `micro_batch_size` rows. Deterministic in the
     lengths, so every TP/PP/CP rank of a data-parallel group (same data) agrees on the number of micro-batches."""
     use_packing = packing is not None and packing.enabled
@@ -184,8 +209,9 @@ def plan_micro_batches(batch: RankBatch, model: list, ctx: StepContext, *, packi
     tp, sequence_parallel, pp = _model_layout(model)
     multiple = length_multiple(tp, ctx.cp_size, sequence_parallel=sequence_parallel)
     budget = (packing if use_packing else dynamic_batching).tokens_per_microbatch  # type: ignore[union-attr]
-    problems = micro_batching_violations(packing=use_packing, dynamic_batching=use_dynamic,
-                                         tokens_per_microbatch=budget, pp=pp, multiple=multiple)
+    problems = micro_batching_violations(
+        packing=use_packing, dynamic_batching=use_dynamic, tokens_per_microbatch=budget, pp=pp, multiple=multiple
+    )
     if problems:
         raise ValueError(str(problems[0]))
     lengths = sequence_lengths(batch).tolist()
@@ -204,8 +230,12 @@ def _predicting_space(batch: RankBatch, width: int) -> dict[str, torch.Tensor]:
         out[:, -1] = 0
         return out
 
-    out = {"input_ids": pad(batch.input_ids), "targets": shift(batch.input_ids), "loss_mask": shift(batch.loss_mask),
-           **{k: shift(v) for k, v in batch.token_data.items()}}
+    out = {
+        "input_ids": pad(batch.input_ids),
+        "targets": shift(batch.input_ids),
+        "loss_mask": shift(batch.loss_mask),
+        **{k: shift(v) for k, v in batch.token_data.items()},
+    }
     if batch.routing is not None:  # aligned with input_ids: not shifted
         out["routing"] = pad_routing(batch.routing, width)
     return out
@@ -229,9 +259,16 @@ def _packed_seq_params(plan: MicroBatchPlan, index: int, filler: int, cp_group, 
     padded = [plan.padded_lengths[j] for j in seqs] + ([filler] if filler else [])
     real = [plan.lengths[j] for j in seqs] + ([0] if filler else [])
     cu = lambda sizes: _to_device(torch.tensor([0] + sizes).cumsum(0).to(torch.int32), device)  # noqa: E731  [n + 1]
-    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu(real), cu_seqlens_kv=cu(real),
-                           cu_seqlens_q_padded=cu(padded), cu_seqlens_kv_padded=cu(padded),
-                           max_seqlen_q=max(padded), max_seqlen_kv=max(padded), cp_group=cp_group)
+    return PackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=cu(real),
+        cu_seqlens_kv=cu(real),
+        cu_seqlens_q_padded=cu(padded),
+        cu_seqlens_kv_padded=cu(padded),
+        max_seqlen_q=max(padded),
+        max_seqlen_kv=max(padded),
+        cp_group=cp_group,
+    )
 
 
 @dataclass(frozen=True)
@@ -253,15 +290,26 @@ def _pack_index(seqs: list[int], local: list[torch.Tensor], filler: int, device:
     width = int(sizes.max())
     valid = torch.arange(width)[None, :] < sizes[:, None]
     starts = torch.cumsum(sizes, 0) - sizes
-    host = dict(rows=torch.repeat_interleave(torch.tensor(seqs), sizes), cols=torch.cat(local), seqs=torch.tensor(seqs),
-                grid_cols=pad_sequence(local, batch_first=True), valid=valid,
-                unpack=torch.where(valid, starts[:, None] + torch.arange(width)[None, :], 0),
-                positions=torch.cat(local + [torch.zeros(filler, dtype=torch.long)])[None])
+    host = dict(
+        rows=torch.repeat_interleave(torch.tensor(seqs), sizes),
+        cols=torch.cat(local),
+        seqs=torch.tensor(seqs),
+        grid_cols=pad_sequence(local, batch_first=True),
+        valid=valid,
+        unpack=torch.where(valid, starts[:, None] + torch.arange(width)[None, :], 0),
+        positions=torch.cat(local + [torch.zeros(filler, dtype=torch.long)])[None],
+    )
     return _PackIndex(**{name: _to_device(t, device) for name, t in host.items()})
 
 
-def _packed_micro_batch(full: dict[str, torch.Tensor], batch: RankBatch, plan: MicroBatchPlan, index: int,
-                        ctx: StepContext, fixed_size: bool) -> dict:
+def _packed_micro_batch(
+    full: dict[str, torch.Tensor],
+    batch: RankBatch,
+    plan: MicroBatchPlan,
+    index: int,
+    ctx: StepContext,
+    fixed_size: bool,
+) -> dict:
     """Pack `index` on this CP rank: model inputs in THD layout [1, L / cp] (each sequence's local chunks, back to
     back), loss data in per-sequence rows [b, W] (W = the longest sequence's local token count), and the
     `unpack_index` [b, W] that gathers the pack's per-token results into those rows."""
@@ -275,9 +323,14 @@ def _packed_micro_batch(full: dict[str, torch.Tensor], batch: RankBatch, plan: M
         pad = x.new_full((filler // ctx.cp_size, *x.shape[2:]), fill)
         return torch.cat([x[at.rows, at.cols], pad])[None]
 
-    data = {"input_ids": pack(full["input_ids"]), "targets": pack(full["targets"]), "position_ids": at.positions,
-            "packed_seq_params": _packed_seq_params(plan, index, filler, ctx.cp_group, device),
-            "unpack_index": at.unpack, "unpack_valid": at.valid}
+    data = {
+        "input_ids": pack(full["input_ids"]),
+        "targets": pack(full["targets"]),
+        "position_ids": at.positions,
+        "packed_seq_params": _packed_seq_params(plan, index, filler, ctx.cp_group, device),
+        "unpack_index": at.unpack,
+        "unpack_valid": at.valid,
+    }
     if "routing" in full:  # the filler routes freshly
         data["routing"] = pack(full["routing"], fill=no_route(full["routing"].dtype))
     for name in ("loss_mask", *batch.token_data):  # [b, W], 0 past each sequence's end
@@ -288,20 +341,27 @@ def _packed_micro_batch(full: dict[str, torch.Tensor], batch: RankBatch, plan: M
     return data
 
 
-def _micro_batches(batch: RankBatch, plan: MicroBatchPlan | None, micro_batch_size: int, model: list,
-                   ctx: StepContext) -> tuple[list[dict], int, int]:
+def _micro_batches(
+    batch: RankBatch, plan: MicroBatchPlan | None, micro_batch_size: int, model: list, ctx: StepContext
+) -> tuple[list[dict], int, int]:
     """Every micro-batch's inputs, and the (seq_length, micro_batch_size) a pipeline schedule sends per micro-batch."""
     if plan is None:
         mbs = [_prepare(mb, ctx) for mb in batch.micro_batches(micro_batch_size)]
         return mbs, batch.input_ids.shape[1], micro_batch_size
     width = max(batch.input_ids.shape[1], max(plan.padded_lengths))
     if not plan.packed:  # rows of similar length, cut to the longest (rounded) one; no pipeline (checked)
-        return [_prepare(batch.select(seqs, max(plan.padded_lengths[j] for j in seqs)), ctx) for seqs in plan.bins], \
-            width, 1
+        return (
+            [_prepare(batch.select(seqs, max(plan.padded_lengths[j] for j in seqs)), ctx) for seqs in plan.bins],
+            width,
+            1,
+        )
     full = _predicting_space(batch, width)
     fixed_size = _model_layout(model)[2] > 1  # pipeline parallel: every pack has the budget's shape
-    return [_packed_micro_batch(full, batch, plan, i, ctx, fixed_size) for i in range(plan.num_micro_batches)], \
-        plan.budget, 1
+    return (
+        [_packed_micro_batch(full, batch, plan, i, ctx, fixed_size) for i in range(plan.num_micro_batches)],
+        plan.budget,
+        1,
+    )
 
 
 def _token_counts(batch: RankBatch, mbs: list[dict], ctx: StepContext) -> dict[str, float]:
@@ -323,27 +383,38 @@ def _merge_rows(rows: torch.Tensor, plan: MicroBatchPlan, index: int, ctx: StepC
     for rank, piece in enumerate(gathered):
         for row, j in enumerate(seqs):
             pos = local_token_positions(plan.padded_lengths[j], ctx.cp_size, rank)
-            out[row, pos] = piece[row, :len(pos)]
+            out[row, pos] = piece[row, : len(pos)]
     return out
 
 
-def _restore_order(collected: list[torch.Tensor], plan: MicroBatchPlan, batch: RankBatch,
-                   ctx: StepContext) -> torch.Tensor:
+def _restore_order(
+    collected: list[torch.Tensor], plan: MicroBatchPlan, batch: RankBatch, ctx: StepContext
+) -> torch.Tensor:
     """Per-micro-batch logprob rows (processing order, predicting positions) -> [N, T] at token positions in the
     original order, 0 past each sequence's length."""
     n, t = batch.input_ids.shape
     out = torch.zeros(n, max(t, max(plan.padded_lengths)), device=batch.input_ids.device)
     for index, rows in enumerate(collected):
         merged = _merge_rows(rows, plan, index, ctx)
-        out[plan.bins[index], :merged.shape[1]] = merged
+        out[plan.bins[index], : merged.shape[1]] = merged
     out = ctx.to_token_positions(out)[:, :t]
     beyond = torch.arange(t, device=out.device)[None, :] >= torch.tensor(plan.lengths, device=out.device)[:, None]
     return out.masked_fill(beyond, 0.0)
 
 
-def train_on_batch(model: list, optimizer, scheduler, batch: RankBatch, *, loss_fn: PolicyLoss, count: float,
-                   micro_batch_size: int, ctx: StepContext, packing: "PackingConfig | None" = None,
-                   dynamic_batching: "DynamicBatchingConfig | None" = None) -> dict[str, float]:
+def train_on_batch(
+    model: list,
+    optimizer,
+    scheduler,
+    batch: RankBatch,
+    *,
+    loss_fn: PolicyLoss,
+    count: float,
+    micro_batch_size: int,
+    ctx: StepContext,
+    packing: "PackingConfig | None" = None,
+    dynamic_batching: "DynamicBatchingConfig | None" = None,
+) -> dict[str, float]:
     """Forward/backward over every micro-batch, then one optimizer step. Returns this rank's metric sums
     (only meaningful on the last pipeline stage; reduce them over data- and context-parallel ranks,
     `get_data_parallel_group(with_context_parallel=True)`: a CP rank sums only its chunks of each sequence).
@@ -374,8 +445,14 @@ def train_on_batch(model: list, optimizer, scheduler, batch: RankBatch, *, loss_
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
     outputs = get_forward_backward_func()(
-        forward_step_func=forward_step, data_iterator=iter(mbs), model=model, num_microbatches=len(mbs),
-        seq_length=seq_length, micro_batch_size=mb_rows, forward_only=False)
+        forward_step_func=forward_step,
+        data_iterator=iter(mbs),
+        model=model,
+        num_microbatches=len(mbs),
+        seq_length=seq_length,
+        micro_batch_size=mb_rows,
+        forward_only=False,
+    )
     lr = optimizer.param_groups[0]["lr"]  # the rate this step uses (the scheduler moves it for the next one below)
     metrics = _sum_metrics(outputs)
     metrics.update(_token_counts(batch, mbs, ctx))
@@ -429,9 +506,15 @@ def _sum_metrics(outputs: list[dict]) -> dict[str, float]:
 
 
 @torch.no_grad()
-def logprobs_of_batch(model: list, batch: RankBatch, *, micro_batch_size: int, ctx: StepContext,
-                      packing: "PackingConfig | None" = None,
-                      dynamic_batching: "DynamicBatchingConfig | None" = None) -> torch.Tensor | None:
+def logprobs_of_batch(
+    model: list,
+    batch: RankBatch,
+    *,
+    micro_batch_size: int,
+    ctx: StepContext,
+    packing: "PackingConfig | None" = None,
+    dynamic_batching: "DynamicBatchingConfig | None" = None,
+) -> torch.Tensor | None:
     """[N, T] logprobs at token positions (position 0 is 0), in the original row order; None on ranks that are not
     the last pipeline stage. Token-budget micro-batches as in `train_on_batch` (0 past each sequence's length)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -451,12 +534,17 @@ def logprobs_of_batch(model: list, batch: RankBatch, *, micro_batch_size: int, c
         return logits, collect
 
     get_forward_backward_func()(
-        forward_step_func=forward_step, data_iterator=iter(mbs), model=model, num_microbatches=len(mbs),
-        seq_length=seq_length, micro_batch_size=mb_rows, forward_only=True)
+        forward_step_func=forward_step,
+        data_iterator=iter(mbs),
+        model=model,
+        num_microbatches=len(mbs),
+        seq_length=seq_length,
+        micro_batch_size=mb_rows,
+        forward_only=True,
+    )
     if not ctx.is_last_stage:
         return None
     if plan is not None:
         return _restore_order(collected, plan, batch, ctx)
     merged = [merge_from_context_parallel(lp, ctx.cp_group) for lp in collected]
     return ctx.to_token_positions(torch.cat(merged, dim=0))
-

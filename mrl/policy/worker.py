@@ -44,12 +44,15 @@ def _refuse_nonfinite_weights(model: list, path: str) -> None:
     collectives.all_reduce(flag, op="max")
     if flag.item() > 0:
         where = f"parameter {bad} holds" if bad else "another rank's parameters hold"
-        raise FloatingPointError(f"refusing to write {path}: {where} inf or NaN, and no checkpoint or export is "
-                                 "written with non-finite weights")
+        raise FloatingPointError(
+            f"refusing to write {path}: {where} inf or NaN, and no checkpoint or export is "
+            "written with non-finite weights"
+        )
 
 
 def _device() -> torch.device:
-    """This rank's device: its CUDA device (set by the device rule, mrl/parallel/devices.py, when the process group started), else the CPU."""
+    """This rank's device: its CUDA device (set by the device rule, mrl/parallel/devices.py, when the process group
+    started), else the CPU."""
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
@@ -94,8 +97,15 @@ def _pad_to_multiple(batch: RankBatch, multiple: int) -> RankBatch:
         return batch
     pad = lambda t: torch.nn.functional.pad(t, (0, extra))  # noqa: E731  ([N, T] -> [N, T + extra])
     routing = None if batch.routing is None else pad_routing(batch.routing, batch.input_ids.shape[1] + extra)
-    return RankBatch(pad(batch.input_ids), pad(batch.loss_mask), {k: pad(v) for k, v in batch.token_data.items()},
-                     dict(batch.seq_data), lengths=batch.lengths, group_size=batch.group_size, routing=routing)
+    return RankBatch(
+        pad(batch.input_ids),
+        pad(batch.loss_mask),
+        {k: pad(v) for k, v in batch.token_data.items()},
+        dict(batch.seq_data),
+        lengths=batch.lengths,
+        group_size=batch.group_size,
+        routing=routing,
+    )
 
 
 def _uneven_pipeline(par: Any) -> dict[str, int]:
@@ -139,18 +149,27 @@ class PolicyWorker:
         """Import what building a rank needs (megatron-core, the model builder, the optimizer: ~2 s on CPU) without
         touching a device: the group runs it while the rank waits for a colocated engine to sleep."""
         import megatron.core.distributed  # noqa: F401
-        import mrl.model.build  # noqa: F401
+
+        import mrl.model.build
         import mrl.policy.optim  # noqa: F401
 
     def __init__(self, spec: PolicySpec) -> None:
         from megatron.core import parallel_state as ps
-        from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,
-                                               finalize_model_grads)
+        from megatron.core.distributed import (
+            DistributedDataParallel,
+            DistributedDataParallelConfig,
+            finalize_model_grads,
+        )
 
         from converters import model_dims
         from converters.hf_io import load_hf_config
-        from mrl.model.build import (build_gpt_model, freeze_routers, router_settings, stage_layer_offset,
-                                     transformer_config_from_hf)
+        from mrl.model.build import (
+            build_gpt_model,
+            freeze_routers,
+            router_settings,
+            stage_layer_offset,
+            transformer_config_from_hf,
+        )
         from mrl.parallel.groups import init_process_groups
         from mrl.parallel.layout import ParallelDims
         from mrl.policy.optim import build_optimizer, build_scheduler
@@ -158,29 +177,53 @@ class PolicyWorker:
         self.spec = spec
         cfg = spec.policy
         par = cfg.parallel
-        self.dims = ParallelDims(tp=par.tensor_parallel_size, pp=par.pipeline_parallel_size,
-                                 cp=par.context_parallel_size, ep=par.expert_parallel_size,
-                                 sequence_parallel=par.sequence_parallel, world_size=int(os.environ["WORLD_SIZE"]))
+        self.dims = ParallelDims(
+            tp=par.tensor_parallel_size,
+            pp=par.pipeline_parallel_size,
+            cp=par.context_parallel_size,
+            ep=par.expert_parallel_size,
+            sequence_parallel=par.sequence_parallel,
+            world_size=int(os.environ["WORLD_SIZE"]),
+        )
         init_process_groups(self.dims, seed=spec.seed)
         self.hf_config = load_hf_config(spec.hf_dir)
         self.model_dims = model_dims(self.hf_config)
         dtype = _DTYPES[cfg.precision]
-        self.speed = resolve_speed(cfg.speed, cuda=torch.cuda.is_available(), fused_wgrad=fused_wgrad_available(),
-                                   data_parallel=ps.get_data_parallel_world_size(with_context_parallel=True),
-                                   distributed_optimizer=cfg.optimizer.use_distributed_optimizer)
-        recompute = (dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
-                     if cfg.activation_checkpointing else {})
-        moe = router_settings(self.model_dims, expert_parallel=self.dims.ep, router_dtype=cfg.moe.router_dtype,
-                              aux_loss_coeff=cfg.moe.aux_loss_coeff,
-                              expert_bias_update_rate=cfg.moe.expert_bias_update_rate)
+        self.speed = resolve_speed(
+            cfg.speed,
+            cuda=torch.cuda.is_available(),
+            fused_wgrad=fused_wgrad_available(),
+            data_parallel=ps.get_data_parallel_world_size(with_context_parallel=True),
+            distributed_optimizer=cfg.optimizer.use_distributed_optimizer,
+        )
+        recompute = (
+            dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+            if cfg.activation_checkpointing
+            else {}
+        )
+        moe = router_settings(
+            self.model_dims,
+            expert_parallel=self.dims.ep,
+            router_dtype=cfg.moe.router_dtype,
+            aux_loss_coeff=cfg.moe.aux_loss_coeff,
+            expert_bias_update_rate=cfg.moe.expert_bias_update_rate,
+        )
         self.tconfig = transformer_config_from_hf(
-            self.hf_config, tensor_parallel=self.dims.tp, pipeline_parallel=self.dims.pp,
-            context_parallel=self.dims.cp, sequence_parallel=par.sequence_parallel, params_dtype=dtype, **recompute,
+            self.hf_config,
+            tensor_parallel=self.dims.tp,
+            pipeline_parallel=self.dims.pp,
+            context_parallel=self.dims.cp,
+            sequence_parallel=par.sequence_parallel,
+            params_dtype=dtype,
+            **recompute,
             gradient_accumulation_fusion=self.speed.gradient_accumulation_fusion and spec.trainable,
-            **moe, **_uneven_pipeline(par))
+            **moe,
+            **_uneven_pipeline(par),
+        )
         load_initial_weights = _initial_weights(spec, self.hf_config)
-        module = build_gpt_model(self.hf_config, self.tconfig, padded_vocab=spec.padded_vocab,
-                                 grouped_experts=self.speed.grouped_expert_gemm)
+        module = build_gpt_model(
+            self.hf_config, self.tconfig, padded_vocab=spec.padded_vocab, grouped_experts=self.speed.grouped_expert_gemm
+        )
         load_initial_weights(module)
         if cfg.moe.freeze_router:
             freeze_routers(module)  # before DDP and the optimizer collect the trainable parameters
@@ -189,23 +232,29 @@ class PolicyWorker:
         self.optimizer = self.scheduler = None
         if spec.trainable:
             ddp_config = DistributedDataParallelConfig(
-                grad_reduce_in_fp32=True, use_distributed_optimizer=cfg.optimizer.use_distributed_optimizer,
+                grad_reduce_in_fp32=True,
+                use_distributed_optimizer=cfg.optimizer.use_distributed_optimizer,
                 overlap_grad_reduce=self.speed.overlap_grad_reduce,
-                overlap_param_gather=self.speed.overlap_param_gather)
+                overlap_param_gather=self.speed.overlap_param_gather,
+            )
             self.model = [DistributedDataParallel(self.tconfig, ddp_config, module=module)]
             self.tconfig.finalize_model_grads_func = finalize_model_grads  # waits for overlapped reduces too
             wire_overlaps(self.speed, self.tconfig, self.model)
-            self.optimizer = build_optimizer(self.model, cfg.optimizer, params_dtype=dtype,
-                                             overlap_param_gather=self.speed.overlap_param_gather)
-            self.scheduler = build_scheduler(self.optimizer, cfg.optimizer, cfg.scheduler,
-                                             total_steps=spec.total_steps)
+            self.optimizer = build_optimizer(
+                self.model, cfg.optimizer, params_dtype=dtype, overlap_param_gather=self.speed.overlap_param_gather
+            )
+            self.scheduler = build_scheduler(self.optimizer, cfg.optimizer, cfg.scheduler, total_steps=spec.total_steps)
         else:
             module.requires_grad_(False)
             self.model = [module]
         self.reference = None
         if spec.with_reference:
-            self.reference = build_gpt_model(self.hf_config, self.tconfig, padded_vocab=spec.padded_vocab,
-                                             grouped_experts=self.speed.grouped_expert_gemm)
+            self.reference = build_gpt_model(
+                self.hf_config,
+                self.tconfig,
+                padded_vocab=spec.padded_vocab,
+                grouped_experts=self.speed.grouped_expert_gemm,
+            )
             load_initial_weights(self.reference)
             self.reference.requires_grad_(False)
             self.reference.eval()
@@ -213,16 +262,21 @@ class PolicyWorker:
                 self.reference.cpu()
         del load_initial_weights  # the HF state it holds
         # On CUDA the hand-over moves what `policy.offload_when_generating` names; on CPU it only keeps the flag.
-        self.memory = HostOffload(self.model, self.optimizer, cfg.offload_when_generating,
-                                  active=torch.cuda.is_available())
+        self.memory = HostOffload(
+            self.model, self.optimizer, cfg.offload_when_generating, active=torch.cuda.is_available()
+        )
         self.expert_load = ExpertLoad([module])
         self.routing = None
         self._measure_routing = True  # the engine holds the initial weights (or gets a refit before it samples)
         if self.model_dims.moe is not None:  # measures the engine/trainer disagreement; replays with router_replay
             self.routing = RoutingReplay(  # the policy's routers only: the reference model routes freshly
-                self.model, replay=cfg.moe.router_replay == "replay", recompute=cfg.activation_checkpointing,
-                tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=self.dims.tp,
-                sequence_parallel=par.sequence_parallel)
+                self.model,
+                replay=cfg.moe.router_replay == "replay",
+                recompute=cfg.activation_checkpointing,
+                tp_rank=ps.get_tensor_model_parallel_rank(),
+                tp_size=self.dims.tp,
+                sequence_parallel=par.sequence_parallel,
+            )
         self._exporter = None
         self._bucket_plan: list = []
         self._bucket_owners: list[int] = []
@@ -232,8 +286,11 @@ class PolicyWorker:
     def data_parallel_layout(self) -> tuple[int, bool]:
         """(data-parallel rank, is this rank its group's leader)."""
         ps = self.ps
-        leader = (ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0
-                  and ps.get_context_parallel_rank() == 0)
+        leader = (
+            ps.is_pipeline_last_stage()
+            and ps.get_tensor_model_parallel_rank() == 0
+            and ps.get_context_parallel_rank() == 0
+        )
         return ps.get_data_parallel_rank(), leader
 
     def _is_leader(self) -> bool:
@@ -241,11 +298,18 @@ class PolicyWorker:
 
     def _context(self, temperature: float) -> StepContext:
         ps = self.ps
-        return StepContext(dp_size=ps.get_data_parallel_world_size(), cp_rank=ps.get_context_parallel_rank(),
-                           cp_size=ps.get_context_parallel_world_size(), cp_group=ps.get_context_parallel_group(),
-                           is_last_stage=ps.is_pipeline_last_stage(), vocab_size=self.model_dims.vocab_size,
-                           temperature=temperature, head="score" if self.model_dims.score_head else "lm",
-                           logprob_chunk_tokens=self.spec.policy.logprob_chunk_tokens, routing=self.routing)
+        return StepContext(
+            dp_size=ps.get_data_parallel_world_size(),
+            cp_rank=ps.get_context_parallel_rank(),
+            cp_size=ps.get_context_parallel_world_size(),
+            cp_group=ps.get_context_parallel_group(),
+            is_last_stage=ps.is_pipeline_last_stage(),
+            vocab_size=self.model_dims.vocab_size,
+            temperature=temperature,
+            head="score" if self.model_dims.score_head else "lm",
+            logprob_chunk_tokens=self.spec.policy.logprob_chunk_tokens,
+            routing=self.routing,
+        )
 
     # ------------------------------------------------------------------------------------------------ compute
     def logprobs(self, shard: RankBatch, temperature: float = 1.0, reference: bool = False) -> Optional[torch.Tensor]:
@@ -264,19 +328,26 @@ class PolicyWorker:
             chunk.eval()
         size = _micro_batch_size(self.spec.policy.logprob_micro_batch_size, len(batch), batch.group_size)
         self._route_counting(not reference and shard.routing is not None)
-        out = logprobs_of_batch(model, batch, micro_batch_size=size, ctx=self._context(temperature),
-                                packing=self.spec.policy.sequence_packing,
-                                dynamic_batching=self.spec.policy.dynamic_batching)
+        out = logprobs_of_batch(
+            model,
+            batch,
+            micro_batch_size=size,
+            ctx=self._context(temperature),
+            packing=self.spec.policy.sequence_packing,
+            dynamic_batching=self.spec.policy.dynamic_batching,
+        )
         for chunk in model:
             chunk.train(not reference)
         if offload:
             self.reference.cpu()
         return out[:, :width].cpu() if out is not None and self._is_leader() else None
 
-    def train(self, shard: RankBatch, loss_fn: PolicyLoss, global_count: float,
-              temperature: float = 1.0) -> Optional[dict[str, float]]:
+    def train(
+        self, shard: RankBatch, loss_fn: PolicyLoss, global_count: float, temperature: float = 1.0
+    ) -> Optional[dict[str, float]]:
         """One optimizer step on this data-parallel rank's shard; `global_count` is the whole step's count of valid
-        tokens (or sequences) over all ranks. Returns the step's metrics (summed over data-parallel ranks) on leaders."""
+        tokens (or sequences) over all ranks. Returns the step's metrics (summed over data-parallel ranks) on
+        leaders."""
         start = time.perf_counter()
         self.memory.reclaim()
         batch = _pad_to_multiple(shard.to(_device()), self.dims.length_multiple)
@@ -285,10 +356,18 @@ class PolicyWorker:
             chunk.train()
         self.expert_load.reset()  # logprob passes route tokens too: count this step's only
         self._route_counting(shard.routing is not None)
-        metrics = train_on_batch(self.model, self.optimizer, self.scheduler, batch, loss_fn=loss_fn,
-                                 count=global_count, micro_batch_size=size, ctx=self._context(temperature),
-                                 packing=self.spec.policy.sequence_packing,
-                                 dynamic_batching=self.spec.policy.dynamic_batching)
+        metrics = train_on_batch(
+            self.model,
+            self.optimizer,
+            self.scheduler,
+            batch,
+            loss_fn=loss_fn,
+            count=global_count,
+            micro_batch_size=size,
+            ctx=self._context(temperature),
+            packing=self.spec.policy.sequence_packing,
+            dynamic_batching=self.spec.policy.dynamic_batching,
+        )
         scalars = {k: metrics.pop(k) for k in ("grad_norm", "lr", "nonfinite")}  # the same on every rank
         scalars.update(self._expert_load() or {})
         scalars.update(self._routing_disagreement())
@@ -339,8 +418,10 @@ class PolicyWorker:
             return torch.zeros(2, self.model_dims.num_layers, dtype=torch.float64)
         counts = self.routing.counts(self.model_dims.num_layers)
         self.routing.reset()
-        groups = [self.ps.get_data_parallel_group(with_context_parallel=True),
-                  self.ps.get_pipeline_model_parallel_group()]
+        groups = [
+            self.ps.get_data_parallel_group(with_context_parallel=True),
+            self.ps.get_pipeline_model_parallel_group(),
+        ]
         if self.dims.sequence_parallel:
             groups.append(self.ps.get_tensor_model_parallel_group())
         for group in groups:  # reduced over groups of one too: once a step (collectives.py)
@@ -383,13 +464,13 @@ class PolicyWorker:
         gather_weights(self.speed, self.model)  # an overlapped step left the other shards to the next forward
         if self._exporter is None:
             names = "te" if any(k.endswith("layer_norm_weight") for k in self.module.state_dict()) else "local"
-            self._exporter = ShardedExporter(self.module, self.model_dims, layer_offset=self.layer_offset,
-                                             names=names)
+            self._exporter = ShardedExporter(self.module, self.model_dims, layer_offset=self.layer_offset, names=names)
         element = next(self.module.parameters()).element_size()
         # A layer larger than the bucket is cut (bounded memory for any model): every sink takes part-layers, vLLM's
         # workers in one reload session per refit (vllm_extension.begin_refit), the Megatron engine whole states.
-        self._bucket_plan = plan_buckets(self.model_dims, self._exporter.names, bucket_bytes, element,
-                                         split_units=True, stages=self._exporter.stages)
+        self._bucket_plan = plan_buckets(
+            self.model_dims, self._exporter.names, bucket_bytes, element, split_units=True, stages=self._exporter.stages
+        )
         self._bucket_owners = [bucket_stage(bucket, self._exporter.stages) for bucket in self._bucket_plan]
         return len(self._bucket_plan)
 
@@ -429,8 +510,11 @@ class PolicyWorker:
     def refit_stage(self) -> Optional[int]:
         """This rank's pipeline stage if it is the stage's first rank (tp = cp = dp = 0: a refit sender), else None."""
         ps = self.ps
-        first = (ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0
-                 and ps.get_context_parallel_rank() == 0)
+        first = (
+            ps.get_tensor_model_parallel_rank() == 0
+            and ps.get_data_parallel_rank() == 0
+            and ps.get_context_parallel_rank() == 0
+        )
         return ps.get_pipeline_model_parallel_rank() if first else None
 
     def refit_port(self) -> Optional[int]:
@@ -481,8 +565,9 @@ class PolicyWorker:
         from mrl.checkpoint.megatron import load_megatron_state
 
         self.memory.reclaim()  # the load writes into every tensor
-        return load_megatron_state(Path(path), self.model, self.optimizer, self.scheduler,
-                                   load_optimizer=load_optimizer)
+        return load_megatron_state(
+            Path(path), self.model, self.optimizer, self.scheduler, load_optimizer=load_optimizer
+        )
 
     def shutdown(self) -> None:
         from mrl.parallel.groups import destroy_process_groups

@@ -16,17 +16,33 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 
-def saved_activation_bytes(hf_config: Mapping[str, Any], *, tokens: int, sequences: int = 1, tp: int = 1,
-                           recompute: bool = False, seed: int = 0) -> int:
+def saved_activation_bytes(
+    hf_config: Mapping[str, Any],
+    *,
+    tokens: int,
+    sequences: int = 1,
+    tp: int = 1,
+    recompute: bool = False,
+    seed: int = 0,
+) -> int:
     """Bytes saved for the backward by one bf16 forward on CPU of a micro-batch of `sequences` sequences of `tokens`
     tokens in all, on TP rank 0 of `tp` (sequence parallel when tp > 1), with or without full recompute of every
     layer."""
-    return activation_bytes(hf_config, tokens=tokens, sequences=sequences, tp=tp, recompute=recompute,
-                            seed=seed)["saved"]
+    return activation_bytes(hf_config, tokens=tokens, sequences=sequences, tp=tp, recompute=recompute, seed=seed)[
+        "saved"
+    ]
 
 
-def activation_bytes(hf_config: Mapping[str, Any], *, tokens: int, sequences: int = 1, tp: int = 1,
-                     recompute: bool = False, seed: int = 0, device: str = "cpu") -> dict[str, int]:
+def activation_bytes(
+    hf_config: Mapping[str, Any],
+    *,
+    tokens: int,
+    sequences: int = 1,
+    tp: int = 1,
+    recompute: bool = False,
+    seed: int = 0,
+    device: str = "cpu",
+) -> dict[str, int]:
     """{"saved": the bytes of the tensors saved for the backward} of that forward on `device`, and on CUDA
     {"allocated": what the allocator holds after it above before, less the output}."""
     import torch
@@ -36,10 +52,16 @@ def activation_bytes(hf_config: Mapping[str, Any], *, tokens: int, sequences: in
 
     init_fake_process_groups(tp, 0, tp=tp)
     try:
-        recompute_kwargs = (dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
-                            if recompute else {})
-        config = transformer_config_from_hf(dict(hf_config), tensor_parallel=tp, sequence_parallel=tp > 1,
-                                            params_dtype=torch.bfloat16, **recompute_kwargs)
+        recompute_kwargs = (
+            dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1) if recompute else {}
+        )
+        config = transformer_config_from_hf(
+            dict(hf_config),
+            tensor_parallel=tp,
+            sequence_parallel=tp > 1,
+            params_dtype=torch.bfloat16,
+            **recompute_kwargs,
+        )
         model = build_gpt_model(dict(hf_config), config, post_process=False).to(device)
         weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
         saved: dict[int, int] = {}

@@ -9,7 +9,8 @@ command, waits a time drawn uniformly from [0, T), and SIGKILLs
     policy      a policy worker process (`PolicyWorker`)
     verifier    a verifier actor process (`VerifierActor`)
     controller  the controller and every process it started (its process group), then runs the command again
-then waits for the command's end (`steps_logged_at_fault` says how far the run was) (at most 3T + 180 s, else `hung`). Outcomes:
+then waits for the command's end (`steps_logged_at_fault` says how far the run was) (at most 3T + 180 s, else `hung`).
+Outcomes:
     survived         exit 0 without a re-run
     stopped cleanly  exit 4 with the resume command and no traceback; the command is run again
     crashed          any other end, or a traceback in the output
@@ -57,9 +58,21 @@ def _parse(argv=None) -> argparse.Namespace:
 
 
 def grpo_args(warm: Path, out: Path, steps: int) -> list[str]:
-    return ["grpo", "--config", RECIPE, *SHORT_ARITH, f"policy.model_name={warm}", "~policy.build",
-            "checkpointing.save_every=1", "grpo.val_every=0", "policy.optimizer.lr=1e-3",
-            f"grpo.max_num_steps={steps}", "env.kind=math", "env.num_workers=2", f"run.output_dir={out}"]
+    return [
+        "grpo",
+        "--config",
+        RECIPE,
+        *SHORT_ARITH,
+        f"policy.model_name={warm}",
+        "~policy.build",
+        "checkpointing.save_every=1",
+        "grpo.val_every=0",
+        "policy.optimizer.lr=1e-3",
+        f"grpo.max_num_steps={steps}",
+        "env.kind=math",
+        "env.num_workers=2",
+        f"run.output_dir={out}",
+    ]
 
 
 def same_training(got: dict[int, dict], reference: dict[int, dict]) -> bool:
@@ -112,8 +125,9 @@ def _classify(code: int | None, out: str) -> str:
     return "crashed"
 
 
-def trial(index: int, kind: str, delay: float, warm: Path, root: Path, steps: int, window: float,
-          reference: dict[int, dict]) -> dict:
+def trial(
+    index: int, kind: str, delay: float, warm: Path, root: Path, steps: int, window: float, reference: dict[int, dict]
+) -> dict:
     out_dir, pids = root / f"trial{index}", root / f"pids{index}"
     args = grpo_args(warm, out_dir, steps)
     proc = mrl(*args, env={PIDS_ENV: str(pids)})
@@ -129,8 +143,13 @@ def trial(index: int, kind: str, delay: float, warm: Path, root: Path, steps: in
         code, out = _wait(mrl(*args), 3 * window + 180)  # the operator's re-run
         outcome = _classify(code, out)
         outcome = "stopped cleanly" if outcome == "survived" else outcome  # killed, then resumed by the re-run
-        return {**record, "outcome": outcome, "resumed": code == 0,
-                "exact": code == 0 and same_training(metrics(out_dir / "logs"), reference), "tail": out[-1500:]}
+        return {
+            **record,
+            "outcome": outcome,
+            "resumed": code == 0,
+            "exact": code == 0 and same_training(metrics(out_dir / "logs"), reference),
+            "tail": out[-1500:],
+        }
     pid = _victim(kind, pids)
     if pid is None:  # no fault lands: the run is of no further use
         os.killpg(proc.pid, signal.SIGKILL)
@@ -157,8 +176,11 @@ def table(trials: list[dict], kinds: list[str]) -> str:
     finished = Counter(t["kind"] for t in trials if t["outcome"] in ("survived", "stopped cleanly"))
     lines = [f"{'fault':12}" + "".join(f"{o:>17}" for o in OUTCOMES) + f"{'exact / finished':>18}"]
     for kind in kinds:
-        lines.append(f"{kind:12}" + "".join(f"{counts[kind, o]:17d}" for o in OUTCOMES)
-                     + f"{exact[kind]:>12d} / {finished[kind]}")
+        lines.append(
+            f"{kind:12}"
+            + "".join(f"{counts[kind, o]:17d}" for o in OUTCOMES)
+            + f"{exact[kind]:>12d} / {finished[kind]}"
+        )
     return "\n".join(lines)
 
 
@@ -177,8 +199,9 @@ def problems(trials: list[dict]) -> list[str]:
     return found
 
 
-def campaign(warm: Path, root: Path, *, faults: int, seed: int, kinds=KINDS, steps: int = 6,
-             twin: bool = True) -> tuple[list[dict], float]:
+def campaign(
+    warm: Path, root: Path, *, faults: int, seed: int, kinds=KINDS, steps: int = 6, twin: bool = True
+) -> tuple[list[dict], float]:
     """Trials until `faults` faults landed (at most 2 * faults + 5 trials); (trials, window in seconds). The window is
     the wall time of an uninterrupted run after the reference (`twin`: the first run fills the compile caches), or of
     the reference itself."""
@@ -193,17 +216,23 @@ def campaign(warm: Path, root: Path, *, faults: int, seed: int, kinds=KINDS, ste
         window = time.monotonic() - start
         second = "equal to" if same_training(metrics(root / "window" / "logs"), reference) else "NOT equal to"
         print(f"[campaign] a second uninterrupted run is {second} the first")
-    print(f"[campaign] reference run: {steps} steps in {window:.0f} s; faults uniform over [0, {window:.0f}) s, "
-          f"seed {seed}", flush=True)
+    print(
+        f"[campaign] reference run: {steps} steps in {window:.0f} s; faults uniform over [0, {window:.0f}) s, "
+        f"seed {seed}",
+        flush=True,
+    )
     trials: list[dict] = []
     while sum(t["outcome"] != "missed" for t in trials) < faults and len(trials) < 2 * faults + 5:
         kind, delay = rng.choice(list(kinds)), rng.uniform(0, window)
         result = trial(len(trials), kind, delay, warm, root, steps, window, reference)
         trials.append(result)
         late = result.get("steps_logged_at_fault") == steps
-        print(f"[campaign] {result['trial']}: {kind} at {delay:.1f} s -> {result['outcome']}"
-              f"{' (exact)' if result.get('exact') else ''}{' ' + result['why'] if 'why' in result else ''}"
-              f"{' (after the last step)' if late else ''}", flush=True)
+        print(
+            f"[campaign] {result['trial']}: {kind} at {delay:.1f} s -> {result['outcome']}"
+            f"{' (exact)' if result.get('exact') else ''}{' ' + result['why'] if 'why' in result else ''}"
+            f"{' (after the last step)' if late else ''}",
+            flush=True,
+        )
     return trials, window
 
 
@@ -212,14 +241,19 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="mrl-campaign-") as folder:
         root = Path(folder)
         finish(mrl("sft", "--config", RECIPE, *SHORT_ARITH, f"run.output_dir={root / 'sft'}"))
-        trials, window = campaign(root / "sft" / "final_hf", root, faults=args.faults, seed=args.seed,
-                                  kinds=args.kinds, steps=args.steps)
+        trials, window = campaign(
+            root / "sft" / "final_hf", root, faults=args.faults, seed=args.seed, kinds=args.kinds, steps=args.steps
+        )
     print(table(trials, args.kinds))
     if args.json:
         Path(args.json).write_text(json.dumps({"window_s": window, "seed": args.seed, "trials": trials}, indent=1))
     found = problems(trials)
-    print("\n".join(found) if found else "[campaign] no problem: nothing crashed or hung, every engine and verifier "
-          "death survived, every finished run exact")
+    print(
+        "\n".join(found)
+        if found
+        else "[campaign] no problem: nothing crashed or hung, every engine and verifier "
+        "death survived, every finished run exact"
+    )
     return 1 if found else 0
 
 

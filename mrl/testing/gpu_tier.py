@@ -32,8 +32,14 @@ ROOT = Path(__file__).resolve().parents[2]
 PINS = ROOT / "requirements" / "gpu-tier.txt"
 WHEELS = ROOT / ".gpu-wheels"
 REPORT_ENV = "MRL_GPU_REPORT"
-PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_24_x86_64", "manylinux_2_17_x86_64",
-             "manylinux2014_x86_64", "manylinux1_x86_64"]
+PLATFORMS = [
+    "manylinux_2_28_x86_64",
+    "manylinux_2_27_x86_64",
+    "manylinux_2_24_x86_64",
+    "manylinux_2_17_x86_64",
+    "manylinux2014_x86_64",
+    "manylinux1_x86_64",
+]
 TRAVEL_LIMIT_MB = 64
 #: How a row's wheel is made (requirements/gpu-tier.txt's header says what each means).
 SOURCES = ("download", "build", "slim", "machine")
@@ -42,8 +48,18 @@ SOURCES = ("download", "build", "slim", "machine")
 #: placement groups; a local instance without the dashboard, mrl/distributed/cluster.py), so the Java workers' jar
 #: (30.7 MiB), the dashboard's browser build (2.4) and Ray's AI libraries, which Ray Core never imports (4.5), go;
 #: 37.6 MiB stay, most of them the raylet, the GCS server and _raylet.so.
-SLIM = {"ray": ("ray/jars/", "ray/dashboard/client/build/",
-                "ray/rllib/", "ray/data/", "ray/serve/", "ray/tune/", "ray/train/", "ray/llm/")}
+SLIM = {
+    "ray": (
+        "ray/jars/",
+        "ray/dashboard/client/build/",
+        "ray/rllib/",
+        "ray/data/",
+        "ray/serve/",
+        "ray/tune/",
+        "ray/train/",
+        "ray/llm/",
+    )
+}
 
 
 @dataclass(frozen=True)
@@ -69,8 +85,10 @@ def read_pins(path: Path = PINS) -> list[Pin]:
             raise ValueError(f"{path}:{number}: {line!r}: expected 'name==version accepted {'|'.join(SOURCES)}'")
         name, version = fields[0].split("==")
         if fields[2] == "slim" and name not in SLIM:
-            raise ValueError(f"{path}:{number}: {line!r}: a slim row needs its cuts in SLIM ({__name__}), which "
-                             f"names {', '.join(SLIM)} only")
+            raise ValueError(
+                f"{path}:{number}: {line!r}: a slim row needs its cuts in SLIM ({__name__}), which "
+                f"names {', '.join(SLIM)} only"
+            )
         pins.append(Pin(name, version, fields[1], fields[2]))
     return pins
 
@@ -107,8 +125,7 @@ def build_wheelhouse(out: Path, python_version: str = "3.12") -> None:
     platform_args = [arg for plat in PLATFORMS for arg in ("--platform", plat)]
     impl = ["--python-version", python_version, "--implementation", "cp", "--only-binary=:all:"]
     pip = [sys.executable, "-m", "pip"]
-    subprocess.run([*pip, "download", "-q", "--no-deps", *impl, *platform_args, "-d", str(out), *downloads],
-                   check=True)
+    subprocess.run([*pip, "download", "-q", "--no-deps", *impl, *platform_args, "-d", str(out), *downloads], check=True)
     if builds:  # pure-Python source releases: the wheel is the same for every platform
         subprocess.run([*pip, "wheel", "-q", "--no-deps", "-w", str(out), *builds], check=True)
     for pin in (p for p in pins if p.source == "slim"):
@@ -117,16 +134,22 @@ def build_wheelhouse(out: Path, python_version: str = "3.12") -> None:
             raise SystemExit(f"pip downloaded no wheel of {pin.requirement} into {out}")
         before = wheel.stat().st_size
         dropped = slim_wheel(wheel, SLIM[pin.name])  # pip fetched it whole: the slim file fails its hash
-        print(f"[mrl] {wheel.name}: {before / 2**20:.1f} -> {wheel.stat().st_size / 2**20:.1f} MiB "
-              f"({dropped} files cut: {', '.join(SLIM[pin.name])})")
+        print(
+            f"[mrl] {wheel.name}: {before / 2**20:.1f} -> {wheel.stat().st_size / 2**20:.1f} MiB "
+            f"({dropped} files cut: {', '.join(SLIM[pin.name])})"
+        )
     wheels_mb = sum(f.stat().st_size for f in out.glob("*.whl")) / 2**20
     project_mb = _tracked_mb()
-    print(f"[mrl] GPU tier wheelhouse: {len(list(out.glob('*.whl')))} wheels, {wheels_mb:.1f} MiB in {out} "
-          f"(+ {project_mb:.1f} MiB of the project's files = {wheels_mb + project_mb:.1f} of the "
-          f"{TRAVEL_LIMIT_MB} MiB a GPU machine is sent)")
+    print(
+        f"[mrl] GPU tier wheelhouse: {len(list(out.glob('*.whl')))} wheels, {wheels_mb:.1f} MiB in {out} "
+        f"(+ {project_mb:.1f} MiB of the project's files = {wheels_mb + project_mb:.1f} of the "
+        f"{TRAVEL_LIMIT_MB} MiB a GPU machine is sent)"
+    )
     if wheels_mb + project_mb > TRAVEL_LIMIT_MB:
-        raise SystemExit(f"the wheelhouse and the project are {wheels_mb + project_mb:.1f} MiB, over "
-                         f"{TRAVEL_LIMIT_MB}: drop the pins the GPU machine already holds in range")
+        raise SystemExit(
+            f"the wheelhouse and the project are {wheels_mb + project_mb:.1f} MiB, over "
+            f"{TRAVEL_LIMIT_MB}: drop the pins the GPU machine already holds in range"
+        )
 
 
 def slim_wheel(wheel: Path, drop: tuple[str, ...]) -> int:
@@ -196,12 +219,30 @@ def install(needed: list[tuple[Pin, str | None]], wheels: Path, target: Path) ->
     for pin, _have in needed:
         found = wheel_file(pin, wheels)
         if found is None:
-            raise SystemExit(f"GPU tier: {pin.requirement} is needed here (this Python holds "
-                             f"{_have or 'none'}; accepted {pin.accepted}) and {wheels} has no wheel of it: "
-                             f"run `make gpu-wheelhouse` where pip can reach the registry, and carry {wheels.name}")
+            raise SystemExit(
+                f"GPU tier: {pin.requirement} is needed here (this Python holds "
+                f"{_have or 'none'}; accepted {pin.accepted}) and {wheels} has no wheel of it: "
+                f"run `make gpu-wheelhouse` where pip can reach the registry, and carry {wheels.name}"
+            )
         files.append(str(found))
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
-                    "--no-cache-dir", "--upgrade", "--target", str(target), *files], check=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-index",
+            "--no-deps",
+            "--no-compile",
+            "--no-cache-dir",
+            "--upgrade",
+            "--target",
+            str(target),
+            *files,
+        ],
+        check=True,
+    )
     print("[mrl] GPU tier installed: " + ", ".join(f"{p.requirement} (had {h or 'none'})" for p, h in needed))
 
 
@@ -213,14 +254,16 @@ def run(wheels: Path, report: Path, pytest_args: list[str]) -> int:
     print(f"[mrl] GPU tier on {line}")
     target = Path(tempfile.mkdtemp(prefix="mrl-gpu-tier-"))
     install(missing(read_pins()), wheels, target)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(target), str(ROOT),
-                                                                     os.environ.get("PYTHONPATH")])))
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(target), str(ROOT), os.environ.get("PYTHONPATH")]))
+    )
     env[REPORT_ENV] = str(report.resolve())
     env.setdefault("PYTHONUNBUFFERED", "1")
     report.parent.mkdir(parents=True, exist_ok=True)
     paths = [] if any(a.startswith("tests/") for a in pytest_args) else ["tests/gpu"]  # or the tests named
-    done = subprocess.run([sys.executable, "-m", "pytest", *paths, "-q", "-s", "-p", "no:cacheprovider",
-                           *pytest_args], cwd=ROOT, env=env)
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", *paths, "-q", "-s", "-p", "no:cacheprovider", *pytest_args], cwd=ROOT, env=env
+    )
     if report.exists():
         figures = json.loads(report.read_text()).get("figures", {})
         print(f"[mrl] GPU tier report: {report} ({len(figures)} figures)")

@@ -18,8 +18,15 @@ from pathlib import Path
 from typing import Mapping
 
 
-def place(cache: Path, repo_id: str, files: Mapping[str, bytes], *, repo_type: str = "model",
-          revision: str = "main", commit: str | None = None) -> str:
+def place(
+    cache: Path,
+    repo_id: str,
+    files: Mapping[str, bytes],
+    *,
+    repo_type: str = "model",
+    revision: str = "main",
+    commit: str | None = None,
+) -> str:
     """Write `files` (repo path -> bytes) as commit `commit` (default: derived from the content) of `repo_id` and point
     refs/<revision> at it; returns the commit."""
     repo = Path(cache) / f"{repo_type}s--{repo_id.replace('/', '--')}"

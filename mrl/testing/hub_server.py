@@ -64,18 +64,38 @@ from pathlib import Path, PurePosixPath
 from typing import Self
 from urllib.parse import parse_qs, quote, unquote, urlsplit
 
-LFS_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".onnx", ".gguf", ".parquet",
-                ".arrow", ".npy", ".npz", ".zip", ".gz")
+LFS_SUFFIXES = (
+    ".safetensors",
+    ".bin",
+    ".pt",
+    ".pth",
+    ".ckpt",
+    ".h5",
+    ".msgpack",
+    ".onnx",
+    ".gguf",
+    ".parquet",
+    ".arrow",
+    ".npy",
+    ".npz",
+    ".zip",
+    ".gz",
+)
 COMMIT = re.compile(r"[0-9a-f]{40}")
 DATE = "2024-01-01T00:00:00.000Z"
 REPO_TYPES = ("model", "dataset", "space")
-API_ROUTE = re.compile(r"/api/(?P<kind>models|datasets|spaces)/(?P<repo>[^/]+/[^/]+)"
-                       r"(?:/(?P<op>revision|tree)/(?P<rev>[^/]+)(?P<path>/.*)?)?")
+API_ROUTE = re.compile(
+    r"/api/(?P<kind>models|datasets|spaces)/(?P<repo>[^/]+/[^/]+)"
+    r"(?:/(?P<op>revision|tree)/(?P<rev>[^/]+)(?P<path>/.*)?)?"
+)
 RESOLVE_ROUTE = re.compile(r"/(?:(?P<kind>datasets|spaces)/)?(?P<repo>[^/]+/[^/]+)/resolve/(?P<rev>[^/]+)/(?P<file>.+)")
-CDN_ROUTE = re.compile(r"/cdn/(?P<kind>models|datasets|spaces)/(?P<repo>[^/]+/[^/]+)/(?P<sha>[0-9a-f]{40})/(?P<file>.+)")
+CDN_ROUTE = re.compile(
+    r"/cdn/(?P<kind>models|datasets|spaces)/(?P<repo>[^/]+/[^/]+)/(?P<sha>[0-9a-f]{40})/(?P<file>.+)"
+)
 
 
 # ---------------------------------------------------------------------------------------------------- repos on disk
+
 
 def repo_dir(root: Path, repo_id: str, repo_type: str = "model") -> Path:
     """The folder of one repo: root/<type>s/<org>/<name>."""
@@ -92,8 +112,15 @@ def commit_sha(repo_id: str, files: dict[str, bytes], repo_type: str = "model") 
     return digest.hexdigest()
 
 
-def publish(root: Path, repo_id: str, files: dict[str, bytes], *, repo_type: str = "model",
-            revision: str | None = "main", commit: str | None = None) -> str:
+def publish(
+    root: Path,
+    repo_id: str,
+    files: dict[str, bytes],
+    *,
+    repo_type: str = "model",
+    revision: str | None = "main",
+    commit: str | None = None,
+) -> str:
     """Write a commit holding `files` (repo path -> bytes) and point `revision` (a branch or tag) at it; the commit's
     sha, `commit` or else `commit_sha` of the files. `revision=None` (or a 40-hex sha) writes no ref: the commit is
     reachable by its sha only. Publishing the same files again gives the same sha, so `publish(..., revision="v1")`
@@ -146,9 +173,11 @@ def _safe_relative(name: str) -> PurePosixPath:
 
 # ---------------------------------------------------------------------------------------------------- blobs
 
+
 @dataclass(frozen=True)
 class Blob:
     """One file of a commit, with the ids the Hub gives it."""
+
     path: str
     size: int
     git_oid: str  # sha1 of the git blob: the file's own, or its LFS pointer's
@@ -180,6 +209,7 @@ def commit_blobs(repo: Path, sha: str) -> list[Blob]:
 
 # ---------------------------------------------------------------------------------------------------- answers
 
+
 @dataclass
 class Answer:
     status: int
@@ -192,8 +222,11 @@ class HubError(Exception):
 
     def __init__(self, status: int, code: str, message: str, **headers: str):
         super().__init__(message)
-        self.answer = Answer(status, {"X-Error-Code": code, "X-Error-Message": message, **headers},
-                             json.dumps({"error": message}).encode())
+        self.answer = Answer(
+            status,
+            {"X-Error-Code": code, "X-Error-Message": message, **headers},
+            json.dumps({"error": message}).encode(),
+        )
         self.answer.headers["Content-Type"] = "application/json"
 
 
@@ -227,9 +260,21 @@ def repo_info(root: Path, repo_type: str, repo_id: str, revision: str, blobs: bo
     sha = resolve_revision(repo, revision)
     siblings = [sibling(b, blobs) for b in commit_blobs(repo, sha)]
     org = repo_id.split("/")[0]
-    info = {"_id": commit_sha(repo_id, {}, repo_type)[:24], "id": repo_id, "author": org, "sha": sha,
-            "lastModified": DATE, "createdAt": DATE, "private": False, "gated": read_meta(repo)["gated"],
-            "disabled": False, "downloads": 0, "likes": 0, "tags": [], "siblings": siblings}
+    info = {
+        "_id": commit_sha(repo_id, {}, repo_type)[:24],
+        "id": repo_id,
+        "author": org,
+        "sha": sha,
+        "lastModified": DATE,
+        "createdAt": DATE,
+        "private": False,
+        "gated": read_meta(repo)["gated"],
+        "disabled": False,
+        "downloads": 0,
+        "likes": 0,
+        "tags": [],
+        "siblings": siblings,
+    }
     if repo_type == "model":
         info["modelId"] = repo_id
     return json_answer(info)
@@ -245,8 +290,9 @@ def sibling(blob: Blob, blobs: bool) -> dict:
     return entry
 
 
-def repo_tree(root: Path, repo_type: str, repo_id: str, revision: str, folder: str, recursive: bool,
-              authed: bool) -> Answer:
+def repo_tree(
+    root: Path, repo_type: str, repo_id: str, revision: str, folder: str, recursive: bool, authed: bool
+) -> Answer:
     repo = open_repo(root, repo_type, repo_id, authed)
     sha = resolve_revision(repo, revision)
     prefix = f"{folder.strip('/')}/" if folder.strip("/") else ""
@@ -254,16 +300,15 @@ def repo_tree(root: Path, repo_type: str, repo_id: str, revision: str, folder: s
     for blob in commit_blobs(repo, sha):
         if not blob.path.startswith(prefix):
             continue
-        parts = blob.path[len(prefix):].split("/")
+        parts = blob.path[len(prefix) :].split("/")
         depth = len(parts) if recursive else 1
         for i in range(1, min(depth, len(parts) - 1) + 1):  # the folders on the way
             path = prefix + "/".join(parts[:i])
-            entries.setdefault(path, {"type": "directory", "oid": git_blob_oid(path.encode()), "size": 0,
-                                      "path": path})
+            entries.setdefault(path, {"type": "directory", "oid": git_blob_oid(path.encode()), "size": 0, "path": path})
         if recursive or len(parts) == 1:
             entries[blob.path] = tree_file(blob)
     if prefix and not entries:
-        raise HubError(404, "EntryNotFound", f"{folder} does not exist on \"{revision}\"", **{"X-Repo-Commit": sha})
+        raise HubError(404, "EntryNotFound", f'{folder} does not exist on "{revision}"', **{"X-Repo-Commit": sha})
     return json_answer(sorted(entries.values(), key=lambda e: (e["type"] != "directory", e["path"])))
 
 
@@ -279,9 +324,12 @@ def resolve_file(root: Path, cdn: str, repo_type: str, repo_id: str, revision: s
     the body's Content-Length (the client takes it for the file's size) and drops the body."""
     repo = open_repo(root, repo_type, repo_id, authed)
     if read_meta(repo)["gated"]:
-        raise HubError(403 if authed else 401, "GatedRepo",
-                       f"Access to {repo_type} {repo_id} is restricted. You must have access to it and be "
-                       "authenticated to access it. Please log in.")
+        raise HubError(
+            403 if authed else 401,
+            "GatedRepo",
+            f"Access to {repo_type} {repo_id} is restricted. You must have access to it and be "
+            "authenticated to access it. Please log in.",
+        )
     sha = resolve_revision(repo, revision)
     data = read_commit_file(repo, sha, name)
     blob = make_blob(name, data)
@@ -289,8 +337,9 @@ def resolve_file(root: Path, cdn: str, repo_type: str, repo_id: str, revision: s
     if blob.sha256 is None:
         return Answer(200, {**headers, "Content-Type": "application/octet-stream"}, data)
     location = f"{cdn}/cdn/{repo_type}s/{repo_id}/{sha}/{quote(name)}"
-    return Answer(302, {**headers, "Location": location, "X-Linked-Etag": f'"{blob.sha256}"',
-                        "X-Linked-Size": str(blob.size)})
+    return Answer(
+        302, {**headers, "Location": location, "X-Linked-Etag": f'"{blob.sha256}"', "X-Linked-Size": str(blob.size)}
+    )
 
 
 def read_commit_file(repo: Path, sha: str, name: str) -> bytes:
@@ -306,8 +355,9 @@ def read_commit_file(repo: Path, sha: str, name: str) -> bytes:
 def cdn_file(root: Path, repo_type: str, repo_id: str, sha: str, name: str) -> Answer:
     """What the Hub's CDN serves at a signed URL: the bytes, by content address."""
     data = read_commit_file(open_repo(root, repo_type, repo_id, authed=True), sha, name)
-    return Answer(200, {"ETag": f'"{hashlib.sha256(data).hexdigest()}"', "Content-Type": "application/octet-stream"},
-                  data)
+    return Answer(
+        200, {"ETag": f'"{hashlib.sha256(data).hexdigest()}"', "Content-Type": "application/octet-stream"}, data
+    )
 
 
 def route(server: _Server, raw_path: str, query: dict[str, list[str]], authed: bool) -> Answer:
@@ -324,12 +374,14 @@ def route(server: _Server, raw_path: str, query: dict[str, list[str]], authed: b
             return repo_info(server.root, kind, repo_id, rev, blobs, authed)
     if m := RESOLVE_ROUTE.fullmatch(raw_path):
         kind = (m["kind"] or "models")[:-1]
-        return resolve_file(server.root, server.cdn_url, kind, unquote(m["repo"]), unquote(m["rev"]),
-                            unquote(m["file"]), authed)
+        return resolve_file(
+            server.root, server.cdn_url, kind, unquote(m["repo"]), unquote(m["rev"]), unquote(m["file"]), authed
+        )
     return Answer(404, {"Content-Type": "text/plain"}, b"Not Found")
 
 
 # ---------------------------------------------------------------------------------------------------- the server
+
 
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"  # keep-alive, as the client pools connections
@@ -432,11 +484,22 @@ def client_env(url: str | None, hf_home: Path, *, offline: bool = False) -> dict
     """This process's environment for a `huggingface_hub` subprocess that talks to `url` (None: no endpoint), with
     its cache in `hf_home`/hub, no token, no xet, no telemetry, no progress bars and no proxy; HF_HUB_OFFLINE as
     asked (this suite's conftest sets it to 1 for everything else)."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("HF_", "HUGGINGFACE_")) and k.lower() not in ("http_proxy", "https_proxy", "all_proxy")}
-    env.update(HF_HOME=str(hf_home), HF_HUB_DISABLE_XET="1", HF_HUB_DISABLE_TELEMETRY="1", HF_HUB_OFFLINE=str(int(offline)),
-               HF_HUB_DISABLE_PROGRESS_BARS="1", HF_HUB_DISABLE_IMPLICIT_TOKEN="1", NO_PROXY="127.0.0.1,localhost",
-               no_proxy="127.0.0.1,localhost", TRANSFORMERS_OFFLINE=str(int(offline)))
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("HF_", "HUGGINGFACE_")) and k.lower() not in ("http_proxy", "https_proxy", "all_proxy")
+    }
+    env.update(
+        HF_HOME=str(hf_home),
+        HF_HUB_DISABLE_XET="1",
+        HF_HUB_DISABLE_TELEMETRY="1",
+        HF_HUB_OFFLINE=str(int(offline)),
+        HF_HUB_DISABLE_PROGRESS_BARS="1",
+        HF_HUB_DISABLE_IMPLICIT_TOKEN="1",
+        NO_PROXY="127.0.0.1,localhost",
+        no_proxy="127.0.0.1,localhost",
+        TRANSFORMERS_OFFLINE=str(int(offline)),
+    )
     if url is not None:
         env["HF_ENDPOINT"] = url
     return env

@@ -10,8 +10,9 @@ from typing import Any
 import torch
 
 
-def trainable_from_hf(model_dir: str | Path, *, lr: float = 1e-3, adam_eps: float = 1e-8, total_steps: int = 1,
-                      **parallel: Any) -> tuple[Any, Any, Any, dict]:
+def trainable_from_hf(
+    model_dir: str | Path, *, lr: float = 1e-3, adam_eps: float = 1e-8, total_steps: int = 1, **parallel: Any
+) -> tuple[Any, Any, Any, dict]:
     """(DDP-wrapped model, optimizer, scheduler, HF config dict) of the HF model in `model_dir`, fp32, weights loaded.
 
     `parallel` goes to `transformer_config_from_hf` (tensor_parallel=, context_parallel=, ...); the process groups

@@ -27,5 +27,5 @@ def growth_per_step(samples: Sequence[float]) -> float:
     0 for fewer than 2 samples."""
     diffs = sorted(b - a for a, b in zip(samples, samples[1:]))
     cut = int(len(diffs) * TRIM)
-    kept = diffs[cut:len(diffs) - cut] or diffs
+    kept = diffs[cut : len(diffs) - cut] or diffs
     return sum(kept) / len(kept) if kept else 0.0

@@ -14,8 +14,17 @@ from typing import Any, Iterator, Mapping
 
 
 @contextmanager
-def meta_rank_model(hf_config: Mapping[str, Any], *, world: int, rank: int, tp: int = 1, pp: int = 1, ep: int = 1,
-                    first_stage_layers: int | None = None, last_stage_layers: int | None = None) -> Iterator[Any]:
+def meta_rank_model(
+    hf_config: Mapping[str, Any],
+    *,
+    world: int,
+    rank: int,
+    tp: int = 1,
+    pp: int = 1,
+    ep: int = 1,
+    first_stage_layers: int | None = None,
+    last_stage_layers: int | None = None,
+) -> Iterator[Any]:
     """Rank `rank`'s GPTModel of a `world`-rank layout (sequence parallel whenever TP > 1, as mrl's MoE recipes)."""
     import torch
 
@@ -24,11 +33,23 @@ def meta_rank_model(hf_config: Mapping[str, Any], *, world: int, rank: int, tp: 
 
     init_fake_process_groups(world, rank, tp=tp, pp=pp, ep=ep)
     try:
-        uneven = {k: v for k, v in (("num_layers_in_first_pipeline_stage", first_stage_layers),
-                                    ("num_layers_in_last_pipeline_stage", last_stage_layers)) if v is not None}
-        config = transformer_config_from_hf(dict(hf_config), tensor_parallel=tp, pipeline_parallel=pp,
-                                            sequence_parallel=tp > 1, perform_initialization=False,
-                                            expert_model_parallel_size=ep, **uneven)
+        uneven = {
+            k: v
+            for k, v in (
+                ("num_layers_in_first_pipeline_stage", first_stage_layers),
+                ("num_layers_in_last_pipeline_stage", last_stage_layers),
+            )
+            if v is not None
+        }
+        config = transformer_config_from_hf(
+            dict(hf_config),
+            tensor_parallel=tp,
+            pipeline_parallel=pp,
+            sequence_parallel=tp > 1,
+            perform_initialization=False,
+            expert_model_parallel_size=ep,
+            **uneven,
+        )
         with torch.device("meta"):
             yield build_gpt_model(dict(hf_config), config)
     finally:

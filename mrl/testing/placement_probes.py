@@ -27,9 +27,14 @@ def _seen() -> dict:
     count = len(visible.split(",")) if visible else 0  # what torch.cuda.device_count() would say on a GPU node
     # the share Ray accounts to it (Ray keeps resource amounts to 1e-4: a third is 0.3333)
     held = ray.get_runtime_context().get_assigned_resources().get("GPU", 0.0)
-    return {"gpu_ids": ids, "held": held, "visible": visible, "device": local_cuda_device(count) if count else None,
-            "node": ray.get_runtime_context().get_node_id(),
-            "noset": os.environ.get("RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES")}
+    return {
+        "gpu_ids": ids,
+        "held": held,
+        "visible": visible,
+        "device": local_cuda_device(count) if count else None,
+        "node": ray.get_runtime_context().get_node_id(),
+        "noset": os.environ.get("RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"),
+    }
 
 
 @ray.remote(num_cpus=0)
@@ -53,12 +58,16 @@ class Probe:
         config = self.engine_config.for_engine(int(os.environ["RANK"]))
         env = ray_executor_env(config)
         group = get_current_placement_group()
-        workers = [_VllmLikeWorker.options(
-            num_gpus=float(env["VLLM_RAY_PER_WORKER_GPUS"]),
-            scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=int(index),
-                                                                 placement_group_capture_child_tasks=True),
-            runtime_env={"env_vars": {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}}).remote()
-            for index in env["VLLM_RAY_BUNDLE_INDICES"].split(",")]
+        workers = [
+            _VllmLikeWorker.options(
+                num_gpus=float(env["VLLM_RAY_PER_WORKER_GPUS"]),
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    group, placement_group_bundle_index=int(index), placement_group_capture_child_tasks=True
+                ),
+                runtime_env={"env_vars": {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}},
+            ).remote()
+            for index in env["VLLM_RAY_BUNDLE_INDICES"].split(",")
+        ]
         seen = ray.get([worker.seen.remote() for worker in workers])
         for worker in workers:
             ray.kill(worker)

@@ -27,8 +27,9 @@ def prepare_real_assets() -> Union[Path, str]:
     root.parent.mkdir(parents=True, exist_ok=True)
     with open(root.parent / f".{root.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        done = subprocess.run([sys.executable, "-m", "mrl.app.real_assets", "--dir", str(root)], capture_output=True,
-                              text=True)
+        done = subprocess.run(
+            [sys.executable, "-m", "mrl.app.real_assets", "--dir", str(root)], capture_output=True, text=True
+        )
     if done.returncode == UNREACHABLE_EXIT_CODE:
         return f"real assets unavailable here: {done.stderr.strip().splitlines()[-1]}"
     if done.returncode != 0:

@@ -13,10 +13,20 @@ import sys
 from pathlib import Path
 
 RECIPE = str(Path(__file__).resolve().parents[2] / "recipes" / "arith-tiny-cpu.yaml")
-SHORT_ARITH = ("data.arith.digits=1", "data.arith.num_heldout=20", "sft.max_num_steps=150", "grpo.max_num_steps=4",
-               "grpo.max_num_epochs=4", "grpo.val_every=2", "eval.num_samples=2", "eval.pass_k=[1,2]",
-               "policy.max_total_sequence_length=12", "generation.max_new_tokens=4",
-               "generation.vllm.max_model_len=12", "logger.log_every=1")
+SHORT_ARITH = (
+    "data.arith.digits=1",
+    "data.arith.num_heldout=20",
+    "sft.max_num_steps=150",
+    "grpo.max_num_steps=4",
+    "grpo.max_num_epochs=4",
+    "grpo.val_every=2",
+    "eval.num_samples=2",
+    "eval.pass_k=[1,2]",
+    "policy.max_total_sequence_length=12",
+    "generation.max_new_tokens=4",
+    "generation.vllm.max_model_len=12",
+    "logger.log_every=1",
+)
 #: For runs that check machinery (hub, faults, engines, benchmarks) from a model that need not learn: a random model's
 #: groups may all score alike for 3 steps, which the default grpo.max_idle_steps (3) stops with exit 2.
 MACHINERY = ("grpo.max_idle_steps=0",)
@@ -25,9 +35,14 @@ MACHINERY = ("grpo.max_idle_steps=0",)
 def mrl(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
     """Start `python -m mrl.cli ARGS` in its own session (so a test can kill it with every Ray process it started);
     `env` adds to this process's environment."""
-    return subprocess.Popen([sys.executable, "-m", "mrl.cli", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                            env=None if env is None else {**os.environ, **env})
+    return subprocess.Popen(
+        [sys.executable, "-m", "mrl.cli", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+        env=None if env is None else {**os.environ, **env},
+    )
 
 
 def finish(proc: subprocess.Popen, timeout: float = 600) -> str:
@@ -47,8 +62,11 @@ def metrics(log_dir: Path) -> dict[int, dict]:
 def training_metrics(row: dict, *, skip: tuple[str, ...] = ()) -> dict:
     """A step's `train/*` metrics that an interrupted run must reproduce: all but wall times, restart counts and any
     key holding one of `skip`."""
-    return {k: v for k, v in row.items() if k.startswith("train/") and "time" not in k and "restarts" not in k
-            and not any(word in k for word in skip)}
+    return {
+        k: v
+        for k, v in row.items()
+        if k.startswith("train/") and "time" not in k and "restarts" not in k and not any(word in k for word in skip)
+    }
 
 
 def wait_for_file(proc: subprocess.Popen, path: Path, timeout_s: float = 300) -> None:

@@ -43,8 +43,9 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheSpec, MLAAttent
 _FP8_CACHE_DTYPES = {torch.float8_e4m3fn: "fp8_e4m3", torch.float8_e5m2: "fp8_e5m2"}
 
 
-def _vllm_config(hf_config: dict[str, Any], tp_size: int, block_size: int, max_model_len: int,
-                 pp_size: int = 1) -> VllmConfig:
+def _vllm_config(
+    hf_config: dict[str, Any], tp_size: int, block_size: int, max_model_len: int, pp_size: int = 1
+) -> VllmConfig:
     """A VllmConfig for `hf_config` from a folder holding only config.json. The platform hook run by VllmConfig
     (here the CPU platform's) sets process environment variables; they are restored afterwards."""
     with tempfile.TemporaryDirectory() as folder, mock.patch.dict(os.environ):
@@ -61,16 +62,27 @@ def _layer_spec(vllm_config: VllmConfig, block_size: int, kv_dtype: torch.dtype)
     """One decoder layer's spec on one TP rank, as the attention layer's get_kv_cache_spec builds it."""
     model_config = vllm_config.model_config
     cache_dtype = _FP8_CACHE_DTYPES.get(kv_dtype, "auto")
-    common = dict(block_size=block_size, head_size=model_config.get_head_size(), dtype=kv_dtype,
-                  kv_quant_mode=get_kv_quant_mode(cache_dtype))
+    common = dict(
+        block_size=block_size,
+        head_size=model_config.get_head_size(),
+        dtype=kv_dtype,
+        kv_quant_mode=get_kv_quant_mode(cache_dtype),
+    )
     if model_config.use_mla:
         return MLAAttentionSpec(num_kv_heads=1, max_tp_shards=1, cache_dtype_str=cache_dtype, **common)
     return FullAttentionSpec(num_kv_heads=model_config.get_num_kv_heads(vllm_config.parallel_config), **common)
 
 
-def vllm_kv_capacity(hf_config: dict[str, Any], *, tp_size: int, available_bytes: int | list[int],
-                     block_size: int = 16, kv_dtype: torch.dtype = torch.bfloat16, max_model_len: int,
-                     pp_size: int = 1) -> dict[str, Any]:
+def vllm_kv_capacity(
+    hf_config: dict[str, Any],
+    *,
+    tp_size: int,
+    available_bytes: int | list[int],
+    block_size: int = 16,
+    kv_dtype: torch.dtype = torch.bfloat16,
+    max_model_len: int,
+    pp_size: int = 1,
+) -> dict[str, Any]:
     """KV blocks and tokens vLLM fits in `available_bytes` of KV-cache memory per rank (a list: per pipeline stage).
 
     Returns page_size_bytes_per_layer (one block of one layer on one rank), num_layers, num_blocks (the engine's
@@ -85,9 +97,15 @@ def vllm_kv_capacity(hf_config: dict[str, Any], *, tp_size: int, available_bytes
     stages = [get_pp_indices(num_layers, rank, pp_size) for rank in range(pp_size)]
     specs = [{f"model.layers.{i}.self_attn.attn": spec for i in range(first, last)} for first, last in stages]
     available = available_bytes if isinstance(available_bytes, list) else [available_bytes] * pp_size
-    resolve_kv_cache_layout(vllm_config, [[layout.name for layout in get_supported_kv_cache_layouts(())]],
-                            specs[0].values())
+    resolve_kv_cache_layout(
+        vllm_config, [[layout.name for layout in get_supported_kv_cache_layouts(())]], specs[0].values()
+    )
     kv_cache_config = generate_scheduler_kv_cache_config(get_kv_cache_configs(vllm_config, specs, available))
     tokens, max_concurrency = get_kv_cache_capacity(vllm_config, kv_cache_config)
-    return {"page_size_bytes_per_layer": spec.page_size_bytes, "num_layers": num_layers,
-            "num_blocks": kv_cache_config.num_blocks, "tokens": tokens, "max_concurrency": max_concurrency}
+    return {
+        "page_size_bytes_per_layer": spec.page_size_bytes,
+        "num_layers": num_layers,
+        "num_blocks": kv_cache_config.num_blocks,
+        "tokens": tokens,
+        "max_concurrency": max_concurrency,
+    }

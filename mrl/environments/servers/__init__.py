@@ -5,13 +5,34 @@ call it and turn every server failure into a result with `error` set; protocol.p
 examples.py has GuessNumber and Calculator (`mrl env serve guess_number`).
 """
 
-from mrl.environments.servers.client import (AsyncResourceClient, ResourceClient, SessionHandle, ToolResult,
-                                             VerifyResult)
+from mrl.environments.servers.client import AsyncResourceClient, ResourceClient, SessionHandle, ToolResult, VerifyResult
 from mrl.environments.servers.examples import EXAMPLES, Calculator, GuessNumber
 from mrl.environments.servers.protocol import ToolSpec
-from mrl.environments.servers.resource import (InputError, ResourceServer, RunningServer, build_app, serve, tool,
-                                               tool_specs)
+from mrl.environments.servers.resource import (
+    InputError,
+    ResourceServer,
+    RunningServer,
+    build_app,
+    serve,
+    tool,
+    tool_specs,
+)
 
-__all__ = ["AsyncResourceClient", "Calculator", "EXAMPLES", "GuessNumber", "InputError", "ResourceClient",
-           "ResourceServer", "RunningServer", "SessionHandle", "ToolResult", "ToolSpec", "VerifyResult", "build_app",
-           "serve", "tool", "tool_specs"]
+__all__ = [
+    "AsyncResourceClient",
+    "Calculator",
+    "EXAMPLES",
+    "GuessNumber",
+    "InputError",
+    "ResourceClient",
+    "ResourceServer",
+    "RunningServer",
+    "SessionHandle",
+    "ToolResult",
+    "ToolSpec",
+    "VerifyResult",
+    "build_app",
+    "serve",
+    "tool",
+    "tool_specs",
+]

@@ -34,17 +34,27 @@ from typing import Any, Callable, Generic, TypeVar
 
 import httpx
 
-from mrl.environments.servers.protocol import (AGGREGATE_METRICS, DONE, REWARD, REWARD_COMPONENTS, SEED_SESSION,
-                                               SESSION_HEADER, TOOLS, VERIFY, ToolSpec, is_tool_name)
+from mrl.environments.servers.protocol import (
+    AGGREGATE_METRICS,
+    DONE,
+    REWARD,
+    REWARD_COMPONENTS,
+    SEED_SESSION,
+    SESSION_HEADER,
+    TOOLS,
+    VERIFY,
+    ToolSpec,
+    is_tool_name,
+)
 
 R = TypeVar("R")
 
 
 @dataclass(frozen=True)
 class SessionHandle:
-    session_id: str               # "" when the seed failed
+    session_id: str  # "" when the seed failed
     observation: str | None = None
-    error: str | None = None      # why the session could not be created
+    error: str | None = None  # why the session could not be created
     error_kind: str | None = None  # the errors key it was counted under ("down", "http_422", ...)
 
     @property
@@ -54,15 +64,15 @@ class SessionHandle:
 
 @dataclass(frozen=True)
 class ToolResult:
-    output: str | None            # a tool's dict output arrives as its JSON text: what the model reads
-    error: str | None = None      # the tool's own error (what the model did wrong), or a server problem
+    output: str | None  # a tool's dict output arrives as its JSON text: what the model reads
+    error: str | None = None  # the tool's own error (what the model did wrong), or a server problem
     error_kind: str | None = None  # "tool" (the tool raised), "http_422" (bad arguments), "down", "timeout", ...
-    done: bool = False            # the server says the episode is over
+    done: bool = False  # the server says the episode is over
 
 
 @dataclass(frozen=True)
 class VerifyResult:
-    reward: float                 # 0.0 when error is set
+    reward: float  # 0.0 when error is set
     components: dict[str, Any] = field(default_factory=dict)
     error: str | None = None
     error_kind: str | None = None  # set with error: a failed verify is no judgement of the response
@@ -83,7 +93,7 @@ class _Plan(Generic[R]):
     body: dict | None
     session_id: str | None
     parse: Callable[[Any], R]
-    fallback: Callable[[str, str], R]   # (message, kind) -> the result of a failed call
+    fallback: Callable[[str, str], R]  # (message, kind) -> the result of a failed call
 
 
 class _Core:
@@ -102,8 +112,14 @@ class _Core:
 
     def _seed_plan(self, row: dict) -> _Plan[SessionHandle]:
         _require_dict("row", row)
-        return _Plan("POST", f"/{SEED_SESSION}", {"row": row}, None, _parse_seed,
-                     lambda message, kind: SessionHandle("", None, message, kind))
+        return _Plan(
+            "POST",
+            f"/{SEED_SESSION}",
+            {"row": row},
+            None,
+            _parse_seed,
+            lambda message, kind: SessionHandle("", None, message, kind),
+        )
 
     def _tool_plan(self, session: SessionHandle, name: str, arguments: dict | None) -> _Plan[ToolResult] | ToolResult:
         _require_handle(session)
@@ -114,8 +130,14 @@ class _Core:
             return ToolResult(None, f"no session: {session.error}", session.error_kind)
         if not is_tool_name(name):  # a model may name anything; never let it reach /verify or /seed_session
             return ToolResult(None, f"unknown tool {name!r}", "unknown_tool")
-        return _Plan("POST", f"/{name}", arguments, session.session_id, _parse_tool,
-                     lambda message, kind: ToolResult(None, message, kind))
+        return _Plan(
+            "POST",
+            f"/{name}",
+            arguments,
+            session.session_id,
+            _parse_tool,
+            lambda message, kind: ToolResult(None, message, kind),
+        )
 
     def _verify_plan(self, session: SessionHandle, row: dict, response: dict) -> _Plan[VerifyResult] | VerifyResult:
         _require_handle(session)
@@ -123,9 +145,14 @@ class _Core:
         _require_dict("response", response)
         if not session.ok:
             return VerifyResult(0.0, {}, f"no session: {session.error}", session.error_kind)
-        return _Plan("POST", f"/{VERIFY}", {"row": row, "response": response}, session.session_id,
-                     lambda payload: _parse_verify(payload, row),
-                     lambda message, kind: VerifyResult(0.0, {}, message, kind))
+        return _Plan(
+            "POST",
+            f"/{VERIFY}",
+            {"row": row, "response": response},
+            session.session_id,
+            lambda payload: _parse_verify(payload, row),
+            lambda message, kind: VerifyResult(0.0, {}, message, kind),
+        )
 
     def _tools_plan(self) -> _Plan[list[ToolSpec]]:
         return _Plan("GET", f"/{TOOLS}", None, None, _parse_tools, lambda message, kind: [])
@@ -133,8 +160,9 @@ class _Core:
     def _metrics_plan(self, results: list[dict]) -> _Plan[dict]:
         if not isinstance(results, list):
             raise TypeError(f"results must be a list of verify results (dicts), got {type(results).__name__}")
-        return _Plan("POST", f"/{AGGREGATE_METRICS}", {"results": results}, None, _parse_metrics,
-                     lambda message, kind: {})
+        return _Plan(
+            "POST", f"/{AGGREGATE_METRICS}", {"results": results}, None, _parse_metrics, lambda message, kind: {}
+        )
 
     def _request_args(self, plan: _Plan) -> dict:
         headers = {SESSION_HEADER: plan.session_id} if plan.session_id else {}
@@ -202,8 +230,12 @@ class AsyncResourceClient(_Core):
 
     def __init__(self, base_url: str, *, timeout_s: float = 10.0, max_connections: int = 100):
         super().__init__(base_url, timeout_s)
-        self._http = httpx.AsyncClient(base_url=self.base_url, timeout=timeout_s, trust_env=False,
-                                       limits=httpx.Limits(max_connections=max_connections))
+        self._http = httpx.AsyncClient(
+            base_url=self.base_url,
+            timeout=timeout_s,
+            trust_env=False,
+            limits=httpx.Limits(max_connections=max_connections),
+        )
 
     async def seed_session(self, row: dict) -> SessionHandle:
         return await self._run(self._seed_plan(row))
@@ -297,8 +329,14 @@ def _parse_tools(payload: Any) -> list[ToolSpec]:
     specs = []
     for item in _field(payload, "tools", list):
         try:
-            specs.append(ToolSpec(str(item["name"]), tuple(item["parameters"]), tuple(item.get("required", ())),
-                                  str(item.get("description", ""))))
+            specs.append(
+                ToolSpec(
+                    str(item["name"]),
+                    tuple(item["parameters"]),
+                    tuple(item.get("required", ())),
+                    str(item.get("description", "")),
+                )
+            )
         except (TypeError, KeyError, AttributeError):
             raise _ServerProblem("malformed", f"a tool listing without name/parameters: {item!r:.200}") from None
     return specs

@@ -53,12 +53,22 @@ class GuessNumber(ResourceServer):
             raise InputError(f"row['secret'] is {secret}: it must be from {low} to {high}")
         if max_turns < 1:
             raise InputError(f"row['max_turns'] is {max_turns}: it must be at least 1")
-        return {"secret": secret, "low": low, "high": high, "max_turns": max_turns, "turns": 0, "last_guess": None,
-                "found": False, "tool_errors": 0}
+        return {
+            "secret": secret,
+            "low": low,
+            "high": high,
+            "max_turns": max_turns,
+            "turns": 0,
+            "last_guess": None,
+            "found": False,
+            "tool_errors": 0,
+        }
 
     def observation(self, state: dict, row: dict) -> str:
-        return (f"I am thinking of a whole number from {state['low']} to {state['high']}. You have "
-                f"{state['max_turns']} guesses: call guess(number) and I answer higher, lower or correct.")
+        return (
+            f"I am thinking of a whole number from {state['low']} to {state['high']}. You have "
+            f"{state['max_turns']} guesses: call guess(number) and I answer higher, lower or correct."
+        )
 
     @tool
     def guess(self, state: dict, number: Any) -> str:
@@ -86,20 +96,29 @@ class GuessNumber(ResourceServer):
         return state["found"] or state["turns"] >= state["max_turns"]
 
     @classmethod
-    def rows(cls, count: int, seed: int = 0, max_turns: int = DEFAULT_MAX_TURNS, low: int = LOW,
-             high: int = HIGH) -> list[dict]:
+    def rows(
+        cls, count: int, seed: int = 0, max_turns: int = DEFAULT_MAX_TURNS, low: int = LOW, high: int = HIGH
+    ) -> list[dict]:
         """`count` dataset rows (a random secret each) with the problem/answer columns mrl's data loader reads."""
         import random
 
         rng = random.Random(seed)
         secrets = [rng.randint(low, high) for _ in range(count)]
         bounds = {} if (low, high) == (cls.LOW, cls.HIGH) else {"low": low, "high": high}
-        return [{"problem": cls.PROMPT, "answer": str(s), "secret": s, "max_turns": max_turns, **bounds}
-                for s in secrets]
+        return [
+            {"problem": cls.PROMPT, "answer": str(s), "secret": s, "max_turns": max_turns, **bounds} for s in secrets
+        ]
 
     @classmethod
-    def warmup_rows(cls, count: int, seed: int = 0, max_turns: int = DEFAULT_MAX_TURNS, low: int = LOW,
-                    high: int = HIGH, turn_end: str = EOS_TOKEN) -> list[dict]:
+    def warmup_rows(
+        cls,
+        count: int,
+        seed: int = 0,
+        max_turns: int = DEFAULT_MAX_TURNS,
+        low: int = LOW,
+        high: int = HIGH,
+        turn_end: str = EOS_TOKEN,
+    ) -> list[dict]:
         """SFT rows from a naive player's games, for a model that has never seen the game: the prompt (PROMPT) and
         0 .. max_turns-1 earlier turns (a guess drawn uniformly from the range, `turn_end`, the server's answer on its
         own line: the plain-template layout of mrl's agent loop), the target another uniform draw. They teach the
@@ -130,8 +149,7 @@ class GuessNumber(ResourceServer):
         else:
             size = state["high"] - state["low"] + 1
             reward = max(0.0, 1.0 - abs(state["last_guess"] - state["secret"]) / size) * 0.5
-        return {"reward": reward, "found": state["found"], "turns": state["turns"],
-                "tool_errors": state["tool_errors"]}
+        return {"reward": reward, "found": state["found"], "turns": state["turns"], "tool_errors": state["tool_errors"]}
 
 
 def _row_whole(row: dict, key: str, default: int | None = None) -> int:
@@ -148,7 +166,11 @@ def _row_whole(row: dict, key: str, default: int | None = None) -> int:
 MAX_EXPRESSION_CHARS = 200
 MAX_MAGNITUDE = Fraction(10) ** 30  # bounds every literal and intermediate result: no unbounded big-number work
 _BINARY: dict[type, Callable[[Fraction, Fraction], Fraction]] = {
-    ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+}
 _UNARY: dict[type, Callable[[Fraction], Fraction]] = {ast.UAdd: operator.pos, ast.USub: operator.neg}
 _ALLOWED = "use numbers, + - * / and parentheses"
 
@@ -215,8 +237,9 @@ class Calculator(ResourceServer):
     def seed_session(self, row: dict) -> dict:
         question, answer = row.get("question"), row.get("answer")
         if not isinstance(question, str) or answer is None:
-            raise InputError("rows need a 'question' (str) and an 'answer', "
-                             "e.g. {'question': '12*7+3', 'answer': '87'}")
+            raise InputError(
+                "rows need a 'question' (str) and an 'answer', e.g. {'question': '12*7+3', 'answer': '87'}"
+            )
         _number(answer, "row['answer']")
         return {"tool_calls": 0}
 

@@ -37,13 +37,17 @@ class ToolSpec:
     """One tool as GET /tools lists it: enough to describe it in a prompt."""
 
     name: str
-    parameters: tuple[str, ...]   # argument names, in the signature's order
-    required: tuple[str, ...]     # those without a default
-    description: str              # the tool's docstring ("" when it has none)
+    parameters: tuple[str, ...]  # argument names, in the signature's order
+    required: tuple[str, ...]  # those without a default
+    description: str  # the tool's docstring ("" when it has none)
 
     def to_json(self) -> dict:
-        return {"name": self.name, "parameters": list(self.parameters), "required": list(self.required),
-                "description": self.description}
+        return {
+            "name": self.name,
+            "parameters": list(self.parameters),
+            "required": list(self.required),
+            "description": self.description,
+        }
 
 
 def is_tool_name(name: str) -> bool:

@@ -36,9 +36,20 @@ from fastapi import FastAPI, HTTPException, Request, Response
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
 
-from mrl.environments.servers.protocol import (AGGREGATE_METRICS, DONE, HEALTH, REWARD, REWARD_COMPONENTS, SEED_SESSION,
-                                               SESSION_COOKIE, SESSION_HEADER, TOOLS, VERIFY, ToolSpec,
-                                               is_tool_name)
+from mrl.environments.servers.protocol import (
+    AGGREGATE_METRICS,
+    DONE,
+    HEALTH,
+    REWARD,
+    REWARD_COMPONENTS,
+    SEED_SESSION,
+    SESSION_COOKIE,
+    SESSION_HEADER,
+    TOOLS,
+    VERIFY,
+    ToolSpec,
+    is_tool_name,
+)
 
 log = logging.getLogger(__name__)
 F = TypeVar("F", bound=Callable[..., Any])
@@ -96,8 +107,8 @@ class ResourceServer:
 @dataclass(frozen=True)
 class _Tool:
     spec: ToolSpec
-    fn: Callable[..., Any]      # bound method: fn(state, **arguments)
-    takes_any: bool             # the signature has **kwargs: any argument name is accepted
+    fn: Callable[..., Any]  # bound method: fn(state, **arguments)
+    takes_any: bool  # the signature has **kwargs: any argument name is accepted
 
 
 def tool_specs(server: ResourceServer) -> list[ToolSpec]:
@@ -112,8 +123,9 @@ def _discover(server: ResourceServer) -> dict[str, _Tool]:
         if not getattr(getattr(type(server), name, None), _TOOL_MARK, False):
             continue
         if not is_tool_name(name):
-            raise ValueError(f"{type(server).__name__}.{name}: '{name}' is an endpoint of every resource server; "
-                             "rename the tool")
+            raise ValueError(
+                f"{type(server).__name__}.{name}: '{name}' is an endpoint of every resource server; rename the tool"
+            )
         tools[name] = _describe(name, getattr(server, name))
     return tools
 
@@ -132,8 +144,10 @@ def _describe(name: str, fn: Callable[..., Any]) -> _Tool:
             if p.default is inspect.Parameter.empty:
                 required.append(p.name)
         else:
-            raise TypeError(f"tool {name}: argument {p.name!r} ({p.kind.description}) cannot be passed by name from "
-                            "JSON; make it a plain or keyword-only argument")
+            raise TypeError(
+                f"tool {name}: argument {p.name!r} ({p.kind.description}) cannot be passed by name from "
+                "JSON; make it a plain or keyword-only argument"
+            )
     doc = inspect.getdoc(fn) or ""
     return _Tool(ToolSpec(name, tuple(arguments), tuple(required), doc), fn, takes_any)
 
@@ -208,7 +222,7 @@ class _MetricsRequest(BaseModel):
 def build_app(server: ResourceServer, *, session_ttl_s: float = DEFAULT_SESSION_TTL_S) -> FastAPI:
     """The FastAPI app of a resource server: the framework endpoints, one POST route per tool, 404 for other tools."""
     if not server.name:
-        raise ValueError(f"{type(server).__name__} has no name: set the class attribute `name = \"...\"`")
+        raise ValueError(f'{type(server).__name__} has no name: set the class attribute `name = "..."`')
     tools = _discover(server)
     store = SessionStore(session_ttl_s)
     app = FastAPI(title=f"mrl resource server: {server.name}")
@@ -219,14 +233,16 @@ def build_app(server: ResourceServer, *, session_ttl_s: float = DEFAULT_SESSION_
 
     @app.post("/{name}")
     async def unknown_tool(name: str) -> None:  # registered last: the real tools' routes match first
-        raise HTTPException(404, f"unknown tool {name!r}: {server.name}'s tools are {', '.join(tools) or 'none'} "
-                                 f"(GET /{TOOLS} lists their arguments)")
+        raise HTTPException(
+            404,
+            f"unknown tool {name!r}: {server.name}'s tools are {', '.join(tools) or 'none'} "
+            f"(GET /{TOOLS} lists their arguments)",
+        )
 
     return app
 
 
-def _add_framework_routes(app: FastAPI, server: ResourceServer, store: SessionStore,
-                          tools: dict[str, _Tool]) -> None:
+def _add_framework_routes(app: FastAPI, server: ResourceServer, store: SessionStore, tools: dict[str, _Tool]) -> None:
     cls = type(server).__name__
 
     @app.post(f"/{SEED_SESSION}")
@@ -244,8 +260,9 @@ def _add_framework_routes(app: FastAPI, server: ResourceServer, store: SessionSt
 
     @app.post(f"/{AGGREGATE_METRICS}")
     async def aggregate_metrics(body: _MetricsRequest) -> dict:
-        metrics = await run_in_threadpool(_user_code, f"{cls}.aggregate_metrics", server.aggregate_metrics,
-                                          body.results)
+        metrics = await run_in_threadpool(
+            _user_code, f"{cls}.aggregate_metrics", server.aggregate_metrics, body.results
+        )
         if not isinstance(metrics, dict):
             raise HTTPException(500, f"{cls}.aggregate_metrics returned {type(metrics).__name__}: return a dict")
         return metrics
@@ -265,20 +282,31 @@ def _add_tool_route(app: FastAPI, server: ResourceServer, store: SessionStore, t
         arguments = _check_arguments(t, await request.body())
         return await run_in_threadpool(_run_tool, server, t, session, arguments)
 
-    app.add_api_route(f"/{t.spec.name}", call_tool, methods=["POST"], name=t.spec.name,
-                      summary=t.spec.description.split("\n")[0] or None)
+    app.add_api_route(
+        f"/{t.spec.name}",
+        call_tool,
+        methods=["POST"],
+        name=t.spec.name,
+        summary=t.spec.description.split("\n")[0] or None,
+    )
 
 
 def _session(request: Request, store: SessionStore) -> Session:
     """The session the X-Session-Id header (first) or the session cookie names."""
     session_id = request.headers.get(SESSION_HEADER) or request.cookies.get(SESSION_COOKIE)
     if not session_id:
-        raise HTTPException(400, f"no session: POST /{SEED_SESSION} first and send its session_id in the "
-                                 f"{SESSION_HEADER} header (or keep its {SESSION_COOKIE} cookie)")
+        raise HTTPException(
+            400,
+            f"no session: POST /{SEED_SESSION} first and send its session_id in the "
+            f"{SESSION_HEADER} header (or keep its {SESSION_COOKIE} cookie)",
+        )
     session = store.get(session_id)
     if session is None:
-        raise HTTPException(404, f"unknown session {session_id!r}: it never existed, was idle longer than "
-                                 f"{store.ttl_s:g} s, or the server restarted; POST /{SEED_SESSION} for a new one")
+        raise HTTPException(
+            404,
+            f"unknown session {session_id!r}: it never existed, was idle longer than "
+            f"{store.ttl_s:g} s, or the server restarted; POST /{SEED_SESSION} for a new one",
+        )
     return session
 
 
@@ -288,11 +316,15 @@ def _check_arguments(t: _Tool, body: bytes) -> dict:
     try:
         arguments = json.loads(body) if body.strip() else {}
     except ValueError:
-        raise HTTPException(422, f"the body is not JSON: send {t.spec.name}'s arguments as a JSON object; "
-                                 f"{allowed}") from None
+        raise HTTPException(
+            422, f"the body is not JSON: send {t.spec.name}'s arguments as a JSON object; {allowed}"
+        ) from None
     if not isinstance(arguments, dict):
-        raise HTTPException(422, f"the body is a JSON {type(arguments).__name__}: send {t.spec.name}'s arguments "
-                                 f"as a JSON object; {allowed}")
+        raise HTTPException(
+            422,
+            f"the body is a JSON {type(arguments).__name__}: send {t.spec.name}'s arguments "
+            f"as a JSON object; {allowed}",
+        )
     unknown = sorted(set(arguments) - set(t.spec.parameters))
     if unknown and not t.takes_any:
         raise HTTPException(422, f"unknown argument(s) {', '.join(unknown)} for tool {t.spec.name}: {allowed}")
@@ -308,7 +340,7 @@ def _run_tool(server: ResourceServer, t: _Tool, session: Session, arguments: dic
     with session.lock:
         try:
             output, error = t.fn(session.state, **arguments), None
-        except Exception as exc:  # noqa: BLE001 - the model made a bad call; it reads the message and tries again
+        except Exception as exc:
             log.debug("tool %s raised", t.spec.name, exc_info=True)
             output, error = None, str(exc) or type(exc).__name__
         done = _user_code(f"{type(server).__name__}.is_done", server.is_done, session.state)
@@ -335,8 +367,11 @@ def _verify(server: ResourceServer, session: Session, row: dict, response: dict)
         result = _user_code(f"{cls}.verify", server.verify, session.state, row, response)
     reward = result.get(REWARD) if isinstance(result, dict) else None
     if isinstance(reward, bool) or not isinstance(reward, Real) or not math.isfinite(reward):
-        raise HTTPException(500, f"{cls}.verify returned {result!r:.200}: return a dict with a finite float "
-                                 "'reward' (and any reward components)")
+        raise HTTPException(
+            500,
+            f"{cls}.verify returned {result!r:.200}: return a dict with a finite float "
+            "'reward' (and any reward components)",
+        )
     components = {key: value for key, value in result.items() if key != REWARD}
     return {**row, **components, REWARD: float(reward), REWARD_COMPONENTS: sorted(components)}
 
@@ -349,7 +384,7 @@ def _user_code(what: str, fn: Callable[..., Any], *args: Any) -> Any:
         raise HTTPException(422, f"{what}: {exc}") from None
     except HTTPException:
         raise
-    except Exception as exc:  # noqa: BLE001 - a bug in the environment; the client counts an http_500
+    except Exception as exc:
         log.exception("%s raised", what)
         raise HTTPException(500, f"{what} raised {type(exc).__name__}: {exc}") from None
 
@@ -381,8 +416,14 @@ class RunningServer:
         self.stop()
 
 
-def serve(server: ResourceServer | FastAPI, host: str = "127.0.0.1", port: int = 0, *,
-          session_ttl_s: float = DEFAULT_SESSION_TTL_S, startup_timeout_s: float = 10.0) -> RunningServer:
+def serve(
+    server: ResourceServer | FastAPI,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    *,
+    session_ttl_s: float = DEFAULT_SESSION_TTL_S,
+    startup_timeout_s: float = 10.0,
+) -> RunningServer:
     """Run a resource server (or a ready app answering GET /health) under uvicorn in a daemon thread.
 
     The socket is bound here, before the thread starts, so a busy port is an OSError in the caller and port=0's free
@@ -393,12 +434,14 @@ def serve(server: ResourceServer | FastAPI, host: str = "127.0.0.1", port: int =
     if not _is_loopback(host):
         log.warning("resource server bound to %s: reachable from other machines, with no authentication", host)
     sock = _bind(host, port)
-    config = uvicorn.Config(app, log_config=None, log_level="warning", access_log=False, lifespan="off",
-                            timeout_graceful_shutdown=5)
+    config = uvicorn.Config(
+        app, log_config=None, log_level="warning", access_log=False, lifespan="off", timeout_graceful_shutdown=5
+    )
     uv = uvicorn.Server(config)
     bound_host, bound_port = sock.getsockname()[:2]
-    thread = threading.Thread(target=_run_uvicorn, args=(uv, sock), name=f"mrl-resource-server-{bound_port}",
-                              daemon=True)
+    thread = threading.Thread(
+        target=_run_uvicorn, args=(uv, sock), name=f"mrl-resource-server-{bound_port}", daemon=True
+    )
     thread.start()
     url = f"http://[{bound_host}]:{bound_port}" if ":" in bound_host else f"http://{bound_host}:{bound_port}"
     running = RunningServer(url, bound_host, bound_port, app, uv, thread)
@@ -423,8 +466,10 @@ def _bind(host: str, port: int) -> socket.socket:
         sock.bind(address)
     except OSError as exc:
         sock.close()
-        raise OSError(f"cannot serve on {host}:{port}: {exc.strerror or exc}; the port is in use or {host} is no "
-                      "address of this machine: pick another port (0 picks a free one) or host") from None
+        raise OSError(
+            f"cannot serve on {host}:{port}: {exc.strerror or exc}; the port is in use or {host} is no "
+            "address of this machine: pick another port (0 picks a free one) or host"
+        ) from None
     return sock
 
 

@@ -40,5 +40,14 @@ def unpack_payload(payload: Payload) -> list[NamedTensor]:
     raise ValueError(f"refit payload of unknown kind {kind!r}: caller and engine run different mrl versions?")
 
 
-__all__ = ["CollectiveTransport", "CudaIpcTransport", "InProcessTransport", "LocalTransportName", "Payload", "SharedMemoryFileTransport",
-           "WeightTransport", "make_transport", "unpack_payload"]
+__all__ = [
+    "CollectiveTransport",
+    "CudaIpcTransport",
+    "InProcessTransport",
+    "LocalTransportName",
+    "Payload",
+    "SharedMemoryFileTransport",
+    "WeightTransport",
+    "make_transport",
+    "unpack_payload",
+]

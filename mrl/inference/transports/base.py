@@ -49,6 +49,8 @@ class WeightTransport(Protocol):
 
 def describe(payload: Payload, bucket: list[NamedTensor]) -> Payload:
     """The payload with what the refit loop counts: the bucket's tensor names and bytes (sender side)."""
-    return {**payload, "names": [name for name, _ in bucket],
-            "bytes": sum(t.numel() * t.element_size() for _, t in bucket)}
-
+    return {
+        **payload,
+        "names": [name for name, _ in bucket],
+        "bytes": sum(t.numel() * t.element_size() for _, t in bucket),
+    }

@@ -168,8 +168,7 @@ class CollectiveTransport:
             return
         for sender in range(self.senders):
             address, port = self._endpoint(sender)
-            join_group(sub_group(self.group, sender), address, port, member, self.size, timeout_s,
-                       backend=self.backend)
+            join_group(sub_group(self.group, sender), address, port, member, self.size, timeout_s, backend=self.backend)
 
     def join_sender(self, sender: int, timeout_s: float = 600.0) -> None:
         """Join sender `sender`'s sub-group as its member 0 (the pipeline stage's first rank)."""
@@ -191,8 +190,9 @@ def unpack(payload: Payload) -> list[NamedTensor]:
     return receive_bucket(payload["group"])
 
 
-def connect(source: "CollectiveWeightSource", sink: "CollectiveRefitSink",
-            backend: Optional[Backend] = None) -> CollectiveTransport:
+def connect(
+    source: "CollectiveWeightSource", sink: "CollectiveRefitSink", backend: Optional[Backend] = None
+) -> CollectiveTransport:
     """Make the broadcast group of `source`'s sender(s) and `sink`'s receivers (both join at once: they meet in the
     stores' rendezvous). `backend` defaults to nccl where this process sees CUDA (a GPU cluster), else gloo. A source
     with `refit_addresses()` (one (address, port) per sender: pipeline stages) gets a sub-group per sender."""
@@ -201,14 +201,16 @@ def connect(source: "CollectiveWeightSource", sink: "CollectiveRefitSink",
     addresses = source.refit_addresses() if hasattr(source, "refit_addresses") else [source.refit_address()]
     (address, port), stages = addresses[0], tuple(tuple(a) for a in addresses[1:])
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
-    transport = CollectiveTransport(f"mrl-refit-{uuid.uuid4().hex[:12]}", address, port, 1 + sink.num_receivers,
-                                    backend, stages)  # type: ignore[arg-type]
+    transport = CollectiveTransport(
+        f"mrl-refit-{uuid.uuid4().hex[:12]}", address, port, 1 + sink.num_receivers, backend, stages
+    )  # type: ignore[arg-type]
     wait_all([source.join_refit_group_async(transport), sink.join_refit_group_async(transport)])
     return transport
 
 
-def join_group(name: str, address: str, port: int, member: int, size: int, timeout_s: float = 600.0, *,
-               backend: Backend = "gloo") -> None:
+def join_group(
+    name: str, address: str, port: int, member: int, size: int, timeout_s: float = 600.0, *, backend: Backend = "gloo"
+) -> None:
     """Join refit group `name` as `member` of `size` (member 0 hosts the store and sends). Blocks until all joined."""
     group = standalone_group(address, port, member, size, backend, timeout_s)
     # NCCL: this member's current CUDA device
@@ -238,13 +240,14 @@ def _slot(member: _Member, data_bytes: int) -> torch.Tensor:
     index = member.chain.sequence % SLOTS
     buffer = member.buffers[index]
     if buffer is None or buffer.numel() < CONTROL_BYTES + data_bytes:
-        buffer = member.buffers[index] = torch.empty(CONTROL_BYTES + data_bytes, dtype=torch.uint8,
-                                                     device=member.device)
+        buffer = member.buffers[index] = torch.empty(
+            CONTROL_BYTES + data_bytes, dtype=torch.uint8, device=member.device
+        )
     return buffer
 
 
 def _control(buffer: torch.Tensor) -> torch.Tensor:
-    return buffer[:8 * len(_CONTROL_FIELDS)].view(torch.int64)
+    return buffer[: 8 * len(_CONTROL_FIELDS)].view(torch.int64)
 
 
 def send_bucket(name: str, bucket: list[NamedTensor]) -> int:
@@ -257,13 +260,15 @@ def send_bucket(name: str, bucket: list[NamedTensor]) -> int:
     first_bytes = CONTROL_BYTES + (predicted.data_bytes if predicted is not None else 0)
     buffer = _slot(member, max(data_bytes, first_bytes - CONTROL_BYTES))
     pack_flat(bucket, entries, buffer[CONTROL_BYTES:])
-    control = torch.tensor([_MAGIC, _HIT if hit else _MISS, member.chain.sequence, header.key,
-                            len(header.encoded), data_bytes], dtype=torch.int64)
+    control = torch.tensor(
+        [_MAGIC, _HIT if hit else _MISS, member.chain.sequence, header.key, len(header.encoded), data_bytes],
+        dtype=torch.int64,
+    )
     _control(buffer).copy_(control, non_blocking=True)  # from host values: no read of device memory
     _broadcast(member, buffer[:first_bytes])
     if not hit:
         _broadcast(member, torch.frombuffer(bytearray(header.encoded), dtype=torch.uint8).to(member.device))
-        _broadcast(member, buffer[CONTROL_BYTES:CONTROL_BYTES + data_bytes])
+        _broadcast(member, buffer[CONTROL_BYTES : CONTROL_BYTES + data_bytes])
     member.chain.advance(header)
     return data_bytes
 
@@ -277,8 +282,10 @@ def receive_bucket(name: str) -> list[NamedTensor]:
     buffer = _broadcast(member, _slot(member, first_bytes - CONTROL_BYTES)[:first_bytes])
     control = dict(zip(_CONTROL_FIELDS, _control(buffer).tolist()))  # the one read back: see the module docstring
     if control["magic"] != _MAGIC or control["sequence"] != member.chain.sequence:
-        raise RuntimeError(f"refit group {name!r}: bucket {member.chain.sequence} arrived out of step with its "
-                           f"sender ({control}); the group is unusable, restart its members")
+        raise RuntimeError(
+            f"refit group {name!r}: bucket {member.chain.sequence} arrived out of step with its "
+            f"sender ({control}); the group is unusable, restart its members"
+        )
     if control["status"] == _HIT:
         if predicted is None or predicted.key != control["key"]:
             raise RuntimeError(f"refit group {name!r}: the sender's header chain differs from this member's")
@@ -289,6 +296,6 @@ def receive_bucket(name: str) -> list[NamedTensor]:
         if header.key != control["key"] or header.data_bytes != control["data_bytes"]:
             raise RuntimeError(f"refit group {name!r}: header of bucket {member.chain.sequence} is corrupt")
         buffer = _slot(member, header.data_bytes)
-        _broadcast(member, buffer[CONTROL_BYTES:CONTROL_BYTES + header.data_bytes])
+        _broadcast(member, buffer[CONTROL_BYTES : CONTROL_BYTES + header.data_bytes])
     member.chain.advance(header)
-    return flat_views(buffer[CONTROL_BYTES:CONTROL_BYTES + header.data_bytes], header.entries)
+    return flat_views(buffer[CONTROL_BYTES : CONTROL_BYTES + header.data_bytes], header.entries)

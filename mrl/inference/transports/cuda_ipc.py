@@ -74,9 +74,13 @@ class CudaIpcTransport:
         """One process holds the bucket and is the only sender (`update_weights` of an engine, tests)."""
         return self.pack_on_ranks(bucket, group_size=1)
 
-    def pack_on_ranks(self, bucket: Optional[list[NamedTensor]], *, group_size: Optional[int] = None,
-                      broadcast: Optional[Callable[[torch.Tensor, Optional[torch.Tensor]], torch.Tensor]] = None,
-                      ) -> Payload:
+    def pack_on_ranks(
+        self,
+        bucket: Optional[list[NamedTensor]],
+        *,
+        group_size: Optional[int] = None,
+        broadcast: Optional[Callable[[torch.Tensor, Optional[torch.Tensor]], torch.Tensor]] = None,
+    ) -> Payload:
         """Collective over the policy's ranks: rank 0 holds `bucket` (None elsewhere); every rank returns its part
         of the payload (rank 0's carries the header, names and bytes), which `merge` joins."""
         from mrl.parallel import collectives
@@ -130,12 +134,16 @@ def merge(parts: list[Optional[Payload]]) -> Payload:
         if part is None:
             continue
         if (part["sender"], part["slot"]) != (first["sender"], first["slot"]):
-            raise ValueError(f"rank {rank} packed slot {part['slot']} of {part['sender']}, rank 0 slot "
-                             f"{first['slot']} of {first['sender']}: the ranks' buckets are out of step")
+            raise ValueError(
+                f"rank {rank} packed slot {part['slot']} of {part['sender']}, rank 0 slot "
+                f"{first['slot']} of {first['sender']}: the ranks' buckets are out of step"
+            )
         for gpu, handle in part["handles"].items():
             if gpu in handles:
-                raise ValueError(f"two policy ranks export from GPU {gpu}: one engine worker per GPU opens one "
-                                 "rank's share (torch's reference count); place one policy rank per GPU")
+                raise ValueError(
+                    f"two policy ranks export from GPU {gpu}: one engine worker per GPU opens one "
+                    "rank's share (torch's reference count); place one policy rank per GPU"
+                )
             handles[gpu] = handle
     return {**first, "handles": handles}
 
@@ -186,12 +194,37 @@ def share(buffer: torch.Tensor) -> dict[str, Any]:
     from torch.multiprocessing.reductions import reduce_tensor
 
     _, args = reduce_tensor(buffer)
-    (_cls, size, stride, offset, _storage_cls, dtype, device, handle, storage_bytes, storage_offset, _grad,
-     ref_handle, ref_offset, event_handle, event_sync) = args
-    return {"uuid": device_uuid(int(device)), "size": list(size), "stride": list(stride), "offset": int(offset),
-            "dtype": str(dtype).split(".")[-1], "handle": bytes(handle), "storage_bytes": int(storage_bytes),
-            "storage_offset": int(storage_offset), "ref_handle": bytes(ref_handle), "ref_offset": int(ref_offset),
-            "event_handle": bytes(event_handle), "event_sync": bool(event_sync)}
+    (
+        _cls,
+        size,
+        stride,
+        offset,
+        _storage_cls,
+        dtype,
+        device,
+        handle,
+        storage_bytes,
+        storage_offset,
+        _grad,
+        ref_handle,
+        ref_offset,
+        event_handle,
+        event_sync,
+    ) = args
+    return {
+        "uuid": device_uuid(int(device)),
+        "size": list(size),
+        "stride": list(stride),
+        "offset": int(offset),
+        "dtype": str(dtype).split(".")[-1],
+        "handle": bytes(handle),
+        "storage_bytes": int(storage_bytes),
+        "storage_offset": int(storage_offset),
+        "ref_handle": bytes(ref_handle),
+        "ref_offset": int(ref_offset),
+        "event_handle": bytes(event_handle),
+        "event_sync": bool(event_sync),
+    }
 
 
 def route(payload: Payload, own_uuid: str) -> dict[str, Any]:
@@ -201,7 +234,8 @@ def route(payload: Payload, own_uuid: str) -> dict[str, Any]:
         raise IpcDeviceError(
             f"this engine worker's GPU {own_uuid} is not among the GPUs the bucket was shared from "
             f"({sorted(handles)}): every GPU that holds an engine worker needs a policy rank on it (colocated "
-            "placement), or use the collective transport for engines on GPUs of their own")
+            "placement), or use the collective transport for engines on GPUs of their own"
+        )
     return handles[own_uuid]
 
 
@@ -214,15 +248,23 @@ def open_handle(shared: dict[str, Any], device_index: int) -> torch.Tensor:
     """The buffer a `share` names, mapped into this process on ITS device `device_index` (torch's own cache,
     keyed by handle and offset alone, is bypassed: a grown block may start where the old one did)."""
     storage = torch.UntypedStorage._new_shared_cuda(
-        device_index, bytes(shared["handle"]), shared["storage_bytes"], shared["storage_offset"],
-        bytes(shared["ref_handle"]), shared["ref_offset"], bytes(shared["event_handle"]), shared["event_sync"])
+        device_index,
+        bytes(shared["handle"]),
+        shared["storage_bytes"],
+        shared["storage_offset"],
+        bytes(shared["ref_handle"]),
+        shared["ref_offset"],
+        bytes(shared["event_handle"]),
+        shared["event_sync"],
+    )
     tensor = torch.empty(0, dtype=torch.uint8, device=torch.device("cuda", device_index))
     tensor.set_(storage, shared["offset"], tuple(shared["size"]), tuple(shared["stride"]))
     return tensor.view(getattr(torch, shared["dtype"]))
 
 
-def mapped(key: tuple[str, int], shared: dict[str, Any], opener: Callable[[dict[str, Any]], torch.Tensor]
-           ) -> torch.Tensor:
+def mapped(
+    key: tuple[str, int], shared: dict[str, Any], opener: Callable[[dict[str, Any]], torch.Tensor]
+) -> torch.Tensor:
     """The mapping of `shared` for (sender, slot) `key`: reused while its identity holds; a new identity (a grown
     slot) drops the old mapping first (its reference goes back to the sender), then opens the new one."""
     ident = identity(shared)

@@ -78,8 +78,12 @@ def merge(parts: list[Optional[Payload]]) -> Payload:
     if len(set(names)) != len(names):
         twice = sorted({name for name in names if names.count(name) > 1})
         raise ValueError(f"tensors packed by two ranks: {twice[:5]}; the ranks' parts of a bucket must not overlap")
-    return {"kind": KIND, "paths": [path for part in packed for path in part["paths"]], "names": names,
-            "bytes": sum(part["bytes"] for part in packed)}
+    return {
+        "kind": KIND,
+        "paths": [path for part in packed for path in part["paths"]],
+        "names": names,
+        "bytes": sum(part["bytes"] for part in packed),
+    }
 
 
 def unpack(payload: Payload) -> list[NamedTensor]:
