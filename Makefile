@@ -30,8 +30,10 @@ $(STAMP): requirements/cpu.lock pyproject.toml
 	$(BIN)/python -c "import torch, megatron.core, ray, transformers, vllm, mrl" 2>/dev/null
 	touch $(STAMP)
 
+# The demo, then its figures against the recipe's expect: block (`mrl check`: exit 5 naming a figure that missed).
 demo: install
 	$(BIN)/mrl run recipes/arith-tiny-cpu.yaml
+	$(BIN)/mrl check results/arith-tiny-cpu recipes/arith-tiny-cpu.yaml
 
 # Two test processes (pytest-xdist): the functional tests spend much of their time waiting on processes that
 # start (Ray, vLLM and Megatron workers import for seconds), with a core idle. Each file's tests stay in one process
@@ -71,8 +73,9 @@ test-slurm: install
 # Faults injected for real into whole runs (tests/faults): a learning rate that overflows, a policy rank stopped (a
 # hang), a full disk under the checkpoints (a small tmpfs: mounted as root, skips in one line elsewhere), the engine
 # killed mid-generation, mid-refit, in its sleep and in its wake-up (restarted), an environment server that stops
-# answering, the whole run killed with SIGKILL and a policy worker killed (both re-run and resumed). One test
-# process: each test is one run after another of the command line.
+# answering, the whole run killed with SIGKILL and a policy worker killed (both re-run and resumed), and a random
+# fault campaign of 3 (mrl/testing/fault_campaign.py: a fresh seed each run, printed). One test process: each test is
+# one run after another of the command line.
 test-faults: install
 	$(BIN)/python -m pytest tests/faults -q
 

@@ -140,8 +140,9 @@ def _gqa_rules(dims: ModelDims, m: str, h: str) -> list[ParamRule]:
 
 def _mla_rules(dims: ModelDims, m: str, h: str) -> list[ParamRule]:
     attn, hf = m + "self_attention.", h + "self_attn."
+    assert dims.mla is not None  # layer_rules calls this for MLA models only
     rules = [ParamRule(m + "input_layernorm.weight", (h + "input_layernorm.weight",), "copy", None)]
-    if dims.mla.q_lora_rank is None:  # type: ignore[union-attr]
+    if dims.mla.q_lora_rank is None:
         rules.append(ParamRule(attn + "linear_q_proj.weight", (hf + "q_proj.weight",), "copy", 0))
     else:
         rules += [
@@ -166,19 +167,19 @@ def _swiglu_rules(m: str, h: str) -> list[ParamRule]:
 
 
 def _mlp_rules(dims: ModelDims, i: int, m: str, h: str) -> list[ParamRule]:
-    moe = _is_moe_layer(dims, i)
     rules = [ParamRule(m + "pre_mlp_layernorm.weight", (h + "post_attention_layernorm.weight",), "copy", None)]
-    if not moe:
+    if not _is_moe_layer(dims, i):
         return rules + _swiglu_rules(m + "mlp.", h + "mlp.")
-    rules.append(ParamRule(m + "mlp.router.weight", (h + "mlp.gate.weight",), "copy", None))
-    if dims.moe.expert_bias:  # type: ignore[union-attr]
-        rules.append(ParamRule(m + "mlp.router.expert_bias", (h + "mlp.gate.e_score_correction_bias",), "copy", None))
-    for e in range(dims.moe.num_experts):  # type: ignore[union-attr]
-        rules += _swiglu_rules(f"{m}mlp.experts.local_experts.{e}.", f"{h}mlp.experts.{e}.")
     moe = dims.moe
-    if moe.shared_ffn_hidden_size:  # type: ignore[union-attr]
-        rules += _swiglu_rules(m + "mlp.shared_experts.", f"{h}mlp.{moe.shared_expert_name}.")  # type: ignore[union-attr]
-    if moe.shared_expert_gate:  # type: ignore[union-attr]
+    assert moe is not None  # an MoE layer has MoE dims
+    rules.append(ParamRule(m + "mlp.router.weight", (h + "mlp.gate.weight",), "copy", None))
+    if moe.expert_bias:
+        rules.append(ParamRule(m + "mlp.router.expert_bias", (h + "mlp.gate.e_score_correction_bias",), "copy", None))
+    for e in range(moe.num_experts):
+        rules += _swiglu_rules(f"{m}mlp.experts.local_experts.{e}.", f"{h}mlp.experts.{e}.")
+    if moe.shared_ffn_hidden_size:
+        rules += _swiglu_rules(m + "mlp.shared_experts.", f"{h}mlp.{moe.shared_expert_name}.")
+    if moe.shared_expert_gate:
         rules.append(
             ParamRule(m + "mlp.shared_experts.gate_weight", (h + "mlp.shared_expert_gate.weight",), "copy", None)
         )
@@ -214,7 +215,7 @@ def layer_rules(dims: ModelDims, i: int, names: SpecNames) -> list[ParamRule]:
 def _gqa_shapes(dims: ModelDims) -> dict[str, tuple[int, ...]]:
     h, hd = dims.hidden_size, dims.head_dim
     q_rows, kv_rows = dims.num_heads * hd, dims.num_kv_heads * hd
-    shapes = {
+    shapes: dict[str, tuple[int, ...]] = {
         "self_attn.q_proj.weight": (q_rows, h),
         "self_attn.k_proj.weight": (kv_rows, h),
         "self_attn.v_proj.weight": (kv_rows, h),
@@ -237,7 +238,7 @@ def _mla_shapes(dims: ModelDims) -> dict[str, tuple[int, ...]]:
     mla, h, nh = dims.mla, dims.hidden_size, dims.num_heads
     assert mla is not None
     q_rows = nh * mla.qk_head_dim
-    shapes = {
+    shapes: dict[str, tuple[int, ...]] = {
         "self_attn.kv_a_proj_with_mqa.weight": (mla.kv_lora_rank + mla.qk_rope_head_dim, h),
         "self_attn.kv_a_layernorm.weight": (mla.kv_lora_rank,),
         "self_attn.kv_b_proj.weight": (nh * (mla.qk_nope_head_dim + mla.v_head_dim), mla.kv_lora_rank),
@@ -268,7 +269,7 @@ def _mlp_shapes(dims: ModelDims, i: int) -> dict[str, tuple[int, ...]]:
     h, moe = dims.hidden_size, dims.moe
     if moe is None or not moe.layers[i]:
         return _swiglu_shapes("mlp.", h, dims.ffn_hidden_size)
-    shapes = {"mlp.gate.weight": (moe.num_experts, h)}
+    shapes: dict[str, tuple[int, ...]] = {"mlp.gate.weight": (moe.num_experts, h)}
     if moe.expert_bias:
         shapes["mlp.gate.e_score_correction_bias"] = (moe.num_experts,)
     for e in range(moe.num_experts):
@@ -283,7 +284,7 @@ def _mlp_shapes(dims: ModelDims, i: int) -> dict[str, tuple[int, ...]]:
 def layer_shapes(dims: ModelDims, i: int) -> dict[str, tuple[int, ...]]:
     """The HF tensors of decoder layer `i` (names relative to `model.layers.i.`) with their shapes."""
     h = dims.hidden_size
-    shapes = {"input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,)}
+    shapes: dict[str, tuple[int, ...]] = {"input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,)}
     shapes.update(_mla_shapes(dims) if dims.mla else _gqa_shapes(dims))
     shapes.update(_mlp_shapes(dims, i))
     return shapes

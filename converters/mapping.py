@@ -140,7 +140,8 @@ def _to_megatron_full(
 ) -> torch.Tensor:
     parts = [hf_state[n] for n in rule.hf]
     if rule.kind == "qkv":
-        return T.merge_qkv(*parts, dims.num_heads, dims.num_kv_heads, dims.head_dim)
+        q, k, v = parts
+        return T.merge_qkv(q, k, v, dims.num_heads, dims.num_kv_heads, dims.head_dim)
     if rule.kind == "gate_up":
         return T.merge_gate_up(*parts)
     if rule.kind == "vocab":
@@ -222,6 +223,7 @@ def rule_for(megatron_name: str, hf_config: ModelDims | Mapping[str, Any] | Any)
 
 
 def _to_hf(rule: ParamRule, tensor: torch.Tensor, dims: ModelDims) -> list[tuple[str, torch.Tensor]]:
+    parts: tuple[torch.Tensor, ...]
     if rule.kind == "qkv":
         parts = T.split_qkv(tensor, dims.num_heads, dims.num_kv_heads, dims.head_dim)
     elif rule.kind == "gate_up":

@@ -2,8 +2,7 @@
 
 Every command validates its configuration before anything starts: a bad key, type or combination exits with status 2
 and a message naming the dotted key. Exit statuses are listed in mrl/app/errors.py. The commands themselves live in
-mrl/app (imported when used, so that
-`mrl config show` and `--help` do not load torch, Ray or vLLM).
+mrl/app (imported when used, so that `mrl config show` and `--help` do not load torch, Ray or vLLM).
 """
 
 from __future__ import annotations
@@ -73,6 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_download_parser(sub)
     _add_submit_parser(sub)
     _add_plan_parser(sub)
+    _add_check_parser(sub)
     _add_env_parser(sub)
     config = sub.add_parser("config", help="Inspect configurations.")
     config_sub = config.add_subparsers(dest="config_command", required=True, metavar="ACTION")
@@ -268,6 +268,26 @@ def _add_plan_parser(sub) -> None:
     plan.add_argument("overrides", nargs="*", help=OVERRIDE_HELP)
 
 
+def _add_check_parser(sub) -> None:
+    text = (
+        "A finished run's figures (its summary.json) against the expect: block of its recipe; exit 5 naming each "
+        "figure that missed its bound."
+    )
+    check = sub.add_parser("check", help=text, description=text)
+    check.add_argument("run_dir", metavar="RUN_DIR", help="the run's run.output_dir (a staged run's root)")
+    check.add_argument("recipe", metavar="RECIPE", help="the recipe it ran (a file, or a shipped recipe's name)")
+    check.add_argument("overrides", nargs="*", help=OVERRIDE_HELP)
+
+
+def _run_check(args: argparse.Namespace) -> int:
+    from mrl.app.check import MISSED_EXIT_CODE, check_run, report
+
+    cfg = load_config(args.recipe, args.overrides)
+    results = check_run(Path(args.run_dir), cfg)
+    print(report(results, cfg))
+    return 0 if all(result.ok for result in results) else MISSED_EXIT_CODE
+
+
 def _run_plan(args: argparse.Namespace) -> int:
     from mrl.app.plan_stages import fits, plan_command, render_plans
 
@@ -334,10 +354,10 @@ def _write_rows(args: argparse.Namespace) -> int:
     """`mrl env rows NAME`: dataset rows of an example game, for `data.train` of a multi-turn GRPO run."""
     import json
 
-    from mrl.environments.servers import EXAMPLES
+    from mrl.environments.servers import GuessNumber
 
-    example = EXAMPLES.get(args.name)
-    if example is None or not hasattr(example, "rows"):
+    example = {"guess_number": GuessNumber}.get(args.name)  # the examples with a row generator
+    if example is None:
         print(f"mrl env rows: {args.name!r} has no row generator (guess_number has)", file=sys.stderr)
         return CONFIG_ERROR_EXIT_CODE
     out = Path(args.out)
@@ -443,6 +463,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _run_submit(args)
         if args.command == "plan":
             return _run_plan(args)
+        if args.command == "check":
+            return _run_check(args)
         if args.command == "env":
             return _run_env(args)
         return _run_config_command(args)

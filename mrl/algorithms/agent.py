@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Literal, Optional, Sequence
 
 import torch
 
-from mrl.algorithms.rollout import Rollouts
+from mrl.algorithms.rollout import Rollouts, decode_text
 from mrl.data.datasets import Problem
 from mrl.data.templates import PLAIN_OBSERVATION, PromptTemplate
 from mrl.inference.interface import FinishReason, GenerationBackend, SamplingConfig
@@ -126,9 +126,10 @@ def observation_tokens(text: str, tokenizer: "PreTrainedTokenizerBase", template
     full = tokenizer.apply_chat_template(
         messages + [{"role": "tool", "content": text}], tokenize=False, add_generation_prompt=True
     )
+    assert isinstance(full, str)  # tokenize=False renders one conversation as its text
     after = full[full.index(marker) + len(marker) :]
     end_id = template.turn_end_id(tokenizer)
-    end_text = tokenizer.decode([end_id]) if end_id is not None else ""
+    end_text = decode_text(tokenizer, [end_id], skip_special_tokens=False) if end_id is not None else ""
     if end_text and after.startswith(end_text):
         after = after[len(end_text) :]  # the model wrote its turn's end itself
     return list(tokenizer(after, add_special_tokens=False)["input_ids"])
@@ -215,7 +216,7 @@ class AgentRunner:
             episode.append(sample.token_ids, model=True, logprobs=sample.logprobs)
             episode.turns += 1
             episode.finish_reason = sample.finish_reason
-            episode.last_text = self.tokenizer.decode(list(sample.token_ids), skip_special_tokens=True)
+            episode.last_text = decode_text(self.tokenizer, sample.token_ids, skip_special_tokens=True)
             call = self.fmt.parse(episode.last_text)  # a turn cut at max_turn_tokens still makes its call
             if sample.finish_reason is FinishReason.ABORTED:
                 episode.end(error="the engine rejected the episode's context")

@@ -75,7 +75,11 @@ def dpo_step(workers: Workers, batch: RankBatch, loss_fn: DPOLoss) -> dict[str, 
     t0 = time.perf_counter()
     batch = add_reference(workers.policy, batch, loss_fn)
     t1 = time.perf_counter()
-    metrics = {f"train/{k}": v for k, v in workers.policy.train(batch, loss_fn).items()}
+    trained = workers.policy.train(
+        batch,
+        loss_fn,
+    )
+    metrics = {f"train/{k}": v for k, v in trained.items()}
     return metrics | {"timing/reference_logprobs": t1 - t0, "timing/train": time.perf_counter() - t1}
 
 

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional, Sequence
 
-from mrl.algorithms.rollout import generate_and_score
+from mrl.algorithms.rollout import decode_text, generate_and_score
 from mrl.config.schema import MrlConfig
 from mrl.data.datasets import Problem
 from mrl.data.tasks import TaskData, encode_prompts
@@ -80,7 +80,7 @@ def evaluate(
     }
     for k in pass_k:
         metrics[f"val/pass@{k}"] = sum(pass_at_k(sampling.n, c, k) for c in correct) / len(correct)
-    prompts = [tokenizer.decode(list(ids), skip_special_tokens=False) for ids in prompt_ids]
+    prompts = [decode_text(tokenizer, ids, skip_special_tokens=False) for ids in prompt_ids]
     mean_logprobs = response_mean_logprobs(rollouts.generation_logprobs, rollouts.loss_mask)
     samples = [
         SampleRecord(

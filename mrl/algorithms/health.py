@@ -390,17 +390,16 @@ def health_summary(history: dict[str, list[tuple[int, float]]]) -> dict[str, Any
         seen = values(name)
         return sum(seen) / len(seen) if seen else None
 
+    def last(name: str) -> float | None:
+        seen = values(name)
+        return seen[-1] if seen else None
+
     summary: dict[str, Any] = {
         "steps_warned": sum(v > 0 for v in values("train/health_warnings")),
         "steps_idle": sum(v > 0 for v in values("train/idle")),
     }
     summary.update({name: mean(f"train/{name}") for name in _MEANS})
-    summary.update(
-        {
-            f"val_{name}": (values(f"val/{name}") or [None])[-1]
-            for name in ("truncated_fraction", "reward_error_fraction")
-        }
-    )
+    summary.update({f"val_{name}": last(f"val/{name}") for name in ("truncated_fraction", "reward_error_fraction")})
     return summary
 
 

@@ -32,7 +32,8 @@ def rm_validation(cfg: MrlConfig, workers: Workers, data: PairData) -> dict[str,
     """Loss and pair accuracy over every validation pair (no update); {} without validation pairs."""
     if not data.val:
         return {}
-    loss_fn, totals = BradleyTerryLoss(), {}
+    loss_fn = BradleyTerryLoss()
+    totals: dict[str, float] = {}
     count = 2.0 * len(data.val)
     for pairs, real in validation_chunks(data.val, workers.policy.data_parallel_size, VAL_PAIRS_PER_CALL):
         batch = pair_batch(
@@ -48,7 +49,11 @@ def rm_validation(cfg: MrlConfig, workers: Workers, data: PairData) -> dict[str,
 
 def rm_step(workers: Workers, batch: RankBatch) -> dict[str, float]:
     """One optimizer step of the Bradley-Terry loss on a batch of pairs; the step's metrics."""
-    return {f"train/{k}": v for k, v in workers.policy.train(batch, BradleyTerryLoss()).items() if k != "rm_loss"}
+    trained = workers.policy.train(
+        batch,
+        BradleyTerryLoss(),  # type: ignore[arg-type]  # its first argument is the score head's values, not logprobs
+    )
+    return {f"train/{k}": v for k, v in trained.items() if k != "rm_loss"}
 
 
 def rm_train(

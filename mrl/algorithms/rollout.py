@@ -52,6 +52,13 @@ class Rollouts:
         return cls(**{**state, "finish_reasons": [FinishReason(value) for value in state["finish_reasons"]]})
 
 
+def decode_text(tokenizer: "PreTrainedTokenizerBase", token_ids: Sequence[int], *, skip_special_tokens: bool) -> str:
+    """The text of one sequence of token ids (`decode` is typed for a batch too, whose result is a list)."""
+    text = tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+    assert isinstance(text, str)  # one sequence decodes to one string
+    return text
+
+
 def rows_from_output(out: GenerationOutput, pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(input_ids, loss_mask, generation_logprobs), each [B, T], from the engine's samples (see the module doc)."""
     width = max((len(s.prompt_token_ids) + s.length for s in out.samples), default=1)
@@ -79,7 +86,7 @@ def generate_and_score(
 ) -> Rollouts:
     """Sample `sampling.n` responses per prompt and score them with the environment."""
     out = engine.generate(prompt_ids, sampling)
-    texts = [tokenizer.decode(list(s.token_ids), skip_special_tokens=True) for s in out.samples]
+    texts = [decode_text(tokenizer, s.token_ids, skip_special_tokens=True) for s in out.samples]
     logs = [[{"role": "assistant", "content": t}] for t in texts]
     meta = [
         {

@@ -92,20 +92,26 @@ def _read_rows(path: Path, tokenizer: Any, limit: int) -> list[ScoreRow]:
     return rows
 
 
+def _ids(row: ScoreRow) -> list[int]:
+    """A readable row's token ids (`score_rows` passes only rows whose ids were read)."""
+    assert row.ids is not None, f"row {row.index} is unreadable: {row.error}"
+    return row.ids
+
+
 def _score_batch(policy: TrainablePolicy, batch: list[ScoreRow], pad_id: int) -> list[torch.Tensor]:
     dp = policy.data_parallel_size
     rows = batch + [batch[0]] * (-len(batch) % dp)  # every data-parallel rank needs rows; extras are dropped
-    width = max(len(r.ids) for r in rows)
+    width = max(len(_ids(r)) for r in rows)
     ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(rows), width))
     for i, row in enumerate(rows):
-        ids[i, : len(row.ids)] = torch.tensor(row.ids)
-        mask[i, row.start : len(row.ids)] = 1
-    lengths = torch.tensor([len(r.ids) for r in rows])
-    extra = [None] * (len(rows) - len(batch))  # the extra rows route freshly and are not counted
+        ids[i, : len(_ids(row))] = torch.tensor(_ids(row))
+        mask[i, row.start : len(_ids(row))] = 1
+    lengths = torch.tensor([len(_ids(r)) for r in rows])
+    extra: list[Optional[torch.Tensor]] = [None] * (len(rows) - len(batch))  # extra rows route freshly, uncounted
     routing = routing_rows([r.routing for r in batch] + extra, width)
     logprobs = policy.logprobs(RankBatch(ids, mask, lengths=lengths, routing=routing))  # [B, T]
-    return [logprobs[i, row.start : len(row.ids)] for i, row in enumerate(batch)]
+    return [logprobs[i, row.start : len(_ids(row))] for i, row in enumerate(batch)]
 
 
 def read_inputs(input_path: str, tokenizer: Any, max_length: int) -> list[ScoreRow]:

@@ -48,7 +48,8 @@ class _Examples:
         if self.arith is not None:
             examples = self.arith.sft_examples(self.rng, self.batch_size)
             return [e.prompt for e in examples], [e.target for e in examples]
-        problems = next(self.loader)  # type: ignore[arg-type]
+        assert self.loader is not None  # every task but arith has one (__init__)
+        problems = next(self.loader)
         return [p.problem for p in problems], [p.answer for p in problems]
 
     def passes_done(self, max_epochs: int) -> bool:

@@ -104,6 +104,7 @@ class RunCheckpoints:
 
         with storage_guard(f"checkpoint step {step}", self.manager.root, discard):
             tmp = self.manager.begin(step)
+            assert self.runtime.policy is not None  # checkpoints belong to the training commands, which start one
             self.runtime.policy.save(str(tmp))
             copy_model_metadata(self.runtime.model_dir, tmp / HF_SUBDIR)
             (tmp / "config.yaml").write_text(to_yaml(self.cfg))
@@ -155,6 +156,7 @@ class RunCheckpoints:
                 + "\n- ".join(reasons)
                 + "\n(set checkpointing.resume=false or another checkpointing.dir to start fresh)"
             )
+        assert self.runtime.policy is not None  # checkpoints belong to the training commands, which start one
         reports = self.runtime.policy.load(str(path))
         restore_rng_state(state["rng"])
         _say(f"resuming from {path} (step {state['step']})")

@@ -162,6 +162,7 @@ def _grpo_environment(cfg: MrlConfig, runtime: Runtime, template: Any) -> Any:
     tokenizer = runtime.tokenizer
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     ends = {template.turn_end_id(tokenizer), tokenizer.eos_token_id} - {None}
+    assert runtime.reward_model is not None  # start_runtime starts one for env.reward_model
     return RewardModelEnvironment(
         env, runtime.reward_model, pad_id=pad, weight=rm.weight, verifier_weight=rm.verifier_weight, end_token_ids=ends
     )
@@ -220,11 +221,11 @@ def run_grpo(cfg: MrlConfig) -> dict[str, Any]:
         ):
             final = grpo_train(
                 cfg,
-                runtime,
+                runtime,  # type: ignore[arg-type]  # Workers: its policy and engine, Optional in Runtime, are started
                 env,
                 data,
                 logger,
-                ckpt,  # type: ignore[arg-type]
+                ckpt,
                 val_env=getattr(env, "verifier", env),
             )
             ckpt.end_if_interrupted()
@@ -265,7 +266,7 @@ def run_sft(cfg: MrlConfig) -> dict[str, Any]:
                 lambda: _sft_summary(last_metrics(logger.history), time.perf_counter() - start),
             ),
         ):
-            final = sft_train(cfg, runtime, data, logger, ckpt)  # type: ignore[arg-type]
+            final = sft_train(cfg, runtime, data, logger, ckpt)  # type: ignore[arg-type]  # Runtime.policy is Optional
             ckpt.end_if_interrupted()
             export_final(runtime)
     finally:
@@ -411,7 +412,8 @@ def run_eval(cfg: MrlConfig) -> dict[str, Any]:
     env = build_environment(cfg.env)
     try:
         with explained_failures(cfg):
-            result = validate(cfg, runtime.engine, env, runtime.tokenizer, data)  # type: ignore[arg-type]
+            assert runtime.engine is not None  # started: mrl eval starts an engine and no policy
+            result = validate(cfg, runtime.engine, env, runtime.tokenizer, data)
     finally:
         env.shutdown()
         runtime.shutdown()

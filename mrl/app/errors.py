@@ -6,8 +6,9 @@
    would meet it again), or a GRPO run that trained on nothing for grpo.max_idle_steps steps in a row
    (mrl.algorithms.health.IdleTraining): change the settings or the data
 3  non-finite loss or gradients on policy.max_nonfinite_steps steps in a row (mrl.algorithms.guards.NonFiniteTraining):
-change the settings, then re-running resumes
+   change the settings, then re-running resumes
 4  a worker died or raised (RunFailed): re-running the command resumes
+5  `mrl check`: a figure of the run missed the bound its recipe's expect: block sets (mrl.app.check)
 """
 
 from __future__ import annotations

@@ -339,15 +339,16 @@ def make_plan(
     refit = refit_plan(cfg, dims) if engine and stages else None
     time = None
     if command == "grpo":
+        assert engine is not None and refit is not None  # grpo is an engine and a policy command
         time = step_time(
             cfg,
             dims,
             gpu,
             {key: a.value for key, a in assumptions.items()},
             kv_tokens=engine.kv_tokens,
-            engine_weights=engine.weights,  # type: ignore[union-attr]
+            engine_weights=engine.weights,
             refit_bytes=refit.total,
-        )  # type: ignore[union-attr]
+        )
     label = gpu if gpu_total is None else "this GPU"
     plan = Plan(
         cfg.policy.model_name or "",
@@ -394,7 +395,7 @@ def _policy_stages(
             cfg, dims, stage.layers, last_stage=stage.stage == layout.pp - 1, padded_vocab=padded_vocab(dims, layout.tp)
         )
         train = int((states.states + max(acts.train_peak, acts.logprob_peak)) * slack) + context + asleep
-        generate = _resident(cfg, states) + context + engine.budget if colocated else 0  # type: ignore[union-attr]
+        generate = _resident(cfg, states) + context + engine.budget if colocated and engine is not None else 0
         stages.append(StagePlan(states, acts, stage.layers, train, generate))
     return stages
 
@@ -500,7 +501,8 @@ def _engine_fixes(cfg: MrlConfig, plan: Plan, overhead: int) -> list[str]:
     """Engine layouts (more TP within a node, else pipeline stages over nodes) and GPUs that hold an engine's
     weights and one sequence, at the configured gpu_memory_utilization (the bigger GPUs: at the most offered)."""
     vllm, dims = cfg.generation.vllm, plan.dims
-    tokens = plan.engine.sequence_tokens  # type: ignore[union-attr]
+    assert plan.engine is not None  # only _judge_engine asks, for a plan with an engine
+    tokens = plan.engine.sequence_tokens
     share = vllm.gpu_memory_utilization * plan.gpu_bytes
     tp, pp = vllm.tensor_parallel_size, vllm.pipeline_parallel_size
     sizes = [

@@ -77,12 +77,12 @@ def _stage_model(
     None for a random model."""
     name = cfg.policy.model_name
     if model_config_path is not None:
-        model: Model | None = model_config(cfg, model_config_path)
+        model = model_config(cfg, model_config_path)
     elif name is None:
         return None, ""
     elif name in exports and not (Path(name) / "config.json").is_file():
-        model = exports[name]
-        return model, "" if model is None else f"{model[1]}, as the earlier stage exports it to {name}"
+        exported = exports[name]
+        return exported, "" if exported is None else f"{exported[1]}, as the earlier stage exports it to {name}"
     else:
         model = model_config(cfg)
     return model, model[1]
@@ -95,7 +95,9 @@ def fits(plans: Sequence[CommandPlan]) -> bool:
 def render_plans(plans: Sequence[CommandPlan]) -> str:
     """One plan's text, or each stage's under its own heading and the recipe's verdict last."""
     if len(plans) == 1 and not plans[0].stage:
-        return render(plans[0].plan, plans[0].cfg)  # type: ignore[arg-type]
+        plan = plans[0].plan
+        assert plan is not None  # a plain config is always planned (plan_command: make_plan raises otherwise)
+        return render(plan, plans[0].cfg)
     blocks = []
     for index, entry in enumerate(plans, 1):
         heading = f"=== stage {index}/{len(plans)} '{entry.stage}' (mrl {entry.command}) ==="

@@ -86,15 +86,15 @@ def check_engine_model(cfg: MrlConfig, hf_config: dict) -> None:
         if "head_dim" in hf_config
         else f"hidden_size {hf_config.get('hidden_size')} / {hf_config.get('num_attention_heads')} heads"
     )
-    build = cfg.policy.build is not None
+    build = cfg.policy.build
     raise ConfigError(
         f"the model's attention head size is {size} ({how}), and vLLM's CPU attention has no kernel for it",
-        key="policy.build.num_attention_heads" if build else "policy.model_name",
-        given=cfg.policy.build.num_attention_heads if build else cfg.policy.model_name,
+        key="policy.build.num_attention_heads" if build is not None else "policy.model_name",
+        given=build.num_attention_heads if build is not None else cfg.policy.model_name,
         allowed=f"a model of head size {', '.join(map(str, CPU_ATTENTION_HEAD_SIZES))}",
         fix=(
             "a hidden_size / num_attention_heads giving one of these"
-            if build
+            if build is not None
             else "start from a model of one of these head sizes"
         )
         + "; or generation.backend=megatron (the policy's own model generates, at any head size); "

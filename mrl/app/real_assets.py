@@ -131,8 +131,9 @@ def install_packages(site: Path) -> list[str]:
     return list(todo)
 
 
-def write_atomically(out: Path, make: Callable[[Path], None]) -> Path:
-    """Run `make(tmp)` on a temporary sibling of `out` (a file or a folder) and rename it to `out` when done."""
+def write_atomically(out: Path, make: Callable[[Path], object]) -> Path:
+    """Run `make(tmp)` on a temporary sibling of `out` (a file or a folder) and rename it to `out` when done (what
+    `make` returns is ignored)."""
     tmp = out.with_name(out.name + ".partial")
     _remove(tmp)
     make(tmp)
@@ -358,7 +359,9 @@ def read_sdist_member(archive: Path, member: str) -> bytes:
     with tarfile.open(archive, "r:gz") as tar:
         for info in tar.getmembers():
             if info.isfile() and info.name.split("/", 1)[-1] == member:
-                return tar.extractfile(info).read()
+                data = tar.extractfile(info)
+                assert data is not None  # None only for members that are not regular files
+                return data.read()
     raise FileNotFoundError(f"{archive} has no {member}")
 
 

@@ -64,11 +64,12 @@ from mrl.inference.transports import (
     collective,
 )
 from mrl.parallel import cpu_isa
-from mrl.policy.interface import ReleasesMemory, TrainablePolicy
+from mrl.policy.interface import ReleasesMemory
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
+    from mrl.policy.group import Policy
     from mrl.policy.worker import PolicySpec
 
 log = logging.getLogger(__name__)
@@ -221,7 +222,7 @@ class Runtime:
     tokenizer: "PreTrainedTokenizerBase"
     cluster: RayCluster
     placement: Optional[Placement] = None
-    policy: Optional[TrainablePolicy] = None
+    policy: Optional["Policy"] = None  # also the refit's weight source (`mrl.inference.refit.WeightSource`)
     engine: Optional[RolloutEngine] = None
     reward_model: Optional[Any] = None  # a frozen reward model's worker group (env.reward_model), on the same bundles
     _broadcast: Optional[CollectiveTransport] = None
@@ -328,7 +329,11 @@ class Runtime:
                 self._local = CudaIpcTransport() if cuda else SharedMemoryFileTransport()
             return self._local
         if self._broadcast is None:
-            self._broadcast = collective.connect(self.policy, self.engine)  # type: ignore[arg-type]
+            assert self.policy is not None and self.engine is not None  # _refit_once, the only caller, checked them
+            self._broadcast = collective.connect(
+                self.policy,
+                self.engine,  # type: ignore[arg-type]  # vLLM's engine group; RolloutEngine declares no collective
+            )
         return self._broadcast
 
     def shutdown(self) -> None:
@@ -418,7 +423,8 @@ def start_runtime(
         if engine and runtime.source.is_megatron:  # an engine started from the config alone gets the weights now
             runtime.refit()
         if feeder:
-            runtime.policy.shutdown()  # type: ignore[union-attr]
+            assert runtime.policy is not None  # started: `main` is the feeder's spec
+            runtime.policy.shutdown()
             runtime.policy = None
     except BaseException as error:
         runtime.shutdown()
@@ -525,8 +531,9 @@ def group_share(cfg: MrlConfig, *, engine: bool, reward_model: bool) -> float:
 def _report_start_order(runtime: Runtime, started: float) -> None:
     """One line with the colocated start-up's order, as measured: when the engine was asleep, when the first worker
     of the groups sharing its devices began to build (never before)."""
-    slept = max(t for state, t in runtime.engine.lifecycle.history if state is EngineState.ASLEEP)  # type: ignore
-    parts = [part.workers for part in (runtime.policy, runtime.reward_model) if part is not None]  # type: ignore
+    assert runtime.engine is not None  # only after the colocated engine started and slept
+    slept = max(t for state, t in runtime.engine.lifecycle.history if state is EngineState.ASLEEP)
+    parts = [part.workers for part in (runtime.policy, runtime.reward_model) if part is not None]
     built = min(t for workers in parts for t in workers.init_started)
     done = max(workers.init_finished for workers in parts)
     print(
@@ -584,7 +591,7 @@ def _start_policy(
     *,
     wait: Optional[Callable[[], None]] = None,
     name: str = "policy",
-) -> TrainablePolicy:
+) -> "Policy":
     from mrl.policy.group import Policy
 
     return Policy(

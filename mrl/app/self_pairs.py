@@ -48,7 +48,7 @@ def pairs_from_samples(
     needed = {"problem_index", "problem", "response", "reward", *(["mean_logprob"] if rejected == "likeliest" else [])}
     by_problem = _by_problem(samples, needed)
     rng = random.Random(seed)
-    pairs = []
+    pairs: list[dict[str, str]] = []
     for group in by_problem.values():
         right = _distinct([s for s in group if s["reward"] > 0.5])
         wrong = _distinct([s for s in group if s["reward"] <= 0.5])
@@ -56,9 +56,9 @@ def pairs_from_samples(
         rng.shuffle(wrong)
         if rejected == "likeliest":
             wrong.sort(key=lambda s: -s["mean_logprob"])  # stable: equal ones stay in their random order
-        right, wrong = [s["response"].strip() for s in right], [s["response"].strip() for s in wrong]
+        chosen, lost = [s["response"].strip() for s in right], [s["response"].strip() for s in wrong]
         prompt = f"{group[0]['problem']} {instruction}".strip()
-        pairs += [{"prompt": prompt, "chosen": c, "rejected": r} for c, r in zip(right, wrong)][:max_pairs_per_problem]
+        pairs += [{"prompt": prompt, "chosen": c, "rejected": r} for c, r in zip(chosen, lost)][:max_pairs_per_problem]
     return pairs
 
 

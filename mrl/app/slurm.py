@@ -19,6 +19,7 @@ python -m mrl.app.slurm wait-for-nodes --address A --nodes n1 n2 ... --timeout-s
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import shlex
 import subprocess
@@ -194,7 +195,7 @@ def _live_hosts(address: str) -> set[str]:
     import ray
 
     if not ray.is_initialized():
-        ray.init(address=address, logging_level="ERROR", log_to_driver=False)
+        ray.init(address=address, logging_level=logging.ERROR, log_to_driver=False)
     return {node["NodeManagerHostname"] for node in ray.nodes() if node["Alive"]}
 
 

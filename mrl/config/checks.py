@@ -468,7 +468,7 @@ def _allowed(model: type[BaseModel], loc: list[str]) -> str | None:
     field = parent.model_fields.get(loc[-1]) if parent and loc else None
     if field is None:
         return None
-    choices = getattr(field.annotation, "__args__", None)
+    choices = getattr(field.annotation, "__args__", ())
     if getattr(field.annotation, "__origin__", None) is not None and str(field.annotation).startswith("typing.Literal"):
         return "one of " + ", ".join(repr(c) for c in choices)
     return field.description

@@ -5,6 +5,8 @@ recipe holds just what it changes.
 
 Inheritance: a file may start with `defaults: base.yaml` or `defaults: [a.yaml, b.yaml]`, resolved relative to the
 file. Bases merge left to right, then the file itself on top (dicts merge key by key, anything else replaces).
+A base's `expect:` (the figures `mrl check` holds a run of that recipe to) is not inherited: its figures describe
+the base's own run, not the new recipe's.
 
 Overrides (Hydra's grammar, parsed with Hydra's own parser):
 - `a.b=v`   set a key; whether the key exists is checked against the schema, not the YAML (defaults are not in
@@ -47,7 +49,9 @@ def load_yaml_tree(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict[str, 
         raise ConfigError(f"{path.name}: 'defaults' must be a file name or a list of file names", key="defaults")
     merged: dict[str, Any] = {}
     for base in bases:
-        merged = deep_merge(merged, load_yaml_tree(path.parent / base, (*_seen, path)))
+        inherited = load_yaml_tree(path.parent / base, (*_seen, path))
+        inherited.pop("expect", None)  # the base's figures are its own run's
+        merged = deep_merge(merged, inherited)
     return deep_merge(merged, data)
 
 
@@ -99,14 +103,14 @@ def apply_overrides(tree: dict[str, Any], overrides: Iterable[str]) -> dict[str,
             OmegaConf.update(cfg, key, value, merge=False, force_add=True)
         except OmegaConfBaseException as exc:
             raise ConfigError(f"cannot set: {exc.msg if hasattr(exc, 'msg') else exc}", key=key, given=text) from None
-    return OmegaConf.to_container(cfg, resolve=False)  # type: ignore[return-value]
+    return OmegaConf.to_container(cfg, resolve=False)  # type: ignore[return-value]  # a DictConfig gives a dict
 
 
 def resolve(tree: dict[str, Any]) -> dict[str, Any]:
     """Resolve `${...}` interpolations; a broken reference is a ConfigError naming it."""
     cfg: DictConfig = OmegaConf.create(tree)
     try:
-        return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]
+        return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]  # a DictConfig gives a dict
     except OmegaConfBaseException as exc:
         key = getattr(exc, "full_key", None) or None
         raise ConfigError(f"interpolation failed: {str(getattr(exc, 'msg', exc)).splitlines()[0]}", key=key) from None

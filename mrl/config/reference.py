@@ -160,7 +160,7 @@ def _type_name(annotation: Any) -> str:
 def _default_cell(field: FieldInfo) -> str:
     if field.is_required():
         return "*required*"
-    value = field.default_factory() if field.default_factory is not None else field.default
+    value = field.get_default(call_default_factory=True)  # the schema's factories take no arguments
     if value is PydanticUndefined:
         return "*required*"
     return _code(format_default(value))

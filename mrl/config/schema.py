@@ -35,16 +35,18 @@ class WatchdogConfig(Section):
     floor_s + tokens / tokens_per_s + megabytes / mb_per_s; the rates are floors far below any machine's speed, so
     only a call that has stopped reaches its deadline."""
 
-    enabled: bool = Field(True, description="Deadlines on every call the controller waits on; false: wait forever.")
-    floor_s: float = Field(600.0, gt=0, description="Seconds every call may take whatever its work.")
+    enabled: bool = Field(
+        default=True, description="Deadlines on every call the controller waits on; false: wait forever."
+    )
+    floor_s: float = Field(default=600.0, gt=0, description="Seconds every call may take whatever its work.")
     tokens_per_s: float = Field(
-        20.0,
+        default=20.0,
         gt=0,
         description="Slowest accepted speed of a call's tokens (generation: "
         "prompt plus generated tokens; train: 3 x its tokens, forward and backward).",
     )
     mb_per_s: float = Field(
-        10.0, gt=0, description="Slowest accepted speed of a call's bytes (refit bucket, save, load), in MB/s."
+        default=10.0, gt=0, description="Slowest accepted speed of a call's bytes (refit bucket, save, load), in MB/s."
     )
     overrides: dict[str, float] = Field(
         default_factory=dict,
@@ -54,11 +56,13 @@ class WatchdogConfig(Section):
 
 
 class RunConfig(Section):
-    name: str = Field("mrl", description="Run name, used in log and checkpoint folder names.")
-    seed: int = Field(42, description="Seed for every random source (data order, init, sampling).")
-    output_dir: str = Field("results/${run.name}", description="Folder for logs, plots and checkpoints of the run.")
+    name: str = Field(default="mrl", description="Run name, used in log and checkpoint folder names.")
+    seed: int = Field(default=42, description="Seed for every random source (data order, init, sampling).")
+    output_dir: str = Field(
+        default="results/${run.name}", description="Folder for logs, plots and checkpoints of the run."
+    )
     final_format: Literal["hf", "megatron"] = Field(
-        "hf",
+        default="hf",
         description="What a training command leaves as its result: final_hf/ (an HF folder: safetensors + "
         "config + tokenizer, for vLLM or transformers) or final_megatron/ (the policy's weights as a Megatron "
         "checkpoint folder, written by every rank, no HF export; any mrl command starts from it, so staged recipes "
@@ -68,18 +72,18 @@ class RunConfig(Section):
 
 
 class ClusterConfig(Section):
-    num_nodes: int = Field(1, ge=1, description="Nodes in the Ray cluster.")
+    num_nodes: int = Field(default=1, ge=1, description="Nodes in the Ray cluster.")
     devices_per_node: int = Field(
-        1, ge=1, description="GPUs per node on GPU clusters; worker processes per node on CPU."
+        default=1, ge=1, description="GPUs per node on GPU clusters; worker processes per node on CPU."
     )
     ray_address: Optional[str] = Field(
-        None,
+        default=None,
         description="Address of a running Ray cluster; None: $RAY_ADDRESS if "
         "set (the Slurm launcher sets it), else a local one.",
     )
-    cpus_per_worker: float = Field(1.0, gt=0, description="Ray CPUs reserved per worker.")
+    cpus_per_worker: float = Field(default=1.0, gt=0, description="Ray CPUs reserved per worker.")
     omp_num_threads: Union[int, Literal["auto"]] = Field(
-        "auto",
+        default="auto",
         description="Threads (OMP_NUM_THREADS, torch's intra-op threads) of each worker process. auto: "
         "$OMP_NUM_THREADS of the shell that starts mrl when it is set (the Makefile and the test suite set 1); else "
         "each node's cores shared by the worker processes that compute on it at the same time: a group's own ranks "
@@ -88,7 +92,7 @@ class ClusterConfig(Section):
         "(VLLM_CPU_OMP_THREADS_BIND).",
     )
     memory_check: Literal["refuse", "warn", "off"] = Field(
-        "refuse",
+        default="refuse",
         description="On a GPU, before Ray starts: `mrl plan`'s memory per GPU against this GPU's; refuse: a "
         "layout that does not fit stops with exit 2 and the plan; warn: it prints the plan and starts; off: no check.",
     )
@@ -115,21 +119,23 @@ class ClusterConfig(Section):
 
 # ------------------------------------------------------------------------------------------------------------ policy
 class ParallelConfig(Section):
-    tensor_parallel_size: int = Field(1, ge=1, description="Tensor (Megatron intra-layer) parallel size.")
-    pipeline_parallel_size: int = Field(1, ge=1, description="Pipeline parallel size (layers split in stages).")
-    context_parallel_size: int = Field(1, ge=1, description="Context parallel size (sequence split across ranks).")
-    expert_parallel_size: int = Field(1, ge=1, description="Expert parallel size for MoE models.")
+    tensor_parallel_size: int = Field(default=1, ge=1, description="Tensor (Megatron intra-layer) parallel size.")
+    pipeline_parallel_size: int = Field(default=1, ge=1, description="Pipeline parallel size (layers split in stages).")
+    context_parallel_size: int = Field(
+        default=1, ge=1, description="Context parallel size (sequence split across ranks)."
+    )
+    expert_parallel_size: int = Field(default=1, ge=1, description="Expert parallel size for MoE models.")
     sequence_parallel: bool = Field(
-        False, description="Megatron sequence parallelism; requires tensor_parallel_size > 1."
+        default=False, description="Megatron sequence parallelism; requires tensor_parallel_size > 1."
     )
     first_stage_layers: Optional[int] = Field(
-        None,
+        default=None,
         ge=1,
         description="Decoder layers of the first pipeline stage "
         "when they do not split evenly (DeepSeek-V3's 61); None = an even split.",
     )
     last_stage_layers: Optional[int] = Field(
-        None,
+        default=None,
         ge=1,
         description="Decoder layers of the last pipeline stage; None = an even split of what the first stage leaves.",
     )
@@ -138,23 +144,23 @@ class ParallelConfig(Section):
 class ModelBuildConfig(Section):
     """A model built from scratch (random init) instead of loaded: used by the embedded CPU recipe and tests."""
 
-    family: Literal["llama", "qwen2", "qwen3", "qwen3_moe"] = Field("qwen2", description="Architecture family.")
-    num_layers: int = Field(4, ge=1, description="Transformer layers.")
-    hidden_size: int = Field(128, ge=8, description="Hidden size.")
-    num_attention_heads: int = Field(4, ge=1, description="Query heads.")
-    num_key_value_heads: Optional[int] = Field(None, ge=1, description="Key/value heads (GQA); None = MHA.")
-    intermediate_size: int = Field(512, ge=8, description="MLP hidden size (of the dense layers).")
-    tie_word_embeddings: bool = Field(False, description="Share input embedding and output projection.")
-    num_experts: int = Field(8, ge=1, description="qwen3_moe: routed experts per MoE layer.")
-    num_experts_per_tok: int = Field(2, ge=1, description="qwen3_moe: experts each token is routed to.")
-    moe_intermediate_size: int = Field(128, ge=8, description="qwen3_moe: MLP hidden size of each expert.")
+    family: Literal["llama", "qwen2", "qwen3", "qwen3_moe"] = Field(default="qwen2", description="Architecture family.")
+    num_layers: int = Field(default=4, ge=1, description="Transformer layers.")
+    hidden_size: int = Field(default=128, ge=8, description="Hidden size.")
+    num_attention_heads: int = Field(default=4, ge=1, description="Query heads.")
+    num_key_value_heads: Optional[int] = Field(default=None, ge=1, description="Key/value heads (GQA); None = MHA.")
+    intermediate_size: int = Field(default=512, ge=8, description="MLP hidden size (of the dense layers).")
+    tie_word_embeddings: bool = Field(default=False, description="Share input embedding and output projection.")
+    num_experts: int = Field(default=8, ge=1, description="qwen3_moe: routed experts per MoE layer.")
+    num_experts_per_tok: int = Field(default=2, ge=1, description="qwen3_moe: experts each token is routed to.")
+    moe_intermediate_size: int = Field(default=128, ge=8, description="qwen3_moe: MLP hidden size of each expert.")
     rope_scaling: Optional[Literal["linear", "yarn"]] = Field(
-        None,
+        default=None,
         description="Scale RoPE past the native length (max(64, policy.max_total_sequence_length) at build "
         "time), as the HF config's rope_parameters; None = plain RoPE.",
     )
     rope_scaling_factor: float = Field(
-        1.0,
+        default=1.0,
         ge=1.0,
         description="Context extension factor of rope_scaling: the model "
         "serves native length x factor tokens (later stages may grow into it).",
@@ -165,12 +171,16 @@ class MoEConfig(Section):
     """Router settings of mixture-of-experts policies (dense models ignore them), with RL defaults: the engine and the
     trainer must route alike, so nothing moves the routing but the policy gradient through the experts."""
 
-    freeze_router: bool = Field(True, description="Keep the router weights (and expert bias) fixed during training.")
-    router_dtype: Literal["fp32", "fp64"] = Field("fp32", description="Dtype of the router's logits and top-k.")
-    aux_loss_coeff: float = Field(0.0, ge=0, description="Load-balancing loss weight; 0 = none (RL default).")
-    expert_bias_update_rate: float = Field(0.0, ge=0, description="DeepSeek-V3 expert-bias balancing rate; 0 = fixed.")
+    freeze_router: bool = Field(
+        default=True, description="Keep the router weights (and expert bias) fixed during training."
+    )
+    router_dtype: Literal["fp32", "fp64"] = Field(default="fp32", description="Dtype of the router's logits and top-k.")
+    aux_loss_coeff: float = Field(default=0.0, ge=0, description="Load-balancing loss weight; 0 = none (RL default).")
+    expert_bias_update_rate: float = Field(
+        default=0.0, ge=0, description="DeepSeek-V3 expert-bias balancing rate; 0 = fixed."
+    )
     router_replay: Literal["off", "measure", "replay"] = Field(
-        "off",
+        default="off",
         description="replay: the engine returns each token's experts and the trainer routes every token to "
         "them (router replay, R3; mrl/model/router_replay.py); measure: the engine returns them, the trainer routes "
         "freshly; both log, every train step and per MoE layer, the fraction of tokens the trainer would route "
@@ -185,15 +195,19 @@ class MoEConfig(Section):
 
 
 class OptimizerConfig(Section):
-    name: Literal["adam", "adamw"] = Field("adamw", description="Megatron optimizer (adamw = decoupled weight decay).")
-    lr: float = Field(1e-6, gt=0, description="Peak learning rate.")
-    min_lr: float = Field(0.0, ge=0, description="Final learning rate of the decay.")
-    weight_decay: float = Field(0.01, ge=0, description="Weight decay.")
-    adam_beta1: float = Field(0.9, ge=0, lt=1, description="Adam beta1.")
-    adam_beta2: float = Field(0.999, ge=0, lt=1, description="Adam beta2.")
-    adam_eps: float = Field(1e-8, gt=0, description="Adam epsilon.")
-    clip_grad: float = Field(1.0, ge=0, description="Global gradient-norm clip; 0 disables.")
-    use_distributed_optimizer: bool = Field(False, description="Shard optimizer state over data-parallel ranks.")
+    name: Literal["adam", "adamw"] = Field(
+        default="adamw", description="Megatron optimizer (adamw = decoupled weight decay)."
+    )
+    lr: float = Field(default=1e-6, gt=0, description="Peak learning rate.")
+    min_lr: float = Field(default=0.0, ge=0, description="Final learning rate of the decay.")
+    weight_decay: float = Field(default=0.01, ge=0, description="Weight decay.")
+    adam_beta1: float = Field(default=0.9, ge=0, lt=1, description="Adam beta1.")
+    adam_beta2: float = Field(default=0.999, ge=0, lt=1, description="Adam beta2.")
+    adam_eps: float = Field(default=1e-8, gt=0, description="Adam epsilon.")
+    clip_grad: float = Field(default=1.0, ge=0, description="Global gradient-norm clip; 0 disables.")
+    use_distributed_optimizer: bool = Field(
+        default=False, description="Shard optimizer state over data-parallel ranks."
+    )
 
 
 class SpeedConfig(Section):
@@ -202,24 +216,24 @@ class SpeedConfig(Section):
     (`mrl/policy/speed.py`: what auto becomes, and the wiring each option needs)."""
 
     gradient_accumulation_fusion: Union[bool, Literal["auto"]] = Field(
-        "auto",
+        default="auto",
         description="Weight-gradient GEMMs accumulate straight into the fp32 gradient buffer (no bf16 "
         "gradient tensor, no separate add): needs CUDA and Apex's fused_weight_gradient_mlp_cuda, which the "
         "output layer calls even under Transformer Engine.",
     )
     overlap_grad_reduce: Union[bool, Literal["auto"]] = Field(
-        "auto",
+        default="auto",
         description="Reduce each gradient bucket over data-parallel ranks as soon as the last micro-batch's "
         "backward fills it, while the backward goes on; auto = with CUDA and more than one data-parallel rank.",
     )
     overlap_param_gather: Union[bool, Literal["auto"]] = Field(
-        "auto",
+        default="auto",
         description="With the distributed optimizer: gather the updated weight shards during the next "
         "forward instead of after the optimizer step (a refit or a save completes the gather first); auto = with "
         "CUDA, optimizer.use_distributed_optimizer and more than one data-parallel rank.",
     )
     grouped_expert_gemm: Union[bool, Literal["auto"]] = Field(
-        "auto",
+        default="auto",
         description="Mixture-of-experts models: a rank's routed experts run as one grouped GEMM per linear "
         "(torch._grouped_mm) instead of a loop of two GEMMs per expert, with the same parameters "
         "(mrl/model/grouped_experts.py), with or without Transformer Engine; auto = with CUDA. "
@@ -247,19 +261,21 @@ class SpeedConfig(Section):
 
 
 class SchedulerConfig(Section):
-    style: Literal["constant", "cosine", "linear"] = Field("constant", description="LR decay after warm-up.")
-    warmup_steps: int = Field(0, ge=0, description="Linear warm-up steps from 0 to optimizer.lr.")
-    decay_steps: Optional[int] = Field(None, ge=1, description="Steps of decay; None = the run's max steps.")
+    style: Literal["constant", "cosine", "linear"] = Field(default="constant", description="LR decay after warm-up.")
+    warmup_steps: int = Field(default=0, ge=0, description="Linear warm-up steps from 0 to optimizer.lr.")
+    decay_steps: Optional[int] = Field(default=None, ge=1, description="Steps of decay; None = the run's max steps.")
 
 
 class PackingConfig(Section):
-    enabled: bool = Field(False, description="Pack sequences into micro-batches of a token budget (THD layout).")
-    tokens_per_microbatch: int = Field(4096, ge=1, description="Token budget of one packed micro-batch.")
+    enabled: bool = Field(
+        default=False, description="Pack sequences into micro-batches of a token budget (THD layout)."
+    )
+    tokens_per_microbatch: int = Field(default=4096, ge=1, description="Token budget of one packed micro-batch.")
 
 
 class DynamicBatchingConfig(Section):
-    enabled: bool = Field(False, description="Size micro-batches by a token budget (padded, no packing).")
-    tokens_per_microbatch: int = Field(4096, ge=1, description="Token budget of one micro-batch.")
+    enabled: bool = Field(default=False, description="Size micro-batches by a token budget (padded, no packing).")
+    tokens_per_microbatch: int = Field(default=4096, ge=1, description="Token budget of one micro-batch.")
 
 
 class OffloadConfig(Section):
@@ -268,18 +284,18 @@ class OffloadConfig(Section):
     moves. Why the defaults fit DeepScaleR 8K on one 80 GB GPU: README, "Memory on a shared GPU"."""
 
     optimizer_states: bool = Field(
-        True,
+        default=True,
         description="Adam's two moments and the fp32 main weights of bf16 training "
         "(12 B per parameter, per data-parallel shard with the distributed optimizer); "
         "copied to pinned host memory and back, bit for bit.",
     )
     gradients: bool = Field(
-        True,
+        default=True,
         description="Free the fp32 gradient buffers (4 B per parameter); not copied: every "
         "step zeroes them before its first backward.",
     )
     weights: bool = Field(
-        False,
+        default=False,
         description="Also the model weights (2 B per parameter in bf16); a refit's export "
         "and a logprob pass bring them back, so release again after the refit.",
     )
@@ -287,28 +303,36 @@ class OffloadConfig(Section):
 
 class PolicyConfig(Section):
     model_name: Optional[str] = Field(
-        None,
+        default=None,
         description="HF model folder (config.json + safetensors + tokenizer), "
         "a hub id (org/name[@revision], fetched into the HF cache before the run, "
         "read from it with HF_HUB_OFFLINE=1), or a Megatron checkpoint folder (`mrl "
         "convert hf-to-megatron` output, a training step_N/ or final_megatron/): "
         "loaded in any parallel layout.",
     )
-    tokenizer: Optional[str] = Field(None, description="Tokenizer folder or hub id; None = model_name's.")
-    build: Optional[ModelBuildConfig] = Field(None, description="Build a random model instead of loading model_name.")
-    precision: Literal["float32", "bfloat16"] = Field("bfloat16", description="Parameter/compute dtype (fp32 on CPU).")
+    tokenizer: Optional[str] = Field(default=None, description="Tokenizer folder or hub id; None = model_name's.")
+    build: Optional[ModelBuildConfig] = Field(
+        default=None, description="Build a random model instead of loading model_name."
+    )
+    precision: Literal["float32", "bfloat16"] = Field(
+        default="bfloat16", description="Parameter/compute dtype (fp32 on CPU)."
+    )
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
-    train_global_batch_size: int = Field(256, ge=1, description="Sequences per optimizer step (all DP ranks).")
-    train_micro_batch_size: int = Field(4, ge=1, description="Sequences per forward/backward micro-batch per rank.")
-    logprob_micro_batch_size: int = Field(8, ge=1, description="Sequences per micro-batch when computing logprobs.")
+    train_global_batch_size: int = Field(default=256, ge=1, description="Sequences per optimizer step (all DP ranks).")
+    train_micro_batch_size: int = Field(
+        default=4, ge=1, description="Sequences per forward/backward micro-batch per rank."
+    )
+    logprob_micro_batch_size: int = Field(
+        default=8, ge=1, description="Sequences per micro-batch when computing logprobs."
+    )
     logprob_chunk_tokens: int = Field(
-        1024,
+        default=1024,
         ge=1,
         description="Tokens whose fp32 logits the log-softmax holds at once "
         "(forward and backward); the full [tokens, vocabulary] fp32 copy never exists.",
     )
-    max_total_sequence_length: int = Field(4096, ge=2, description="Prompt + response tokens, at most.")
-    activation_checkpointing: bool = Field(False, description="Recompute activations in the backward pass.")
+    max_total_sequence_length: int = Field(default=4096, ge=2, description="Prompt + response tokens, at most.")
+    activation_checkpointing: bool = Field(default=False, description="Recompute activations in the backward pass.")
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
     speed: SpeedConfig = Field(
         default_factory=SpeedConfig,
@@ -318,14 +342,14 @@ class PolicyConfig(Section):
     sequence_packing: PackingConfig = Field(default_factory=PackingConfig)
     dynamic_batching: DynamicBatchingConfig = Field(default_factory=DynamicBatchingConfig)
     offload_reference: bool = Field(
-        False, description="Keep the frozen reference model in CPU memory between uses (GPU)."
+        default=False, description="Keep the frozen reference model in CPU memory between uses (GPU)."
     )
     offload_when_generating: OffloadConfig = Field(
         default_factory=OffloadConfig, description="What moves to host memory while a colocated engine generates."
     )
     moe: MoEConfig = Field(default_factory=MoEConfig)
     max_nonfinite_steps: int = Field(
-        3,
+        default=3,
         ge=1,
         description="A step whose loss or gradients are not finite is skipped "
         "(no update; GRPO does not refit the engine); this many such steps in a row "
@@ -339,18 +363,18 @@ ENFORCE_EAGER_ENV = "MRL_VLLM_ENFORCE_EAGER"
 
 
 class VllmConfig(Section):
-    tensor_parallel_size: int = Field(1, ge=1, description="vLLM tensor parallel size of each engine.")
+    tensor_parallel_size: int = Field(default=1, ge=1, description="vLLM tensor parallel size of each engine.")
     pipeline_parallel_size: int = Field(
-        1,
+        default=1,
         ge=1,
         description="vLLM pipeline stages of each engine (its layers split in that many parts, each on "
         "tensor_parallel_size GPUs of one node): an engine of more GPUs than a node has, e.g. "
         "TP 8 x PP 4 over 4 nodes; needs a colocated engine on GPUs.",
     )
-    gpu_memory_utilization: float = Field(0.6, gt=0, le=1, description="Fraction of GPU memory vLLM may take.")
-    kv_cache_gib: float = Field(1.0, gt=0, description="KV cache size on CPU (VLLM_CPU_KVCACHE_SPACE).")
+    gpu_memory_utilization: float = Field(default=0.6, gt=0, le=1, description="Fraction of GPU memory vLLM may take.")
+    kv_cache_gib: float = Field(default=1.0, gt=0, description="KV cache size on CPU (VLLM_CPU_KVCACHE_SPACE).")
     enforce_eager: Optional[bool] = Field(
-        None,
+        default=None,
         description="Skip vLLM's compilation of the model (torch.compile) and, on GPUs, its CUDA graph capture: "
         "a faster start, a slower decode. None: $MRL_VLLM_ENFORCE_EAGER where it is set (1 or 0; "
         "the test suite sets 1, its engines live seconds), else false, vLLM's own default: the "
@@ -358,7 +382,9 @@ class VllmConfig(Section):
         "compile cache (about 7 s); on the tiny CPU workload generation then takes 0.16 s a step "
         "instead of 0.20 s (docs/measurements.md).",
     )
-    max_model_len: Optional[int] = Field(None, ge=2, description="Engine context length; None = policy max length.")
+    max_model_len: Optional[int] = Field(
+        default=None, ge=2, description="Engine context length; None = policy max length."
+    )
 
     def eager(self) -> bool:
         """`enforce_eager` resolved: the key where given, else $MRL_VLLM_ENFORCE_EAGER, else vLLM's default (false)."""
@@ -384,22 +410,24 @@ class VllmConfig(Section):
 
 
 class GenerationConfig(Section):
-    backend: Literal["vllm", "megatron"] = Field("vllm", description="Rollout engine.")
-    colocated: bool = Field(True, description="Engine shares the policy's devices (memory handed over around refit).")
-    num_devices: Optional[int] = Field(None, ge=1, description="Devices of the engine when not colocated.")
-    temperature: float = Field(1.0, ge=0, description="Sampling temperature (0 = greedy).")
-    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
-    top_k: Optional[int] = Field(None, ge=1, description="Top-k sampling; None = off.")
-    max_new_tokens: int = Field(512, ge=1, description="Response tokens at most.")
+    backend: Literal["vllm", "megatron"] = Field(default="vllm", description="Rollout engine.")
+    colocated: bool = Field(
+        default=True, description="Engine shares the policy's devices (memory handed over around refit)."
+    )
+    num_devices: Optional[int] = Field(default=None, ge=1, description="Devices of the engine when not colocated.")
+    temperature: float = Field(default=1.0, ge=0, description="Sampling temperature (0 = greedy).")
+    top_p: float = Field(default=1.0, gt=0, le=1, description="Nucleus sampling mass.")
+    top_k: Optional[int] = Field(default=None, ge=1, description="Top-k sampling; None = off.")
+    max_new_tokens: int = Field(default=512, ge=1, description="Response tokens at most.")
     stop_token_ids: list[int] = Field(
         default_factory=list, description="Extra token ids that end a response (EOS always does)."
     )
     stop_strings: list[str] = Field(default_factory=list, description="Strings that end a response.")
     overlong_prompt: Literal["truncate", "reject"] = Field(
-        "reject", description="What to do with a prompt that does not fit."
+        default="reject", description="What to do with a prompt that does not fit."
     )
     refit_bucket_mb: int = Field(
-        256,
+        default=256,
         ge=1,
         description="Most MiB of HF tensors per refit bucket, a bound on every policy rank: a layer larger than "
         "this is cut into several buckets (the engine loads them in one reload session), only "
@@ -407,14 +435,14 @@ class GenerationConfig(Section):
         "one bucket plus one parameter in flight, plus the transport's slots.",
     )
     seeded_sampling: Optional[bool] = Field(
-        None,
+        default=None,
         description="Seed every request (prompt i, sample k: seed + i * n + k): reproducible samples, an exact "
         "resume. On GPUs seeded requests leave vLLM's fused FlashInfer top-k/top-p sampler (its V1 model "
         "runner even samples them one by one: vllm/v1/sample/ops/topk_topp_sampler.py). None: seeded "
         "where the engine runs on CPU, unseeded on GPUs (not bitwise reproducible there anyway).",
     )
     sleep_level: Literal[1, 2] = Field(
-        2,
+        default=2,
         description="vLLM sleep level of a colocated engine while the policy trains on its rollouts (GPUs; on CPU "
         "the contract alone). 2: the weights are discarded, not copied to host memory and back: the "
         "refit after the step overwrites them all (vLLM's LLM.sleep: level 2 is for updating the "
@@ -424,7 +452,7 @@ class GenerationConfig(Section):
         "every sleep of an engine without a policy to refit it (mrl eval, the model server).",
     )
     max_restarts: int = Field(
-        2,
+        default=2,
         ge=0,
         description="vLLM engines that die (a process killed, a crash) are replaced this many times in a run: "
         "new engines on the same devices get the policy's current weights and the interrupted "
@@ -442,28 +470,28 @@ GSPO_CLIP = (3e-4, 4e-4)
 class LossConfig(Section):
     """The fields of `mrl.objectives.loss.GRPOLoss`, which the GRPO loop builds from this section."""
 
-    clip_low: float = Field(0.2, ge=0, lt=1, description="PPO ratio clip below 1 (ratio >= 1 - clip_low).")
+    clip_low: float = Field(default=0.2, ge=0, lt=1, description="PPO ratio clip below 1 (ratio >= 1 - clip_low).")
     clip_high: float = Field(
-        0.2, ge=0, description="PPO ratio clip above 1 (ratio <= 1 + clip_high; DAPO clip-higher)."
+        default=0.2, ge=0, description="PPO ratio clip above 1 (ratio <= 1 + clip_high; DAPO clip-higher)."
     )
     dual_clip: Optional[float] = Field(
-        None, gt=1, description="Dual-clip constant c > 1 for negative advantages; None = off."
+        default=None, gt=1, description="Dual-clip constant c > 1 for negative advantages; None = off."
     )
     kl_beta: float = Field(
-        0.0, ge=0, description="Weight of the KL penalty to the reference policy (0 skips the reference)."
+        default=0.0, ge=0, description="Weight of the KL penalty to the reference policy (0 skips the reference)."
     )
-    kl_kind: Literal["k1", "k2", "k3"] = Field("k3", description="KL estimator.")
+    kl_kind: Literal["k1", "k2", "k3"] = Field(default="k3", description="KL estimator.")
     level: Literal["token", "sequence"] = Field(
-        "token", description="Average over all tokens, or per sequence then over sequences."
+        default="token", description="Average over all tokens, or per sequence then over sequences."
     )
     importance_sampling: Literal["none", "tis", "icepop"] = Field(
-        "none", description="Engine/trainer mismatch correction."
+        default="none", description="Engine/trainer mismatch correction."
     )
-    is_cap: float = Field(2.0, gt=0, description="TIS: importance weights truncated at this value.")
-    icepop_low: float = Field(0.5, gt=0, description="ICE-POP: tokens with ratio below this are masked.")
-    icepop_high: float = Field(2.0, gt=0, description="ICE-POP: tokens with ratio above this are masked.")
+    is_cap: float = Field(default=2.0, gt=0, description="TIS: importance weights truncated at this value.")
+    icepop_low: float = Field(default=0.5, gt=0, description="ICE-POP: tokens with ratio below this are masked.")
+    icepop_high: float = Field(default=2.0, gt=0, description="ICE-POP: tokens with ratio above this are masked.")
     ratio_level: Literal["token", "sequence"] = Field(
-        "token",
+        default="token",
         description="The importance ratio per token (PPO, GRPO) or per sequence: GSPO, the geometric mean of "
         "a sequence's token ratios, clipped per sequence; needs level: sequence, and GSPO's published clip range is "
         "clip_low 3e-4, clip_high 4e-4.",
@@ -484,29 +512,29 @@ class LossConfig(Section):
 
 
 class GRPOConfig(Section):
-    num_prompts_per_step: int = Field(32, ge=1, description="Prompts sampled per step.")
-    num_generations_per_prompt: int = Field(8, ge=1, description="Responses per prompt (the group).")
-    max_num_steps: int = Field(100, ge=1, description="Training steps of the run.")
-    max_num_epochs: int = Field(1, ge=1, description="Passes over the prompt set at most.")
-    leave_one_out: bool = Field(True, description="Baseline = mean of the other samples in the group.")
+    num_prompts_per_step: int = Field(default=32, ge=1, description="Prompts sampled per step.")
+    num_generations_per_prompt: int = Field(default=8, ge=1, description="Responses per prompt (the group).")
+    max_num_steps: int = Field(default=100, ge=1, description="Training steps of the run.")
+    max_num_epochs: int = Field(default=1, ge=1, description="Passes over the prompt set at most.")
+    leave_one_out: bool = Field(default=True, description="Baseline = mean of the other samples in the group.")
     normalize_std: bool = Field(
-        True, description="Divide advantages by the group std (off + no leave-one-out = Dr.GRPO)."
+        default=True, description="Divide advantages by the group std (off + no leave-one-out = Dr.GRPO)."
     )
-    dynamic_sampling: bool = Field(False, description="Drop groups whose rewards are all equal (DAPO).")
+    dynamic_sampling: bool = Field(default=False, description="Drop groups whose rewards are all equal (DAPO).")
     overlong_buffer: int = Field(
-        0, ge=0, description="DAPO overlong shaping: penalty ramp over the last N tokens; 0 = off."
+        default=0, ge=0, description="DAPO overlong shaping: penalty ramp over the last N tokens; 0 = off."
     )
-    overlong_penalty: float = Field(1.0, ge=0, description="DAPO overlong shaping: penalty at max length.")
-    val_every: int = Field(0, ge=0, description="Evaluate every N steps (0 = only at the end).")
+    overlong_penalty: float = Field(default=1.0, ge=0, description="DAPO overlong shaping: penalty at max length.")
+    val_every: int = Field(default=0, ge=0, description="Evaluate every N steps (0 = only at the end).")
     max_idle_steps: int = Field(
-        3,
+        default=3,
         ge=0,
         description="Stop the run (exit 2, with the cause and the fix) after this "
         "many steps in a row that trained on nothing: every prompt too long, every group's "
         "rewards equal, no sample kept; 0 = warn only. Every such step warns.",
     )
     max_off_policy_steps: int = Field(
-        0,
+        default=0,
         ge=0,
         le=1,
         description="0: synchronous (on-policy). 1: asynchronous, "
@@ -516,9 +544,9 @@ class GRPOConfig(Section):
 
 
 class SFTConfig(Section):
-    max_num_steps: int = Field(100, ge=1, description="Optimizer steps.")
-    max_num_epochs: int = Field(1, ge=1, description="Passes over the data at most.")
-    val_every: int = Field(0, ge=0, description="Evaluate every N steps (0 = only at the end).")
+    max_num_steps: int = Field(default=100, ge=1, description="Optimizer steps.")
+    max_num_epochs: int = Field(default=1, ge=1, description="Passes over the data at most.")
+    val_every: int = Field(default=0, ge=0, description="Evaluate every N steps (0 = only at the end).")
 
 
 class DPOConfig(Section):
@@ -526,57 +554,61 @@ class DPOConfig(Section):
     `policy.*` count sequences: a pair is two (its chosen and its rejected response, kept in one micro-batch)."""
 
     loss: Literal["sigmoid", "ipo"] = Field(
-        "sigmoid", description="DPO's -log sigmoid(beta h), or IPO's (h - 1/2beta)^2."
+        default="sigmoid", description="DPO's -log sigmoid(beta h), or IPO's (h - 1/2beta)^2."
     )
-    beta: float = Field(0.1, gt=0, description="Strength of the implicit KL anchor to the reference.")
+    beta: float = Field(default=0.1, gt=0, description="Strength of the implicit KL anchor to the reference.")
     length_normalize: Optional[bool] = Field(
-        None, description="Mean instead of sum of response logprobs; None = true for ipo, false for sigmoid."
+        default=None, description="Mean instead of sum of response logprobs; None = true for ipo, false for sigmoid."
     )
-    sft_weight: float = Field(0.0, ge=0, description="Weight of an NLL term on the chosen responses (RPO); 0 = off.")
-    max_num_steps: int = Field(100, ge=1, description="Optimizer steps.")
-    max_num_epochs: int = Field(1, ge=1, description="Passes over the pairs at most.")
-    val_every: int = Field(0, ge=0, description="Evaluate on data.val every N steps (0 = only at the end).")
+    sft_weight: float = Field(
+        default=0.0, ge=0, description="Weight of an NLL term on the chosen responses (RPO); 0 = off."
+    )
+    max_num_steps: int = Field(default=100, ge=1, description="Optimizer steps.")
+    max_num_epochs: int = Field(default=1, ge=1, description="Passes over the pairs at most.")
+    val_every: int = Field(default=0, ge=0, description="Evaluate on data.val every N steps (0 = only at the end).")
 
 
 class RMConfig(Section):
     """Reward-model training (`mrl rm`): a score head on the last token, Bradley-Terry loss on pairs. Batch sizes in
     `policy.*` count sequences (two per pair)."""
 
-    max_num_steps: int = Field(100, ge=1, description="Optimizer steps.")
-    max_num_epochs: int = Field(1, ge=1, description="Passes over the pairs at most.")
-    val_every: int = Field(0, ge=0, description="Evaluate on data.val every N steps (0 = only at the end).")
+    max_num_steps: int = Field(default=100, ge=1, description="Optimizer steps.")
+    max_num_epochs: int = Field(default=1, ge=1, description="Passes over the pairs at most.")
+    val_every: int = Field(default=0, ge=0, description="Evaluate on data.val every N steps (0 = only at the end).")
 
 
 class EvalConfig(Section):
     data: Optional[str] = Field(
-        None,
+        default=None,
         description="Problems and answers: a jsonl/json/parquet file, a dataset folder "
         "or a hub dataset id (its test split).",
     )
-    num_samples: int = Field(1, ge=1, description="Samples per problem (k).")
+    num_samples: int = Field(default=1, ge=1, description="Samples per problem (k).")
     pass_k: list[int] = Field(
         default_factory=lambda: [1], description="k values reported as pass@k (each <= num_samples)."
     )
-    temperature: float = Field(0.0, ge=0, description="Sampling temperature of evaluation.")
-    max_problems: Optional[int] = Field(None, ge=1, description="Evaluate at most this many problems.")
+    temperature: float = Field(default=0.0, ge=0, description="Sampling temperature of evaluation.")
+    max_problems: Optional[int] = Field(default=None, ge=1, description="Evaluate at most this many problems.")
 
 
 # ------------------------------------------------------------------------------------------------ data, environment
 class ArithTaskConfig(Section):
     """The synthetic two-digit addition task of the embedded CPU recipe."""
 
-    digits: int = Field(2, ge=1, le=4, description="Digits per operand.")
-    num_heldout: int = Field(200, ge=1, description="Pairs held out for evaluation, never trained on.")
-    near_miss_fraction: float = Field(0.5, ge=0, le=1, description="SFT labels replaced by a near miss (a+b +-1/2).")
+    digits: int = Field(default=2, ge=1, le=4, description="Digits per operand.")
+    num_heldout: int = Field(default=200, ge=1, description="Pairs held out for evaluation, never trained on.")
+    near_miss_fraction: float = Field(
+        default=0.5, ge=0, le=1, description="SFT labels replaced by a near miss (a+b +-1/2)."
+    )
     label_offset: int = Field(
-        0,
+        default=0,
         ge=-2,
         le=2,
         description="A systematic error in the SFT labels (a+b+offset) and the "
         "rejected answer of preference pairs (0: near misses are rejected).",
     )
     context_examples: int = Field(
-        0,
+        default=0,
         ge=0,
         description="Solved training pairs placed before every prompt "
         '("12+30=42 05+17=22 37+05="): 9 tokens each at 2 digits, a long-prompt variant of '
@@ -586,24 +618,28 @@ class ArithTaskConfig(Section):
 
 class DataConfig(Section):
     train: Optional[str] = Field(
-        None,
+        default=None,
         description="Training prompts: a jsonl/json/parquet file, a dataset folder, or "
         "a hub dataset id (org/name[@revision]; its train split).",
     )
     val: Optional[str] = Field(
-        None,
+        default=None,
         description="Validation prompts, same forms (a hub dataset's test split, else "
         "its validation split, else its only one).",
     )
-    problem_key: str = Field("problem", description="Column holding the problem text.")
-    answer_key: str = Field("answer", description="Column holding the gold answer.")
-    prompt_template: Literal["chat", "plain"] = Field("chat", description="Tokenizer chat template, or plain text.")
+    problem_key: str = Field(default="problem", description="Column holding the problem text.")
+    answer_key: str = Field(default="answer", description="Column holding the gold answer.")
+    prompt_template: Literal["chat", "plain"] = Field(
+        default="chat", description="Tokenizer chat template, or plain text."
+    )
     instruction: str = Field(
-        "Let's think step by step and output the final answer within \\boxed{}.",
+        default="Let's think step by step and output the final answer within \\boxed{}.",
         description="Appended to each problem.",
     )
-    max_prompt_length: Optional[int] = Field(None, ge=1, description="Prompt tokens at most; None = no limit.")
-    arith: Optional[ArithTaskConfig] = Field(None, description="Use the synthetic arithmetic task instead of files.")
+    max_prompt_length: Optional[int] = Field(default=None, ge=1, description="Prompt tokens at most; None = no limit.")
+    arith: Optional[ArithTaskConfig] = Field(
+        default=None, description="Use the synthetic arithmetic task instead of files."
+    )
 
 
 class RewardModelEnvConfig(Section):
@@ -615,9 +651,9 @@ class RewardModelEnvConfig(Section):
         description="Reward model: an HF folder (config.json + safetensors + tokenizer), a hub "
         "id (org/name[@revision]) or a Megatron checkpoint folder.",
     )
-    weight: float = Field(1.0, description="Reward += weight * the model's score.")
+    weight: float = Field(default=1.0, description="Reward += weight * the model's score.")
     verifier_weight: float = Field(
-        0.0,
+        default=0.0,
         description="Reward += verifier_weight * the task verifier's 0/1 score "
         "(env.kind's math or arith check); 0 = the reward model alone.",
     )
@@ -628,62 +664,66 @@ class ServerEnvConfig(Section):
     (mrl/algorithms/agent.py): one of mrl's examples started by the run, or a server already running at `url`."""
 
     example: Optional[Literal["guess_number", "calculator"]] = Field(
-        None, description="Start this example server on loopback for the run."
+        default=None, description="Start this example server on loopback for the run."
     )
-    url: Optional[str] = Field(None, description="Base URL of a running resource server (when no example).")
+    url: Optional[str] = Field(default=None, description="Base URL of a running resource server (when no example).")
     tool_format: Literal["json", "bare"] = Field(
-        "json",
+        default="json",
         description="How a turn becomes a tool call: <tool_call>{json}</tool_call>, or the bare text as one argument.",
     )
-    tool: Optional[str] = Field(None, description="bare: the tool every turn calls.")
-    argument: Optional[str] = Field(None, description="bare: the argument the turn's text fills.")
+    tool: Optional[str] = Field(default=None, description="bare: the tool every turn calls.")
+    argument: Optional[str] = Field(default=None, description="bare: the argument the turn's text fills.")
     opening_observation: bool = Field(
-        True, description="Show the server's opening observation (from /seed_session) after the prompt."
+        default=True, description="Show the server's opening observation (from /seed_session) after the prompt."
     )
-    max_turns: int = Field(4, ge=1, description="Model turns per episode at most.")
-    max_turn_tokens: int = Field(16, ge=1, description="Tokens of one model turn at most.")
-    max_total_tokens: int = Field(256, ge=2, description="Tokens of a whole episode at most.")
-    timeout_s: float = Field(10.0, gt=0, description="Timeout of each HTTP call to the server.")
+    max_turns: int = Field(default=4, ge=1, description="Model turns per episode at most.")
+    max_turn_tokens: int = Field(default=16, ge=1, description="Tokens of one model turn at most.")
+    max_total_tokens: int = Field(default=256, ge=2, description="Tokens of a whole episode at most.")
+    timeout_s: float = Field(default=10.0, gt=0, description="Timeout of each HTTP call to the server.")
 
 
 class EnvConfig(Section):
     kind: Literal["math", "arith", "server"] = Field(
-        "math", description="Reward environment (the verifier), or a resource server played in multi-turn episodes."
+        default="math",
+        description="Reward environment (the verifier), or a resource server played in multi-turn episodes.",
     )
-    num_workers: int = Field(2, ge=1, description="Verifier actors.")
-    timeout_s: float = Field(10.0, gt=0, description="Per-sample verifier timeout; a timeout scores 0.")
+    num_workers: int = Field(default=2, ge=1, description="Verifier actors.")
+    timeout_s: float = Field(default=10.0, gt=0, description="Per-sample verifier timeout; a timeout scores 0.")
     reward_model: Optional[RewardModelEnvConfig] = Field(
-        None, description="Score rollouts with a trained reward model (combined with the verifier by the weights)."
+        default=None,
+        description="Score rollouts with a trained reward model (combined with the verifier by the weights).",
     )
     server: Optional[ServerEnvConfig] = Field(
-        None, description="kind=server: the resource server and the agent loop's settings."
+        default=None, description="kind=server: the resource server and the agent loop's settings."
     )
 
 
 # ----------------------------------------------------------------------------------------------- checkpoint, logger
 class CheckpointConfig(Section):
-    enabled: bool = Field(True, description="Write checkpoints.")
-    dir: str = Field("${run.output_dir}/checkpoints", description="Checkpoint folder (step_N/ inside).")
-    save_every: int = Field(10, ge=1, description="Save every N steps (and at the end, and on SIGTERM).")
-    keep_last: int = Field(2, ge=1, description="Keep the newest N checkpoints.")
-    keep_best: int = Field(0, ge=0, description="Also keep the best N by `metric`.")
-    metric: str = Field("val/accuracy", description="Metric ranking the best checkpoints.")
-    higher_is_better: bool = Field(True, description="Direction of `metric`.")
-    resume: bool = Field(True, description="Resume from the newest complete checkpoint when there is one.")
+    enabled: bool = Field(default=True, description="Write checkpoints.")
+    dir: str = Field(default="${run.output_dir}/checkpoints", description="Checkpoint folder (step_N/ inside).")
+    save_every: int = Field(default=10, ge=1, description="Save every N steps (and at the end, and on SIGTERM).")
+    keep_last: int = Field(default=2, ge=1, description="Keep the newest N checkpoints.")
+    keep_best: int = Field(default=0, ge=0, description="Also keep the best N by `metric`.")
+    metric: str = Field(default="val/accuracy", description="Metric ranking the best checkpoints.")
+    higher_is_better: bool = Field(default=True, description="Direction of `metric`.")
+    resume: bool = Field(default=True, description="Resume from the newest complete checkpoint when there is one.")
 
 
 class WandbConfig(Section):
-    enabled: bool = Field(False, description="Log to Weights & Biases (needs `pip install wandb`).")
-    project: str = Field("mrl", description="W&B project.")
-    entity: Optional[str] = Field(None, description="W&B entity (team).")
+    enabled: bool = Field(default=False, description="Log to Weights & Biases (needs `pip install wandb`).")
+    project: str = Field(default="mrl", description="W&B project.")
+    entity: Optional[str] = Field(default=None, description="W&B entity (team).")
 
 
 class LoggerConfig(Section):
-    log_dir: str = Field("${run.output_dir}/logs", description="Folder of metrics.jsonl and TensorBoard events.")
-    console: bool = Field(True, description="Progress bar (TTY) or one line per `log_every` steps (not a TTY).")
-    log_every: int = Field(1, ge=1, description="Console line every N steps when not a TTY.")
-    jsonl: bool = Field(True, description="Write metrics.jsonl.")
-    tensorboard: bool = Field(True, description="Write TensorBoard event files.")
+    log_dir: str = Field(
+        default="${run.output_dir}/logs", description="Folder of metrics.jsonl and TensorBoard events."
+    )
+    console: bool = Field(default=True, description="Progress bar (TTY) or one line per `log_every` steps (not a TTY).")
+    log_every: int = Field(default=1, ge=1, description="Console line every N steps when not a TTY.")
+    jsonl: bool = Field(default=True, description="Write metrics.jsonl.")
+    tensorboard: bool = Field(default=True, description="Write TensorBoard event files.")
     wandb: WandbConfig = Field(default_factory=WandbConfig)
 
 
@@ -692,17 +732,52 @@ class StageConfig(Section):
     name: str = Field(..., description="Stage name (folder under run.output_dir).")
     algorithm: Literal["sft", "dpo", "rm", "grpo", "eval"] = Field(..., description="What the stage runs.")
     config: Optional[str] = Field(
-        None, description="The stage's recipe file, relative to the staged recipe; None = the staged recipe itself."
+        default=None,
+        description="The stage's recipe file, relative to the staged recipe; None = the staged recipe itself.",
     )
     overrides: list[str] = Field(default_factory=list, description="Overrides applied to the recipe for this stage.")
-    init_from_previous: bool = Field(True, description="Start from the previous stage's final checkpoint.")
+    init_from_previous: bool = Field(default=True, description="Start from the previous stage's final checkpoint.")
     init_from: Optional[str] = Field(
-        None,
+        default=None,
         description="Start from this earlier stage's final checkpoint instead of "
         "the previous one's (e.g. GRPO from the SFT stage, not the reward model).",
     )
     reward_model_from: Optional[str] = Field(
-        None, description="Serve this earlier stage's final checkpoint (an `rm` stage) as env.reward_model.model."
+        default=None,
+        description="Serve this earlier stage's final checkpoint (an `rm` stage) as env.reward_model.model.",
+    )
+
+
+# ------------------------------------------------------------------------------------------------------------ expect
+class FigureBound(Section):
+    """The bound one figure of a finished run must hold (`mrl check`): a `min`, a `max` or both, inclusive."""
+
+    min: Optional[float] = Field(default=None, description="The least value the figure may take (inclusive).")
+    max: Optional[float] = Field(default=None, description="The largest value the figure may take (inclusive).")
+
+    @model_validator(mode="after")
+    def _some_bound(self) -> "FigureBound":
+        if self.min is None and self.max is None:
+            raise ValueError("a figure needs a min, a max or both (e.g. {min: 0.5})")
+        if self.min is not None and self.max is not None and self.min > self.max:
+            raise ValueError(f"min {self.min} is above max {self.max}")
+        return self
+
+
+class ExpectConfig(Section):
+    """The figures a run of this recipe should end with, checked by `mrl check RUN_DIR RECIPE` (mrl/app/check.py)."""
+
+    verified: bool = Field(
+        default=False,
+        description="True once a run of this recipe gave these figures; false: taken from the plan and the peers' "
+        "published runs, not yet confirmed.",
+    )
+    source: str = Field(default="", description="Where the figures come from (a measurement, a paper, a run).")
+    figures: dict[str, FigureBound] = Field(
+        default_factory=dict,
+        description="Figure -> bound. A figure is a dotted path into the run's summary.json (a staged run's opens "
+        "with the stage: grpo.val_accuracy_after) or the difference of two (grpo.reward_last10 - "
+        "grpo.reward_first10).",
     )
 
 
@@ -724,6 +799,9 @@ class MrlConfig(Section):
     logger: LoggerConfig = Field(default_factory=LoggerConfig)
     stages: list[StageConfig] = Field(
         default_factory=list, description="Staged recipe: run these in order (`mrl run`)."
+    )
+    expect: Optional[ExpectConfig] = Field(
+        default=None, description="The figures a finished run should show (`mrl check RUN_DIR RECIPE`)."
     )
 
     @model_validator(mode="after")

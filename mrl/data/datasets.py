@@ -165,7 +165,7 @@ def read_rows(source: str, split: str, *, key: str = "data.train") -> tuple[Iter
     config key that named `source`."""
     path = Path(source)
     if path.is_dir():
-        rows = []
+        rows: list[tuple[int, Any]] = []
         for file in local_split(path, split, source=source):
             rows += [(len(rows) + i, row) for i, (_, row) in enumerate(_file_rows(file, key))]
     elif path.is_file():

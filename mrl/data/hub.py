@@ -201,7 +201,9 @@ def _download(
 def _hub_commit(ref: HubRef, repo_type: str) -> str:
     from huggingface_hub import HfApi
 
-    return HfApi().repo_info(ref.repo_id, repo_type=repo_type, revision=ref.revision or "main").sha
+    sha = HfApi().repo_info(ref.repo_id, repo_type=repo_type, revision=ref.revision or "main").sha
+    assert sha is not None  # typed optional for the hub's listings; one repo's info at a revision always has it
+    return sha
 
 
 def _dataset_patterns(ref: HubRef, commit: str, split: Optional[str], key: str) -> list[str]:

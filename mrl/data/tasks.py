@@ -37,10 +37,18 @@ def load_task_data(cfg: MrlConfig, *, val_source: Optional[str] = None) -> TaskD
         task = ArithTask.from_config(data.arith, cfg.run.seed)
         return TaskData(task.train_problems(), task.heldout_problems(), PromptTemplate("plain", ""), arith=task)
     template = PromptTemplate(data.prompt_template, data.instruction)
-    keys = dict(problem_key=data.problem_key, answer_key=data.answer_key)
-    train = load_problems(data.train, key="data.train", **keys) if data.train else None
+    problem_key, answer_key = data.problem_key, data.answer_key
+    train = (
+        load_problems(data.train, key="data.train", problem_key=problem_key, answer_key=answer_key)
+        if data.train
+        else None
+    )
     val_path, val_key = (val_source, "eval.data") if val_source else (data.val, "data.val")
-    val = load_problems(val_path, split="test", key=val_key, **keys) if val_path else None
+    val = (
+        load_problems(val_path, split="test", key=val_key, problem_key=problem_key, answer_key=answer_key)
+        if val_path
+        else None
+    )
     if train is None and val is None:
         raise ConfigError(
             "no data to read",

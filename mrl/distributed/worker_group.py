@@ -37,6 +37,8 @@ from mrl.distributed.transport import decode, encode
 
 log = logging.getLogger(__name__)
 
+#: A worker method, passed by reference (`PolicyWorker.train`): the group calls it by name on every rank.
+Method = Callable[..., Any]
 #: How long `WorkerGroup.shutdown(clean=...)` waits for the ranks' own clean-up before killing them.
 CLEAN_SHUTDOWN_S = 30.0
 # How often a wait wakes up when nothing finished; only bounds the overall-timeout check, not failure detection
@@ -115,12 +117,13 @@ def _exit_detail(error: BaseException) -> str:
 def _worker_exception(group: str, method: str, info: WorkerInfo, error: BaseException) -> WorkerError:
     """Turn a Ray error for one rank into our error naming the group, rank and process."""
     who = f"worker group '{group}' rank {info.rank} ({info.where()})"
-    where = dict(group=group, rank=info.rank, method=method)
     if isinstance(error, ray.exceptions.RayActorError):
         return WorkerDiedError(
             f"{who} died while running '{method}': {_exit_detail(error)}. The group cannot continue; shut it down "
             "and restart (from a checkpoint)",
-            **where,
+            group=group,
+            rank=info.rank,
+            method=method,
         )
     if isinstance(error, ray.exceptions.RayTaskError):
         cause = error.cause
@@ -128,9 +131,13 @@ def _worker_exception(group: str, method: str, info: WorkerInfo, error: BaseExce
             f"{who} raised {type(cause).__name__} in '{method}': {cause}\n--- remote traceback ---\n{error}",
             cause=cause,
             remote_traceback=str(error),
-            **where,
+            group=group,
+            rank=info.rank,
+            method=method,
         )
-    return WorkerError(f"{who} failed in '{method}': {error!r}", cause=error, **where)
+    return WorkerError(
+        f"{who} failed in '{method}': {error!r}", cause=error, group=group, rank=info.rank, method=method
+    )
 
 
 class GroupFuture:
@@ -258,7 +265,7 @@ def _timeout_error(future: GroupFuture, ranks: list[int], waited_s: float, limit
     )
 
 
-def _find_death(refs: Sequence[ray.ObjectRef], grace_s: float) -> Optional[tuple[ray.ObjectRef, BaseException]]:
+def _find_death(refs: Sequence[ray.ObjectRef], grace_s: float) -> Optional[tuple[ray.ObjectRef, Exception]]:
     """The first of `refs` whose actor died, looking for at most `grace_s`; None if none did."""
     deadline = time.monotonic() + grace_s
     pending = list(refs)
@@ -449,16 +456,28 @@ class WorkerGroup:
             )
         self.layout = layout
 
-    def layout_from_workers(self, method: str) -> DataParallelLayout:
+    def layout_from_workers(self, method: Method) -> DataParallelLayout:
         """Ask every rank `method()` -> (dp_rank, is_leader) and use the answer as the layout."""
         layout = DataParallelLayout.from_reports(self.run_all(method))
         self.set_layout(layout)
         return layout
 
     # ------------------------------------------------------------------------------------------------- dispatch
-    def _check_method(self, method: str) -> None:
-        if not callable(getattr(self.worker_cls, method, None)):
-            raise AttributeError(f"worker group '{self.name}': {self.worker_cls.__name__} has no method '{method}'")
+    def _method_name(self, method: Method) -> str:
+        """The name every rank calls `method` by. Callers pass the worker class's function itself
+        (`run_all(PolicyWorker.export_bucket, ...)`, not a string): a rename fails where the call is written (and
+        under mypy), not in a run. A subclass's override of the method runs, as a method call would."""
+        name = getattr(method, "__name__", None)
+        owner = getattr(method, "__qualname__", "").rpartition(".")[0]
+        classes = {cls.__qualname__ for cls in self.worker_cls.__mro__}
+        if not callable(method) or name is None or owner not in classes:
+            raise TypeError(
+                f"worker group '{self.name}': {method!r} is not a method of {self.worker_cls.__name__}; pass the "
+                f"worker class's function, e.g. {self.worker_cls.__name__}.<method>"
+            )
+        if not callable(getattr(self.worker_cls, name, None)):
+            raise AttributeError(f"worker group '{self.name}': {self.worker_cls.__name__} has no method '{name}'")
+        return name
 
     def _deadline(self, method: str, work: Optional[Work]) -> Optional[float]:
         return None if self.deadlines is None else self.deadlines.seconds(method, work)
@@ -466,36 +485,36 @@ class WorkerGroup:
     def _payload(self, args: tuple, kwargs: dict[str, Any], readers: Optional[int] = None) -> Any:
         return _shared(encode((args, kwargs)), self.world_size if readers is None else readers)
 
-    def run_all_async(self, method: str, /, *args: Any, work: Optional[Work] = None, **kwargs: Any) -> GroupFuture:
+    def run_all_async(self, method: Method, /, *args: Any, work: Optional[Work] = None, **kwargs: Any) -> GroupFuture:
         """Every rank runs `method(*args, **kwargs)` with the same (replicated) arguments; the future's result is
         the list of per-rank return values in rank order. `work` (reserved, not passed on): what the call computes
         and moves, for its deadline (`deadlines`)."""
-        self._check_method(method)
+        name = self._method_name(method)
         payload = self._payload(args, kwargs)
-        refs = [actor.call.remote(method, payload) for actor in self._actors]
-        return GroupFuture(self, method, refs, range(self.world_size), deadline_s=self._deadline(method, work))
+        refs = [actor.call.remote(name, payload) for actor in self._actors]
+        return GroupFuture(self, name, refs, range(self.world_size), deadline_s=self._deadline(name, work))
 
-    def run_all(self, method: str, /, *args: Any, work: Optional[Work] = None, **kwargs: Any) -> list[Any]:
+    def run_all(self, method: Method, /, *args: Any, work: Optional[Work] = None, **kwargs: Any) -> list[Any]:
         return self.run_all_async(method, *args, work=work, **kwargs).result()
 
     def run_on_leaders_async(
-        self, method: str, /, *args: Any, work: Optional[Work] = None, **kwargs: Any
+        self, method: Method, /, *args: Any, work: Optional[Work] = None, **kwargs: Any
     ) -> GroupFuture:
         """Only the leader of each data-parallel group runs the method (replicated arguments); the result is the
         list of leader return values in data-parallel order. The method must not enter collectives that need the
         other ranks: they are not called."""
-        self._check_method(method)
+        name = self._method_name(method)
         leaders = self.layout.leaders
         payload = self._payload(args, kwargs, readers=len(leaders))
-        refs = [self._actors[rank].call.remote(method, payload) for rank in leaders]
-        return GroupFuture(self, method, refs, leaders, deadline_s=self._deadline(method, work))
+        refs = [self._actors[rank].call.remote(name, payload) for rank in leaders]
+        return GroupFuture(self, name, refs, leaders, deadline_s=self._deadline(name, work))
 
-    def run_on_leaders(self, method: str, /, *args: Any, work: Optional[Work] = None, **kwargs: Any) -> list[Any]:
+    def run_on_leaders(self, method: Method, /, *args: Any, work: Optional[Work] = None, **kwargs: Any) -> list[Any]:
         return self.run_on_leaders_async(method, *args, work=work, **kwargs).result()
 
     def shard_and_run_async(
         self,
-        method: str,
+        method: Method,
         batch: Any,
         /,
         *args: Any,
@@ -508,13 +527,13 @@ class WorkerGroup:
         `args`/`kwargs` are replicated -- and merge the leaders' results in data-parallel order, i.e. batch order:
         row i of a merged array output belongs to row i of the input batch. `allow_uneven` and `work` are reserved
         by this method (not passed to the worker)."""
-        self._check_method(method)
+        name = self._method_name(method)
         shards = split_batch(batch, self.layout.dp_size, allow_uneven)
         readers = Counter(self.layout.dp_rank[rank] for rank in range(self.world_size))  # ranks per shard
         shard_refs = [_shared(encode(shard), readers[index]) for index, shard in enumerate(shards)]
         payload = self._payload(args, kwargs)
         refs = [
-            actor.call_with_shard.remote(method, shard_refs[self.layout.dp_rank[rank]], payload)
+            actor.call_with_shard.remote(name, shard_refs[self.layout.dp_rank[rank]], payload)
             for rank, actor in enumerate(self._actors)
         ]
         leaders = self.layout.leaders
@@ -523,12 +542,12 @@ class WorkerGroup:
             return merge_shards([values[rank] for rank in leaders])
 
         return GroupFuture(
-            self, method, refs, range(self.world_size), gather_leaders, deadline_s=self._deadline(method, work)
+            self, name, refs, range(self.world_size), gather_leaders, deadline_s=self._deadline(name, work)
         )
 
     def shard_and_run(
         self,
-        method: str,
+        method: Method,
         batch: Any,
         /,
         *args: Any,
@@ -539,7 +558,7 @@ class WorkerGroup:
         return self.shard_and_run_async(method, batch, *args, allow_uneven=allow_uneven, work=work, **kwargs).result()
 
     # ------------------------------------------------------------------------------------------------- shutdown
-    def _ask_clean_up(self, method: str, timeout_s: float) -> None:
+    def _ask_clean_up(self, method: Method, timeout_s: float) -> None:
         """Run `method` on every rank for at most `timeout_s`, raising nothing. A bare wait, not `result()`: a late
         rank's timeout error would first fetch its stack (`stacks.stacks_of`, a Ray task per rank, ~10 s to start
         a worker process on a loaded 2-core machine), which the shutdown does not need."""
@@ -559,7 +578,7 @@ class WorkerGroup:
                 timeout_s,
             )
 
-    def shutdown(self, clean: Optional[str] = None, timeout_s: float = CLEAN_SHUTDOWN_S) -> None:
+    def shutdown(self, clean: Optional[Method] = None, timeout_s: float = CLEAN_SHUTDOWN_S) -> None:
         """Kill every actor (also ones blocked in a collective) and, if owned, remove the placement. With `clean`,
         every rank first runs that method (e.g. leaving its process groups) for at most `timeout_s`: a rank still
         blocked in a collective whose peer failed mid-step would otherwise hold the shutdown until the collective's

@@ -117,7 +117,7 @@ class VerifierPool:
             self._start_actor()
 
     def _start_actor(self) -> None:
-        actor = self._remote_cls.remote(*self._args)
+        actor: Any = self._remote_cls.remote(*self._args)  # ray types it as the class itself: no `.remote` methods
         self._starting[actor.ready.remote()] = _Slot(actor)
 
     def score(self, responses: Sequence[str], answers: Sequence[str]) -> ScoreResult:

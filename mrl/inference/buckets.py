@@ -62,7 +62,8 @@ def _layers(named_tensors: Iterable[NamedTensor]) -> Iterator[list[NamedTensor]]
         if this != key:
             if run:
                 yield run
-                finished.add(key)  # type: ignore[arg-type]
+                assert key is not None  # the key of the run just yielded
+                finished.add(key)
             if this in finished:
                 raise ValueError(
                     f"tensor {name!r} of {this!r} arrives after other layers' tensors: the exporter must yield each "

@@ -18,6 +18,7 @@ from typing import Literal, Optional, Protocol, runtime_checkable
 
 import torch
 
+from mrl.inference.lifecycle import EngineLifecycle
 from mrl.inference.refit import RefitSink, RefitStats
 from mrl.model.router_replay import no_route, routing_dtype
 
@@ -202,6 +203,11 @@ class GenerationBackend(Protocol):
 
 class RolloutEngine(GenerationBackend, RefitSink, Protocol):
     """What a run holds as its engine: it generates, loads refits, and stops."""
+
+    @property
+    def lifecycle(self) -> EngineLifecycle:
+        """The engine's state (awake, asleep, weights discarded) and its recent transitions (lifecycle.py)."""
+        ...
 
     def shutdown(self) -> None:
         """Stop the engine's workers now (not at interpreter exit)."""

@@ -58,9 +58,9 @@ class EngineLifecycle:
         name: str,
         *,
         sleeps: bool,
-        sleep: Callable[[], None] = lambda: None,
+        sleep: Callable[[], object] = lambda: None,  # what it returns is ignored (e.g. every worker's answer)
         wake: Callable[[Sequence[str]], None] = lambda tags: None,
-        discard_sleep: Optional[Callable[[], None]] = None,
+        discard_sleep: Optional[Callable[[], object]] = None,
     ) -> None:
         self.name = name
         self.sleeps = sleeps
@@ -77,10 +77,10 @@ class EngineLifecycle:
         """Release the engine's memory (weights and KV cache) until the next wake-up; `refit_follows`: a refit will
         rewrite every weight before the next generation, so the weights may be discarded (`discard_sleep`)."""
         if self.sleeps and self.state is not EngineState.ASLEEP:
-            discard = refit_follows and self._discard_sleep is not None
-            (self._discard_sleep if discard else self._sleep)()  # type: ignore[misc]
+            discard_sleep = self._discard_sleep if refit_follows else None
+            (discard_sleep or self._sleep)()
             self._enter(EngineState.ASLEEP)
-            self.needs_refit = self.needs_refit or discard
+            self.needs_refit = self.needs_refit or discard_sleep is not None
 
     def refitted(self) -> None:
         """A refit has written every weight: discarded weights are whole again."""

@@ -146,10 +146,12 @@ class _RoutingRecorder:
         self.replay.record = {}
 
     def collect(self, positions: torch.Tensor) -> None:
-        rows, positions = self.buffer.shape[0], positions.cpu()
-        for layer, chosen in self.replay.record.items():
+        buffer, record = self.buffer, self.replay.record
+        assert buffer is not None and record is not None, "start() comes before the batch's forwards"
+        rows, positions = buffer.shape[0], positions.cpu()
+        for layer, chosen in record.items():
             (top,) = chosen  # one forward since the last collect
-            self.buffer[:, positions, layer] = top.view(len(positions), rows, -1).transpose(0, 1).to(self.dtype).cpu()
+            buffer[:, positions, layer] = top.view(len(positions), rows, -1).transpose(0, 1).to(self.dtype).cpu()
         self.replay.record = {}
 
 

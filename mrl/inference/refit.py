@@ -29,12 +29,15 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, Optional, Protocol
+from typing import TYPE_CHECKING, Any, Optional, Protocol, TypeGuard
 
 import torch
 
 from mrl.inference.buckets import iter_buckets
 from mrl.inference.transports.base import NamedTensor, Payload, WeightTransport
+
+if TYPE_CHECKING:
+    from mrl.distributed import GroupFuture
 
 log = logging.getLogger(__name__)
 
@@ -84,8 +87,11 @@ class WeightSource(Protocol):
 class RefitSink(Protocol):
     """An engine that loads refit payloads."""
 
-    expected_names: Optional[frozenset[str]]
-    """The HF tensor names a complete refit carries (None: not checked)."""
+    @property
+    def expected_names(self) -> Optional[frozenset[str]]:
+        """The HF tensor names a complete refit carries (None: not checked). Read only: engines compute it from
+        their config (a plain attribute satisfies it as well)."""
+        ...
 
     def prepare_for_refit(self) -> None:
         """Before the first bucket: the engine's weights resident (a sleeping engine wakes them)."""
@@ -100,29 +106,39 @@ class RefitSink(Protocol):
         ...
 
 
+class AsyncRefitSink(RefitSink, Protocol):
+    """A sink that loads without waiting: the refit loop pipelines bucket i + 1's gathering with its load."""
+
+    def load_payload_async(self, payload: Payload) -> Pending: ...
+
+
 class CollectiveWeightSource(WeightSource, Protocol):
-    """A source whose sender can join a broadcast group (collective transport)."""
+    """A source whose sender can join a broadcast group (collective transport). Its calls under way are worker
+    groups' futures: sender and receivers are awaited together (`mrl.distributed.wait_all`)."""
 
     def refit_address(self) -> tuple[str, int]:
         """Address and a free port on the sending rank's node: the group's rendezvous."""
         ...
 
-    def join_refit_group_async(self, transport: Any) -> Pending: ...
+    def join_refit_group_async(self, transport: Any) -> GroupFuture: ...
 
-    def send_bucket_async(self, index: int, transport: WeightTransport) -> Pending: ...
+    def send_bucket_async(self, index: int, transport: WeightTransport) -> GroupFuture: ...
 
     # Optional, for several senders (pipeline stages; collective.connect checks for it):
     # refit_addresses() -> list[(address, port)], one per sender; bucket_sender(index) -> the sender of a bucket.
 
 
-class CollectiveRefitSink(RefitSink, Protocol):
-    """A sink whose receivers can join a broadcast group (collective transport)."""
+class CollectiveRefitSink(AsyncRefitSink, Protocol):
+    """A sink whose receivers can join a broadcast group (collective transport); futures as the source's."""
 
-    num_receivers: int
+    @property
+    def num_receivers(self) -> int:
+        """The group's members besides the sender (one per engine)."""
+        ...
 
-    def join_refit_group_async(self, transport: Any) -> Pending: ...
+    def join_refit_group_async(self, transport: Any) -> GroupFuture: ...
 
-    def load_payload_async(self, payload: Payload) -> Pending: ...
+    def load_payload_async(self, payload: Payload) -> GroupFuture: ...
 
 
 class LocalWeights:
@@ -231,12 +247,13 @@ def _met(
             f"got {type(source).__name__} and {type(sink).__name__}"
         )
     indices = list(plan)  # a collective source plans from its config alone (`Policy.plan_buckets`: a range)
-    several = getattr(transport, "senders", 1) > 1 and hasattr(source, "bucket_sender")
+    # Optional members (several senders: one per pipeline stage), so looked up rather than declared
+    several = getattr(transport, "senders", 1) > 1
+    bucket_sender = getattr(source, "bucket_sender", None) if several else None
     for position, index in enumerate(indices):
-        sent = source.send_bucket_async(index, transport)  # type: ignore[attr-defined]
-        sender = source.bucket_sender(index) if several else 0  # type: ignore[attr-defined]
-        receiving = transport.receiver_payload(sender) if sender else transport.receiver_payload()
-        received = sink.load_payload_async(receiving)  # type: ignore[attr-defined]
+        sent = source.send_bucket_async(index, transport)
+        sender = bucket_sender(index) if bucket_sender is not None else 0
+        received = sink.load_payload_async(transport.receiver_payload(sender))
         if position < len(indices) - 1 or on_sent is None:
             yield wait_all([sent, received])[0]
             continue
@@ -248,7 +265,7 @@ def _met(
         on_sent()
 
 
-def _pipelines(sink: RefitSink, transport: WeightTransport) -> bool:
+def _pipelines(sink: RefitSink, transport: WeightTransport) -> TypeGuard[AsyncRefitSink]:
     """Whether bucket i + 1 may be gathered while the sink loads bucket i: the transport keeps two payloads apart
     (`in_flight` >= 2: two files, two device buffers) and the sink can load without waiting."""
     return not transport.meets and transport.in_flight >= 2 and hasattr(sink, "load_payload_async")
@@ -256,7 +273,7 @@ def _pipelines(sink: RefitSink, transport: WeightTransport) -> bool:
 
 def _pipelined(
     source: WeightSource,
-    sink: RefitSink,
+    sink: AsyncRefitSink,
     transport: WeightTransport,
     plan: Iterable[int],
     on_sent: Optional[Callable[[], None]],
@@ -275,7 +292,7 @@ def _pipelined(
             except BaseException:
                 transport.release(payload)  # packed, never handed to the sink
                 raise
-            loading = (payload, sink.load_payload_async(payload))  # type: ignore[attr-defined]
+            loading = (payload, sink.load_payload_async(payload))
             yield payload
         if on_sent is not None:
             on_sent()

@@ -318,8 +318,9 @@ class VllmBackend:
 
         # vLLM seeds the n children of a request with seed + k, so prompt i's samples get seed + i * n + k. Unseeded,
         # they draw from the engine's generator (seeded once, `LLM(seed=...)`) in vLLM's fused sampler.
-        seeded = sampling.seed is not None and self.config.seeds_requests
-        seed = sampling.seed + prompt_index * sampling.n if seeded else None
+        seed = None
+        if sampling.seed is not None and self.config.seeds_requests:
+            seed = sampling.seed + prompt_index * sampling.n
         return SamplingParams(
             n=sampling.n,
             temperature=sampling.temperature,

@@ -140,9 +140,9 @@ class VllmEngineGroup:
         self.lifecycle = EngineLifecycle(
             f"engine group '{name}'",
             sleeps=config.sleep_when_idle,
-            sleep=lambda: self.workers.run_all("finish_generation"),
+            sleep=lambda: self.workers.run_all(VllmEngineWorker.finish_generation),
             wake=self._wake,
-            discard_sleep=(lambda: self.workers.run_all("finish_generation", True))
+            discard_sleep=(lambda: self.workers.run_all(VllmEngineWorker.finish_generation, True))
             if config.sleep_level == 2
             else None,
         )
@@ -177,7 +177,7 @@ class VllmEngineGroup:
         uneven = (count + pads) % self.num_engines != 0
         tokens = sum(len(p) for p in prompts) + count * sampling.n * sampling.max_new_tokens
         merged = self.workers.shard_and_run(
-            "generate_shard", batch, sampling, allow_uneven=uneven, work=Work(tokens=tokens)
+            VllmEngineWorker.generate_shard, batch, sampling, allow_uneven=uneven, work=Work(tokens=tokens)
         )
         samples: list[GeneratedSample] = [s for s in merged["samples"] if s.prompt_index < count]
         return GenerationOutput(
@@ -200,31 +200,33 @@ class VllmEngineGroup:
     def load_payload(self, payload: Payload) -> None:
         """Every engine loads one refit payload."""
         self.lifecycle.check_load()
-        self.workers.run_all("load_payload", payload)
+        self.workers.run_all(VllmEngineWorker.load_payload, payload)
 
     def load_payload_async(self, payload: Payload) -> GroupFuture:
         """`load_payload` without waiting (collective transport: the engines must be receiving while the sender
         sends)."""
         self.lifecycle.check_load()
-        return self.workers.run_all_async("load_payload", payload)
+        return self.workers.run_all_async(VllmEngineWorker.load_payload, payload)
 
     def join_refit_group_async(self, transport: CollectiveTransport) -> GroupFuture:
-        return self.workers.run_all_async("join_refit_group", transport)
+        return self.workers.run_all_async(VllmEngineWorker.join_refit_group, transport)
 
     def finish_refit(self, complete: bool = True) -> None:
-        self.workers.run_all("finish_refit", complete)
+        self.workers.run_all(VllmEngineWorker.finish_refit, complete)
         if complete:
             self.lifecycle.refitted()
 
     # ---------------------------------------------------------------------------------------------------- memory
     def _wake(self, tags: Sequence[str]) -> None:
-        self.workers.run_all("wake_weights" if tuple(tags) == (WEIGHTS,) else "prepare_for_generation")
+        self.workers.run_all(
+            VllmEngineWorker.wake_weights if tuple(tags) == (WEIGHTS,) else VllmEngineWorker.prepare_for_generation
+        )
 
     def prepare_for_refit(self) -> None:
         """Wake the engines' weights (the refit loop, before its first bucket; a no-op unless asleep), then open
         every engine's reload session for the refit's buckets."""
         self.lifecycle.wake_weights()
-        self.workers.run_all("begin_refit")
+        self.workers.run_all(VllmEngineWorker.begin_refit)
 
     def prepare_for_generation(self) -> None:
         """Wake the engines' weights and KV cache; a no-op, without a round trip, for engines that are awake."""
@@ -237,12 +239,12 @@ class VllmEngineGroup:
 
     def sleep_events(self) -> list[list[tuple[str, float]]]:
         """Each engine's record of its sleep-mode calls (the CPU stand-in's; [] on GPUs)."""
-        return self.workers.run_all("sleep_events")
+        return self.workers.run_all(VllmEngineWorker.sleep_events)
 
     def worker_uss_bytes(self) -> list[list[int]]:
-        return self.workers.run_all("worker_uss_bytes")
+        return self.workers.run_all(VllmEngineWorker.worker_uss_bytes)
 
     def shutdown(self) -> None:
         """Stop every engine cleanly (vLLM worker processes, shared-memory segments), then kill the actors; a dead
         engine, or one still blocked in a failed refit's broadcast, is killed without."""
-        self.workers.shutdown(clean="shutdown")
+        self.workers.shutdown(clean=VllmEngineWorker.shutdown)

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from converters import ModelDims, hf_to_megatron, model_dims, resolve_padded_vocab, select_ep_experts, select_pp_stage
+from converters.layers import SpecNames
 from mrl.parallel.attention import gpt_layer_spec, transformer_engine_available
 
 
@@ -438,7 +439,7 @@ def load_hf_weights(
     hf_state: Mapping[str, torch.Tensor],
     hf_config: Mapping[str, Any] | Any,
     *,
-    names: str | None = None,
+    names: SpecNames | None = None,
 ) -> None:
     """Copy an HF state dict into this rank's GPTModel (its TP shard, its PP stage's layers, its EP rank's experts).
 

@@ -74,7 +74,7 @@ class _LayerReplay:
         self.layer = layer
         self.owner = owner
         self.current: Optional[torch.Tensor] = None  # [n, k] long, this forward's targets (-1: route freshly)
-        self.recompute_queue: deque[torch.Tensor] = deque()
+        self.recompute_queue: deque[Optional[torch.Tensor]] = deque()  # None: that recompute routes freshly
 
     def get_replay_topk(
         self,
@@ -84,6 +84,7 @@ class _LayerReplay:
         group_topk: Optional[int] = None,
         default_compute_topk: Optional[Callable] = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        assert default_compute_topk is not None  # megatron-core's topk always passes its own _compute_topk
         probs, fresh = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
         recomputing = self.owner.recompute and torch.is_grad_enabled() and self.owner.training
         target = self.recompute_queue.popleft() if recomputing else self.current

@@ -33,7 +33,7 @@ from typing import Literal, Mapping
 
 import torch
 
-from mrl.objectives.loss import LOSS_MASK, SEQ_NUM_TOKENS, zero_masked
+from mrl.objectives.loss import LOSS_MASK, SEQ_NUM_TOKENS, Level, zero_masked
 
 PAIR_ID = "pair_id"
 CHOSEN = "chosen"
@@ -84,7 +84,7 @@ class DPOLoss:
     kind: DPOKind = "sigmoid"
     length_normalize: bool = False
     sft_alpha: float = 0.0
-    level: str = "sequence"
+    level: Level = "sequence"
 
     def __post_init__(self) -> None:
         if self.beta <= 0:
@@ -147,7 +147,7 @@ class DPOLoss:
 class BradleyTerryLoss:
     """The reward model's pairwise loss on its scores: `values` [b, T] are the score head's outputs per position."""
 
-    level: str = "sequence"
+    level: Level = "sequence"
 
     def __call__(
         self, values: torch.Tensor, batch: Mapping[str, torch.Tensor], global_count: float

@@ -362,7 +362,9 @@ def varlen_causal(
     if "scale" in _VARLEN:
         extra["scale"] = scale
     cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
-    return varlen_attn(q, k, v, cu, cu, max_seqlen, max_seqlen, **extra)
+    out = varlen_attn(q, k, v, cu, cu, max_seqlen, max_seqlen, **extra)
+    assert isinstance(out, torch.Tensor)  # no return_aux: the output alone, without the logsumexp
+    return out
 
 
 def transformer_engine_available() -> bool:

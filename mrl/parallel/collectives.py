@@ -78,7 +78,9 @@ def world_size(group: Group = None) -> int:
 
 def group_device(group: Group = None) -> torch.device:
     """The device `group`'s collectives run on (the rule in the module docstring)."""
-    types = [device.type for device in (group if group is not None else dist.group.WORLD)._device_types]
+    pg = group if group is not None else dist.group.WORLD
+    assert pg is not None  # a collective needs the default group up (is_initialized)
+    types = [device.type for device in pg._device_types]
     if not types or "cpu" in types:  # no backend registered yet: torch picks the CPU too
         return torch.device("cpu")
     return torch.device(types[0], torch.get_device_module(types[0]).current_device())

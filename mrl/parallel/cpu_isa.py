@@ -190,13 +190,14 @@ def forced_environment(level: str, environ: Mapping[str, str] | None = None) -> 
     """The variables that make a command (and every process it starts) run at `level`; merge into its environment.
     Refuses a level above the CPU's own: an AVX-512 path cannot be forced on an AVX2 CPU."""
     environ = os.environ if environ is None else environ
-    level = _forced({FORCE_ENV: level})
+    forced = _forced({FORCE_ENV: level})  # normalized; None for a blank level
     native = detect({}).native
-    if level is None or native is None or LEVELS.index(level) > LEVELS.index(native):
+    if forced is None or native is None or LEVELS.index(forced) > LEVELS.index(native):
         raise ValueError(
-            f"cannot force {level!r} on this CPU (its own level: {native}); force one of "
+            f"cannot force {forced!r} on this CPU (its own level: {native}); force one of "
             f"{', '.join(LEVELS[: LEVELS.index(native) + 1]) if native else 'none'}"
         )
+    level = forced
     path = [str(BOOT_DIR), *[p for p in environ.get("PYTHONPATH", "").split(os.pathsep) if p]]
     return {
         FORCE_ENV: level,

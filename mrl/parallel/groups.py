@@ -168,6 +168,7 @@ def standalone_group(
     timeout = datetime.timedelta(seconds=timeout_s)
     store = dist.TCPStore(address, port, size, is_master=member == 0, timeout=timeout)
     group = dist.ProcessGroup(store, member, size)
+    backend_group: torch._C._distributed_c10d.Backend  # ProcessGroupNCCL or ProcessGroupGloo (not evaluated)
     if backend == "nccl":
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout

@@ -93,6 +93,7 @@ import torch
 
 from converters import ModelDims, experts_per_rank, to_local_expert
 from converters import transforms as T
+from converters.layers import SpecNames
 from converters.mapping import ParamRule, expected_hf_shapes, layer_index, megatron_to_hf, param_rules
 from mrl.parallel import collectives
 
@@ -132,9 +133,9 @@ def _unit(rule: ParamRule) -> str:
     return f"layer{index}" if index is not None else rule.megatron.split(".")[0]
 
 
-def _units(dims: ModelDims, names: str) -> list[list[ParamRule]]:
+def _units(dims: ModelDims, names: SpecNames) -> list[list[ParamRule]]:
     units: list[list[ParamRule]] = []
-    for rule in param_rules(dims, names):  # type: ignore[arg-type]
+    for rule in param_rules(dims, names):
         if units and _unit(units[-1][-1]) == _unit(rule):
             units[-1].append(rule)
         else:
@@ -144,7 +145,7 @@ def _units(dims: ModelDims, names: str) -> list[list[ParamRule]]:
 
 def plan_buckets(
     dims: ModelDims,
-    names: str,
+    names: SpecNames,
     bucket_bytes: int,
     element_size: int,
     *,
@@ -228,7 +229,7 @@ class ShardedExporter:
     parts while it is converted); the TP all-gather's shard list, concatenated right away, is not counted (it is
     measured with the CPU allocator in tests/functional/policy/test_policy_export_memory.py)."""
 
-    def __init__(self, model: Any, dims: ModelDims, *, layer_offset: int, names: str):
+    def __init__(self, model: Any, dims: ModelDims, *, layer_offset: int, names: SpecNames):
         from megatron.core import parallel_state as ps
 
         self.dims = dims
@@ -344,7 +345,9 @@ class ShardedExporter:
         parameter: on the tiny MoE of benchmarks/policy_refit.py (16 experts of 3 MiB a layer, 16 MiB buckets, EP2
         on 2 CPU ranks) rank 0's export of the model went from 1.21-1.25 s to 0.62-0.67 s (EP1: 0.44-0.53 s; the
         rest is the other rank's experts crossing gloo)."""
-        owner = rules[0].expert // self.experts_per_rank
+        expert = rules[0].expert
+        assert expert is not None, "`_expert_run` gives routed experts only"
+        owner = expert // self.experts_per_rank
         shapes = [self._full_shape(rule, owner) for rule in rules]
         dtype = self.params[self._local_name(rules[0].megatron, owner)].dtype
         flat = torch.empty(sum(shape.numel() for shape in shapes), dtype=dtype, device=self.device)

@@ -71,7 +71,7 @@ class Policy:
             start_timeout_s=300.0,
             wait_before_init=wait_before_init,
         )
-        self.workers.layout_from_workers("data_parallel_layout")
+        self.workers.layout_from_workers(PolicyWorker.data_parallel_layout)
         self._planned: Optional[tuple[int, list[int]]] = None  # (bucket_bytes, each bucket's owner stage) held
         self._stage_ranks: Optional[list[int]] = None  # the global rank of each pipeline stage's first rank
         self._checkpoint_bytes: Optional[int] = None
@@ -85,7 +85,11 @@ class Policy:
         reward model, its score at every token (the sequence's score at position length - 1)."""
         self._check_groups(batch)
         return self.workers.shard_and_run(
-            "logprobs", batch, temperature=temperature, reference=reference, work=Work(tokens=batch.input_ids.numel())
+            PolicyWorker.logprobs,
+            batch,
+            temperature=temperature,
+            reference=reference,
+            work=Work(tokens=batch.input_ids.numel()),
         )
 
     def scores(self, batch: RankBatch) -> torch.Tensor:
@@ -98,7 +102,7 @@ class Policy:
     def routing_counts(self) -> torch.Tensor:
         """[2, layers] the routing disagreement counts of the logprob passes since the last call (a MoE policy given
         its batches' engine routing; mrl/model/router_replay.py), summed over the ranks."""
-        return self.workers.run_all("routing_counts")[0]
+        return self.workers.run_all(PolicyWorker.routing_counts)[0]
 
     def _check_groups(self, batch: RankBatch) -> None:
         dp = self.data_parallel_size
@@ -114,7 +118,12 @@ class Policy:
         self._check_groups(batch)
         count = global_count(batch.loss_mask, loss_fn.level)
         merged = self.workers.shard_and_run(
-            "train", batch, loss_fn, count, temperature=temperature, work=Work(tokens=3 * batch.input_ids.numel())
+            PolicyWorker.train,
+            batch,
+            loss_fn,
+            count,
+            temperature=temperature,
+            work=Work(tokens=3 * batch.input_ids.numel()),
         )  # forward + backward
         return _merge_metrics(merged)
 
@@ -124,21 +133,21 @@ class Policy:
         memory and empties its CUDA cache (on CPU: nothing moves). No caller has to undo it: train, logprobs, the
         refit export, save and load take back what they need first. Idempotent; with the weights configured to go,
         call it again after the refit (its export brought them back)."""
-        reports = self.workers.run_all("release_memory")
+        reports = self.workers.run_all(PolicyWorker.release_memory)
         return {k: (max if k.startswith("reserved") else sum)(r[k] for r in reports) for k in reports[0]}
 
     def reclaim_memory(self) -> None:
         """Every rank takes back what `release_memory` moved (train does it itself; this is for callers that want
         the transfer outside a timed phase)."""
-        self.workers.run_all("reclaim_memory")
+        self.workers.run_all(PolicyWorker.reclaim_memory)
 
     # --------------------------------------------------------------------------------------- refit source
     def plan_buckets(self, bucket_bytes: int) -> range:
         """Buckets of at most `bucket_bytes` of whole layers, planned on every rank from the config alone (once: the
         ranks keep the plan until another bucket size is asked for, so a refit every step makes no call for it)."""
         if self._planned is None or self._planned[0] != bucket_bytes:
-            self.workers.run_all("plan_export", bucket_bytes)
-            self._planned = (bucket_bytes, self.workers.run_all("bucket_owners")[0])
+            self.workers.run_all(PolicyWorker.plan_export, bucket_bytes)
+            self._planned = (bucket_bytes, self.workers.run_all(PolicyWorker.bucket_owners)[0])
         return range(len(self._planned[1]))
 
     def bucket_sender(self, index: int) -> int:
@@ -154,7 +163,7 @@ class Policy:
     def _sender_ranks(self) -> list[int]:
         """Global rank of each pipeline stage's first rank (tp = cp = dp = 0), in stage order."""
         if self._stage_ranks is None:
-            stages = self.workers.run_all("refit_stage")
+            stages = self.workers.run_all(PolicyWorker.refit_stage)
             self._stage_ranks = [rank for _, rank in sorted((s, r) for r, s in enumerate(stages) if s is not None)]
             assert len(self._stage_ranks) == self._pipeline_stages(), stages
         return self._stage_ranks
@@ -178,12 +187,14 @@ class Policy:
         else:
             merge = _rank0
         bucket_bytes = self._planned[0] if self._planned is not None else 0
-        return self.workers.run_all_async("export_bucket", index, transport, work=Work(bytes=bucket_bytes)).then(merge)
+        return self.workers.run_all_async(
+            PolicyWorker.export_bucket, index, transport, work=Work(bytes=bucket_bytes)
+        ).then(merge)
 
     def refit_addresses(self) -> list[tuple[str, int]]:
         """Each pipeline stage's first rank's node and a free port there, in stage order: the rendezvous of each
         sender's sub-group of a refit broadcast group (stage 0's first rank is rank 0)."""
-        ports = self.workers.run_all("refit_port")
+        ports = self.workers.run_all(PolicyWorker.refit_port)
         return [(self.workers.info[rank].node_ip or "127.0.0.1", ports[rank]) for rank in self._sender_ranks()]
 
     def refit_address(self) -> tuple[str, int]:
@@ -193,28 +204,30 @@ class Policy:
     def join_refit_group_async(self, transport: Any) -> GroupFuture:
         """The senders join the broadcast group: each stage's first rank (one sender per stage) or rank 0 (member
         0); the other ranks take no part."""
-        return self.workers.run_all_async("join_refit_group", transport)
+        return self.workers.run_all_async(PolicyWorker.join_refit_group, transport)
 
     def export_state(self) -> dict[str, torch.Tensor]:
         """The whole model as HF-named full tensors (small models: HF export, tests)."""
         self._planned = None  # the ranks plan one bucket of everything for it
-        return self.workers.run_all("export_state")[0]
+        return self.workers.run_all(PolicyWorker.export_state)[0]
 
     def save(self, path: str, *, weights_only: bool = False) -> None:
         """Every rank writes its shards of checkpoint `path` (`weights_only`: no optimizer or LR schedule)."""
-        self.workers.run_all("save", path, weights_only=weights_only, work=Work(bytes=self._state_bytes()))
+        self.workers.run_all(PolicyWorker.save, path, weights_only=weights_only, work=Work(bytes=self._state_bytes()))
 
     def load(self, path: str, *, load_optimizer: bool = True) -> list[Any]:
         """Every rank loads its shards of checkpoint `path`; returns the ranks' load reports."""
-        return self.workers.run_all("load", path, load_optimizer=load_optimizer, work=Work(bytes=self._state_bytes()))
+        return self.workers.run_all(
+            PolicyWorker.load, path, load_optimizer=load_optimizer, work=Work(bytes=self._state_bytes())
+        )
 
     def _state_bytes(self) -> int:
         """Bytes of a checkpoint of every rank's shards (weights and optimizer states), asked once: a save's or a
         load's work, for its deadline."""
         if self._checkpoint_bytes is None:
-            self._checkpoint_bytes = int(sum(self.workers.run_all("state_bytes")))
+            self._checkpoint_bytes = int(sum(self.workers.run_all(PolicyWorker.state_bytes)))
         return self._checkpoint_bytes
 
     def shutdown(self) -> None:
         """The ranks leave their process groups (bounded: a dead or stuck rank cannot), then their actors are killed."""
-        self.workers.shutdown(clean="shutdown")
+        self.workers.shutdown(clean=PolicyWorker.shutdown)

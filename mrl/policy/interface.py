@@ -30,7 +30,10 @@ from mrl.model.router_replay import no_route
 class PolicyLoss(Protocol):
     """A loss evaluated per micro-batch and normalised by the global count of the step."""
 
-    level: Literal["token", "sequence"]
+    @property
+    def level(self) -> Literal["token", "sequence"]:
+        """What `global_count` counts: valid tokens or sequences. Read only: the losses are frozen dataclasses."""
+        ...
 
     def __call__(
         self, logprobs: torch.Tensor, batch: dict[str, torch.Tensor], global_count: float

@@ -11,6 +11,8 @@ works through the tokens a chunk at a time, so the full fp32 logits and softmax 
 
 from __future__ import annotations
 
+from typing import Literal, overload
+
 import torch
 
 
@@ -26,6 +28,40 @@ def next_token_targets(input_ids: torch.Tensor) -> torch.Tensor:
 #: over Qwen's 151,936-token vocabulary is 8192 x 151,936 x 4 B = 5 GB of fp32 logits, and Megatron's kernel keeps
 #: as much again for its backward (the softmax); a 1024-token chunk is 0.6 GB, held only while it is computed.
 LOGPROB_CHUNK_TOKENS = 1024
+
+
+@overload
+def vocab_parallel_logprobs(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float = 1.0,
+    vocab_size: int | None = None,
+    chunk_tokens: int = LOGPROB_CHUNK_TOKENS,
+    entropy: Literal[False] = False,
+) -> torch.Tensor: ...
+
+
+@overload
+def vocab_parallel_logprobs(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float = 1.0,
+    vocab_size: int | None = None,
+    chunk_tokens: int = LOGPROB_CHUNK_TOKENS,
+    *,
+    entropy: Literal[True],
+) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+@overload
+def vocab_parallel_logprobs(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float = 1.0,
+    vocab_size: int | None = None,
+    chunk_tokens: int = LOGPROB_CHUNK_TOKENS,
+    entropy: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
 
 
 def vocab_parallel_logprobs(
@@ -201,8 +237,8 @@ def merge_from_context_parallel(local: torch.Tensor, cp_group, dim: int = 1) -> 
     if cp_size == 1:
         return local
     gathered = collectives.all_gather(local, cp_group)
-    chunks: list[torch.Tensor | None] = [None] * (2 * cp_size)
+    chunks: dict[int, torch.Tensor] = {}  # position in the sequence -> chunk
     for rank, piece in enumerate(gathered):
         first, second = cp_chunk_order(rank, cp_size)
         chunks[first], chunks[second] = piece.chunk(2, dim=dim)
-    return torch.cat(chunks, dim=dim)  # type: ignore[arg-type]
+    return torch.cat([chunks[position] for position in range(2 * cp_size)], dim=dim)

@@ -208,7 +208,9 @@ def plan_micro_batches(
         return None
     tp, sequence_parallel, pp = _model_layout(model)
     multiple = length_multiple(tp, ctx.cp_size, sequence_parallel=sequence_parallel)
-    budget = (packing if use_packing else dynamic_batching).tokens_per_microbatch  # type: ignore[union-attr]
+    chosen = packing if use_packing else dynamic_batching
+    assert chosen is not None  # enabled, so given (checked above)
+    budget = chosen.tokens_per_microbatch
     problems = micro_batching_violations(
         packing=use_packing, dynamic_batching=use_dynamic, tokens_per_microbatch=budget, pp=pp, multiple=multiple
     )

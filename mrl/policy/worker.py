@@ -19,7 +19,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional, TypedDict
 
 import torch
 
@@ -31,6 +31,10 @@ from mrl.policy.interface import PolicyLoss, RankBatch, pad_routing
 from mrl.policy.memory import PARTS, HostOffload
 from mrl.policy.speed import fused_wgrad_available, gather_weights, resolve_speed, wire_overlaps
 from mrl.policy.train_step import StepContext, logprobs_of_batch, train_on_batch
+
+if TYPE_CHECKING:
+    from converters.layers import SpecNames
+    from mrl.policy.export import ShardedExporter
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -108,9 +112,20 @@ def _pad_to_multiple(batch: RankBatch, multiple: int) -> RankBatch:
     )
 
 
-def _uneven_pipeline(par: Any) -> dict[str, int]:
+class _UnevenPipeline(TypedDict, total=False):
+    num_layers_in_first_pipeline_stage: int
+    num_layers_in_last_pipeline_stage: int
+
+
+class _Recompute(TypedDict, total=False):
+    recompute_granularity: str
+    recompute_method: str
+    recompute_num_layers: int
+
+
+def _uneven_pipeline(par: Any) -> _UnevenPipeline:
     """TransformerConfig fields of an uneven pipeline split (`policy.parallel.first/last_stage_layers`)."""
-    out = {}
+    out: _UnevenPipeline = {}
     if par.first_stage_layers is not None:
         out["num_layers_in_first_pipeline_stage"] = par.first_stage_layers
     if par.last_stage_layers is not None:
@@ -124,7 +139,8 @@ def _initial_weights(spec: PolicySpec, hf_config: dict[str, Any]) -> Callable[[A
     if spec.megatron_dir is not None:
         from mrl.checkpoint.megatron import MODEL_SUBDIR, load_megatron_checkpoint
 
-        return lambda module: load_megatron_checkpoint(module, Path(spec.megatron_dir) / MODEL_SUBDIR)
+        checkpoint = Path(spec.megatron_dir) / MODEL_SUBDIR
+        return lambda module: load_megatron_checkpoint(module, checkpoint)
     from converters.hf_io import load_hf_state
     from mrl.model.build import load_hf_weights
 
@@ -196,8 +212,8 @@ class PolicyWorker:
             data_parallel=ps.get_data_parallel_world_size(with_context_parallel=True),
             distributed_optimizer=cfg.optimizer.use_distributed_optimizer,
         )
-        recompute = (
-            dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+        recompute: _Recompute = (
+            _Recompute(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
             if cfg.activation_checkpointing
             else {}
         )
@@ -277,7 +293,7 @@ class PolicyWorker:
                 tp_size=self.dims.tp,
                 sequence_parallel=par.sequence_parallel,
             )
-        self._exporter = None
+        self._exporter: Optional[ShardedExporter] = None  # made by the first `plan_export`
         self._bucket_plan: list = []
         self._bucket_owners: list[int] = []
         self.ps = ps
@@ -320,10 +336,12 @@ class PolicyWorker:
         self.memory.reclaim(("weights",))  # a logprob pass reads the weights alone
         width = shard.input_ids.shape[1]
         batch = _pad_to_multiple(shard.to(_device()), self.dims.length_multiple)
-        model = [self.reference] if reference else self.model
-        offload = reference and self.spec.policy.offload_reference and torch.cuda.is_available()
-        if offload:  # the frozen copy lives in host memory between uses (GPU memory goes to the policy and engine)
-            self.reference.cuda()
+        frozen = self.reference if reference else None  # the reference model when it computes (checked above)
+        model = [frozen] if frozen is not None else self.model
+        # the frozen copy lives in host memory between uses (GPU memory goes to the policy and engine)
+        offload = self.spec.policy.offload_reference and torch.cuda.is_available()
+        if frozen is not None and offload:
+            frozen.cuda()
         for chunk in model:
             chunk.eval()
         size = _micro_batch_size(self.spec.policy.logprob_micro_batch_size, len(batch), batch.group_size)
@@ -338,8 +356,8 @@ class PolicyWorker:
         )
         for chunk in model:
             chunk.train(not reference)
-        if offload:
-            self.reference.cpu()
+        if frozen is not None and offload:
+            frozen.cpu()
         return out[:, :width].cpu() if out is not None and self._is_leader() else None
 
     def train(
@@ -463,7 +481,9 @@ class PolicyWorker:
         self.memory.reclaim(("weights",))
         gather_weights(self.speed, self.model)  # an overlapped step left the other shards to the next forward
         if self._exporter is None:
-            names = "te" if any(k.endswith("layer_norm_weight") for k in self.module.state_dict()) else "local"
+            names: SpecNames = (
+                "te" if any(k.endswith("layer_norm_weight") for k in self.module.state_dict()) else "local"
+            )
             self._exporter = ShardedExporter(self.module, self.model_dims, layer_offset=self.layer_offset, names=names)
         element = next(self.module.parameters()).element_size()
         # A layer larger than the bucket is cut (bounded memory for any model): every sink takes part-layers, vLLM's
@@ -537,10 +557,12 @@ class PolicyWorker:
     def export_state(self) -> Optional[dict[str, torch.Tensor]]:
         """The whole model as HF-named tensors on rank 0 (None elsewhere): for HF exports of small models."""
         buckets = self.plan_export(1 << 62)  # one bucket per pipeline stage
+        exporter = self._exporter
+        assert exporter is not None, "plan_export made it"
         self.memory.reclaim(("weights",))
-        state = {}
+        state: dict[str, torch.Tensor] = {}
         for index in range(buckets):
-            state.update(self._exporter.bucket(self._bucket_plan[index]))  # type: ignore[union-attr]
+            state.update(exporter.bucket(self._bucket_plan[index]))
         return state if collectives.rank() == 0 else None
 
     # --------------------------------------------------------------------------------------------- checkpoint

@@ -52,7 +52,7 @@ def activation_bytes(
 
     init_fake_process_groups(tp, 0, tp=tp)
     try:
-        recompute_kwargs = (
+        recompute_kwargs: dict[str, Any] = (
             dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1) if recompute else {}
         )
         config = transformer_config_from_hf(

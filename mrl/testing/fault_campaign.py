@@ -12,7 +12,8 @@ command, waits a time drawn uniformly from [0, T), and SIGKILLs
 then waits for the command's end (`steps_logged_at_fault` says how far the run was) (at most 3T + 180 s, else `hung`).
 Outcomes:
     survived         exit 0 without a re-run
-    stopped cleanly  exit 4 with the resume command and no traceback; the command is run again
+    stopped cleanly  exit 4 with the run's one message (`mrl: run failed: ...`, the command that resumes it) and no
+                     traceback; the command is run again
     crashed          any other end, or a traceback in the output
     hung             the command did not end in time (killed)
     missed           nothing of that kind was alive at the moment (the run had not started it, or had ended)
@@ -120,7 +121,7 @@ def _classify(code: int | None, out: str) -> str:
         return "crashed"
     if code == 0:
         return "survived"
-    if code == 4 and "resume" in out:
+    if code == 4 and "mrl: run failed:" in out:  # one message, and the command that resumes (or starts again)
         return "stopped cleanly"
     return "crashed"
 
@@ -233,6 +234,8 @@ def campaign(
             f"{' (after the last step)' if late else ''}",
             flush=True,
         )
+        if result["outcome"] in ("crashed", "hung"):
+            print(result.get("tail", ""), flush=True)
     return trials, window
 
 

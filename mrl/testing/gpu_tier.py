@@ -97,7 +97,7 @@ def _specifier(accepted: str):
     try:
         from packaging.specifiers import SpecifierSet
     except ImportError:  # pragma: no cover - pip vendors it
-        from pip._vendor.packaging.specifiers import SpecifierSet
+        from pip._vendor.packaging.specifiers import SpecifierSet  # type: ignore[assignment]  # pip's vendored copy
     return SpecifierSet(accepted)
 
 

@@ -33,7 +33,7 @@ def meta_rank_model(
 
     init_fake_process_groups(world, rank, tp=tp, pp=pp, ep=ep)
     try:
-        uneven = {
+        uneven: dict[str, Any] = {  # TransformerConfig overrides, set only when given
             k: v
             for k, v in (
                 ("num_layers_in_first_pipeline_stage", first_stage_layers),

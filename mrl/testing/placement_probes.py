@@ -59,10 +59,12 @@ class Probe:
         env = ray_executor_env(config)
         group = get_current_placement_group()
         workers = [
-            _VllmLikeWorker.options(
+            _VllmLikeWorker.options(  # type: ignore[attr-defined]  # mypy ignores the ray.remote class decorator
                 num_gpus=float(env["VLLM_RAY_PER_WORKER_GPUS"]),
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    group, placement_group_bundle_index=int(index), placement_group_capture_child_tasks=True
+                    group,  # type: ignore[arg-type]  # ray 2.60 documents None (no group) but annotates PlacementGroup
+                    placement_group_bundle_index=int(index),
+                    placement_group_capture_child_tasks=True,
                 ),
                 runtime_env={"env_vars": {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}},
             ).remote()

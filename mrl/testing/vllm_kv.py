@@ -62,15 +62,25 @@ def _layer_spec(vllm_config: VllmConfig, block_size: int, kv_dtype: torch.dtype)
     """One decoder layer's spec on one TP rank, as the attention layer's get_kv_cache_spec builds it."""
     model_config = vllm_config.model_config
     cache_dtype = _FP8_CACHE_DTYPES.get(kv_dtype, "auto")
-    common = dict(
-        block_size=block_size,
-        head_size=model_config.get_head_size(),
-        dtype=kv_dtype,
-        kv_quant_mode=get_kv_quant_mode(cache_dtype),
-    )
+    head_size = model_config.get_head_size()
+    kv_quant_mode = get_kv_quant_mode(cache_dtype)
     if model_config.use_mla:
-        return MLAAttentionSpec(num_kv_heads=1, max_tp_shards=1, cache_dtype_str=cache_dtype, **common)
-    return FullAttentionSpec(num_kv_heads=model_config.get_num_kv_heads(vllm_config.parallel_config), **common)
+        return MLAAttentionSpec(
+            block_size=block_size,
+            num_kv_heads=1,
+            head_size=head_size,
+            dtype=kv_dtype,
+            kv_quant_mode=kv_quant_mode,
+            max_tp_shards=1,
+            cache_dtype_str=cache_dtype,
+        )
+    return FullAttentionSpec(
+        block_size=block_size,
+        num_kv_heads=model_config.get_num_kv_heads(vllm_config.parallel_config),
+        head_size=head_size,
+        dtype=kv_dtype,
+        kv_quant_mode=kv_quant_mode,
+    )
 
 
 def vllm_kv_capacity(

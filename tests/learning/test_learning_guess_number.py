@@ -29,7 +29,7 @@ def _write(path: Path, rows: list[dict]) -> str:
 
 
 @pytest.fixture(scope="module")
-def summary(tmp_path_factory):
+def run_root(tmp_path_factory):
     root = tmp_path_factory.mktemp("guess-number")
     warmup = _write(root / "warmup.jsonl", GuessNumber.warmup_rows(4000, seed=0, **BOUNDS))
     train = _write(root / "train.jsonl", GuessNumber.rows(2000, seed=0, **BOUNDS))
@@ -39,17 +39,25 @@ def summary(tmp_path_factory):
     recipe["stages"][0]["overrides"] = [f"data.train={warmup}"]
     (root / "recipe.yaml").write_text(yaml.safe_dump(recipe, sort_keys=False))
     run_staged(root / "recipe.yaml", [f"run.output_dir={root / 'run'}"])
-    return json.loads((root / "run" / "summary.json").read_text())["grpo"]
+    return root
 
 
-def test_grpo_learns_to_use_the_servers_answers(summary, figure):
+@pytest.fixture(scope="module")
+def summary(run_root):
+    return json.loads((run_root / "run" / "summary.json").read_text())["grpo"]
+
+
+def test_the_run_holds_the_figures_its_recipe_expects(run_root, summary, figure):
+    """The recipe's expect: block, as `mrl check` checks it: the reward and the held-out games rise, and the
+    trainer's logprobs of the multi-turn samples equal the engine's (no retokenisation drift)."""
+    from mrl.app.check import check_run, report
+    from mrl.config import load_config
+
     first, last = summary["reward_first10"], summary["reward_last10"]
     before, after = summary["val_accuracy_before"], summary["val_accuracy_after"]
     figure(f"guess-number GRPO reward, first 10 steps {first:.3f} -> last 10 {last:.3f}; held-out games found "
-          f"{before:.3f} -> {after:.3f}")
-    assert last - first >= 0.1
-    assert after - before >= 0.2
+           f"{before:.3f} -> {after:.3f}")
 
-
-def test_multi_turn_samples_have_no_retokenisation_drift(summary):
-    assert summary["token_mult_prob_error_max"] <= 1.001
+    cfg = load_config(str(run_root / "recipe.yaml"), [])
+    results = check_run(run_root / "run", cfg)
+    assert all(result.ok for result in results), report(results, cfg)

@@ -12,7 +12,8 @@ settings only, never open handles.
 
 Transports whose sender and receivers meet in a collective (`meets = True`: the broadcast group of
 collective.py) cannot hand a payload over after packing: the receivers must already be receiving while the sender
-packs. They announce the payload receivers get (`receiver_payload()`) and the refit loop starts both sides at once.
+packs. They announce the payload receivers get (`receiver_payload(sender)`) and the refit loop starts both sides at
+once.
 """
 
 from __future__ import annotations
@@ -38,8 +39,9 @@ class WeightTransport(Protocol):
         """Sender side: the payload of one bucket (for a meeting transport: send it, then return the announcement)."""
         ...
 
-    def receiver_payload(self) -> Payload:
-        """Meeting transports: what every receiver gets before the sender packs. Others raise."""
+    def receiver_payload(self, sender: int = 0) -> Payload:
+        """Meeting transports: what every receiver gets before sender `sender` packs (0 unless the transport has
+        several senders: one per pipeline stage). Others raise."""
         ...
 
     def release(self, payload: Payload) -> None:

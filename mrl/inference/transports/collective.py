@@ -203,7 +203,7 @@ def connect(
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     transport = CollectiveTransport(
         f"mrl-refit-{uuid.uuid4().hex[:12]}", address, port, 1 + sink.num_receivers, backend, stages
-    )  # type: ignore[arg-type]
+    )
     wait_all([source.join_refit_group_async(transport), sink.join_refit_group_async(transport)])
     return transport
 

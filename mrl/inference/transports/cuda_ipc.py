@@ -37,7 +37,7 @@ from __future__ import annotations
 import json
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Protocol
 
 import torch
 
@@ -52,6 +52,13 @@ _SENT: dict[str, dict[int, tuple[torch.Tensor, dict[str, Any]]]] = {}
 _NEXT: dict[str, int] = {}
 #: Receiver side: per (sender, slot), the identity of the bytes last opened and their mapping.
 _OPENED: dict[tuple[str, int], tuple[tuple, torch.Tensor]] = {}
+
+
+class Broadcast(Protocol):
+    """Rank 0's `tensor` (None on the other ranks) on every rank of the policy's group: into `into` when given (the
+    same size everywhere), else a new tensor (`_broadcast_from_rank0`; tests record and replay it)."""
+
+    def __call__(self, tensor: Optional[torch.Tensor], into: Optional[torch.Tensor] = None, /) -> torch.Tensor: ...
 
 
 class IpcDeviceError(RuntimeError):
@@ -79,7 +86,7 @@ class CudaIpcTransport:
         bucket: Optional[list[NamedTensor]],
         *,
         group_size: Optional[int] = None,
-        broadcast: Optional[Callable[[torch.Tensor, Optional[torch.Tensor]], torch.Tensor]] = None,
+        broadcast: Optional[Broadcast] = None,
     ) -> Payload:
         """Collective over the policy's ranks: rank 0 holds `bucket` (None elsewhere); every rank returns its part
         of the payload (rank 0's carries the header, names and bytes), which `merge` joins."""
@@ -109,7 +116,7 @@ class CudaIpcTransport:
         """The ranks' parts (rank order; None from a rank that exported nothing) joined into one payload."""
         return merge(parts)
 
-    def receiver_payload(self) -> Payload:
+    def receiver_payload(self, sender: int = 0) -> Payload:
         raise TypeError("the CUDA IPC transport hands each bucket over after packing; it announces nothing")
 
     def release(self, payload: Payload) -> None:

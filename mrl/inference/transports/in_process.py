@@ -24,7 +24,7 @@ class InProcessTransport:
     def pack(self, bucket: list[NamedTensor]) -> Payload:
         return describe({"kind": KIND, "tensors": bucket}, bucket)
 
-    def receiver_payload(self) -> Payload:
+    def receiver_payload(self, sender: int = 0) -> Payload:
         raise TypeError("the in-process transport hands each bucket over after packing; it announces nothing")
 
     def release(self, payload: Payload) -> None:

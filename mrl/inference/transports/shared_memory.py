@@ -60,7 +60,7 @@ class SharedMemoryFileTransport:
         """The ranks' parts of one bucket (rank order; None from a rank that packed nothing) as one payload."""
         return merge(parts)
 
-    def receiver_payload(self) -> Payload:
+    def receiver_payload(self, sender: int = 0) -> Payload:
         raise TypeError("the shared-memory transport hands each bucket over after packing; it announces nothing")
 
     def release(self, payload: Payload) -> None:

@@ -86,10 +86,10 @@ def test_every_worker_holds_the_gpu_share_its_layout_implies(cluster, layout):
         engines = WorkerGroup("generation", Probe, placement, init_args=(engine_cfg,), bundle_indices=seats.actors,
                               resource_fraction=seats.share, **engine_actor_options(engine_cfg))
         groups.append(engines)
-        gpu_of = {} if big else _check_ranks(policy.run_all("seen"), placement, range(cfg.policy_world_size), share)
+        gpu_of = {} if big else _check_ranks(policy.run_all(Probe.seen), placement, range(cfg.policy_world_size), share)
         size = engine_world_size(cfg)
         if size == 1:
-            engine_gpus = _check_ranks(engines.run_all("seen"), placement, seats.actors, seats.share)
+            engine_gpus = _check_ranks(engines.run_all(Probe.seen), placement, seats.actors, seats.share)
         else:
             engine_gpus = _check_tensor_parallel_engines(engines, placement, seats, size)
         shared = {b: g for b, g in engine_gpus.items() if b in gpu_of}
@@ -99,7 +99,7 @@ def test_every_worker_holds_the_gpu_share_its_layout_implies(cluster, layout):
             scorer = WorkerGroup("reward_model", Probe, placement, bundle_indices=range(cfg.policy_world_size),
                                  resource_fraction=share)
             groups.append(scorer)
-            assert _check_ranks(scorer.run_all("seen"), placement, range(cfg.policy_world_size), share) == gpu_of
+            assert _check_ranks(scorer.run_all(Probe.seen), placement, range(cfg.policy_world_size), share) == gpu_of
         if not cfg.generation.colocated:  # the engines' bundles are not the policy's
             assert set(seats.actors).isdisjoint(range(cfg.policy_world_size))
     finally:
@@ -125,8 +125,8 @@ def _check_tensor_parallel_engines(engines, placement, seats, size: int) -> dict
     """Each engine's actor holds no GPU and sees every GPU (vLLM's platform code looks at them); its `size` workers
     (TP x PP) hold one GPU share each, `size` different GPUs on bundles of one node. Returns bundle -> GPU id of the
     workers."""
-    outer = engines.run_all("seen")
-    workers = engines.run_all("start_engine_workers")
+    outer = engines.run_all(Probe.seen)
+    workers = engines.run_all(Probe.start_engine_workers)
     used = []
     for engine, (report, team, bundles) in enumerate(zip(outer, workers, seats.workers)):
         assert report["gpu_ids"] == [] and report["held"] == 0 and report["noset"] == "1", f"engine {engine}: {report}"

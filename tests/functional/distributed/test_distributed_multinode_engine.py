@@ -63,7 +63,7 @@ def test_an_engine_of_pipeline_stages_puts_each_stage_on_one_node(two_nodes):
         assert engine_cfg.ray_executor_bundles == (tuple(b.index for b in placement.bundles),)
         engines = WorkerGroup("generation", Probe, placement, init_args=(engine_cfg,), bundle_indices=seats.actors,
                               resource_fraction=seats.share, **engine_actor_options(engine_cfg))
-        (workers,) = engines.run_all("start_engine_workers")
+        (workers,) = engines.run_all(Probe.start_engine_workers)
         assert [w["node"] for w in workers] == [first] * 4 + [second] * 4  # ranks 2k, 2k + 1: stage k
         assert all(len(w["gpu_ids"]) == 1 and w["held"] == pytest.approx(0.5) for w in workers)
         for node in (first, second):

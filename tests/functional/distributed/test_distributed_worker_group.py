@@ -138,7 +138,7 @@ def fresh_group(placement):
 
 
 def test_run_all_sets_rank_environment(group):
-    envs = group.run_all("env")
+    envs = group.run_all(Worker.env)
     assert [env["RANK"] for env in envs] == ["0", "1"]
     assert [env["LOCAL_RANK"] for env in envs] == ["0", "1"]  # both bundles on this one node
     for env in envs:
@@ -159,7 +159,7 @@ def test_auto_threads_give_a_group_alone_on_a_node_its_cores(placement):
         group = WorkerGroup("auto", Worker, placement, bundle_indices=indices, resource_fraction=0.5,
                             omp_num_threads="auto", busy_per_node=busy)
         try:
-            for env in group.run_all("env"):
+            for env in group.run_all(Worker.env):
                 shared_by = busy or len(indices)
                 assert env["threads"] == expected[shared_by] and env["OMP_NUM_THREADS"] == str(expected[shared_by])
         finally:
@@ -167,8 +167,8 @@ def test_auto_threads_give_a_group_alone_on_a_node_its_cores(placement):
 
 
 def test_gloo_all_reduce_with_group_environment(group):
-    group.run_all("init_gloo")
-    assert group.run_all("all_reduce_rank") == [3.0, 3.0]  # 1 + 2
+    group.run_all(Worker.init_gloo)
+    assert group.run_all(Worker.all_reduce_rank) == [3.0, 3.0]  # 1 + 2
 
 
 def test_shard_and_run_matches_single_process_in_batch_order(group):
@@ -177,45 +177,45 @@ def test_shard_and_run_matches_single_process_in_batch_order(group):
     expected = _linear(0)(batch["x"]).detach() * 2.0
 
     with pytest.raises(ValueError, match="5 rows does not split evenly over 2"):
-        group.shard_and_run("forward", batch, 2.0)
-    out = group.shard_and_run("forward", batch, 2.0, allow_uneven=True)
+        group.shard_and_run(Worker.forward, batch, 2.0)
+    out = group.shard_and_run(Worker.forward, batch, 2.0, allow_uneven=True)
     torch.testing.assert_close(out["y"], expected, rtol=0, atol=1e-6)
     assert out["rank"] == [0, 0, 0, 1, 1] and out["ids"].tolist() == [0, 1, 2, 3, 4]
-    assert group.run_on_leaders("fail_on", -1) == [0, 1]
+    assert group.run_on_leaders(Worker.fail_on, -1) == [0, 1]
 
 
 def test_data_parallel_leaders_from_workers(group):
-    layout = group.layout_from_workers("dp_info")
+    layout = group.layout_from_workers(Worker.dp_info)
     try:
         assert layout == DataParallelLayout((0, 0), (False, True))
         batch = {"x": torch.randn(3, 4), "ids": np.arange(3)}
-        out = group.shard_and_run("forward", batch, 1.0)  # both ranks get the whole batch, rank 1 answers
+        out = group.shard_and_run(Worker.forward, batch, 1.0)  # both ranks get the whole batch, rank 1 answers
         assert out["rank"] == [1, 1, 1] and out["ids"].tolist() == [0, 1, 2]
-        assert group.run_on_leaders("fail_on", -1) == [1]
+        assert group.run_on_leaders(Worker.fail_on, -1) == [1]
     finally:
         group.set_layout(DataParallelLayout.pure(2))
 
 
 def test_exception_in_worker_names_rank_and_keeps_cause(group):
     with pytest.raises(WorkerError, match=r"'policy' rank 1 \(node .*, pid \d+\) raised ValueError") as caught:
-        group.run_all("fail_on", 1)
+        group.run_all(Worker.fail_on, 1)
     assert caught.value.rank == 1 and not isinstance(caught.value, WorkerDiedError)
     assert isinstance(caught.value.cause, ValueError) and "seen by rank 1" in str(caught.value.cause)
-    assert group.run_all("fail_on", -1) == [0, 1]  # a raised exception leaves the workers usable
+    assert group.run_all(Worker.fail_on, -1) == [0, 1]  # a raised exception leaves the workers usable
 
 
 def test_worker_exit_inside_collective_raises_died_error_quickly(fresh_group):
     group = fresh_group
-    group.run_all("init_gloo")
+    group.run_all(Worker.init_gloo)
     start = time.monotonic()
     with pytest.raises(WorkerDiedError, match=f"'policy' rank 1 \\(node .*, pid {group.info[1].pid}\\) died"):
-        group.run_all("exit_during_all_reduce", 1)
+        group.run_all(Worker.exit_during_all_reduce, 1)
     assert time.monotonic() - start < 10
 
 
 def test_killed_worker_process_raises_died_error(fresh_group):
     group = fresh_group
-    future = group.run_all_async("sleep", 60)
+    future = group.run_all_async(Worker.sleep, 60)
     time.sleep(0.5)
     os.kill(group.info[0].pid, signal.SIGKILL)
     start = time.monotonic()
@@ -223,17 +223,17 @@ def test_killed_worker_process_raises_died_error(fresh_group):
         future.result(timeout_s=30)
     assert caught.value.rank == 0 and time.monotonic() - start < 10
     with pytest.raises(WorkerDiedError, match="rank 0"):  # a later call fails at once too
-        group.run_all("fail_on", -1)
+        group.run_all(Worker.fail_on, -1)
 
 
 def test_a_call_past_its_deadline_names_the_late_ranks_with_their_stacks(fresh_group):
     """A hang: rank 0 is stopped (SIGSTOP) before it joins an all-reduce, rank 1 waits in the all-reduce for it.
     The deadline ends the call with rank 1's stack (in the collective) and rank 0's state (it cannot run a handler)."""
     group = fresh_group
-    group.run_all("init_gloo")
+    group.run_all(Worker.init_gloo)
     group.deadlines = Deadlines(floor_s=3.0, tokens_per_s=100.0, overrides={"sleep": 60.0})
     assert group.deadlines.seconds("all_reduce_after_a_stop", Work(tokens=200)) == 5.0  # the floor + the work
-    future = group.run_all_async("all_reduce_after_a_stop", 0, work=Work(tokens=200))
+    future = group.run_all_async(Worker.all_reduce_after_a_stop, 0, work=Work(tokens=200))
     time.sleep(0.5)
     os.kill(group.info[0].pid, signal.SIGSTOP)
     start = time.monotonic()
@@ -255,8 +255,8 @@ def test_a_call_past_its_deadline_names_the_late_ranks_with_their_stacks(fresh_g
 def test_a_slow_call_within_its_deadline_and_an_explicit_timeout(fresh_group, tmp_path):
     group = fresh_group
     group.deadlines = Deadlines(floor_s=0.5, overrides={"sleep": 30.0})
-    assert group.run_all("sleep", 1.0) == [0, 1]  # past the floor, within its override
-    future = group.run_all_async("sleep", 20.0, started=str(tmp_path / "started"))
+    assert group.run_all(Worker.sleep, 1.0) == [0, 1]  # past the floor, within its override
+    future = group.run_all_async(Worker.sleep, 20.0, started=str(tmp_path / "started"))
     # The stacks must show the ranks inside the call: wait until both have begun it (on a loaded machine Ray may
     # still be dispatching it half a second after the submit, and the stack would show the idle worker loop).
     deadline = time.monotonic() + 60
@@ -272,10 +272,10 @@ def test_shutdown_asks_for_clean_up_but_does_not_wait_for_a_stuck_rank(fresh_gro
     then every actor is killed."""
     group = fresh_group
     pids = [info.pid for info in group.info]
-    group.run_all_async("sleep", 600)  # ten minutes: the shutdown must not wait for it
+    group.run_all_async(Worker.sleep, 600)  # ten minutes: the shutdown must not wait for it
     time.sleep(0.5)
     start = time.monotonic()
-    group.shutdown(clean="env", timeout_s=2)
+    group.shutdown(clean=Worker.env, timeout_s=2)
     assert time.monotonic() - start < 10
     assert still_running(pids) == []
 
@@ -286,8 +286,8 @@ def test_colocated_groups_share_bundles_and_overlap(placement):
     try:
         assert [b.index for b in policy.bundles] == [b.index for b in rollout.bundles] == [0, 1]
         assert policy.master_port != rollout.master_port
-        wait_all([policy.run_all_async("init_gloo"), rollout.run_all_async("init_gloo")])
-        sums = wait_all([policy.run_all_async("all_reduce_rank"), rollout.run_all_async("all_reduce_rank")])
+        wait_all([policy.run_all_async(Worker.init_gloo), rollout.run_all_async(Worker.init_gloo)])
+        sums = wait_all([policy.run_all_async(Worker.all_reduce_rank), rollout.run_all_async(Worker.all_reduce_rank)])
         assert sums == [[3.0, 3.0], [3.0, 3.0]]  # two independent process groups on the same bundles
         with pytest.raises(WorkerTimeoutError, match="'third': actors did not start.*must sum to <= 1"):
             WorkerGroup("third", Worker, placement, resource_fraction=0.5, start_timeout_s=2)
@@ -300,7 +300,7 @@ def test_disjoint_groups_on_separate_bundles(placement):
     left = WorkerGroup("left", Worker, placement, bundle_indices=[0])
     right = WorkerGroup("right", Worker, placement, bundle_indices=[1])
     try:
-        assert left.run_all("env")[0]["RANK"] == right.run_all("env")[0]["RANK"] == "0"
+        assert left.run_all(Worker.env)[0]["RANK"] == right.run_all(Worker.env)[0]["RANK"] == "0"
     finally:
         left.shutdown()
         right.shutdown()
@@ -324,7 +324,7 @@ def test_one_group_placement_holds_every_bundle_in_rank_order(cluster):
         assert {b.group.id for b in placement.bundles} == {placement.groups[0].id}
         group = WorkerGroup("united", Worker, placement)
         try:
-            assert [env["RANK"] for env in group.run_all("env")] == ["0", "1"]
+            assert [env["RANK"] for env in group.run_all(Worker.env)] == ["0", "1"]
         finally:
             group.shutdown()
     finally:
