@@ -25,8 +25,9 @@ from __future__ import annotations
 
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
@@ -36,6 +37,7 @@ from mrl.algorithms.evaluate import validate, write_samples
 from mrl.algorithms.guards import NonFiniteGuard
 from mrl.algorithms.health import IdleGuard, env_reads_answers, health_metrics, step_causes
 from mrl.algorithms.interfaces import LoopCheckpoints, Workers
+from mrl.algorithms.loop import end_step
 from mrl.algorithms.rollout import Rollouts, generate_and_score
 from mrl.config.schema import MrlConfig
 from mrl.data.dataloader import PromptDataLoader
@@ -218,6 +220,74 @@ def _train_in_minibatches(cfg: MrlConfig, workers: Workers, batch: RankBatch, lo
     }
 
 
+@dataclass
+class _Run:
+    """What GRPO's two schedules share: the run's parts, its data stream and loss, where it starts, its stops."""
+
+    cfg: MrlConfig
+    workers: Workers
+    env: Environment
+    val_env: Environment
+    data: TaskData
+    logger: MetricsLogger
+    ckpt: LoopCheckpoints
+    loader: PromptDataLoader
+    loss_fn: GRPOLoss
+    state: Optional[dict]  # the checkpoint resumed from (None: a fresh start)
+    guard: NonFiniteGuard
+    idle: IdleGuard
+
+    @property
+    def start(self) -> int:
+        return int(self.state["step"]) if self.state else 0
+
+    @property
+    def last(self) -> int:
+        return self.cfg.grpo.max_num_steps
+
+    def produce(self, step: int, problems, version: int) -> tuple[Rollouts, dict[str, float]]:
+        return produce_rollouts(self.cfg, self.workers, self.env, self.data, problems, step, self.logger, version)
+
+    def done(self, step: int) -> bool:
+        return step == self.last or self.loader.passes_done(self.cfg.grpo.max_num_epochs)
+
+    def validation_due(self, step: int, done: bool) -> bool:
+        return done or bool(self.cfg.grpo.val_every and step % self.cfg.grpo.val_every == 0)
+
+    def validate(self, step: int) -> dict[str, float]:
+        return run_validation(self.cfg, self.workers, self.val_env, self.data, step)
+
+    def learn(self, step: int, rollouts: Rollouts, metrics: dict[str, float]) -> bool:
+        """Train on the step's rollouts and judge the step (non-finite, idle); whether its update was skipped."""
+        metrics.update(learn(self.cfg, self.workers, rollouts, step, self.loss_fn, self.logger))
+        skipped = self.guard.observe(step, metrics)  # a non-finite step changed no weight: nothing to refit
+        causes = step_causes(self.cfg, metrics, rollouts)
+        self.idle.observe(step, causes)
+        metrics["train/health_warnings"] = float(len(causes))
+        metrics["train/idle"] = float(any(cause.idle for cause in causes))
+        return skipped
+
+    def end_step(self, step: int, metrics: dict[str, float], started: float, done: bool, in_flight) -> bool:
+        """Log, stop (non-finite first, then idle: before the save, an idle step's checkpoint would only renumber
+        the start), save when due with the rollouts in flight (`in_flight()`), and whether the loop ends."""
+        metrics["train/engine_restarts"] = float(self.workers.engine_restarts)
+
+        def state() -> dict:
+            return {"dataloader": self.loader.state_dict(), "in_flight": in_flight()}
+
+        return end_step(
+            step,
+            self.last,
+            metrics,
+            started=started,
+            done=done,
+            logger=self.logger,
+            ckpt=self.ckpt,
+            stops=[self.guard, self.idle],
+            state=state,
+        )
+
+
 def grpo_train(
     cfg: MrlConfig,
     workers: Workers,
@@ -231,67 +301,70 @@ def grpo_train(
     """The whole GRPO run (resumes from the newest checkpoint when there is one). Returns the final metrics.
     `val_env` scores validation (default `env`; with a reward model as the training reward, the task's verifier).
     `grpo.max_off_policy_steps: 1` generates step n+1 while step n trains (mrl/algorithms/ahead.py)."""
-    val_env = val_env or env
-    loader = PromptDataLoader(data.train, cfg.grpo.num_prompts_per_step, seed=cfg.run.seed)
-    loss_fn = GRPOLoss(**cfg.loss.model_dump())  # loss.* are GRPOLoss's fields
-    last = cfg.grpo.max_num_steps
     if not data.val:
         print("[mrl] no validation problems (data.val / eval.data): validation is skipped", file=sys.stderr)
-    state = ckpt.resume_newest()
-    start = int(state["step"]) if state else 0
-    if state:
-        loader.load_state_dict(state["dataloader"])
+    run = _Run(
+        cfg,
+        workers,
+        env,
+        val_env or env,
+        data,
+        logger,
+        ckpt,
+        loader=PromptDataLoader(data.train, cfg.grpo.num_prompts_per_step, seed=cfg.run.seed),
+        loss_fn=GRPOLoss(**cfg.loss.model_dump()),  # loss.* are GRPOLoss's fields
+        state=ckpt.resume_newest(),
+        guard=NonFiniteGuard(cfg.policy.max_nonfinite_steps),
+        idle=IdleGuard(cfg.grpo.max_idle_steps),
+    )
+    if run.state:
+        run.loader.load_state_dict(run.state["dataloader"])
         workers.refit()  # the engine gets the resumed weights
     else:
-        logger.log(run_validation(cfg, workers, val_env, data, step=0), step=0)
+        logger.log(run.validate(0), step=0)
+    return _one_step_ahead(run) if cfg.grpo.max_off_policy_steps else _synchronous(run)
 
-    def produce(step: int, problems, version: int) -> tuple[Rollouts, dict[str, float]]:
-        return produce_rollouts(cfg, workers, env, data, problems, step, logger, version)
 
-    ahead = (
-        RolloutsAhead(produce, lambda on_sent: refit_engine(workers, logger, on_sent), engine_version=start)
-        if cfg.grpo.max_off_policy_steps
-        else None
-    )
-    if ahead is not None and state:
-        ahead.load_state_dict(state.get("in_flight"))
+def _synchronous(run: _Run) -> dict[str, float]:
+    """Each step generates from the weights after the step before, trains, then refits the engine."""
     final: dict[str, float] = {}
-    guard = NonFiniteGuard(cfg.policy.max_nonfinite_steps)
-    idle = IdleGuard(cfg.grpo.max_idle_steps)
+    for step in range(run.start + 1, run.last + 1):
+        started = time.perf_counter()
+        rollouts, metrics = run.produce(step, next(run.loader), step - 1)
+        done = run.done(step)
+        if not run.learn(step, rollouts, metrics):
+            metrics.update(refit_engine(run.workers, run.logger))
+        if run.validation_due(step, done):
+            metrics.update(run.validate(step))
+        final = metrics
+        if run.end_step(step, metrics, started, done, in_flight=lambda: None):
+            break
+    return final
+
+
+def _one_step_ahead(run: _Run) -> dict[str, float]:
+    """Step n+1 generates (from the weights before step n) while step n trains; validation waits for it and refits
+    the engine with the newest weights first (mrl/algorithms/ahead.py)."""
+    ahead = RolloutsAhead(
+        run.produce, lambda on_sent: refit_engine(run.workers, run.logger, on_sent), engine_version=run.start
+    )
+    if run.state:
+        ahead.load_state_dict(run.state.get("in_flight"))
+    final: dict[str, float] = {}
     try:
-        for step in range(start + 1, last + 1):
-            t0 = time.perf_counter()
-            if ahead is None:
-                rollouts, metrics = produce(step, next(loader), step - 1)
-            else:
-                rollouts, metrics = ahead.take(step, lambda: next(loader))
-            done = step == last or loader.passes_done(cfg.grpo.max_num_epochs)
-            if ahead is not None and not done:  # step + 1 generates (from the weights before this step) ...
-                ahead.start(step + 1, next(loader), policy_version=step - 1)
-            metrics.update(learn(cfg, workers, rollouts, step, loss_fn, logger))  # ... while this step trains
-            skipped = guard.observe(step, metrics)  # a non-finite step changed no weight: nothing to refit
-            causes = step_causes(cfg, metrics, rollouts)
-            idle.observe(step, causes)
-            metrics["train/health_warnings"] = float(len(causes))
-            metrics["train/idle"] = float(any(cause.idle for cause in causes))
-            if ahead is None and not skipped:
-                metrics.update(refit_engine(workers, logger))
-            if done or (cfg.grpo.val_every and step % cfg.grpo.val_every == 0):
-                if ahead is not None:
-                    metrics.update(ahead.update_engine(step))
-                metrics.update(run_validation(cfg, workers, val_env, data, step))
-            metrics["train/engine_restarts"] = float(workers.engine_restarts)
-            metrics["timing/step"] = time.perf_counter() - t0
-            logger.log(metrics, step=step)
+        for step in range(run.start + 1, run.last + 1):
+            started = time.perf_counter()
+            rollouts, metrics = ahead.take(step, lambda: next(run.loader))
+            done = run.done(step)
+            if not done:  # step + 1 generates (from the weights before this step) ...
+                ahead.start(step + 1, next(run.loader), policy_version=step - 1)
+            run.learn(step, rollouts, metrics)  # ... while this step trains
+            if run.validation_due(step, done):
+                metrics.update(ahead.update_engine(step))
+                metrics.update(run.validate(step))
             final = metrics
-            guard.stop_if_exhausted()
-            idle.stop_if_exhausted()  # before the save: an idle step's checkpoint would only renumber the start
-            if ckpt.due(step, last, final=done):
-                in_flight = ahead.state_dict() if ahead is not None else None
-                ckpt.save(step, {"dataloader": loader.state_dict(), "in_flight": in_flight}, metrics)
-            if ckpt.stops_after(step, done=done):
+            if run.end_step(step, metrics, started, done, in_flight=ahead.state_dict):
                 break
     finally:
-        if ahead is not None:
-            ahead.close()
+        ahead.close()
     return final

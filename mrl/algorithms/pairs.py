@@ -22,6 +22,7 @@ import torch
 
 from mrl.algorithms.guards import NonFiniteGuard
 from mrl.algorithms.health import ZeroLoss
+from mrl.algorithms.loop import end_step
 from mrl.config.errors import ConfigError
 from mrl.config.schema import MrlConfig
 from mrl.data.preferences import (
@@ -230,6 +231,10 @@ def train_on_pairs(
     final: dict[str, float] = {}
     guard = NonFiniteGuard(cfg.policy.max_nonfinite_steps)
     zero = ZeroLoss(command)
+
+    def position() -> dict:  # the controller state a checkpoint keeps
+        return {"pairs": stream.state_dict()}
+
     for step in range(int(state["step"]) + 1 if state else 1, last + 1):
         t0 = time.perf_counter()
         metrics = step_fn(
@@ -242,12 +247,9 @@ def train_on_pairs(
             metrics.update(validate())
         guard.observe(step, metrics)
         zero.observe(step, metrics)
-        metrics["timing/step"] = time.perf_counter() - t0
-        logger.log(metrics, step=step)
         final = metrics
-        guard.stop_if_exhausted()
-        if ckpt.due(step, last, final=done):
-            ckpt.save(step, {"pairs": stream.state_dict()}, metrics)
-        if ckpt.stops_after(step, done=done):
+        if end_step(
+            step, last, metrics, started=t0, done=done, logger=logger, ckpt=ckpt, stops=[guard], state=position
+        ):
             break
     return final

@@ -22,6 +22,7 @@ from typing import Optional
 from mrl.algorithms.guards import NonFiniteGuard
 from mrl.algorithms.health import ZeroLoss
 from mrl.algorithms.interfaces import LoopCheckpoints, Workers
+from mrl.algorithms.loop import end_step
 from mrl.config.schema import MrlConfig
 from mrl.data.dataloader import PromptDataLoader
 from mrl.data.sft import build_sft_batch
@@ -107,6 +108,10 @@ def sft_train(
     final: dict[str, float] = {}
     guard = NonFiniteGuard(cfg.policy.max_nonfinite_steps)
     zero = ZeroLoss("sft")
+
+    def position() -> dict:  # the controller state a checkpoint keeps
+        return {"examples": examples.state_dict()}
+
     for step in range(int(state["step"]) + 1 if state else 1, last + 1):
         t0 = time.perf_counter()
         prompts, targets = examples.next()
@@ -120,12 +125,9 @@ def sft_train(
             metrics.update(validation_loss(workers, data, cfg.policy.max_total_sequence_length))
         guard.observe(step, metrics)
         zero.observe(step, metrics)
-        metrics["timing/step"] = time.perf_counter() - t0
-        logger.log(metrics, step=step)
         final = metrics
-        guard.stop_if_exhausted()
-        if ckpt.due(step, last, final=done):
-            ckpt.save(step, {"examples": examples.state_dict()}, metrics)
-        if ckpt.stops_after(step, done=done):
+        if end_step(
+            step, last, metrics, started=t0, done=done, logger=logger, ckpt=ckpt, stops=[guard], state=position
+        ):
             break
     return final

@@ -19,24 +19,35 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Optional, TypedDict
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
 from mrl.config.schema import PolicyConfig
-from mrl.model.router_replay import RoutingReplay, disagreement_metrics
+from mrl.model.router_replay import disagreement_metrics
 from mrl.parallel import collectives
+from mrl.policy.construction import (
+    build_policy_module,
+    build_reference,
+    initial_weights,
+    parallel_dims,
+    read_model_config,
+    routing_replay,
+    speed_settings,
+    start_process_groups,
+    transformer_config,
+    transformer_overrides,
+    wrap_for_training,
+)
 from mrl.policy.expert_load import ExpertLoad
 from mrl.policy.interface import PolicyLoss, RankBatch, pad_routing
 from mrl.policy.memory import PARTS, HostOffload
-from mrl.policy.speed import fused_wgrad_available, gather_weights, resolve_speed, wire_overlaps
+from mrl.policy.speed import gather_weights
 from mrl.policy.train_step import StepContext, logprobs_of_batch, train_on_batch
 
 if TYPE_CHECKING:
     from converters.layers import SpecNames
     from mrl.policy.export import ShardedExporter
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def _refuse_nonfinite_weights(model: list, path: str) -> None:
@@ -112,42 +123,6 @@ def _pad_to_multiple(batch: RankBatch, multiple: int) -> RankBatch:
     )
 
 
-class _UnevenPipeline(TypedDict, total=False):
-    num_layers_in_first_pipeline_stage: int
-    num_layers_in_last_pipeline_stage: int
-
-
-class _Recompute(TypedDict, total=False):
-    recompute_granularity: str
-    recompute_method: str
-    recompute_num_layers: int
-
-
-def _uneven_pipeline(par: Any) -> _UnevenPipeline:
-    """TransformerConfig fields of an uneven pipeline split (`policy.parallel.first/last_stage_layers`)."""
-    out: _UnevenPipeline = {}
-    if par.first_stage_layers is not None:
-        out["num_layers_in_first_pipeline_stage"] = par.first_stage_layers
-    if par.last_stage_layers is not None:
-        out["num_layers_in_last_pipeline_stage"] = par.last_stage_layers
-    return out
-
-
-def _initial_weights(spec: PolicySpec, hf_config: dict[str, Any]) -> Callable[[Any], None]:
-    """What loads the starting weights into a freshly built model (the policy, then its reference): the Megatron
-    checkpoint's slices of this rank (resharded on load), or the HF state, read once for both models."""
-    if spec.megatron_dir is not None:
-        from mrl.checkpoint.megatron import MODEL_SUBDIR, load_megatron_checkpoint
-
-        checkpoint = Path(spec.megatron_dir) / MODEL_SUBDIR
-        return lambda module: load_megatron_checkpoint(module, checkpoint)
-    from converters.hf_io import load_hf_state
-    from mrl.model.build import load_hf_weights
-
-    hf_state = load_hf_state(spec.hf_dir)
-    return lambda module: load_hf_weights(module, hf_state, hf_config)
-
-
 def _micro_batch_size(wanted: int, rows: int, group_size: int = 1) -> int:
     """The largest micro-batch size <= `wanted` (but at least one group) that divides `rows` and is a multiple of
     `group_size` (pipeline schedules need equal micro-batches; a preference pair stays in one)."""
@@ -170,133 +145,34 @@ class PolicyWorker:
         import mrl.policy.optim  # noqa: F401
 
     def __init__(self, spec: PolicySpec) -> None:
-        from megatron.core import parallel_state as ps
-        from megatron.core.distributed import (
-            DistributedDataParallel,
-            DistributedDataParallelConfig,
-            finalize_model_grads,
-        )
-
-        from converters import model_dims
-        from converters.hf_io import load_hf_config
-        from mrl.model.build import (
-            build_gpt_model,
-            freeze_routers,
-            router_settings,
-            stage_layer_offset,
-            transformer_config_from_hf,
-        )
-        from mrl.parallel.groups import init_process_groups
-        from mrl.parallel.layout import ParallelDims
-        from mrl.policy.optim import build_optimizer, build_scheduler
-
+        """Build this rank's policy in named steps (mrl/policy/construction.py says what each needs and makes)."""
+        self.preload()  # the imports first: megatron-core loads before start_process_groups patches it for the CPU
         self.spec = spec
         cfg = spec.policy
-        par = cfg.parallel
-        self.dims = ParallelDims(
-            tp=par.tensor_parallel_size,
-            pp=par.pipeline_parallel_size,
-            cp=par.context_parallel_size,
-            ep=par.expert_parallel_size,
-            sequence_parallel=par.sequence_parallel,
-            world_size=int(os.environ["WORLD_SIZE"]),
+        self.dims = parallel_dims(cfg.parallel, world_size=int(os.environ["WORLD_SIZE"]))
+        self.ps = start_process_groups(self.dims, seed=spec.seed)  # and the seeds and this rank's device
+        self.hf_config, self.model_dims = read_model_config(spec.hf_dir)
+        self.speed = speed_settings(cfg, data_parallel=self.ps.get_data_parallel_world_size(with_context_parallel=True))
+        overrides = transformer_overrides(cfg, self.model_dims, self.speed, trainable=spec.trainable)
+        self.tconfig = transformer_config(self.hf_config, overrides)
+        load_initial_weights = initial_weights(spec, self.hf_config)  # holds the HF state for both models
+        self.module, self.layer_offset = build_policy_module(
+            self.hf_config, self.tconfig, spec, self.speed, load_initial_weights
         )
-        init_process_groups(self.dims, seed=spec.seed)
-        self.hf_config = load_hf_config(spec.hf_dir)
-        self.model_dims = model_dims(self.hf_config)
-        dtype = _DTYPES[cfg.precision]
-        self.speed = resolve_speed(
-            cfg.speed,
-            cuda=torch.cuda.is_available(),
-            fused_wgrad=fused_wgrad_available(),
-            data_parallel=ps.get_data_parallel_world_size(with_context_parallel=True),
-            distributed_optimizer=cfg.optimizer.use_distributed_optimizer,
-        )
-        recompute: _Recompute = (
-            _Recompute(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
-            if cfg.activation_checkpointing
-            else {}
-        )
-        moe = router_settings(
-            self.model_dims,
-            expert_parallel=self.dims.ep,
-            router_dtype=cfg.moe.router_dtype,
-            aux_loss_coeff=cfg.moe.aux_loss_coeff,
-            expert_bias_update_rate=cfg.moe.expert_bias_update_rate,
-        )
-        self.tconfig = transformer_config_from_hf(
-            self.hf_config,
-            tensor_parallel=self.dims.tp,
-            pipeline_parallel=self.dims.pp,
-            context_parallel=self.dims.cp,
-            sequence_parallel=par.sequence_parallel,
-            params_dtype=dtype,
-            **recompute,
-            gradient_accumulation_fusion=self.speed.gradient_accumulation_fusion and spec.trainable,
-            **moe,
-            **_uneven_pipeline(par),
-        )
-        load_initial_weights = _initial_weights(spec, self.hf_config)
-        module = build_gpt_model(
-            self.hf_config, self.tconfig, padded_vocab=spec.padded_vocab, grouped_experts=self.speed.grouped_expert_gemm
-        )
-        load_initial_weights(module)
-        if cfg.moe.freeze_router:
-            freeze_routers(module)  # before DDP and the optimizer collect the trainable parameters
-        self.module = module
-        self.layer_offset = stage_layer_offset(module)
-        self.optimizer = self.scheduler = None
-        if spec.trainable:
-            ddp_config = DistributedDataParallelConfig(
-                grad_reduce_in_fp32=True,
-                use_distributed_optimizer=cfg.optimizer.use_distributed_optimizer,
-                overlap_grad_reduce=self.speed.overlap_grad_reduce,
-                overlap_param_gather=self.speed.overlap_param_gather,
-            )
-            self.model = [DistributedDataParallel(self.tconfig, ddp_config, module=module)]
-            self.tconfig.finalize_model_grads_func = finalize_model_grads  # waits for overlapped reduces too
-            wire_overlaps(self.speed, self.tconfig, self.model)
-            self.optimizer = build_optimizer(
-                self.model, cfg.optimizer, params_dtype=dtype, overlap_param_gather=self.speed.overlap_param_gather
-            )
-            self.scheduler = build_scheduler(self.optimizer, cfg.optimizer, cfg.scheduler, total_steps=spec.total_steps)
-        else:
-            module.requires_grad_(False)
-            self.model = [module]
-        self.reference = None
-        if spec.with_reference:
-            self.reference = build_gpt_model(
-                self.hf_config,
-                self.tconfig,
-                padded_vocab=spec.padded_vocab,
-                grouped_experts=self.speed.grouped_expert_gemm,
-            )
-            load_initial_weights(self.reference)
-            self.reference.requires_grad_(False)
-            self.reference.eval()
-            if cfg.offload_reference and torch.cuda.is_available():
-                self.reference.cpu()
+        self.model, self.optimizer, self.scheduler = wrap_for_training(self.module, self.tconfig, spec, self.speed)
+        self.reference = build_reference(self.hf_config, self.tconfig, spec, self.speed, load_initial_weights)
         del load_initial_weights  # the HF state it holds
         # On CUDA the hand-over moves what `policy.offload_when_generating` names; on CPU it only keeps the flag.
         self.memory = HostOffload(
             self.model, self.optimizer, cfg.offload_when_generating, active=torch.cuda.is_available()
         )
-        self.expert_load = ExpertLoad([module])
-        self.routing = None
+        self.expert_load = ExpertLoad([self.module])
+        # Measures the engine/trainer routing disagreement of a MoE policy; replays with router_replay (None: dense).
+        self.routing = routing_replay(self.model, cfg, self.model_dims, self.ps)
         self._measure_routing = True  # the engine holds the initial weights (or gets a refit before it samples)
-        if self.model_dims.moe is not None:  # measures the engine/trainer disagreement; replays with router_replay
-            self.routing = RoutingReplay(  # the policy's routers only: the reference model routes freshly
-                self.model,
-                replay=cfg.moe.router_replay == "replay",
-                recompute=cfg.activation_checkpointing,
-                tp_rank=ps.get_tensor_model_parallel_rank(),
-                tp_size=self.dims.tp,
-                sequence_parallel=par.sequence_parallel,
-            )
         self._exporter: Optional[ShardedExporter] = None  # made by the first `plan_export`
         self._bucket_plan: list = []
         self._bucket_owners: list[int] = []
-        self.ps = ps
 
     # ------------------------------------------------------------------------------------------------- layout
     def data_parallel_layout(self) -> tuple[int, bool]:
