@@ -254,11 +254,12 @@ def _met(
         sender = source.bucket_sender(index) if several else 0
         received = sink.load_payload_async(transport.receiver_payload(sender))
         if position < len(indices) - 1 or on_sent is None:
-            yield wait_all([sent, received])[0]
-            continue
-        payload = result_watching(sent, [received])
-        on_sent()
-        received.result()
+            payload = wait_all([sent, received])[0]
+        else:
+            payload = result_watching(sent, [received])
+            on_sent()
+            received.result()
+        transport.release(payload)  # as every path does once the receivers have the bucket (a broadcast: no-op)
         yield payload
     if not indices and on_sent is not None:
         on_sent()
