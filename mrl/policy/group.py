@@ -6,15 +6,16 @@ Dispatch contract (what is split, what is replicated):
 - `train(batch, loss_fn)`: batch SHARDED as above; the loss object and the step's GLOBAL count of valid tokens (or
   sequences), computed here over the whole batch, are REPLICATED, so every rank normalises by the same number.
   Metrics come back already summed over data-parallel ranks (every leader holds the same sums).
-- refit source (`plan_buckets`, `send_bucket[_async]`, for the loop of mrl/inference/refit.py): every rank joins
-  the gathers of a bucket (TP all-gathers, PP broadcasts); rank 0 alone packs it with the given transport (a
-  shared-memory file, or a broadcast to the engines) and returns the payload: the value is REPLICATED work, one
-  output. A collective transport made with `refit_addresses` has one sender per pipeline stage: only the bucket's
-  owner stage gathers it (no PP broadcast) and that stage's first rank packs it as sender `bucket_sender(index)`;
-  its payload is the output (every bucket lies within one stage: the plan never spans two). CUDA IPC: rank 0's
-  packed bucket is broadcast to every rank, each shares its own GPU's copy, and the parts are MERGED into one payload
-  with a handle per GPU (mrl/inference/transports/cuda_ipc.py). The loop hands it to the engine before asking for
-  the next bucket, so extra memory stays at one bucket.
+- refit source (`plan_buckets`, `send_bucket[_async]`, for the loop of mrl/inference/refit.py): the transport (the
+  run's weight-sync mode) says which ranks pack (`sending`) and MERGES the ranks' return values into the output
+  (`merge`). By default every rank joins the gathers of a bucket (TP all-gathers, PP broadcasts) and rank 0 alone
+  packs it (a shared-memory file, or a broadcast to the engines): REPLICATED work, one output. A collective
+  transport made with `refit_addresses` has one sender per pipeline stage: only the bucket's owner stage gathers it
+  (no PP broadcast) and that stage's first rank packs it as sender `bucket_sender(index)` (every bucket lies within
+  one stage: the plan never spans two). CUDA IPC: rank 0's packed bucket is broadcast to every rank, each shares its
+  own GPU's copy, the parts merged into one payload with a handle per GPU (mrl/inference/transports/cuda_ipc.py).
+  Shared-memory files under EP with one stage: each EP rank packs its own experts, the files merged. The loop hands
+  the payload to the engine before asking for the next bucket, so extra memory stays at one bucket.
 - `save`/`load`: every rank writes/reads its shards of one distributed checkpoint folder.
 - `release_memory()` / `reclaim_memory()`: no data; every rank moves its own shards off / back on its device
   (mrl/policy/memory.py). The release's report: GB moved SUMMED over ranks, CUDA memory reserved the MAX over ranks
