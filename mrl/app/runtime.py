@@ -56,13 +56,7 @@ from mrl.inference.factory import engine_spans_nodes
 from mrl.inference.interface import RolloutEngine
 from mrl.inference.lifecycle import EngineState
 from mrl.inference.refit import RefitStats, refit
-from mrl.inference.transports import (
-    CollectiveTransport,
-    CudaIpcTransport,
-    SharedMemoryFileTransport,
-    WeightTransport,
-    collective,
-)
+from mrl.inference.transports import CollectiveTransport, WeightTransport, collective, make_transport
 from mrl.parallel import cpu_isa
 from mrl.policy.interface import ReleasesMemory
 
@@ -322,11 +316,14 @@ class Runtime:
         announce(error, self.engine_restarts, self.cfg.generation.max_restarts, how=how)
 
     def _transport(self) -> WeightTransport:
+        """The run's weight-sync mode (mrl/inference/transports/base.py), chosen once: a local one for colocated
+        engines and the Megatron engine, else a broadcast group with the engines (again only after they were
+        replaced). It owns the sender strategy; the refit loop and the policy only ask it."""
         if self.cfg.generation.colocated or self.cfg.generation.backend != "vllm":
             if self._local is None:  # one object for the run: a CUDA IPC sender keeps its buffers under its name
                 # The workers' devices decide, not this process's: the placement's bundles hold GPUs or not.
                 cuda = self.placement is not None and self.placement.on_gpus and self.cfg.generation.backend == "vllm"
-                self._local = CudaIpcTransport() if cuda else SharedMemoryFileTransport()
+                self._local = make_transport("cuda_ipc" if cuda else "shm_file")
             return self._local
         if self._broadcast is None:
             assert self.policy is not None and self.engine is not None  # _refit_once, the only caller, checked them

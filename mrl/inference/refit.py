@@ -116,16 +116,17 @@ class CollectiveWeightSource(WeightSource, Protocol):
     """A source whose sender can join a broadcast group (collective transport). Its calls under way are worker
     groups' futures: sender and receivers are awaited together (`mrl.distributed.wait_all`)."""
 
-    def refit_address(self) -> tuple[str, int]:
-        """Address and a free port on the sending rank's node: the group's rendezvous."""
-        ...
-
     def join_refit_group_async(self, transport: Any) -> GroupFuture: ...
 
     def send_bucket_async(self, index: int, transport: WeightTransport) -> GroupFuture: ...
 
-    # Optional, for several senders (pipeline stages; collective.connect checks for it):
-    # refit_addresses() -> list[(address, port)], one per sender; bucket_sender(index) -> the sender of a bucket.
+    def refit_addresses(self) -> list[tuple[str, int]]:
+        """One (address, port) per sender (pipeline stages: each stage's first rank; else the sender's alone)."""
+        ...
+
+    def bucket_sender(self, index: int) -> int:
+        """The sender of bucket `index` (asked only of a transport with several senders, `WeightTransport.senders`)."""
+        ...
 
 
 class CollectiveRefitSink(AsyncRefitSink, Protocol):
@@ -241,25 +242,24 @@ def _met(
     raised at once (`result_watching`)."""
     from mrl.distributed import result_watching, wait_all
 
-    if not (hasattr(source, "send_bucket_async") and hasattr(sink, "load_payload_async")):
+    if not (_is_collective_source(source) and _is_collective_sink(sink)):
         raise TypeError(
             f"a {transport.kind} transport needs a CollectiveWeightSource and a CollectiveRefitSink, "
             f"got {type(source).__name__} and {type(sink).__name__}"
         )
     indices = list(plan)  # a collective source plans from its config alone (`Policy.plan_buckets`: a range)
-    # Optional members (several senders: one per pipeline stage), so looked up rather than declared
-    several = getattr(transport, "senders", 1) > 1
-    bucket_sender = getattr(source, "bucket_sender", None) if several else None
+    several = transport.senders > 1  # one sender per pipeline stage: the engines meet each bucket's own
     for position, index in enumerate(indices):
         sent = source.send_bucket_async(index, transport)
-        sender = bucket_sender(index) if bucket_sender is not None else 0
+        sender = source.bucket_sender(index) if several else 0
         received = sink.load_payload_async(transport.receiver_payload(sender))
         if position < len(indices) - 1 or on_sent is None:
-            yield wait_all([sent, received])[0]
-            continue
-        payload = result_watching(sent, [received])
-        on_sent()
-        received.result()
+            payload = wait_all([sent, received])[0]
+        else:
+            payload = result_watching(sent, [received])
+            on_sent()
+            received.result()
+        transport.release(payload)  # as every path does once the receivers have the bucket (a broadcast: no-op)
         yield payload
     if not indices and on_sent is not None:
         on_sent()
@@ -269,6 +269,16 @@ def _pipelines(sink: RefitSink, transport: WeightTransport) -> TypeGuard[AsyncRe
     """Whether bucket i + 1 may be gathered while the sink loads bucket i: the transport keeps two payloads apart
     (`in_flight` >= 2: two files, two device buffers) and the sink can load without waiting."""
     return not transport.meets and transport.in_flight >= 2 and hasattr(sink, "load_payload_async")
+
+
+# Optional capabilities have protocols of their own (AsyncRefitSink, CollectiveWeightSource, CollectiveRefitSink),
+# which sources and sinks satisfy structurally, without inheriting them: the loop tests for the capability's member.
+def _is_collective_source(source: WeightSource) -> TypeGuard[CollectiveWeightSource]:
+    return hasattr(source, "send_bucket_async")
+
+
+def _is_collective_sink(sink: RefitSink) -> TypeGuard[CollectiveRefitSink]:
+    return hasattr(sink, "load_payload_async")
 
 
 def _pipelined(

@@ -6,15 +6,16 @@ Dispatch contract (what is split, what is replicated):
 - `train(batch, loss_fn)`: batch SHARDED as above; the loss object and the step's GLOBAL count of valid tokens (or
   sequences), computed here over the whole batch, are REPLICATED, so every rank normalises by the same number.
   Metrics come back already summed over data-parallel ranks (every leader holds the same sums).
-- refit source (`plan_buckets`, `send_bucket[_async]`, for the loop of mrl/inference/refit.py): every rank joins
-  the gathers of a bucket (TP all-gathers, PP broadcasts); rank 0 alone packs it with the given transport (a
-  shared-memory file, or a broadcast to the engines) and returns the payload: the value is REPLICATED work, one
-  output. A collective transport made with `refit_addresses` has one sender per pipeline stage: only the bucket's
-  owner stage gathers it (no PP broadcast) and that stage's first rank packs it as sender `bucket_sender(index)`;
-  its payload is the output (every bucket lies within one stage: the plan never spans two). CUDA IPC: rank 0's
-  packed bucket is broadcast to every rank, each shares its own GPU's copy, and the parts are MERGED into one payload
-  with a handle per GPU (mrl/inference/transports/cuda_ipc.py). The loop hands it to the engine before asking for
-  the next bucket, so extra memory stays at one bucket.
+- refit source (`plan_buckets`, `send_bucket[_async]`, for the loop of mrl/inference/refit.py): the transport (the
+  run's weight-sync mode) says which ranks pack (`sending`) and MERGES the ranks' return values into the output
+  (`merge`). By default every rank joins the gathers of a bucket (TP all-gathers, PP broadcasts) and rank 0 alone
+  packs it (a shared-memory file, or a broadcast to the engines): REPLICATED work, one output. A collective
+  transport made with `refit_addresses` has one sender per pipeline stage: only the bucket's owner stage gathers it
+  (no PP broadcast) and that stage's first rank packs it as sender `bucket_sender(index)` (every bucket lies within
+  one stage: the plan never spans two). CUDA IPC: rank 0's packed bucket is broadcast to every rank, each shares its
+  own GPU's copy, the parts merged into one payload with a handle per GPU (mrl/inference/transports/cuda_ipc.py).
+  Shared-memory files under EP with one stage: each EP rank packs its own experts, the files merged. The loop hands
+  the payload to the engine before asking for the next bucket, so extra memory stays at one bucket.
 - `save`/`load`: every rank writes/reads its shards of one distributed checkpoint folder.
 - `release_memory()` / `reclaim_memory()`: no data; every rank moves its own shards off / back on its device
   (mrl/policy/memory.py). The release's report: GB moved SUMMED over ranks, CUDA memory reserved the MAX over ranks
@@ -23,24 +24,23 @@ Dispatch contract (what is split, what is replicated):
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
 from mrl.distributed import GroupFuture, Work, WorkerGroup
 from mrl.distributed.env import Threads
 from mrl.policy.interface import PolicyLoss, RankBatch, global_count
-from mrl.policy.worker import PolicySpec, PolicyWorker, packs_in_parts, sends_by_stage
+from mrl.policy.worker import PolicySpec, PolicyWorker
+
+if TYPE_CHECKING:
+    from mrl.inference.transports import CollectiveTransport, WeightTransport
 
 
 def _merge_metrics(value: Any) -> dict[str, float]:
     """Leaders' metric dicts merged by `shard_and_run`: equal values stay scalars, differing ones (per-rank times)
     come back as lists, of which the slowest counts."""
     return {k: float(max(v)) if isinstance(v, list) else float(v) for k, v in value.items()}
-
-
-def _rank0(values: list[Any]) -> Any:
-    return values[0]
 
 
 class Policy:
@@ -168,28 +168,18 @@ class Policy:
             assert len(self._stage_ranks) == self._pipeline_stages(), stages
         return self._stage_ranks
 
-    def send_bucket(self, index: int, transport: Any) -> dict:
+    def send_bucket(self, index: int, transport: WeightTransport) -> dict:
         return self.send_bucket_async(index, transport).result()
 
-    def send_bucket_async(self, index: int, transport: Any) -> GroupFuture:
-        """Every rank gathers bucket `index`; rank 0 packs it with `transport`; the result is rank 0's payload (a
-        transport that packs on every rank, CUDA IPC: the ranks' parts merged, one handle per GPU; one that packs in
-        parts under EP, shared-memory files: each EP rank's experts in its own file, merged). A transport with one
-        sender per pipeline stage: the owner stage's first rank packs and its payload is the result."""
-        par = self.spec.policy.parallel
-        if getattr(transport, "every_rank", False) or packs_in_parts(
-            transport, par.expert_parallel_size, par.pipeline_parallel_size
-        ):
-            merge = transport.merge
-        elif sends_by_stage(transport, self._pipeline_stages()):
-            sender = self._sender_ranks()[self.bucket_sender(index)]
-            merge = lambda payloads: payloads[sender]  # noqa: E731
-        else:
-            merge = _rank0
+    def send_bucket_async(self, index: int, transport: WeightTransport) -> GroupFuture:
+        """Every rank runs `PolicyWorker.export_bucket`: the ranks `transport.sending` names gather and pack bucket
+        `index`, and `transport.merge` joins their payloads into the result (rank 0's, or the owner stage's first
+        rank's, alone; CUDA IPC: every rank's part, one handle per GPU; shared-memory files under EP: each EP rank's
+        experts in its own file)."""
         bucket_bytes = self._planned[0] if self._planned is not None else 0
         return self.workers.run_all_async(
             PolicyWorker.export_bucket, index, transport, work=Work(bytes=bucket_bytes)
-        ).then(merge)
+        ).then(transport.merge)
 
     def refit_addresses(self) -> list[tuple[str, int]]:
         """Each pipeline stage's first rank's node and a free port there, in stage order: the rendezvous of each
@@ -197,11 +187,7 @@ class Policy:
         ports = self.workers.run_all(PolicyWorker.refit_port)
         return [(self.workers.info[rank].node_ip or "127.0.0.1", ports[rank]) for rank in self._sender_ranks()]
 
-    def refit_address(self) -> tuple[str, int]:
-        """Rank 0's node and a free port there: the rendezvous of a refit broadcast group with one sender."""
-        return self.refit_addresses()[0]
-
-    def join_refit_group_async(self, transport: Any) -> GroupFuture:
+    def join_refit_group_async(self, transport: CollectiveTransport) -> GroupFuture:
         """The senders join the broadcast group: each stage's first rank (one sender per stage) or rank 0 (member
         0); the other ranks take no part."""
         return self.workers.run_all_async(PolicyWorker.join_refit_group, transport)

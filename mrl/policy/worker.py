@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 
 from mrl.config.schema import PolicyConfig
+from mrl.inference.transports.base import SenderLayout
 from mrl.model.router_replay import disagreement_metrics
 from mrl.parallel import collectives
 from mrl.policy.construction import (
@@ -47,6 +48,7 @@ from mrl.policy.train_step import StepContext, logprobs_of_batch, train_on_batch
 
 if TYPE_CHECKING:
     from converters.layers import SpecNames
+    from mrl.inference.transports import CollectiveTransport, WeightTransport
     from mrl.policy.export import ShardedExporter
 
 
@@ -90,19 +92,6 @@ class PolicySpec:
     megatron_dir: Optional[str] = None
     """A Megatron checkpoint folder whose model/ holds the starting weights (mrl/app/model_source.py): every rank
     reads its slices of them, in any layout; None = the HF folder's safetensors."""
-
-
-def sends_by_stage(transport: Any, pipeline_stages: int) -> bool:
-    """Whether `transport` has one sender per pipeline stage (a collective transport made with the policy's
-    `refit_addresses`): then each stage's first rank converts and sends its own buckets (`export_bucket`). With one
-    stage it is the same as rank 0 sending."""
-    return hasattr(transport, "join_sender") and getattr(transport, "senders", 1) == pipeline_stages
-
-
-def packs_in_parts(transport: Any, expert_parallel: int, pipeline_stages: int) -> bool:
-    """Whether each expert-parallel rank packs its own experts of a bucket (`export_bucket`): a transport that joins
-    the ranks' parts (`packs_in_parts`: shared-memory files), expert parallelism and one pipeline stage."""
-    return getattr(transport, "packs_in_parts", False) and expert_parallel > 1 and pipeline_stages == 1
 
 
 def _pad_to_multiple(batch: RankBatch, multiple: int) -> RankBatch:
@@ -374,32 +363,37 @@ class PolicyWorker:
         """The pipeline stage that owns each bucket of the plan (`plan_export` first); the same on every rank."""
         return list(self._bucket_owners)
 
-    def export_bucket(self, index: int, transport: Any) -> Optional[dict]:
-        """Gather bucket `index` of the plan; one rank packs it with `transport` and returns the payload (with the
-        tensor names and bytes), the other ranks None:
-        - a transport with one sender per pipeline stage (`sends_by_stage`: the collective transport made with
-          `Policy.refit_addresses`): the owner stage's ranks gather it, its first rank converts it and packs it as
-          sender `owner` (no pipeline broadcast; the other stages take no part);
-        - a transport that packs in parts (`packs_in_parts`: shared-memory files) under expert parallelism with one
-          pipeline stage: rank 0 packs the dense tensors and its experts, each other EP rank's first rank its own
-          experts (`ShardedExporter.bucket_part`), the controller merges the parts (`transport.merge`);
-        - any other: every rank takes part, rank 0 packs; a transport that packs on `every_rank` (CUDA IPC) gets
-          every rank's part, which the controller merges (`transport.merge`).
+    def sender_layout(self) -> SenderLayout:
+        """What a transport's sender strategy depends on (`WeightTransport.sending`)."""
+        return SenderLayout(pipeline_stages=self.dims.pp, expert_parallel=self.dims.ep)
+
+    def export_bucket(self, index: int, transport: WeightTransport) -> Optional[dict]:
+        """Gather bucket `index` of the plan and pack it as `transport.sending` says (mrl/inference/transports/base.py
+        `Sending`); the ranks that pack return their payload or part (with the tensor names and bytes), the others
+        None, and the controller joins them with `transport.merge`:
+        - stages (the collective transport made with `Policy.refit_addresses`): the owner stage's ranks gather it,
+          its first rank converts it and packs it as sender `owner` (no pipeline broadcast; other stages take no part);
+        - expert_parts (shared-memory files under expert parallelism, one pipeline stage): rank 0 packs the dense
+          tensors and its experts, each other EP rank's first rank its own experts (`ShardedExporter.bucket_part`);
+        - every_rank (CUDA IPC): every rank takes part, rank 0's bucket reaches every rank in `pack_on_ranks`, each
+          exports for the engine worker on its GPU;
+        - rank0: every rank takes part, rank 0 packs.
         A shared-memory payload is released by the controller once the engines loaded it; a collective one was
         broadcast to the engines while packing."""
         self.memory.reclaim(("weights",))  # the optimizer states stay on the host while the engine is awake
         self._measure_routing = True  # the engine gets these weights: the next pass compares routings with them
         exporter = self._exporter
         assert exporter is not None, "plan_export first"
-        if sends_by_stage(transport, self.dims.pp):
+        sending = transport.sending(self.sender_layout())
+        if sending == "stages":
             owner = self._bucket_owners[index]
             tensors = exporter.bucket(self._bucket_plan[index], local=True)
             return transport.pack(tensors, sender=owner) if exporter.is_stage_first(owner) else None
-        if packs_in_parts(transport, self.dims.ep, self.dims.pp):
+        if sending == "expert_parts":
             part = exporter.bucket_part(self._bucket_plan[index])
             return transport.pack(part) if part else None
         tensors = exporter.bucket(self._bucket_plan[index])
-        if getattr(transport, "every_rank", False):  # CUDA IPC: each rank exports for the engine worker on its GPU
+        if sending == "every_rank":
             return transport.pack_on_ranks(tensors if collectives.rank() == 0 else None)
         return transport.pack(tensors) if collectives.rank() == 0 else None
 
@@ -420,11 +414,11 @@ class PolicyWorker:
 
         return free_port() if self.refit_stage() is not None else None
 
-    def join_refit_group(self, transport: Any) -> None:
+    def join_refit_group(self, transport: CollectiveTransport) -> None:
         """The senders join the refit broadcast group: each stage's first rank as sender `stage` of a transport with
-        one sender per stage (`sends_by_stage`), else rank 0 alone as member 0; the other ranks take no part."""
+        one sender per stage (`sending` "stages"), else rank 0 alone as member 0; the other ranks take no part."""
         stage = self.refit_stage()
-        if sends_by_stage(transport, self.dims.pp):
+        if transport.sending(self.sender_layout()) == "stages":
             if stage is not None:
                 transport.join_sender(stage)
         elif collectives.rank() == 0:

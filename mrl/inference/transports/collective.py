@@ -55,7 +55,7 @@ from typing import TYPE_CHECKING, Any, Literal, Optional
 import torch
 
 from mrl.inference.buckets import FLAT_ALIGN, FlatEntry, flat_layout, flat_views, pack_flat
-from mrl.inference.transports.base import NamedTensor, Payload, describe
+from mrl.inference.transports.base import NamedTensor, Payload, SenderLayout, Sending, TransportDefaults, describe
 from mrl.parallel import collectives
 from mrl.parallel.groups import standalone_group
 
@@ -136,7 +136,7 @@ def sub_group(group: str, sender: int) -> str:
 
 
 @dataclass(frozen=True)
-class CollectiveTransport:
+class CollectiveTransport(TransportDefaults):
     """One refit broadcast group: `size` members, member 0 (the sender) hosting the store at address:port; with
     `stages`, one more sender (and sub-group of `size` members) per (address, port) there."""
 
@@ -156,6 +156,11 @@ class CollectiveTransport:
     @property
     def senders(self) -> int:
         return 1 + len(self.stages)
+
+    def sending(self, layout: SenderLayout) -> Sending:
+        """One sender per pipeline stage (made with the policy's `refit_addresses`): each stage's first rank packs
+        its own buckets; else (a transport whose senders do not match the stages) rank 0 packs them all as sender 0."""
+        return "stages" if self.senders == layout.pipeline_stages else "rank0"
 
     def _endpoint(self, sender: int) -> tuple[str, int]:
         return (self.address, self.port) if sender == 0 else self.stages[sender - 1]
@@ -194,12 +199,12 @@ def connect(
     source: "CollectiveWeightSource", sink: "CollectiveRefitSink", backend: Optional[Backend] = None
 ) -> CollectiveTransport:
     """Make the broadcast group of `source`'s sender(s) and `sink`'s receivers (both join at once: they meet in the
-    stores' rendezvous). `backend` defaults to nccl where this process sees CUDA (a GPU cluster), else gloo. A source
-    with `refit_addresses()` (one (address, port) per sender: pipeline stages) gets a sub-group per sender."""
+    stores' rendezvous). `backend` defaults to nccl where this process sees CUDA (a GPU cluster), else gloo. The
+    source's `refit_addresses()` name one (address, port) per sender (pipeline stages): a sub-group per sender."""
     from mrl.distributed import wait_all
 
-    addresses = source.refit_addresses() if hasattr(source, "refit_addresses") else [source.refit_address()]
-    (address, port), stages = addresses[0], tuple(tuple(a) for a in addresses[1:])
+    addresses = source.refit_addresses()
+    (address, port), stages = addresses[0], tuple((a, p) for a, p in addresses[1:])
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     transport = CollectiveTransport(
         f"mrl-refit-{uuid.uuid4().hex[:12]}", address, port, 1 + sink.num_receivers, backend, stages

@@ -42,7 +42,15 @@ from typing import Any, Callable, Optional, Protocol
 import torch
 
 from mrl.inference.buckets import flat_layout, flat_views, pack_flat
-from mrl.inference.transports.base import NamedTensor, Payload, describe
+from mrl.inference.transports.base import (
+    NamedTensor,
+    Payload,
+    SenderLayout,
+    Sending,
+    TransportDefaults,
+    describe,
+    one_sender,
+)
 
 KIND = "cuda_ipc"
 SLOTS = 2
@@ -66,7 +74,7 @@ class IpcDeviceError(RuntimeError):
 
 
 @dataclass(frozen=True)
-class CudaIpcTransport:
+class CudaIpcTransport(TransportDefaults):
     """Settings only (see the module docstring); `name` keys the sender's buffers."""
 
     name: str = field(default_factory=lambda: f"mrl-ipc-{uuid.uuid4().hex[:12]}")
@@ -74,11 +82,14 @@ class CudaIpcTransport:
     kind = KIND
     meets = False
     in_flight = SLOTS
-    every_rank = True
-    """Every policy rank packs (`pack_on_ranks`): each GPU's engine worker opens its own rank's buffer."""
 
-    def pack(self, bucket: list[NamedTensor]) -> Payload:
+    def sending(self, layout: SenderLayout) -> Sending:
+        """Every policy rank packs (`pack_on_ranks`): each GPU's engine worker opens its own rank's buffer."""
+        return "every_rank"
+
+    def pack(self, bucket: list[NamedTensor], sender: int = 0) -> Payload:
         """One process holds the bucket and is the only sender (`update_weights` of an engine, tests)."""
+        one_sender(sender, KIND)
         return self.pack_on_ranks(bucket, group_size=1)
 
     def pack_on_ranks(
@@ -115,9 +126,6 @@ class CudaIpcTransport:
     def merge(self, parts: list[Optional[Payload]]) -> Payload:
         """The ranks' parts (rank order; None from a rank that exported nothing) joined into one payload."""
         return merge(parts)
-
-    def receiver_payload(self, sender: int = 0) -> Payload:
-        raise TypeError("the CUDA IPC transport hands each bucket over after packing; it announces nothing")
 
     def release(self, payload: Payload) -> None:
         """Nothing to free: the slot's buffer is reused two buckets later."""

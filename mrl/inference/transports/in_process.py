@@ -11,21 +11,21 @@ combination.
 
 from __future__ import annotations
 
-from mrl.inference.transports.base import NamedTensor, Payload, describe
+from mrl.inference.transports.base import NamedTensor, Payload, TransportDefaults, describe, one_sender
 
 KIND = "in_process"
 
 
-class InProcessTransport:
+class InProcessTransport(TransportDefaults):
+    """Rank 0 packs (`sending` "rank0", the default); one payload alive at a time."""
+
     kind = KIND
     meets = False
     in_flight = 1
 
-    def pack(self, bucket: list[NamedTensor]) -> Payload:
+    def pack(self, bucket: list[NamedTensor], sender: int = 0) -> Payload:
+        one_sender(sender, KIND)
         return describe({"kind": KIND, "tensors": bucket}, bucket)
-
-    def receiver_payload(self, sender: int = 0) -> Payload:
-        raise TypeError("the in-process transport hands each bucket over after packing; it announces nothing")
 
     def release(self, payload: Payload) -> None:
         payload["tensors"] = []  # drop our references; the sender's tensors live on as long as the sender keeps them

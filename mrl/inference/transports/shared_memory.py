@@ -9,10 +9,10 @@ actor on the same node):
 Peak extra memory: one bucket in the file plus one bucket per worker while it loads. CPU stand-in for the CUDA IPC
 handles a colocated GPU engine would use.
 
-Packed in parts (`packs_in_parts`: the sharded policy under expert parallelism, one pipeline stage): rank 0 writes the
-bucket's dense tensors and its own routed experts, every other expert-parallel rank's first rank its own experts, each
-to its own file, side by side (nothing crosses the EP group); the controller joins the ranks' payloads (`merge`) into
-one whose `paths` every worker loads in turn, and removes them all.
+Packed in parts (`sending` "expert_parts": the sharded policy under expert parallelism, one pipeline stage): rank 0
+writes the bucket's dense tensors and its own routed experts, every other expert-parallel rank's first rank its own
+experts, each to its own file, side by side (nothing crosses the EP group); the controller joins the ranks'
+payloads (`merge`) into one whose `paths` every worker loads in turn, and removes them all.
 """
 
 from __future__ import annotations
@@ -23,7 +23,15 @@ import uuid
 from pathlib import Path
 from typing import Optional
 
-from mrl.inference.transports.base import NamedTensor, Payload, describe
+from mrl.inference.transports.base import (
+    NamedTensor,
+    Payload,
+    SenderLayout,
+    Sending,
+    TransportDefaults,
+    describe,
+    one_sender,
+)
 
 KIND = "shm_file"
 _LINUX_SHM = "/dev/shm"
@@ -36,19 +44,23 @@ def default_shm_dir() -> str:
     return tempfile.gettempdir()
 
 
-class SharedMemoryFileTransport:
+class SharedMemoryFileTransport(TransportDefaults):
     kind = KIND
     meets = False
     in_flight = 2  # one file (or one set of parts) per bucket: two may exist at once
-    packs_in_parts = True
-    """Several sender ranks may each pack part of a bucket (`ShardedExporter.bucket_part`), joined by `merge`."""
 
     def __init__(self, shm_dir: str | None = None) -> None:
         self.shm_dir = Path(shm_dir or default_shm_dir())
         if not self.shm_dir.is_dir():
             raise ValueError(f"refit shared-memory folder {self.shm_dir} does not exist; create it or pick another")
 
-    def pack(self, bucket: list[NamedTensor]) -> Payload:
+    def sending(self, layout: SenderLayout) -> Sending:
+        """Under expert parallelism with one pipeline stage each EP rank packs its own experts
+        (`ShardedExporter.bucket_part`), joined by `merge`; else rank 0 packs."""
+        return "expert_parts" if layout.expert_parallel > 1 and layout.pipeline_stages == 1 else "rank0"
+
+    def pack(self, bucket: list[NamedTensor], sender: int = 0) -> Payload:
+        one_sender(sender, KIND)
         from safetensors.torch import save_file
 
         path = self.shm_dir / f"mrl-refit-{os.getpid()}-{uuid.uuid4().hex}.safetensors"
@@ -59,9 +71,6 @@ class SharedMemoryFileTransport:
     def merge(self, parts: list[Optional[Payload]]) -> Payload:
         """The ranks' parts of one bucket (rank order; None from a rank that packed nothing) as one payload."""
         return merge(parts)
-
-    def receiver_payload(self, sender: int = 0) -> Payload:
-        raise TypeError("the shared-memory transport hands each bucket over after packing; it announces nothing")
 
     def release(self, payload: Payload) -> None:
         for path in payload["paths"]:
