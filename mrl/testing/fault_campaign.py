@@ -108,8 +108,9 @@ def _wait(proc: subprocess.Popen, timeout_s: float) -> tuple[int | None, str]:
 
 
 def _steps_logged(out_dir: Path) -> int:
+    """Training steps logged so far (step 0, the validation before the first step, is not one)."""
     try:
-        return len(metrics(out_dir / "logs"))
+        return sum(step > 0 for step in metrics(out_dir / "logs"))
     except (OSError, ValueError):
         return 0
 
