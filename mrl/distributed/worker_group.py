@@ -231,6 +231,10 @@ def _wait_refs(futures: Sequence[GroupFuture], timeout_s: Optional[float]) -> li
                 _consume_errors([other for other in pending if other != ref])
                 info = future._group.info[future._ranks[slot]]
                 raise _worker_exception(future._group.name, future._method, info, error) from error
+        gone = _vanished(futures, owner, pending)
+        if gone is not None:
+            _consume_errors(pending)
+            raise gone
         now = time.monotonic()
         late = [
             i
@@ -243,6 +247,62 @@ def _wait_refs(futures: Sequence[GroupFuture], timeout_s: Optional[float]) -> li
             limit = timeout_s if timeout_s is not None else future._deadline_s
             raise _timeout_error(future, ranks, now - future._started, float(limit or 0.0))
     return values
+
+
+def _vanished(
+    futures: Sequence[GroupFuture], owner: dict[ray.ObjectRef, tuple[int, int]], pending: Sequence[ray.ObjectRef]
+) -> Optional[WorkerDiedError]:
+    """The death of a rank whose call is pending and whose process is gone from this node, though Ray has not reported
+    it: a child the worker forked (megatron-core's checkpoint writers fork, `filesystem_async.py`) keeps the worker's
+    connection to Ray open, so Ray never sees it die and the call would wait for its deadline. The dead worker's
+    process group (its orphaned children) is killed, and the error is the one a death reported by Ray gives."""
+    local = _local_node_id()
+    for ref in pending:
+        f_index, slot = owner[ref]
+        future = futures[f_index]
+        info = future._group.info[future._ranks[slot]]
+        if info.pid <= 0 or info.node_id != local or _process_alive(info.pid):
+            continue
+        _kill_orphans(info.pid)
+        return WorkerDiedError(
+            f"worker group '{future._group.name}' rank {info.rank} ({info.where()}) died while running "
+            f"'{future._method}': its process is gone (killed, or out of memory). The group cannot continue; shut it "
+            "down and restart (from a checkpoint)",
+            group=future._group.name,
+            rank=info.rank,
+            method=future._method,
+        )
+    return None
+
+
+def _local_node_id() -> Optional[str]:
+    try:
+        return ray.get_runtime_context().get_node_id()
+    except Exception:  # noqa: BLE001 no Ray context (a test's stand-in): nothing is local
+        return None
+
+
+def _process_alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie, dead but not yet reaped by its parent, does not)."""
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _kill_orphans(pid: int) -> None:
+    """SIGKILL the process group a dead Ray worker led (Ray starts each worker as its group's leader): the children
+    it forked, which would otherwise live on holding its memory and its connection to Ray."""
+    import os
+    import signal
+
+    try:
+        if os.getpgid(os.getpid()) != pid:  # never this process's own group
+            os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 def _timeout_error(future: GroupFuture, ranks: list[int], waited_s: float, limit_s: float) -> WorkerTimeoutError:

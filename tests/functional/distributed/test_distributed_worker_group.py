@@ -89,6 +89,17 @@ class Worker:
         time.sleep(seconds)
         return self.rank
 
+    def fork_then_sleep(self, child_pid_file: str, seconds: float) -> int:
+        """Fork a child that outlives the call, as megatron-core's checkpoint writers do: it inherits this process's
+        connection to Ray (so Ray cannot see this process die while the child lives)."""
+        child = os.fork()
+        if child == 0:
+            time.sleep(600)
+            os._exit(0)
+        Path(child_pid_file).write_text(str(child))
+        time.sleep(seconds)
+        return self.rank
+
     def all_reduce_after_a_stop(self, stopped: int) -> float:
         """The stopped rank is stopped by the test; the other waits in the collective for it."""
         if self.rank == stopped:
@@ -224,6 +235,32 @@ def test_killed_worker_process_raises_died_error(fresh_group):
     assert caught.value.rank == 0 and time.monotonic() - start < 10
     with pytest.raises(WorkerDiedError, match="rank 0"):  # a later call fails at once too
         group.run_all(Worker.fail_on, -1)
+
+
+def test_a_killed_worker_whose_forked_child_lives_on_is_found_dead_and_the_child_killed(fresh_group, tmp_path):
+    """Before, the call waited for its deadline: the child held the worker's connection to Ray open (a policy worker
+    killed while its checkpoint writers ran, in the 50-fault campaign)."""
+    import psutil
+
+    group = fresh_group
+    child_pid = tmp_path / "child"
+    future = group.run_all_async(Worker.fork_then_sleep, str(child_pid), 60)
+    deadline = time.monotonic() + 60
+    while not child_pid.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    worker = group.info[0].pid
+    os.kill(worker, signal.SIGKILL)
+    start = time.monotonic()
+    with pytest.raises(WorkerDiedError, match=f"rank 0 \\(node .*, pid {worker}\\) died while running 'fork_then_sleep'"):
+        future.result(timeout_s=60)
+    assert time.monotonic() - start < 10
+    child = int(child_pid.read_text())
+    for _ in range(100):  # the orphan was killed with its dead parent's process group
+        if not psutil.pid_exists(child) or psutil.Process(child).status() == psutil.STATUS_ZOMBIE:
+            break
+        time.sleep(0.05)
+    else:
+        raise AssertionError(f"the dead worker's child {child} still runs")
 
 
 def test_a_call_past_its_deadline_names_the_late_ranks_with_their_stacks(fresh_group):
