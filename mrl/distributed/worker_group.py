@@ -118,6 +118,8 @@ def _worker_exception(group: str, method: str, info: WorkerInfo, error: BaseExce
     """Turn a Ray error for one rank into our error naming the group, rank and process."""
     who = f"worker group '{group}' rank {info.rank} ({info.where()})"
     if isinstance(error, ray.exceptions.RayActorError):
+        if info.pid > 0 and info.node_id == _local_node_id() and not _process_alive(info.pid):
+            _kill_orphans(info.pid)  # the children it forked, as when the death is found by `_vanished`
         return WorkerDiedError(
             f"{who} died while running '{method}': {_exit_detail(error)}. The group cannot continue; shut it down "
             "and restart (from a checkpoint)",
