@@ -1,10 +1,10 @@
-"""MKL (torch's own CPU matmul) against oneDNN (what `mrl.parallel.cpu_speed` computes Megatron's linear layers
+"""MKL (torch's own CPU matmul) against oneDNN (what `mrl.cpu.megatron_speed` computes Megatron's linear layers
 with) at each instruction-set level this CPU can run, at the GEMM shapes of the demo's train step.
 
-Each level runs in a fresh process started with `mrl.parallel.cpu_isa.forced_environment(level)` (the libraries
+Each level runs in a fresh process started with `mrl.cpu.isa.forced_environment(level)` (the libraries
 read their caps once), one thread, fp32. Shapes: the demo model's linear layers (SHAPES) on a packed batch of T
 tokens: the forward `x @ w^T` [T, k] x [k, n] and the weight gradient `dY^T @ x` [n, T] x [T, k], as Megatron's
-linear calls them (oneDNN's through `cpu_speed._onednn_matmul`, rounding and copies included). A time is the median of --reps calls after two warm-up calls; the
+linear calls them (oneDNN's through `megatron_speed._onednn_matmul`, rounding and copies included). A time is the median of --reps calls after two warm-up calls; the
 ratio MKL / oneDNN above 1 means oneDNN is faster. Figures, not a test: other load on the machine shows in them.
 
     python benchmarks/cpu_gemm.py [--tokens 1486 --reps 40 --levels avx2,avx512_bf16]
@@ -24,7 +24,7 @@ SHAPES = {"qkv": (128, 384), "proj": (128, 128), "fc1": (128, 1024), "fc2": (512
 
 _CHILD = """
 import json, sys, time, torch
-from mrl.parallel.cpu_speed import _onednn_matmul
+from mrl.cpu.megatron_speed import _onednn_matmul
 torch.set_num_threads(1)
 tokens, reps, shapes = int(sys.argv[1]), int(sys.argv[2]), json.loads(sys.argv[3])
 
@@ -51,7 +51,7 @@ print("ROWS" + json.dumps(rows))
 
 
 def run_level(level: str | None, tokens: int, reps: int) -> dict:
-    from mrl.parallel.cpu_isa import FORCE_ENV, detect, forced_environment
+    from mrl.cpu.isa import FORCE_ENV, detect, forced_environment
 
     env = {k: v for k, v in os.environ.items() if k != FORCE_ENV}
     env["OMP_NUM_THREADS"] = "1"
@@ -65,7 +65,7 @@ def run_level(level: str | None, tokens: int, reps: int) -> dict:
 
 
 def main() -> None:
-    from mrl.parallel.cpu_isa import LEVELS, detect
+    from mrl.cpu.isa import LEVELS, detect
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=1486, help="packed tokens of a train step (the benchmark's)")

@@ -50,6 +50,7 @@ from mrl.app.model_source import ModelSource, classify_model_path
 from mrl.app.preflight import check_engine_model, check_tokenizer_folder
 from mrl.config.errors import ConfigError
 from mrl.config.schema import ModelBuildConfig, MrlConfig
+from mrl.cpu import isa
 from mrl.distributed import Placement, RayCluster, WorkerDiedError
 from mrl.distributed.env import worker_threads
 from mrl.inference.factory import engine_spans_nodes
@@ -57,7 +58,6 @@ from mrl.inference.interface import RolloutEngine
 from mrl.inference.lifecycle import EngineState
 from mrl.inference.refit import RefitStats, refit
 from mrl.inference.transports import CollectiveTransport, WeightTransport, collective, make_transport
-from mrl.parallel import cpu_isa
 from mrl.policy.interface import ReleasesMemory
 
 if TYPE_CHECKING:
@@ -377,7 +377,7 @@ def start_runtime(
     if engine:
         check_engine_model(cfg, load_hf_config(source.config_dir))
     if not torch.cuda.is_available():
-        cpu_isa.announce()
+        isa.announce()
     elif policy:
         from mrl.app.plan import check_this_gpu
 

@@ -176,7 +176,7 @@ def vllm_engine_config(
         enforce_eager=gen.vllm.eager(),
         kv_cache_bytes=int(gen.vllm.kv_cache_gib * 2**30),
         gpu_memory_utilization=gen.vllm.gpu_memory_utilization,
-        sleep_when_idle=gen.colocated,  # on CPU the contract alone (mrl/inference/cpu_sleep_mode.py)
+        sleep_when_idle=gen.colocated,  # on CPU the contract alone (mrl/cpu/vllm_sleep_mode.py)
         sleep_level=gen.sleep_level if refitted else 1,  # discarded weights need a policy to refit them
         seeded_sampling=gen.seeded_sampling,
         multiprocessing=engine_world_size(cfg) > 1 and not executor,

@@ -27,7 +27,7 @@ What mrl adds around Megatron's engine (each difference was found against an HF 
 - Decode attention: on KV-cached decode steps Megatron passes `attn_mask_type=no_mask` to the core attention (one
   query, the newest token, sees every cached key); `TorchCoreAttention` honours the per-call mask type (with a
   causal mask the query sat at position 0 and saw only the first key: logprobs off by ~3 nats).
-- CPU: the static controller creates `.cuda()` tensors (`cpu_compat.static_inference_cuda_tensors_on_cpu`).
+- CPU: the static controller creates `.cuda()` tensors (`megatron_patches.static_inference_cuda_tensors_on_cpu`).
 
 Seeds: the static engine samples a whole batch from one generator, so `SamplingConfig.seed` seeds that generator
 once per `generate` call: the same call reproduces its samples, but the streams are not vLLM's per-sample streams.
@@ -299,9 +299,9 @@ class MegatronBackend:
 
     def _run(self, rows: list[list[int]], sampling: SamplingConfig) -> list[InferenceRequest]:
         """Megatron's finished requests for `rows`, in row order."""
-        from mrl.parallel import cpu_compat
+        from mrl.cpu import megatron_patches
 
-        cpu_compat.apply()  # no-op on GPUs; re-asserts the CPU stand-ins a vLLM engine in this process may replace
+        megatron_patches.apply()  # no-op on GPUs; re-asserts CPU stand-ins a vLLM engine in this process may replace
         stops = () if sampling.ignore_eos else self.eos_ids
         self.controller.stop_ids = torch.tensor(sorted({*stops, *sampling.stop_token_ids}), dtype=torch.long)
         if sampling.seed is not None:

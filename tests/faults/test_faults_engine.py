@@ -76,7 +76,7 @@ def test_an_engine_killed_mid_generation_and_mid_refit_is_replaced_and_the_run_i
 
 def test_an_engine_killed_in_its_sleep_and_in_its_wake_up_is_replaced_and_the_run_is_unchanged(warm, tmp_path):
     """The colocated engine's memory hand-over, the calls around every generation (on CPU the sleep-mode contract,
-    mrl/inference/cpu_sleep_mode.py): a death there was not covered before (exit 4: "died while running
+    mrl/cpu/vllm_sleep_mode.py): a death there was not covered before (exit 4: "died while running
     'prepare_for_generation' ... The group cannot continue")."""
     sleep_kill, wake_kill = tmp_path / "killed-sleeping", tmp_path / "killed-waking"
     # Counted in each engine process: the 1st engine sleeps once started (sleep 1), wakes to validate at step 0

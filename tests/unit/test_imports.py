@@ -7,6 +7,7 @@ each other, whatever the layer):
     pieces   policy, inference, environments, data, checkpoint, logging, distributed
     model    mrl.model: the Megatron model of an HF config
     core     mrl.objectives (pure math), mrl.parallel, mrl.config, converters (name maps and layout transforms)
+    platform mrl.cpu: what makes Megatron and vLLM run without CUDA (patches, kernels, stand-ins); imports no mrl
 `converters` imports nothing from mrl; production code never imports mrl.testing. Every import counts, also one
 inside a function; imports under `if TYPE_CHECKING:` (annotations only, never executed) do not.
 
@@ -32,6 +33,7 @@ LAYERS = {
                "mrl.distributed"},
     "model": {"mrl.model"},
     "core": {"mrl.objectives", "mrl.parallel", "mrl.config", "converters"},
+    "platform": {"mrl.cpu"},
 }
 ORDER = list(LAYERS)  # top first
 TEST_HELPERS = "mrl.testing"

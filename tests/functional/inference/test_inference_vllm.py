@@ -262,7 +262,7 @@ def test_tied_qwen3_refit_moves_the_shared_output_projection(tmp_path):
 
 
 def test_a_level_2_sleep_discards_the_weights_until_a_refit_rewrites_them(models):
-    """generation.sleep_level 2 on the CPU stand-in of vLLM's sleep mode (mrl/inference/cpu_sleep_mode.py): the woken
+    """generation.sleep_level 2 on the CPU stand-in of vLLM's sleep mode (mrl/cpu/vllm_sleep_mode.py): the woken
     weights are garbage (NaN) and the engine refuses to generate until a complete refit; a refused partial refit
     leaves it so; after a full one it samples exactly what it sampled before it slept."""
     from mrl.inference.lifecycle import EngineStateError

@@ -78,7 +78,7 @@ def _check_refit_round_trip(backend, models) -> None:
 
 def _isa_paths() -> list[str | None]:
     """The CPU's own instruction-set path, and the AVX2-only machine's where this CPU can be forced down to it."""
-    from mrl.parallel.cpu_isa import detect
+    from mrl.cpu.isa import detect
 
     native = detect({}).native
     return [native] if native in (None, "avx2") else [native, "avx2"]
@@ -93,7 +93,7 @@ def test_tensor_parallel_engine_refit_through_shared_memory(models, isa, monkeyp
     library), whose TP collectives are vLLM's shared memory (segments that shutdown must remove) or, with `_C_AVX2`,
     torch.distributed (no segments)."""
     from mrl.inference.vllm_backend import VllmBackend
-    from mrl.parallel.cpu_isa import detect, forced_environment
+    from mrl.cpu.isa import detect, forced_environment
 
     if isa != detect({}).native:
         for key, value in forced_environment(isa).items():

@@ -126,35 +126,35 @@ def _tied_pipeline_build() -> float:
     return float(weight.sum())
 
 
-def cpu_compat_multi_rank_patches() -> dict:
+def megatron_patches_multi_rank() -> dict:
     """Each 2-rank patch: the megatron call fails without it and works with it."""
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    from mrl.parallel import cpu_compat
+    from mrl.cpu import megatron_patches
     from mrl.parallel.layout import ParallelDims
     from mrl.parallel.groups import destroy_process_groups, init_process_groups
 
     init_process_groups(ParallelDims(ep=2, world_size=2), seed=3)
     results = {}
-    cpu_compat.revert(["moe_split_sizes_on_host"])
+    megatron_patches.revert(["moe_split_sizes_on_host"])
     results["moe_ep2_without"] = _outcome(_moe_forward_backward, 2)
-    cpu_compat.apply()
+    megatron_patches.apply()
     model_parallel_cuda_manual_seed(3)
     results["moe_ep2_with"] = _outcome(_moe_forward_backward, 2)
 
-    cpu_compat.revert(["gloo_uneven_all_gather"])
+    megatron_patches.revert(["gloo_uneven_all_gather"])
     results["gather_without"] = _outcome(_uneven_gather)
-    cpu_compat.apply()
+    megatron_patches.apply()
     results["gather_with"] = _outcome(_uneven_gather)
     assert parallel_state.get_expert_model_parallel_world_size() == 2
 
     parallel_state.destroy_model_parallel()  # same processes, now two pipeline stages
     parallel_state.initialize_model_parallel(pipeline_model_parallel_size=2)
     model_parallel_cuda_manual_seed(3)
-    cpu_compat.revert(["tied_embedding_sync_on_cpu"])
+    megatron_patches.revert(["tied_embedding_sync_on_cpu"])
     results["tied_pp2_without"] = _outcome(_tied_pipeline_build)
-    cpu_compat.apply()
+    megatron_patches.apply()
     results["tied_pp2_with"] = _outcome(_tied_pipeline_build)
     destroy_process_groups()
     return results
@@ -219,7 +219,7 @@ def distributed_optimizer_resume(directory: str) -> dict:
     """DP2 + distributed optimizer (torch Adam): resume from a checkpoint continues exactly like no stop."""
     from megatron.core import dist_checkpointing, parallel_state
 
-    from mrl.parallel import cpu_compat
+    from mrl.cpu import megatron_patches
     from mrl.parallel.layout import ParallelDims
     from mrl.parallel.groups import destroy_process_groups, init_process_groups
 
@@ -234,14 +234,14 @@ def distributed_optimizer_resume(directory: str) -> dict:
     dist_checkpointing.save(_sharded(model, optimizer, False), directory)
     uninterrupted = _adam_steps(ddp, optimizer, 3)
 
-    cpu_compat.revert(["distributed_optimizer_torch_adam_state"])
+    megatron_patches.revert(["distributed_optimizer_torch_adam_state"])
     model, ddp, optimizer = _adam_setup(12)
     try:
         _load(model, optimizer, directory)
         without = "loaded"
     except KeyError as error:
         without = f"KeyError: {error}"
-    cpu_compat.apply()
+    megatron_patches.apply()
 
     model, ddp, optimizer = _adam_setup(13)  # different init: everything must come from the checkpoint
     _load(model, optimizer, directory)

@@ -1,7 +1,7 @@
 """`policy.speed.grouped_expert_gemm`: the routed experts as two grouped GEMMs (mrl/model/grouped_experts.py) give the
 logits and gradients of megatron-core's SequentialMLP loop on the same weights, with every local expert on one rank
 and split over two expert-parallel ranks, in fp32 within 1e-5 (the loop's linears go through oneDNN here,
-mrl/parallel/cpu_speed.py, torch._grouped_mm through its own kernel: the sums differ in order; measured 1.4e-6 on the
+mrl/cpu/megatron_speed.py, torch._grouped_mm through its own kernel: the sums differ in order; measured 1.4e-6 on the
 logits, 3e-7 on the gradients)."""
 
 from __future__ import annotations

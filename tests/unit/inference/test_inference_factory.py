@@ -58,8 +58,8 @@ def test_number_of_engines():
 
 def test_cpu_engines_of_several_workers_split_the_cores_they_may_use():
     """vLLM's "auto" binding wants a NUMA node per worker and refuses TP or PP 2 on a one-NUMA machine, so mrl
-    resolves it: even consecutive shares of the process's cores (vllm_backend.cpu_threads_bind_for)."""
-    from mrl.inference.vllm_backend import cpu_threads_bind_for
+    resolves it: even consecutive shares of the process's cores (mrl.cpu.vllm_workarounds.cpu_threads_bind_for)."""
+    from mrl.cpu.vllm_workarounds import cpu_threads_bind_for
 
     assert cpu_threads_bind_for(2, [0, 1]) == "0|1"
     assert cpu_threads_bind_for(2, [3, 0, 1, 2, 4]) == "0,1|2,3,4"  # sorted; the remainder to the last

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from mrl.inference.cpu_sleep_mode import CpuSleepMode, SleepContractError, fill_parameters_with_nan
+from mrl.cpu.vllm_sleep_mode import CpuSleepMode, SleepContractError, fill_parameters_with_nan
 from mrl.inference.lifecycle import EngineLifecycle, EngineState, EngineStateError
 
 pytestmark = pytest.mark.unit

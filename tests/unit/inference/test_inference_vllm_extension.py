@@ -4,7 +4,8 @@ import logging
 
 import torch
 
-from mrl.inference.vllm_extension import PartialReloadWarningFilter, refresh_tied_modules
+from mrl.cpu.vllm_workarounds import refresh_tied_modules
+from mrl.inference.vllm_extension import PartialReloadWarningFilter
 
 
 def _record(msg: str, *args) -> logging.LogRecord:
@@ -63,7 +64,7 @@ def test_only_the_experts_a_bucket_carried_are_repacked():
 
     from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
 
-    from mrl.inference.vllm_extension import repack_cpu_experts
+    from mrl.cpu.vllm_workarounds import repack_cpu_experts
 
     class Recording(CPUUnquantizedExperts):
         def __init__(self):  # noqa: D107 -- no kernel set-up: only the call is recorded
@@ -97,7 +98,7 @@ def test_a_later_pipeline_stage_gets_its_receive_buffers_once(monkeypatch):
 
     import vllm.distributed
 
-    from mrl.inference.vllm_extension import allocate_pp_receive_buffers
+    from mrl.cpu.vllm_workarounds import allocate_pp_receive_buffers
 
     made = []
 

@@ -15,7 +15,7 @@ def load_workers():
 
 
 def test_multi_rank_patches_are_needed_and_work():
-    results = run_on_ranks(load_workers().cpu_compat_multi_rank_patches, world_size=2, timeout_s=240)
+    results = run_on_ranks(load_workers().megatron_patches_multi_rank, world_size=2, timeout_s=240)
     for rank, result in enumerate(results):
         status, message = result["moe_ep2_without"]
         assert status == "error" and "all_to_all_single" in message, (rank, message)

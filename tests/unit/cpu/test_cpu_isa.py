@@ -1,4 +1,4 @@
-"""mrl.parallel.cpu_isa: the instruction-set levels by hand, and each path this CPU can take run for real in a fresh
+"""mrl.cpu.isa: the instruction-set levels by hand, and each path this CPU can take run for real in a fresh
 process (the caps are read once, at start or at a library's first call): the AVX2-only machine's path forced on an
 AVX-512 CPU loads vLLM's real `_C_AVX2` library (no shared-memory collectives), runs oneDNN's AVX2 kernels (its own
 verbose log says so) and ATen's AVX2 kernels, and mrl's oneDNN linear still equals float64."""
@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from mrl.parallel.cpu_isa import FORCE_ENV, LEVELS, CpuIsa, detect, forced_environment, native_level
+from mrl.cpu.isa import FORCE_ENV, LEVELS, CpuIsa, detect, forced_environment, native_level
 
 pytestmark = pytest.mark.unit
 
@@ -61,7 +61,7 @@ def test_a_bad_forced_level_names_the_variable_and_the_choices():
 
 @pytest.mark.skipif(NATIVE is None, reason="not an x86 CPU with AVX2")
 def test_a_forced_level_compiles_into_caches_of_its_own():
-    """The inductor-cache workaround (cpu_isa._compile_cache): never the default caches, one per level, for inductor
+    """The inductor-cache workaround (isa._compile_cache): never the default caches, one per level, for inductor
     and for vLLM's compiled models."""
     env = forced_environment("avx2", {"PYTHONPATH": "/elsewhere"})
     assert env["PYTHONPATH"].split(os.pathsep)[1:] == ["/elsewhere"]
@@ -84,8 +84,8 @@ def test_a_level_above_the_cpu_is_refused():
 
 _PROBE = """
 import json, torch
-from mrl.parallel import cpu_isa
-from mrl.parallel.cpu_speed import _linear
+from mrl.cpu import isa
+from mrl.cpu.megatron_speed import _linear
 
 g = torch.Generator().manual_seed(0)
 x, w = torch.randn(100, 200, generator=g), torch.randn(48, 200, generator=g)
@@ -93,8 +93,8 @@ error = float((_linear(x, w).double() - x.double() @ w.double().t()).abs().max()
 import vllm._custom_ops  # noqa: vLLM picks its kernel library here (CpuPlatform.import_kernels)
 print("PROBE" + json.dumps({
     "avx512": torch.cpu._is_avx512_supported(), "bf16": torch.cpu._is_avx512_bf16_supported(),
-    "aten": torch.backends.cpu.get_cpu_capability(), "kernels": cpu_isa.loaded_vllm_kernels(),
-    "shm": hasattr(torch.ops._C, "init_shm_manager"), "error": error, "expected": cpu_isa.current().vllm_kernels,
+    "aten": torch.backends.cpu.get_cpu_capability(), "kernels": isa.loaded_vllm_kernels(),
+    "shm": hasattr(torch.ops._C, "init_shm_manager"), "error": error, "expected": isa.current().vllm_kernels,
 }))
 """
 

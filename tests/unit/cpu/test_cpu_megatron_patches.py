@@ -1,9 +1,9 @@
 """Each CPU patch: the megatron-core behaviour it fixes fails without it and gives the right result with it.
 
-In-process, world size 1 (gloo). Every test removes exactly one patch (`cpu_compat.revert([name])`), shows
+In-process, world size 1 (gloo). Every test removes exactly one patch (`megatron_patches.revert([name])`), shows
 the failure, re-applies all patches and checks the result against an independent computation.
 Patches that only matter with 2+ ranks (MoE split sizes, gloo uneven all-gather) or spawn processes
-(distributed-optimizer checkpoints) are tested in tests/functional/parallel/test_parallel_cpu_compat_ranks.py.
+(distributed-optimizer checkpoints) are tested in tests/functional/parallel/test_parallel_megatron_patches_ranks.py.
 """
 
 import math
@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mrl.parallel import cpu_compat, cpu_speed
+from mrl.cpu import megatron_patches, megatron_speed
 from mrl.parallel.layout import ParallelDims
 from mrl.parallel.groups import destroy_process_groups, init_process_groups
 
@@ -36,20 +36,20 @@ FUSIONS_OFF = dict(
 def megatron_world_of_one():
     init_process_groups(ParallelDims(), seed=1234)
     yield
-    cpu_compat.apply()
+    megatron_patches.apply()
     destroy_process_groups()
 
 
 @pytest.fixture(autouse=True)
 def all_patches_restored():
-    cpu_compat.apply()
+    megatron_patches.apply()
     yield
-    cpu_compat.apply()
+    megatron_patches.apply()
 
 
 def without(name: str) -> None:
-    assert name in cpu_compat.applied()
-    cpu_compat.revert([name])
+    assert name in megatron_patches.applied()
+    megatron_patches.revert([name])
 
 
 def tiny_config(**overrides):
@@ -60,22 +60,22 @@ def tiny_config(**overrides):
 
 
 def test_registry_names_every_patch_and_apply_is_idempotent():
-    assert set(cpu_compat.PATCHES) == set(cpu_compat.applied())
+    assert set(megatron_patches.PATCHES) == set(megatron_patches.applied())
     before = torch.cuda.current_device
-    cpu_compat.apply()
+    megatron_patches.apply()
     assert torch.cuda.current_device is before
-    with pytest.raises(ValueError, match="unknown cpu_compat patch"):
-        cpu_compat.apply(skip=["no_such_patch"])
+    with pytest.raises(ValueError, match="unknown megatron_patches patch"):
+        megatron_patches.apply(skip=["no_such_patch"])
 
 
 def test_revert_restores_the_original_attributes():
     from megatron.core.transformer import utils as transformer_utils
 
-    cpu_compat.revert(["causal_masks_on_cpu"])
+    megatron_patches.revert(["causal_masks_on_cpu"])
     original = transformer_utils.get_default_causal_mask
-    cpu_compat.apply()
+    megatron_patches.apply()
     assert transformer_utils.get_default_causal_mask is not original
-    cpu_compat.revert(["causal_masks_on_cpu"])
+    megatron_patches.revert(["causal_masks_on_cpu"])
     assert transformer_utils.get_default_causal_mask is original
 
 
@@ -85,7 +85,7 @@ def test_current_device_is_cpu():
     without("current_device_is_cpu")
     with pytest.raises(AssertionError, match="not compiled with CUDA"):
         RotaryEmbedding(kv_channels=8, rotary_percent=1.0)(4)
-    cpu_compat.apply()
+    megatron_patches.apply()
     emb = RotaryEmbedding(kv_channels=8, rotary_percent=1.0)(4)  # [s, 1, 1, d]
     inv_freq = torch.tensor([1.0 / 10000 ** (i / 8) for i in range(0, 8, 2)])
     angles = torch.arange(4.0)[:, None] * inv_freq[None, :]  # [s, d/2]
@@ -98,7 +98,7 @@ def test_rng_tracker_on_cpu():
     without("rng_tracker_on_cpu")
     with pytest.raises(AssertionError, match="not compiled with CUDA"):
         model_parallel_cuda_manual_seed(7)
-    cpu_compat.apply()
+    megatron_patches.apply()
     model_parallel_cuda_manual_seed(7)
     torch.manual_seed(99)
     outside_before = torch.get_rng_state()
@@ -128,7 +128,7 @@ def test_causal_masks_on_cpu():
     without("causal_masks_on_cpu")
     with pytest.raises(AssertionError, match="not compiled with CUDA"):
         softmax(scores, None)
-    cpu_compat.apply()
+    megatron_patches.apply()
     future = torch.triu(torch.ones(5, 5, dtype=torch.bool), diagonal=1)
     expected = scores.masked_fill(future, -math.inf).softmax(-1)
     torch.testing.assert_close(softmax(scores, None), expected)
@@ -141,7 +141,7 @@ def test_synchronize_is_noop():
     without("synchronize_is_noop")
     with pytest.raises(AssertionError, match="not compiled with CUDA"):
         timers("step", log_level=0).start()
-    cpu_compat.apply()
+    megatron_patches.apply()
     timers("step", log_level=0).start()
     timers("step", log_level=0).stop()
     assert timers("step", log_level=0).elapsed(reset=False) >= 0.0
@@ -187,7 +187,7 @@ def test_cuda_streams_are_host_dummies():
     without("cuda_streams_are_host_dummies")
     with pytest.raises(RuntimeError, match="requires CUDA support"):
         build_moe_layer()
-    cpu_compat.apply()
+    megatron_patches.apply()
     MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = None
     moe = build_moe_layer()
     x = torch.randn(5, 2, 16)  # [s, b, h]
@@ -202,7 +202,7 @@ def test_moe_router_gemm_defined():
     without("moe_router_gemm_defined")
     with pytest.raises(NameError, match="te_general_gemm"):
         moe(x)
-    cpu_compat.apply()
+    megatron_patches.apply()
     out, _ = moe(x)
     out.sum().backward()
     assert moe.router.weight.grad is not None and torch.isfinite(moe.router.weight.grad).all()
@@ -225,7 +225,7 @@ def test_mla_without_transformer_engine():
     without("mla_without_transformer_engine")
     with pytest.raises(TypeError, match="isinstance"):
         build()
-    cpu_compat.apply()
+    megatron_patches.apply()
     x = torch.randn(5, 2, 16)
     out, _ = build()(x, attention_mask=None)
     assert out.shape == (5, 2, 16) and torch.isfinite(out).all()
@@ -261,7 +261,7 @@ def test_schedule_cuda_tensors_on_cpu():
     without("schedule_cuda_tensors_on_cpu")
     with pytest.raises(AssertionError, match="not compiled with CUDA"):
         run()
-    cpu_compat.apply()
+    megatron_patches.apply()
     (result,) = run()
     with torch.no_grad():
         expected = model(tokens, positions, None, labels=tokens).mean()
@@ -279,7 +279,7 @@ def test_optimizer_cuda_tensors_on_cpu():
     without("optimizer_cuda_tensors_on_cpu")
     with pytest.raises(AssertionError, match="not compiled with CUDA"):
         get_megatron_optimizer(opt_config, [ddp])
-    cpu_compat.apply()
+    megatron_patches.apply()
     optimizer = get_megatron_optimizer(opt_config, [ddp])
     tokens = torch.randint(0, 32, (2, 8))
     ddp(tokens, torch.arange(8).expand(2, -1), None, labels=tokens).mean().backward()
@@ -305,7 +305,7 @@ def test_torch_norm_allows_sequence_parallel():
     without("torch_norm_allows_sequence_parallel")
     with pytest.raises(AssertionError, match="sequence parallel not supported"):
         WrappedTorchNorm(config, 16)
-    cpu_compat.apply()
+    megatron_patches.apply()
     norm = WrappedTorchNorm(config, 16, eps=1e-5)
     assert isinstance(norm, torch.nn.RMSNorm) and norm.weight.sequence_parallel is True
     x = torch.randn(3, 16)
@@ -321,7 +321,7 @@ def test_nvtx_is_noop():
         with pytest.raises(RuntimeError, match="NVTX functions not installed"):
             megatron_utils.nvtx_range_push("step")
         megatron_utils._nvtx_range_messages.clear()
-        cpu_compat.apply()
+        megatron_patches.apply()
         megatron_utils.nvtx_range_push("step")
         megatron_utils.nvtx_range_pop("step")
         assert megatron_utils._nvtx_range_messages == []
@@ -347,7 +347,7 @@ def test_rope_cp_slice_on_cpu():
     without("rope_cp_slice_on_cpu")
     with pytest.raises(RuntimeError, match="pin_memory"):
         rope_utils.get_pos_emb_on_this_cp_rank(emb, 0, _FakeCpGroup())
-    cpu_compat.apply()
+    megatron_patches.apply()
     sliced = rope_utils.get_pos_emb_on_this_cp_rank(emb, 0, _FakeCpGroup())
     assert sliced.flatten().tolist() == [2.0, 3.0, 4.0, 5.0]  # chunks 1 and 2 of 4
 
@@ -395,7 +395,7 @@ def test_static_inference_cuda_tensors_on_cpu():
     without("static_inference_cuda_tensors_on_cpu")
     with pytest.raises(AssertionError, match="not compiled with CUDA"):
         generate()
-    cpu_compat.apply()
+    megatron_patches.apply()
     expected = []
     for prompt in prompts:  # greedy with full forwards, no KV cache
         ids = torch.tensor([prompt])
@@ -415,11 +415,11 @@ def test_apply_restores_stand_ins_another_library_replaced():
     class Placeholder:  # what vLLM's CPU worker installs
         pass
 
-    cpu_compat.apply()
+    megatron_patches.apply()
     host_event = torch.cuda.Event
     torch.cuda.Event = Placeholder
     try:
-        cpu_compat.apply()
+        megatron_patches.apply()
         assert torch.cuda.Event is host_event
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
@@ -460,7 +460,7 @@ def test_linear_gemms_on_onednn():
 
     for frozen in (False, True):
         for patched in (False, True):
-            cpu_compat.apply()
+            megatron_patches.apply()
             if not patched:
                 without("linear_gemms_on_onednn")
             got = linear(frozen)
@@ -472,11 +472,11 @@ def test_linear_gemms_on_onednn():
     # a fresh tensor both ways (no view: Megatron may modify it in place).
     for width_in, width_out in ((8, 48), (48, 8)):
         x, dy = torch.randn(64, width_in, generator=g), torch.randn(64, width_out, generator=g)
-        got = cpu_speed._onednn_matmul(dy.t(), x)
+        got = megatron_speed._onednn_matmul(dy.t(), x)
         torch.testing.assert_close(got.double(), dy.double().t() @ x.double(), rtol=1e-5, atol=1e-5)
         assert got._base is None and got.is_contiguous()
     # Calls the mode does not serve keep torch's matmul: autograd through it, other dtypes, 1-D operands.
-    with cpu_speed._OneDnnMatmulMode():
+    with megatron_speed._OneDnnMatmulMode():
         a = torch.randn(3, 4, requires_grad=True)
         torch.matmul(a, torch.randn(4, 2)).sum().backward()
         assert a.grad is not None
@@ -507,9 +507,9 @@ def test_onednn_gemm_sizes_are_rounded():
         for tokens in range(1000, 1100):  # step 16 at this size: 7 rounded sizes for 100 token counts
             x64 = torch.randn(tokens, 40, generator=g, dtype=torch.float64)
             dy64 = torch.randn(tokens, 24, generator=g, dtype=torch.float64)
-            got = (cpu_speed._onednn_matmul(x64.float(), w64.float().t()),  # forward: `tokens` rows
-                   cpu_speed._onednn_matmul(dy64.float(), w64.float()),  # input gradient: `tokens` rows
-                   cpu_speed._onednn_matmul(dy64.float().t(), x64.float()))  # weight gradient: summed over tokens
+            got = (megatron_speed._onednn_matmul(x64.float(), w64.float().t()),  # forward: `tokens` rows
+                   megatron_speed._onednn_matmul(dy64.float(), w64.float()),  # input gradient: `tokens` rows
+                   megatron_speed._onednn_matmul(dy64.float().t(), x64.float()))  # weight gradient: summed over tokens
             for value, reference in zip(got, (x64 @ w64.t(), dy64 @ w64, dy64.t() @ x64)):
                 torch.testing.assert_close(value.double(), reference, rtol=1e-5, atol=1e-4)
                 assert value._base is None and value.is_contiguous()
@@ -533,18 +533,18 @@ def test_packed_rope_in_one_gather():
     def rope(freqs):
         return rope_utils._apply_rotary_pos_emb_thd(t, cu_seqlens, freqs, cp_group=group)
 
-    assert cpu_speed._packed_positions(cu_seqlens, 18).tolist() == [i for n in lengths for i in range(n)]
+    assert megatron_speed._packed_positions(cu_seqlens, 18).tolist() == [i for n in lengths for i in range(n)]
     empty_inside = torch.tensor([0, 2, 2, 5, 5], dtype=torch.int32)  # sequences of 0 tokens (a pack's filler row)
-    assert cpu_speed._packed_positions(empty_inside, 5).tolist() == [0, 1, 0, 1, 2]
+    assert megatron_speed._packed_positions(empty_inside, 5).tolist() == [0, 1, 0, 1, 2]
     without("packed_rope_in_one_gather")
     loop = [rope(per_length), rope(per_token)]
-    cpu_compat.apply()
+    megatron_patches.apply()
     assert torch.equal(rope(per_length), loop[0]) and torch.equal(rope(per_token), loop[1])
     assert "aten::split_with_sizes" in _ops_run(lambda: rope(per_token))  # Megatron's own branch
     gathered = _ops_run(lambda: rope(per_length))
     assert "aten::split_with_sizes" not in gathered
     assert "aten::_local_scalar_dense" not in gathered  # no value read back to the host: a GPU would wait for it
-    assert "packed_rope_in_one_gather" in cpu_compat.WITHOUT_TE  # GPUs without Transformer Engine take it too
+    assert "packed_rope_in_one_gather" in megatron_patches.WITHOUT_TE  # GPUs without Transformer Engine take it too
 
 
 def test_grad_norm_on_device():
@@ -557,10 +557,10 @@ def test_grad_norm_on_device():
     independent = math.sqrt(sum(float((t.double() ** 2).sum()) for t in grads))
     without("grad_norm_on_device")
     megatron = clip_grads.get_grad_norm_fp32(grads)
-    with cpu_compat._CudaToCpuMode(fake_cuda_type=False):  # its result goes to device="cuda", here the CPU
+    with megatron_patches._CudaToCpuMode(fake_cuda_type=False):  # its result goes to device="cuda", here the CPU
         assert "aten::_local_scalar_dense" in _ops_run(lambda: clip_grads.l2_norm_impl(0, None, [grads], False))
-    cpu_compat.apply()
+    megatron_patches.apply()
     assert clip_grads.get_grad_norm_fp32(grads) == megatron == pytest.approx(independent, rel=1e-6)
     ops = _ops_run(lambda: clip_grads.l2_norm_impl(0, None, [grads], False))
     assert "aten::_local_scalar_dense" not in ops
-    assert "grad_norm_on_device" in cpu_compat.WITHOUT_TE
+    assert "grad_norm_on_device" in megatron_patches.WITHOUT_TE

@@ -1,4 +1,4 @@
-"""The flash path (`mrl.parallel.flash_attention`): outputs and gradients equal dense masked softmax attention in
+"""The flash path (`mrl.cpu.flash_attention`): outputs and gradients equal dense masked softmax attention in
 float64, for the query layouts a context-parallel rank holds, and its memory stays O(sequence)."""
 
 import resource
@@ -6,8 +6,8 @@ import resource
 import pytest
 import torch
 
-from mrl.parallel import flash_attention
-from mrl.parallel.flash_attention import _position_runs, causal_attention, padded_pack_attention
+from mrl.cpu import flash_attention
+from mrl.cpu.flash_attention import _position_runs, causal_attention, padded_pack_attention
 
 
 def dense_reference(q, k, v, q_positions, scale):

@@ -1,5 +1,5 @@
 """Every patch megatron-core 0.16.1 needs to run on a CPU-only torch build, in one place (and, registered here, the
-two of `mrl.parallel.cpu_speed` that make it fast there).
+two of `mrl.cpu.megatron_speed` that make it fast there).
 
 Megatron-Core is written for CUDA: it calls `torch.cuda.*` unconditionally and creates tensors with
 `device="cuda"`. On a CPU-only torch build these calls raise ("Torch not compiled with CUDA enabled").
@@ -18,7 +18,7 @@ Design choices:
   `TorchFunctionMode` is active only while they run (`_CudaToCpuMode`); nothing outside them is rewritten.
 - Every patch is recorded, so tests can apply all but one (`apply(skip=...)`) and undo them (`revert()`):
   each patch has a test showing the megatron behaviour fails without it and works with it.
-- Three patches change speed, not behaviour (`mrl/parallel/cpu_speed.py`): linear layers compute with oneDNN instead
+- Three patches change speed, not behaviour (`mrl/cpu/megatron_speed.py`): linear layers compute with oneDNN instead
   of MKL, packed RoPE gathers its frequencies in one indexing op instead of a Python loop over sequences, and the
   gradient norm without Apex stays on the device. They
   are applied, skipped and reverted like the others; their tests show the same results (to float32 rounding, or bit
@@ -42,8 +42,8 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 from torch.overrides import TorchFunctionMode
 
-from mrl.parallel import collectives, cpu_isa
-from mrl.parallel.cpu_speed import grad_norm_on_device, linear_gemms_on_onednn, packed_rope_in_one_gather
+from mrl.cpu import isa
+from mrl.cpu.megatron_speed import grad_norm_on_device, linear_gemms_on_onednn, packed_rope_in_one_gather
 
 SUPPORTED_MEGATRON_VERSION = "0.16.1"
 
@@ -455,9 +455,9 @@ def gloo_uneven_all_gather(patch: Patcher) -> None:
     each TP rank through `tensor_parallel.mappings._gather_along_first_dim(..., output_split_sizes)` (0.16.1),
     which calls the list form of `torch.distributed.all_gather`; gloo rejects tensors of different sizes
     there ("ProcessGroupGloo::allgather: invalid tensor size"). The replacement pads every rank's slice to
-    the largest split, does an even `all_gather_into_tensor` and cuts the padding out: the same values, a
-    few more bytes moved. Even gathers keep the original path. (The uneven reduce-scatter next to it works
-    on gloo in torch 2.13 and is left alone.)
+    the largest split, gathers them with Megatron's own even path (`all_gather_into_tensor`) and cuts the padding
+    out: the same values, a few more bytes moved. Even gathers keep the original path. (The uneven reduce-scatter
+    next to it works on gloo in torch 2.13 and is left alone.)
     """
     from megatron.core.tensor_parallel import mappings
 
@@ -470,8 +470,7 @@ def gloo_uneven_all_gather(patch: Patcher) -> None:
         largest, rest = max(sizes), tuple(input_.shape[1:])
         padded = input_.new_zeros((largest, *rest))  # [max_split, ...]
         padded[: input_.shape[0]] = input_
-        gathered = input_.new_empty((largest * group.size(), *rest))  # [world * max_split, ...]
-        collectives.all_gather_into_tensor(gathered, padded, group=group)
+        gathered = original_gather(padded, group, None, False)  # Megatron's even gather: [world * max_split, ...]
         return torch.cat([gathered[i * largest : i * largest + s] for i, s in enumerate(sizes)], dim=0)
 
     patch.set(mappings, "_gather_along_first_dim", _gather_along_first_dim)
@@ -599,9 +598,9 @@ def _check_megatron_version() -> None:
     version = importlib.import_module("megatron.core").__version__
     if version != SUPPORTED_MEGATRON_VERSION:
         raise RuntimeError(
-            f"mrl.parallel.cpu_compat patches megatron-core {SUPPORTED_MEGATRON_VERSION}, found {version}. "
+            f"mrl.cpu.megatron_patches patches megatron-core {SUPPORTED_MEGATRON_VERSION}, found {version}. "
             "Install megatron-core==0.16.1 (see requirements/), or re-check every patch in "
-            "mrl/parallel/cpu_compat.py against the new version and run tests/unit/parallel."
+            "mrl/cpu/megatron_patches.py against the new version and run tests/unit/parallel."
         )
 
 
@@ -625,11 +624,11 @@ def apply(skip: Iterable[str] = ()) -> None:
     skip = set(skip)
     unknown = skip - PATCHES.keys()
     if unknown:
-        raise ValueError(f"unknown cpu_compat patch(es) {sorted(unknown)}; known: {sorted(PATCHES)}")
+        raise ValueError(f"unknown megatron_patches patch(es) {sorted(unknown)}; known: {sorted(PATCHES)}")
     with _lock:
         _check_megatron_version()
         if not torch.cuda.is_available():
-            cpu_isa.current()  # logs this process's instruction-set path once
+            isa.current()  # logs this process's instruction-set path once
         for name, patch_fn in PATCHES.items():
             if name in skip or name not in wanted:
                 continue
