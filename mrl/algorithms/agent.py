@@ -338,7 +338,7 @@ def validate_episodes(cfg: Any, workers: Any, env: Any, data: Any) -> dict[str, 
     problems = data.val[: cfg.eval.max_problems] if cfg.eval.max_problems else data.val
     if not problems:
         return {}
-    problems, prompts = encode_prompts(problems, workers.tokenizer, data.template, cfg)
+    problems, prompts = encode_prompts(problems, workers.tokenizer, data, cfg)
     sampling = sampling_config(cfg, purpose="eval", turn_end_id=data.template.turn_end_id(workers.tokenizer))
     runner = runner_for(env, workers.tokenizer, data.template)
     episodes = runner.run(workers.engine, problem_rows(problems), prompts, sampling)

@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional, Sequence
 
+from mrl.algorithms.env_metrics import per_env_metrics
 from mrl.algorithms.rollout import decode_text, generate_and_score
 from mrl.config.schema import MrlConfig
 from mrl.data.datasets import Problem
@@ -47,6 +48,7 @@ class SampleRecord:
     #: The engine's mean logprob per response token (stop token included), of the raw distribution (temperature 1,
     #: unfiltered: vLLM's raw_logprobs); how likely the model finds its own answer (mrl.app.self_pairs reads it).
     mean_logprob: float = 0.0
+    env: str = ""  # the environment that scored it, in a run with several (`envs`)
 
 
 @dataclass
@@ -80,6 +82,7 @@ def evaluate(
     }
     for k in pass_k:
         metrics[f"val/pass@{k}"] = sum(pass_at_k(sampling.n, c, k) for c in correct) / len(correct)
+    metrics.update(per_env_metrics("val", rollouts, sampling.n))
     prompts = [decode_text(tokenizer, ids, skip_special_tokens=False) for ids in prompt_ids]
     mean_logprobs = response_mean_logprobs(rollouts.generation_logprobs, rollouts.loss_mask)
     samples = [
@@ -94,6 +97,7 @@ def evaluate(
             float(rollouts.rewards[row]),
             rollouts.finish_reasons[row].value,
             mean_logprobs[row],
+            problems[row // sampling.n].env,
         )
         for row in range(len(rollouts.responses))
     ]
@@ -114,7 +118,7 @@ def validate(
     if not data.val:
         return None
     problems = data.val[: cfg.eval.max_problems] if cfg.eval.max_problems else data.val
-    problems, prompts = encode_prompts(problems, tokenizer, data.template, cfg)
+    problems, prompts = encode_prompts(problems, tokenizer, data, cfg)
     if not problems:
         return None
     sampling = sampling_config(cfg, purpose="eval", turn_end_id=data.template.turn_end_id(tokenizer))

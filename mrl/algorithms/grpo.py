@@ -33,6 +33,7 @@ import torch
 
 from mrl.algorithms.agent import agent_rollouts, validate_episodes
 from mrl.algorithms.ahead import RolloutsAhead
+from mrl.algorithms.env_metrics import per_env_metrics
 from mrl.algorithms.evaluate import validate, write_samples
 from mrl.algorithms.guards import NonFiniteGuard
 from mrl.algorithms.health import IdleGuard, env_reads_answers, health_metrics, step_causes
@@ -102,7 +103,7 @@ def produce_rollouts(
 ) -> tuple[Rollouts, dict[str, float]]:
     """Step `step`'s samples from the engine (which holds the weights after step `policy_version`), scored."""
     m: dict[str, float] = {}
-    problems, prompts = encode_prompts(problems, workers.tokenizer, data.template, cfg)
+    problems, prompts = encode_prompts(problems, workers.tokenizer, data, cfg)
     sampling = sampling_config(cfg, step, turn_end_id=data.template.turn_end_id(workers.tokenizer))
     with logger.timer("generation", m):
         workers.engine.prepare_for_generation()  # colocated on GPUs: the engine takes its memory back
@@ -142,6 +143,7 @@ def learn(
         keep &= rollouts.loss_mask.sum(dim=1) > 0
         batch = training_rows(rollouts, advantages, keep, workers.policy.data_parallel_size)
     m.update(_rollout_metrics(rollouts, keep))
+    m.update(per_env_metrics("train", rollouts, n))
     m.update(health_metrics(rollouts, grouped, reads_answers=env_reads_answers(cfg)))
     m["train/staleness"] = float(step - 1 - rollouts.policy_version)  # updates between generating and training
     if not bool(keep.any()):  # nothing to learn from (every group uniform, or every sample lost): no update

@@ -156,7 +156,8 @@ def health_metrics(rollouts: Any, grouped_rewards: torch.Tensor, *, reads_answer
 def env_reads_answers(cfg: Any) -> bool:
     """Whether the run's reward reads an answer out of each response (so a response without one is a health
     figure): the single-turn arith and math environments, when no reward model replaces their score."""
-    return cfg.env.kind in _ANSWER_FORMATS and cfg.env.reward_model is None
+    envs = list(cfg.envs.values()) or [cfg.env]
+    return all(env.kind in _ANSWER_FORMATS and env.reward_model is None for env in envs)
 
 
 #: What each environment that reads answers looks for in a response (mrl/environments/arith.py, math.py).
@@ -259,7 +260,9 @@ def step_causes(cfg: Any, metrics: dict[str, float], rollouts: Any) -> list[Caus
             )
         )
     elif metrics.get("train/unparsed_fraction", 0.0) >= 1.0:
-        expected = _ANSWER_FORMATS.get(cfg.env.kind, f"the answer env.kind={cfg.env.kind} reads")
+        named = list(cfg.envs.items()) or [("", cfg.env)]
+        formats = [(name, _ANSWER_FORMATS.get(env.kind, f"the answer kind={env.kind} reads")) for name, env in named]
+        expected = "; ".join(f"{name}: {form}" if name else form for name, form in formats)
         causes.append(
             Cause(
                 "no answer found",

@@ -16,7 +16,16 @@ from typing import TYPE_CHECKING, Optional, Sequence
 import torch
 
 from mrl.data.datasets import Problem
-from mrl.environments.base import ANSWER, EXTRACTED_ANSWER, FINISHED, PROMPT_TOKEN_IDS, RESPONSE_TOKEN_IDS, Environment
+from mrl.environments.base import (
+    ANSWER,
+    ENV,
+    EXTRACTED_ANSWER,
+    FINISHED,
+    PROMPT_TOKEN_IDS,
+    RESPONSE_TOKEN_IDS,
+    REWARD_ERROR,
+    Environment,
+)
 from mrl.inference.interface import FinishReason, GenerationBackend, GenerationOutput, SamplingConfig, routing_rows
 
 if TYPE_CHECKING:
@@ -40,6 +49,8 @@ class Rollouts:
     policy_version: int = 0  # the training step whose weights generated them (0: the initial model)
     reward_errors: list[str] = field(default_factory=list)  # the reward's failure messages (at most a few)
     routing: Optional[torch.Tensor] = None  # [B, T, layers, k] uint8 / int16: the engine's experts (router replay)
+    envs: list[str] = field(default_factory=list)  # [B] each row's environment (a run with several; else [])
+    reward_errored: list[bool] = field(default_factory=list)  # [B] whether the reward failed on the row (scored 0)
 
     def state_dict(self) -> dict:
         """Tensors, numbers and strings only (a checkpoint's train state loads with weights_only=True)."""
@@ -94,6 +105,7 @@ def generate_and_score(
             FINISHED: s.finish_reason is FinishReason.STOP,
             PROMPT_TOKEN_IDS: list(s.prompt_token_ids),
             RESPONSE_TOKEN_IDS: list(s.token_ids),
+            **({ENV: problems[s.prompt_index].env} if problems[s.prompt_index].env else {}),
         }
         for s in out.samples
     ]
@@ -116,4 +128,6 @@ def generate_and_score(
         [s.finish_reason for s in out.samples],
         reward_errors=scored.error_messages[:4],
         routing=routing_rows([s.routing for s in out.samples], ids.shape[1]),
+        envs=[str(m[ENV]) for m in meta if ENV in m],
+        reward_errored=[REWARD_ERROR in m for m in scored.metadata],
     )

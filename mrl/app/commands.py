@@ -152,10 +152,10 @@ def _grpo_summary(history: dict, final: dict[str, float], seconds: float) -> dic
 
 def _grpo_environment(cfg: MrlConfig, runtime: Runtime, template: Any) -> Any:
     """The verifier (env.kind), wrapped with the reward model's score when env.reward_model is set."""
-    from mrl.environments.registry import build_environment
+    from mrl.environments.registry import build_run_environment
     from mrl.environments.reward_model import RewardModelEnvironment
 
-    env = build_environment(cfg.env)
+    env = build_run_environment(cfg)
     rm = cfg.env.reward_model
     if rm is None:
         return env
@@ -194,7 +194,8 @@ def run_grpo(cfg: MrlConfig) -> dict[str, Any]:
     data = load_task_data(cfg, val_source=cfg.eval.data)
     source = resolve_model(cfg)
     tokenizer = load_tokenizer(cfg, source)
-    check_prompt_budget(cfg, tokenizer, data.template, data.train)
+    for template, problems in data.by_template():
+        check_prompt_budget(cfg, tokenizer, template, problems)
     _check_reward_model_tokenizer(cfg, tokenizer)
     runtime = _started(
         cfg,
@@ -395,7 +396,7 @@ def run_rm(cfg: MrlConfig) -> dict[str, Any]:
 def run_eval(cfg: MrlConfig) -> dict[str, Any]:
     from mrl.algorithms.evaluate import SAMPLES_FILE, format_examples, validate, write_samples
     from mrl.data.tasks import load_task_data
-    from mrl.environments.registry import build_environment
+    from mrl.environments.registry import build_run_environment
 
     start = time.perf_counter()
     data = load_task_data(cfg, val_source=cfg.eval.data)
@@ -409,7 +410,7 @@ def run_eval(cfg: MrlConfig) -> dict[str, Any]:
     tokenizer = load_tokenizer(cfg, source)
     check_prompt_budget(cfg, tokenizer, data.template, [])  # the template renders, with room for a problem
     runtime = _started(cfg, total_steps=1, policy=False, source=source, tokenizer=tokenizer)
-    env = build_environment(cfg.env)
+    env = build_run_environment(cfg)
     try:
         with explained_failures(cfg):
             assert runtime.engine is not None  # started: mrl eval starts an engine and no policy

@@ -8,6 +8,7 @@ this check accepts is one the workers run. Imports the schema for annotations on
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
@@ -30,7 +31,13 @@ if TYPE_CHECKING:
 
 def cross_field_problems(cfg: "MrlConfig") -> list[ConfigError]:
     """Every impossible combination in `cfg`, each naming the key to change."""
-    return [*_parallel_problems(cfg), *_batch_problems(cfg), *_length_problems(cfg), *_misc_problems(cfg)]
+    return [
+        *_parallel_problems(cfg),
+        *_batch_problems(cfg),
+        *_length_problems(cfg),
+        *_misc_problems(cfg),
+        *_environment_problems(cfg),
+    ]
 
 
 def _from_rule(violation: Violation) -> ConfigError:
@@ -345,16 +352,153 @@ def _misc_problems(cfg: "MrlConfig") -> list[ConfigError]:
                 allowed=f"< {cfg.loss.icepop_high}",
             )
         )
-    arith = cfg.data.arith
-    half = (10**arith.digits) ** 2 // 2 if arith is not None else 0  # half of mrl/data/arith.py's pairs
-    if arith is not None and arith.num_heldout > half:
+    arith_tasks = [("data.arith", cfg.data.arith)] + [
+        (f"data.sources[{i}].arith", source.arith) for i, source in enumerate(cfg.data.sources)
+    ]
+    for key, arith in arith_tasks:
+        half = (10**arith.digits) ** 2 // 2 if arith is not None else 0  # half of mrl/data/arith.py's pairs
+        if arith is not None and arith.num_heldout > half:
+            out.append(
+                ConfigError(
+                    f"{arith.digits}-digit addition has {2 * half} pairs; at most half may be held out",
+                    key=f"{key}.num_heldout",
+                    given=arith.num_heldout,
+                    allowed=f"1..{half}",
+                    fix=f"{key}.num_heldout={min(half, 20)}, or raise {key}.digits",
+                )
+            )
+    return out
+
+
+#: What a name in `envs` may hold: it becomes part of metric names (train/env/<name>/reward).
+_ENV_NAME = re.compile(r"[A-Za-z0-9_-]+")
+
+
+def _environment_problems(cfg: "MrlConfig") -> list[ConfigError]:
+    """A run with several environments (`envs` + `data.sources`): both or neither, every source naming a known
+    environment and one kind of rows, weights that sum to something positive."""
+    data, envs = cfg.data, cfg.envs
+    if not envs and not data.sources:
+        return []
+    if not data.sources:
+        return [
+            ConfigError(
+                "`envs` names environments but no data source uses them",
+                key="data.sources",
+                fix="add data.sources, one per dataset: {env: NAME, train: FILE, weight: W}",
+            )
+        ]
+    if not envs:
+        return [
+            ConfigError(
+                "data.sources name environments, and `envs` defines none",
+                key="envs",
+                fix="define each source's environment: envs: {NAME: {kind: arith}}",
+            )
+        ]
+    out = [_env_problem(name, env) for name, env in envs.items()]
+    single = [key for key in ("train", "val", "arith") if getattr(data, key) is not None]
+    if single:
         out.append(
             ConfigError(
-                f"{arith.digits}-digit addition has {2 * half} pairs; at most half may be held out",
-                key="data.arith.num_heldout",
-                given=arith.num_heldout,
-                allowed=f"1..{half}",
-                fix=f"data.arith.num_heldout={min(half, 20)}, or raise data.arith.digits",
+                f"data.{single[0]} and data.sources both give the rows",
+                key=f"data.{single[0]}",
+                fix=f"move data.{single[0]} into a source of data.sources (or drop data.sources)",
+            )
+        )
+    for i, source in enumerate(data.sources):
+        out += _source_problems(f"data.sources[{i}]", source, sorted(envs))
+    weights = [source.weight for source in data.sources]
+    if sum(weights) <= 0:
+        out.append(
+            ConfigError(
+                "the sources' weights sum to 0: no source would give a training prompt",
+                key="data.sources",
+                given=weights,
+                allowed="weights >= 0 summing to more than 0",
+                fix="give the sources to train on a positive weight (e.g. 1 each)",
+            )
+        )
+    used = {source.env for source in data.sources}
+    unused = [name for name in envs if name not in used and None not in used]  # rows may name any (data.env_key)
+    out += [
+        ConfigError(
+            f"envs.{name} is named by no data source",
+            key=f"envs.{name}",
+            fix=f"add a source with env: {name}, or remove envs.{name}",
+        )
+        for name in unused
+    ]
+    return [problem for problem in out if problem is not None]
+
+
+def _env_problem(name: str, env: Any) -> Optional[ConfigError]:
+    """What a named environment cannot be (yet): its name must fit a metric name; no server, no reward model."""
+    if not _ENV_NAME.fullmatch(name):
+        return ConfigError(
+            "an environment's name becomes part of metric names",
+            key=f"envs.{name}",
+            given=name,
+            allowed="letters, digits, '_' and '-'",
+            fix="rename it, e.g. envs.my_task",
+        )
+    if env.kind == "server":
+        return ConfigError(
+            "a resource-server environment cannot share a run with others yet (its episodes are "
+            "played by the agent loop, the others' samples scored in one batch)",
+            key=f"envs.{name}.kind",
+            given="server",
+            allowed="math, arith",
+            fix="run the server environment alone (env.kind=server, without envs)",
+        )
+    if env.reward_model is not None:
+        return ConfigError(
+            "a reward model cannot score one environment of several yet",
+            key=f"envs.{name}.reward_model",
+            fix="drop it, or train on that environment alone with env.reward_model",
+        )
+    return None
+
+
+def _source_problems(key: str, source: Any, names: list[str]) -> list[ConfigError]:
+    out = []
+    if source.env is None and source.arith is not None:
+        out.append(
+            ConfigError(
+                "the arithmetic task's rows name no environment",
+                key=f"{key}.env",
+                fix=f"set {key}.env to one of: {', '.join(names)}",
+            )
+        )
+    elif source.env is not None and source.env not in names:
+        near = suggest(source.env, names)
+        out.append(
+            ConfigError(
+                f"no environment named {source.env!r}",
+                key=f"{key}.env",
+                given=source.env,
+                allowed=", ".join(names),
+                fix=f"{key}.env={near or names[0]}, or add it to envs",
+            )
+        )
+    files = source.train is not None or source.val is not None
+    if files == (source.arith is not None):
+        given = "both files and arith" if files else "neither"
+        out.append(
+            ConfigError(
+                "a source gives its rows from files (train, val) or from the arithmetic task",
+                key=key,
+                given=given,
+                fix=f"set {key}.train (and .val), or {key}.arith, not both",
+            )
+        )
+    elif source.weight > 0 and files and source.train is None:
+        out.append(
+            ConfigError(
+                "a source with a weight trains on its rows, and this one has no training rows",
+                key=f"{key}.weight",
+                given=source.weight,
+                fix=f"set {key}.train, or {key}.weight=0 (validation only)",
             )
         )
     return out

@@ -616,6 +616,31 @@ class ArithTaskConfig(Section):
     )
 
 
+class DataSourceConfig(Section):
+    """One dataset of a run with several environments (`data.sources`): its rows, the environment in `envs` that
+    scores them, and its share of the training prompts."""
+
+    env: Optional[str] = Field(
+        default=None,
+        description="The environment (a name in `envs`) that scores this source's samples; None: each row names its "
+        "own in the column data.env_key.",
+    )
+    weight: float = Field(
+        default=1.0, ge=0, description="Share of the training prompts: weight / the sum of the sources' weights."
+    )
+    train: Optional[str] = Field(default=None, description="Training prompts (the forms of data.train).")
+    val: Optional[str] = Field(default=None, description="Validation prompts (the forms of data.val).")
+    arith: Optional[ArithTaskConfig] = Field(
+        default=None, description="The synthetic arithmetic task instead of files (its held-out pairs validate)."
+    )
+    problem_key: Optional[str] = Field(default=None, description="Column of the problem text (default data's).")
+    answer_key: Optional[str] = Field(default=None, description="Column of the gold answer (default data's).")
+    instruction: Optional[str] = Field(
+        default=None,
+        description="Appended to each of this source's problems (default data.instruction; an arith source: none).",
+    )
+
+
 class DataConfig(Section):
     train: Optional[str] = Field(
         default=None,
@@ -639,6 +664,14 @@ class DataConfig(Section):
     max_prompt_length: Optional[int] = Field(default=None, ge=1, description="Prompt tokens at most; None = no limit.")
     arith: Optional[ArithTaskConfig] = Field(
         default=None, description="Use the synthetic arithmetic task instead of files."
+    )
+    env_key: str = Field(
+        default="env", description="Column naming a row's environment (rows of a source without `env`)."
+    )
+    sources: list[DataSourceConfig] = Field(
+        default_factory=list,
+        description="Several datasets, each scored by its own environment of `envs` and drawn by weight (instead "
+        "of data.train, data.val and data.arith, and of `env`).",
     )
 
 
@@ -795,6 +828,11 @@ class MrlConfig(Section):
     eval: EvalConfig = Field(default_factory=EvalConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     env: EnvConfig = Field(default_factory=EnvConfig)
+    envs: dict[str, EnvConfig] = Field(
+        default_factory=dict,
+        description="Named environments of a run with several, each a mapping with the keys of `env` "
+        "(`data.sources` names one for each dataset); empty: the one `env`.",
+    )
     checkpointing: CheckpointConfig = Field(default_factory=CheckpointConfig)
     logger: LoggerConfig = Field(default_factory=LoggerConfig)
     stages: list[StageConfig] = Field(

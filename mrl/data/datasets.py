@@ -37,6 +37,8 @@ class Problem:
     answer: str
     row: int = -1
     fields: dict = field(default_factory=dict, compare=False, hash=False)  # the whole source row (server sessions)
+    env: str = ""  # the environment that scores it, in a run with several (`envs`); "" in a run with one
+    source: int = 0  # its source in data.sources (whose prompt template it takes); 0 in a run with one
 
 
 @dataclass

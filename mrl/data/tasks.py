@@ -4,16 +4,20 @@
                           instruction ("37+05=")
     data.train / .val  -> problem/answer files (jsonl/parquet); bad rows are skipped and counted, a file with no
                           usable row is a ConfigError naming its key (mrl/data/datasets.py)
+    data.sources       -> several datasets (each files or the arithmetic task), each problem tagged with its
+                          environment (`envs`) and source; the training problems drawn by weight (`mix`), every
+                          source's validation problems kept
 Prompts are token ids made with the configured template; a prompt over `data.max_prompt_length` is dropped (or
 truncated, per `generation.overlong_prompt`) and counted, never fatal.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import random
+from dataclasses import dataclass, field, replace
 from typing import Any, Optional, Sequence
 
-from mrl.config.errors import ConfigError
+from mrl.config.errors import ConfigError, suggest
 from mrl.config.schema import MrlConfig
 from mrl.data.datasets import Problem, load_problems
 from mrl.data.templates import PromptTemplate
@@ -26,11 +30,24 @@ class TaskData:
     template: PromptTemplate
     skipped: dict[str, int] = field(default_factory=dict)
     arith: Any = None  # the ArithTask when the synthetic task is used (SFT labels come from it)
+    templates: list[PromptTemplate] = field(default_factory=list)  # per source of data.sources ([]: `template`)
+
+    def template_of(self, problem: Problem) -> PromptTemplate:
+        """The prompt template of a problem's source."""
+        return self.templates[problem.source] if self.templates else self.template
+
+    def by_template(self) -> list[tuple[PromptTemplate, list[Problem]]]:
+        """Each source's template with its training problems (one pair in a run with one source)."""
+        if not self.templates:
+            return [(self.template, self.train)]
+        return [(t, [p for p in self.train if p.source == i]) for i, t in enumerate(self.templates)]
 
 
 def load_task_data(cfg: MrlConfig, *, val_source: Optional[str] = None) -> TaskData:
     """Training and validation problems of the run; `val_source` overrides data.val (e.g. eval.data)."""
     data = cfg.data
+    if data.sources:
+        return _load_sources(cfg, val_source)
     if data.arith is not None:
         from mrl.data.arith import ArithTask
 
@@ -60,13 +77,112 @@ def load_task_data(cfg: MrlConfig, *, val_source: Optional[str] = None) -> TaskD
 
 
 def encode_prompts(
-    problems: Sequence[Problem], tokenizer: Any, template: PromptTemplate, cfg: MrlConfig
+    problems: Sequence[Problem], tokenizer: Any, data: "TaskData | PromptTemplate", cfg: MrlConfig
 ) -> tuple[list[Problem], list[list[int]]]:
-    """The problems whose prompts fit, and their token ids (see the module docstring)."""
-    ids, kept = template.encode(
-        [p.problem for p in problems],
-        tokenizer,
-        max_length=cfg.data.max_prompt_length,
-        overlong=cfg.generation.overlong_prompt,
+    """The problems whose prompts fit, and their token ids (see the module docstring); each problem with its
+    source's template (`data`: the run's TaskData, or one template for all)."""
+    kept_problems, kept_ids = [], []
+    for problem in problems:
+        template = data if isinstance(data, PromptTemplate) else data.template_of(problem)
+        ids, kept = template.encode(
+            [problem.problem], tokenizer, max_length=cfg.data.max_prompt_length, overlong=cfg.generation.overlong_prompt
+        )
+        if kept:
+            kept_problems.append(problem)
+            kept_ids.append(ids[0])
+    return kept_problems, kept_ids
+
+
+def _load_sources(cfg: MrlConfig, val_source: Optional[str]) -> TaskData:
+    """data.sources: each source's problems tagged with its environment and index, the training problems mixed by
+    weight, every source's validation problems in source order."""
+    if val_source:
+        raise ConfigError(
+            "eval.data replaces the validation rows of a run with one dataset; this run has several (data.sources)",
+            key="eval.data",
+            given=val_source,
+            fix="drop eval.data (each source's val rows are evaluated), or evaluate one source's file alone",
+        )
+    trains, vals, templates, skipped = [], [], [], {}
+    for index, source in enumerate(cfg.data.sources):
+        train, val, template, source_skipped = _load_source(cfg, index, source)
+        trains.append(train)
+        vals += val
+        templates.append(template)
+        skipped.update(source_skipped)
+    weights = [source.weight for source in cfg.data.sources]
+    return TaskData(mix(trains, weights, cfg.run.seed), vals, templates[0], skipped, templates=templates)
+
+
+def _load_source(cfg: MrlConfig, index: int, source: Any) -> tuple[list[Problem], list[Problem], PromptTemplate, dict]:
+    """One source's (train, val, template, skipped rows), its problems tagged."""
+    key = f"data.sources[{index}]"
+    if source.arith is not None:
+        from mrl.data.arith import ArithTask
+
+        task = ArithTask.from_config(source.arith, cfg.run.seed)
+        template = PromptTemplate(cfg.data.prompt_template, source.instruction or "")
+        env = source.env or ""
+        train = [replace(p, env=env, source=index) for p in task.train_problems()]
+        return train, [replace(p, env=env, source=index) for p in task.heldout_problems()], template, {}
+    problem_key = source.problem_key or cfg.data.problem_key
+    answer_key = source.answer_key or cfg.data.answer_key
+    template = PromptTemplate(
+        cfg.data.prompt_template, cfg.data.instruction if source.instruction is None else source.instruction
     )
-    return [problems[i] for i in kept], ids
+    parts = {
+        split: load_problems(path, split=split, key=f"{key}.{name}", problem_key=problem_key, answer_key=answer_key)
+        for name, split, path in (("train", "train", source.train), ("val", "test", source.val))
+        if path
+    }
+    skipped = {f"{part.source}:{reason}": n for part in parts.values() for reason, n in part.skipped.items()}
+    tagged = {
+        split: [replace(p, env=source.env or _row_env(cfg, key, part.source, p), source=index) for p in part.problems]
+        for split, part in parts.items()
+    }
+    return tagged.get("train", []), tagged.get("test", []), template, skipped
+
+
+def _row_env(cfg: MrlConfig, key: str, path: str, problem: Problem) -> str:
+    """The environment a row names in the column data.env_key (a source without `env`): one of `envs`, else the
+    ConfigError naming the row, the name and the names allowed."""
+    column, names = cfg.data.env_key, sorted(cfg.envs)
+    name = problem.fields.get(column)
+    if name in cfg.envs:
+        return str(name)
+    if name is None:
+        raise ConfigError(
+            f"{path}: row {problem.row} names no environment (no column {column!r})",
+            key=f"{key}.env",
+            allowed=", ".join(names),
+            fix=f"give every row its environment in the column {column!r} (data.env_key), or set {key}.env",
+        )
+    near = suggest(str(name), names)
+    raise ConfigError(
+        f"{path}: row {problem.row} names the environment {name!r}, which this run does not define",
+        key=f"{key}.env",
+        given=name,
+        allowed=", ".join(names),
+        fix=f"{'correct it to ' + repr(near) if near else 'correct the row'}, or add envs.{name}",
+    )
+
+
+def mix(parts: Sequence[Sequence[Problem]], weights: Sequence[float], seed: int) -> list[Problem]:
+    """The training problems of several sources, source i giving weight_i / sum(weights) of them: as many in all as
+    the sources with a weight hold, each source's share (largest remainders) taken from a shuffle of its problems
+    (seeded by `seed` and the source), cycled when the share is larger than the source. The loader shuffles the
+    whole; the same sources, weights and seed give the same list (an exact resume rebuilds it)."""
+    total = sum(len(part) for part, weight in zip(parts, weights) if weight > 0)
+    exact = [weight / sum(weights) * total for weight in weights]
+    counts = [int(share) for share in exact]
+    by_remainder = sorted(range(len(parts)), key=lambda i: (counts[i] - exact[i], i))
+    for i in by_remainder[: total - sum(counts)]:
+        counts[i] += 1
+    out: list[Problem] = []
+    for i, (part, count) in enumerate(zip(parts, counts)):
+        if not part or not count:
+            continue
+        order = list(range(len(part)))
+        random.Random(seed * 1_000_003 + i).shuffle(order)
+        out += [part[order[j % len(part)]] for j in range(count)]
+    return out

@@ -29,6 +29,8 @@ FINISHED = "finished"
 EXTRACTED_ANSWER = "extracted_answer"
 PROMPT_TOKEN_IDS = "prompt_token_ids"
 RESPONSE_TOKEN_IDS = "response_token_ids"
+ENV = "env"  # the sample's environment, in a run with several (mrl/environments/mixed.py)
+REWARD_ERROR = "reward_error"  # set by an environment whose reward failed on the sample (scored 0)
 
 
 @dataclass
@@ -85,7 +87,7 @@ def single_turn_step(
     new_meta = [dict(m, **{EXTRACTED_ANSWER: x}) for m, x in zip(metadata, extracted)]
     for meta, error in zip(new_meta, errors):
         if error is not None:
-            meta["reward_error"] = error
+            meta[REWARD_ERROR] = error
     return EnvironmentStep(
         rewards=rewards,
         observations=[{"role": "environment", "content": ""} for _ in scores],

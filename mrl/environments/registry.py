@@ -1,4 +1,4 @@
-"""Build the environment a config names (`env.kind`)."""
+"""Build the environment a config names (`env.kind`), or the named ones of a run with several (`envs`)."""
 
 from __future__ import annotations
 
@@ -25,3 +25,20 @@ def build_environment(cfg: Any) -> Environment:
             raise ValueError("env.kind=server needs the env.server section (example or url, tool format, limits)")
         return ServerEnvironment(cfg.server)
     raise ValueError(f"unknown env.kind {cfg.kind!r}; use 'math', 'arith' or 'server'")
+
+
+def build_run_environment(cfg: Any) -> Environment:
+    """The run's environment: the one `env`, or a `MixedEnvironment` over `envs` (each sample scored by the
+    environment its problem's source names). An environment that fails to start stops those already started."""
+    if not cfg.envs:
+        return build_environment(cfg.env)
+    from mrl.environments.mixed import MixedEnvironment
+
+    started: dict[str, Environment] = {}
+    try:
+        for name, env_cfg in cfg.envs.items():
+            started[name] = build_environment(env_cfg)
+    except BaseException:
+        MixedEnvironment(started).shutdown()
+        raise
+    return MixedEnvironment(started)
