@@ -160,9 +160,11 @@ def env_reads_answers(cfg: Any) -> bool:
     return all(env.kind in _ANSWER_FORMATS and env.reward_model is None for env in envs)
 
 
-#: What each environment that reads answers looks for in a response (mrl/environments/arith.py, math.py).
+#: What each environment that reads answers looks for in a response (mrl/environments/arith.py, math.py,
+#: reasoning_gym.py).
 _ANSWER_FORMATS = {
     "arith": "the first integer of the response",
+    "reasoning_gym": "the last <answer>...</answer>, else the whole response",
     "math": "the last \\boxed{...}, else the number after 'final answer is', else the last number",
 }
 

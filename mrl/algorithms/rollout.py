@@ -24,6 +24,7 @@ from mrl.environments.base import (
     PROMPT_TOKEN_IDS,
     RESPONSE_TOKEN_IDS,
     REWARD_ERROR,
+    ROW,
     Environment,
 )
 from mrl.inference.interface import FinishReason, GenerationBackend, GenerationOutput, SamplingConfig, routing_rows
@@ -105,6 +106,7 @@ def generate_and_score(
             FINISHED: s.finish_reason is FinishReason.STOP,
             PROMPT_TOKEN_IDS: list(s.prompt_token_ids),
             RESPONSE_TOKEN_IDS: list(s.token_ids),
+            ROW: problems[s.prompt_index].fields,
             **({ENV: problems[s.prompt_index].env} if problems[s.prompt_index].env else {}),
         }
         for s in out.samples

@@ -461,11 +461,11 @@ def _env_problem(name: str, env: Any) -> Optional[ConfigError]:
 
 
 def _source_problems(key: str, source: Any, names: list[str]) -> list[ConfigError]:
-    out = []
-    if source.env is None and source.arith is not None:
+    out = _reasoning_gym_problems(f"{key}.reasoning_gym", source.reasoning_gym)
+    if source.env is None and (source.arith is not None or source.reasoning_gym is not None):
         out.append(
             ConfigError(
-                "the arithmetic task's rows name no environment",
+                "generated rows name no environment",
                 key=f"{key}.env",
                 fix=f"set {key}.env to one of: {', '.join(names)}",
             )
@@ -482,14 +482,18 @@ def _source_problems(key: str, source: Any, names: list[str]) -> list[ConfigErro
             )
         )
     files = source.train is not None or source.val is not None
-    if files == (source.arith is not None):
-        given = "both files and arith" if files else "neither"
+    kinds = [
+        kind
+        for kind, given in (("files", files), ("arith", source.arith), ("reasoning_gym", source.reasoning_gym))
+        if given
+    ]
+    if len(kinds) != 1:
         out.append(
             ConfigError(
-                "a source gives its rows from files (train, val) or from the arithmetic task",
+                "a source gives its rows from files (train, val), the arithmetic task or reasoning-gym: one of them",
                 key=key,
-                given=given,
-                fix=f"set {key}.train (and .val), or {key}.arith, not both",
+                given=" and ".join(kinds) or "none",
+                fix=f"set {key}.train (and .val), {key}.arith or {key}.reasoning_gym",
             )
         )
     elif source.weight > 0 and files and source.train is None:
@@ -616,3 +620,31 @@ def _allowed(model: type[BaseModel], loc: list[str]) -> str | None:
     if getattr(field.annotation, "__origin__", None) is not None and str(field.annotation).startswith("typing.Literal"):
         return "one of " + ", ".join(repr(c) for c in choices)
     return field.description
+
+
+def _reasoning_gym_problems(key: str, rg: Any) -> list[ConfigError]:
+    """The task weights of a reasoning-gym source (names and configs are checked where the rows are generated,
+    against the installed package)."""
+    if rg is None:
+        return []
+    weights = list(rg.tasks.values())
+    if not weights or min(weights) < 0 or sum(weights) <= 0:
+        return [
+            ConfigError(
+                "reasoning-gym's task weights must be >= 0 and sum to more than 0",
+                key=f"{key}.tasks",
+                given=dict(rg.tasks),
+                fix=f"{key}.tasks={{basic_arithmetic: 1, chain_sum: 1}}: each task to draw with a positive weight",
+            )
+        ]
+    unused = sorted(set(rg.config) - set(rg.tasks))
+    if unused:
+        return [
+            ConfigError(
+                f"a config for tasks the source does not draw: {unused}",
+                key=f"{key}.config",
+                allowed=", ".join(sorted(rg.tasks)),
+                fix=f"add them to {key}.tasks, or remove their configs",
+            )
+        ]
+    return []

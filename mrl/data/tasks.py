@@ -125,6 +125,19 @@ def _load_source(cfg: MrlConfig, index: int, source: Any) -> tuple[list[Problem]
         env = source.env or ""
         train = [replace(p, env=env, source=index) for p in task.train_problems()]
         return train, [replace(p, env=env, source=index) for p in task.heldout_problems()], template, {}
+    if source.reasoning_gym is not None:
+        from mrl.data.reasoning_gym import generate
+
+        train, val, dropped = generate(source.reasoning_gym, f"{key}.reasoning_gym")
+        template = PromptTemplate(cfg.data.prompt_template, source.instruction or "")
+        skipped = {f"{key}.reasoning_gym.val:{reason}": n for reason, n in dropped.items()}
+        env = source.env or ""
+        return (
+            [replace(p, env=env, source=index) for p in train],
+            [replace(p, env=env, source=index) for p in val],
+            template,
+            skipped,
+        )
     problem_key = source.problem_key or cfg.data.problem_key
     answer_key = source.answer_key or cfg.data.answer_key
     template = PromptTemplate(

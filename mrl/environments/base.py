@@ -9,6 +9,8 @@ verifiers read
     "finished": True when the response ended with EOS (or a stop token), False when it was cut at the length limit.
     "prompt_token_ids", "response_token_ids": the sample's tokens (for environments that score tokens, e.g. a
                 reward model; text environments ignore them)
+    "row":      the problem's source row (a reasoning-gym entry, read by its task's scorer)
+    "env":      in a run with several environments, the one that scores the sample
 and add to the returned metadata
     "extracted_answer": the answer the verifier read in the response (None when it found none), so a user can see
                         why a sample scored what it did (`mrl eval` writes it beside every sample).
@@ -30,6 +32,7 @@ EXTRACTED_ANSWER = "extracted_answer"
 PROMPT_TOKEN_IDS = "prompt_token_ids"
 RESPONSE_TOKEN_IDS = "response_token_ids"
 ENV = "env"  # the sample's environment, in a run with several (mrl/environments/mixed.py)
+ROW = "row"  # the problem's source row (Problem.fields: e.g. a reasoning-gym entry, which its scorer reads)
 REWARD_ERROR = "reward_error"  # set by an environment whose reward failed on the sample (scored 0)
 
 

@@ -8,8 +8,8 @@ from mrl.environments.base import Environment
 
 
 def build_environment(cfg: Any) -> Environment:
-    """From an `EnvConfig`: "math" starts a pool of verifier actors (needs Ray running), "arith" runs in-process,
-    "server" is a resource server played in multi-turn episodes (an example one is started here)."""
+    """From an `EnvConfig`: "math" starts a pool of verifier actors (needs Ray running), "arith" and "reasoning_gym"
+    run in-process, "server" is a resource server played in multi-turn episodes (an example one is started here)."""
     if cfg.kind == "math":
         from mrl.environments.math import MathEnvironment
 
@@ -18,13 +18,17 @@ def build_environment(cfg: Any) -> Environment:
         from mrl.environments.arith import ArithEnvironment
 
         return ArithEnvironment()
+    if cfg.kind == "reasoning_gym":
+        from mrl.environments.reasoning_gym import ReasoningGymEnvironment
+
+        return ReasoningGymEnvironment(partial_credit=cfg.partial_credit)
     if cfg.kind == "server":
         from mrl.environments.server_env import ServerEnvironment
 
         if cfg.server is None:
             raise ValueError("env.kind=server needs the env.server section (example or url, tool format, limits)")
         return ServerEnvironment(cfg.server)
-    raise ValueError(f"unknown env.kind {cfg.kind!r}; use 'math', 'arith' or 'server'")
+    raise ValueError(f"unknown env.kind {cfg.kind!r}; use 'math', 'arith', 'reasoning_gym' or 'server'")
 
 
 def build_run_environment(cfg: Any) -> Environment:

@@ -76,8 +76,8 @@ def test_weights_that_sum_to_nothing_are_refused(tmp_path):
 
 
 def test_a_source_needs_one_kind_of_rows_and_the_single_source_keys_stay_out(tmp_path):
-    assert "neither" in str(refusal(tmp_path, "~data.sources.0.arith"))
-    assert "both files and arith" in str(refusal(tmp_path, "+data.sources.0.train=x.jsonl"))
+    assert "given: 'none'" in str(refusal(tmp_path, "~data.sources.0.arith"))
+    assert "files and arith" in str(refusal(tmp_path, "+data.sources.0.train=x.jsonl"))
     assert "data.train and data.sources" in str(refusal(tmp_path, "data.train=x.jsonl"))
 
 
