@@ -147,7 +147,25 @@ def _grpo_summary(history: dict, final: dict[str, float], seconds: float) -> dic
         "token_mult_prob_error_max": max(_curve(history, "train/token_mult_prob_error"), default=None),
         "health": health_summary(history),
         "final": final,
+        **({"env": _env_summary(history, final)} if any(k.startswith("train/env/") for k in history) else {}),
     }
+
+
+def _env_summary(history: dict, final: dict[str, float]) -> dict[str, dict[str, Any]]:
+    """Each environment's figures of a run with several (`envs`): its reward over the first and last 10 steps it had
+    samples in, and its held-out accuracy at the first and the last validation."""
+    names = sorted({k.split("/")[2] for k in history if k.startswith(("train/env/", "val/env/")) and k.count("/") == 3})
+    out = {}
+    for name in names:
+        rewards = _curve(history, f"train/env/{name}/reward")
+        accuracy = _curve(history, f"val/env/{name}/accuracy")
+        out[name] = {
+            "reward_first10": sum(rewards[:10]) / len(rewards[:10]) if rewards else None,
+            "reward_last10": sum(rewards[-10:]) / len(rewards[-10:]) if rewards else None,
+            "val_accuracy_before": accuracy[0] if accuracy else None,
+            "val_accuracy_after": final.get(f"val/env/{name}/accuracy"),
+        }
+    return out
 
 
 def _grpo_environment(cfg: MrlConfig, runtime: Runtime, template: Any) -> Any:

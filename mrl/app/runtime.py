@@ -71,10 +71,11 @@ log = logging.getLogger(__name__)
 INITIAL_MODEL_DIR = "initial_model"
 
 
-def _build_tokenizer(cfg: MrlConfig, out: Path) -> Any:
+def _build_tokenizer(cfg: MrlConfig, build: ModelBuildConfig, out: Path) -> Any:
     from transformers import PreTrainedTokenizerFast
 
-    if cfg.data.arith is not None:
+    kind = build.tokenizer
+    if kind == "characters" or (kind == "auto" and cfg.data.arith is not None):
         from mrl.data.arith import build_arith_tokenizer
 
         tokenizer = build_arith_tokenizer()
@@ -127,7 +128,7 @@ def build_initial_model(cfg: MrlConfig, build: ModelBuildConfig, out: Path) -> P
     if (out / "config.json").is_file() and any(out.glob("*.safetensors")):
         return out  # written by an earlier (interrupted or resumed) run with the same config
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = _build_tokenizer(cfg, out)
+    tokenizer = _build_tokenizer(cfg, build, out)
     config = AutoConfig.for_model(
         build.family,
         vocab_size=len(tokenizer),

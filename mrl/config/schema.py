@@ -154,6 +154,12 @@ class ModelBuildConfig(Section):
     num_experts: int = Field(default=8, ge=1, description="qwen3_moe: routed experts per MoE layer.")
     num_experts_per_tok: int = Field(default=2, ge=1, description="qwen3_moe: experts each token is routed to.")
     moe_intermediate_size: int = Field(default=128, ge=8, description="qwen3_moe: MLP hidden size of each expert.")
+    tokenizer: Literal["auto", "characters", "bpe"] = Field(
+        default="auto",
+        description="The tokenizer built with it: characters (one token per character of digits, + - = and space: the "
+        "arithmetic task's), bpe (byte-level BPE of 500 tokens, any text); auto: characters when data.arith is set, "
+        "else bpe.",
+    )
     rope_scaling: Optional[Literal["linear", "yarn"]] = Field(
         default=None,
         description="Scale RoPE past the native length (max(64, policy.max_total_sequence_length) at build "

@@ -101,7 +101,7 @@ def test_every_shipped_recipe_with_expectations_names_figures_its_kind_of_run_wr
 
     keys = {"reward_first10", "reward_last10", "val_accuracy_before", "val_accuracy_after", "health", "final",
             "token_mult_prob_error_max", "val/preference_accuracy_before", "val/preference_accuracy_after",
-            "val/accuracy_before", "val/accuracy_after"}
+            "val/accuracy_before", "val/accuracy_after", "env"}
     checked = 0
     for name in shipped_recipes():
         cfg = load_config(str(find_recipe(name)), [])

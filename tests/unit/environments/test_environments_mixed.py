@@ -212,3 +212,24 @@ def test_a_grpo_run_logs_each_environments_reward_and_validation(tmp_path):
     assert len(validations) >= 2 and logged["val/env/small/accuracy"] == dict.fromkeys(validations, 1.0)  # sample 0
     assert logged["val/env/large/accuracy"] == dict.fromkeys(validations, 0.0)
     assert logged["val/accuracy"] == dict.fromkeys(validations, 0.5)  # 4 small right, 4 large wrong
+
+
+def test_the_summary_holds_each_environments_figures():
+    from mrl.app.commands import _grpo_summary
+
+    history = {
+        "train/reward": [(1, 0.2), (2, 0.4)],
+        "train/env/a/reward": [(1, 0.0), (2, 0.5)],  # both steps drew `a`
+        "train/env/b/reward": [(2, 0.3)],  # only step 2 drew `b`
+        "val/accuracy": [(0, 0.1), (2, 0.6)],
+        "val/env/a/accuracy": [(0, 0.2), (2, 0.9)],
+        "val/env/b/accuracy": [(0, 0.0), (2, 0.3)],
+        "train/env/turns": [(1, 2.0)],  # a server's own figure: no environment of that name
+    }
+    final = {"val/accuracy": 0.6, "val/env/a/accuracy": 0.9, "val/env/b/accuracy": 0.3}
+    envs = _grpo_summary(history, final, 1.0)["env"]
+    assert envs == {
+        "a": {"reward_first10": 0.25, "reward_last10": 0.25, "val_accuracy_before": 0.2, "val_accuracy_after": 0.9},
+        "b": {"reward_first10": 0.3, "reward_last10": 0.3, "val_accuracy_before": 0.0, "val_accuracy_after": 0.3},
+    }
+    assert "env" not in _grpo_summary({"train/reward": [(1, 0.2)]}, {}, 1.0)
