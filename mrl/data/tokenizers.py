@@ -52,13 +52,33 @@ def load_tokenizer(name_or_path: str | Path) -> Any:
     spaces vanish when encoding ("hello world" -> 3 wrong ids instead of 2) and when decoding. Such a tokenizer is
     loaded again as a plain `PreTrainedTokenizerFast` (TokenizersBackend), which runs tokenizer.json as written and
     keeps the special tokens and the chat template. Tested in tests/unit/data (and with the real DeepSeek-V3
-    tokenizer in tests/real)."""
+    tokenizer in tests/real).
+
+    The same bug's other face: a tokenizer whose config names the plain backend (`TokenizersBackend`, what
+    `PreTrainedTokenizerFast.save_pretrained` writes, e.g. mrl's character tokenizer of the arithmetic task) beside a
+    config.json of a model family (qwen2) is loaded as that family's class (`Qwen2Tokenizer`), whose own
+    pre-tokenizer replaces the file's: spaces vanish ("1 - 7 =" -> "1-7="). It is loaded as the plain backend too."""
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     tokenizer = AutoTokenizer.from_pretrained(str(name_or_path))
-    if _declares_byte_level(Path(name_or_path)) and "ByteLevel" not in repr(_backend(tokenizer)):
+    folder = Path(name_or_path)
+    replaced_byte_level = _declares_byte_level(folder) and "ByteLevel" not in repr(_backend(tokenizer))
+    replaced_backend = _declared_class(folder) == PLAIN_BACKEND and type(tokenizer).__name__ != PLAIN_BACKEND
+    if replaced_byte_level or replaced_backend:
         tokenizer = PreTrainedTokenizerFast.from_pretrained(str(name_or_path))
     return tokenizer
+
+
+#: The class name transformers 5 gives `PreTrainedTokenizerFast` (and writes as a saved tokenizer's class).
+PLAIN_BACKEND = "TokenizersBackend"
+
+
+def _declared_class(folder: Path) -> str | None:
+    """The tokenizer class tokenizer_config.json names (None without one)."""
+    file = folder / "tokenizer_config.json"
+    if not file.is_file():
+        return None
+    return json.loads(file.read_text(encoding="utf-8")).get("tokenizer_class")
 
 
 def _backend(tokenizer: Any) -> Any:

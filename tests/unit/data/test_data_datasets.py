@@ -220,3 +220,25 @@ def test_byte_level_tokenizer_declared_as_llama_is_loaded_as_written(tmp_path):
     assert ids == plain(text, add_special_tokens=False)["input_ids"]
     assert tok.chat_template and tok.eos_token == "<|endoftext|>"
     assert load_tokenizer(tmp_path / "plain").decode(ids) == text  # an ordinary tokenizer is loaded as before
+
+
+def test_the_character_tokenizer_saved_beside_a_qwen2_config_keeps_its_spaces(tmp_path):
+    """transformers 5 loads a plain-backend tokenizer (the arith task's characters) beside a qwen2 config.json as
+    `Qwen2Tokenizer`, whose pre-tokenizer drops the spaces; `load_tokenizer` (the workaround) keeps the file's own."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    from mrl.data.arith import build_arith_tokenizer
+    from mrl.data.tokenizers import load_tokenizer
+
+    built = build_arith_tokenizer()
+    built.save_pretrained(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
+    text = "12+30=42 05+17=22 1 - 7 ="
+    broken = AutoTokenizer.from_pretrained(tmp_path)
+    assert broken.decode(broken(text, add_special_tokens=False)["input_ids"]) != text  # the bug, still there
+    tok = load_tokenizer(tmp_path)
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    assert ids == built(text, add_special_tokens=False)["input_ids"] and tok.decode(ids) == text
+    assert (tok.eos_token, tok.pad_token) == ("<|endoftext|>", "<|pad|>")
