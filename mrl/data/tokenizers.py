@@ -57,16 +57,25 @@ def load_tokenizer(name_or_path: str | Path) -> Any:
     The same bug's other face: a tokenizer whose config names the plain backend (`TokenizersBackend`, what
     `PreTrainedTokenizerFast.save_pretrained` writes, e.g. mrl's character tokenizer of the arithmetic task) beside a
     config.json of a model family (qwen2) is loaded as that family's class (`Qwen2Tokenizer`), whose own
-    pre-tokenizer replaces the file's: spaces vanish ("1 - 7 =" -> "1-7="). It is loaded as the plain backend too."""
+    pre-tokenizer replaces the file's. Where that loses the spaces the file keeps ("1 - 7 =" -> "1-7="), it is loaded
+    as the plain backend too; where it only splits differently and loses nothing (mrl's tiny BPE tokenizer), it is
+    left as transformers loads it, which is how vLLM and a user's transformers load it too."""
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     tokenizer = AutoTokenizer.from_pretrained(str(name_or_path))
     folder = Path(name_or_path)
-    replaced_byte_level = _declares_byte_level(folder) and "ByteLevel" not in repr(_backend(tokenizer))
-    replaced_backend = _declared_class(folder) == PLAIN_BACKEND and type(tokenizer).__name__ != PLAIN_BACKEND
-    if replaced_byte_level or replaced_backend:
-        tokenizer = PreTrainedTokenizerFast.from_pretrained(str(name_or_path))
+    if _declares_byte_level(folder) and "ByteLevel" not in repr(_backend(tokenizer)):
+        return PreTrainedTokenizerFast.from_pretrained(str(name_or_path))
+    if _declared_class(folder) == PLAIN_BACKEND and type(tokenizer).__name__ != PLAIN_BACKEND:
+        as_written = PreTrainedTokenizerFast.from_pretrained(str(name_or_path))
+        if _keeps_spaces(as_written) and not _keeps_spaces(tokenizer):
+            return as_written
     return tokenizer
+
+
+def _keeps_spaces(tokenizer: Any) -> bool:
+    """Whether "1 1" comes back from encoding and decoding with its space."""
+    return tokenizer.decode(tokenizer("1 1", add_special_tokens=False)["input_ids"]) == "1 1"
 
 
 #: The class name transformers 5 gives `PreTrainedTokenizerFast` (and writes as a saved tokenizer's class).

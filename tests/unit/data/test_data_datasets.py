@@ -242,3 +242,20 @@ def test_the_character_tokenizer_saved_beside_a_qwen2_config_keeps_its_spaces(tm
     ids = tok(text, add_special_tokens=False)["input_ids"]
     assert ids == built(text, add_special_tokens=False)["input_ids"] and tok.decode(ids) == text
     assert (tok.eos_token, tok.pad_token) == ("<|endoftext|>", "<|pad|>")
+
+
+def test_a_tokenizer_that_loses_nothing_as_its_familys_class_is_left_as_transformers_loads_it(tmp_path):
+    """mrl's tiny BPE tokenizer beside a qwen2 config: transformers loads it as Qwen2Tokenizer, which splits otherwise
+    than the file but keeps every character; vLLM loads it the same way, so `load_tokenizer` does not override it."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    from mrl.data.tokenizers import build_tokenizer, load_tokenizer
+
+    folder = build_tokenizer(tmp_path / "tok")
+    (folder / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
+    text = "The quick brown fox 12 + 7 = 19"
+    tok, auto = load_tokenizer(folder), AutoTokenizer.from_pretrained(folder)
+    assert type(tok) is type(auto)
+    assert tok(text, add_special_tokens=False)["input_ids"] == auto(text, add_special_tokens=False)["input_ids"]
