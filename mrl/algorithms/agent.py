@@ -348,5 +348,6 @@ def validate_episodes(cfg: Any, workers: Any, env: Any, data: Any) -> dict[str, 
         "val/reward": sum(rewards) / len(rewards),
         "val/accuracy": sum(r >= 1.0 for r in rewards) / len(rewards),
         "val/server_errors": float(sum(e.server_error is not None for e in episodes)),
+        "val/episodes": float(len(episodes)),
         **server_metrics,
     }

@@ -39,11 +39,13 @@ from mrl.algorithms.guards import NonFiniteGuard
 from mrl.algorithms.health import IdleGuard, env_reads_answers, health_metrics, step_causes
 from mrl.algorithms.interfaces import LoopCheckpoints, Workers
 from mrl.algorithms.loop import end_step
+from mrl.algorithms.mixed_rollouts import mixed_rollouts, validate_mixed
 from mrl.algorithms.rollout import Rollouts, generate_and_score
 from mrl.config.schema import MrlConfig
 from mrl.data.dataloader import PromptDataLoader
 from mrl.data.tasks import TaskData, encode_prompts
 from mrl.environments.base import Environment
+from mrl.environments.mixed import MixedEnvironment
 from mrl.environments.server_env import ServerEnvironment
 from mrl.inference.factory import sampling_config
 from mrl.logging.metrics import MetricsLogger
@@ -83,12 +85,15 @@ def run_validation(cfg: MrlConfig, workers: Workers, env: Environment, data: Tas
         metrics = validate_episodes(cfg, workers, env, data)
         workers.engine.finish_generation()
         return metrics
-    result = validate(cfg, workers.engine, env, workers.tokenizer, data)
+    if isinstance(env, MixedEnvironment) and env.servers:
+        metrics, result = validate_mixed(cfg, workers, env, data)
+    else:
+        result = validate(cfg, workers.engine, env, workers.tokenizer, data)
+        metrics = result.metrics if result else {}
     workers.engine.finish_generation()
-    if result is None:
-        return {}
-    write_samples(Path(cfg.run.output_dir) / "val_samples" / f"step_{step}.jsonl", result.samples)
-    return result.metrics
+    if result is not None:
+        write_samples(Path(cfg.run.output_dir) / "val_samples" / f"step_{step}.jsonl", result.samples)
+    return metrics
 
 
 def produce_rollouts(
@@ -110,6 +115,11 @@ def produce_rollouts(
         if isinstance(env, ServerEnvironment):  # multi-turn episodes against a resource server
             rollouts, env_metrics = agent_rollouts(
                 env, workers.engine, workers.tokenizer, data.template, problems, prompts, sampling
+            )
+            m.update(env_metrics)
+        elif isinstance(env, MixedEnvironment) and env.servers:  # servers' episodes beside single-turn samples
+            rollouts, env_metrics = mixed_rollouts(
+                env, workers.engine, workers.tokenizer, data, problems, prompts, sampling
             )
             m.update(env_metrics)
         else:

@@ -133,3 +133,38 @@ def generate_and_score(
         envs=[str(m[ENV]) for m in meta if ENV in m],
         reward_errored=[REWARD_ERROR in m for m in scored.metadata],
     )
+
+
+def concat_rollouts(parts: Sequence[Rollouts], pad_id: int) -> Rollouts:
+    """Several groups' rollouts as one batch (rows in the order of `parts`, each part's rows whole groups): the
+    [B, T] tensors padded to the widest part (pad id, mask and logprobs 0), counts summed, lists joined."""
+    if len(parts) == 1:
+        return parts[0]
+    if any(part.routing is not None for part in parts):
+        raise ValueError("router replay's routing cannot join rollouts of several environments")
+    width = max(part.input_ids.shape[1] for part in parts)
+
+    def padded(name: str, value: float) -> torch.Tensor:
+        tensors = [getattr(part, name) for part in parts]
+        return torch.cat([torch.nn.functional.pad(t, (0, width - t.shape[1]), value=value) for t in tensors])
+
+    joined = lambda name: [x for part in parts for x in getattr(part, name)]  # noqa: E731
+    lengths = [part.lengths for part in parts]
+    return Rollouts(
+        padded("input_ids", pad_id),
+        padded("loss_mask", 0.0),
+        padded("generation_logprobs", 0.0),
+        torch.cat([part.rewards.float() for part in parts]),
+        torch.cat([part.response_lengths for part in parts]),
+        torch.cat([part.truncated for part in parts]),
+        sum(part.num_reward_errors for part in parts),
+        sum(part.num_prompts_rejected for part in parts),
+        torch.cat([t for t in lengths if t is not None]) if all(t is not None for t in lengths) else None,
+        joined("responses"),
+        joined("extracted_answers"),
+        joined("finish_reasons"),
+        parts[0].policy_version,
+        joined("reward_errors")[:4],
+        envs=joined("envs"),
+        reward_errored=joined("reward_errored"),
+    )

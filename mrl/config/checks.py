@@ -433,7 +433,8 @@ def _environment_problems(cfg: "MrlConfig") -> list[ConfigError]:
 
 
 def _env_problem(name: str, env: Any) -> Optional[ConfigError]:
-    """What a named environment cannot be (yet): its name must fit a metric name; no server, no reward model."""
+    """What a named environment cannot be: its name must fit a metric name; a server needs its section; no reward
+    model (yet)."""
     if not _ENV_NAME.fullmatch(name):
         return ConfigError(
             "an environment's name becomes part of metric names",
@@ -442,14 +443,11 @@ def _env_problem(name: str, env: Any) -> Optional[ConfigError]:
             allowed="letters, digits, '_' and '-'",
             fix="rename it, e.g. envs.my_task",
         )
-    if env.kind == "server":
+    if env.kind == "server" and env.server is None:
         return ConfigError(
-            "a resource-server environment cannot share a run with others yet (its episodes are "
-            "played by the agent loop, the others' samples scored in one batch)",
-            key=f"envs.{name}.kind",
-            given="server",
-            allowed="math, arith",
-            fix="run the server environment alone (env.kind=server, without envs)",
+            "a resource-server environment needs its server section",
+            key=f"envs.{name}.server",
+            fix=f"envs.{name}.server={{example: guess_number}}, or {{url: http://HOST:PORT}} of a running server",
         )
     if env.reward_model is not None:
         return ConfigError(

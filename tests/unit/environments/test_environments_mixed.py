@@ -81,10 +81,10 @@ def test_a_source_needs_one_kind_of_rows_and_the_single_source_keys_stay_out(tmp
     assert "data.train and data.sources" in str(refusal(tmp_path, "data.train=x.jsonl"))
 
 
-def test_an_unused_environment_and_a_server_in_a_mix_are_refused(tmp_path):
+def test_an_unused_environment_and_a_server_without_its_section_are_refused(tmp_path):
     assert "envs.spare is named by no data source" in str(refusal(tmp_path, "+envs.spare={kind: arith}"))
     error = str(refusal(tmp_path, "envs.large.kind=server"))
-    assert "envs.large.kind" in error and "cannot share a run" in error
+    assert "envs.large.server" in error and "example: guess_number" in error
 
 
 # -------------------------------------------------------------------------------------------------------- the data
@@ -233,3 +233,54 @@ def test_the_summary_holds_each_environments_figures():
         "b": {"reward_first10": 0.3, "reward_last10": 0.3, "val_accuracy_before": 0.0, "val_accuracy_after": 0.3},
     }
     assert "env" not in _grpo_summary({"train/reward": [(1, 0.2)]}, {}, 1.0)
+
+
+# ------------------------------------------------------------------------------------ a resource server in the mix
+def test_a_resource_servers_episodes_join_the_single_turn_samples(tmp_path):
+    """Arithmetic (sample 0 of each group right) beside mrl's guess-number server over real HTTP, every secret 2 and
+    every guess "2": each episode finds it in one turn and its /verify gives 1."""
+    from mrl.environments.registry import build_run_environment
+    from mrl.environments.servers.examples import GuessNumber
+
+    rows = [dict(row, secret=2, answer="2") for row in GuessNumber.rows(16, high=4)]
+    games = tmp_path / "games.jsonl"
+    games.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    server = "{example: guess_number, tool_format: bare, tool: guess, argument: number, max_turns: 3}"
+    cfg = config(
+        tmp_path,
+        "data.sources.1.env=guess",
+        "~data.sources.1.arith",
+        f"+data.sources.1.train={games}",
+        f"+data.sources.1.val={games}",
+        "data.sources.1.weight=1",
+        "data.instruction=''",
+        f"+envs.guess={{kind: server, server: {server}}}",
+        "~envs.large",
+        "grpo.max_num_steps=3",
+        "eval.max_problems=20",
+    )
+
+    def respond(step, prompt: str, k: int) -> str:
+        return small_right(step, prompt, k) if "+" in prompt else "2"
+
+    data = load_task_data(cfg)
+    workers = FakeWorkers(cfg, respond)
+    env = build_run_environment(cfg)
+    logger = MetricsLogger([])
+    try:
+        grpo_train(cfg, workers, env, data, logger, FakeCheckpoints(cfg, workers))
+    finally:
+        env.shutdown()
+    logged = {name: dict(values) for name, values in logger.history.items()}
+    assert set(logged["train/env/guess/reward"].values()) == {1.0}  # found at the first guess
+    assert set(logged["train/env/guess/turns"].values()) == {1.0}  # the server's own figure, under its name
+    assert set(logged["train/env/small/reward"].values()) == {0.5}
+    for step, small in logged["train/env/small/samples"].items():  # 4 prompts x 2 samples a step, both kinds
+        assert small + logged["train/env/guess/samples"].get(step, 0.0) == 8
+    assert logged["train/env/guess/samples"] and logged["train/env/small/samples"]
+    validations = sorted(logged["val/accuracy"])
+    assert logged["val/env/guess/accuracy"] == dict.fromkeys(validations, 1.0)
+    assert logged["val/env/small/accuracy"] == dict.fromkeys(validations, 1.0)
+    episodes, singles = logged["val/env/guess/samples"], logged["val/env/small/samples"]
+    assert logged["val/accuracy"] == dict.fromkeys(validations, 1.0)
+    assert all(episodes[s] == 16 and singles[s] == 4 for s in validations)  # every game, every held-out sum
