@@ -118,7 +118,7 @@ def _worker_exception(group: str, method: str, info: WorkerInfo, error: BaseExce
     """Turn a Ray error for one rank into our error naming the group, rank and process."""
     who = f"worker group '{group}' rank {info.rank} ({info.where()})"
     if isinstance(error, ray.exceptions.RayActorError):
-        if info.pid > 0 and info.node_id == _local_node_id() and not _process_alive(info.pid):
+        if info.pid > 0 and info.node_id == _local_node_id() and _exited(info.pid, within_s=_EXIT_WAIT_S):
             _kill_orphans(info.pid)  # the children it forked, as when the death is found by `_vanished`
         return WorkerDiedError(
             f"{who} died while running '{method}': {_exit_detail(error)}. The group cannot continue; shut it down "
@@ -292,6 +292,22 @@ def _process_alive(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+#: How long a worker Ray reports dead may still take to exit. Ray can learn of the death from the worker's closed
+#: connection, and the kernel closes a process's files before it ends it (`do_exit`: exit_files before
+#: exit_notify): on a loaded machine the process still shows as running for a moment after Ray's report.
+_EXIT_WAIT_S = 2.0
+
+
+def _exited(pid: int, within_s: float) -> bool:
+    """Whether process `pid` is gone (or a zombie) within `within_s` seconds."""
+    end = time.monotonic() + within_s
+    while _process_alive(pid):
+        if time.monotonic() >= end:
+            return False
+        time.sleep(0.02)
+    return True
 
 
 def _kill_orphans(pid: int) -> None:
