@@ -96,7 +96,7 @@ class Worker:
         if child == 0:
             time.sleep(600)
             os._exit(0)
-        Path(child_pid_file).write_text(str(child))
+        Path(f"{child_pid_file}.{self.rank}").write_text(str(child))  # a file each: every rank forks
         time.sleep(seconds)
         return self.rank
 
@@ -243,8 +243,8 @@ def test_a_killed_worker_whose_forked_child_lives_on_is_found_dead_and_the_child
     import psutil
 
     group = fresh_group
-    child_pid = tmp_path / "child"
-    future = group.run_all_async(Worker.fork_then_sleep, str(child_pid), 60)
+    future = group.run_all_async(Worker.fork_then_sleep, str(tmp_path / "child"), 60)
+    child_pid = tmp_path / "child.0"  # rank 0's child (rank 0 is killed); rank 1's also forks, and lives on
     deadline = time.monotonic() + 60
     while not child_pid.exists() and time.monotonic() < deadline:
         time.sleep(0.05)
