@@ -21,7 +21,8 @@ def test_grpo_without_validation_data_and_without_checkpoints(tmp_path):
     train.write_text("".join(json.dumps({"problem": f"{a}+{b}=", "answer": str(a + b)}) + "\n"
                              for a in range(10) for b in range(10)))
     text = finish(mrl("grpo", "--config", RECIPE, *SHORT_ARITH, f"run.output_dir={out}", "~data.arith",
-                      f"data.train={train}", f"policy.model_name={sft_dir / 'final_hf'}", "~policy.build",
+                      f"data.train={train}", "data.instruction=''", f"policy.model_name={sft_dir / 'final_hf'}",
+                      "~policy.build",
                       "grpo.max_num_steps=2", "checkpointing.enabled=false"))
     assert text.count("validation is skipped") == 1
     logged = metrics(out / "logs")
