@@ -280,6 +280,7 @@ def rollouts_from_episodes(episodes: Sequence[Episode], pad_id: int) -> Rollouts
         responses=[e.last_text for e in episodes],
         extracted_answers=[None] * len(episodes),
         finish_reasons=[e.finish_reason for e in episodes],
+        reward_errored=[e.server_error is not None for e in episodes],
     )
 
 

@@ -56,7 +56,6 @@ def mixed_rollouts(
             server, engine, tokenizer, template, [problems[i] for i in mine], [prompts[i] for i in mine], sampling
         )
         rollouts.envs = [name] * len(rollouts.responses)
-        rollouts.reward_errored = [False] * len(rollouts.responses)
         parts.append(rollouts)
         metrics |= {_named(key, name): value for key, value in figures.items()}
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id

@@ -29,8 +29,8 @@ VAL_SEED_OFFSET = 1_000_003
 def generate(rg_cfg: Any, key: str) -> tuple[list[Problem], list[Problem], Counter]:
     """(training problems, validation problems, validation rows dropped by reason) of a reasoning-gym source;
     `key` names it in errors (data.sources[i].reasoning_gym)."""
-    module = _import(key)
-    _check_tasks(module, rg_cfg, key)
+    _require_installed(key)
+    _check_tasks(rg_cfg, key)
     train = _rows(rg_cfg, rg_cfg.size, rg_cfg.seed, key)
     val = _rows(rg_cfg, rg_cfg.val_size, rg_cfg.seed + VAL_SEED_OFFSET, key) if rg_cfg.val_size else []
     seen = {entry["question"] for entry in train}
@@ -40,19 +40,18 @@ def generate(rg_cfg: Any, key: str) -> tuple[list[Problem], list[Problem], Count
     return to_problems(train), to_problems(held_out), dropped
 
 
-def _import(key: str) -> Any:
+def _require_installed(key: str) -> None:
     try:
-        import reasoning_gym
+        import reasoning_gym  # noqa: F401
     except ImportError:
         raise ConfigError(
             "reasoning-gym is not installed",
             key=key,
             fix="pip install 'mrl[reasoning-gym]' (make install includes it on CPU machines)",
         ) from None
-    return reasoning_gym
 
 
-def _check_tasks(module: Any, rg_cfg: Any, key: str) -> None:
+def _check_tasks(rg_cfg: Any, key: str) -> None:
     """Every task name one reasoning-gym knows, else the error with the nearest name and where the list is."""
     from reasoning_gym.factory import DATASETS
 

@@ -115,45 +115,42 @@ def _load_sources(cfg: MrlConfig, val_source: Optional[str]) -> TaskData:
 
 
 def _load_source(cfg: MrlConfig, index: int, source: Any) -> tuple[list[Problem], list[Problem], PromptTemplate, dict]:
-    """One source's (train, val, template, skipped rows), its problems tagged."""
+    """One source's (train, val, template, skipped rows), each problem tagged with its environment and source."""
     key = f"data.sources[{index}]"
+    train, val, skipped = _source_rows(cfg, key, source)
+    generated = source.arith is not None or source.reasoning_gym is not None  # no instruction unless the source says
+    default = "" if generated else cfg.data.instruction
+    template = PromptTemplate(cfg.data.prompt_template, default if source.instruction is None else source.instruction)
+    path = {"train": source.train, "val": source.val}
+
+    def tagged(problems: list[Problem], split: str) -> list[Problem]:
+        return [replace(p, env=source.env or _row_env(cfg, key, path[split], p), source=index) for p in problems]
+
+    return tagged(train, "train"), tagged(val, "val"), template, skipped
+
+
+def _source_rows(cfg: MrlConfig, key: str, source: Any) -> tuple[list[Problem], list[Problem], dict]:
+    """A source's untagged (train, val, skipped rows): the arithmetic task's pairs, reasoning-gym's rows, or files."""
     if source.arith is not None:
         from mrl.data.arith import ArithTask
 
         task = ArithTask.from_config(source.arith, cfg.run.seed)
-        template = PromptTemplate(cfg.data.prompt_template, source.instruction or "")
-        env = source.env or ""
-        train = [replace(p, env=env, source=index) for p in task.train_problems()]
-        return train, [replace(p, env=env, source=index) for p in task.heldout_problems()], template, {}
+        return task.train_problems(), task.heldout_problems(), {}
     if source.reasoning_gym is not None:
         from mrl.data.reasoning_gym import generate
 
         train, val, dropped = generate(source.reasoning_gym, f"{key}.reasoning_gym")
-        template = PromptTemplate(cfg.data.prompt_template, source.instruction or "")
-        skipped = {f"{key}.reasoning_gym.val:{reason}": n for reason, n in dropped.items()}
-        env = source.env or ""
-        return (
-            [replace(p, env=env, source=index) for p in train],
-            [replace(p, env=env, source=index) for p in val],
-            template,
-            skipped,
-        )
+        return train, val, {f"{key}.reasoning_gym.val:{reason}": n for reason, n in dropped.items()}
     problem_key = source.problem_key or cfg.data.problem_key
     answer_key = source.answer_key or cfg.data.answer_key
-    template = PromptTemplate(
-        cfg.data.prompt_template, cfg.data.instruction if source.instruction is None else source.instruction
-    )
-    parts = {
-        split: load_problems(path, split=split, key=f"{key}.{name}", problem_key=problem_key, answer_key=answer_key)
+    sets = {
+        name: load_problems(path, split=split, key=f"{key}.{name}", problem_key=problem_key, answer_key=answer_key)
         for name, split, path in (("train", "train", source.train), ("val", "test", source.val))
         if path
     }
-    skipped = {f"{part.source}:{reason}": n for part in parts.values() for reason, n in part.skipped.items()}
-    tagged = {
-        split: [replace(p, env=source.env or _row_env(cfg, key, part.source, p), source=index) for p in part.problems]
-        for split, part in parts.items()
-    }
-    return tagged.get("train", []), tagged.get("test", []), template, skipped
+    skipped = {f"{part.source}:{reason}": n for part in sets.values() for reason, n in part.skipped.items()}
+    problems = {name: part.problems for name, part in sets.items()}
+    return problems.get("train", []), problems.get("val", []), skipped
 
 
 def _row_env(cfg: MrlConfig, key: str, path: str, problem: Problem) -> str:
@@ -186,7 +183,7 @@ def mix(parts: Sequence[Sequence[Problem]], weights: Sequence[float], seed: int)
     (seeded by `seed` and the source), cycled when the share is larger than the source. The loader shuffles the
     whole; the same sources, weights and seed give the same list (an exact resume rebuilds it)."""
     total = sum(len(part) for part, weight in zip(parts, weights) if weight > 0)
-    exact = [weight / sum(weights) * total for weight in weights]
+    exact = [weight / sum(weights) * total for weight in weights]  # sum(weights) > 0: the config check
     counts = [int(share) for share in exact]
     by_remainder = sorted(range(len(parts)), key=lambda i: (counts[i] - exact[i], i))
     for i in by_remainder[: total - sum(counts)]:

@@ -66,9 +66,10 @@ def load_tokenizer(name_or_path: str | Path) -> Any:
     folder = Path(name_or_path)
     if _declares_byte_level(folder) and "ByteLevel" not in repr(_backend(tokenizer)):
         return PreTrainedTokenizerFast.from_pretrained(str(name_or_path))
-    if _declared_class(folder) == PLAIN_BACKEND and type(tokenizer).__name__ != PLAIN_BACKEND:
+    replaced = _declared_class(folder) == PLAIN_BACKEND and type(tokenizer).__name__ != PLAIN_BACKEND
+    if replaced and not _keeps_spaces(tokenizer):
         as_written = PreTrainedTokenizerFast.from_pretrained(str(name_or_path))
-        if _keeps_spaces(as_written) and not _keeps_spaces(tokenizer):
+        if _keeps_spaces(as_written):
             return as_written
     return tokenizer
 

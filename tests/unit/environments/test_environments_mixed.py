@@ -284,3 +284,15 @@ def test_a_resource_servers_episodes_join_the_single_turn_samples(tmp_path):
     episodes, singles = logged["val/env/guess/samples"], logged["val/env/small/samples"]
     assert logged["val/accuracy"] == dict.fromkeys(validations, 1.0)
     assert all(episodes[s] == 16 and singles[s] == 4 for s in validations)  # every game, every held-out sum
+
+
+def test_a_servers_failed_episodes_count_as_its_reward_errors():
+    """An episode the server failed (seed_session, a tool call or verify) is a reward error of the server's
+    environment, as a verifier's failure is of a single-turn one."""
+    from mrl.algorithms.agent import Episode, rollouts_from_episodes
+
+    episodes = [Episode({}, [1, 2], 2), Episode({}, [1, 2, 3], 2, server_error="verify: 500")]
+    rollouts = rollouts_from_episodes(episodes, pad_id=0)
+    assert rollouts.reward_errored == [False, True] and rollouts.num_reward_errors == 1
+    rollouts.envs = ["guess", "guess"]
+    assert per_env_metrics("train", rollouts, group_size=2)["train/env/guess/reward_error_fraction"] == 0.5
