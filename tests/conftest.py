@@ -1,5 +1,5 @@
 """Test-wide set-up: markers follow the folder (tests/unit -> unit, tests/functional -> functional, tests/runs -> runs,
-tests/stages -> stages, tests/real -> real, tests/slurm -> slurm, tests/faults -> faults)."""
+tests/stages -> stages, tests/real -> real, tests/slurm -> slurm, tests/faults -> faults, tests/gym -> gym)."""
 import os
 
 import pytest
@@ -31,3 +31,5 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.slurm)
         elif "faults" in parts:
             item.add_marker(pytest.mark.faults)
+        elif "gym" in parts:
+            item.add_marker(pytest.mark.gym)

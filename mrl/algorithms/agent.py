@@ -7,13 +7,18 @@ One episode per (dataset row, sample of its GRPO group):
         parse a tool call from the turn's text                   (`ToolFormat`: a JSON call, or the bare text)
         call the tool over HTTP -> observation text
         append the observation as the template's tool turn       its tokens: loss mask 0 (never trained on)
-    verify(session, row, {"text": the last turn's text, ...}) -> reward; the server's aggregate_metrics over the
-    step's verified episodes are logged as train/env/<name> (val/env/<name>)
+    verify(session, row, response) -> reward; the server's aggregate_metrics over the step's verified episodes are
+    logged as train/env/<name> (val/env/<name>)
+The server's dialect (the environment's `client_class`) says what `response` is: for mrl's servers the last turn's
+text and the turn count, for NeMo Gym's a Responses object of the episode's transcript (its tool calls, their
+outputs and the final message, kept in `Episode.transcript` in that form for either).
 The model's tokens are never decoded and re-encoded: the row the policy trains on holds exactly the ids the engine
 sampled, so the trainer's logprobs of them equal the engine's (no retokenisation drift; measured by
 train/token_mult_prob_error like any rollout). All live episodes' turns go to the engine in one `generate` call per
 round, and their tool calls run concurrently (asyncio). A server that is down, slow past its timeout or answers
-garbage costs that episode its reward (0) and is counted (`train/env_server_errors`); the run goes on.
+garbage costs that episode its reward (0) and is counted (`train/env_server_errors`); the run goes on. A tool call
+the server refuses as the model's mistake (a tool it lacks, arguments it does not take: a 4xx) is an observation the
+model reads, not a server error.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import torch
 from mrl.algorithms.rollout import Rollouts, decode_text
 from mrl.data.datasets import Problem
 from mrl.data.templates import PLAIN_OBSERVATION, PromptTemplate
+from mrl.environments.servers.client import AsyncResourceClient
 from mrl.inference.interface import FinishReason, GenerationBackend, SamplingConfig
 
 if TYPE_CHECKING:
@@ -99,6 +105,11 @@ class Episode:
     verified: Optional[dict] = None
     """The server's verify result: {"reward": ..., <components>} (None when verify failed)."""
     server_error: Optional[str] = None
+    task: int = 0
+    """The row's index in the batch, and the episode's among its row's samples (NeMo Gym's aggregate needs both)."""
+    sample: int = 0
+    transcript: list[dict] = field(default_factory=list)
+    """The episode after the prompt as OpenAI Responses output items: function_call, function_call_output, message."""
 
     def __post_init__(self) -> None:
         self.mask = [0.0] * len(self.ids)
@@ -145,15 +156,15 @@ class AgentRunner:
         template: PromptTemplate,
         fmt: ToolFormat,
         limits: AgentLimits,
+        client_class: type[AsyncResourceClient] = AsyncResourceClient,
     ) -> None:
         self.url, self.tokenizer, self.template, self.fmt, self.limits = url, tokenizer, template, fmt, limits
+        self.client_class = client_class
 
     # ---------------------------------------------------------------------------------------- server calls
     def _gather(self, calls) -> list:
-        from mrl.environments.servers import AsyncResourceClient
-
         async def run() -> list:
-            async with AsyncResourceClient(self.url, timeout_s=self.limits.timeout_s) as client:
+            async with self.client_class(self.url, timeout_s=self.limits.timeout_s) as client:
                 return await asyncio.gather(*(call(client) for call in calls))
 
         return asyncio.run(run())
@@ -176,21 +187,25 @@ class AgentRunner:
         results = self._gather(
             [lambda c, e=e, call=call: c.call_tool(e.session, call[0], call[1]) for e, call in calls]
         )
-        for (episode, _), result in zip(calls, results):
+        for (episode, call), result in zip(calls, results):
             episode.tool_calls += 1
-            if result.error_kind not in (None, "tool"):
-                episode.end(error=f"tool call: {result.error}")
+            if infrastructure_failure(result.error_kind):
+                episode.end(error=f"tool call {call[0]!r}: {result.error}")
                 continue
             episode.tool_errors += result.error is not None
             text = result.output if result.error is None else f"error: {result.error}"
+            episode.transcript.append(
+                {"type": "function_call_output", "call_id": f"call_{episode.turns}", "output": str(text)}
+            )
             episode.append(observation_tokens(str(text), self.tokenizer, self.template), model=False)
             if result.done:
                 episode.end()
 
     def _verify(self, episodes: list[Episode]) -> None:
         live = [e for e in episodes if e.session is not None and e.server_error is None]
+        response = self.client_class.response_body
         results = self._gather(
-            [lambda c, e=e: c.verify(e.session, e.row, {"text": e.last_text, "turns": e.turns}) for e in live]
+            [lambda c, e=e: c.verify(e.session, e.row, response(e.last_text, e.turns, e.transcript)) for e in live]
         )
         for episode, result in zip(live, results):
             if result.error is not None:
@@ -201,7 +216,8 @@ class AgentRunner:
 
     def aggregate(self, episodes: Sequence[Episode]) -> dict[str, float]:
         """The server's /aggregate_metrics over the episodes it verified ({} when none was or the call failed)."""
-        results = [e.verified for e in episodes if e.verified is not None]
+        row = self.client_class.metric_row
+        results = [row(e.verified, e.task, e.sample) for e in episodes if e.verified is not None]
         if not results:
             return {}
         (metrics,) = self._gather([lambda c: c.aggregate_metrics(results)])
@@ -218,6 +234,7 @@ class AgentRunner:
             episode.finish_reason = sample.finish_reason
             episode.last_text = decode_text(self.tokenizer, sample.token_ids, skip_special_tokens=True)
             call = self.fmt.parse(episode.last_text)  # a turn cut at max_turn_tokens still makes its call
+            episode.transcript.append(transcript_item(episode.last_text, call, f"call_{episode.turns}"))
             if sample.finish_reason is FinishReason.ABORTED:
                 episode.end(error="the engine rejected the episode's context")
             elif call is None:
@@ -242,7 +259,9 @@ class AgentRunner:
     ) -> list[Episode]:
         """`sampling.n` episodes per row, every one played to its end, then verified."""
         episodes = [
-            Episode(dict(row), list(ids), len(ids)) for row, ids in zip(rows, prompt_ids) for _ in range(sampling.n)
+            Episode(dict(row), list(ids), len(ids), task=task, sample=sample)
+            for task, (row, ids) in enumerate(zip(rows, prompt_ids))
+            for sample in range(sampling.n)
         ]
         self._seed(episodes)
         engine.prepare_for_generation()  # a colocated engine may be asleep (validation after a refit)
@@ -255,6 +274,26 @@ class AgentRunner:
             self._turn(engine, live, replace(base, seed=seed))
         self._verify(episodes)
         return episodes
+
+
+def infrastructure_failure(kind: Optional[str]) -> bool:
+    """A tool call the server failed (down, timeout, a malformed answer, a 5xx), not one the model got wrong (the tool
+    raised, it is unknown, its arguments were refused with a 4xx): the first ends the episode as a server error."""
+    return kind is not None and (kind in ("down", "timeout", "malformed") or kind.startswith("http_5"))
+
+
+def transcript_item(text: str, call: Optional[tuple[str, dict]], call_id: str) -> dict:
+    """A model turn as a Responses output item: its tool call, or (no call) its message."""
+    if call is not None:
+        name, arguments = call
+        return {"type": "function_call", "call_id": call_id, "name": name, "arguments": json.dumps(arguments)}
+    return {
+        "type": "message",
+        "id": f"msg_{call_id}",
+        "role": "assistant",
+        "status": "completed",
+        "content": [{"type": "output_text", "text": text, "annotations": []}],
+    }
 
 
 def rollouts_from_episodes(episodes: Sequence[Episode], pad_id: int) -> Rollouts:
@@ -296,20 +335,27 @@ def episode_metrics(episodes: Sequence[Episode]) -> dict[str, float]:
     }
 
 
-def problem_rows(problems: Sequence[Problem]) -> list[dict]:
-    """The dataset rows the server seeds its sessions with (the whole source row of each problem)."""
-    return [dict(p.fields) for p in problems]
+def problem_rows(problems: Sequence[Problem], client_class: type[AsyncResourceClient]) -> list[dict]:
+    """The rows the server seeds its sessions with, in its dialect (mrl's servers: the whole source row)."""
+    return [client_class.row_of(p.problem, p.answer, p.fields) for p in problems]
 
 
 def runner_for(env: Any, tokenizer: "PreTrainedTokenizerBase", template: PromptTemplate) -> AgentRunner:
     """The agent loop of a `ServerEnvironment` (its `env.server` settings)."""
-    cfg = env.cfg
+    cfg = env.cfg  # a ServerEnvConfig, or a NemoGymEnvConfig (JSON tool calls; no opening observation exists)
     return AgentRunner(
         env.url,
         tokenizer,
         template,
-        ToolFormat(cfg.tool_format, cfg.tool, cfg.argument),
-        AgentLimits(cfg.max_turns, cfg.max_turn_tokens, cfg.max_total_tokens, cfg.timeout_s, cfg.opening_observation),
+        ToolFormat(getattr(cfg, "tool_format", "json"), getattr(cfg, "tool", None), getattr(cfg, "argument", None)),
+        AgentLimits(
+            cfg.max_turns,
+            cfg.max_turn_tokens,
+            cfg.max_total_tokens,
+            cfg.timeout_s,
+            getattr(cfg, "opening_observation", True),
+        ),
+        env.client_class,
     )
 
 
@@ -324,7 +370,7 @@ def agent_rollouts(
 ) -> tuple[Rollouts, dict[str, float]]:
     """`sampling.n` multi-turn episodes per problem as training rows, and the step's per-environment metrics."""
     runner = runner_for(env, tokenizer, template)
-    episodes = runner.run(engine, problem_rows(problems), prompt_ids, sampling)
+    episodes = runner.run(engine, problem_rows(problems, runner.client_class), prompt_ids, sampling)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     server_metrics = {f"train/env/{key}": value for key, value in runner.aggregate(episodes).items()}
     return rollouts_from_episodes(episodes, pad), {**episode_metrics(episodes), **server_metrics}
@@ -342,7 +388,7 @@ def validate_episodes(cfg: Any, workers: Any, env: Any, data: Any) -> dict[str, 
     problems, prompts = encode_prompts(problems, workers.tokenizer, data, cfg)
     sampling = sampling_config(cfg, purpose="eval", turn_end_id=data.template.turn_end_id(workers.tokenizer))
     runner = runner_for(env, workers.tokenizer, data.template)
-    episodes = runner.run(workers.engine, problem_rows(problems), prompts, sampling)
+    episodes = runner.run(workers.engine, problem_rows(problems, runner.client_class), prompts, sampling)
     rewards = [e.reward for e in episodes]
     server_metrics = {f"val/env/{key}": value for key, value in runner.aggregate(episodes).items()}
     return {

@@ -379,6 +379,14 @@ def _environment_problems(cfg: "MrlConfig") -> list[ConfigError]:
     environment and one kind of rows, weights that sum to something positive."""
     data, envs = cfg.data, cfg.envs
     if not envs and not data.sources:
+        if cfg.env.kind == "nemo_gym" and cfg.env.nemo_gym is None:
+            return [
+                ConfigError(
+                    "a NeMo Gym environment needs its nemo_gym section",
+                    key="env.nemo_gym",
+                    fix="env.nemo_gym={server: workplace_assistant} (a folder of NeMo Gym's resources_servers)",
+                )
+            ]
         return []
     if not data.sources:
         return [
@@ -448,6 +456,12 @@ def _env_problem(name: str, env: Any) -> Optional[ConfigError]:
             "a resource-server environment needs its server section",
             key=f"envs.{name}.server",
             fix=f"envs.{name}.server={{example: guess_number}}, or {{url: http://HOST:PORT}} of a running server",
+        )
+    if env.kind == "nemo_gym" and env.nemo_gym is None:
+        return ConfigError(
+            "a NeMo Gym environment needs its nemo_gym section",
+            key=f"envs.{name}.nemo_gym",
+            fix=f"envs.{name}.nemo_gym={{server: workplace_assistant}} (a folder of NeMo Gym's resources_servers)",
         )
     if env.reward_model is not None:
         return ConfigError(

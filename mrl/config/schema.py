@@ -751,11 +751,32 @@ class ServerEnvConfig(Section):
     timeout_s: float = Field(default=10.0, gt=0, description="Timeout of each HTTP call to the server.")
 
 
+class NemoGymEnvConfig(Section):
+    """A NeMo Gym resource server (nemo-gym's `resources_servers/<server>`) that the run starts from NeMo Gym's own
+    virtual environment (`make gym-venv`) and stops at its end, or one already running at `url`; its episodes are
+    played by the agent loop in NeMo Gym's request and response formats (mrl/environments/nemo_gym)."""
+
+    server: str = Field(
+        ..., description="The server: a folder of NeMo Gym's resources_servers (e.g. workplace_assistant)."
+    )
+    name: Optional[str] = Field(default=None, description="Its instance name (NeMo Gym's config key); default: server.")
+    config: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Fields of the server's config over those of its shipped configs/<server>.yaml.",
+    )
+    url: Optional[str] = Field(default=None, description="Base URL of a NeMo Gym server already running (not started).")
+    start_timeout_s: float = Field(default=120.0, gt=0, description="Seconds the server may take to answer GET /.")
+    max_turns: int = Field(default=6, ge=1, description="Model turns per episode at most (NeMo Gym's max_steps).")
+    max_turn_tokens: int = Field(default=256, ge=1, description="Tokens of one model turn at most.")
+    max_total_tokens: int = Field(default=4096, ge=2, description="Tokens of a whole episode at most.")
+    timeout_s: float = Field(default=30.0, gt=0, description="Timeout of each HTTP call to the server.")
+
+
 class EnvConfig(Section):
-    kind: Literal["math", "arith", "reasoning_gym", "server"] = Field(
+    kind: Literal["math", "arith", "reasoning_gym", "server", "nemo_gym"] = Field(
         default="math",
         description="Reward environment (the verifier; reasoning_gym: each row's task's own scorer), or a resource "
-        "server played in multi-turn episodes.",
+        "server played in multi-turn episodes (server: mrl's protocol; nemo_gym: a NeMo Gym server).",
     )
     partial_credit: bool = Field(
         default=True,
@@ -770,6 +791,9 @@ class EnvConfig(Section):
     )
     server: Optional[ServerEnvConfig] = Field(
         default=None, description="kind=server: the resource server and the agent loop's settings."
+    )
+    nemo_gym: Optional[NemoGymEnvConfig] = Field(
+        default=None, description="kind=nemo_gym: the NeMo Gym server and the agent loop's settings."
     )
 
 

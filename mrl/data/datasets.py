@@ -8,6 +8,9 @@ error: a `ConfigError` naming the file, the key to change (`key`: data.train, da
 data.problem_key / data.answer_key when every row lacks that column), the columns found and the fix. A format mrl
 does not read is one too. The commands load their data in the controller before any worker starts, so these end the
 command with exit 2 and one message.
+
+NeMo Gym's rows (an object with `responses_create_params` and no problem column) are read as such
+(mrl/data/nemo_gym.py): their prompt is the request's input, their gold answer what /verify reads.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator, Optional
 
 from mrl.config.errors import ConfigError, suggest
+from mrl.data import nemo_gym
 from mrl.data.hub import local_split
 
 logger = logging.getLogger(__name__)
@@ -142,6 +146,11 @@ def _to_problem(index: int, row: Any, problem_key: str, answer_key: str) -> tupl
         return None, "invalid JSON"
     if not isinstance(row, dict):
         return None, "not an object"
+    if problem_key not in row and nemo_gym.is_row(row):  # its prompt is the Responses request's input
+        read = nemo_gym.prompt_and_answer(row)
+        if read is None:
+            return None, f"empty {nemo_gym.ROW_KEY}.input"
+        return Problem(read[0], read[1], index, dict(row)), ""
     problem, answer = row.get(problem_key), row.get(answer_key)
     if problem is None:
         return None, f"missing {problem_key!r}"
@@ -164,7 +173,9 @@ def _scalar_text(value: Any) -> Optional[str]:
 
 def read_rows(source: str, split: str, *, key: str = "data.train") -> tuple[Iterable[tuple[int, Any]], set[str]]:
     """Every row of a data file, or of `split`'s files in a dataset folder (numbered on across files); `key` is the
-    config key that named `source`."""
+    config key that named `source`. `nemo-gym:<server>/<file>` is a file a NeMo Gym server ships
+    (mrl/data/nemo_gym.py)."""
+    source = nemo_gym.resolve_path(source, key)
     path = Path(source)
     if path.is_dir():
         rows: list[tuple[int, Any]] = []

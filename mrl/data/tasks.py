@@ -19,6 +19,7 @@ from typing import Any, Optional, Sequence
 
 from mrl.config.errors import ConfigError, suggest
 from mrl.config.schema import MrlConfig
+from mrl.data import nemo_gym
 from mrl.data.datasets import Problem, load_problems
 from mrl.data.templates import PromptTemplate
 
@@ -82,14 +83,25 @@ def encode_prompts(
     """The problems whose prompts fit, and their token ids (see the module docstring); each problem with its
     source's template (`data`: the run's TaskData, or one template for all)."""
     kept_problems, kept_ids = [], []
+    max_length, overlong = cfg.data.max_prompt_length, cfg.generation.overlong_prompt
     for problem in problems:
         template = data if isinstance(data, PromptTemplate) else data.template_of(problem)
-        ids, kept = template.encode(
-            [problem.problem], tokenizer, max_length=cfg.data.max_prompt_length, overlong=cfg.generation.overlong_prompt
-        )
-        if kept:
+        if nemo_gym.is_row(problem.fields):  # a conversation of its own, with its tools
+            fields = problem.fields
+            ids = template.encode_messages(
+                nemo_gym.input_messages(fields),
+                nemo_gym.chat_tools(fields),
+                problem.problem,
+                tokenizer,
+                max_length=max_length,
+                overlong=overlong,
+            )
+        else:
+            encoded, kept = template.encode([problem.problem], tokenizer, max_length=max_length, overlong=overlong)
+            ids = encoded[0] if kept else None
+        if ids is not None:
             kept_problems.append(problem)
-            kept_ids.append(ids[0])
+            kept_ids.append(ids)
     return kept_problems, kept_ids
 
 

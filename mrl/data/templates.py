@@ -64,14 +64,37 @@ class PromptTemplate:
         add_special = self.kind == "plain"
         ids_out, kept = [], []
         for i, problem in enumerate(problems):
-            ids = tokenizer(self.render(problem, tokenizer), add_special_tokens=add_special)["input_ids"]
-            if max_length is not None and len(ids) > max_length:
-                if overlong == "reject":
-                    continue
-                ids = ids[-max_length:]
-            ids_out.append(list(ids))
-            kept.append(i)
+            ids = _fit(
+                tokenizer(self.render(problem, tokenizer), add_special_tokens=add_special)["input_ids"],
+                max_length,
+                overlong,
+            )
+            if ids is not None:
+                ids_out.append(ids)
+                kept.append(i)
         return ids_out, kept
+
+    def encode_messages(
+        self,
+        messages: Sequence[dict],
+        tools: Optional[list[dict]],
+        text: str,
+        tokenizer: Any,
+        *,
+        max_length: Optional[int] = None,
+        overlong: Literal["truncate", "reject"] = "reject",
+    ) -> Optional[list[int]]:
+        """The ids of a prompt that is a conversation of its own (a NeMo Gym row: system and user messages, tools),
+        without the instruction: chat renders the messages and tools with the tokenizer's template, plain is `text`
+        (the messages' contents); None when it is over max_length and overlong is "reject"."""
+        if self.kind == "plain":
+            return _fit(tokenizer(text, add_special_tokens=True)["input_ids"], max_length, overlong)
+        if not getattr(tokenizer, "chat_template", None):
+            raise no_chat_template()
+        rendered = tokenizer.apply_chat_template(
+            list(messages), tools=tools, tokenize=False, add_generation_prompt=True
+        )
+        return _fit(tokenizer(rendered, add_special_tokens=False)["input_ids"], max_length, overlong)
 
     def turn_end_id(self, tokenizer: Any) -> Optional[int]:
         """The token that ends a response: the chat template's end of the assistant turn, else EOS."""
@@ -80,6 +103,13 @@ class PromptTemplate:
             if found is not None:
                 return found
         return tokenizer.eos_token_id
+
+
+def _fit(ids: Sequence[int], max_length: Optional[int], overlong: str) -> Optional[list[int]]:
+    """`ids` within max_length: as they are, their last max_length (truncate), or None (reject)."""
+    if max_length is None or len(ids) <= max_length:
+        return list(ids)
+    return None if overlong == "reject" else list(ids[-max_length:])
 
 
 def no_chat_template() -> ConfigError:

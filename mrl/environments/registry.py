@@ -7,9 +7,10 @@ from typing import Any
 from mrl.environments.base import Environment
 
 
-def build_environment(cfg: Any) -> Environment:
+def build_environment(cfg: Any, key: str = "env.nemo_gym") -> Environment:
     """From an `EnvConfig`: "math" starts a pool of verifier actors (needs Ray running), "arith" and "reasoning_gym"
-    run in-process, "server" is a resource server played in multi-turn episodes (an example one is started here)."""
+    run in-process, "server" is a resource server played in multi-turn episodes (an example one is started here),
+    "nemo_gym" a NeMo Gym server (started here from its own Python; `key` names it in errors)."""
     if cfg.kind == "math":
         from mrl.environments.math import MathEnvironment
 
@@ -28,7 +29,13 @@ def build_environment(cfg: Any) -> Environment:
         if cfg.server is None:
             raise ValueError("env.kind=server needs the env.server section (example or url, tool format, limits)")
         return ServerEnvironment(cfg.server)
-    raise ValueError(f"unknown env.kind {cfg.kind!r}; use 'math', 'arith', 'reasoning_gym' or 'server'")
+    if cfg.kind == "nemo_gym":
+        from mrl.environments.nemo_gym.environment import NemoGymEnvironment
+
+        if cfg.nemo_gym is None:
+            raise ValueError("env.kind=nemo_gym needs the env.nemo_gym section (server, config, limits)")
+        return NemoGymEnvironment(cfg.nemo_gym, key=key)
+    raise ValueError(f"unknown env.kind {cfg.kind!r}; use 'math', 'arith', 'reasoning_gym', 'server' or 'nemo_gym'")
 
 
 def build_run_environment(cfg: Any) -> Environment:
@@ -41,7 +48,7 @@ def build_run_environment(cfg: Any) -> Environment:
     started: dict[str, Environment] = {}
     try:
         for name, env_cfg in cfg.envs.items():
-            started[name] = build_environment(env_cfg)
+            started[name] = build_environment(env_cfg, key=f"envs.{name}.nemo_gym")
     except BaseException:
         MixedEnvironment(started).shutdown()
         raise

@@ -10,9 +10,12 @@ from __future__ import annotations
 from typing import Any, Mapping, Sequence
 
 from mrl.environments.base import EnvironmentStep, Message
+from mrl.environments.servers.client import AsyncResourceClient
 
 
 class ServerEnvironment:
+    client_class: type[AsyncResourceClient] = AsyncResourceClient  # the protocol's dialect its episodes speak
+
     def __init__(self, cfg: Any) -> None:
         """From a `ServerEnvConfig`: an example server started here, or the `url` of a running one."""
         self.cfg = cfg

@@ -30,7 +30,7 @@ import threading
 from collections import Counter
 from dataclasses import dataclass, field
 from numbers import Real
-from typing import Any, Callable, Generic, TypeVar
+from typing import Any, Callable, Generic, Optional, Sequence, TypeVar
 
 import httpx
 
@@ -94,6 +94,7 @@ class _Plan(Generic[R]):
     session_id: str | None
     parse: Callable[[Any], R]
     fallback: Callable[[str, str], R]  # (message, kind) -> the result of a failed call
+    read: Optional[Callable[[httpx.Response], R]] = None  # reads the whole answer (status, cookies) instead of parse
 
 
 class _Core:
@@ -148,11 +149,19 @@ class _Core:
         return _Plan(
             "POST",
             f"/{VERIFY}",
-            {"row": row, "response": response},
+            self._verify_body(row, response),
             session.session_id,
-            lambda payload: _parse_verify(payload, row),
+            lambda payload: self._verify_result(payload, row),
             lambda message, kind: VerifyResult(0.0, {}, message, kind),
         )
+
+    @staticmethod
+    def _verify_body(row: dict, response: dict) -> dict:
+        return {"row": row, "response": response}
+
+    @staticmethod
+    def _verify_result(payload: Any, row: dict) -> VerifyResult:
+        return _parse_verify(payload, row)
 
     def _tools_plan(self) -> _Plan[list[ToolSpec]]:
         return _Plan("GET", f"/{TOOLS}", None, None, _parse_tools, lambda message, kind: [])
@@ -164,8 +173,12 @@ class _Core:
             "POST", f"/{AGGREGATE_METRICS}", {"results": results}, None, _parse_metrics, lambda message, kind: {}
         )
 
+    def _session_headers(self, session_id: str) -> dict[str, str]:
+        """The headers that name a session on a request (a dialect of the protocol may name it otherwise)."""
+        return {SESSION_HEADER: session_id}
+
     def _request_args(self, plan: _Plan) -> dict:
-        headers = {SESSION_HEADER: plan.session_id} if plan.session_id else {}
+        headers = self._session_headers(plan.session_id) if plan.session_id else {}
         return {"method": plan.method, "url": plan.path, "json": plan.body, "headers": headers}
 
     def _finish(self, plan: _Plan[R], response: httpx.Response | None, exc: httpx.HTTPError | None) -> R:
@@ -173,7 +186,7 @@ class _Core:
             if exc is not None:
                 raise _transport_problem(exc)
             assert response is not None
-            return plan.parse(_payload(response))
+            return plan.read(response) if plan.read is not None else plan.parse(_payload(response))
         except _ServerProblem as problem:
             with self._count_lock:
                 self.errors[problem.kind] += 1
@@ -256,6 +269,21 @@ class AsyncResourceClient(_Core):
 
     async def aclose(self) -> None:
         await self._http.aclose()
+
+    @staticmethod
+    def row_of(problem: str, answer: str, fields: dict) -> dict:
+        """The row a session is seeded with and verified against (mrl's servers: the problem's whole source row)."""
+        return dict(fields)
+
+    @staticmethod
+    def response_body(last_text: str, turns: int, transcript: Sequence[dict]) -> dict:
+        """What /verify reads as `response` of an episode (mrl's servers: the last turn's text and the turns)."""
+        return {"text": last_text, "turns": turns}
+
+    @staticmethod
+    def metric_row(verified: dict, task: int, sample: int) -> dict:
+        """A verify result as /aggregate_metrics takes it (mrl's servers: as it is)."""
+        return verified
 
     async def __aenter__(self) -> AsyncResourceClient:
         return self

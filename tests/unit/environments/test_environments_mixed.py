@@ -85,6 +85,11 @@ def test_an_unused_environment_and_a_server_without_its_section_are_refused(tmp_
     assert "envs.spare is named by no data source" in str(refusal(tmp_path, "+envs.spare={kind: arith}"))
     error = str(refusal(tmp_path, "envs.large.kind=server"))
     assert "envs.large.server" in error and "example: guess_number" in error
+    error = str(refusal(tmp_path, "envs.large.kind=nemo_gym"))
+    assert "envs.large.nemo_gym" in error and "server: workplace_assistant" in error
+    with pytest.raises(ConfigError, match="env.nemo_gym") as single:
+        load_config(RECIPE, [f"run.output_dir={tmp_path}", "env.kind=nemo_gym"])
+    assert "NeMo Gym environment needs its nemo_gym section" in str(single.value)
 
 
 # -------------------------------------------------------------------------------------------------------- the data
