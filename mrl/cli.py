@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from mrl.algorithms.guards import NONFINITE_EXIT_CODE, NonFiniteTraining
-from mrl.algorithms.health import IDLE_EXIT_CODE, IdleTraining
+from mrl.algorithms.health import IDLE_EXIT_CODE, EnvironmentFailing, IdleTraining
 from mrl.app.errors import RUN_FAILED_EXIT_CODE, CheckpointIncompatibleError, Preempted, RunFailed
 from mrl.config import CONFIG_ERROR_EXIT_CODE, ConfigError, MrlConfig, load_config, to_yaml
 from mrl.data.tokenizers import EOS_TOKEN
@@ -486,6 +486,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except IdleTraining as exc:
         print(f"mrl: training stopped: {exc}", file=sys.stderr)
         return IDLE_EXIT_CODE
+    except EnvironmentFailing as exc:
+        print(f"mrl: training stopped: {exc}", file=sys.stderr)
+        return RUN_FAILED_EXIT_CODE
 
 
 if __name__ == "__main__":

@@ -36,7 +36,13 @@ from mrl.algorithms.ahead import RolloutsAhead
 from mrl.algorithms.env_metrics import per_env_metrics
 from mrl.algorithms.evaluate import validate, write_samples
 from mrl.algorithms.guards import NonFiniteGuard
-from mrl.algorithms.health import IdleGuard, env_reads_answers, health_metrics, step_causes
+from mrl.algorithms.health import (
+    EnvironmentErrorGuard,
+    IdleGuard,
+    env_reads_answers,
+    health_metrics,
+    step_causes,
+)
 from mrl.algorithms.interfaces import LoopCheckpoints, Workers
 from mrl.algorithms.loop import end_step
 from mrl.algorithms.mixed_rollouts import mixed_rollouts, validate_mixed
@@ -248,6 +254,7 @@ class _Run:
     state: Optional[dict]  # the checkpoint resumed from (None: a fresh start)
     guard: NonFiniteGuard
     idle: IdleGuard
+    env_errors: EnvironmentErrorGuard
 
     @property
     def start(self) -> int:
@@ -275,6 +282,7 @@ class _Run:
         skipped = self.guard.observe(step, metrics)  # a non-finite step changed no weight: nothing to refit
         causes = step_causes(self.cfg, metrics, rollouts)
         self.idle.observe(step, causes)
+        self.env_errors.observe(step, metrics, rollouts)
         metrics["train/health_warnings"] = float(len(causes))
         metrics["train/idle"] = float(any(cause.idle for cause in causes))
         return skipped
@@ -295,7 +303,7 @@ class _Run:
             done=done,
             logger=self.logger,
             ckpt=self.ckpt,
-            stops=[self.guard, self.idle],
+            stops=[self.guard, self.env_errors, self.idle],
             state=state,
         )
 
@@ -328,6 +336,7 @@ def grpo_train(
         state=ckpt.resume_newest(),
         guard=NonFiniteGuard(cfg.policy.max_nonfinite_steps),
         idle=IdleGuard(cfg.grpo.max_idle_steps),
+        env_errors=EnvironmentErrorGuard(cfg.grpo.max_env_error_fraction),
     )
     if run.state:
         run.loader.load_state_dict(run.state["dataloader"])

@@ -341,6 +341,48 @@ class IdleGuard:
             )
 
 
+class EnvironmentFailing(TrainingStopped):
+    """An environment's reward failed on more of a step's samples than `grpo.max_env_error_fraction` allows."""
+
+    setting = "grpo.max_env_error_fraction"
+
+
+@dataclass
+class EnvironmentErrorGuard:
+    """Stops the run (`EnvironmentFailing`, exit 4) after a step on which an environment's reward failed on more than
+    `limit` of its samples (a server down or answering garbage, a verifier timing out); None: never, those samples
+    score 0 and are counted, and the run goes on. Each environment of a mix is judged on its own samples."""
+
+    limit: float | None
+    _failing: list[tuple[str, float]] = field(default_factory=list)
+    _step: int = 0
+    _example: str = ""
+
+    def observe(self, step: int, metrics: dict[str, float], rollouts: Any) -> None:
+        if self.limit is None:
+            return
+        suffix = "/reward_error_fraction"
+        fractions = {
+            key.removeprefix("train/env/").removesuffix(suffix): value
+            for key, value in metrics.items()
+            if key.startswith("train/env/") and key.endswith(suffix)
+        } or {"the environment": metrics.get("train/reward_error_fraction", 0.0)}
+        self._failing = [(name, value) for name, value in sorted(fractions.items()) if value > self.limit]
+        self._step = step
+        self._example = rollouts.reward_errors[0] if rollouts.reward_errors else "no message"
+
+    def stop_if_exhausted(self) -> None:
+        if not self._failing:
+            return
+        failing = ", ".join(f"{name} on {value:.0%} of its samples" for name, value in self._failing)
+        raise EnvironmentFailing(
+            f"step {self._step}: the reward failed for {failing}, past grpo.max_env_error_fraction={self.limit} "
+            f"(e.g. {self._example}). The run stopped before saving step {self._step}, whose update learned zeros "
+            "nobody judged; once the environment answers again, re-running the command resumes from the last "
+            "checkpoint (grpo.max_env_error_fraction=null lets a run go on, those samples scoring 0)"
+        )
+
+
 #: Training steps in a row whose loss is exactly 0 before `ZeroLoss` warns (SFT, DPO, reward model).
 ZERO_LOSS_STEPS = 2
 

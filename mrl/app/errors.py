@@ -7,7 +7,8 @@
    (mrl.algorithms.health.IdleTraining): change the settings or the data
 3  non-finite loss or gradients on policy.max_nonfinite_steps steps in a row (mrl.algorithms.guards.NonFiniteTraining):
    change the settings, then re-running resumes
-4  a worker died or raised (RunFailed): re-running the command resumes
+4  a worker died or raised (RunFailed), or an environment's reward failed on more of a step's samples than
+   grpo.max_env_error_fraction allows (mrl.algorithms.health.EnvironmentFailing): re-running the command resumes
 5  `mrl check`: a figure of the run missed the bound its recipe's expect: block sets (mrl.app.check)
 """
 

@@ -532,6 +532,14 @@ class GRPOConfig(Section):
     )
     overlong_penalty: float = Field(default=1.0, ge=0, description="DAPO overlong shaping: penalty at max length.")
     val_every: int = Field(default=0, ge=0, description="Evaluate every N steps (0 = only at the end).")
+    max_env_error_fraction: Optional[float] = Field(
+        default=None,
+        ge=0,
+        le=1,
+        description="Stop the run (exit 4, naming the environment and its error) after a step on which an "
+        "environment's reward failed on more than this fraction of its samples (a server down or answering garbage, "
+        "a verifier timing out); null = never: those samples score 0, are counted, and the run goes on.",
+    )
     max_idle_steps: int = Field(
         default=3,
         ge=0,

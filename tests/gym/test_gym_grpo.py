@@ -109,3 +109,22 @@ def test_grpo_through_real_nemo_gym_servers_logs_each_and_survives_one_dying(tmp
     assert not _launched("workplace_assistant") and not _launched("math_with_judge")  # the run stopped its servers
     print(f"\nGRPO through NeMo Gym servers: {STEPS} steps in {took:.0f} s (start to exit)")
     assert "NeMo Gym server workplace_assistant (envs.tools) up at http://127.0.0.1:" in output
+
+
+def test_past_a_configured_error_rate_the_run_stops_naming_the_dead_server(tmp_path):
+    out = tmp_path / "run"
+    config = tmp_path / "gym.yaml"
+    stopping = {**CONFIG["grpo"], "max_env_error_fraction": 0.5}
+    config.write_text(yaml.safe_dump({**CONFIG, "grpo": stopping, "run": {**CONFIG["run"], "output_dir": str(out)}}))
+    run = mrl("grpo", "--config", str(config))
+    _wait_for_step(run, out / "logs" / "metrics.jsonl", 1)
+    (server,) = _launched("workplace_assistant")
+    server.kill()
+    output, _ = run.communicate(timeout=600)
+    assert run.returncode == 4, output[-3000:]
+    assert "mrl: training stopped: step " in output and "tools on 100% of its samples" in output
+    assert "grpo.max_env_error_fraction=0.5" in output
+    assert any(f"e.g. {call}" in output for call in ("tool call", "seed_session", "verify"))  # the server's error
+    summary = json.loads((out / "summary.json").read_text())
+    assert "grpo.max_env_error_fraction" in json.dumps(summary.get("stopped"))
+    assert not _launched("math_with_judge")  # stopped with the run

@@ -7,7 +7,7 @@ import re
 import pytest
 import torch
 
-from mrl.algorithms.health import (PREFLIGHT_ROWS, ZERO_LOSS_STEPS, IdleGuard, IdleTraining, ZeroLoss, check_prompt_budget, check_sft_rows,
+from mrl.algorithms.health import (PREFLIGHT_ROWS, ZERO_LOSS_STEPS, EnvironmentErrorGuard, EnvironmentFailing, IdleGuard, IdleTraining, ZeroLoss, check_prompt_budget, check_sft_rows,
                                    health_cell,
                                    health_metrics, health_summary, prompt_token_limit, env_reads_answers, step_causes)
 from mrl.algorithms.rollout import Rollouts
@@ -240,3 +240,27 @@ def _warned(watch: ZeroLoss, capsys) -> str:
 
 def test_the_default_stops_a_run_after_3_idle_steps():
     assert MrlConfig().grpo.max_idle_steps == 3
+
+
+def test_an_environment_failing_past_its_limit_stops_the_run_naming_it_and_none_never_stops():
+    class Step:
+        reward_errors = ["tool call 'email_send': down: ConnectError: [Errno 111] Connection refused"]
+
+    mixed = {"train/env/tools/reward_error_fraction": 0.75, "train/env/add/reward_error_fraction": 0.0,
+             "train/reward_error_fraction": 0.25}
+    guard = EnvironmentErrorGuard(0.5)
+    guard.observe(7, mixed, Step())
+    with pytest.raises(EnvironmentFailing) as stopped:
+        guard.stop_if_exhausted()
+    message = str(stopped.value)
+    assert "step 7" in message and "tools on 75% of its samples" in message and "add" not in message
+    assert "Connection refused" in message and "grpo.max_env_error_fraction=0.5" in message
+    guard.observe(8, {**mixed, "train/env/tools/reward_error_fraction": 0.5}, Step())  # at the limit: goes on
+    guard.stop_if_exhausted()
+    single = EnvironmentErrorGuard(0.0)
+    single.observe(1, {"train/reward_error_fraction": 0.125}, Step())  # a run with one environment: its overall figure
+    with pytest.raises(EnvironmentFailing, match="the environment on 12%"):
+        single.stop_if_exhausted()
+    never = EnvironmentErrorGuard(None)
+    never.observe(1, {"train/reward_error_fraction": 1.0}, Step())
+    never.stop_if_exhausted()
