@@ -142,7 +142,7 @@ bench: install
 lock:
 	rm -rf .venv-lock && $(PYTHON) -m venv .venv-lock
 	.venv-lock/bin/python -m pip install -q --upgrade pip==25.3 && .venv-lock/bin/python -m pip install -q $(TORCH)
-	echo "$(TORCH)" > .venv-lock/c.txt && .venv-lock/bin/python -m pip install -q -c .venv-lock/c.txt -e ".[cpu,test,reasoning-gym]"
+	echo "$(TORCH)" > .venv-lock/c.txt && .venv-lock/bin/python -m pip install -q -c .venv-lock/c.txt -e ".[cpu,test,reasoning-gym,code]"
 	{ sed -n '1,2p' requirements/cpu.lock; .venv-lock/bin/python -m pip freeze --all --exclude-editable \
 	  | grep -v -E '^(pip==|torch==|$(shell echo $(UNWANTED) | tr ' ' '|'))'; } > requirements/cpu.lock.new
 	mv requirements/cpu.lock.new requirements/cpu.lock && rm -rf .venv-lock

@@ -79,6 +79,7 @@ def evaluate(
         "val/response_length": float(rollouts.response_lengths.float().mean()),
         "val/truncated_fraction": float(rollouts.truncated.float().mean()),
         "val/reward_error_fraction": rollouts.num_reward_errors / max(len(rollouts.responses), 1),
+        **{f"val/{key}": value for key, value in rollouts.counts.items()},
     }
     for k in pass_k:
         metrics[f"val/pass@{k}"] = sum(pass_at_k(sampling.n, c, k) for c in correct) / len(correct)

@@ -206,6 +206,7 @@ def _rollout_metrics(rollouts: Rollouts, keep: torch.Tensor) -> dict[str, float]
         "train/truncated_fraction": float(rollouts.truncated.float().mean()),
         "train/prompts_rejected": float(rollouts.num_prompts_rejected),
         "train/kept_samples": float(keep.sum()),
+        **{f"train/{key}": value for key, value in rollouts.counts.items()},
     }
 
 

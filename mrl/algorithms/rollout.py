@@ -11,7 +11,7 @@ No left padding: position ids are 0..T-1 in every row, as the engine saw them.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import TYPE_CHECKING, Iterable, Optional, Sequence
 
 import torch
 
@@ -52,6 +52,7 @@ class Rollouts:
     routing: Optional[torch.Tensor] = None  # [B, T, layers, k] uint8 / int16: the engine's experts (router replay)
     envs: list[str] = field(default_factory=list)  # [B] each row's environment (a run with several; else [])
     reward_errored: list[bool] = field(default_factory=list)  # [B] whether the reward failed on the row (scored 0)
+    counts: dict[str, float] = field(default_factory=dict)  # the environment's counts of the batch (logged as is)
 
     def state_dict(self) -> dict:
         """Tensors, numbers and strings only (a checkpoint's train state loads with weights_only=True)."""
@@ -132,6 +133,7 @@ def generate_and_score(
         routing=routing_rows([s.routing for s in out.samples], ids.shape[1]),
         envs=[str(m[ENV]) for m in meta if ENV in m],
         reward_errored=[REWARD_ERROR in m for m in scored.metadata],
+        counts=dict(scored.counts),
     )
 
 
@@ -167,4 +169,14 @@ def concat_rollouts(parts: Sequence[Rollouts], pad_id: int) -> Rollouts:
         joined("reward_errors")[:4],
         envs=joined("envs"),
         reward_errored=joined("reward_errored"),
+        counts=add_counts(part.counts for part in parts),
     )
+
+
+def add_counts(parts: Iterable[dict[str, float]]) -> dict[str, float]:
+    """Counts of several batches, key by key."""
+    total: dict[str, float] = {}
+    for counts in parts:
+        for key, value in counts.items():
+            total[key] = total.get(key, 0.0) + value
+    return total

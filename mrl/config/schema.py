@@ -780,11 +780,36 @@ class NemoGymEnvConfig(Section):
     timeout_s: float = Field(default=30.0, gt=0, description="Timeout of each HTTP call to the server.")
 
 
+class CodeEnvConfig(Section):
+    """Programs from the responses run with each row's tests in a sandbox (mrl/environments/code): no network, a
+    read-only minimal file system, a private scratch folder, and the limits below (at a limit the whole process tree
+    is killed)."""
+
+    sandbox: Literal["bwrap", "none"] = Field(
+        default="bwrap",
+        description="bwrap: bubblewrap with every namespace unshared (the run refuses to start without it); none: "
+        "rlimits only, no isolation (warned at every start: only for code you trust).",
+    )
+    partial_credit: bool = Field(
+        default=False, description="Reward the fraction of tests passed (false: 1 only when every test passes)."
+    )
+    workers: int = Field(default=4, ge=1, description="Samples run at once (each in a sandbox of its own).")
+    wall_s: float = Field(default=10.0, gt=0, description="Wall-clock seconds per sample (its tests included).")
+    cpu_s: int = Field(default=10, ge=1, description="CPU seconds per process.")
+    memory_mb: int = Field(default=1024, ge=64, description="Address space per process, MiB.")
+    processes: int = Field(default=32, ge=4, description="Processes (and threads) of a sample at once.")
+    open_files: int = Field(default=64, ge=16, description="Open files per process.")
+    output_kb: int = Field(default=1024, ge=1, description="Output (stdout, stderr, any file written) per stream, KiB.")
+    scratch_mb: int = Field(default=64, ge=1, description="The program's writable folder (a tmpfs), MiB.")
+    case_timeout_s: float = Field(default=5.0, gt=0, description="stdin/stdout cases: seconds per case.")
+
+
 class EnvConfig(Section):
-    kind: Literal["math", "arith", "reasoning_gym", "server", "nemo_gym"] = Field(
+    kind: Literal["math", "arith", "reasoning_gym", "code", "server", "nemo_gym"] = Field(
         default="math",
-        description="Reward environment (the verifier; reasoning_gym: each row's task's own scorer), or a resource "
-        "server played in multi-turn episodes (server: mrl's protocol; nemo_gym: a NeMo Gym server).",
+        description="Reward environment (the verifier; reasoning_gym: each row's task's own scorer; code: the "
+        "response's program run with the row's tests in a sandbox), or a resource server played in multi-turn "
+        "episodes (server: mrl's protocol; nemo_gym: a NeMo Gym server).",
     )
     partial_credit: bool = Field(
         default=True,
@@ -802,6 +827,9 @@ class EnvConfig(Section):
     )
     nemo_gym: Optional[NemoGymEnvConfig] = Field(
         default=None, description="kind=nemo_gym: the NeMo Gym server and the agent loop's settings."
+    )
+    code: Optional[CodeEnvConfig] = Field(
+        default=None, description="kind=code: the sandbox and its limits (None: the defaults)."
     )
 
 

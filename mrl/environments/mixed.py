@@ -42,6 +42,7 @@ class MixedEnvironment:
         observations: list[dict[str, str]] = [{} for _ in metadata]
         new_meta: list[dict[str, Any]] = [{} for _ in metadata]
         errors, messages = 0, []
+        counts: dict[str, float] = {}
         for name, rows in groups.items():
             part = self.envs[name].step([message_logs[i] for i in rows], [metadata[i] for i in rows])
             index = torch.tensor(rows)
@@ -52,7 +53,8 @@ class MixedEnvironment:
                 new_meta[i] = dict(part.metadata[j], **{ENV: name})
             errors += part.num_errors
             messages += [f"{name}: {message}" for message in part.error_messages]
-        return EnvironmentStep(rewards, observations, done, new_meta, errors, messages)
+            counts |= {f"env/{name}/{key}": value for key, value in part.counts.items()}
+        return EnvironmentStep(rewards, observations, done, new_meta, errors, messages, counts)
 
     def shutdown(self) -> None:
         for env in self.envs.values():

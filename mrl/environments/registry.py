@@ -9,8 +9,9 @@ from mrl.environments.base import Environment
 
 def build_environment(cfg: Any, key: str = "env.nemo_gym") -> Environment:
     """From an `EnvConfig`: "math" starts a pool of verifier actors (needs Ray running), "arith" and "reasoning_gym"
-    run in-process, "server" is a resource server played in multi-turn episodes (an example one is started here),
-    "nemo_gym" a NeMo Gym server (started here from its own Python; `key` names it in errors)."""
+    run in-process, "code" runs each program in a sandbox pool, "server" is a resource server played in multi-turn
+    episodes (an example one is started here), "nemo_gym" a NeMo Gym server (started here from its own Python;
+    `key` names it in errors)."""
     if cfg.kind == "math":
         from mrl.environments.math import MathEnvironment
 
@@ -23,6 +24,10 @@ def build_environment(cfg: Any, key: str = "env.nemo_gym") -> Environment:
         from mrl.environments.reasoning_gym import ReasoningGymEnvironment
 
         return ReasoningGymEnvironment(partial_credit=cfg.partial_credit)
+    if cfg.kind == "code":
+        from mrl.environments.code.environment import CodeEnvironment
+
+        return CodeEnvironment(cfg.code)
     if cfg.kind == "server":
         from mrl.environments.server_env import ServerEnvironment
 
@@ -35,7 +40,9 @@ def build_environment(cfg: Any, key: str = "env.nemo_gym") -> Environment:
         if cfg.nemo_gym is None:
             raise ValueError("env.kind=nemo_gym needs the env.nemo_gym section (server, config, limits)")
         return NemoGymEnvironment(cfg.nemo_gym, key=key)
-    raise ValueError(f"unknown env.kind {cfg.kind!r}; use 'math', 'arith', 'reasoning_gym', 'server' or 'nemo_gym'")
+    raise ValueError(
+        f"unknown env.kind {cfg.kind!r}; use 'math', 'arith', 'reasoning_gym', 'code', 'server' or 'nemo_gym'"
+    )
 
 
 def build_run_environment(cfg: Any) -> Environment:
