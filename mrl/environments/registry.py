@@ -7,11 +7,11 @@ from typing import Any
 from mrl.environments.base import Environment
 
 
-def build_environment(cfg: Any, key: str = "env.nemo_gym") -> Environment:
+def build_environment(cfg: Any, key: str = "env") -> Environment:
     """From an `EnvConfig`: "math" starts a pool of verifier actors (needs Ray running), "arith" and "reasoning_gym"
     run in-process, "code" runs each program in a sandbox pool, "server" is a resource server played in multi-turn
-    episodes (an example one is started here), "nemo_gym" a NeMo Gym server (started here from its own Python;
-    `key` names it in errors)."""
+    episodes (an example one is started here), "nemo_gym" a NeMo Gym server (started here from its own Python);
+    `key` is the environment's config key (env, envs.<name>), for errors."""
     if cfg.kind == "math":
         from mrl.environments.math import MathEnvironment
 
@@ -27,7 +27,7 @@ def build_environment(cfg: Any, key: str = "env.nemo_gym") -> Environment:
     if cfg.kind == "code":
         from mrl.environments.code.environment import CodeEnvironment
 
-        return CodeEnvironment(cfg.code)
+        return CodeEnvironment(cfg.code, key=f"{key}.code")
     if cfg.kind == "server":
         from mrl.environments.server_env import ServerEnvironment
 
@@ -39,7 +39,7 @@ def build_environment(cfg: Any, key: str = "env.nemo_gym") -> Environment:
 
         if cfg.nemo_gym is None:
             raise ValueError("env.kind=nemo_gym needs the env.nemo_gym section (server, config, limits)")
-        return NemoGymEnvironment(cfg.nemo_gym, key=key)
+        return NemoGymEnvironment(cfg.nemo_gym, key=f"{key}.nemo_gym")
     raise ValueError(
         f"unknown env.kind {cfg.kind!r}; use 'math', 'arith', 'reasoning_gym', 'code', 'server' or 'nemo_gym'"
     )
@@ -55,7 +55,7 @@ def build_run_environment(cfg: Any) -> Environment:
     started: dict[str, Environment] = {}
     try:
         for name, env_cfg in cfg.envs.items():
-            started[name] = build_environment(env_cfg, key=f"envs.{name}.nemo_gym")
+            started[name] = build_environment(env_cfg, key=f"envs.{name}")
     except BaseException:
         MixedEnvironment(started).shutdown()
         raise

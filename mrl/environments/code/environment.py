@@ -22,6 +22,7 @@ from typing import Any, Mapping, Optional, Sequence
 
 import torch
 
+from mrl.config.errors import ConfigError
 from mrl.environments.base import (
     EXTRACTED_ANSWER,
     FINISHED,
@@ -31,7 +32,15 @@ from mrl.environments.base import (
     Message,
     last_response,
 )
-from mrl.environments.code.sandbox import RunResult, Sandbox, SandboxLimits, check_available, warn_unsandboxed
+from mrl.environments.code.sandbox import (
+    INSTALL_FIX,
+    RunResult,
+    Sandbox,
+    SandboxLimits,
+    SandboxUnavailable,
+    check_available,
+    warn_unsandboxed,
+)
 
 _FENCE = re.compile(r"```[ \t]*(?:python3?|py)?[ \t]*\n(.*?)```", re.DOTALL)
 #: The kinds a reason is counted under (its words before the first ':').
@@ -67,7 +76,7 @@ def program_for(response: str, row: Mapping[str, Any]) -> str:
     return code
 
 
-def test_spec(program: str, row: Mapping[str, Any], case_timeout_s: float) -> dict[str, Any]:
+def harness_spec(program: str, row: Mapping[str, Any], case_timeout_s: float) -> dict[str, Any]:
     """What the harness runs (harness.py): the program and the row's tests or cases."""
     spec: dict[str, Any] = {"program": program, "entry_point": row.get("entry_point")}
     if row.get("cases") is not None:
@@ -86,15 +95,24 @@ def reason_kind(reason: str) -> str:
 class CodeEnvironment:
     """Single-turn: each sample's program run in a sandbox of a bounded pool (see the module docstring)."""
 
-    def __init__(self, cfg: Any = None) -> None:
+    def __init__(self, cfg: Any = None, *, key: str = "env.code") -> None:
         """From a `CodeEnvConfig` (None: its defaults). Refuses to start without the sandbox tool (the error says
-        how to install it); `sandbox: none` runs with rlimits only and warns at every start."""
+        how to install it: a ConfigError naming `key`.sandbox, exit 2); `sandbox: none` runs with rlimits only and
+        warns at every start."""
         from mrl.config.schema import CodeEnvConfig
 
         self.cfg = cfg or CodeEnvConfig()
-        check_available(self.cfg.sandbox)
+        try:
+            check_available(self.cfg.sandbox)
+        except SandboxUnavailable as exc:
+            raise ConfigError(
+                f"the code environment's sandbox cannot run here: {exc}",
+                key=f"{key}.sandbox",
+                given=self.cfg.sandbox,
+                fix=f"{INSTALL_FIX}; or {key}.sandbox=none to run programs WITHOUT isolation (only code you trust)",
+            ) from None
         if self.cfg.sandbox == "none":
-            warn_unsandboxed("env.code.sandbox")
+            warn_unsandboxed(f"{key}.sandbox")
         limits = SandboxLimits(
             self.cfg.wall_s, self.cfg.cpu_s, self.cfg.memory_mb, self.cfg.processes, self.cfg.open_files,
             self.cfg.output_kb, self.cfg.scratch_mb,
@@ -109,7 +127,7 @@ class CodeEnvironment:
         """One program with its row's tests, in a free slot of the pool's (blocks until one is free)."""
         slot = self._slots.get()
         try:
-            return self.sandbox.run(test_spec(program, row, self.cfg.case_timeout_s), slot=slot)
+            return self.sandbox.run(harness_spec(program, row, self.cfg.case_timeout_s), slot=slot)
         finally:
             self._slots.put(slot)
 

@@ -37,6 +37,19 @@ from pathlib import Path
 from typing import Any, Optional
 
 HARNESS = Path(__file__).with_name("harness.py")
+#: Runs the sandbox's command as its child and reaps every process orphaned below it (a child subreaper), so that no
+#: zombie is left to an init that does not reap (a container's): bwrap's own processes end as orphans.
+REAPER = (
+    "import ctypes, os, subprocess, sys\n"
+    "ctypes.CDLL(None).prctl(36, 1, 0, 0, 0)\n"  # PR_SET_CHILD_SUBREAPER
+    "status = subprocess.Popen(sys.argv[1:], close_fds=False).wait()\n"
+    "while True:\n"
+    "    try:\n"
+    "        os.waitpid(-1, 0)\n"
+    "    except ChildProcessError:\n"
+    "        break\n"
+    "sys.exit(128 - status if status < 0 else status)\n"
+)
 SYSTEM_PYTHON = "/usr/bin/python3"
 FIRST_UID = 60000
 INSTALL_FIX = "install bubblewrap (Debian/Ubuntu: apt-get install bubblewrap; make install does it as root)"
@@ -131,7 +144,17 @@ class Sandbox:
 
     def _command(self, uid: int) -> list[str]:
         python = [SYSTEM_PYTHON, "-I", "harness.py"]
-        drop = ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--"]
+        drop = [
+            SYSTEM_PYTHON,
+            "-I",
+            "-c",
+            REAPER,
+            "setpriv",
+            f"--reuid={uid}",
+            f"--regid={uid}",
+            "--clear-groups",
+            "--",
+        ]
         if self.tool == "none":
             return [*drop, *python]
         binds = ["--ro-bind", "/usr", "/usr"]
@@ -176,7 +199,7 @@ class Sandbox:
             try:
                 process.communicate(_with_fd(spec, res.fileno()), timeout=limits.wall_s)
             except subprocess.TimeoutExpired:
-                _kill_group(process)
+                _stop(process, uid)
                 return "timeout"
         return _limit_of(process.returncode)
 
@@ -211,12 +234,15 @@ def _child_setup(limits: SandboxLimits) -> None:
         resource.setrlimit(which, value)
 
 
-def _kill_group(process: subprocess.Popen) -> None:
+def _stop(process: subprocess.Popen, uid: int) -> None:
+    """Kill the sample's processes (its uid's), so that the reaper reaps them and ends; the reaper itself only if it
+    does not (it would leave bwrap's processes as zombies to an init that may never reap them)."""
+    _kill_uid(uid)
     try:
+        process.wait(timeout=5)
+    except subprocess.TimeoutExpired:
         os.killpg(process.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    process.wait()
+        process.wait()
 
 
 def _kill_uid(uid: int) -> None:
