@@ -170,8 +170,10 @@ def _add_env_parser(sub) -> None:
         "0.0.0.0 exposes them to the network)",
     )
     serve.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
-    rows = env_sub.add_parser("rows", help="Write dataset rows of an example game (guess_number) as jsonl.")
-    rows.add_argument("name", metavar="NAME", help="the example: guess_number")
+    rows = env_sub.add_parser(
+        "rows", help="Write dataset rows of an example game (guess_number) or the code_sum task as jsonl."
+    )
+    rows.add_argument("name", metavar="NAME", help="guess_number, or code_sum (a program that sums two numbers)")
     rows.add_argument("--count", type=int, default=2000, help="rows (default 2000)")
     rows.add_argument("--seed", type=int, default=0, help="seed of the secrets")
     rows.add_argument("--max-turns", type=int, default=7, help="guesses allowed per game")
@@ -180,7 +182,8 @@ def _add_env_parser(sub) -> None:
     rows.add_argument(
         "--warmup",
         action="store_true",
-        help="SFT rows of a naive player's games instead (random guesses: the format, not the strategy)",
+        help="SFT rows instead: a naive player's games (random guesses: the format, not the strategy); code_sum: "
+        "programs right half the time, near misses otherwise",
     )
     rows.add_argument(
         "--turn-end",
@@ -354,14 +357,20 @@ def _write_rows(args: argparse.Namespace) -> int:
     """`mrl env rows NAME`: dataset rows of an example game, for `data.train` of a multi-turn GRPO run."""
     import json
 
+    from mrl.data.code import sum_program_rows
     from mrl.environments.servers import GuessNumber
 
-    example = {"guess_number": GuessNumber}.get(args.name)  # the examples with a row generator
-    if example is None:
-        print(f"mrl env rows: {args.name!r} has no row generator (guess_number has)", file=sys.stderr)
-        return CONFIG_ERROR_EXIT_CODE
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    if args.name == "code_sum":
+        written = sum_program_rows(args.count, seed=args.seed, warmup=args.warmup)
+        out.write_text("".join(json.dumps(row) + "\n" for row in written))
+        print(f"wrote {len(written)} rows to {out}")
+        return 0
+    example = {"guess_number": GuessNumber}.get(args.name)  # the examples with a row generator
+    if example is None:
+        print(f"mrl env rows: {args.name!r} has no row generator (guess_number and code_sum have)", file=sys.stderr)
+        return CONFIG_ERROR_EXIT_CODE
     bounds = dict(max_turns=args.max_turns, low=args.low, high=args.high)
     rows = (
         example.warmup_rows(args.count, seed=args.seed, turn_end=args.turn_end, **bounds)

@@ -31,10 +31,10 @@ from typing import Callable, Optional
 
 import torch
 
-from mrl.algorithms.agent import agent_rollouts, validate_episodes
+from mrl.algorithms.agent import agent_rollouts
 from mrl.algorithms.ahead import RolloutsAhead
 from mrl.algorithms.env_metrics import per_env_metrics
-from mrl.algorithms.evaluate import validate, write_samples
+from mrl.algorithms.evaluate import write_samples
 from mrl.algorithms.guards import NonFiniteGuard
 from mrl.algorithms.health import (
     EnvironmentErrorGuard,
@@ -45,7 +45,7 @@ from mrl.algorithms.health import (
 )
 from mrl.algorithms.interfaces import LoopCheckpoints, Workers
 from mrl.algorithms.loop import end_step
-from mrl.algorithms.mixed_rollouts import mixed_rollouts, validate_mixed
+from mrl.algorithms.mixed_rollouts import mixed_rollouts, validate_all
 from mrl.algorithms.rollout import Rollouts, generate_and_score
 from mrl.config.schema import MrlConfig
 from mrl.data.dataloader import PromptDataLoader
@@ -87,15 +87,7 @@ def run_validation(cfg: MrlConfig, workers: Workers, env: Environment, data: Tas
     multi-turn episodes: their mean reward and the fraction of reward 1, no samples file). Both wake the engine;
     it sleeps again after (colocated: the policy trains or saves next); not after a failure, which ends the run (a
     sleep of a dead engine would report its death in 'finish_generation' instead of where it died)."""
-    if isinstance(env, ServerEnvironment):
-        metrics = validate_episodes(cfg, workers, env, data)
-        workers.engine.finish_generation()
-        return metrics
-    if isinstance(env, MixedEnvironment) and env.servers:
-        metrics, result = validate_mixed(cfg, workers, env, data)
-    else:
-        result = validate(cfg, workers.engine, env, workers.tokenizer, data)
-        metrics = result.metrics if result else {}
+    metrics, result = validate_all(cfg, workers.engine, workers.tokenizer, env, data)
     workers.engine.finish_generation()
     if result is not None:
         write_samples(Path(cfg.run.output_dir) / "val_samples" / f"step_{step}.jsonl", result.samples)

@@ -13,7 +13,7 @@ server's through `validate_episodes`; `val/accuracy` is the mean over every vali
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Sequence
 
 from mrl.algorithms.agent import agent_rollouts, validate_episodes
@@ -92,3 +92,28 @@ def validate_mixed(
     if total:
         metrics["val/accuracy"] = sum(accuracy * count for accuracy, count in counted) / total
     return metrics, evaluation
+
+
+@dataclass(frozen=True)
+class _Generator:
+    """What validation needs of the workers: the engine and the tokenizer (`mrl eval` has no policy)."""
+
+    engine: GenerationBackend
+    tokenizer: Any
+
+
+def validate_all(
+    cfg: Any, engine: GenerationBackend, tokenizer: Any, env: Any, data: TaskData
+) -> tuple[dict[str, float], Evaluation | None]:
+    """Validation of any run's environment: single-turn samples (`validate`), a resource server's episodes
+    (`validate_episodes`), or a mix of both (`validate_mixed`); the metrics and the single-turn part's evaluation
+    (None without one)."""
+    from mrl.environments.server_env import ServerEnvironment
+
+    generator = _Generator(engine, tokenizer)
+    if isinstance(env, ServerEnvironment):
+        return validate_episodes(cfg, generator, env, data), None
+    if isinstance(env, MixedEnvironment) and env.servers:
+        return validate_mixed(cfg, generator, env, data)
+    result = validate(cfg, engine, env, tokenizer, data)
+    return (result.metrics if result else {}), result

@@ -412,7 +412,8 @@ def run_rm(cfg: MrlConfig) -> dict[str, Any]:
 
 
 def run_eval(cfg: MrlConfig) -> dict[str, Any]:
-    from mrl.algorithms.evaluate import SAMPLES_FILE, format_examples, validate, write_samples
+    from mrl.algorithms.evaluate import SAMPLES_FILE, format_examples, write_samples
+    from mrl.algorithms.mixed_rollouts import validate_all
     from mrl.data.tasks import load_task_data
     from mrl.environments.registry import build_run_environment
 
@@ -432,18 +433,19 @@ def run_eval(cfg: MrlConfig) -> dict[str, Any]:
     try:
         with explained_failures(cfg):
             assert runtime.engine is not None  # started: mrl eval starts an engine and no policy
-            result = validate(cfg, runtime.engine, env, runtime.tokenizer, data)
+            metrics, result = validate_all(cfg, runtime.engine, runtime.tokenizer, env, data)
     finally:
         env.shutdown()
         runtime.shutdown()
-    if result is None:
+    if not metrics:
         raise ConfigError("no evaluation prompt fits data.max_prompt_length", key="data.max_prompt_length")
     out = Path(cfg.run.output_dir)
-    samples = write_samples(out / SAMPLES_FILE, result.samples)
-    print(f"examples ({len(result.samples)} samples in {samples}):\n{format_examples(result.samples)}")
-    for name, value in result.metrics.items():
+    if result is not None:  # single-turn samples (a resource server's episodes are counted, not written)
+        samples = write_samples(out / SAMPLES_FILE, result.samples)
+        print(f"examples ({len(result.samples)} samples in {samples}):\n{format_examples(result.samples)}")
+    for name, value in metrics.items():
         print(f"{name}: {value:.4f}")
-    summary = {"algorithm": "eval", "seconds": time.perf_counter() - start, "final": result.metrics}
+    summary = {"algorithm": "eval", "seconds": time.perf_counter() - start, "final": metrics}
     save_summary(out, summary)
     return summary
 

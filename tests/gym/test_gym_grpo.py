@@ -128,3 +128,15 @@ def test_past_a_configured_error_rate_the_run_stops_naming_the_dead_server(tmp_p
     summary = json.loads((out / "summary.json").read_text())
     assert "grpo.max_env_error_fraction" in json.dumps(summary.get("stopped"))
     assert not _launched("math_with_judge")  # stopped with the run
+
+
+def test_mrl_eval_plays_the_servers_episodes_beside_the_single_turn_samples(tmp_path):
+    out = tmp_path / "eval"
+    config = tmp_path / "gym.yaml"
+    config.write_text(yaml.safe_dump({**CONFIG, "run": {**CONFIG["run"], "output_dir": str(out)}}))
+    output = finish(mrl("eval", "--config", str(config)), timeout=600)
+    final = json.loads((out / "summary.json").read_text())["final"]
+    assert final["val/env/tools/samples"] == final["val/env/judge/samples"] == 4  # eval.max_problems each, 1 sample
+    assert final["val/env/tools/server_errors"] == 0 and "val/env/tools/mean/reward" in final
+    assert final["val/env/add/samples"] == 4 and "val/accuracy" in final
+    assert (out / "samples.jsonl").is_file() and "val/env/judge/accuracy" in output
