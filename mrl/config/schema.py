@@ -793,7 +793,7 @@ class CodeEnvConfig(Section):
     partial_credit: bool = Field(
         default=False, description="Reward the fraction of tests passed (false: 1 only when every test passes)."
     )
-    workers: int = Field(default=4, ge=1, description="Samples run at once (each in a sandbox of its own).")
+    workers: int = Field(default=4, ge=1, le=127, description="Samples run at once (each in a sandbox of its own).")
     wall_s: float = Field(default=10.0, gt=0, description="Wall-clock seconds per sample (its tests included).")
     cpu_s: int = Field(default=10, ge=1, description="CPU seconds per process.")
     memory_mb: int = Field(default=1024, ge=64, description="Address space per process, MiB.")

@@ -1,7 +1,7 @@
 """Runs untrusted programs (a policy's code) with their tests, so that no program can hurt the machine or the run.
 
     host                                                   sandbox (bubblewrap: every namespace unshared)
-    setpriv --reuid <uid> (60000 + slot; never root)       /work: a tmpfs of scratch_mb, the only writable path
+    setpriv --reuid <uid> (the slot's; never root)         /work: a tmpfs of scratch_mb, the only writable path
       rlimits: CPU s, address space, processes of the uid,   (and the cwd), with harness.py bound read-only
       open files, file size (= the output cap)             /usr (+ the /bin, /lib, /lib64 links) read-only: the
     bwrap --unshare-all --die-with-parent --new-session      system Python and its standard library; /proc, /dev
@@ -16,9 +16,10 @@
 
 What a sample scored and why comes back as a `RunResult`: the per-test lines of the harness, or what ended the run
 first (`timeout`, `cpu time`, `memory`, `output too long`, `ended before its tests did`, `killed`). Limits
-(`SandboxLimits`) are per sample. The uid is the slot's own (a pool of N runs N slots), so the process limit counts
-that sample's processes only. With `tool="none"` the program runs with the same limits and uid in a scratch folder
-of the host, without namespaces (an explicit, warned setting: it can read what any user can and reach the network).
+(`SandboxLimits`) are per sample. The uid is the slot's own (a pool of N runs N slots; `slot_uid`: no other
+process's slot shares it), so the process limit counts that sample's processes only. With `tool="none"` the program
+runs with the same limits and uid in a scratch folder of the host, without namespaces (an explicit, warned setting:
+it can read what any user can and reach the network).
 """
 
 from __future__ import annotations
@@ -55,7 +56,9 @@ REAPER = (
     "sys.exit(os.waitstatus_to_exitcode(status) % 256 if os.WIFEXITED(status) else 128 + os.WTERMSIG(status))\n"
 )
 SYSTEM_PYTHON = "/usr/bin/python3"
-FIRST_UID = 60000
+FIRST_UID = 100_000
+SLOTS = 128  # uids a process may use: FIRST_UID + (its pid % PROCESS_RANGES) * SLOTS + slot
+PROCESS_RANGES = 20_000
 INSTALL_FIX = "install bubblewrap (Debian/Ubuntu: apt-get install bubblewrap; make install does it as root)"
 
 
@@ -96,6 +99,15 @@ class RunResult:
         return "passed" if self.tests else "no tests ran"
 
 
+def slot_uid(slot: int) -> int:
+    """The uid slot `slot` of this process runs its samples as: its own, and another process's never (the uids of
+    two processes on one machine differ unless their pids are equal modulo PROCESS_RANGES), so that killing what a
+    sample left (every process of its uid) cannot touch another run's samples."""
+    if not 0 <= slot < SLOTS:
+        raise ValueError(f"sandbox slot {slot} out of 0..{SLOTS - 1}")
+    return FIRST_UID + (os.getpid() % PROCESS_RANGES) * SLOTS + slot
+
+
 class SandboxUnavailable(RuntimeError):
     """The sandbox tool is missing or does not work here; the message says how to install it."""
 
@@ -109,7 +121,7 @@ def check_available(tool: str) -> None:
     if shutil.which("bwrap") is None or shutil.which("setpriv") is None:
         raise SandboxUnavailable(f"bubblewrap (bwrap) is not installed: {INSTALL_FIX}")
     trial = Sandbox(tool, SandboxLimits(wall_s=20))
-    result = trial.run({"program": "print(1)", "tests": "assert True"}, slot=999)
+    result = trial.run({"program": "print(1)", "tests": "assert True"}, slot=SLOTS - 1)
     if result.passed != 1:
         raise SandboxUnavailable(
             f"bwrap is installed but a trial run failed ({result.reason}; {result.stderr[-300:]}): user namespaces "
@@ -125,7 +137,7 @@ class Sandbox:
 
     def run(self, spec: dict[str, Any], *, slot: int = 0) -> RunResult:
         """Run `spec` (program, tests or cases, entry_point: see harness.py) in slot `slot`'s sandbox."""
-        uid = FIRST_UID + slot
+        uid = slot_uid(slot)
         io = Path(tempfile.mkdtemp(prefix="mrl-code-io-"))  # ours (0700, root's): its output and results, as fds
         scratch = None
         if self.tool == "none":  # its cwd on the host (bwrap: a tmpfs of its own)

@@ -47,7 +47,7 @@ def program(body: str) -> str:
 
 
 def sandbox_processes() -> list[psutil.Process]:
-    return [p for p in psutil.process_iter(["uids"]) if p.info["uids"] and FIRST_UID <= p.info["uids"].real < FIRST_UID + 100]
+    return [p for p in psutil.process_iter(["uids"]) if p.info["uids"] and p.info["uids"].real >= FIRST_UID]
 
 
 def still_right(env) -> None:
