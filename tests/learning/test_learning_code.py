@@ -22,10 +22,6 @@ pytestmark = [pytest.mark.learning, pytest.mark.timeout(1800)]
 
 RECIPE = Path(__file__).parents[2] / "recipes" / "code-sum-tiny-cpu.yaml"
 
-try:
-    check_available("bwrap")
-except SandboxUnavailable as exc:
-    pytest.skip(f"no sandbox here ({exc})", allow_module_level=True)
 
 
 def _write(path: Path, rows: list[dict]) -> str:
@@ -35,6 +31,10 @@ def _write(path: Path, rows: list[dict]) -> str:
 
 @pytest.fixture(scope="module")
 def run_root(tmp_path_factory):
+    try:
+        check_available("bwrap")
+    except SandboxUnavailable as exc:
+        pytest.skip(f"no sandbox here ({exc})")
     root = tmp_path_factory.mktemp("code-sum")
     warmup = _write(root / "warmup.jsonl", sum_program_rows(4000, seed=0, warmup=True))  # the recipe's header's rows
     train = _write(root / "train.jsonl", sum_program_rows(2000, seed=1))

@@ -14,12 +14,7 @@ import pytest
 
 from mrl.config.schema import CodeEnvConfig
 from mrl.environments.code.environment import CodeEnvironment
-from mrl.environments.code.sandbox import FIRST_UID, SandboxUnavailable, check_available
-
-try:
-    check_available("bwrap")
-except SandboxUnavailable as exc:
-    pytest.skip(f"no sandbox here ({exc})", allow_module_level=True)
+from mrl.environments.code.sandbox import SLOTS, SandboxUnavailable, check_available, slot_uid
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -28,8 +23,18 @@ RIGHT = "```python\ndef add(a, b):\n    return a + b\n```"
 PROJECT_FILE = Path(__file__).resolve()
 
 
+@pytest.fixture(scope="module", autouse=True)
+def sandbox_here():
+    """Skip the module, in one line, where bubblewrap cannot run (checked when the tests run, not when they are
+    collected: every test process must collect the same tests)."""
+    try:
+        check_available("bwrap")
+    except SandboxUnavailable as exc:
+        pytest.skip(f"no sandbox here ({exc})")
+
+
 @pytest.fixture(scope="module")
-def env():
+def env(sandbox_here):
     environment = CodeEnvironment(CodeEnvConfig(workers=2, wall_s=4, cpu_s=2, memory_mb=256, processes=16))
     yield environment
     environment.shutdown()
@@ -47,7 +52,9 @@ def program(body: str) -> str:
 
 
 def sandbox_processes() -> list[psutil.Process]:
-    return [p for p in psutil.process_iter(["uids"]) if p.info["uids"] and p.info["uids"].real >= FIRST_UID]
+    """Processes of this test process's sandbox slots (another test process's run under uids of their own)."""
+    mine = range(slot_uid(0), slot_uid(SLOTS - 1) + 1)
+    return [p for p in psutil.process_iter(["uids"]) if p.info["uids"] and p.info["uids"].real in mine]
 
 
 def still_right(env) -> None:
