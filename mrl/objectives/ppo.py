@@ -1,0 +1,89 @@
+"""PPO's token-level math (issue 65; not yet wired into a trainer): per-token rewards, generalized advantage
+estimation over the response tokens only, advantage whitening, the clipped value loss, and on-policy distillation's
+per-token signal. Tensors [B, T] in the trainer's row layout (a row's prompt, then its response; `mask` 1 on the
+tokens the policy generated, 0 on the prompt, on padding and on a multi-turn episode's observations).
+
+    token_rewards     r_t = -kl_coef * kl_t on every response token, + the sequence's reward on its last one
+    gae               delta_t = r_t + gamma * V(next) - V(t);  A_t = delta_t + gamma * lam * A(next)
+                      "next" is the next response token of the row: masked tokens in between (an observation) are
+                      skipped, as if the model's turns were one sequence; after the last one V(next) = 0, A(next) = 0
+    returns           A_t + V(t): the value model's target
+    whiten            (A - mean) / std over every masked token of the batch (the mean added back with shift_mean)
+    value loss        0.5 * max((V - R)^2, (V_old + clip(V - V_old, -c, c) - R)^2), averaged over masked tokens
+    distillation      A_t = teacher logprob_t - student logprob_t (the per-token reverse KL's negative), masked
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+
+def token_rewards(
+    rewards: torch.Tensor, mask: torch.Tensor, kl: Optional[torch.Tensor] = None, kl_coef: float = 0.0
+) -> torch.Tensor:
+    """[B, T]: each row's reward [B] on its last response token, minus kl_coef * kl [B, T] on every response token."""
+    if rewards.shape != mask.shape[:1]:
+        raise ValueError(f"rewards {tuple(rewards.shape)} must hold one value per row of mask {tuple(mask.shape)}")
+    out = torch.zeros(mask.shape, dtype=torch.float32)
+    if kl is not None and kl_coef:
+        out -= kl_coef * kl.float() * mask
+    positions = torch.arange(mask.shape[1]).expand_as(mask)
+    last = torch.where(mask > 0, positions, torch.full_like(positions, -1)).amax(dim=1)  # [B]; -1: no response
+    rows = torch.nonzero(last >= 0).squeeze(1)
+    out[rows, last[rows]] += rewards[rows].float()
+    return out
+
+
+def gae(
+    rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0, lam: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(advantages, returns), both [B, T] and 0 off the mask (see the module docstring)."""
+    if not (rewards.shape == values.shape == mask.shape):
+        raise ValueError(f"rewards, values and mask differ in shape: {rewards.shape}, {values.shape}, {mask.shape}")
+    advantages = torch.zeros(mask.shape, dtype=torch.float32)
+    next_value = torch.zeros(mask.shape[0])
+    next_advantage = torch.zeros(mask.shape[0])
+    for t in reversed(range(mask.shape[1])):
+        on = mask[:, t] > 0
+        delta = rewards[:, t].float() + gamma * next_value - values[:, t].float()
+        here = delta + gamma * lam * next_advantage
+        advantages[:, t] = torch.where(on, here, torch.zeros_like(here))
+        next_value = torch.where(on, values[:, t].float(), next_value)
+        next_advantage = torch.where(on, here, next_advantage)
+    returns = (advantages + values.float()) * (mask > 0)
+    return advantages, returns
+
+
+def whiten(advantages: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8) -> torch.Tensor:
+    """Advantages scaled to unit variance over the masked tokens (and centred unless shift_mean=False); 0 off the
+    mask. The variance is the unbiased one over the masked tokens."""
+    on = mask > 0
+    count = on.sum()
+    if count < 2:
+        return advantages * on
+    mean = advantages[on].mean()
+    var = ((advantages[on] - mean) ** 2).sum() / (count - 1)
+    out = (advantages - mean) * torch.rsqrt(var + eps)
+    if not shift_mean:
+        out = out + mean
+    return out * on
+
+
+def clipped_value_loss(
+    values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor, clip: float
+) -> torch.Tensor:
+    """The clipped value loss (see the module docstring): a scalar, the mean over the masked tokens."""
+    clipped = old_values + (values - old_values).clamp(-clip, clip)
+    per_token = 0.5 * torch.maximum((values - returns) ** 2, (clipped - returns) ** 2)
+    on = (mask > 0).to(per_token.dtype)
+    return (per_token * on).sum() / on.sum().clamp(min=1)
+
+
+def distillation_advantages(
+    teacher_logprobs: torch.Tensor, student_logprobs: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
+    """On-policy distillation's per-token advantage: log p_teacher(y_t) - log p_student(y_t) on the student's own
+    samples (its expectation over the student's tokens is minus the reverse KL), 0 off the mask."""
+    return (teacher_logprobs.float() - student_logprobs.float()) * (mask > 0)
