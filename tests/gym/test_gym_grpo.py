@@ -86,7 +86,7 @@ def test_grpo_through_real_nemo_gym_servers_logs_each_and_survives_one_dying(tmp
     log = out / "logs" / "metrics.jsonl"
     _wait_for_step(run, log, 2)
     (server,) = _launched("workplace_assistant")
-    server.kill()  # steps 3 and 4 play against a dead server
+    server.kill()  # step 4 (and most likely step 3) plays against a dead server
     output = finish(run, timeout=600)
     took = time.monotonic() - started
     steps = metrics(out / "logs")
@@ -96,10 +96,10 @@ def test_grpo_through_real_nemo_gym_servers_logs_each_and_survives_one_dying(tmp
         assert "train/env/tools/mean/reward" in steps[step]  # NeMo Gym's own aggregate, under the environment's name
         assert "train/env/judge/mean/reward" in steps[step]
         assert steps[step]["train/env/tools/turns"] >= 1.0
+    # Step 3's episodes may have begun (even ended) in the moment before the kill landed; step 4's all met it dead.
+    assert steps[4]["train/env/tools/samples"] > 0 and steps[4]["train/env/tools/reward_error_fraction"] == 1.0
+    assert steps[4]["train/env/tools/reward"] == 0.0
     for step in (3, 4):
-        if steps[step]["train/env/tools/samples"]:
-            assert steps[step]["train/env/tools/reward_error_fraction"] == 1.0
-            assert steps[step]["train/env/tools/reward"] == 0.0
         assert steps[step]["train/env/judge/reward_error_fraction"] == 0.0
         assert steps[step].get("train/env/add/reward_error_fraction", 0.0) == 0.0  # when the step drew add's rows
     assert max(steps) == STEPS
