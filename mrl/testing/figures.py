@@ -4,6 +4,7 @@ themselves). A suite's conftest imports both names."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Callable
 
 import pytest
@@ -22,3 +23,13 @@ def pytest_terminal_summary(terminalreporter) -> None:
         terminalreporter.section("learning figures")
         for line in lines:
             terminalreporter.write_line(line)
+
+
+def assert_expected_figures(run_dir: Path, recipe: Path) -> None:
+    """The run holds every figure its recipe's expect: block sets, as `mrl check RUN_DIR RECIPE` checks them."""
+    from mrl.app.check import check_run, report
+    from mrl.config import load_config
+
+    cfg = load_config(str(recipe), [])
+    results = check_run(run_dir, cfg)
+    assert all(result.ok for result in results), report(results, cfg)

@@ -17,6 +17,7 @@ import yaml
 from mrl.app.stages import run_staged
 from mrl.data.code import sum_program_rows
 from mrl.environments.code.sandbox import SandboxUnavailable, check_available
+from mrl.testing.figures import assert_expected_figures
 
 pytestmark = [pytest.mark.learning, pytest.mark.timeout(1800)]
 
@@ -51,17 +52,12 @@ def run_root(tmp_path_factory):
 
 
 def test_the_run_holds_the_figures_its_recipe_expects(run_root, figure):
-    from mrl.app.check import check_run, report
-    from mrl.config import load_config
-
     summary = json.loads((run_root / "run" / "summary.json").read_text())["grpo"]
     first, last = summary["reward_first10"], summary["reward_last10"]
     before, after = summary["val_accuracy_before"], summary["val_accuracy_after"]
     figure(f"code-sum GRPO reward, first 10 steps {first:.3f} -> last 10 {last:.3f}; held-out programs passing "
            f"{before:.3f} -> {after:.3f}")
-    cfg = load_config(str(run_root / "recipe.yaml"), [])
-    results = check_run(run_root / "run", cfg)
-    assert all(result.ok for result in results), report(results, cfg)
+    assert_expected_figures(run_root / "run", run_root / "recipe.yaml")
 
 
 def test_the_failures_the_sandbox_counted_fall(run_root):

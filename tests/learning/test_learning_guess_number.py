@@ -16,6 +16,7 @@ import yaml
 
 from mrl.app.stages import run_staged
 from mrl.environments.servers import GuessNumber
+from mrl.testing.figures import assert_expected_figures
 
 pytestmark = [pytest.mark.learning, pytest.mark.timeout(1800)]
 
@@ -50,14 +51,9 @@ def summary(run_root):
 def test_the_run_holds_the_figures_its_recipe_expects(run_root, summary, figure):
     """The recipe's expect: block, as `mrl check` checks it: the reward and the held-out games rise, and the
     trainer's logprobs of the multi-turn samples equal the engine's (no retokenisation drift)."""
-    from mrl.app.check import check_run, report
-    from mrl.config import load_config
-
     first, last = summary["reward_first10"], summary["reward_last10"]
     before, after = summary["val_accuracy_before"], summary["val_accuracy_after"]
     figure(f"guess-number GRPO reward, first 10 steps {first:.3f} -> last 10 {last:.3f}; held-out games found "
            f"{before:.3f} -> {after:.3f}")
 
-    cfg = load_config(str(run_root / "recipe.yaml"), [])
-    results = check_run(run_root / "run", cfg)
-    assert all(result.ok for result in results), report(results, cfg)
+    assert_expected_figures(run_root / "run", run_root / "recipe.yaml")

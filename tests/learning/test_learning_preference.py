@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from mrl.app.stages import run_staged
+from mrl.testing.figures import assert_expected_figures
 
 pytestmark = [pytest.mark.learning, pytest.mark.timeout(1800)]  # the staged recipe takes ~7 min
 
@@ -42,14 +43,9 @@ def test_reward_model_separates_held_out_pairs_and_exports_for_transformers(summ
 def test_the_run_holds_the_figures_its_recipe_expects(summaries, figure):
     """DPO's held-out preference accuracy and GRPO's reward-model score rise, the reward model separates held-out
     pairs: the recipe's expect: block."""
-    from mrl.app.check import check_run, report
-    from mrl.config import load_config
-
     dpo, curve = summaries[1]["dpo"], summaries[1]["grpo"]["reward_curve"]
     before, after = dpo["val/preference_accuracy_before"], dpo["val/preference_accuracy_after"]
     figure(f"DPO held-out preference accuracy {before:.3f} -> {after:.3f}")
     figure(f"GRPO reward-model score, first 5 steps {sum(curve[:5]) / 5:.3f} -> last 5 {sum(curve[-5:]) / 5:.3f}")
 
-    cfg = load_config(str(RECIPE), [])
-    results = check_run(summaries[0], cfg)
-    assert all(result.ok for result in results), report(results, cfg)
+    assert_expected_figures(summaries[0], RECIPE)

@@ -100,7 +100,7 @@ def _split(tests: str):
             asserts.append(ast.parse("check(candidate)").body[0])
         elif isinstance(node, ast.FunctionDef) and node.name == "check":
             body = [n for n in node.body if not isinstance(n, ast.Assert)]
-            setup += [_fixed(n) for n in body if not (isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant))]
+            setup += [n for n in body if not (isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant))]
             asserts += [n for n in node.body if isinstance(n, ast.Assert)]
         else:
             setup.append(node)
@@ -110,10 +110,6 @@ def _split(tests: str):
 def _nested_asserts(function) -> bool:
     top = sum(isinstance(n, ast.Assert) for n in function.body)
     return sum(isinstance(n, ast.Assert) for n in ast.walk(function)) > top
-
-
-def _fixed(node):
-    return ast.fix_missing_locations(node)
 
 
 def _all_failed(tests: str, reason: str, out) -> None:

@@ -1,7 +1,7 @@
 """Runs untrusted programs (a policy's code) with their tests, so that no program can hurt the machine or the run.
 
     host                                                   sandbox (bubblewrap: every namespace unshared)
-    setpriv --reuid <uid> (the slot's; never root)         /work: a tmpfs of scratch_mb, the only writable path
+    setpriv --reuid <uid> (the slot's; never root)         /sandbox: a tmpfs of scratch_mb, the only writable path
       rlimits: CPU s, address space, processes of the uid,   (and the cwd), with harness.py bound read-only
       open files, file size (= the output cap)             /usr (+ the /bin, /lib, /lib64 links) read-only: the
     bwrap --unshare-all --die-with-parent --new-session      system Python and its standard library; /proc, /dev
@@ -39,6 +39,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 HARNESS = Path(__file__).with_name("harness.py")
+#: The program's folder inside the sandbox (a tmpfs of its own; no path of the host).
+BOX = "/sandbox"
 #: Runs the sandbox's command as its child and reaps every process orphaned below it (a child subreaper), so that no
 #: zombie is left to an init that does not reap (a container's): bwrap's own processes end as orphans.
 REAPER = (
@@ -179,7 +181,7 @@ class Sandbox:
                 binds += ["--symlink", os.readlink(f"/{link}"), f"/{link}"]
             elif Path(f"/{link}").is_dir():
                 binds += ["--ro-bind", f"/{link}", f"/{link}"]
-        scratch = ["--size", str(self.limits.scratch_mb * 1024 * 1024), "--tmpfs", "/work"]
+        scratch = ["--size", str(self.limits.scratch_mb * 1024 * 1024), "--tmpfs", BOX]
         return [
             *drop,
             "bwrap",
@@ -189,10 +191,10 @@ class Sandbox:
             *binds,
             *("--proc", "/proc", "--dev", "/dev"),
             *scratch,
-            *("--ro-bind", str(HARNESS), "/work/harness.py"),
-            *("--remount-ro", "/"),  # the root (a tmpfs of bwrap's) read-only; /work stays writable
-            *("--chdir", "/work", "--clearenv"),
-            *("--setenv", "PATH", "/usr/bin:/bin", "--setenv", "HOME", "/work", "--setenv", "TMPDIR", "/work"),
+            *("--ro-bind", str(HARNESS), f"{BOX}/harness.py"),
+            *("--remount-ro", "/"),  # the root (a tmpfs of bwrap's) read-only; BOX stays writable
+            *("--chdir", BOX, "--clearenv"),
+            *("--setenv", "PATH", "/usr/bin:/bin", "--setenv", "HOME", BOX, "--setenv", "TMPDIR", BOX),
             "--",
             *python,
         ]

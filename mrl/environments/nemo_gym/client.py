@@ -40,7 +40,7 @@ from mrl.environments.servers.client import (
     _require_dict,
     _ServerProblem,
 )
-from mrl.environments.servers.protocol import AGGREGATE_METRICS, REWARD, SEED_SESSION
+from mrl.environments.servers.protocol import REWARD, SEED_SESSION
 
 #: Keys of a verify answer that echo the request, not the server's judgement.
 _ECHOED = frozenset({REWARD, "response", "responses_create_params"})
@@ -76,17 +76,13 @@ class NemoGymClient(AsyncResourceClient):
     def _verify_result(payload: Any, row: dict) -> VerifyResult:
         return _parse_verify(payload, row)
 
-    def _metrics_plan(self, results: list[dict]) -> _Plan[dict]:
-        if not isinstance(results, list):
-            raise TypeError(f"results must be a list of verify results (dicts), got {type(results).__name__}")
-        return _Plan(
-            "POST",
-            f"/{AGGREGATE_METRICS}",
-            {"verify_responses": results},
-            None,
-            _parse_metrics,
-            lambda message, kind: {},
-        )
+    @staticmethod
+    def _metrics_body(results: list[dict]) -> dict:
+        return {"verify_responses": results}
+
+    @staticmethod
+    def _metrics_result(payload: Any) -> dict:
+        return _parse_metrics(payload)
 
     @staticmethod
     def row_of(problem: str, answer: str, fields: dict) -> dict:

@@ -170,8 +170,16 @@ class _Core:
         if not isinstance(results, list):
             raise TypeError(f"results must be a list of verify results (dicts), got {type(results).__name__}")
         return _Plan(
-            "POST", f"/{AGGREGATE_METRICS}", {"results": results}, None, _parse_metrics, lambda message, kind: {}
+            "POST", f"/{AGGREGATE_METRICS}", self._metrics_body(results), None, self._metrics_result, lambda m, k: {}
         )
+
+    @staticmethod
+    def _metrics_body(results: list[dict]) -> dict:
+        return {"results": results}
+
+    @staticmethod
+    def _metrics_result(payload: Any) -> dict:
+        return _parse_metrics(payload)
 
     def _session_headers(self, session_id: str) -> dict[str, str]:
         """The headers that name a session on a request (a dialect of the protocol may name it otherwise)."""
