@@ -96,8 +96,8 @@ test-runs: install
 test-stages: install
 	$(BIN)/python -m pytest tests/stages -q -n $(TEST_PROCESSES) --dist loadfile
 
-# Learning checks that take minutes: the staged preference recipe (SFT -> DPO, reward model -> GRPO) and multi-turn
-# GRPO on the number-guessing server.
+# Learning checks that take minutes: the staged preference recipe (SFT -> DPO, reward model -> GRPO), multi-turn
+# GRPO on the number-guessing server, code RL in the sandbox, and PPO and on-policy distillation beside GRPO.
 # One test process: the two recipes side by side gained nothing (8:03, with other load on the machine for part of
 # it, against 6:52 one after the other). The figures are printed at the end (tests/learning/conftest.py).
 test-learning: install

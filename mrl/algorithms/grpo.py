@@ -23,6 +23,7 @@ cause and the fix; grpo.max_idle_steps such steps in a row stop the run, exit 2 
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 from dataclasses import dataclass
@@ -31,6 +32,7 @@ from typing import Callable, Optional
 
 import torch
 
+from mrl.algorithms import ppo
 from mrl.algorithms.agent import agent_rollouts
 from mrl.algorithms.ahead import RolloutsAhead
 from mrl.algorithms.env_metrics import per_env_metrics
@@ -63,11 +65,17 @@ from mrl.policy.interface import RankBatch
 KEY_METRICS = ("train/reward", "train/token_mult_prob_error", "val/accuracy", "timing/step")
 
 
+def kept_rows(keep: torch.Tensor, dp_size: int) -> torch.Tensor:
+    """The rollout rows a step trains on: the kept ones, the first repeated until the count divides `dp_size`."""
+    kept = keep.nonzero().squeeze(1)
+    return torch.cat([kept, kept[:1].repeat(-len(kept) % dp_size)])
+
+
 def training_rows(rollouts: Rollouts, advantages: torch.Tensor, keep: torch.Tensor, dp_size: int) -> RankBatch:
     """The kept samples as policy rows; advantages broadcast over tokens. Rows are added with an all-zero loss mask
     until the count divides the data-parallel size (they change neither loss nor gradient)."""
+    index = kept_rows(keep, dp_size)
     kept = keep.nonzero().squeeze(1)
-    index = torch.cat([kept, kept[:1].repeat(-len(kept) % dp_size)])
     mask = rollouts.loss_mask[index].clone()
     mask[len(kept) :] = 0
     adv = advantages[index][:, None].expand_as(mask).contiguous()
@@ -149,7 +157,7 @@ def learn(
         ).view(-1)
         keep = _groups_kept(grouped, cfg.grpo.dynamic_sampling).repeat_interleave(n)
         keep &= rollouts.loss_mask.sum(dim=1) > 0
-        batch = training_rows(rollouts, advantages, keep, workers.policy.data_parallel_size)
+        batch = training_rows(rollouts, advantages, keep, _data_parallel(workers))
     m.update(_rollout_metrics(rollouts, keep))
     m.update(per_env_metrics("train", rollouts, n))
     m.update(health_metrics(rollouts, grouped, reads_answers=env_reads_answers(cfg)))
@@ -158,13 +166,24 @@ def learn(
         return m
     mismatch: dict[str, float] = {}
     with logger.timer("logprobs", m):
-        if len(batch) > _rows_per_update(cfg, workers):  # pi_old must stay fixed over the step's updates
+        # pi_old must stay fixed over the step's updates; PPO's KL reward and distillation read it before any
+        if len(batch) > _rows_per_update(cfg, workers) or ppo.needs_old_logprobs(cfg):
             batch.token_data[PREV_LOGPROBS] = workers.policy.logprobs(batch)
             mismatch = mismatch_metrics(
                 batch.token_data[GENERATION_LOGPROBS], batch.token_data[PREV_LOGPROBS], batch.loss_mask
             )
-        if loss_fn.needs_reference:
+        if loss_fn.needs_reference or ppo.needs_reference(cfg):
             batch.token_data[REF_LOGPROBS] = workers.policy.logprobs(batch, reference=True)
+    if workers.critic is not None:  # PPO: GAE's advantages, then the critic's updates
+        with logger.timer("critic", m):
+            index = kept_rows(keep, _data_parallel(workers))
+            m.update(ppo.gae_step(cfg, workers.critic, batch, rewards[index], _rows_per_update(cfg, workers)))
+        if ppo.in_critic_warmup(cfg, step):
+            m["train/critic_warmup"] = 1.0
+            return m
+    if workers.teacher is not None:  # distillation: the teacher's logprobs of the student's tokens
+        with logger.timer("teacher", m):
+            m.update(ppo.distillation_step(cfg, workers.teacher, batch))
     with logger.timer("train", m):
         train = _train_in_minibatches(cfg, workers, batch, loss_fn)
     m.update({f"train/{k}": v for k, v in train.items()})
@@ -211,9 +230,16 @@ def _groups_kept(grouped_rewards: torch.Tensor, dynamic_sampling: bool) -> torch
     return keep
 
 
+def _data_parallel(workers: Workers) -> int:
+    """What a step's rows must be a multiple of: the data-parallel sizes of the groups that take them (the policy's,
+    and a critic's or teacher's in a layout of its own)."""
+    groups = [workers.policy, workers.critic, workers.teacher]
+    return math.lcm(*(group.data_parallel_size for group in groups if group is not None))
+
+
 def _rows_per_update(cfg: MrlConfig, workers: Workers) -> int:
     """Rows of one optimizer step: `policy.train_global_batch_size`, a multiple of the data-parallel size."""
-    dp = workers.policy.data_parallel_size
+    dp = _data_parallel(workers)
     return max(cfg.policy.train_global_batch_size, dp) // dp * dp
 
 

@@ -178,6 +178,12 @@ class Cause:
     idle: bool  # the step trained on nothing because of it
 
 
+def _group_advantages_only(cfg: Any) -> bool:
+    """Whether equal rewards in a group leave its samples no signal: not under PPO (the critic's values set the
+    baseline per token) nor distillation (the teacher's logprobs are the signal)."""
+    return cfg.grpo.advantage_estimator == "grpo" and cfg.distillation is None
+
+
 def step_causes(cfg: Any, metrics: dict[str, float], rollouts: Any) -> list[Cause]:
     """The conditions that held for the whole step, each with its figures and its fix."""
     causes = []
@@ -198,7 +204,7 @@ def step_causes(cfg: Any, metrics: dict[str, float], rollouts: Any) -> list[Caus
                 idle=True,
             )
         )
-    elif metrics["train/zero_variance_groups"] >= 1.0:
+    elif metrics["train/zero_variance_groups"] >= 1.0 and _group_advantages_only(cfg):
         seen = sorted({round(float(r), 4) for r in rollouts.rewards.tolist()})
         effect = "learns only from the KL term" if kl else "changes nothing"
         if len(seen) == 1 and seen[0] > 0:

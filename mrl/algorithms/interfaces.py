@@ -25,6 +25,10 @@ class Workers(Protocol):
     engine: RolloutEngine
     engine_restarts: int
     """Engines replaced after a death so far (mrl/app/engine_restarts.py)."""
+    critic: Optional[TrainablePolicy]
+    """PPO's value model (grpo.advantage_estimator: gae; its `logprobs` are its score at every token), else None."""
+    teacher: Optional[TrainablePolicy]
+    """Distillation's frozen teacher (a `distillation` section; `logprobs` only), else None."""
 
     def refit(self, on_sent: Optional[Callable[[], None]] = None) -> RefitStats:
         """Stream the policy's current weights into the engine; `on_sent` is called once the policy has sent them all

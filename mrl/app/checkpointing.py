@@ -1,6 +1,7 @@
 """Saving and resuming a training loop: what goes into `<checkpointing.dir>/step_N/` and how a run picks it up.
 
     step_N/model/, rng/      the policy's distributed checkpoint (every rank writes its shards; reshardable)
+    step_N/critic/           PPO's value model, the same way (model/, rng/: weights, optimizer, LR schedule)
     step_N/hf/               config.json, tokenizer, generation config: `mrl convert megatron-to-hf` reads them
     step_N/config.yaml       the run's resolved config
     step_N/train_state.pt    step, data loader position, controller RNG states, metric history, model record
@@ -37,17 +38,22 @@ def _say(message: str) -> None:
     print(f"[mrl] {message}", file=sys.stderr, flush=True)
 
 
-def resume_padded_vocab(cfg: MrlConfig) -> Optional[int]:
-    """The padded vocabulary of the checkpoint a run will resume from (None: no resume). The policy must be built
-    with it: Megatron pads the vocabulary to a multiple of 128 * tp, so a checkpoint from another TP size has
-    another embedding shape."""
+CRITIC_SUBDIR = "critic"
+
+
+def resume_padded_vocab(cfg: MrlConfig, part: str = "") -> Optional[int]:
+    """The padded vocabulary of the checkpoint a run will resume from (None: no resume; `part`: a subfolder such as
+    the critic's). The model must be built with it: Megatron pads the vocabulary to a multiple of 128 * tp, so a
+    checkpoint from another TP size has another embedding shape."""
     from mrl.checkpoint.manager import CheckpointManager
     from mrl.checkpoint.megatron import MODEL_SUBDIR, checkpoint_padded_vocab
 
     if not _resumes(cfg):
         return None
     latest = CheckpointManager(cfg.checkpointing.dir, keep_last=cfg.checkpointing.keep_last).latest()
-    return None if latest is None else checkpoint_padded_vocab(latest / MODEL_SUBDIR)
+    if latest is None or not (latest / part / MODEL_SUBDIR).is_dir():
+        return None
+    return checkpoint_padded_vocab(latest / part / MODEL_SUBDIR)
 
 
 def _resumes(cfg: MrlConfig) -> bool:
@@ -106,6 +112,8 @@ class RunCheckpoints:
             tmp = self.manager.begin(step)
             assert self.runtime.policy is not None  # checkpoints belong to the training commands, which start one
             self.runtime.policy.save(str(tmp))
+            if self.runtime.critic is not None:
+                self.runtime.critic.save(str(tmp / CRITIC_SUBDIR))
             copy_model_metadata(self.runtime.model_dir, tmp / HF_SUBDIR)
             (tmp / "config.yaml").write_text(to_yaml(self.cfg))
             save_train_state(tmp, {**state, "step": step, "rng": capture_rng_state(), "model_record": self._record()})
@@ -158,6 +166,14 @@ class RunCheckpoints:
             )
         assert self.runtime.policy is not None  # checkpoints belong to the training commands, which start one
         reports = self.runtime.policy.load(str(path))
+        if self.runtime.critic is not None:
+            if not (path / CRITIC_SUBDIR).is_dir():
+                raise CheckpointIncompatibleError(
+                    f"cannot resume from {path}: it holds no critic ({CRITIC_SUBDIR}/), and this run trains one "
+                    "(grpo.advantage_estimator=gae)\n(set checkpointing.resume=false or another checkpointing.dir "
+                    "to start fresh)"
+                )
+            reports += self.runtime.critic.load(str(path / CRITIC_SUBDIR))
         restore_rng_state(state["rng"])
         _say(f"resuming from {path} (step {state['step']})")
         notes = sorted({r.note for r in reports if not r.rng_restored and r.note})

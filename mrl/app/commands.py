@@ -22,10 +22,10 @@ import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Optional
 
 from mrl.algorithms.health import check_prompt_budget, check_sft_rows, health_summary
-from mrl.app.checkpointing import RunCheckpoints, resume_padded_vocab
+from mrl.app.checkpointing import CRITIC_SUBDIR, RunCheckpoints, resume_padded_vocab
 from mrl.app.errors import RunFailed, StorageFailed, configuration_failure
 from mrl.app.hub_ids import resolve_hub_ids
 from mrl.app.model_source import ModelSource, classify_model_path
@@ -186,26 +186,73 @@ def _grpo_environment(cfg: MrlConfig, runtime: Runtime, template: Any) -> Any:
     )
 
 
-def _check_reward_model_tokenizer(cfg: MrlConfig, tokenizer: Any) -> None:
-    """The reward model (env.reward_model) scores the policy's token ids: both must share one vocabulary. Checked
-    before any worker starts."""
+def _check_same_tokenizer(path: str, key: str, what: str, tokenizer: Any, fix: str) -> None:
+    """A model that reads the policy's token ids (`what`, at config `key`) must share its vocabulary. Checked before
+    any worker starts."""
     from mrl.data.tokenizers import load_tokenizer as load_folder_tokenizer
 
-    if cfg.env.reward_model is None:
-        return
-    reward_model = classify_model_path(cfg.env.reward_model.model, key="env.reward_model.model").config_dir
-    check_tokenizer_folder(reward_model, "env.reward_model.model")
-    if load_folder_tokenizer(reward_model).get_vocab() != tokenizer.get_vocab():
+    folder = classify_model_path(path, key=key).config_dir
+    check_tokenizer_folder(folder, key)
+    theirs, ours = load_folder_tokenizer(folder).get_vocab(), tokenizer.get_vocab()
+    if theirs != ours:
+        differing = sorted(set(theirs.items()) ^ set(ours.items()), key=str)[:3]
         raise ConfigError(
-            "the reward model's tokenizer differs from the policy's; it scores the policy's token ids",
-            key="env.reward_model.model",
-            given=str(reward_model),
+            f"the {what}'s tokenizer differs from the policy's ({len(theirs)} tokens against {len(ours)}; "
+            f"e.g. {differing}); it reads the policy's token ids",
+            key=key,
+            given=str(folder),
+            fix=fix,
+        )
+
+
+def _check_tokenizers(cfg: MrlConfig, tokenizer: Any) -> None:
+    """The reward model (env.reward_model), the critic (ppo.critic.model_name) and the teacher (distillation.teacher)
+    read the policy's token ids."""
+    if cfg.env.reward_model is not None:
+        _check_same_tokenizer(
+            cfg.env.reward_model.model,
+            "env.reward_model.model",
+            "reward model",
+            tokenizer,
             fix="train the reward model from the same base model (same tokenizer)",
         )
+    if cfg.grpo.advantage_estimator == "gae" and cfg.ppo.critic.model_name:
+        _check_same_tokenizer(
+            cfg.ppo.critic.model_name,
+            "ppo.critic.model_name",
+            "critic",
+            tokenizer,
+            fix="start the critic from a reward model of the same base model, or leave ppo.critic.model_name unset",
+        )
+    if cfg.distillation is not None:
+        _check_same_tokenizer(
+            cfg.distillation.teacher,
+            "distillation.teacher",
+            "teacher",
+            tokenizer,
+            fix="distil from a teacher of the student's family with the same tokenizer (logprobs of other token "
+            "ids cannot be compared token by token)",
+        )
+
+
+def _critic_source(cfg: MrlConfig, source: ModelSource, tokenizer: Any) -> Optional[ModelSource]:
+    """PPO's value model to start from: ppo.critic.model_name (a reward model, or a language model given a score
+    head), else the policy's model with a fresh score head; None without PPO."""
+    from mrl.app.reward_model import reward_model_source
+
+    if cfg.grpo.advantage_estimator != "gae":
+        return None
+    start = source
+    if cfg.ppo.critic.model_name:
+        start = classify_model_path(cfg.ppo.critic.model_name, key="ppo.critic.model_name")
+    return reward_model_source(
+        start, Path(cfg.run.output_dir), pad_token_id=tokenizer.pad_token_id, seed=cfg.run.seed, name="critic_init"
+    )
 
 
 def run_grpo(cfg: MrlConfig) -> dict[str, Any]:
     from mrl.algorithms.grpo import KEY_METRICS, grpo_train
+    from mrl.algorithms.ppo import needs_reference
     from mrl.data.tasks import load_task_data
 
     start = time.perf_counter()
@@ -214,14 +261,16 @@ def run_grpo(cfg: MrlConfig) -> dict[str, Any]:
     tokenizer = load_tokenizer(cfg, source)
     for template, problems in data.by_template():
         check_prompt_budget(cfg, tokenizer, template, problems)
-    _check_reward_model_tokenizer(cfg, tokenizer)
+    _check_tokenizers(cfg, tokenizer)
     runtime = _started(
         cfg,
         total_steps=cfg.grpo.max_num_steps,
-        reference=cfg.loss.kl_beta > 0,
+        reference=cfg.loss.kl_beta > 0 or needs_reference(cfg),
         padded_vocab=resume_padded_vocab(cfg),
         source=source,
         tokenizer=tokenizer,
+        critic=_critic_source(cfg, source, tokenizer),
+        critic_padded_vocab=resume_padded_vocab(cfg, CRITIC_SUBDIR),
     )
     try:
         env = _grpo_environment(cfg, runtime, data.template)

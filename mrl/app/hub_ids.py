@@ -25,7 +25,13 @@ from mrl.config.schema import MrlConfig
 from mrl.data import hub
 
 RECORD_FILE = "hub.json"
-MODEL_KEYS = ("policy.model_name", "policy.tokenizer", "env.reward_model.model")
+MODEL_KEYS = (
+    "policy.model_name",
+    "policy.tokenizer",
+    "env.reward_model.model",
+    "distillation.teacher",
+    "ppo.critic.model_name",
+)
 DATA_KEYS = {"data.train": "train", "data.val": "test", "eval.data": "test"}  # key -> the split it reads
 
 

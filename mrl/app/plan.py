@@ -2,7 +2,8 @@
 
 Data flow: the config (validated as for a run) -> the model's config.json (a local folder, the hub cache, or the
 published configs shipped for the cluster recipes' models, mrl/_shipped/hf_configs) -> per pipeline stage, the
-policy rank's model states (mrl/app/plan_memory.py: exact, checked against megatron-core's own model) and
+policy rank's model states (mrl/app/plan_memory.py: exact, checked against megatron-core's own model; PPO's
+critic and distillation's teacher on the same GPU) and
 activations (mrl/app/plan_activations.py: an estimate) -> the engine GPU's weights and KV cache -> the two phases a
 colocated GPU goes through (training while the engine sleeps; generation while the policy keeps what
 `policy.offload_when_generating` does not move) against the GPU's memory -> a verdict, and the settings that would
@@ -22,14 +23,15 @@ from __future__ import annotations
 import json
 import math
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 from converters.spec import ModelDims, model_dims
 from mrl.app.plan_activations import Activations, stage_activations
 from mrl.app.plan_memory import (
     GiB,
+    Layout,
     PolicyBytes,
     engine_stage_bytes,
     engine_stage_layers,
@@ -391,6 +393,7 @@ def _policy_stages(
             distributed_optimizer=cfg.policy.optimizer.use_distributed_optimizer,
             reference=reference and not cfg.policy.offload_reference,
         )
+        states = _beside(cfg, states, dims, layout)
         acts = stage_activations(
             cfg, dims, stage.layers, last_stage=stage.stage == layout.pp - 1, padded_vocab=padded_vocab(dims, layout.tp)
         )
@@ -400,15 +403,37 @@ def _policy_stages(
     return stages
 
 
+def _beside(cfg: MrlConfig, states: PolicyBytes, dims: ModelDims, layout: Layout) -> PolicyBytes:
+    """`states` with PPO's critic (the policy's states once more) and distillation's teacher (its weights over the
+    policy's TP x PP) on the same GPU (plan_memory's module docstring)."""
+    critic = states.weights + states.gradients + states.optimizer if cfg.grpo.advantage_estimator == "gae" else 0
+    teacher = 0
+    if cfg.distillation is not None:
+        teacher_dims = _teacher_dims(cfg.distillation.teacher) or dims
+        width = 2 if cfg.policy.precision == "bfloat16" else 4
+        params = sum(stage.total for stage in stage_params(teacher_dims, Layout(tp=layout.tp, world_size=layout.tp)))
+        teacher = -(-params // layout.pp) * width
+    return replace(states, critic=critic, teacher=teacher)
+
+
+def _teacher_dims(teacher: str) -> Optional[ModelDims]:
+    """The teacher's dims from its config.json (an HF folder, or a Megatron folder's hf/), None when not at hand."""
+    for candidate in (Path(teacher) / "config.json", Path(teacher) / "hf" / "config.json"):
+        if candidate.is_file():
+            return model_dims(_read_config(candidate, "distillation.teacher"))
+    return None
+
+
 def _resident(cfg: MrlConfig, states: PolicyBytes) -> int:
-    """What a policy rank keeps on its GPU while a colocated engine generates."""
+    """What a policy rank keeps on its GPU while a colocated engine generates (the critic keeps what the policy
+    does: the same offload settings)."""
     off = cfg.policy.offload_when_generating
-    return (
+    kept = (
         (0 if off.weights else states.weights)
         + (0 if off.gradients else states.gradients)
         + (0 if off.optimizer_states else states.optimizer)
-        + states.reference
     )
+    return kept * (2 if states.critic else 1) + states.reference + states.teacher
 
 
 def _engine(cfg: MrlConfig, dims: ModelDims, total: int, assumptions: Mapping[str, Assumption]) -> EnginePlan:
@@ -638,14 +663,14 @@ def _policy_table(plan: Plan) -> list[str]:
     lines = [
         "policy GPU, per pipeline stage (GiB)",
         f"  {'stage':>5} {'layers':>9} {'params':>9} {'weights':>8} {'grads':>7} {'optim':>7} {'ref':>6} "
-        f"{'act':>7} {'logprob':>8} {'train':>7} {'generate':>9}",
+        f"{'beside':>7} {'act':>7} {'logprob':>8} {'train':>7} {'generate':>9}",
     ]
     for s in plan.stages:
         g = s.states
         lines.append(
             f"  {g.stage:>5} {f'{s.layers[0]}-{s.layers[1] - 1}':>9} {g.params / 1e9:>8.2f}B "
             f"{g.weights / GiB:>8.1f} {g.gradients / GiB:>7.1f} {g.optimizer / GiB:>7.1f} "
-            f"{g.reference / GiB:>6.1f} {s.activations.train_peak / GiB:>7.1f} "
+            f"{g.reference / GiB:>6.1f} {(g.critic + g.teacher) / GiB:>7.1f} {s.activations.train_peak / GiB:>7.1f} "
             f"{s.activations.logprob_peak / GiB:>8.1f} {s.train_phase / GiB:>7.1f} "
             f"{(s.generate_phase / GiB if s.generate_phase else 0):>9.1f}"
         )

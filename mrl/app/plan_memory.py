@@ -14,6 +14,11 @@ Policy rank (one per pipeline stage; every TP, CP, EP and DP rank of a stage hol
                  trainable parameter; with policy.optimizer.use_distributed_optimizer sharded over the data-parallel
                  ranks (dense parameters) and the expert data-parallel ranks (routed experts).
     reference    the frozen reference model's weights when loss.kl_beta > 0 (0 on the GPU with offload_reference).
+    critic       PPO's value model (grpo.advantage_estimator: gae): the policy's weights, gradients and optimizer
+                 states once more (its own layout is taken to be the policy's; its score head is counted as the
+                 policy's output layer, a slight overestimate).
+    teacher      distillation's frozen teacher: its weights over the policy's TP x PP (its config.json when it can be
+                 read, else the policy's size).
     activations  an estimate (module `plan_activations`).
 Engine GPU (vLLM, TP generation.vllm.tensor_parallel_size x PP generation.vllm.pipeline_parallel_size): its weights
 (the parameters of its pipeline stage's layers over its TP, in bf16; the stages split the layers as vLLM does:
@@ -131,10 +136,12 @@ class PolicyBytes:
     gradients: int
     optimizer: int
     reference: int
+    critic: int = 0
+    teacher: int = 0
 
     @property
     def states(self) -> int:
-        return self.weights + self.gradients + self.optimizer + self.reference
+        return self.weights + self.gradients + self.optimizer + self.reference + self.critic + self.teacher
 
 
 def policy_bytes(

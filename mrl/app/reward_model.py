@@ -66,13 +66,16 @@ def _lm_state(lm: ModelSource) -> dict[str, torch.Tensor]:
     return megatron_hf_state(lm.megatron_dir)
 
 
-def reward_model_source(lm: ModelSource, out_dir: Path, *, pad_token_id: int | None, seed: int) -> ModelSource:
+def reward_model_source(
+    lm: ModelSource, out_dir: Path, *, pad_token_id: int | None, seed: int, name: str = REWARD_MODEL_INIT_DIR
+) -> ModelSource:
     """`lm` itself when it is a reward model, else its reward-model variant written as an HF folder to
-    `out_dir / reward_model_init` (once; marked complete last, so an interrupted write is redone)."""
+    `out_dir / name` (once; marked complete last, so an interrupted write is redone). PPO's critic starts the same
+    way (`name` critic_init)."""
     config = load_hf_config(lm.config_dir)
     if is_score_model(config):
         return lm
-    out = out_dir / REWARD_MODEL_INIT_DIR
+    out = out_dir / name
     if (out / DONE_MARKER).is_file():
         return ModelSource(config_dir=out)
     state = {k: v for k, v in _lm_state(lm).items() if k != "lm_head.weight"}

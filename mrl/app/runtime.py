@@ -220,6 +220,8 @@ class Runtime:
     policy: Optional["Policy"] = None  # also the refit's weight source (`mrl.inference.refit.WeightSource`)
     engine: Optional[RolloutEngine] = None
     reward_model: Optional[Any] = None  # a frozen reward model's worker group (env.reward_model), on the same bundles
+    critic: Optional["Policy"] = None  # PPO's value model (grpo.advantage_estimator: gae), trainable, same bundles
+    teacher: Optional["Policy"] = None  # distillation's frozen teacher (distillation.teacher), same bundles
     _broadcast: Optional[CollectiveTransport] = None
     _local: Optional[WeightTransport] = None
     engine_restarts: int = 0
@@ -249,6 +251,8 @@ class Runtime:
         handover = self.cfg.generation.colocated and hasattr(self.policy, "release_memory")
         if handover:
             cast(ReleasesMemory, self.policy).release_memory()
+            if self.critic is not None:  # the critic trained too: its optimizer states and gradients go as well
+                self.critic.release_memory()
         stats = refit(
             self.policy,
             self.engine,
@@ -275,7 +279,7 @@ class Runtime:
         engine = cast(RestartingEngine, self.engine)
         _stop_engine(engine.current)  # the dead group is killed whatever its clean-up says
         self._broadcast = None  # a new broadcast group with the new engines, on the next refit
-        share = group_share(self.cfg, engine=True, reward_model=self.reward_model is not None)
+        share = group_share(self.cfg, engine=True, others=self._others())
         # From the config alone when the policy refits them next; from the model's files for a run without one.
         engine.current = self._new_engine(share, load_weights=self.policy is None)
         _arm_watchdogs(self, only=engine.current)
@@ -334,8 +338,12 @@ class Runtime:
             )
         return self._broadcast
 
+    def _others(self) -> int:
+        """The worker groups beside the policy and the engine sharing the bundles (reward model, critic, teacher)."""
+        return sum(part is not None for part in (self.reward_model, self.critic, self.teacher))
+
     def shutdown(self) -> None:
-        for part in (self.engine, self.reward_model, self.policy):
+        for part in (self.engine, self.reward_model, self.critic, self.teacher, self.policy):
             if part is not None:
                 try:
                     part.shutdown()
@@ -354,10 +362,14 @@ def start_runtime(
     padded_vocab: Optional[int] = None,
     source: Optional[ModelSource] = None,
     tokenizer: Any = None,
+    critic: Optional[ModelSource] = None,
+    critic_padded_vocab: Optional[int] = None,
 ) -> Runtime:
     """Start Ray, reserve the bundles, then the policy group and/or the engines (see the module docstring).
     `padded_vocab`: that of a checkpoint to resume; `source` replaces the configured model (a reward model's variant
-    of it, `mrl rm`); `tokenizer`: `source`'s, when the command already loaded it for its checks."""
+    of it, `mrl rm`); `tokenizer`: `source`'s, when the command already loaded it for its checks; `critic`: PPO's
+    value model to start beside the policy (`critic_padded_vocab`: its checkpoint's, when resuming). A
+    `distillation` section starts its teacher beside a trainable policy."""
     source = source or resolve_model(cfg)
     feeder = engine and not policy and source.is_megatron  # a frozen policy brings the engine its weights
     main = (
@@ -373,6 +385,11 @@ def start_runtime(
         else None
     )
     scorer = _reward_model_spec(cfg) if policy and engine else None
+    sides = {
+        "reward_model": scorer,
+        "critic": _critic_spec(cfg, critic, critic_padded_vocab) if policy and critic is not None else None,
+        "teacher": _teacher_spec(cfg) if policy and engine else None,
+    }
     if tokenizer is None:
         tokenizer = load_tokenizer(cfg, source)  # every check that reads files, before Ray starts
     if engine:
@@ -390,19 +407,21 @@ def start_runtime(
     try:
         runtime.placement = reserve_placement(cfg, cluster)
         _models_on_every_node(runtime.placement, _model_folders(cfg, source))
-        share = group_share(cfg, engine=engine, reward_model=scorer is not None)
+        share = group_share(cfg, engine=engine, others=sum(spec is not None for spec in sides.values()))
         # The worker groups start side by side (each spends seconds importing and building its model); colocated,
         # the others build theirs once the engine sleeps (see the module docstring).
-        asleep = _EngineAsleep() if engine and cfg.generation.colocated and (main or scorer) else None
+        colocated_groups = main is not None or any(spec is not None for spec in sides.values())
+        asleep = _EngineAsleep() if engine and cfg.generation.colocated and colocated_groups else None
         wait = asleep.wait if asleep else None
-        with ThreadPoolExecutor(max_workers=2, thread_name_prefix="mrl-start") as pool:
+        with ThreadPoolExecutor(max_workers=4, thread_name_prefix="mrl-start") as pool:
             starting = {
                 "policy": pool.submit(_start_policy, cfg, main, runtime.placement, share, wait=wait) if main else None,
-                "reward_model": (
-                    pool.submit(_start_policy, cfg, scorer, runtime.placement, share, wait=wait, name="reward_model")
-                    if scorer
+                **{
+                    name: pool.submit(_start_policy, cfg, spec, runtime.placement, share, wait=wait, name=name)
+                    if spec is not None
                     else None
-                ),
+                    for name, spec in sides.items()
+                },
             }
             try:
                 if engine:
@@ -440,6 +459,8 @@ def _model_folders(cfg: MrlConfig, source: ModelSource) -> list[str]:
     folders = [str(source.config_dir)]
     if cfg.env.reward_model is not None:
         folders.append(cfg.env.reward_model.model)
+    if cfg.distillation is not None:
+        folders.append(cfg.distillation.teacher)
     return [folder for folder in folders if is_snapshot(folder)]
 
 
@@ -505,6 +526,37 @@ def _reward_model_spec(cfg: MrlConfig) -> Optional["PolicySpec"]:
     return _policy_spec(cfg, rm, total_steps=1, trainable=False, padded_vocab=_padded_vocab(cfg, rm, None))
 
 
+def _critic_spec(cfg: MrlConfig, critic: ModelSource, padded_vocab: Optional[int]) -> "PolicySpec":
+    """PPO's value model: trainable, the policy's settings with the critic's optimizer and (when given) layout."""
+    from mrl.policy.worker import PolicySpec
+
+    settings = cfg.policy.model_copy(
+        update={"optimizer": cfg.ppo.critic.optimizer, "parallel": cfg.ppo.critic.parallel or cfg.policy.parallel}
+    )
+    return PolicySpec(
+        hf_dir=str(critic.config_dir),
+        megatron_dir=None if critic.megatron_dir is None else str(critic.megatron_dir),
+        policy=settings,
+        seed=cfg.run.seed,
+        total_steps=cfg.grpo.max_num_steps,
+        padded_vocab=padded_vocab,
+    )
+
+
+def _teacher_spec(cfg: MrlConfig) -> Optional["PolicySpec"]:
+    """Distillation's frozen teacher (distillation.teacher), HF or Megatron, in its own layout when given; None
+    without one."""
+    if cfg.distillation is None:
+        return None
+    teacher = classify_model_path(cfg.distillation.teacher, key="distillation.teacher")
+    spec = _policy_spec(cfg, teacher, total_steps=1, trainable=False, padded_vocab=_padded_vocab(cfg, teacher, None))
+    if cfg.distillation.parallel is None:
+        return spec
+    from dataclasses import replace
+
+    return replace(spec, policy=cfg.policy.model_copy(update={"parallel": cfg.distillation.parallel}))
+
+
 def reserve_placement(cfg: MrlConfig, cluster: RayCluster) -> Placement:
     """`cluster.num_nodes` x `cluster.devices_per_node` bundles, each with one GPU when the cluster has GPUs: a
     placement group per node, or one of them all when a vLLM engine spans nodes on GPUs (its Ray executor places the
@@ -521,9 +573,10 @@ def reserve_placement(cfg: MrlConfig, cluster: RayCluster) -> Placement:
     )
 
 
-def group_share(cfg: MrlConfig, *, engine: bool, reward_model: bool) -> float:
-    """The part of a bundle each group takes: the policy, a colocated engine and a reward model share it evenly."""
-    return 1.0 / (1 + (engine and cfg.generation.colocated) + reward_model)
+def group_share(cfg: MrlConfig, *, engine: bool, others: int = 0) -> float:
+    """The part of a bundle each group takes: the policy, a colocated engine and the `others` (a reward model, a
+    critic, a teacher) share it evenly."""
+    return 1.0 / (1 + (engine and cfg.generation.colocated) + others)
 
 
 def _report_start_order(runtime: Runtime, started: float) -> None:
@@ -531,7 +584,11 @@ def _report_start_order(runtime: Runtime, started: float) -> None:
     of the groups sharing its devices began to build (never before)."""
     assert runtime.engine is not None  # only after the colocated engine started and slept
     slept = max(t for state, t in runtime.engine.lifecycle.history if state is EngineState.ASLEEP)
-    parts = [part.workers for part in (runtime.policy, runtime.reward_model) if part is not None]
+    parts = [
+        part.workers
+        for part in (runtime.policy, runtime.reward_model, runtime.critic, runtime.teacher)
+        if part is not None
+    ]
     built = min(t for workers in parts for t in workers.init_started)
     done = max(workers.init_finished for workers in parts)
     print(
@@ -575,7 +632,8 @@ def _arm_watchdogs(runtime: Runtime, only: Any = None) -> None:
         bytes_per_s=watchdog.mb_per_s * 1e6,
         overrides=dict(watchdog.overrides),
     )
-    for part in (only,) if only is not None else (runtime.policy, runtime.engine, runtime.reward_model):
+    everything = (runtime.policy, runtime.engine, runtime.reward_model, runtime.critic, runtime.teacher)
+    for part in (only,) if only is not None else everything:
         group = getattr(part, "workers", None)
         if isinstance(group, WorkerGroup):
             group.deadlines = deadlines

@@ -6,6 +6,7 @@ recipe) or the staged recipe itself, then the stage's `overrides`, then the comm
     policy.model_name=<previous stage's final export>, policy.build removed   (when init_from_previous)
     policy.model_name=<stage `init_from`'s final export>                      (when init_from names a stage)
     env.reward_model.model=<stage `reward_model_from`'s final export>         (when reward_model_from names one)
+    distillation.teacher=<stage `teacher_from`'s final export>                (when teacher_from names one)
 A final export is the stage's `final_hf/`, or its `final_megatron/` when that stage's run.final_format is megatron
 (`run.final_format: megatron` in a staged recipe hands every stage on as a Megatron checkpoint: no HF export and no
 conversion between stages). A stage whose final export is complete (training) or whose `summary.json` exists (eval)
@@ -70,6 +71,8 @@ def stage_config(
     if stage.reward_model_from is not None:
         path = _earlier(stage, "reward_model_from", stage.reward_model_from, earlier)
         extra += [f"++env.reward_model.model={path}"]
+    if stage.teacher_from is not None:
+        extra += [f"++distillation.teacher={_earlier(stage, 'teacher_from', stage.teacher_from, earlier)}"]
     return load_config(source, [*stage.overrides, *overrides, *extra])
 
 

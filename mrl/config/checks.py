@@ -37,13 +37,14 @@ def cross_field_problems(cfg: "MrlConfig") -> list[ConfigError]:
         *_length_problems(cfg),
         *_misc_problems(cfg),
         *_environment_problems(cfg),
+        *_ppo_problems(cfg),
     ]
 
 
-def _from_rule(violation: Violation) -> ConfigError:
-    return ConfigError(
-        violation.message, key=violation.key, given=violation.given, allowed=violation.allowed, fix=violation.fix
-    )
+def _from_rule(violation: Violation, section: str = "policy.parallel") -> ConfigError:
+    """The rule's violation as a config error; `section`: the parallel section it is about (its keys renamed)."""
+    key = violation.key.replace("policy.parallel", section, 1)
+    return ConfigError(violation.message, key=key, given=violation.given, allowed=violation.allowed, fix=violation.fix)
 
 
 @dataclass(frozen=True)
@@ -178,7 +179,6 @@ def _model_problems(cfg: "MrlConfig", facts: ModelFacts) -> list[ConfigError]:
 
 def _parallel_problems(cfg: "MrlConfig") -> list[ConfigError]:
     par = cfg.policy.parallel
-    tp = par.tensor_parallel_size
     world = cfg.policy_world_size
     if world < 1:
         return [
@@ -189,21 +189,23 @@ def _parallel_problems(cfg: "MrlConfig") -> list[ConfigError]:
                 allowed=f"< {cfg.cluster.num_nodes * cfg.cluster.devices_per_node}",
             )
         ]
-    out = [
-        _from_rule(v)
-        for v in layout_violations(
-            tp=tp,
-            pp=par.pipeline_parallel_size,
-            cp=par.context_parallel_size,
-            ep=par.expert_parallel_size,
-            sequence_parallel=par.sequence_parallel,
-            world_size=world,
-        )
-    ]
+    out = [_from_rule(v) for v in _layout_violations(par, world)]
     facts = model_facts(cfg.policy)
     if facts is not None:
         out += _model_problems(cfg, facts)
     return out
+
+
+def _layout_violations(par: Any, world: int) -> list[Violation]:
+    """The layout rules (mrl.parallel.layout) for the parallel section `par` on `world` ranks."""
+    return layout_violations(
+        tp=par.tensor_parallel_size,
+        pp=par.pipeline_parallel_size,
+        cp=par.context_parallel_size,
+        ep=par.expert_parallel_size,
+        sequence_parallel=par.sequence_parallel,
+        world_size=world,
+    )
 
 
 def _batch_problems(cfg: "MrlConfig") -> list[ConfigError]:
@@ -554,6 +556,50 @@ def _async_problems(cfg: "MrlConfig") -> list[ConfigError]:
                 fix="set generation.backend=vllm (or grpo.max_off_policy_steps=0)",
             )
         )
+    return out
+
+
+def _ppo_problems(cfg: "MrlConfig") -> list[ConfigError]:
+    """PPO's critic and distillation's teacher: synchronous steps, one signal at a time, layouts that fit the world."""
+    gae, teacher = cfg.grpo.advantage_estimator == "gae", cfg.distillation is not None
+    if not (gae or teacher) or not _runs(cfg, "grpo"):
+        return []
+    out = []
+    what = "PPO (grpo.advantage_estimator=gae)" if gae else "on-policy distillation"
+    if cfg.grpo.max_off_policy_steps:
+        out.append(
+            ConfigError(
+                f"{what} runs synchronous steps only (its values or teacher scores come from the samples' own step)",
+                key="grpo.max_off_policy_steps",
+                given=cfg.grpo.max_off_policy_steps,
+                allowed="0",
+            )
+        )
+    if cfg.grpo.dynamic_sampling:
+        out.append(
+            ConfigError(
+                f"{what} keeps every sample (its signal is per token, not the group's spread)",
+                key="grpo.dynamic_sampling",
+                given=True,
+                allowed="false",
+            )
+        )
+    if gae and teacher:
+        out.append(
+            ConfigError(
+                "distillation's per-token advantage replaces GAE's; one run uses one of them",
+                key="grpo.advantage_estimator",
+                given="gae",
+                allowed="grpo with a distillation section",
+                fix="drop the distillation section, or set grpo.advantage_estimator=grpo",
+            )
+        )
+    for key, par in (
+        ("ppo.critic.parallel", cfg.ppo.critic.parallel if gae else None),
+        ("distillation.parallel", cfg.distillation.parallel if cfg.distillation is not None else None),
+    ):
+        if par is not None:  # the policy's layout rules, about this section
+            out += [_from_rule(v, section=key) for v in _layout_violations(par, cfg.policy_world_size)]
     return out
 
 

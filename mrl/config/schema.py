@@ -547,6 +547,11 @@ class GRPOConfig(Section):
         "many steps in a row that trained on nothing: every prompt too long, every group's "
         "rewards equal, no sample kept; 0 = warn only. Every such step warns.",
     )
+    advantage_estimator: Literal["grpo", "gae"] = Field(
+        default="grpo",
+        description="grpo: the group-normalised reward on every token; gae: PPO, generalized advantage estimation "
+        "with a learned value model (the `ppo` section).",
+    )
     max_off_policy_steps: int = Field(
         default=0,
         ge=0,
@@ -554,6 +559,78 @@ class GRPOConfig(Section):
         description="0: synchronous (on-policy). 1: asynchronous, "
         "generation of step n+1 overlaps training of step n (samples one step stale; "
         "needs loss.importance_sampling and a non-colocated engine).",
+    )
+
+
+class CriticOptimizerConfig(OptimizerConfig):
+    """The critic's optimizer: the policy's settings, a larger default learning rate (a fresh score head)."""
+
+    lr: float = Field(default=1e-5, gt=0, description="Peak learning rate.")
+
+
+class CriticConfig(Section):
+    """PPO's value model (`grpo.advantage_estimator: gae`): a Megatron model with a score head read at every token,
+    built with the policy's settings except these."""
+
+    model_name: Optional[str] = Field(
+        default=None,
+        description="A reward model (HF `*ForSequenceClassification` folder, or a Megatron checkpoint of one) to start "
+        "from; None: the policy's starting model with a fresh score head (written once to "
+        "<run.output_dir>/critic_init).",
+    )
+    optimizer: CriticOptimizerConfig = Field(
+        default_factory=lambda: CriticOptimizerConfig(),
+        description="The critic's own optimizer (its own Adam states and LR schedule, the policy's scheduler style).",
+    )
+    parallel: Optional[ParallelConfig] = Field(
+        default=None, description="The critic's own layout on the same devices; None = the policy's."
+    )
+
+
+class PPOConfig(Section):
+    """PPO with a learned value model (`grpo.advantage_estimator: gae`; mrl/objectives/ppo.py)."""
+
+    gamma: float = Field(default=1.0, ge=0, le=1, description="GAE discount per response token.")
+    lam: float = Field(default=0.95, ge=0, le=1, description="GAE lambda of the policy's advantages.")
+    value_lam: Optional[float] = Field(
+        default=None,
+        ge=0,
+        le=1,
+        description="GAE lambda of the critic's returns (VAPO's decoupled lambda, typically 1.0); None = lam.",
+    )
+    kl_coef: float = Field(
+        default=0.0,
+        ge=0,
+        description="KL penalty in the per-token reward, -kl_coef * (log pi_old - log pi_ref); > 0 starts the "
+        "reference model.",
+    )
+    whiten_advantages: bool = Field(default=True, description="Scale the advantages to zero mean, unit variance.")
+    value_clip: float = Field(
+        default=0.2, gt=0, description="The value loss's clip: V may move this far from the rollout's old value."
+    )
+    critic_warmup_steps: int = Field(
+        default=0, ge=0, description="Steps that train the critic only (the policy and the engine stay as they are)."
+    )
+    critic: CriticConfig = Field(default_factory=CriticConfig)
+
+
+class DistillationConfig(Section):
+    """On-policy distillation: the student (the policy) samples, a frozen teacher scores its tokens; the per-token
+    advantage is kl_weight * (log p_teacher - log p_student) (+ reward_weight * the task's group advantage)."""
+
+    teacher: str = Field(
+        ...,
+        description="The teacher: an HF model folder, hub id or Megatron checkpoint folder with the student's "
+        "tokenizer (checked at the start).",
+    )
+    kl_weight: float = Field(default=1.0, gt=0, description="Weight of the teacher's per-token signal.")
+    reward_weight: float = Field(
+        default=0.0,
+        ge=0,
+        description="Weight of the task reward's GRPO advantage added to every token (0: pure distillation).",
+    )
+    parallel: Optional[ParallelConfig] = Field(
+        default=None, description="The teacher's own layout on the same devices; None = the policy's."
     )
 
 
@@ -881,6 +958,10 @@ class StageConfig(Section):
         default=None,
         description="Serve this earlier stage's final checkpoint (an `rm` stage) as env.reward_model.model.",
     )
+    teacher_from: Optional[str] = Field(
+        default=None,
+        description="Distil from this earlier stage's final checkpoint (distillation.teacher).",
+    )
 
 
 # ------------------------------------------------------------------------------------------------------------ expect
@@ -925,6 +1006,10 @@ class MrlConfig(Section):
     loss: LossConfig = Field(default_factory=LossConfig)
     grpo: GRPOConfig = Field(default_factory=GRPOConfig)
     sft: SFTConfig = Field(default_factory=SFTConfig)
+    ppo: PPOConfig = Field(default_factory=PPOConfig)
+    distillation: Optional[DistillationConfig] = Field(
+        default=None, description="On-policy distillation from a frozen teacher (GRPO's loop; None = off)."
+    )
     dpo: DPOConfig = Field(default_factory=DPOConfig)
     rm: RMConfig = Field(default_factory=RMConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)

@@ -1,7 +1,8 @@
-"""PPO's token-level math (issue 65; not yet wired into a trainer): per-token rewards, generalized advantage
-estimation over the response tokens only, advantage whitening, the clipped value loss, and on-policy distillation's
-per-token signal. Tensors [B, T] in the trainer's row layout (a row's prompt, then its response; `mask` 1 on the
-tokens the policy generated, 0 on the prompt, on padding and on a multi-turn episode's observations).
+"""PPO's token-level math: per-token rewards, generalized advantage estimation over the response tokens only,
+advantage whitening, the clipped value loss (as the critic's training loss, `ValueLoss`), and on-policy
+distillation's per-token signal. The GRPO loop uses them with `grpo.advantage_estimator: gae` or a `distillation`
+section (mrl/algorithms/ppo.py). Tensors [B, T] in the trainer's row layout (a row's prompt, then its response;
+`mask` 1 on the tokens the policy generated, 0 on the prompt, on padding and on a multi-turn episode's observations).
 
     token_rewards     r_t = -kl_coef * kl_t on every response token, + the sequence's reward on its last one
     gae               delta_t = r_t + gamma * V(next) - V(t);  A_t = delta_t + gamma * lam * A(next)
@@ -15,9 +16,14 @@ tokens the policy generated, 0 on the prompt, on padding and on a multi-turn epi
 
 from __future__ import annotations
 
-from typing import Optional
+from dataclasses import dataclass
+from typing import Literal, Optional
 
 import torch
+
+#: Token data of the critic's training batch: the rollout's values (before the step's updates) and GAE's returns.
+OLD_VALUES = "old_values"
+RETURNS = "returns"
 
 
 def token_rewards(
@@ -87,3 +93,58 @@ def distillation_advantages(
     """On-policy distillation's per-token advantage: log p_teacher(y_t) - log p_student(y_t) on the student's own
     samples (its expectation over the student's tokens is minus the reverse KL), 0 off the mask."""
     return (teacher_logprobs.float() - student_logprobs.float()) * (mask > 0)
+
+
+def ppo_advantages(
+    rewards: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    gamma: float,
+    lam: float,
+    value_lam: Optional[float] = None,
+    kl: Optional[torch.Tensor] = None,
+    kl_coef: float = 0.0,
+    whiten_advantages: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(advantages, returns) [B, T] of a batch: per-token rewards (`token_rewards`), GAE with `lam` for the policy's
+    advantages and `value_lam` (VAPO's decoupled lambda; None = lam) for the critic's returns, advantages whitened
+    over the batch's masked tokens when asked. `values` [B, T]: V of the state before each token."""
+    per_token = token_rewards(rewards, mask, kl, kl_coef)
+    advantages, returns = gae(per_token, values, mask, gamma, lam)
+    if value_lam is not None and value_lam != lam:
+        _, returns = gae(per_token, values, mask, gamma, value_lam)
+    if whiten_advantages:
+        advantages = whiten(advantages, mask)
+    return advantages, returns
+
+
+@dataclass(frozen=True)
+class ValueLoss:
+    """The critic's loss per micro-batch (a `mrl.policy.interface.PolicyLoss`): `clipped_value_loss` summed over the
+    micro-batch's masked tokens and divided by the step's global token count, so micro-batches and ranks add up to
+    the batch mean. `values` [b, T'] are the score head's outputs at the predicting positions, aligned (like the
+    batch's shifted token data) with the token each position precedes."""
+
+    clip: float
+    level: Literal["token", "sequence"] = "token"
+
+    def __call__(
+        self, logprobs: torch.Tensor, batch: dict[str, torch.Tensor], global_count: float
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        values = logprobs  # a score-head model's trainer hands its values where a language model's logprobs go
+        on = (batch["loss_mask"] > 0).to(values.dtype)
+        old, target = batch[OLD_VALUES].to(values.dtype), batch[RETURNS].to(values.dtype)
+        clipped = old + (values - old).clamp(-self.clip, self.clip)
+        unclipped_loss, clipped_loss = (values - target) ** 2, (clipped - target) ** 2
+        per_token = 0.5 * torch.maximum(unclipped_loss, clipped_loss)
+        loss = (per_token * on).sum() / global_count
+        with torch.no_grad():
+            mean = lambda v: (v.to(values.dtype) * on).sum() / global_count  # noqa: E731
+            metrics = {
+                "value_loss": loss.detach(),
+                "value_clip_fraction": mean(clipped_loss > unclipped_loss),
+                "value_mean": mean(values),
+                "num_valid_tokens": on.sum(),
+            }
+        return loss, metrics

@@ -103,8 +103,20 @@ def check_batch(batch: RankBatch, data_parallel_size: int) -> None:
 class FakePolicy:
     """`TrainablePolicy` whose weights are a version number: each applied update adds one."""
 
-    def __init__(self, events: Events, *, data_parallel_size: int = 1, nonfinite: NonFinite = lambda update: False):
+    def __init__(
+        self,
+        events: Events,
+        *,
+        data_parallel_size: int = 1,
+        nonfinite: NonFinite = lambda update: False,
+        name: str = "",
+        token_logprob: float = TOKEN_LOGPROB,
+    ):
         self.events = events
+        self.token_logprob = token_logprob
+        """What `logprobs` gives every loss token (a teacher's differ from the student's)."""
+        self.name = name
+        """The events' prefix: "" for the policy, "critic." or "teacher." for the groups beside it."""
         self.nonfinite = nonfinite
         self.on_train: Optional[Callable[[int], None]] = None
         """Called with the update's number after each train call (a test raises SIGTERM's flag from here)."""
@@ -121,10 +133,10 @@ class FakePolicy:
         return self._dp
 
     def logprobs(self, batch: RankBatch, *, temperature: float = 1.0, reference: bool = False) -> torch.Tensor:
-        """[B, T]: `TOKEN_LOGPROB` on every loss token, 0 elsewhere (position 0 included, as the contract says)."""
+        """[B, T]: `token_logprob` on every loss token, 0 elsewhere (position 0 included, as the contract says)."""
         check_batch(batch, self._dp)
-        self.events.add("logprobs", version=self.version, detail=("reference",) if reference else ())
-        out = batch.loss_mask.float() * TOKEN_LOGPROB
+        self.events.add(self.name + "logprobs", version=self.version, detail=("reference",) if reference else ())
+        out = batch.loss_mask.float() * self.token_logprob
         out[:, 0] = 0.0
         return out
 
@@ -135,7 +147,7 @@ class FakePolicy:
         skipped = self.nonfinite(self.updates)
         self.version += not skipped
         self.trained.append(batch)
-        self.events.add("train", version=self.version, detail=("nonfinite",) if skipped else ())
+        self.events.add(self.name + "train", version=self.version, detail=("nonfinite",) if skipped else ())
         if self.on_train is not None:
             self.on_train(self.updates)
         bad = float("nan")
@@ -243,6 +255,8 @@ class FakeWorkers:
         *,
         data_parallel_size: int = 1,
         nonfinite: NonFinite = lambda update: False,
+        critic: bool = False,
+        teacher: Optional[float] = None,
     ):
         self.events = Events()
         self.tokenizer = build_arith_tokenizer()
@@ -252,6 +266,12 @@ class FakeWorkers:
         self.policy: TrainablePolicy = self.fake_policy
         self.engine: RolloutEngine = self.fake_engine
         self.engine_restarts = 0
+        # PPO's critic and distillation's teacher (`teacher`: its logprob of every token): FakePolicy groups whose
+        # events say which they are
+        self.critic: Optional[TrainablePolicy] = FakePolicy(self.events, name="critic.") if critic else None
+        self.teacher: Optional[TrainablePolicy] = (
+            None if teacher is None else FakePolicy(self.events, name="teacher.", token_logprob=teacher)
+        )
 
     def refit(self, on_sent: Optional[Callable[[], None]] = None) -> RefitStats:
         """The policy's version into the engine, in one bucket; `on_sent` once it is sent, before the engine loads."""

@@ -1,8 +1,9 @@
 """Runs killed for real, and re-run: the same command resumes from the newest checkpoint and goes on exactly.
 
 - The whole run killed with SIGKILL (the driver and every Ray process it started) after step 2's checkpoint, in
-  synchronous and asynchronous GRPO: the re-run resumes from step 2 and logs for steps 3-4 the training metrics of an
-  uninterrupted run of the same seed.
+  synchronous and asynchronous GRPO, PPO (the policy and its critic, with a step of critic warm-up) and on-policy
+  distillation (a frozen teacher): the re-run resumes from step 2 and logs for steps 3-4 the training metrics of an
+  uninterrupted run of the same seed (PPO: the critic's losses, values and explained variance among them).
 - One policy worker killed mid-run: one message naming the group, rank and method, where the newest checkpoint is and
   that re-running the same command resumes, exit status 4; re-running it does resume.
 """
@@ -34,10 +35,19 @@ def _grpo_args(warm: Path, out: Path, *extra: str) -> list[str]:
             "policy.optimizer.lr=1e-3", *extra]
 
 
-@pytest.mark.parametrize("mode", ["sync", "async"])
+#: PPO: a critic warmed up for a step; its learning rate high enough that its weights move visibly each step.
+PPO = ("grpo.advantage_estimator=gae", "ppo.critic_warmup_steps=1", "ppo.critic.optimizer.lr=1e-3")
+
+
+def _distillation(warm: Path) -> tuple[str, ...]:
+    """The warm model as its own teacher: the task's reward moves the student, so the teacher's signal is not 0."""
+    return (f"+distillation.teacher={warm}", "distillation.reward_weight=1.0")
+
+
+@pytest.mark.parametrize("mode", ["sync", "async", "ppo", "distillation"])
 def test_grpo_resumes_exactly_after_sigkill(warm, tmp_path, mode):
     """Asynchronous: the checkpoint after step 2 holds step 3's rollouts, generated during step 2's training."""
-    extra = ASYNC if mode == "async" else ()
+    extra = {"async": ASYNC, "ppo": PPO, "distillation": _distillation(warm)}.get(mode, ())
     reference_dir, crashed_dir = tmp_path / "reference", tmp_path / "crashed"
     uninterrupted = mrl(*_grpo_args(warm, reference_dir, *extra))  # the two runs start side by side
     proc = mrl(*_grpo_args(warm, crashed_dir, *extra))
@@ -53,6 +63,11 @@ def test_grpo_resumes_exactly_after_sigkill(warm, tmp_path, mode):
     if mode == "async":  # step 1 samples the initial model; every later step the weights one update older
         assert [reference[step]["train/staleness"] for step in (1, 2, 3, 4)] == [0, 1, 1, 1]
         assert all(reference[step]["train/is_weight_mean"] != 1.0 for step in (2, 3, 4))  # the correction acts
+    if mode == "ppo":  # the critic trains every step, the policy from step 2
+        assert [reference[step].get("train/critic_warmup", 0.0) for step in (1, 2, 3, 4)] == [1.0, 0, 0, 0]
+        assert len({reference[step]["train/critic/value_mean"] for step in (1, 2, 3, 4)}) == 4
+    if mode == "distillation":
+        assert reference[3]["train/distill/reverse_kl"] != 0.0  # the student has left its teacher
 
     out = finish(mrl(*_grpo_args(warm, crashed_dir, *extra)))
     assert "resuming from" in out and "step_2" in out

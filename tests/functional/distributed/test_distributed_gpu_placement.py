@@ -76,7 +76,7 @@ def test_every_worker_holds_the_gpu_share_its_layout_implies(cluster, layout):
     try:
         assert placement.on_gpus and all(b.resources["GPU"] == 1.0 for b in placement.bundles)
         reward_model = cfg.env.reward_model is not None
-        share = group_share(cfg, engine=True, reward_model=reward_model)
+        share = group_share(cfg, engine=True, others=int(reward_model))
         if not big:
             policy = WorkerGroup("policy", Probe, placement, bundle_indices=range(cfg.policy_world_size),
                                  resource_fraction=share)
@@ -180,7 +180,7 @@ def test_large_recipes_seat_every_engine_with_a_gpu_share(layout):
     spans = engine_spans_nodes(cfg)
     assert spans == (layout == "DeepSeek-V3 32n8g")  # TP 8 x PP 4: 4 nodes an engine
     placement = _placement_of(cfg, one_group=spans)
-    share = group_share(cfg, engine=True, reward_model=False)
+    share = group_share(cfg, engine=True)
     seats = engine_seats(cfg, placement, colocated_share=share)
     engine_cfg = vllm_engine_config(cfg, "model", seats=seats, placement=placement)
     tp, size = cfg.generation.vllm.tensor_parallel_size, engine_world_size(cfg)

@@ -360,6 +360,53 @@ def test_grpo_skips_the_refit_after_a_non_finite_step_only(tmp_path):
     assert values_logged(logger, "train/nonfinite_steps") == [0.0, 1.0, 2.0, 2.0]
 
 
+# ------------------------------------------------------------------------------------------- PPO and distillation
+def test_ppo_trains_the_critic_then_the_policy_each_step_and_only_the_critic_while_it_warms_up(tmp_path):
+    cfg = config(tmp_path, "grpo.max_num_steps=3", "grpo.advantage_estimator=gae", "ppo.critic_warmup_steps=1",
+                 "ppo.whiten_advantages=false", "ppo.lam=1.0", "ppo.gamma=1.0")
+    workers = FakeWorkers(cfg, half_right, critic=True)
+    logger, _ = run_grpo(cfg, workers, FakeCheckpoints(cfg, workers))
+    kinds = ("generate", "logprobs", "critic.logprobs", "critic.train", "train", "refit")
+    critic = [("critic.logprobs", None, 0), ("critic.train", None, 1)]
+    assert calls(workers, *kinds) == [
+        ("generate", 1, 0), *critic, ("refit", None, 0),  # warm-up: the policy's weights stay
+        ("generate", 2, 0), ("critic.logprobs", None, 1), ("critic.train", None, 2), ("train", None, 1),
+        ("refit", None, 1),
+        ("generate", 3, 1), ("critic.logprobs", None, 2), ("critic.train", None, 3), ("train", None, 2),
+        ("refit", None, 2),
+    ]
+    assert values_logged(logger, "train/critic_warmup") == [1.0]
+    # gamma = lambda = 1: A_t = reward - V_t and the critic's target R_t = reward on every response token. The fake
+    # critic scores every loss token -0.5, so V is 0 for a response's first token (read at the prompt's last) and
+    # -0.5 for the others: A = reward there, reward + 0.5 after.
+    batch = workers.fake_policy.trained[0]
+    mask = batch.loss_mask > 0
+    rewards = torch.tensor([1.0, 0.0, 1.0, 0.0])  # half_right: sample 0 of each group right
+    first = mask & ~torch.roll(mask, 1, dims=1)
+    want = (rewards[:, None] + 0.5 * (mask & ~first)) * mask
+    assert torch.allclose(batch.token_data["advantages"], want)
+    critic_batch = workers.critic.trained[1]  # type: ignore[union-attr]
+    assert torch.allclose(critic_batch.token_data["returns"], rewards[:, None] * mask)
+    assert torch.allclose(critic_batch.token_data["old_values"], -0.5 * (mask & ~first))
+
+
+def test_distillation_advantage_is_the_teachers_logprob_minus_the_students_plus_the_weighted_reward(tmp_path):
+    cfg = config(tmp_path, "grpo.max_num_steps=1", "+distillation.teacher=unused", "distillation.kl_weight=2.0",
+                 "distillation.reward_weight=0.5")
+    workers = FakeWorkers(cfg, half_right, teacher=-0.2)
+    logger, _ = run_grpo(cfg, workers, FakeCheckpoints(cfg, workers))
+    assert calls(workers, "generate", "logprobs", "teacher.logprobs", "train") == [
+        ("generate", 1, 0), ("logprobs", None, 0), ("teacher.logprobs", None, 0), ("train", None, 1),
+    ]
+    batch = workers.fake_policy.trained[0]
+    mask = batch.loss_mask > 0
+    # student -0.5, teacher -0.2 per token: 2.0 * 0.3; GRPO's advantages of a right and a wrong sample, std-normalised
+    # without leave-one-out (the recipe): +-0.7071 (unbiased std of {1, 0} is 0.7071), times 0.5
+    group = torch.tensor([1.0, -1.0, 1.0, -1.0]) / 2**0.5
+    assert torch.allclose(batch.token_data["advantages"], (0.6 + 0.5 * group[:, None]) * mask, atol=1e-6)
+    assert values_logged(logger, "train/distill/reverse_kl") == [pytest.approx(-0.3)]
+
+
 # ------------------------------------------------------------------------------------------------------------- SFT
 def run_sft(cfg: MrlConfig, workers: FakeWorkers, ckpt: FakeCheckpoints) -> MetricsLogger:
     logger = MetricsLogger([])

@@ -209,3 +209,26 @@ def test_a_staged_recipe_of_random_models_lists_its_stages_unplanned():
     plans = plan_command("arith-tiny-cpu", [])
     assert [p.plan for p in plans] == [None] * len(plans) and fits(plans)
     assert "not planned: a random model (policy.build)" in render_plans(plans)
+
+
+def test_ppos_critic_and_distillations_teacher_are_counted_on_the_policys_gpus(tmp_path):
+    """The critic is the policy's states once more; the teacher its weights over the policy's TP x PP, from its own
+    config.json (here the policy's model at twice the layers: twice the policy's parameters)."""
+    import json
+
+    base = make_plan(load_config(R1_8K))
+    ppo = make_plan(load_config(R1_8K, ["grpo.advantage_estimator=gae"]))
+    for plain, with_critic in zip(base.stages, ppo.stages):
+        g = plain.states
+        assert with_critic.states.critic == g.weights + g.gradients + g.optimizer
+        assert with_critic.train_phase > plain.train_phase + g.weights + g.gradients + g.optimizer
+    config, _ = model_config(load_config(R1_8K))
+    (tmp_path / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 2 * config["num_hidden_layers"]}))
+    cfg = load_config(R1_8K, [f"+distillation.teacher={tmp_path}"])
+    distill = make_plan(cfg)
+    (stage,) = distill.stages  # the recipe's TP 1, PP 1: one rank holds the whole teacher
+    policy_bytes = stage.states.weights  # bf16
+    # twice the layers, the same embedding and output layer: between 1x and 2x the policy's weights
+    assert policy_bytes < stage.states.teacher < 2 * policy_bytes
+    assert stage.train_phase > base.stages[0].train_phase + stage.states.teacher
+    assert "beside" in render(distill, cfg)

@@ -151,6 +151,25 @@ def test_the_length_multiple_the_workers_need_is_the_one_checked():
     validate_tree(tree)
 
 
+def test_ppo_and_distillation_run_synchronous_steps_on_every_sample_one_at_a_time():
+    gae = {"grpo": {"advantage_estimator": "gae", "dynamic_sampling": True, "max_off_policy_steps": 1},
+           "loss": {"importance_sampling": "tis"}, "cluster": {"devices_per_node": 2},
+           "generation": {"colocated": False, "num_devices": 1}, "distillation": {"teacher": "t"}}
+    keys = {p.key: p for p in problems(gae)}
+    assert set(keys) == {"grpo.max_off_policy_steps", "grpo.dynamic_sampling", "grpo.advantage_estimator"}
+    assert "PPO" in keys["grpo.max_off_policy_steps"].message and keys["grpo.max_off_policy_steps"].allowed == "0"
+    assert "distillation section" in keys["grpo.advantage_estimator"].fix
+    (p,) = problems({"distillation": {"teacher": "t"}, "grpo": {"dynamic_sampling": True}})
+    assert p.key == "grpo.dynamic_sampling" and "distillation" in p.message
+    (p,) = problems({"grpo": {"advantage_estimator": "gae"}, "ppo": {"critic": {"parallel": {"tensor_parallel_size": 2}}}})
+    assert p.key == "ppo.critic.parallel" and "tp=2" in p.message  # one device: TP2 cannot fit
+    (p,) = problems({"distillation": {}})
+    assert p.key == "distillation.teacher"
+    tree = {"grpo": {"advantage_estimator": "gae"}, "ppo": {"critic": {"parallel": {"tensor_parallel_size": 2}}},
+            "cluster": {"devices_per_node": 2}}
+    assert validate_tree(tree).ppo.critic.parallel.tensor_parallel_size == 2
+
+
 def test_asynchronous_grpo_needs_importance_weights_and_an_engine_of_its_own():
     keys = {p.key: p for p in problems({"grpo": {"max_off_policy_steps": 1}})}
     assert set(keys) == {"loss.importance_sampling", "generation.colocated"}

@@ -1,12 +1,23 @@
-"""PPO's token-level math against hand-computed values (issue 65's first piece): per-token rewards, GAE over ragged and
-masked rows (a multi-turn observation skipped), whitening, the clipped value loss, distillation's advantages."""
+"""PPO's token-level math against hand-computed values: per-token rewards, GAE over ragged and masked rows (a
+multi-turn observation skipped), whitening, the clipped value loss (also as the critic's per-micro-batch loss, whose
+pieces add up to the batch's), VAPO's decoupled lambda, distillation's advantages."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from mrl.objectives.ppo import clipped_value_loss, distillation_advantages, gae, token_rewards, whiten
+from mrl.objectives.ppo import (
+    OLD_VALUES,
+    RETURNS,
+    ValueLoss,
+    clipped_value_loss,
+    distillation_advantages,
+    gae,
+    ppo_advantages,
+    token_rewards,
+    whiten,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -75,3 +86,37 @@ def test_distillation_advantage_is_the_teachers_logprob_minus_the_students_on_th
     student = torch.tensor([[-0.3, -0.5, -0.2]])
     got = distillation_advantages(teacher, student, torch.tensor([[1.0, 1.0, 0.0]]))
     assert torch.allclose(got, torch.tensor([[0.2, 0.0, 0.0]]))
+
+
+def test_the_critics_loss_per_micro_batch_adds_up_to_the_batch_value_loss_and_its_gradient():
+    values = torch.tensor([[1.0, 3.0, 0.0], [0.5, -1.0, 2.0]], requires_grad=True)
+    old = torch.tensor([[0.0, 2.9, 0.0], [0.5, 0.0, 2.0]])
+    returns = torch.tensor([[2.0, 0.0, 5.0], [1.0, -1.0, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    batch = {"loss_mask": mask, OLD_VALUES: old, RETURNS: returns}
+    loss_fn = ValueLoss(clip=0.2)
+    whole = clipped_value_loss(values, old, returns, mask, clip=0.2)
+    pieces = [loss_fn(values[i : i + 1], {k: v[i : i + 1] for k, v in batch.items()}, 5.0) for i in range(2)]
+    total = pieces[0][0] + pieces[1][0]
+    assert float(total.detach()) == pytest.approx(float(whole.detach()))
+    # row 1 by hand: t0 (0.5-1)^2 = 0.25 both ways; t1 unclipped 0, clipped V = -0.2: (-0.2+1)^2 = 0.64; t2 4 both
+    assert float(pieces[1][0].detach()) == pytest.approx(0.5 * (0.25 + 0.64 + 4) / 5)
+    # the clip fraction: tokens where the clipped term is the larger, row 0's t0 and row 1's t1 of 5
+    assert float(pieces[0][1]["value_clip_fraction"] + pieces[1][1]["value_clip_fraction"]) == pytest.approx(2 / 5)
+    (grad,) = torch.autograd.grad(total, values)
+    # d/dV of 0.5 * max(...) / 5: the unclipped branch gives (V - R) / 5, the clipped one 0 (V outside the clip)
+    want = torch.tensor([[0.0, 3.0, 0.0], [-0.5, 0.0, 2.0]]) / 5
+    assert torch.allclose(grad, want)
+
+
+def test_decoupled_lambda_gives_the_returns_their_own_lambda_and_whitening_only_the_advantages():
+    rewards, values = torch.tensor([1.0, 2.0]), torch.tensor([[9, 9, 0.5, 0.6, 0.7, 9], [9, 0.1, 0.2, 9, 0.3, 9]])
+    adv, ret = ppo_advantages(rewards, values, MASK, gamma=0.9, lam=0.8, value_lam=1.0, whiten_advantages=False)
+    # the advantages with lambda 0.8 (test_gae_by_hand...); the returns with lambda 1: the discounted reward to go
+    want_adv = torch.tensor([[0, 0, 0.21712, 0.246, 0.3, 0], [0, 1.01168, 1.294, 0, 1.7, 0]])
+    assert torch.allclose(adv, want_adv, atol=1e-6)
+    want_ret = torch.tensor([[0, 0, 0.81, 0.9, 1.0, 0], [0, 2 * 0.81, 2 * 0.9, 0, 2.0, 0]])
+    assert torch.allclose(ret, want_ret, atol=1e-6)
+    whitened, same_ret = ppo_advantages(rewards, values, MASK, gamma=0.9, lam=0.8, value_lam=1.0)
+    assert torch.equal(same_ret, ret)
+    assert torch.allclose(whitened, whiten(want_adv, MASK), atol=1e-6)
