@@ -408,7 +408,7 @@ def _beside(cfg: MrlConfig, states: PolicyBytes, dims: ModelDims, layout: Layout
     policy's TP x PP) on the same GPU (plan_memory's module docstring)."""
     critic = states.weights + states.gradients + states.optimizer if cfg.grpo.advantage_estimator == "gae" else 0
     teacher = 0
-    if cfg.distillation is not None:
+    if cfg.distillation is not None and not cfg.teacher_devices:  # a teacher of its own devices: not on this GPU
         teacher_dims = _teacher_dims(cfg.distillation.teacher) or dims
         width = 2 if cfg.policy.precision == "bfloat16" else 4
         params = sum(stage.total for stage in stage_params(teacher_dims, Layout(tp=layout.tp, world_size=layout.tp)))

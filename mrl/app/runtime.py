@@ -27,7 +27,8 @@ the engine gets the policy's weights by
 refit after every step (mrl/inference/refit.py), as shared-memory files written by the policy's rank 0 (on GPUs:
 device buffers the engine maps by CUDA IPC). An engine
 on devices of its own (`generation.colocated: false`) receives them by broadcast in a group of the policy's rank 0
-and the engines, made on the first refit.
+and the engines, made on the first refit. PPO's critic and distillation's teacher share the policy's bundles as a
+reward model does (a share each), or the teacher takes the cluster's last `distillation.num_devices` bundles whole.
 """
 
 from __future__ import annotations
@@ -340,7 +341,8 @@ class Runtime:
 
     def _others(self) -> int:
         """The worker groups beside the policy and the engine sharing the bundles (reward model, critic, teacher)."""
-        return sum(part is not None for part in (self.reward_model, self.critic, self.teacher))
+        parts = {"reward_model": self.reward_model, "critic": self.critic, "teacher": self.teacher}
+        return sum(part is not None and not _own_devices(self.cfg, name) for name, part in parts.items())
 
     def shutdown(self) -> None:
         for part in (self.engine, self.reward_model, self.critic, self.teacher, self.policy):
@@ -390,6 +392,7 @@ def start_runtime(
         "critic": _critic_spec(cfg, critic, critic_padded_vocab) if policy and critic is not None else None,
         "teacher": _teacher_spec(cfg) if policy and engine else None,
     }
+    sharing = [name for name, spec in sides.items() if spec is not None and not _own_devices(cfg, name)]
     if tokenizer is None:
         tokenizer = load_tokenizer(cfg, source)  # every check that reads files, before Ray starts
     if engine:
@@ -407,7 +410,7 @@ def start_runtime(
     try:
         runtime.placement = reserve_placement(cfg, cluster)
         _models_on_every_node(runtime.placement, _model_folders(cfg, source))
-        share = group_share(cfg, engine=engine, others=sum(spec is not None for spec in sides.values()))
+        share = group_share(cfg, engine=engine, others=len(sharing))
         # The worker groups start side by side (each spends seconds importing and building its model); colocated,
         # the others build theirs once the engine sleeps (see the module docstring).
         colocated_groups = main is not None or any(spec is not None for spec in sides.values())
@@ -543,6 +546,11 @@ def _critic_spec(cfg: MrlConfig, critic: ModelSource, padded_vocab: Optional[int
     )
 
 
+def _own_devices(cfg: MrlConfig, group: str) -> bool:
+    """Whether a group beside the policy sits on devices of its own (a teacher with distillation.num_devices)."""
+    return group == "teacher" and cfg.teacher_devices > 0
+
+
 def _teacher_spec(cfg: MrlConfig) -> Optional["PolicySpec"]:
     """Distillation's frozen teacher (distillation.teacher), HF or Megatron, in its own layout when given; None
     without one."""
@@ -648,17 +656,30 @@ def _start_policy(
     wait: Optional[Callable[[], None]] = None,
     name: str = "policy",
 ) -> "Policy":
+    """A group of the policy's kind: on the policy's bundles (sharing them), or a teacher on devices of its own."""
     from mrl.policy.group import Policy
 
+    first, world = 0, cfg.policy_world_size
+    if name == "teacher" and cfg.teacher_devices:
+        first, world = teacher_bundles(cfg)
+        share, wait = 1.0, None  # its bundles are its own: no engine to wait for, the whole of each bundle
     return Policy(
         spec,
         placement,
-        world_size=cfg.policy_world_size,
+        world_size=world,
         resource_fraction=share,
         **_threads(cfg),
         name=name,
         wait_before_init=wait,
+        first_bundle=first,
     )
+
+
+def teacher_bundles(cfg: MrlConfig) -> tuple[int, int]:
+    """(first bundle, ranks) of a teacher on devices of its own: the cluster's last `distillation.num_devices`
+    bundles, after the policy's and a non-colocated engine's."""
+    total = cfg.cluster.num_nodes * cfg.cluster.devices_per_node
+    return total - cfg.teacher_devices, cfg.teacher_devices
 
 
 def _threads(cfg: MrlConfig) -> dict[str, Any]:

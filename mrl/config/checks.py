@@ -183,10 +183,10 @@ def _parallel_problems(cfg: "MrlConfig") -> list[ConfigError]:
     if world < 1:
         return [
             ConfigError(
-                "the engine takes every device, none is left for the policy",
-                key="generation.num_devices",
-                given=cfg.generation.num_devices,
-                allowed=f"< {cfg.cluster.num_nodes * cfg.cluster.devices_per_node}",
+                "the engine (and a teacher of its own) take every device, none is left for the policy",
+                key="distillation.num_devices" if cfg.teacher_devices else "generation.num_devices",
+                given=cfg.teacher_devices or cfg.generation.num_devices,
+                allowed=f"< {cfg.cluster.num_nodes * cfg.cluster.devices_per_node} in all",
             )
         ]
     out = [_from_rule(v) for v in _layout_violations(par, world)]
@@ -594,12 +594,16 @@ def _ppo_problems(cfg: "MrlConfig") -> list[ConfigError]:
                 fix="drop the distillation section, or set grpo.advantage_estimator=grpo",
             )
         )
-    for key, par in (
-        ("ppo.critic.parallel", cfg.ppo.critic.parallel if gae else None),
-        ("distillation.parallel", cfg.distillation.parallel if cfg.distillation is not None else None),
+    own = cfg.teacher_devices  # a teacher on devices of its own: its layout (or the policy's) over them
+    teacher_par = cfg.distillation.parallel if cfg.distillation is not None else None
+    if own and teacher_par is None:
+        teacher_par = cfg.policy.parallel
+    for key, par, world in (
+        ("ppo.critic.parallel", cfg.ppo.critic.parallel if gae else None, cfg.policy_world_size),
+        ("distillation.parallel", teacher_par, own or cfg.policy_world_size),
     ):
         if par is not None:  # the policy's layout rules, about this section
-            out += [_from_rule(v, section=key) for v in _layout_violations(par, cfg.policy_world_size)]
+            out += [_from_rule(v, section=key) for v in _layout_violations(par, world)]
     return out
 
 

@@ -630,7 +630,13 @@ class DistillationConfig(Section):
         description="Weight of the task reward's GRPO advantage added to every token (0: pure distillation).",
     )
     parallel: Optional[ParallelConfig] = Field(
-        default=None, description="The teacher's own layout on the same devices; None = the policy's."
+        default=None, description="The teacher's own layout; None = the policy's."
+    )
+    num_devices: Optional[int] = Field(
+        default=None,
+        ge=1,
+        description="Devices of the teacher's own (the cluster's last ones; the policy gets fewer); None = on the "
+        "policy's devices.",
     )
 
 
@@ -1039,10 +1045,16 @@ class MrlConfig(Section):
     # Derived sizes (read-only, not settable from YAML).
     @property
     def policy_world_size(self) -> int:
-        total = self.cluster.num_nodes * self.cluster.devices_per_node
+        """The devices left to the policy: all but a non-colocated engine's and a teacher's own."""
+        total = self.cluster.num_nodes * self.cluster.devices_per_node - self.teacher_devices
         if self.generation.colocated or self.generation.num_devices is None:
             return total
         return total - self.generation.num_devices
+
+    @property
+    def teacher_devices(self) -> int:
+        """Devices of distillation's teacher of its own (the cluster's last ones); 0 when it shares the policy's."""
+        return (self.distillation.num_devices or 0) if self.distillation is not None else 0
 
     @property
     def data_parallel_size(self) -> int:

@@ -44,7 +44,8 @@ def _merge_metrics(value: Any) -> dict[str, float]:
 
 
 class Policy:
-    """`world_size` PolicyWorker actors on the first bundles of `placement`."""
+    """`world_size` PolicyWorker actors on the bundles of `placement` from `first_bundle` on (the first ones: a
+    policy, a critic or a colocated teacher; the last ones: a teacher on devices of its own)."""
 
     def __init__(
         self,
@@ -56,6 +57,7 @@ class Policy:
         omp_num_threads: Threads = 1,
         busy_per_node: Optional[int] = None,
         name: str = "policy",
+        first_bundle: int = 0,
         wait_before_init: Optional[Callable[[], None]] = None,
     ) -> None:
         self.spec = spec
@@ -64,7 +66,7 @@ class Policy:
             PolicyWorker,
             placement,
             init_args=(spec,),
-            bundle_indices=list(range(world_size)),
+            bundle_indices=list(range(first_bundle, first_bundle + world_size)),
             resource_fraction=resource_fraction,
             omp_num_threads=omp_num_threads,
             busy_per_node=busy_per_node,

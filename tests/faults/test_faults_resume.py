@@ -2,8 +2,9 @@
 
 - The whole run killed with SIGKILL (the driver and every Ray process it started) after step 2's checkpoint, in
   synchronous and asynchronous GRPO, PPO (the policy and its critic, with a step of critic warm-up) and on-policy
-  distillation (a frozen teacher): the re-run resumes from step 2 and logs for steps 3-4 the training metrics of an
-  uninterrupted run of the same seed (PPO: the critic's losses, values and explained variance among them).
+  distillation (a frozen teacher on a device of its own): the re-run resumes from step 2 and logs for steps 3-4
+  the training metrics of an uninterrupted run of the same seed (PPO: the critic's losses, values and explained
+  variance among them).
 - One policy worker killed mid-run: one message naming the group, rank and method, where the newest checkpoint is and
   that re-running the same command resumes, exit status 4; re-running it does resume.
 """
@@ -40,8 +41,10 @@ PPO = ("grpo.advantage_estimator=gae", "ppo.critic_warmup_steps=1", "ppo.critic.
 
 
 def _distillation(warm: Path) -> tuple[str, ...]:
-    """The warm model as its own teacher: the task's reward moves the student, so the teacher's signal is not 0."""
-    return (f"+distillation.teacher={warm}", "distillation.reward_weight=1.0")
+    """The warm model as its own teacher, on a device of its own (the second bundle; the policy and the engine share
+    the first): the task's reward moves the student, so the teacher's signal is not 0."""
+    return (f"+distillation.teacher={warm}", "distillation.reward_weight=1.0", "distillation.num_devices=1",
+            "cluster.devices_per_node=2", "cluster.omp_num_threads=1")
 
 
 @pytest.mark.parametrize("mode", ["sync", "async", "ppo", "distillation"])

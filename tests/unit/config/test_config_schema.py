@@ -243,3 +243,23 @@ def test_an_unquoted_yaml_off_is_the_off_choice(tmp_path):
     assert (cfg.policy.moe.router_replay, cfg.cluster.memory_check) == ("off", "off")
     (p,) = problems({"policy": {"moe": {"router_replay": True}}})
     assert p.key == "policy.moe.router_replay" and p.given is True
+
+
+def test_a_teacher_of_its_own_devices_takes_the_clusters_last_ones_from_the_policy():
+    from mrl.app.runtime import teacher_bundles
+    from mrl.inference.factory import engine_seats
+
+    tree = {"cluster": {"devices_per_node": 4}, "generation": {"colocated": False, "num_devices": 1},
+            "distillation": {"teacher": "t", "num_devices": 1}, "policy": {"train_micro_batch_size": 1}}
+    cfg = validate_tree(tree)
+    assert (cfg.policy_world_size, cfg.teacher_devices, teacher_bundles(cfg)) == (2, 1, (3, 1))
+
+    class Placement:  # 4 bundles, no GPUs: an engine is one bundle
+        num_bundles, on_gpus, name = 4, False, "p"
+
+    assert engine_seats(cfg, Placement()).actors == (2,)  # policy 0-1, engine 2, teacher 3
+    (p,) = problems({**tree, "distillation": {"teacher": "t", "num_devices": 3}})
+    assert p.key == "distillation.num_devices" and "none is left for the policy" in p.message
+    (p,) = problems({**tree, "distillation": {"teacher": "t", "num_devices": 1,
+                                              "parallel": {"tensor_parallel_size": 2}}})
+    assert p.key == "distillation.parallel" and "world size 1" in p.message
