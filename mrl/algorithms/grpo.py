@@ -9,6 +9,9 @@ logprob of the sampled tokens before the step's updates (its difference with the
 train/inference mismatch, logged every step as train/token_mult_prob_error and train/gen_kl_error); a step of one
 update takes it from its training forward, one forward fewer. With loss.ratio_level = sequence, r is GSPO's one
 ratio per sequence, the geometric mean of its token ratios, clipped per sequence (mrl.objectives.loss).
+PPO (grpo.advantage_estimator: gae) and on-policy distillation (a `distillation` section) run this loop with A per
+token instead: GAE's with a critic trained on the same samples, or the teacher's logprob minus the student's
+(mrl/algorithms/ppo.py states both in full).
 
 Departures: a group whose rewards are all equal has zero advantage; with grpo.dynamic_sampling such groups are
 dropped instead of refilled (DAPO refills; here the step is just smaller). With grpo.max_off_policy_steps = 1 the
@@ -49,6 +52,7 @@ from mrl.algorithms.interfaces import LoopCheckpoints, Workers
 from mrl.algorithms.loop import end_step
 from mrl.algorithms.mixed_rollouts import mixed_rollouts, validate_all
 from mrl.algorithms.rollout import Rollouts, generate_and_score
+from mrl.algorithms.updates import train_in_minibatches
 from mrl.config.schema import MrlConfig
 from mrl.data.dataloader import PromptDataLoader
 from mrl.data.tasks import TaskData, encode_prompts
@@ -174,18 +178,10 @@ def learn(
             )
         if loss_fn.needs_reference or ppo.needs_reference(cfg):
             batch.token_data[REF_LOGPROBS] = workers.policy.logprobs(batch, reference=True)
-    if workers.critic is not None:  # PPO: GAE's advantages, then the critic's updates
-        with logger.timer("critic", m):
-            index = kept_rows(keep, _data_parallel(workers))
-            m.update(ppo.gae_step(cfg, workers.critic, batch, rewards[index], _rows_per_update(cfg, workers)))
-        if ppo.in_critic_warmup(cfg, step):
-            m["train/critic_warmup"] = 1.0
-            return m
-    if workers.teacher is not None:  # distillation: the teacher's logprobs of the student's tokens
-        with logger.timer("teacher", m):
-            m.update(ppo.distillation_step(cfg, workers.teacher, batch))
+    if not _token_advantages(cfg, workers, batch, rewards[kept_rows(keep, _data_parallel(workers))], step, logger, m):
+        return m  # the critic's warm-up: the policy does not train
     with logger.timer("train", m):
-        train = _train_in_minibatches(cfg, workers, batch, loss_fn)
+        train = train_in_minibatches(workers.policy, batch, loss_fn, _rows_per_update(cfg, workers))
     m.update({f"train/{k}": v for k, v in train.items()})
     # One update per step: pi_old is the training forward's own logprobs (the policy has not moved yet; no second
     # forward), and the mismatch is the loss's (token_mult_prob_error / gen_kl_error weighted like the loss: per
@@ -193,6 +189,30 @@ def learn(
     # Asynchronous: they measure the engine/trainer mismatch plus one update of staleness.
     m.update({f"train/{k}": v for k, v in mismatch.items() if k != "num_tokens"})
     return m
+
+
+def _token_advantages(
+    cfg: MrlConfig,
+    workers: Workers,
+    batch: RankBatch,
+    rewards: torch.Tensor,
+    step: int,
+    logger: MetricsLogger,
+    m: dict[str, float],
+) -> bool:
+    """PPO's or distillation's per-token advantages into `batch` (mrl/algorithms/ppo.py; `rewards` [N]: each batch
+    row's), the critic's updates, their metrics into `m`; whether the policy trains this step (not in the critic's
+    warm-up). GRPO's own per-sample advantages stay as they are."""
+    if workers.critic is not None:  # PPO: GAE's advantages, then the critic's updates
+        with logger.timer("critic", m):
+            m.update(ppo.gae_step(cfg, workers.critic, batch, rewards, _rows_per_update(cfg, workers)))
+        if ppo.in_critic_warmup(cfg, step):
+            m["train/critic_warmup"] = 1.0
+            return False
+    if workers.teacher is not None:  # distillation: the teacher's logprobs of the student's tokens
+        with logger.timer("teacher", m):
+            m.update(ppo.distillation_step(cfg, workers.teacher, batch))
+    return True
 
 
 def refit_engine(
@@ -241,20 +261,6 @@ def _rows_per_update(cfg: MrlConfig, workers: Workers) -> int:
     """Rows of one optimizer step: `policy.train_global_batch_size`, a multiple of the data-parallel size."""
     dp = _data_parallel(workers)
     return max(cfg.policy.train_global_batch_size, dp) // dp * dp
-
-
-def _train_in_minibatches(cfg: MrlConfig, workers: Workers, batch: RankBatch, loss_fn: GRPOLoss) -> dict[str, float]:
-    """One optimizer step per `policy.train_global_batch_size` rows; metrics averaged over the steps. The batch's
-    rows are a multiple of the data-parallel size (`training_rows`), and so is every slice of it."""
-    size = _rows_per_update(cfg, workers)
-    steps = [batch.slice(i, i + size) for i in range(0, len(batch), size)]
-    steps = [s for s in steps if s.loss_mask.sum() > 0]
-    results = [workers.policy.train(s, loss_fn, temperature=1.0) for s in steps]
-    # a metric some steps lack is the mean of those that have it (the routing disagreement: the first step's alone)
-    keys = dict.fromkeys(k for r in results for k in r)
-    return {k: sum(r[k] for r in results if k in r) / sum(k in r for r in results) for k in keys} | {
-        "optimizer_steps": float(len(results))
-    }
 
 
 @dataclass

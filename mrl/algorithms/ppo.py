@@ -32,6 +32,7 @@ from typing import Protocol
 
 import torch
 
+from mrl.algorithms.updates import train_in_minibatches
 from mrl.config.schema import MrlConfig
 from mrl.objectives.loss import ADVANTAGES, PREV_LOGPROBS, REF_LOGPROBS
 from mrl.objectives.ppo import OLD_VALUES, RETURNS, ValueLoss, distillation_advantages, ppo_advantages, whiten
@@ -133,19 +134,6 @@ def distillation_step(cfg: MrlConfig, teacher: Trainer, batch: RankBatch) -> dic
     reward_part = batch.token_data[ADVANTAGES] * on if distill.reward_weight else 0.0
     batch.token_data[ADVANTAGES] = distill.kl_weight * signal + distill.reward_weight * reward_part
     return metrics
-
-
-def train_in_minibatches(
-    trainer: Trainer, batch: RankBatch, loss_fn: PolicyLoss, rows_per_update: int
-) -> dict[str, float]:
-    """One optimizer step per `rows_per_update` rows (a multiple of the trainer's data-parallel size, as the batch's
-    rows are); metrics averaged over the steps, a metric some steps lack is the mean of those that have it."""
-    steps = [batch.slice(i, i + rows_per_update) for i in range(0, len(batch), rows_per_update)]
-    results = [trainer.train(s, loss_fn, temperature=1.0) for s in steps if s.loss_mask.sum() > 0]
-    keys = dict.fromkeys(k for r in results for k in r)
-    return {k: sum(r[k] for r in results if k in r) / sum(k in r for r in results) for k in keys} | {
-        "optimizer_steps": float(len(results))
-    }
 
 
 def in_critic_warmup(cfg: MrlConfig, step: int) -> bool:
