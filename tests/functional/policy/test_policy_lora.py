@@ -1,0 +1,136 @@
+"""LoRA adapters on the Megatron policy's parallel linears (mrl/model/lora.py), through the real train step:
+
+- adapters initialised with B = 0 leave the model's logprobs unchanged, bit for bit;
+- the optimizer holds the adapters alone, and three Adam steps leave every base parameter unchanged, bit for bit,
+  while the adapters move;
+- the adapters merged into the base weights (W + s * B @ A per shard) give the adapted model's logprobs;
+- TP2 with sequence parallelism and PP2 give the single process's logprobs before and after, and its losses.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mrl.testing.distributed import run_on_ranks
+from mrl.testing.tiny_models import build_tiny_hf_model
+
+pytestmark = pytest.mark.functional
+
+SEQ_LEN, RANK, ALPHA, STEPS = 16, 4, 8.0, 3
+
+
+# ---- rank side: imported by each rank process of run_on_ranks ----
+def make_batch(n: int = 8, vocab: int = 200, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(2, vocab, (n, SEQ_LEN), generator=g)
+    mask = torch.zeros(n, SEQ_LEN)
+    for i in range(n):
+        mask[i, 3 : 5 + i] = 1
+    adv = torch.randn(n, generator=g)[:, None].expand(n, SEQ_LEN).contiguous()
+    return ids, mask, adv
+
+
+def _model(model_dir: str, tp: int, pp: int, sp: bool):
+    import json
+    from pathlib import Path
+
+    from converters.hf_io import load_hf_state
+    from mrl.model.build import build_gpt_model, load_hf_weights, transformer_config_from_hf
+
+    hf_config = json.loads((Path(model_dir) / "config.json").read_text())
+    config = transformer_config_from_hf(hf_config, tensor_parallel=tp, pipeline_parallel=pp, sequence_parallel=sp)
+    model = build_gpt_model(hf_config, config)
+    load_hf_weights(model, load_hf_state(model_dir), hf_config)
+    return model, config, hf_config
+
+
+def run(model_dir: str, tp: int = 1, pp: int = 1, sp: bool = False):
+    """Logprobs without adapters, with fresh ones, after 3 steps, and of the merged model; losses; whether the base
+    stayed bit for bit; the optimizer's parameter count. None on ranks that do not report."""
+    import os
+
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+
+    from mrl.config.schema import OptimizerConfig, SchedulerConfig
+    from mrl.model.lora import LoraSettings, adapter_parameters, apply_lora, merged_weight
+    from mrl.parallel.groups import init_process_groups
+    from mrl.parallel.layout import ParallelDims
+    from mrl.policy.interface import RankBatch, global_count
+    from mrl.policy.optim import build_optimizer, build_scheduler
+    from mrl.policy.train_step import StepContext, logprobs_of_batch, train_on_batch
+    from mrl.testing.losses import PGLoss
+
+    init_process_groups(ParallelDims(tp=tp, pp=pp, sequence_parallel=sp, world_size=int(os.environ["WORLD_SIZE"])))
+    model, config, hf_config = _model(model_dir, tp, pp, sp)
+    ids, mask, adv = make_batch()
+    batch = RankBatch(ids, mask, token_data={"adv": adv})
+    ctx = StepContext(dp_size=1, cp_rank=0, cp_size=1, cp_group=ps.get_context_parallel_group(),
+                      is_last_stage=ps.is_pipeline_last_stage(), vocab_size=hf_config["vocab_size"])
+    plain = logprobs_of_batch([model], batch, micro_batch_size=4, ctx=ctx)
+    base = {name: p.detach().clone() for name, p in model.named_parameters()}
+    wrapped = apply_lora(model, LoraSettings(rank=RANK, alpha=ALPHA, seed=11))
+    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), module=model)
+    config.finalize_model_grads_func = finalize_model_grads
+    opt_cfg = OptimizerConfig(lr=1e-2, weight_decay=0.0, adam_eps=1e-6)
+    optimizer = build_optimizer([ddp], opt_cfg, params_dtype=torch.float32)
+    scheduler = build_scheduler(optimizer, opt_cfg, SchedulerConfig(), total_steps=STEPS)
+    optimized = sum(p.numel() for group in optimizer.param_groups for p in group["params"])
+    fresh = logprobs_of_batch([ddp], batch, micro_batch_size=4, ctx=ctx)
+    losses = []
+    for _ in range(STEPS):
+        metrics = train_on_batch([ddp], optimizer, scheduler, batch, loss_fn=PGLoss("token"),
+                                 count=global_count(mask, "token"), micro_batch_size=4, ctx=ctx)
+        losses.append(metrics.get("loss"))
+    after = logprobs_of_batch([ddp], batch, micro_batch_size=4, ctx=ctx)
+    base_kept = all(torch.equal(p, base[name]) for name, p in model.named_parameters() if name in base)
+    adapters = adapter_parameters(model)
+    moved = all(bool((p != 0).any()) for name, p in adapters.items() if name.endswith("lora_b"))
+    # the merged model: the same base weights, each wrapped layer's weight replaced by W + s * B @ A
+    merged_model, _, _ = _model(model_dir, tp, pp, sp)
+    layers = dict(model.named_modules())
+    with torch.no_grad():
+        for name, module in merged_model.named_modules():
+            if name in wrapped:
+                module.weight.copy_(merged_weight(layers[name]))
+    merged = logprobs_of_batch([merged_model], batch, micro_batch_size=4, ctx=ctx)
+    if not (ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0):
+        return None
+    return {"plain": plain, "fresh": fresh, "after": after, "merged": merged, "losses": losses,
+            "base_kept": base_kept, "moved": moved, "optimized": optimized,
+            "adapter_numel": sum(p.numel() for p in adapters.values()), "wrapped": len(wrapped)}
+
+
+# ---- tests ----
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return str(build_tiny_hf_model(tmp_path_factory.mktemp("lora"), "qwen2", num_kv_heads=2, seed=3))
+
+
+@pytest.fixture(scope="module")
+def single(model_dir):
+    (result,) = run_on_ranks(run, world_size=1, args=(model_dir,))
+    return result
+
+
+def test_fresh_adapters_change_nothing_training_moves_them_alone_and_merging_gives_the_same_model(single):
+    assert torch.equal(single["fresh"], single["plain"])  # B = 0: the adapters add exactly 0
+    assert single["wrapped"] == 2 * 4  # 2 layers x (qkv, proj, fc1, fc2)
+    assert single["optimized"] == single["adapter_numel"]  # Adam over the adapters alone
+    assert single["base_kept"] and single["moved"]
+    assert single["losses"][-1] < single["losses"][0]
+    assert (single["after"] - single["plain"]).abs().max() > 1e-3  # the adapters changed the model
+    assert (single["merged"] - single["after"]).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("layout", [dict(tp=2, sp=True), dict(pp=2)], ids=["tp2-sp", "pp2"])
+def test_lora_layouts_equal_one_process(model_dir, single, layout):
+    reports = [r for r in run_on_ranks(run, world_size=2, args=(model_dir,), kwargs=layout) if r is not None]
+    assert reports
+    for got in reports:
+        assert got["base_kept"] and got["moved"]
+        assert (got["fresh"] - single["plain"]).abs().max() <= 1e-5
+        assert got["losses"] == pytest.approx(single["losses"], abs=1e-5)
+        assert (got["after"] - single["after"]).abs().max() <= 1e-5
+        assert (got["merged"] - got["after"]).abs().max() <= 1e-5
