@@ -345,6 +345,17 @@ def _misc_problems(cfg: "MrlConfig") -> list[ConfigError]:
         )
     if cfg.grpo.max_off_policy_steps and _runs(cfg, "grpo"):
         out += _async_problems(cfg)
+    if cfg.policy.lora is not None and cfg.run.final_format == "megatron":
+        out.append(
+            ConfigError(
+                "a LoRA run's Megatron checkpoint holds the base and its adapters apart; the next stage or command "
+                "would start from the base alone",
+                key="run.final_format",
+                given="megatron",
+                allowed="hf (the merged model)",
+                fix="set run.final_format=hf with policy.lora",
+            )
+        )
     if cfg.loss.icepop_low >= cfg.loss.icepop_high:
         out.append(
             ConfigError(

@@ -173,6 +173,24 @@ class ModelBuildConfig(Section):
     )
 
 
+LoraTarget = Literal["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
+LORA_TARGETS: tuple[LoraTarget, ...] = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+
+
+class LoraConfig(Section):
+    """Low-rank adapters on the policy's linear layers (mrl/model/lora.py): the base frozen (no gradients, no
+    optimizer states), the adapters trained, the engine refitted with the merged weights."""
+
+    rank: int = Field(default=16, ge=1, description="Adapter rank r.")
+    alpha: float = Field(default=32.0, gt=0, description="Scale numerator: the adapter's term is (alpha / r) * B A x.")
+    targets: list[LoraTarget] = Field(
+        default_factory=lambda: list(LORA_TARGETS),
+        min_length=1,
+        description="Megatron's layers to adapt: linear_qkv (HF q/k/v_proj), linear_proj (o_proj), linear_fc1 "
+        "(gate/up_proj), linear_fc2 (down_proj); routed experts are not adapted yet.",
+    )
+
+
 class MoEConfig(Section):
     """Router settings of mixture-of-experts policies (dense models ignore them), with RL defaults: the engine and the
     trainer must route alike, so nothing moves the routing but the policy gradient through the experts."""
@@ -354,6 +372,9 @@ class PolicyConfig(Section):
         default_factory=OffloadConfig, description="What moves to host memory while a colocated engine generates."
     )
     moe: MoEConfig = Field(default_factory=MoEConfig)
+    lora: Optional[LoraConfig] = Field(
+        default=None, description="Train low-rank adapters instead of every parameter; None = full fine-tuning."
+    )
     max_nonfinite_steps: int = Field(
         default=3,
         ge=1,

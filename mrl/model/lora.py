@@ -1,5 +1,5 @@
-"""Low-rank adapters on Megatron's tensor-parallel linears (issue 66, first piece: the adapters, their sharding and
-their merge; not yet wired into the policy worker, its checkpoints or the refit).
+"""Low-rank adapters on Megatron's tensor-parallel linears (`policy.lora`): the adapters, their sharding in a forward
+and in a distributed checkpoint, and their merge (what the refit sends).
 
 Each wrapped layer keeps its base (frozen, names unchanged) and gains a child `lora` holding A [r, in] and B [out, r],
 added to its output by a forward hook:  y = W x + s * B (A x),  s = alpha / r.  B starts at zero (the model's outputs
@@ -18,14 +18,19 @@ Sharding contract, per kind of base layer (shapes are this rank's):
         parallelism), then B h; under sequence parallelism B's gradient is partial over the chunks: B is marked
         `sequence_parallel`.
 The merged weight of a rank's shard (`merged_weight`): column W + s * B @ A, row W + s * B @ A, the shard's own shape.
+In a distributed checkpoint (the layer's `sharded_state_dict`, extended) B of a column layer is split on axis 0 and A
+of a row layer on axis 1, like W (a gated MLP's fc1 B as Megatron saves that W: its gate and up halves apart, since
+each TP rank holds [gate_r; up_r]); the replicated ones are saved once: a checkpoint reshards to any TP size.
+Not adapted yet: routed experts, Transformer Engine's fused norm + linear layers (GPUs), dropout on the adapters.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import zlib
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
 import torch
 
@@ -54,9 +59,10 @@ class LoraSettings:
 class LoraAdapter(torch.nn.Module):
     """A and B of one wrapped layer (see the module docstring); `forward(x)` is the adapter's term of the output."""
 
-    def __init__(self, base: Any, kind: Kind, settings: LoraSettings, seed: int) -> None:
+    def __init__(self, base: Any, kind: Kind, settings: LoraSettings, seed: int, *, gated: bool = False) -> None:
         super().__init__()
         self.kind, self.scale = kind, settings.scale
+        self.gated = gated  # a gated MLP's fc1: its rows are [gate; up] per TP rank (the checkpoint splits them)
         self.sequence_parallel = bool(base.sequence_parallel)
         self.tp_group = base.tp_group
         if kind == "column":
@@ -125,12 +131,45 @@ def apply_lora(model: Any, settings: LoraSettings) -> list[str]:
         if leaf not in settings.targets or hasattr(module, "lora") or ".experts." in name:
             continue  # routed experts (explicit expert communication) are not adapted yet
         global_name = _global_layer_name(name, offset)
-        module.lora = LoraAdapter(module, TARGETS[leaf], settings, settings.seed + zlib.crc32(global_name.encode()))
+        gated = leaf == "linear_fc1" and bool(module.config.gated_linear_unit)
+        seed = settings.seed + zlib.crc32(global_name.encode())
+        module.lora = LoraAdapter(module, TARGETS[leaf], settings, seed, gated=gated)
         module.register_forward_hook(_add_adapter)
+        module.sharded_state_dict = functools.partial(_sharded_state_dict, module, module.sharded_state_dict)
         wrapped.append(name)
     if not wrapped:
         raise ValueError(f"no layer of the model is one of the LoRA targets {list(settings.targets)}")
     return wrapped
+
+
+def _sharded_state_dict(
+    module: Any, base: Callable[..., dict], prefix: str = "", sharded_offsets: tuple = (), metadata: Any = None
+) -> dict:
+    """The wrapped layer's sharded state dict: the base's, its adapter's split tensor on the base's TP axis (Megatron's
+    own map names `weight` and `bias` only, and would save it as replicated)."""
+    from megatron.core import parallel_state
+    from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+    out = base(prefix, sharded_offsets, metadata)
+    lora = module.lora
+    axis = {"lora_b": 0} if lora.kind == "column" else {"lora_a": 1}
+    dp_cp_group = metadata["dp_cp_group"] if metadata else parallel_state.get_data_parallel_group(True)
+    adapter = make_sharded_tensors_for_checkpoint(
+        lora.state_dict(prefix="", keep_vars=True),
+        f"{prefix}lora.",
+        axis,
+        sharded_offsets,
+        tp_group=module.tp_group,
+        dp_cp_group=dp_cp_group,
+    )
+    if lora.gated:  # B's rows are [gate_r; up_r] per TP rank like fc1's weight: saved as the MLP saves that weight
+        from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
+
+        key = f"{prefix}lora.lora_b"
+        singleton = (metadata or {}).get("singleton_local_shards", False)
+        adapter[key] = apply_swiglu_sharded_factory(adapter[key], sharded_offsets, singleton)
+    out.update(adapter)
+    return out
 
 
 def _global_layer_name(name: str, offset: int) -> str:
@@ -142,9 +181,20 @@ def _global_layer_name(name: str, offset: int) -> str:
 
 
 def merged_weight(module: Any) -> torch.Tensor:
-    """The wrapped layer's weight with its adapter merged, W + s * B @ A, for this rank's shard."""
+    """The wrapped layer's weight with its adapter merged, W + s * B @ A, for this rank's shard (no gradient)."""
     lora = module.lora
-    return module.weight + lora.scale * (lora.lora_b @ lora.lora_a)
+    with torch.no_grad():
+        return module.weight + lora.scale * (lora.lora_b @ lora.lora_a)
+
+
+def merged_weights(model: Any) -> dict[str, Callable[[], torch.Tensor]]:
+    """`<layer>.weight` -> a function giving that wrapped layer's merged shard now (the exporter reads them when it
+    sends, so the refit carries the adapters' current values); {} without adapters."""
+    return {
+        f"{name}.weight": functools.partial(merged_weight, module)
+        for name, module in model.named_modules()
+        if isinstance(getattr(module, "lora", None), LoraAdapter)
+    }
 
 
 def adapter_parameters(model: Any) -> dict[str, torch.Tensor]:

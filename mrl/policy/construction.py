@@ -214,6 +214,20 @@ def build_policy_module(
     return module, stage_layer_offset(module)
 
 
+def add_adapters(module: Any, spec: PolicySpec, *, score_head: bool) -> None:
+    """With `policy.lora` on a trainable model: LoRA adapters on its target layers, the rest frozen (mrl/model/lora.py),
+    a reward model's or critic's score head left trainable (it starts fresh). Before DDP and the optimizer collect the
+    trainable parameters; the starting weights are loaded already."""
+    lora = spec.policy.lora
+    if lora is None or not spec.trainable:
+        return
+    from mrl.model.lora import LoraSettings, apply_lora
+
+    apply_lora(module, LoraSettings(rank=lora.rank, alpha=lora.alpha, targets=tuple(lora.targets), seed=spec.seed))
+    if score_head and getattr(module, "output_layer", None) is not None:
+        module.output_layer.requires_grad_(True)
+
+
 def wrap_for_training(
     module: Any, tconfig: Any, spec: PolicySpec, speed: SpeedSettings
 ) -> tuple[list, Optional[Any], Optional[Any]]:

@@ -21,6 +21,8 @@ Data flow for one Megatron parameter (rule from converters.mapping, the one sour
                                            converters' rename/split (QKV per query group, fc1 -> gate/up, vocab
                                            padding stripped) -> (hf_name, tensor); the Megatron tensor is dropped
                                            before the next parameter is gathered
+A layer with a LoRA adapter (`policy.lora`) is read as its merged shard, W + s * B @ A (mrl/model/lora.py), so the
+engine receives the adapted model's weights.
 A bucket packed in parts (`bucket_part`: one pipeline stage, a transport that joins parts, shared-memory files): a
 routed expert is gathered only over its own EP rank's TP group and converted by that EP rank's first rank, which
 packs its experts of the bucket itself; rank 0 converts the rest. Nothing crosses the EP group and the EP ranks
@@ -95,6 +97,7 @@ from converters import ModelDims, experts_per_rank, to_local_expert
 from converters import transforms as T
 from converters.layers import SpecNames
 from converters.mapping import ParamRule, expected_hf_shapes, layer_index, megatron_to_hf, param_rules
+from mrl.model.lora import merged_weights
 from mrl.parallel import collectives
 
 
@@ -259,6 +262,7 @@ class ShardedExporter:
         self.stages = StageInfo(tuple(int(g[0]) for g in gathered), tuple(int(g[1]) for g in gathered))
         # parameters and persistent buffers (a router's expert bias) of this rank's unwrapped GPTModel
         self.params = {**dict(model.named_buffers()), **dict(model.named_parameters())}
+        self._merged = merged_weights(model)  # LoRA: the wrapped layers' weights with their adapters merged
         self._a_parameter = next(model.parameters())
         self.peak_bytes = 0
         self._experts: dict[str, torch.Tensor] = {}  # routed experts received together, not yet converted
@@ -292,7 +296,8 @@ class ShardedExporter:
 
     def _tp_gathered(self, rule: ParamRule) -> torch.Tensor:
         """The full tensor of `rule` on every TP rank of the owning stage (and expert-parallel rank)."""
-        local = self.params[self._local_name(rule.megatron)].detach()
+        name = self._local_name(rule.megatron)
+        local = self._merged[name]() if name in self._merged else self.params[name].detach()
         if rule.tp_dim is None or self.tp_size == 1:
             return local.clone()
         shards = collectives.all_gather(local, self.tp_group)

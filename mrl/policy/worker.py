@@ -28,6 +28,7 @@ from mrl.inference.transports.base import SenderLayout
 from mrl.model.router_replay import disagreement_metrics
 from mrl.parallel import collectives
 from mrl.policy.construction import (
+    add_adapters,
     build_policy_module,
     build_reference,
     initial_weights,
@@ -148,6 +149,7 @@ class PolicyWorker:
         self.module, self.layer_offset = build_policy_module(
             self.hf_config, self.tconfig, spec, self.speed, load_initial_weights
         )
+        add_adapters(self.module, spec, score_head=self.model_dims.score_head)  # LoRA: before DDP sees the params
         self.model, self.optimizer, self.scheduler = wrap_for_training(self.module, self.tconfig, spec, self.speed)
         self.reference = build_reference(self.hf_config, self.tconfig, spec, self.speed, load_initial_weights)
         del load_initial_weights  # the HF state it holds

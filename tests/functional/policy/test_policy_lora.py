@@ -134,3 +134,95 @@ def test_lora_layouts_equal_one_process(model_dir, single, layout):
         assert got["losses"] == pytest.approx(single["losses"], abs=1e-5)
         assert (got["after"] - single["after"]).abs().max() <= 1e-5
         assert (got["merged"] - got["after"]).abs().max() <= 1e-5
+
+
+def save_and_export(model_dir: str, out: str, tp: int = 1, sp: bool = False):
+    """Two steps with adapters, then a distributed checkpoint in `out` and the merged model exported as HF-named
+    tensors (the refit's exporter); rank 0 returns the logprobs after the steps and the exported tensors."""
+    import os
+
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+
+    from converters import model_dims
+    from mrl.checkpoint.megatron import save_megatron_state
+    from mrl.config.schema import OptimizerConfig, SchedulerConfig
+    from mrl.model.lora import LoraSettings, apply_lora
+    from mrl.parallel.groups import init_process_groups
+    from mrl.parallel.layout import ParallelDims
+    from mrl.policy.export import ShardedExporter, plan_buckets
+    from mrl.policy.interface import RankBatch, global_count
+    from mrl.policy.optim import build_optimizer, build_scheduler
+    from mrl.policy.train_step import StepContext, logprobs_of_batch, train_on_batch
+    from mrl.testing.losses import PGLoss
+
+    init_process_groups(ParallelDims(tp=tp, sequence_parallel=sp, world_size=int(os.environ["WORLD_SIZE"])))
+    model, config, hf_config = _model(model_dir, tp, 1, sp)
+    apply_lora(model, LoraSettings(rank=RANK, alpha=ALPHA, seed=11))
+    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), module=model)
+    config.finalize_model_grads_func = finalize_model_grads
+    opt_cfg = OptimizerConfig(lr=1e-2, weight_decay=0.0, adam_eps=1e-6)
+    optimizer = build_optimizer([ddp], opt_cfg, params_dtype=torch.float32)
+    scheduler = build_scheduler(optimizer, opt_cfg, SchedulerConfig(), total_steps=STEPS)
+    ids, mask, adv = make_batch()
+    batch = RankBatch(ids, mask, token_data={"adv": adv})
+    ctx = StepContext(dp_size=1, cp_rank=0, cp_size=1, cp_group=ps.get_context_parallel_group(),
+                      is_last_stage=True, vocab_size=hf_config["vocab_size"])
+    for _ in range(2):
+        train_on_batch([ddp], optimizer, scheduler, batch, loss_fn=PGLoss("token"),
+                       count=global_count(mask, "token"), micro_batch_size=4, ctx=ctx)
+    after = logprobs_of_batch([ddp], batch, micro_batch_size=4, ctx=ctx)
+    save_megatron_state(out, [ddp], optimizer, scheduler)
+    dims = model_dims(hf_config)
+    exporter = ShardedExporter(model, dims, layer_offset=0, names="local")
+    state: dict = {}
+    for bucket in plan_buckets(dims, exporter.names, 1 << 62, 4, split_units=True, stages=exporter.stages):
+        state.update(exporter.bucket(bucket))
+    return {"after": after, "state": state} if torch.distributed.get_rank() == 0 else None
+
+
+def load_and_score(model_dir: str, out: str):
+    """One process: a fresh adapted model, the checkpoint loaded into it (resharded), its logprobs."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    from mrl.checkpoint.megatron import load_megatron_state
+    from mrl.config.schema import OptimizerConfig, SchedulerConfig
+    from mrl.model.lora import LoraSettings, apply_lora
+    from mrl.parallel.groups import init_process_groups
+    from mrl.parallel.layout import ParallelDims
+    from mrl.policy.interface import RankBatch
+    from mrl.policy.optim import build_optimizer, build_scheduler
+    from mrl.policy.train_step import StepContext, logprobs_of_batch
+
+    init_process_groups(ParallelDims())
+    model, config, hf_config = _model(model_dir, 1, 1, False)
+    apply_lora(model, LoraSettings(rank=RANK, alpha=ALPHA, seed=99))  # another seed: the checkpoint must set A
+    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), module=model)
+    opt_cfg = OptimizerConfig(lr=1e-2, weight_decay=0.0, adam_eps=1e-6)
+    optimizer = build_optimizer([ddp], opt_cfg, params_dtype=torch.float32)
+    scheduler = build_scheduler(optimizer, opt_cfg, SchedulerConfig(), total_steps=STEPS)
+    load_megatron_state(out, [ddp], optimizer, scheduler)
+    ids, mask, adv = make_batch()
+    ctx = StepContext(dp_size=1, cp_rank=0, cp_size=1, cp_group=ps.get_context_parallel_group(),
+                      is_last_stage=True, vocab_size=hf_config["vocab_size"])
+    return logprobs_of_batch([ddp], RankBatch(ids, mask, token_data={"adv": adv}), micro_batch_size=4, ctx=ctx)
+
+
+def test_a_lora_checkpoint_reshards_and_the_refit_exports_the_merged_model(model_dir, tmp_path):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    out = str(tmp_path / "ckpt")
+    saved = next(r for r in run_on_ranks(save_and_export, world_size=2, args=(model_dir, out),
+                                         kwargs=dict(tp=2, sp=True)) if r is not None)
+    (loaded,) = run_on_ranks(load_and_score, world_size=1, args=(model_dir, out))
+    assert (loaded - saved["after"]).abs().max() <= 1e-5  # TP2 + SP written, TP1 read: the adapters came back
+    # the exported tensors are an HF model of the base's names and shapes: transformers gives the adapted logprobs
+    hf = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), dtype=torch.float32)
+    missing, unexpected = hf.load_state_dict(saved["state"], strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}  # tied embeddings: lm_head is the embedding
+    ids = make_batch()[0]
+    with torch.no_grad():
+        logits = hf(ids).logits.float()
+    token_lp = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+    assert (token_lp - saved["after"][:, 1:]).abs().max() <= 1e-4
