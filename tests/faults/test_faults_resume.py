@@ -1,10 +1,10 @@
 """Runs killed for real, and re-run: the same command resumes from the newest checkpoint and goes on exactly.
 
 - The whole run killed with SIGKILL (the driver and every Ray process it started) after step 2's checkpoint, in
-  synchronous and asynchronous GRPO, PPO (the policy and its critic, with a step of critic warm-up) and on-policy
-  distillation (a frozen teacher on a device of its own): the re-run resumes from step 2 and logs for steps 3-4
-  the training metrics of an uninterrupted run of the same seed (PPO: the critic's losses, values and explained
-  variance among them).
+  synchronous and asynchronous GRPO, PPO (the policy and its critic, with a step of critic warm-up), on-policy
+  distillation (a frozen teacher on a device of its own) and LoRA (adapters on a frozen base): the re-run resumes
+  from step 2 and logs for steps 3-4 the training metrics of an uninterrupted run of the same seed (PPO: the
+  critic's losses, values and explained variance among them).
 - One policy worker killed mid-run: one message naming the group, rank and method, where the newest checkpoint is and
   that re-running the same command resumes, exit status 4; re-running it does resume.
 """
@@ -47,10 +47,14 @@ def _distillation(warm: Path) -> tuple[str, ...]:
             "cluster.devices_per_node=2", "cluster.omp_num_threads=1")
 
 
-@pytest.mark.parametrize("mode", ["sync", "async", "ppo", "distillation"])
+#: LoRA: adapters of rank 8 on every linear, the base frozen (its checkpoint holds the adapters' Adam states alone).
+LORA = ("+policy.lora.rank=8", "policy.optimizer.lr=3e-3")
+
+
+@pytest.mark.parametrize("mode", ["sync", "async", "ppo", "distillation", "lora"])
 def test_grpo_resumes_exactly_after_sigkill(warm, tmp_path, mode):
     """Asynchronous: the checkpoint after step 2 holds step 3's rollouts, generated during step 2's training."""
-    extra = {"async": ASYNC, "ppo": PPO, "distillation": _distillation(warm)}.get(mode, ())
+    extra = {"async": ASYNC, "ppo": PPO, "distillation": _distillation(warm), "lora": LORA}.get(mode, ())
     reference_dir, crashed_dir = tmp_path / "reference", tmp_path / "crashed"
     uninterrupted = mrl(*_grpo_args(warm, reference_dir, *extra))  # the two runs start side by side
     proc = mrl(*_grpo_args(warm, crashed_dir, *extra))
