@@ -45,20 +45,34 @@ def _model(model_dir: str, tp: int, pp: int, sp: bool):
     return model, config, hf_config
 
 
+def _adapted(model, config, settings_seed: int = 11):
+    """Adapters on `model`, then Megatron's DDP, Adam and its schedule over them (what the policy worker does)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+
+    from mrl.config.schema import OptimizerConfig, SchedulerConfig
+    from mrl.model.lora import LoraSettings, apply_lora
+    from mrl.policy.optim import build_optimizer, build_scheduler
+
+    wrapped = apply_lora(model, LoraSettings(rank=RANK, alpha=ALPHA, seed=settings_seed))
+    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), module=model)
+    config.finalize_model_grads_func = finalize_model_grads
+    opt_cfg = OptimizerConfig(lr=1e-2, weight_decay=0.0, adam_eps=1e-6)
+    optimizer = build_optimizer([ddp], opt_cfg, params_dtype=torch.float32)
+    scheduler = build_scheduler(optimizer, opt_cfg, SchedulerConfig(), total_steps=STEPS)
+    return ddp, optimizer, scheduler, wrapped
+
+
 def run(model_dir: str, tp: int = 1, pp: int = 1, sp: bool = False):
     """Logprobs without adapters, with fresh ones, after 3 steps, and of the merged model; losses; whether the base
     stayed bit for bit; the optimizer's parameter count. None on ranks that do not report."""
     import os
 
     from megatron.core import parallel_state as ps
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 
-    from mrl.config.schema import OptimizerConfig, SchedulerConfig
-    from mrl.model.lora import LoraSettings, adapter_parameters, apply_lora, merged_weight
+    from mrl.model.lora import adapter_parameters, merged_weight
     from mrl.parallel.groups import init_process_groups
     from mrl.parallel.layout import ParallelDims
     from mrl.policy.interface import RankBatch, global_count
-    from mrl.policy.optim import build_optimizer, build_scheduler
     from mrl.policy.train_step import StepContext, logprobs_of_batch, train_on_batch
     from mrl.testing.losses import PGLoss
 
@@ -70,12 +84,7 @@ def run(model_dir: str, tp: int = 1, pp: int = 1, sp: bool = False):
                       is_last_stage=ps.is_pipeline_last_stage(), vocab_size=hf_config["vocab_size"])
     plain = logprobs_of_batch([model], batch, micro_batch_size=4, ctx=ctx)
     base = {name: p.detach().clone() for name, p in model.named_parameters()}
-    wrapped = apply_lora(model, LoraSettings(rank=RANK, alpha=ALPHA, seed=11))
-    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), module=model)
-    config.finalize_model_grads_func = finalize_model_grads
-    opt_cfg = OptimizerConfig(lr=1e-2, weight_decay=0.0, adam_eps=1e-6)
-    optimizer = build_optimizer([ddp], opt_cfg, params_dtype=torch.float32)
-    scheduler = build_scheduler(optimizer, opt_cfg, SchedulerConfig(), total_steps=STEPS)
+    ddp, optimizer, scheduler, wrapped = _adapted(model, config)
     optimized = sum(p.numel() for group in optimizer.param_groups for p in group["params"])
     fresh = logprobs_of_batch([ddp], batch, micro_batch_size=4, ctx=ctx)
     losses = []
@@ -142,28 +151,19 @@ def save_and_export(model_dir: str, out: str, tp: int = 1, sp: bool = False):
     import os
 
     from megatron.core import parallel_state as ps
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 
     from converters import model_dims
     from mrl.checkpoint.megatron import save_megatron_state
-    from mrl.config.schema import OptimizerConfig, SchedulerConfig
-    from mrl.model.lora import LoraSettings, apply_lora
     from mrl.parallel.groups import init_process_groups
     from mrl.parallel.layout import ParallelDims
     from mrl.policy.export import ShardedExporter, plan_buckets
     from mrl.policy.interface import RankBatch, global_count
-    from mrl.policy.optim import build_optimizer, build_scheduler
     from mrl.policy.train_step import StepContext, logprobs_of_batch, train_on_batch
     from mrl.testing.losses import PGLoss
 
     init_process_groups(ParallelDims(tp=tp, sequence_parallel=sp, world_size=int(os.environ["WORLD_SIZE"])))
     model, config, hf_config = _model(model_dir, tp, 1, sp)
-    apply_lora(model, LoraSettings(rank=RANK, alpha=ALPHA, seed=11))
-    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), module=model)
-    config.finalize_model_grads_func = finalize_model_grads
-    opt_cfg = OptimizerConfig(lr=1e-2, weight_decay=0.0, adam_eps=1e-6)
-    optimizer = build_optimizer([ddp], opt_cfg, params_dtype=torch.float32)
-    scheduler = build_scheduler(optimizer, opt_cfg, SchedulerConfig(), total_steps=STEPS)
+    ddp, optimizer, scheduler, _ = _adapted(model, config)
     ids, mask, adv = make_batch()
     batch = RankBatch(ids, mask, token_data={"adv": adv})
     ctx = StepContext(dp_size=1, cp_rank=0, cp_size=1, cp_group=ps.get_context_parallel_group(),
@@ -184,24 +184,16 @@ def save_and_export(model_dir: str, out: str, tp: int = 1, sp: bool = False):
 def load_and_score(model_dir: str, out: str):
     """One process: a fresh adapted model, the checkpoint loaded into it (resharded), its logprobs."""
     from megatron.core import parallel_state as ps
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     from mrl.checkpoint.megatron import load_megatron_state
-    from mrl.config.schema import OptimizerConfig, SchedulerConfig
-    from mrl.model.lora import LoraSettings, apply_lora
     from mrl.parallel.groups import init_process_groups
     from mrl.parallel.layout import ParallelDims
     from mrl.policy.interface import RankBatch
-    from mrl.policy.optim import build_optimizer, build_scheduler
     from mrl.policy.train_step import StepContext, logprobs_of_batch
 
     init_process_groups(ParallelDims())
     model, config, hf_config = _model(model_dir, 1, 1, False)
-    apply_lora(model, LoraSettings(rank=RANK, alpha=ALPHA, seed=99))  # another seed: the checkpoint must set A
-    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), module=model)
-    opt_cfg = OptimizerConfig(lr=1e-2, weight_decay=0.0, adam_eps=1e-6)
-    optimizer = build_optimizer([ddp], opt_cfg, params_dtype=torch.float32)
-    scheduler = build_scheduler(optimizer, opt_cfg, SchedulerConfig(), total_steps=STEPS)
+    ddp, optimizer, scheduler, _ = _adapted(model, config, settings_seed=99)  # another seed: the checkpoint sets A
     load_megatron_state(out, [ddp], optimizer, scheduler)
     ids, mask, adv = make_batch()
     ctx = StepContext(dp_size=1, cp_rank=0, cp_size=1, cp_group=ps.get_context_parallel_group(),
