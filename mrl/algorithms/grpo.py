@@ -79,9 +79,8 @@ def training_rows(rollouts: Rollouts, advantages: torch.Tensor, keep: torch.Tens
     """The kept samples as policy rows; advantages broadcast over tokens. Rows are added with an all-zero loss mask
     until the count divides the data-parallel size (they change neither loss nor gradient)."""
     index = kept_rows(keep, dp_size)
-    kept = keep.nonzero().squeeze(1)
     mask = rollouts.loss_mask[index].clone()
-    mask[len(kept) :] = 0
+    mask[int(keep.sum()) :] = 0
     adv = advantages[index][:, None].expand_as(mask).contiguous()
     lengths = None if rollouts.lengths is None else rollouts.lengths[index]
     routing = None if rollouts.routing is None else rollouts.routing[index]  # router replay's engine choices
@@ -178,7 +177,8 @@ def learn(
             )
         if loss_fn.needs_reference or ppo.needs_reference(cfg):
             batch.token_data[REF_LOGPROBS] = workers.policy.logprobs(batch, reference=True)
-    if not _token_advantages(cfg, workers, batch, rewards[kept_rows(keep, _data_parallel(workers))], step, logger, m):
+    row_rewards = rewards[kept_rows(keep, _data_parallel(workers))]  # the batch's rows' rewards
+    if not _token_advantages(cfg, workers, batch, row_rewards, step, logger, m):
         return m  # the critic's warm-up: the policy does not train
     with logger.timer("train", m):
         train = train_in_minibatches(workers.policy, batch, loss_fn, _rows_per_update(cfg, workers))

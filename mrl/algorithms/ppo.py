@@ -28,31 +28,18 @@ num_generations_per_prompt may be 1); one epoch over the samples; no entropy bon
 
 from __future__ import annotations
 
-from typing import Protocol
-
 import torch
 
 from mrl.algorithms.updates import train_in_minibatches
 from mrl.config.schema import MrlConfig
 from mrl.objectives.loss import ADVANTAGES, PREV_LOGPROBS, REF_LOGPROBS
 from mrl.objectives.ppo import OLD_VALUES, RETURNS, ValueLoss, distillation_advantages, ppo_advantages, whiten
-from mrl.policy.interface import PolicyLoss, RankBatch
-
-
-class Trainer(Protocol):
-    """A worker group that scores rows and trains (the critic: `mrl.policy.group.Policy` on a score-head model)."""
-
-    @property
-    def data_parallel_size(self) -> int: ...
-
-    def logprobs(self, batch: RankBatch, *, temperature: float = 1.0, reference: bool = False) -> torch.Tensor: ...
-
-    def train(self, batch: RankBatch, loss_fn: PolicyLoss, *, temperature: float = 1.0) -> dict[str, float]: ...
+from mrl.policy.interface import RankBatch, TrainablePolicy
 
 
 def needs_old_logprobs(cfg: MrlConfig) -> bool:
     """Whether the step's advantages read pi_old before training (the KL reward, the distillation signal)."""
-    return cfg.distillation is not None or (cfg.grpo.advantage_estimator == "gae" and cfg.ppo.kl_coef > 0)
+    return cfg.distillation is not None or needs_reference(cfg)
 
 
 def needs_reference(cfg: MrlConfig) -> bool:
@@ -60,7 +47,7 @@ def needs_reference(cfg: MrlConfig) -> bool:
     return cfg.grpo.advantage_estimator == "gae" and cfg.ppo.kl_coef > 0
 
 
-def token_values(critic: Trainer, batch: RankBatch) -> torch.Tensor:
+def token_values(critic: TrainablePolicy, batch: RankBatch) -> torch.Tensor:
     """[N, T] V of the state before each token (the critic's score at the token before; 0 off the loss mask)."""
     scores = critic.logprobs(batch)  # [N, T]: position t reads the hidden state of token t
     values = torch.zeros_like(scores, dtype=torch.float32)
@@ -80,7 +67,7 @@ def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.
 
 
 def gae_step(
-    cfg: MrlConfig, critic: Trainer, batch: RankBatch, rewards: torch.Tensor, rows_per_update: int
+    cfg: MrlConfig, critic: TrainablePolicy, batch: RankBatch, rewards: torch.Tensor, rows_per_update: int
 ) -> dict[str, float]:
     """PPO's advantages into `batch.token_data` (replacing the per-sample ones) and one pass of critic updates on
     the returns; the step's metrics. `rewards` [N]: each row's reward (padding rows have an empty loss mask)."""
@@ -99,7 +86,6 @@ def gae_step(
         value_lam=ppo.value_lam,
         kl=kl,
         kl_coef=ppo.kl_coef,
-        whiten_advantages=False,
     )
     on = mask > 0
     m = {
@@ -116,7 +102,7 @@ def gae_step(
     return m
 
 
-def distillation_step(cfg: MrlConfig, teacher: Trainer, batch: RankBatch) -> dict[str, float]:
+def distillation_step(cfg: MrlConfig, teacher: TrainablePolicy, batch: RankBatch) -> dict[str, float]:
     """Distillation's per-token advantages into `batch.token_data` (the teacher's logprobs of the student's tokens
     against the student's pi_old, plus reward_weight times the per-sample advantage already there); the metrics."""
     distill = cfg.distillation
@@ -131,7 +117,7 @@ def distillation_step(cfg: MrlConfig, teacher: Trainer, batch: RankBatch) -> dic
         "train/distill/reverse_kl": float((-signal).sum()) / tokens,
         "train/distill/teacher_logprob": float((teacher_lp.float() * on).sum()) / tokens,
     }
-    reward_part = batch.token_data[ADVANTAGES] * on if distill.reward_weight else 0.0
+    reward_part = batch.token_data[ADVANTAGES] * on  # GRPO's per-sample advantage, on the response tokens
     batch.token_data[ADVANTAGES] = distill.kl_weight * signal + distill.reward_weight * reward_part
     return metrics
 

@@ -9,17 +9,11 @@ update's alone).
 
 from __future__ import annotations
 
-from typing import Protocol
-
-from mrl.policy.interface import PolicyLoss, RankBatch
-
-
-class Trains(Protocol):
-    def train(self, batch: RankBatch, loss_fn: PolicyLoss, *, temperature: float = 1.0) -> dict[str, float]: ...
+from mrl.policy.interface import PolicyLoss, RankBatch, TrainablePolicy
 
 
 def train_in_minibatches(
-    trainer: Trains, batch: RankBatch, loss_fn: PolicyLoss, rows_per_update: int
+    trainer: TrainablePolicy, batch: RankBatch, loss_fn: PolicyLoss, rows_per_update: int
 ) -> dict[str, float]:
     """The updates of one step (see the module docstring); their metrics and `optimizer_steps`."""
     steps = [batch.slice(i, i + rows_per_update) for i in range(0, len(batch), rows_per_update)]

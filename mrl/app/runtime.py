@@ -38,7 +38,7 @@ import sys
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional, cast
 
@@ -222,7 +222,7 @@ class Runtime:
     engine: Optional[RolloutEngine] = None
     reward_model: Optional[Any] = None  # a frozen reward model's worker group (env.reward_model), on the same bundles
     critic: Optional["Policy"] = None  # PPO's value model (grpo.advantage_estimator: gae), trainable, same bundles
-    teacher: Optional["Policy"] = None  # distillation's frozen teacher (distillation.teacher), same bundles
+    teacher: Optional["Policy"] = None  # distillation's frozen teacher: the same bundles, or its own (num_devices)
     _broadcast: Optional[CollectiveTransport] = None
     _local: Optional[WeightTransport] = None
     engine_restarts: int = 0
@@ -339,13 +339,18 @@ class Runtime:
             )
         return self._broadcast
 
-    def _others(self) -> int:
-        """The worker groups beside the policy and the engine sharing the bundles (reward model, critic, teacher)."""
+    def sides(self, *, sharing: bool = False) -> list[Any]:
+        """The started groups beside the policy and the engine (reward model, critic, teacher); `sharing`: only those
+        on the policy's bundles."""
         parts = {"reward_model": self.reward_model, "critic": self.critic, "teacher": self.teacher}
-        return sum(part is not None and not _own_devices(self.cfg, name) for name, part in parts.items())
+        return [p for name, p in parts.items() if p is not None and not (sharing and _own_devices(self.cfg, name))]
+
+    def _others(self) -> int:
+        """How many groups beside the policy and the engine share the bundles."""
+        return len(self.sides(sharing=True))
 
     def shutdown(self) -> None:
-        for part in (self.engine, self.reward_model, self.critic, self.teacher, self.policy):
+        for part in (self.engine, *self.sides(), self.policy):
             if part is not None:
                 try:
                     part.shutdown()
@@ -531,19 +536,9 @@ def _reward_model_spec(cfg: MrlConfig) -> Optional["PolicySpec"]:
 
 def _critic_spec(cfg: MrlConfig, critic: ModelSource, padded_vocab: Optional[int]) -> "PolicySpec":
     """PPO's value model: trainable, the policy's settings with the critic's optimizer and (when given) layout."""
-    from mrl.policy.worker import PolicySpec
-
-    settings = cfg.policy.model_copy(
-        update={"optimizer": cfg.ppo.critic.optimizer, "parallel": cfg.ppo.critic.parallel or cfg.policy.parallel}
-    )
-    return PolicySpec(
-        hf_dir=str(critic.config_dir),
-        megatron_dir=None if critic.megatron_dir is None else str(critic.megatron_dir),
-        policy=settings,
-        seed=cfg.run.seed,
-        total_steps=cfg.grpo.max_num_steps,
-        padded_vocab=padded_vocab,
-    )
+    spec = _policy_spec(cfg, critic, total_steps=cfg.grpo.max_num_steps, padded_vocab=padded_vocab)
+    update = {"optimizer": cfg.ppo.critic.optimizer, "parallel": cfg.ppo.critic.parallel or cfg.policy.parallel}
+    return replace(spec, policy=cfg.policy.model_copy(update=update))
 
 
 def _own_devices(cfg: MrlConfig, group: str) -> bool:
@@ -560,8 +555,6 @@ def _teacher_spec(cfg: MrlConfig) -> Optional["PolicySpec"]:
     spec = _policy_spec(cfg, teacher, total_steps=1, trainable=False, padded_vocab=_padded_vocab(cfg, teacher, None))
     if cfg.distillation.parallel is None:
         return spec
-    from dataclasses import replace
-
     return replace(spec, policy=cfg.policy.model_copy(update={"parallel": cfg.distillation.parallel}))
 
 
@@ -592,11 +585,7 @@ def _report_start_order(runtime: Runtime, started: float) -> None:
     of the groups sharing its devices began to build (never before)."""
     assert runtime.engine is not None  # only after the colocated engine started and slept
     slept = max(t for state, t in runtime.engine.lifecycle.history if state is EngineState.ASLEEP)
-    parts = [
-        part.workers
-        for part in (runtime.policy, runtime.reward_model, runtime.critic, runtime.teacher)
-        if part is not None
-    ]
+    parts = [part.workers for part in (runtime.policy, *runtime.sides(sharing=True)) if part is not None]
     built = min(t for workers in parts for t in workers.init_started)
     done = max(workers.init_finished for workers in parts)
     print(
@@ -640,8 +629,7 @@ def _arm_watchdogs(runtime: Runtime, only: Any = None) -> None:
         bytes_per_s=watchdog.mb_per_s * 1e6,
         overrides=dict(watchdog.overrides),
     )
-    everything = (runtime.policy, runtime.engine, runtime.reward_model, runtime.critic, runtime.teacher)
-    for part in (only,) if only is not None else everything:
+    for part in (only,) if only is not None else (runtime.policy, runtime.engine, *runtime.sides()):
         group = getattr(part, "workers", None)
         if isinstance(group, WorkerGroup):
             group.deadlines = deadlines
@@ -660,7 +648,7 @@ def _start_policy(
     from mrl.policy.group import Policy
 
     first, world = 0, cfg.policy_world_size
-    if name == "teacher" and cfg.teacher_devices:
+    if _own_devices(cfg, name):
         first, world = teacher_bundles(cfg)
         share, wait = 1.0, None  # its bundles are its own: no engine to wait for, the whole of each bundle
     return Policy(

@@ -195,8 +195,3 @@ def merged_weights(model: Any) -> dict[str, Callable[[], torch.Tensor]]:
         for name, module in model.named_modules()
         if isinstance(getattr(module, "lora", None), LoraAdapter)
     }
-
-
-def adapter_parameters(model: Any) -> dict[str, torch.Tensor]:
-    """This rank's adapter parameters by name (what the optimizer sees and what an adapter checkpoint holds)."""
-    return {name: p for name, p in model.named_parameters() if ".lora.lora_" in name}

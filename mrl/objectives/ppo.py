@@ -81,10 +81,18 @@ def clipped_value_loss(
     values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor, clip: float
 ) -> torch.Tensor:
     """The clipped value loss (see the module docstring): a scalar, the mean over the masked tokens."""
-    clipped = old_values + (values - old_values).clamp(-clip, clip)
-    per_token = 0.5 * torch.maximum((values - returns) ** 2, (clipped - returns) ** 2)
+    unclipped, clipped = _value_errors(values, old_values, returns, clip)
+    per_token = 0.5 * torch.maximum(unclipped, clipped)
     on = (mask > 0).to(per_token.dtype)
     return (per_token * on).sum() / on.sum().clamp(min=1)
+
+
+def _value_errors(
+    values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, clip: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per token: (V - R)^2 and (V_old + clip(V - V_old, -c, c) - R)^2."""
+    clipped = old_values + (values - old_values).clamp(-clip, clip)
+    return (values - returns) ** 2, (clipped - returns) ** 2
 
 
 def distillation_advantages(
@@ -105,17 +113,15 @@ def ppo_advantages(
     value_lam: Optional[float] = None,
     kl: Optional[torch.Tensor] = None,
     kl_coef: float = 0.0,
-    whiten_advantages: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(advantages, returns) [B, T] of a batch: per-token rewards (`token_rewards`), GAE with `lam` for the policy's
-    advantages and `value_lam` (VAPO's decoupled lambda; None = lam) for the critic's returns, advantages whitened
-    over the batch's masked tokens when asked. `values` [B, T]: V of the state before each token."""
+    advantages and `value_lam` (VAPO's decoupled lambda; None = lam) for the critic's returns; the advantages are not
+    whitened (the caller whitens them after reading their spread). `values` [B, T]: V of the state before each
+    token."""
     per_token = token_rewards(rewards, mask, kl, kl_coef)
     advantages, returns = gae(per_token, values, mask, gamma, lam)
     if value_lam is not None and value_lam != lam:
         _, returns = gae(per_token, values, mask, gamma, value_lam)
-    if whiten_advantages:
-        advantages = whiten(advantages, mask)
     return advantages, returns
 
 
@@ -135,8 +141,7 @@ class ValueLoss:
         values = logprobs  # a score-head model's trainer hands its values where a language model's logprobs go
         on = (batch["loss_mask"] > 0).to(values.dtype)
         old, target = batch[OLD_VALUES].to(values.dtype), batch[RETURNS].to(values.dtype)
-        clipped = old + (values - old).clamp(-self.clip, self.clip)
-        unclipped_loss, clipped_loss = (values - target) ** 2, (clipped - target) ** 2
+        unclipped_loss, clipped_loss = _value_errors(values, old, target, self.clip)
         per_token = 0.5 * torch.maximum(unclipped_loss, clipped_loss)
         loss = (per_token * on).sum() / global_count
         with torch.no_grad():

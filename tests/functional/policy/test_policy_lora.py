@@ -69,7 +69,7 @@ def run(model_dir: str, tp: int = 1, pp: int = 1, sp: bool = False):
 
     from megatron.core import parallel_state as ps
 
-    from mrl.model.lora import adapter_parameters, merged_weight
+    from mrl.model.lora import merged_weight
     from mrl.parallel.groups import init_process_groups
     from mrl.parallel.layout import ParallelDims
     from mrl.policy.interface import RankBatch, global_count
@@ -94,7 +94,7 @@ def run(model_dir: str, tp: int = 1, pp: int = 1, sp: bool = False):
         losses.append(metrics.get("loss"))
     after = logprobs_of_batch([ddp], batch, micro_batch_size=4, ctx=ctx)
     base_kept = all(torch.equal(p, base[name]) for name, p in model.named_parameters() if name in base)
-    adapters = adapter_parameters(model)
+    adapters = {name: p for name, p in model.named_parameters() if ".lora.lora_" in name}
     moved = all(bool((p != 0).any()) for name, p in adapters.items() if name.endswith("lora_b"))
     # the merged model: the same base weights, each wrapped layer's weight replaced by W + s * B @ A
     merged_model, _, _ = _model(model_dir, tp, pp, sp)
