@@ -148,6 +148,45 @@ def _name_shards(parts: list[Path], out: Path, total_bytes: int) -> list[Path]:
     return final
 
 
+PEFT_WEIGHTS = "adapter_model.safetensors"
+PEFT_CONFIG = "adapter_config.json"
+
+
+def save_peft_adapter(
+    named_tensors: Iterable[tuple[str, torch.Tensor]],
+    out_dir: str | Path,
+    *,
+    rank: int,
+    alpha: float,
+    dropout: float,
+    base_model: str,
+    task_type: str = "CAUSAL_LM",
+) -> list[str]:
+    """A LoRA adapter folder as HF PEFT writes one (adapter_config.json + adapter_model.safetensors, tensors named
+    `base_model.model.<module>.lora_{A,B}.weight`), which `peft.PeftModel.from_pretrained(<base>, out_dir)` and
+    vLLM's LoRA loader read. Its target modules are those the tensors name. Returns them."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {name: _owned(tensor) for name, tensor in named_tensors}
+    modules = sorted({name.split(".lora_")[0].rsplit(".", 1)[-1] for name in tensors})
+    config = {
+        "peft_type": "LORA",
+        "task_type": task_type,
+        "base_model_name_or_path": base_model,
+        "r": rank,
+        "lora_alpha": alpha,
+        "lora_dropout": dropout,
+        "target_modules": modules,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "use_rslora": False,
+        "inference_mode": True,
+    }
+    _write_shard(tensors, out / PEFT_WEIGHTS)
+    (out / PEFT_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+    return modules
+
+
 def copy_model_metadata(src_dir: str | Path, dst_dir: str | Path) -> list[str]:
     """Copy everything of an HF folder that is not weights (config, generation config, tokenizer, template)."""
     src, dst = Path(src_dir), Path(dst_dir)

@@ -237,6 +237,13 @@ def _to_hf(rule: ParamRule, tensor: torch.Tensor, dims: ModelDims) -> list[tuple
     return list(zip(rule.hf, parts))
 
 
+def hf_parts(rule: ParamRule, tensor: torch.Tensor, hf_config: ModelDims | Mapping[str, Any] | Any):
+    """The HF names of `rule` with `tensor` cut as that parameter is (q/k/v per query group, gate/up halves, vocab
+    padding stripped on dim 0), whatever its other dimensions: a LoRA adapter's B of a fused layer is cut into its
+    HF modules' B this way. No shape check (`megatron_to_hf` checks the weights')."""
+    return _to_hf(rule, tensor, _as_dims(hf_config))
+
+
 def megatron_to_hf(
     megatron_state: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
     hf_config: ModelDims | Mapping[str, Any] | Any,

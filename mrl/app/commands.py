@@ -30,7 +30,15 @@ from mrl.app.errors import RunFailed, StorageFailed, configuration_failure
 from mrl.app.hub_ids import resolve_hub_ids
 from mrl.app.model_source import ModelSource, classify_model_path
 from mrl.app.preflight import check_score_rows, check_tokenizer_folder
-from mrl.app.results import DONE_MARKER, final_dir, last_metrics, run_report, save_summary, summary_on_stop
+from mrl.app.results import (
+    DONE_MARKER,
+    LORA_ADAPTER_DIR,
+    final_dir,
+    last_metrics,
+    run_report,
+    save_summary,
+    summary_on_stop,
+)
 from mrl.app.runtime import Runtime, load_tokenizer, resolve_model, start_runtime
 from mrl.app.storage import storage_guard
 from mrl.config.errors import ConfigError
@@ -97,10 +105,12 @@ def _started(cfg: MrlConfig, **options: Any) -> Runtime:
         return start_runtime(cfg, **options)
 
 
-def export_final(runtime: Runtime) -> Path:
+def export_final(runtime: Runtime, *, language_model: bool = True) -> Path:
     """The policy's current weights in `run.final_format` (see the module docstring). Written under a temporary
     name, marked complete, then renamed into place: an interrupted export never looks finished, and a run started
-    from its own earlier export still reads that one's config while writing."""
+    from its own earlier export still reads that one's config while writing. With `policy.lora` the HF folder holds
+    the merged model and, for a language model (`language_model`; not a reward model's score head), the adapters
+    alone as a PEFT folder `lora_adapter/` over the base the run started from."""
     import os
     import shutil
 
@@ -109,6 +119,8 @@ def export_final(runtime: Runtime) -> Path:
     shutil.rmtree(tmp, ignore_errors=True)
     with storage_guard(f"the final export {out.name}", out.parent, lambda: shutil.rmtree(tmp, ignore_errors=True)):
         _write_export(runtime, tmp)
+        if runtime.cfg.policy.lora is not None and language_model:
+            _write_adapter(runtime, tmp / LORA_ADAPTER_DIR)
         (tmp / DONE_MARKER).write_text("")
     shutil.rmtree(out, ignore_errors=True)
     os.rename(tmp, out)
@@ -127,6 +139,21 @@ def _write_export(runtime: Runtime, out: Path) -> None:
     else:
         save_hf_state(policy.export_state().items(), out, log=lambda message: None)
         copy_model_metadata(runtime.model_dir, out)
+
+
+def _write_adapter(runtime: Runtime, out: Path) -> None:
+    from converters.hf_io import save_peft_adapter
+
+    lora, policy = runtime.cfg.policy.lora, runtime.policy
+    assert lora is not None and policy is not None, "an adapter export needs the policy's adapters"
+    save_peft_adapter(
+        policy.export_adapters(),
+        out,
+        rank=lora.rank,
+        alpha=lora.alpha,
+        dropout=lora.dropout,
+        base_model=runtime.cfg.policy.model_name or str(runtime.model_dir),
+    )
 
 
 def _curve(history: dict, name: str) -> list[float]:
@@ -420,7 +447,7 @@ def _run_pairs(
             final = train(cfg, runtime, data, logger, ckpt)
             ckpt.end_if_interrupted()
             history = logger.history
-            export_final(runtime)
+            export_final(runtime, language_model=algorithm != "rm")
     finally:
         runtime.shutdown()
     summary = _pair_summary(algorithm, history, final, time.perf_counter() - start, accuracy)

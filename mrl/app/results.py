@@ -2,6 +2,7 @@
 
     <run.output_dir>/
         final_hf/ | final_megatron/   the trained model (run.final_format), `.complete` written last
+        final_hf/lora_adapter/        with policy.lora: the adapters alone, a PEFT folder over the starting model
         summary.json                  the run's figures; a run a guard stopped writes it too, `stopped` saying why
         reward_curve.png              GRPO: the mean training reward per step
         samples.jsonl                 mrl eval: every sample
@@ -27,6 +28,7 @@ from mrl.config.schema import MrlConfig
 
 FINAL_DIRS = {"hf": "final_hf", "megatron": "final_megatron"}  # by run.final_format
 DONE_MARKER = ".complete"
+LORA_ADAPTER_DIR = "lora_adapter"
 SUMMARY_FILE = "summary.json"
 REWARD_CURVE = "reward_curve.png"
 SAMPLES_FILE = "samples.jsonl"  # mrl eval's (mrl.algorithms.evaluate.SAMPLES_FILE)

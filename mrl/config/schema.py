@@ -183,6 +183,9 @@ class LoraConfig(Section):
 
     rank: int = Field(default=16, ge=1, description="Adapter rank r.")
     alpha: float = Field(default=32.0, gt=0, description="Scale numerator: the adapter's term is (alpha / r) * B A x.")
+    dropout: float = Field(
+        default=0.0, ge=0.0, lt=1.0, description="Dropout on the adapters' input while training (PEFT's lora_dropout)."
+    )
     targets: list[LoraTarget] = Field(
         default_factory=lambda: list(LORA_TARGETS),
         min_length=1,

@@ -21,7 +21,9 @@ The merged weight of a rank's shard (`merged_weight`): column W + s * B @ A, row
 In a distributed checkpoint (the layer's `sharded_state_dict`, extended) B of a column layer is split on axis 0 and A
 of a row layer on axis 1, like W (a gated MLP's fc1 B as Megatron saves that W: its gate and up halves apart, since
 each TP rank holds [gate_r; up_r]); the replicated ones are saved once: a checkpoint reshards to any TP size.
-Not adapted yet: routed experts, Transformer Engine's fused norm + linear layers (GPUs), dropout on the adapters.
+Dropout (PEFT's: on the adapter's input, training only) draws its mask from the generator that matches how x is
+split (`LoraAdapter._dropped`).
+Not adapted yet: routed experts, Transformer Engine's fused norm + linear layers (GPUs).
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ class LoraSettings:
     alpha: float
     targets: tuple[str, ...] = tuple(TARGETS)
     seed: int = 0
+    dropout: float = 0.0
 
     @property
     def scale(self) -> float:
@@ -61,7 +64,8 @@ class LoraAdapter(torch.nn.Module):
 
     def __init__(self, base: Any, kind: Kind, settings: LoraSettings, seed: int, *, gated: bool = False) -> None:
         super().__init__()
-        self.kind, self.scale = kind, settings.scale
+        self.kind, self.scale, self.rank, self.alpha = kind, settings.scale, settings.rank, settings.alpha
+        self.dropout = torch.nn.Dropout(settings.dropout) if settings.dropout > 0 else None
         self.gated = gated  # a gated MLP's fc1: its rows are [gate; up] per TP rank (the checkpoint splits them)
         self.sequence_parallel = bool(base.sequence_parallel)
         self.tp_group = base.tp_group
@@ -98,7 +102,7 @@ class LoraAdapter(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from megatron.core.tensor_parallel import mappings
 
-        h = torch.nn.functional.linear(x, self.lora_a)
+        h = torch.nn.functional.linear(self._dropped(x), self.lora_a)
         if self.kind == "column":
             if self.sequence_parallel:
                 h = mappings.gather_from_sequence_parallel_region(h, group=self.tp_group)
@@ -109,6 +113,21 @@ class LoraAdapter(torch.nn.Module):
         else:
             h = mappings.reduce_from_tensor_model_parallel_region(h, group=self.tp_group)
         return self.scale * torch.nn.functional.linear(h, self.lora_b)
+
+    def _dropped(self, x: torch.Tensor) -> torch.Tensor:
+        """x with PEFT's dropout on the adapter's input (training only). A column layer's x without sequence
+        parallelism is the same on every TP rank, so its mask comes from the default generator, which Megatron seeds
+        alike on them; a row layer's x (this rank's input columns) and a sequence-parallel chunk are this rank's own:
+        their masks come from the tensor-parallel generator (Megatron's RNG tracker), as Megatron's own dropout in a
+        sequence-parallel region does."""
+        if self.dropout is None or not self.training:
+            return x
+        if self.kind == "column" and not self.sequence_parallel:
+            return self.dropout(x)
+        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+        with get_cuda_rng_tracker().fork():
+            return self.dropout(x)
 
 
 def _add_adapter(module: Any, inputs: tuple, output: Any) -> Any:
@@ -139,7 +158,14 @@ def apply_lora(model: Any, settings: LoraSettings) -> list[str]:
         wrapped.append(name)
     if not wrapped:
         raise ValueError(f"no layer of the model is one of the LoRA targets {list(settings.targets)}")
+    model.lora_settings = settings  # what every stage adapts (an exporter on another stage reads it)
     return wrapped
+
+
+def is_adapted(megatron_name: str, settings: LoraSettings) -> bool:
+    """Whether parameter `megatron_name` (any stage's) is the weight of a layer `apply_lora` wraps."""
+    parts = megatron_name.split(".")
+    return parts[-1] == "weight" and parts[-2] in settings.targets and ".experts." not in megatron_name
 
 
 def _sharded_state_dict(
@@ -185,6 +211,15 @@ def merged_weight(module: Any) -> torch.Tensor:
     lora = module.lora
     with torch.no_grad():
         return module.weight + lora.scale * (lora.lora_b @ lora.lora_a)
+
+
+def adapters(model: Any) -> dict[str, LoraAdapter]:
+    """`<layer>.weight` (this rank's names) -> that wrapped layer's adapter."""
+    return {
+        f"{name}.weight": module.lora
+        for name, module in model.named_modules()
+        if isinstance(getattr(module, "lora", None), LoraAdapter)
+    }
 
 
 def merged_weights(model: Any) -> dict[str, Callable[[], torch.Tensor]]:

@@ -96,8 +96,8 @@ import torch
 from converters import ModelDims, experts_per_rank, to_local_expert
 from converters import transforms as T
 from converters.layers import SpecNames
-from converters.mapping import ParamRule, expected_hf_shapes, layer_index, megatron_to_hf, param_rules
-from mrl.model.lora import merged_weights
+from converters.mapping import ParamRule, expected_hf_shapes, hf_parts, layer_index, megatron_to_hf, param_rules
+from mrl.model.lora import LoraSettings, adapters, is_adapted, merged_weights
 from mrl.parallel import collectives
 
 
@@ -263,6 +263,8 @@ class ShardedExporter:
         # parameters and persistent buffers (a router's expert bias) of this rank's unwrapped GPTModel
         self.params = {**dict(model.named_buffers()), **dict(model.named_parameters())}
         self._merged = merged_weights(model)  # LoRA: the wrapped layers' weights with their adapters merged
+        self._adapters = adapters(model)
+        self.lora: LoraSettings | None = getattr(model, "lora_settings", None)
         self._a_parameter = next(model.parameters())
         self.peak_bytes = 0
         self._experts: dict[str, torch.Tensor] = {}  # routed experts received together, not yet converted
@@ -461,6 +463,52 @@ class ShardedExporter:
         if self.pp_size > 1:
             raise ValueError("a bucket packed in parts needs one pipeline stage (pipeline_model_parallel_size=1)")
         return list(self._hf_tensors(self._own_parts(pieces)))
+
+    def adapter_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        """The LoRA adapters as a PEFT adapter folder names them (`base_model.model.<HF module>.lora_A.weight` [r, in],
+        `.lora_B.weight` [out, r]) on global rank 0, an empty list elsewhere; collective on every rank. Per adapted
+        layer: its split factor (a column layer's B, a row layer's A) all-gathered over the TP group on the base
+        weight's axis (a gated fc1's B per gate/up half), its replicated factor taken from TP rank 0, both sent over
+        rank 0's pipeline group from the owning stage; on rank 0 a fused layer's B is cut into its HF modules' B as
+        the weight is (q/k/v per query group, gate/up), and they share A. Adapters are small (r x (in + out) a layer),
+        so the whole set is held at once."""
+        if self.lora is None:
+            raise ValueError("the policy has no LoRA adapters (policy.lora)")
+        out: list[tuple[str, torch.Tensor]] = []
+        for rule in param_rules(self.dims, self.names):
+            if not is_adapted(rule.megatron, self.lora):
+                continue
+            factors = self._adapter_factors(rule)
+            if factors is not None and self.is_root:
+                out += _peft_names(rule, *factors, self.dims)
+        return out
+
+    def _adapter_factors(self, rule: ParamRule) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(A, B) of the layer whose weight is `rule`, whole, on rank 0's pipeline group; None elsewhere."""
+        owner = self.stages.owner(rule.megatron)
+        a: torch.Tensor | None = None
+        b: torch.Tensor | None = None
+        if owner == self.pp_rank and self.in_root_tp_group:
+            lora = self._adapters[self._local_name(rule.megatron)]
+            pair = (lora.lora_b, lora.lora_a) if lora.kind == "column" else (lora.lora_a, lora.lora_b)
+            split, whole = pair[0].detach(), pair[1].detach()
+            if self.tp_size > 1:
+                split = T.tp_unshard(collectives.all_gather(split, self.tp_group), rule.tp_dim, gated=rule.gated)
+            a, b = (whole, split) if lora.kind == "column" else (split, whole)
+        if not self.in_root_pipeline:
+            return None
+        a, b = self._pp_broadcast(a, owner), self._pp_broadcast(b, owner)
+        assert a is not None and b is not None, "rank 0's pipeline group receives every stage's adapters"
+        return a.clone(), b.clone()
+
+
+def _peft_names(rule: ParamRule, a: torch.Tensor, b: torch.Tensor, dims: ModelDims) -> list[tuple[str, torch.Tensor]]:
+    """PEFT's tensors of one adapted Megatron layer: B cut into the HF modules the weight is cut into, A shared."""
+    out = []
+    for hf_name, b_part in hf_parts(rule, b, dims):
+        module = "base_model.model." + hf_name.removesuffix(".weight")
+        out += [(f"{module}.lora_A.weight", a.clone()), (f"{module}.lora_B.weight", b_part)]  # own storage each
+    return out
 
 
 def _nbytes(tensor: torch.Tensor) -> int:

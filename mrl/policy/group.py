@@ -199,6 +199,11 @@ class Policy:
         self._planned = None  # the ranks plan one bucket of everything for it
         return self.workers.run_all(PolicyWorker.export_state)[0]
 
+    def export_adapters(self) -> list[tuple[str, torch.Tensor]]:
+        """The LoRA adapters (`policy.lora`) as a PEFT adapter folder's tensors."""
+        self._planned = None  # the ranks plan one bucket of everything for it
+        return self.workers.run_all(PolicyWorker.export_adapters)[0]
+
     def save(self, path: str, *, weights_only: bool = False) -> None:
         """Every rank writes its shards of checkpoint `path` (`weights_only`: no optimizer or LR schedule)."""
         self.workers.run_all(PolicyWorker.save, path, weights_only=weights_only, work=Work(bytes=self._state_bytes()))

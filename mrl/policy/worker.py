@@ -437,6 +437,14 @@ class PolicyWorker:
             state.update(exporter.bucket(self._bucket_plan[index]))
         return state if collectives.rank() == 0 else None
 
+    def export_adapters(self) -> Optional[list[tuple[str, torch.Tensor]]]:
+        """The LoRA adapters as PEFT-named tensors on rank 0 (None elsewhere; `ShardedExporter.adapter_tensors`)."""
+        self.plan_export(1 << 62)  # the exporter, its stage layout, the weights where they are read
+        exporter = self._exporter
+        assert exporter is not None, "plan_export made it"
+        tensors = exporter.adapter_tensors()
+        return tensors if collectives.rank() == 0 else None
+
     # --------------------------------------------------------------------------------------------- checkpoint
     def save(self, path: str, weights_only: bool = False) -> None:
         """Model, optimizer, scheduler and RNG states as a reshardable distributed checkpoint under `path`

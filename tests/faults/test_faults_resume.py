@@ -4,7 +4,8 @@
   synchronous and asynchronous GRPO, PPO (the policy and its critic, with a step of critic warm-up), on-policy
   distillation (a frozen teacher on a device of its own) and LoRA (adapters on a frozen base): the re-run resumes
   from step 2 and logs for steps 3-4 the training metrics of an uninterrupted run of the same seed (PPO: the
-  critic's losses, values and explained variance among them).
+  critic's losses, values and explained variance among them). The LoRA run's export: the merged model, and the
+  adapters alone, which HF PEFT puts on the starting model to give the merged model's logits.
 - One policy worker killed mid-run: one message naming the group, rank and method, where the newest checkpoint is and
   that re-running the same command resumes, exit status 4; re-running it does resume.
 """
@@ -84,6 +85,29 @@ def test_grpo_resumes_exactly_after_sigkill(warm, tmp_path, mode):
         train = {k: v for k, v in reference[step].items()
                  if k.startswith("train/") and "time" not in k and not (mode == "async" and "refit" in k)}
         assert {k: resumed[step][k] for k in train} == train, step
+    if mode == "lora":
+        _check_lora_export(crashed_dir / "final_hf", warm)
+
+
+def _check_lora_export(final: Path, warm: Path) -> None:
+    import json
+
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from mrl.app.results import LORA_ADAPTER_DIR
+
+    adapter = final / LORA_ADAPTER_DIR
+    assert json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"] == str(warm)
+    merged = AutoModelForCausalLM.from_pretrained(final, dtype=torch.float32)
+    base = AutoModelForCausalLM.from_pretrained(warm, dtype=torch.float32)
+    ids = torch.randint(3, merged.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want, before = merged(ids).logits, base(ids).logits
+        got = PeftModel.from_pretrained(base, str(adapter)).eval()(ids).logits
+    assert (want - before).abs().max() > 1e-3  # the adapters trained
+    assert (got - want).abs().max() <= 1e-4
 
 
 

@@ -4,7 +4,9 @@
 - the optimizer holds the adapters alone, and three Adam steps leave every base parameter unchanged, bit for bit,
   while the adapters move;
 - the adapters merged into the base weights (W + s * B @ A per shard) give the adapted model's logprobs;
-- TP2 with sequence parallelism and PP2 give the single process's logprobs before and after, and its losses.
+- TP2 with sequence parallelism, PP2 and CP2 give the single process's logprobs before and after, and its losses, and
+  export the same PEFT adapters, which HF PEFT loads over the base model to give mrl's logprobs;
+- dropout on the adapters' input draws its mask as torch's dropout does, in training only.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ def make_batch(n: int = 8, vocab: int = 200, seed: int = 0):
     return ids, mask, adv
 
 
-def _model(model_dir: str, tp: int, pp: int, sp: bool):
+def _model(model_dir: str, tp: int, pp: int, sp: bool, cp: int = 1):
     import json
     from pathlib import Path
 
@@ -39,7 +41,8 @@ def _model(model_dir: str, tp: int, pp: int, sp: bool):
     from mrl.model.build import build_gpt_model, load_hf_weights, transformer_config_from_hf
 
     hf_config = json.loads((Path(model_dir) / "config.json").read_text())
-    config = transformer_config_from_hf(hf_config, tensor_parallel=tp, pipeline_parallel=pp, sequence_parallel=sp)
+    config = transformer_config_from_hf(hf_config, tensor_parallel=tp, pipeline_parallel=pp, sequence_parallel=sp,
+                                        context_parallel=cp)
     model = build_gpt_model(hf_config, config)
     load_hf_weights(model, load_hf_state(model_dir), hf_config)
     return model, config, hf_config
@@ -62,7 +65,15 @@ def _adapted(model, config, settings_seed: int = 11):
     return ddp, optimizer, scheduler, wrapped
 
 
-def run(model_dir: str, tp: int = 1, pp: int = 1, sp: bool = False):
+def _exporter(model, hf_config):
+    from converters import model_dims
+    from mrl.model.build import stage_layer_offset
+    from mrl.policy.export import ShardedExporter
+
+    return ShardedExporter(model, model_dims(hf_config), layer_offset=stage_layer_offset(model), names="local")
+
+
+def run(model_dir: str, tp: int = 1, pp: int = 1, sp: bool = False, cp: int = 1):
     """Logprobs without adapters, with fresh ones, after 3 steps, and of the merged model; losses; whether the base
     stayed bit for bit; the optimizer's parameter count. None on ranks that do not report."""
     import os
@@ -76,11 +87,12 @@ def run(model_dir: str, tp: int = 1, pp: int = 1, sp: bool = False):
     from mrl.policy.train_step import StepContext, logprobs_of_batch, train_on_batch
     from mrl.testing.losses import PGLoss
 
-    init_process_groups(ParallelDims(tp=tp, pp=pp, sequence_parallel=sp, world_size=int(os.environ["WORLD_SIZE"])))
-    model, config, hf_config = _model(model_dir, tp, pp, sp)
+    init_process_groups(ParallelDims(tp=tp, pp=pp, cp=cp, sequence_parallel=sp,
+                                     world_size=int(os.environ["WORLD_SIZE"])))
+    model, config, hf_config = _model(model_dir, tp, pp, sp, cp)
     ids, mask, adv = make_batch()
     batch = RankBatch(ids, mask, token_data={"adv": adv})
-    ctx = StepContext(dp_size=1, cp_rank=0, cp_size=1, cp_group=ps.get_context_parallel_group(),
+    ctx = StepContext(dp_size=1, cp_rank=ps.get_context_parallel_rank(), cp_size=cp, cp_group=ps.get_context_parallel_group(),
                       is_last_stage=ps.is_pipeline_last_stage(), vocab_size=hf_config["vocab_size"])
     plain = logprobs_of_batch([model], batch, micro_batch_size=4, ctx=ctx)
     base = {name: p.detach().clone() for name, p in model.named_parameters()}
@@ -91,22 +103,27 @@ def run(model_dir: str, tp: int = 1, pp: int = 1, sp: bool = False):
     for _ in range(STEPS):
         metrics = train_on_batch([ddp], optimizer, scheduler, batch, loss_fn=PGLoss("token"),
                                  count=global_count(mask, "token"), micro_batch_size=4, ctx=ctx)
-        losses.append(metrics.get("loss"))
+        loss = torch.tensor(metrics.get("loss", 0.0), dtype=torch.float64)  # each CP rank's part of it
+        torch.distributed.all_reduce(loss, group=ps.get_context_parallel_group())
+        losses.append(float(loss))
     after = logprobs_of_batch([ddp], batch, micro_batch_size=4, ctx=ctx)
     base_kept = all(torch.equal(p, base[name]) for name, p in model.named_parameters() if name in base)
     adapters = {name: p for name, p in model.named_parameters() if ".lora.lora_" in name}
     moved = all(bool((p != 0).any()) for name, p in adapters.items() if name.endswith("lora_b"))
     # the merged model: the same base weights, each wrapped layer's weight replaced by W + s * B @ A
-    merged_model, _, _ = _model(model_dir, tp, pp, sp)
+    merged_model, _, _ = _model(model_dir, tp, pp, sp, cp)
     layers = dict(model.named_modules())
     with torch.no_grad():
         for name, module in merged_model.named_modules():
             if name in wrapped:
                 module.weight.copy_(merged_weight(layers[name]))
     merged = logprobs_of_batch([merged_model], batch, micro_batch_size=4, ctx=ctx)
-    if not (ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0):
-        return None
-    return {"plain": plain, "fresh": fresh, "after": after, "merged": merged, "losses": losses,
+    peft = _exporter(model, hf_config).adapter_tensors()  # collective; rank 0 holds them
+    report = {"adapters": dict(peft)} if torch.distributed.get_rank() == 0 else {}
+    if not (ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0
+            and ps.get_context_parallel_rank() == 0):
+        return report or None
+    return report | {"plain": plain, "fresh": fresh, "after": after, "merged": merged, "losses": losses,
             "base_kept": base_kept, "moved": moved, "optimized": optimized,
             "adapter_numel": sum(p.numel() for p in adapters.values()), "wrapped": len(wrapped)}
 
@@ -123,6 +140,29 @@ def single(model_dir):
     return result
 
 
+def _hf_logprobs(model, ids):
+    with torch.no_grad():
+        logits = model(ids).logits.float()
+    return torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+
+
+def test_the_exported_adapters_loaded_by_peft_give_mrls_logprobs(model_dir, single, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from converters.hf_io import save_peft_adapter
+
+    modules = save_peft_adapter(single["adapters"].items(), tmp_path / "adapter", rank=RANK, alpha=ALPHA,
+                                dropout=0.0, base_model=model_dir)
+    assert modules == ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    peft = PeftModel.from_pretrained(base, str(tmp_path / "adapter")).eval()
+    ids = make_batch()[0]
+    assert (_hf_logprobs(peft, ids) - single["after"][:, 1:]).abs().max() <= 1e-4
+    with peft.disable_adapter():  # the same folder without its adapters is the base: they carried the change
+        assert (_hf_logprobs(peft, ids) - single["plain"][:, 1:]).abs().max() <= 1e-4
+
+
 def test_fresh_adapters_change_nothing_training_moves_them_alone_and_merging_gives_the_same_model(single):
     assert torch.equal(single["fresh"], single["plain"])  # B = 0: the adapters add exactly 0
     assert single["wrapped"] == 2 * 4  # 2 layers x (qkv, proj, fc1, fc2)
@@ -133,16 +173,20 @@ def test_fresh_adapters_change_nothing_training_moves_them_alone_and_merging_giv
     assert (single["merged"] - single["after"]).abs().max() <= 1e-5
 
 
-@pytest.mark.parametrize("layout", [dict(tp=2, sp=True), dict(pp=2)], ids=["tp2-sp", "pp2"])
+@pytest.mark.parametrize("layout", [dict(tp=2, sp=True), dict(pp=2), dict(cp=2)], ids=["tp2-sp", "pp2", "cp2"])
 def test_lora_layouts_equal_one_process(model_dir, single, layout):
     reports = [r for r in run_on_ranks(run, world_size=2, args=(model_dir,), kwargs=layout) if r is not None]
-    assert reports
-    for got in reports:
+    assert any("after" in got for got in reports)
+    for got in (got for got in reports if "after" in got):  # the last stage's first TP rank
         assert got["base_kept"] and got["moved"]
         assert (got["fresh"] - single["plain"]).abs().max() <= 1e-5
         assert got["losses"] == pytest.approx(single["losses"], abs=1e-5)
         assert (got["after"] - single["after"]).abs().max() <= 1e-5
         assert (got["merged"] - got["after"]).abs().max() <= 1e-5
+    (exported,) = [got["adapters"] for got in reports if "adapters" in got]  # rank 0's, whichever stage it is
+    assert exported.keys() == single["adapters"].keys()
+    for name, tensor in exported.items():  # Adam's steps (lr 1e-2 each) carry the gradients' rounding: 1e-2 of a step
+        assert (tensor - single["adapters"][name]).abs().max() <= 1e-4, name
 
 
 def save_and_export(model_dir: str, out: str, tp: int = 1, sp: bool = False):
@@ -218,3 +262,38 @@ def test_a_lora_checkpoint_reshards_and_the_refit_exports_the_merged_model(model
         logits = hf(ids).logits.float()
     token_lp = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
     assert (token_lp - saved["after"][:, 1:]).abs().max() <= 1e-4
+
+
+def dropout_check(model_dir: str, p: float = 0.5):
+    """One adapter with dropout p and a random B: its training output against torch's dropout drawn from the same
+    generator state (a column layer without sequence parallelism: the default generator), and in eval mode none."""
+    from mrl.model.lora import LoraSettings, apply_lora
+    from mrl.parallel.groups import init_process_groups
+    from mrl.parallel.layout import ParallelDims
+
+    init_process_groups(ParallelDims())
+    model, _, _ = _model(model_dir, 1, 1, False)
+    apply_lora(model, LoraSettings(rank=RANK, alpha=ALPHA, dropout=p, targets=("linear_qkv",)))
+    lora = model.decoder.layers[0].self_attention.linear_qkv.lora
+    with torch.no_grad():
+        lora.lora_b.normal_()
+        x = torch.randn(5, 2, lora.lora_a.shape[1])
+        lora.train()
+        torch.manual_seed(7)
+        trained = lora(x)
+        torch.manual_seed(7)
+        dropped = torch.nn.functional.dropout(x, p)
+        lora.eval()
+        evaluated = lora(x)
+    scale = ALPHA / RANK
+    return {
+        "train": (trained - scale * dropped @ lora.lora_a.T @ lora.lora_b.T).abs().max().item(),
+        "eval": (evaluated - scale * x @ lora.lora_a.T @ lora.lora_b.T).abs().max().item(),
+        "differs": (trained - evaluated).abs().max().item(),
+    }
+
+
+def test_dropout_on_the_adapters_input_in_training_only(model_dir):
+    (got,) = run_on_ranks(dropout_check, world_size=1, args=(model_dir,))
+    assert got["train"] <= 1e-5 and got["eval"] <= 1e-5
+    assert got["differs"] > 1e-2
