@@ -45,6 +45,7 @@ from mrl.app.plan_memory import (
 from mrl.app.plan_time import StepTime, step_time
 from mrl.config import ConfigError, MrlConfig
 from mrl.data import hub
+from mrl.model.lora import LoraSettings
 
 SHIPPED_CONFIGS = Path(__file__).resolve().parents[1] / "_shipped" / "hf_configs"
 
@@ -385,7 +386,9 @@ def _policy_stages(
     colocated = cfg.generation.colocated and engine is not None
     asleep = int(assumptions["engine_asleep_gib"].value * GiB) + context if colocated else 0
     stages = []
-    for stage in stage_params(dims, layout, freeze_router=cfg.policy.moe.freeze_router):
+    lora = cfg.policy.lora
+    settings = LoraSettings(rank=lora.rank, alpha=lora.alpha, targets=tuple(lora.targets)) if lora else None
+    for stage in stage_params(dims, layout, freeze_router=cfg.policy.moe.freeze_router, lora=settings):
         states = policy_bytes(
             stage,
             layout,

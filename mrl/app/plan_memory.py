@@ -10,6 +10,9 @@ Policy rank (one per pipeline stage; every TP, CP, EP and DP rank of a stage hol
     weights      parameters x 2 B (bf16) or 4 B (fp32).
     gradients    4 B per trainable parameter (mrl's DDP reduces gradients in fp32: grad_reduce_in_fp32); a frozen
                  router (policy.moe.freeze_router) has none.
+    LoRA         with policy.lora the trainable parameters are the adapters alone (every base parameter frozen): per
+                 adapted layer A [r, in] and B [out, r], a column-parallel layer's B and a row-parallel layer's A
+                 split over TP like the weight, the other whole (mrl/model/lora.py); they add to the weights too.
     optimizer    Adam: fp32 main weights (bf16 training only) and two fp32 moments, 12 B (bf16) or 8 B (fp32) per
                  trainable parameter; with policy.optimizer.use_distributed_optimizer sharded over the data-parallel
                  ranks (dense parameters) and the expert data-parallel ranks (routed experts).
@@ -33,8 +36,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from converters import transforms as T
+from converters.layers import ParamRule
 from converters.mapping import expected_hf_shapes, hf_layer_index, layer_index, param_rules
 from converters.spec import ModelDims
+from mrl.model.lora import LoraSettings, is_adapted
 from mrl.parallel.layout import ParallelDims
 
 GiB = 1024**3
@@ -59,6 +64,15 @@ class StageParams:
     dense: int  # not routed experts (TP shards, replicated norms and routers)
     experts: int  # routed experts (this EP rank's, this TP shard of each)
     frozen: int  # frozen routers (no gradient, no optimizer state)
+    adapters: int = 0  # LoRA's A and B (this TP rank's shards)
+    lora: bool = False  # the base frozen: only the adapters train
+
+    @property
+    def trainable(self) -> tuple[int, int]:
+        """(dense, routed experts) parameters that have gradients and optimizer states on this rank."""
+        if self.lora:
+            return self.adapters, 0
+        return self.dense - self.frozen, self.experts
 
     @property
     def total(self) -> int:
@@ -86,7 +100,9 @@ def padded_vocab(dims: ModelDims, tp: int) -> int:
     return T.padded_vocab_size(dims.vocab_size, VOCAB_MULTIPLE, tp)
 
 
-def stage_params(dims: ModelDims, layout: Layout, *, freeze_router: bool = False) -> list[StageParams]:
+def stage_params(
+    dims: ModelDims, layout: Layout, *, freeze_router: bool = False, lora: LoraSettings | None = None
+) -> list[StageParams]:
     """Parameters per rank of each pipeline stage (module docstring)."""
     shapes = expected_hf_shapes(dims)
     rules = param_rules(dims)
@@ -94,7 +110,7 @@ def stage_params(dims: ModelDims, layout: Layout, *, freeze_router: bool = False
     vocab_rows = padded_vocab(dims, layout.tp) // layout.tp
     out = []
     for stage, (first, last) in enumerate(ranges):
-        dense = experts = frozen = 0
+        dense = experts = frozen = adapters = 0
         for rule in rules:
             layer = layer_index(rule.megatron)
             if rule.megatron.endswith("expert_bias") or not _on_stage(
@@ -106,6 +122,8 @@ def stage_params(dims: ModelDims, layout: Layout, *, freeze_router: bool = False
                 continue
             numel = sum(math.prod(shapes[name]) for name in rule.hf)
             local = numel // layout.tp if rule.tp_dim is not None else numel
+            if lora is not None and is_adapted(rule.megatron, lora):
+                adapters += _adapter_params(rule, shapes, lora.rank, layout.tp)
             if rule.expert is not None:
                 experts += local  # all of the stage's experts here; one EP rank holds 1/EP of them
             else:
@@ -113,8 +131,17 @@ def stage_params(dims: ModelDims, layout: Layout, *, freeze_router: bool = False
                 frozen += local if freeze_router and rule.megatron.endswith("mlp.router.weight") else 0
         if layout.pp > 1 and dims.tied and stage == layout.pp - 1:
             dense += vocab_rows * dims.hidden_size  # the last stage's copy of the shared embedding
-        out.append(StageParams(stage, (first, last), dense, experts // layout.ep, frozen))
+        out.append(StageParams(stage, (first, last), dense, experts // layout.ep, frozen, adapters, lora is not None))
     return out
+
+
+def _adapter_params(rule: ParamRule, shapes: dict[str, tuple[int, ...]], rank: int, tp: int) -> int:
+    """A and B of one adapted layer on one TP rank: its weight's rows (q/k/v or gate/up together) and columns."""
+    rows = sum(shapes[name][0] for name in rule.hf)
+    cols = shapes[rule.hf[0]][1]
+    if rule.tp_dim == 0:  # column-parallel: A whole, B split like W
+        return rank * cols + rows // tp * rank
+    return rank * cols // tp + rows * rank  # row-parallel: A split like W, B whole
 
 
 def total_params(dims: ModelDims) -> int:
@@ -150,16 +177,16 @@ def policy_bytes(
     """The model states of one rank of `stage` (module docstring)."""
     width = 2 if precision == "bfloat16" else 4
     per_param_optimizer = 12 if precision == "bfloat16" else 8
-    trainable_dense = stage.dense - stage.frozen
+    trainable_dense, trainable_experts = stage.trainable
     if distributed_optimizer:
-        optimizer = (-(-trainable_dense // layout.dp) + -(-stage.experts // layout.expert_dp)) * per_param_optimizer
+        optimizer = (-(-trainable_dense // layout.dp) + -(-trainable_experts // layout.expert_dp)) * per_param_optimizer
     else:
-        optimizer = (trainable_dense + stage.experts) * per_param_optimizer
+        optimizer = (trainable_dense + trainable_experts) * per_param_optimizer
     return PolicyBytes(
         stage.stage,
-        stage.total,
-        stage.total * width,
-        (trainable_dense + stage.experts) * 4,
+        stage.total + stage.adapters,
+        (stage.total + stage.adapters) * width,
+        (trainable_dense + trainable_experts) * 4,
         optimizer,
         stage.total * width if reference else 0,
     )

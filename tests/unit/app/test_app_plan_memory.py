@@ -144,3 +144,26 @@ def test_kv_capacity_of_a_pipelined_engine_is_its_fullest_stages():
     assert kv_capacity_tokens(r1_10, 1, free, pp=4) == free // (3 * per_layer_block) * 16
     # a stage with less memory left bounds every stage's blocks
     assert kv_capacity_tokens(r1_10, 1, [free, free, free, free // 4], pp=4) == free // 4 // (2 * per_layer_block) * 16
+
+
+@pytest.mark.parametrize("name, world, tp, pp, ep", [(R1_1_5B, 8, 2, 2, 1), (QWEN3_30B, 16, 2, 1, 8)])
+def test_lora_adapters_and_their_optimizer_bytes_equal_the_adapted_megatron_model(name, world, tp, pp, ep):
+    """policy.lora: the adapters on one rank of Megatron's model (mrl/model/lora.py on the meta device) are what the
+    plan counts; they alone have gradients and optimizer states (a routed expert's weights are frozen too)."""
+    from mrl.model.lora import LoraSettings, apply_lora
+
+    config = published(name)
+    layout = Layout(world_size=world, tp=tp, pp=pp, ep=ep, sequence_parallel=tp > 1)
+    settings = LoraSettings(rank=16, alpha=32.0)
+    planned = stage_params(model_dims(config), layout, lora=settings)
+    for stage in {0, pp - 1}:
+        with meta_rank_model(config, world=world, rank=stage * (world // pp), tp=tp, pp=pp, ep=ep) as model:
+            apply_lora(model, settings)
+            adapters = sum(p.numel() for n, p in model.named_parameters() if ".lora.lora_" in n)
+            trainable = [p for p in model.parameters() if p.requires_grad]
+            assert planned[stage].adapters == adapters == sum(p.numel() for p in trainable)
+            plan = policy_bytes(planned[stage], layout, precision="bfloat16", distributed_optimizer=True,
+                                reference=False)
+            assert plan.optimizer == optimizer_bytes_of(model, layout)
+            assert plan.gradients == 4 * adapters
+            assert plan.weights == 2 * sum(p.numel() for p in model.parameters())
