@@ -76,6 +76,9 @@ class VllmEngineConfig:
     sleep_level: int = 1
     """vLLM's sleep level where a refit follows the sleep: 2 discards the weights (the refit rewrites them all before
     the engine generates: mrl/inference/lifecycle.py); every other sleep is level 1 (a host copy of the weights)."""
+    lora_rank: Optional[int] = None
+    """vLLM's own LoRA (`enable_lora`, one adapter of at most this rank): measured against merged weights by
+    benchmarks/vllm_lora.py; mrl's refit sends merged weights (docs/guides/lora.md says why)."""
     return_routing: bool = False
     """Return each sample's routed experts per MoE layer (vLLM's `enable_return_routed_experts`, router replay:
     mrl/model/router_replay.py). vLLM 0.32 captures them in its model runner V2 only (VLLM_USE_V2_MODEL_RUNNER=1,
@@ -193,6 +196,8 @@ def _llm_kwargs(config: VllmEngineConfig) -> dict[str, Any]:
     )
     if not config.load_weights:
         kwargs["load_format"] = "dummy"
+    if config.lora_rank is not None:
+        kwargs.update(enable_lora=True, max_lora_rank=config.lora_rank, max_loras=1)
     if config.return_routing:
         if not torch.cuda.is_available():
             raise ValueError(

@@ -23,7 +23,8 @@ of a row layer on axis 1, like W (a gated MLP's fc1 B as Megatron saves that W: 
 each TP rank holds [gate_r; up_r]); the replicated ones are saved once: a checkpoint reshards to any TP size.
 Dropout (PEFT's: on the adapter's input, training only) draws its mask from the generator that matches how x is
 split (`LoraAdapter._dropped`).
-Not adapted yet: routed experts, Transformer Engine's fused norm + linear layers (GPUs).
+Only Megatron's local linears are wrapped (`_check_local`): a policy with LoRA is built without Transformer Engine's
+fused norm + linear layers, on GPUs too (mrl/policy/construction.py). Not adapted yet: routed experts.
 """
 
 from __future__ import annotations
@@ -149,6 +150,7 @@ def apply_lora(model: Any, settings: LoraSettings) -> list[str]:
         leaf = name.rsplit(".", 1)[-1]
         if leaf not in settings.targets or hasattr(module, "lora") or ".experts." in name:
             continue  # routed experts (explicit expert communication) are not adapted yet
+        _check_local(name, module)
         global_name = _global_layer_name(name, offset)
         gated = leaf == "linear_fc1" and bool(module.config.gated_linear_unit)
         seed = settings.seed + zlib.crc32(global_name.encode())
@@ -160,6 +162,18 @@ def apply_lora(model: Any, settings: LoraSettings) -> list[str]:
         raise ValueError(f"no layer of the model is one of the LoRA targets {list(settings.targets)}")
     model.lora_settings = settings  # what every stage adapts (an exporter on another stage reads it)
     return wrapped
+
+
+def _check_local(name: str, module: Any) -> None:
+    """Adapters wrap Megatron's local tensor-parallel linears only: Transformer Engine's fused norm + linear takes its
+    input before the norm, which an adapter on its output must not see."""
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+    if not isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+        raise ValueError(
+            f"LoRA adapts Megatron's local ColumnParallelLinear / RowParallelLinear layers; {name} is "
+            f"{type(module).__name__} (build the model with use_te=False, as the policy does with policy.lora)"
+        )
 
 
 def is_adapted(megatron_name: str, settings: LoraSettings) -> bool:

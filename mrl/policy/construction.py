@@ -81,7 +81,9 @@ def transformer_overrides(
         aux_loss_coeff=cfg.moe.aux_loss_coeff,
         expert_bias_update_rate=cfg.moe.expert_bias_update_rate,
     )
+    local: dict[str, Any] = dict(use_te=False) if _local_linears(cfg, trainable) else {}
     return dict(
+        **local,
         tensor_parallel=par.tensor_parallel_size,
         pipeline_parallel=par.pipeline_parallel_size,
         context_parallel=par.context_parallel_size,
@@ -92,6 +94,12 @@ def transformer_overrides(
         **moe,
         **uneven,
     )
+
+
+def _local_linears(cfg: PolicyConfig, trainable: bool) -> bool:
+    """Whether the model is built from Megatron's local linears even where Transformer Engine is installed: LoRA
+    adapts those alone (TE's fused norm + linear takes the input before its norm, which an adapter must not)."""
+    return cfg.lora is not None and trainable
 
 
 def ddp_settings(optimizer: OptimizerConfig, speed: SpeedSettings) -> dict[str, bool]:
@@ -195,8 +203,9 @@ def _build_module(hf_config: dict[str, Any], tconfig: Any, spec: PolicySpec, spe
     """This rank's shard of the GPT model (its pipeline stage, TP and EP slices), freshly initialised."""
     from mrl.model.build import build_gpt_model
 
+    local = dict(use_te=False) if _local_linears(spec.policy, spec.trainable) else {}
     return build_gpt_model(
-        hf_config, tconfig, padded_vocab=spec.padded_vocab, grouped_experts=speed.grouped_expert_gemm
+        hf_config, tconfig, padded_vocab=spec.padded_vocab, grouped_experts=speed.grouped_expert_gemm, **local
     )
 
 

@@ -56,6 +56,15 @@ def test_transformer_overrides_of_a_dense_fp32_policy_are_the_sizes_and_dtype_al
     )
 
 
+def test_a_policy_with_lora_trains_on_megatrons_local_linears_even_where_transformer_engine_is_installed():
+    from mrl.config.schema import LoraConfig
+
+    cfg = PolicyConfig(lora=LoraConfig(rank=8))
+    assert transformer_overrides(cfg, DENSE, ALL_OFF, trainable=True)["use_te"] is False
+    assert "use_te" not in transformer_overrides(cfg, DENSE, ALL_OFF, trainable=False)  # a frozen copy: no adapters
+    assert "use_te" not in transformer_overrides(PolicyConfig(), DENSE, ALL_OFF, trainable=True)
+
+
 def test_activation_checkpointing_recomputes_every_layer_in_full():
     overrides = transformer_overrides(PolicyConfig(activation_checkpointing=True), DENSE, ALL_OFF, trainable=True)
     assert overrides["params_dtype"] == torch.bfloat16  # the default precision
