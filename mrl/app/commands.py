@@ -142,10 +142,14 @@ def _write_export(runtime: Runtime, out: Path) -> None:
 
 
 def _write_adapter(runtime: Runtime, out: Path) -> None:
-    from converters.hf_io import save_peft_adapter
+    from converters import model_dims
+    from converters.hf_io import load_hf_config, save_peft_adapter
 
     lora, policy = runtime.cfg.policy.lora, runtime.policy
     assert lora is not None and policy is not None, "an adapter export needs the policy's adapters"
+    if "experts" in lora.targets and model_dims(load_hf_config(runtime.model_dir)).moe is not None:
+        _say(f"no {out.name}/: routed experts' adapters have no PEFT folder; the merged model carries them")
+        return
     save_peft_adapter(
         policy.export_adapters(),
         out,

@@ -64,15 +64,21 @@ class StageParams:
     dense: int  # not routed experts (TP shards, replicated norms and routers)
     experts: int  # routed experts (this EP rank's, this TP shard of each)
     frozen: int  # frozen routers (no gradient, no optimizer state)
-    adapters: int = 0  # LoRA's A and B (this TP rank's shards)
+    adapters: int = 0  # LoRA's A and B of dense layers (this TP rank's shards)
+    expert_adapters: int = 0  # LoRA's A and B of this EP rank's routed experts
     lora: bool = False  # the base frozen: only the adapters train
 
     @property
     def trainable(self) -> tuple[int, int]:
         """(dense, routed experts) parameters that have gradients and optimizer states on this rank."""
         if self.lora:
-            return self.adapters, 0
+            return self.adapters, self.expert_adapters
         return self.dense - self.frozen, self.experts
+
+    @property
+    def held(self) -> int:
+        """Every parameter on this rank, adapters included."""
+        return self.total + self.adapters + self.expert_adapters
 
     @property
     def total(self) -> int:
@@ -110,7 +116,7 @@ def stage_params(
     vocab_rows = padded_vocab(dims, layout.tp) // layout.tp
     out = []
     for stage, (first, last) in enumerate(ranges):
-        dense = experts = frozen = adapters = 0
+        dense = experts = frozen = adapters = expert_adapters = 0
         for rule in rules:
             layer = layer_index(rule.megatron)
             if rule.megatron.endswith("expert_bias") or not _on_stage(
@@ -123,7 +129,10 @@ def stage_params(
             numel = sum(math.prod(shapes[name]) for name in rule.hf)
             local = numel // layout.tp if rule.tp_dim is not None else numel
             if lora is not None and is_adapted(rule.megatron, lora):
-                adapters += _adapter_params(rule, shapes, lora.rank, layout.tp)
+                if rule.expert is None:
+                    adapters += _adapter_params(rule, shapes, lora.rank, layout.tp)
+                else:  # all of the stage's experts here; one EP rank holds 1/EP of them
+                    expert_adapters += _adapter_params(rule, shapes, lora.rank, layout.tp)
             if rule.expert is not None:
                 experts += local  # all of the stage's experts here; one EP rank holds 1/EP of them
             else:
@@ -131,7 +140,18 @@ def stage_params(
                 frozen += local if freeze_router and rule.megatron.endswith("mlp.router.weight") else 0
         if layout.pp > 1 and dims.tied and stage == layout.pp - 1:
             dense += vocab_rows * dims.hidden_size  # the last stage's copy of the shared embedding
-        out.append(StageParams(stage, (first, last), dense, experts // layout.ep, frozen, adapters, lora is not None))
+        out.append(
+            StageParams(
+                stage,
+                (first, last),
+                dense,
+                experts // layout.ep,
+                frozen,
+                adapters,
+                expert_adapters // layout.ep,
+                lora is not None,
+            )
+        )
     return out
 
 
@@ -184,8 +204,8 @@ def policy_bytes(
         optimizer = (trainable_dense + trainable_experts) * per_param_optimizer
     return PolicyBytes(
         stage.stage,
-        stage.total + stage.adapters,
-        (stage.total + stage.adapters) * width,
+        stage.held,
+        stage.held * width,
         (trainable_dense + trainable_experts) * 4,
         optimizer,
         stage.total * width if reference else 0,

@@ -173,8 +173,8 @@ class ModelBuildConfig(Section):
     )
 
 
-LoraTarget = Literal["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
-LORA_TARGETS: tuple[LoraTarget, ...] = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+LoraTarget = Literal["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "experts"]
+LORA_TARGETS: tuple[LoraTarget, ...] = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "experts")
 
 
 class LoraConfig(Section):
@@ -190,7 +190,8 @@ class LoraConfig(Section):
         default_factory=lambda: list(LORA_TARGETS),
         min_length=1,
         description="Megatron's layers to adapt: linear_qkv (HF q/k/v_proj), linear_proj (o_proj), linear_fc1 "
-        "(gate/up_proj), linear_fc2 (down_proj); routed experts are not adapted yet.",
+        "(gate/up_proj), linear_fc2 (down_proj) of dense MLPs and shared experts, experts (every routed expert's "
+        "fc1 and fc2).",
     )
 
 

@@ -17,6 +17,14 @@ Sharding contract, per kind of base layer (shapes are this rank's):
         h = reduce_from_tensor_model_parallel_region(A x) (reduce_scatter_to_sequence_parallel_region under sequence
         parallelism), then B h; under sequence parallelism B's gradient is partial over the chunks: B is marked
         `sequence_parallel`.
+    a routed expert (target `experts`: its linear_fc1 and linear_fc2 on each expert-parallel rank's local experts,
+        with explicit expert communication, `explicit_expert_comm`: under TP or EP the token dispatcher gathers the
+        expert's input over the expert-TP group and reduces its output, the linears run no collective):
+        the same shapes and splits over the expert-TP group, and no collective in the adapter either (a row layer's
+        B h_partial is summed by the dispatcher's reduction like W_shard x_shard); the replicated factor's gradient
+        is then this rank's part of it and a tensor hook sums it over the expert-TP group (`_summed_over`). Both
+        factors carry the base weight's `allreduce` mark, so Megatron's DDP reduces them over the expert
+        data-parallel ranks like the expert's weights; A is seeded by the global expert index.
 The merged weight of a rank's shard (`merged_weight`): column W + s * B @ A, row W + s * B @ A, the shard's own shape.
 In a distributed checkpoint (the layer's `sharded_state_dict`, extended) B of a column layer is split on axis 0 and A
 of a row layer on axis 1, like W (a gated MLP's fc1 B as Megatron saves that W: its gate and up halves apart, since
@@ -24,13 +32,15 @@ each TP rank holds [gate_r; up_r]); the replicated ones are saved once: a checkp
 Dropout (PEFT's: on the adapter's input, training only) draws its mask from the generator that matches how x is
 split (`LoraAdapter._dropped`).
 Only Megatron's local linears are wrapped (`_check_local`): a policy with LoRA is built without Transformer Engine's
-fused norm + linear layers, on GPUs too (mrl/policy/construction.py). Not adapted yet: routed experts.
+fused norm + linear layers, on GPUs too (mrl/policy/construction.py), and routed experts with adapters run
+SequentialMLP's loop, not the grouped GEMMs (which read the weights without calling the linears).
 """
 
 from __future__ import annotations
 
 import functools
 import math
+import re
 import zlib
 from dataclasses import dataclass
 from typing import Any, Callable, Literal
@@ -45,13 +55,17 @@ TARGETS: dict[str, Kind] = {
     "linear_proj": "row",
     "linear_fc2": "row",
 }
+#: The target naming a mixture-of-experts layer's routed experts (their linear_fc1 and linear_fc2); the other targets
+#: name dense layers (a shared expert's MLP among them).
+EXPERTS = "experts"
+_LOCAL_EXPERT = re.compile(r"\.experts\.local_experts\.(\d+)\.")
 
 
 @dataclass(frozen=True)
 class LoraSettings:
     rank: int
     alpha: float
-    targets: tuple[str, ...] = tuple(TARGETS)
+    targets: tuple[str, ...] = (*TARGETS, EXPERTS)
     seed: int = 0
     dropout: float = 0.0
 
@@ -70,6 +84,8 @@ class LoraAdapter(torch.nn.Module):
         self.gated = gated  # a gated MLP's fc1: its rows are [gate; up] per TP rank (the checkpoint splits them)
         self.sequence_parallel = bool(base.sequence_parallel)
         self.tp_group = base.tp_group
+        # a routed expert under TP or EP: the token dispatcher moves its tokens, and its linears take no collective
+        self.explicit = bool(getattr(base, "explicit_expert_comm", False))
         if kind == "column":
             inputs, outputs = base.input_size, base.output_size_per_partition
         else:
@@ -82,20 +98,26 @@ class LoraAdapter(torch.nn.Module):
         split.tensor_model_parallel = True  # type: ignore[attr-defined]
         split.partition_dim = 0 if kind == "column" else 1  # type: ignore[attr-defined]
         split.partition_stride = 1  # type: ignore[attr-defined]
-        replicated.sequence_parallel = self.sequence_parallel  # type: ignore[attr-defined]
+        for param in (self.lora_a, self.lora_b):  # a routed expert's: reduced over the expert data-parallel ranks
+            param.allreduce = getattr(base.weight, "allreduce", True)  # type: ignore[attr-defined]
+        if not self.explicit:
+            replicated.sequence_parallel = self.sequence_parallel  # type: ignore[attr-defined]
+        elif self._tp_size() > 1:  # its gradient is this rank's part (see the module docstring)
+            replicated.register_hook(functools.partial(_summed_over, group=self.tp_group))
+
+    def _tp_size(self) -> int:
+        return torch.distributed.get_world_size(self.tp_group) if torch.distributed.is_initialized() else 1
 
     def _init_a(self, seed: int) -> None:
         """PEFT's Kaiming-uniform init of A, drawn for the whole [r, in] and sliced to this rank's columns (row
         layers), so that every TP size starts from the same adapters."""
-        from megatron.core import parallel_state
-
         generator = torch.Generator().manual_seed(seed)
         rank, local = self.lora_a.shape
-        full = local * (parallel_state.get_tensor_model_parallel_world_size() if self.kind == "row" else 1)
+        full = local * (self._tp_size() if self.kind == "row" else 1)
         bound = 1.0 / math.sqrt(full)  # kaiming_uniform_(a=sqrt(5)): gain sqrt(2 / 6), bound gain * sqrt(3 / fan_in)
         whole = (torch.rand(rank, full, generator=generator) * 2 - 1) * bound
         if self.kind == "row":
-            tp_rank = parallel_state.get_tensor_model_parallel_rank()
+            tp_rank = torch.distributed.get_rank(self.tp_group) if self._tp_size() > 1 else 0
             whole = whole[:, tp_rank * local : (tp_rank + 1) * local]
         with torch.no_grad():
             self.lora_a.copy_(whole)
@@ -104,7 +126,9 @@ class LoraAdapter(torch.nn.Module):
         from megatron.core.tensor_parallel import mappings
 
         h = torch.nn.functional.linear(self._dropped(x), self.lora_a)
-        if self.kind == "column":
+        if self.explicit:
+            pass  # x and the output are as the base's: the dispatcher gathers and reduces both
+        elif self.kind == "column":
             if self.sequence_parallel:
                 h = mappings.gather_from_sequence_parallel_region(h, group=self.tp_group)
             else:
@@ -131,6 +155,13 @@ class LoraAdapter(torch.nn.Module):
             return self.dropout(x)
 
 
+def _summed_over(grad: torch.Tensor, group: Any) -> torch.Tensor:
+    """A gradient summed over `group` (a routed expert's replicated factor: each expert-TP rank holds its part)."""
+    grad = grad.clone()
+    torch.distributed.all_reduce(grad, group=group)
+    return grad
+
+
 def _add_adapter(module: Any, inputs: tuple, output: Any) -> Any:
     """Forward hook of a wrapped layer: its (output, bias) with the adapter's term added to the output."""
     out, bias = output
@@ -147,11 +178,11 @@ def apply_lora(model: Any, settings: LoraSettings) -> list[str]:
     offset = stage_layer_offset(model)
     wrapped = []
     for name, module in list(model.named_modules()):
-        leaf = name.rsplit(".", 1)[-1]
-        if leaf not in settings.targets or hasattr(module, "lora") or ".experts." in name:
-            continue  # routed experts (explicit expert communication) are not adapted yet
+        if not _targeted(name, settings) or hasattr(module, "lora"):
+            continue
         _check_local(name, module)
-        global_name = _global_layer_name(name, offset)
+        global_name = _global_layer_name(_global_expert_name(name, model), offset)
+        leaf = name.rsplit(".", 1)[-1]
         gated = leaf == "linear_fc1" and bool(module.config.gated_linear_unit)
         seed = settings.seed + zlib.crc32(global_name.encode())
         module.lora = LoraAdapter(module, TARGETS[leaf], settings, seed, gated=gated)
@@ -176,10 +207,33 @@ def _check_local(name: str, module: Any) -> None:
         )
 
 
+def _targeted(layer: str, settings: LoraSettings) -> bool:
+    """Whether layer `layer` is one of `settings.targets`: a routed expert's fc1 or fc2 under `experts`, any other
+    layer under its own name."""
+    leaf = layer.rsplit(".", 1)[-1]
+    if leaf not in TARGETS:
+        return False
+    if ".experts." in layer:
+        return EXPERTS in settings.targets and leaf in ("linear_fc1", "linear_fc2")
+    return leaf in settings.targets
+
+
 def is_adapted(megatron_name: str, settings: LoraSettings) -> bool:
     """Whether parameter `megatron_name` (any stage's) is the weight of a layer `apply_lora` wraps."""
-    parts = megatron_name.split(".")
-    return parts[-1] == "weight" and parts[-2] in settings.targets and ".experts." not in megatron_name
+    layer, _, kind = megatron_name.rpartition(".")
+    return kind == "weight" and _targeted(layer, settings)
+
+
+def _global_expert_name(name: str, model: Any) -> str:
+    """`name` with a routed expert's local index made global (its expert-parallel rank's first expert added)."""
+    match = _LOCAL_EXPERT.search(name)
+    if match is None:
+        return name
+    from megatron.core import parallel_state
+
+    experts = model.get_submodule(name[: match.start()] + ".experts.local_experts")
+    first = parallel_state.get_expert_model_parallel_rank() * len(experts)
+    return name[: match.start(1)] + str(int(match.group(1)) + first) + name[match.end(1) :]
 
 
 def _sharded_state_dict(

@@ -204,8 +204,15 @@ def _build_module(hf_config: dict[str, Any], tconfig: Any, spec: PolicySpec, spe
     from mrl.model.build import build_gpt_model
 
     local = dict(use_te=False) if _local_linears(spec.policy, spec.trainable) else {}
+    lora = spec.policy.lora
+    # adapted routed experts must run their linears (the grouped GEMMs read the weights alone)
+    adapted_experts = spec.trainable and lora is not None and "experts" in lora.targets
     return build_gpt_model(
-        hf_config, tconfig, padded_vocab=spec.padded_vocab, grouped_experts=speed.grouped_expert_gemm, **local
+        hf_config,
+        tconfig,
+        padded_vocab=spec.padded_vocab,
+        grouped_experts=speed.grouped_expert_gemm and not adapted_experts,
+        **local,
     )
 
 

@@ -478,6 +478,11 @@ class ShardedExporter:
         for rule in param_rules(self.dims, self.names):
             if not is_adapted(rule.megatron, self.lora):
                 continue
+            if rule.expert is not None:
+                raise ValueError(
+                    "routed experts' adapters have no PEFT folder here (transformers holds a layer's experts as one "
+                    "fused parameter); the merged model carries them"
+                )
             factors = self._adapter_factors(rule)
             if factors is not None and self.is_root:
                 out += _peft_names(rule, *factors, self.dims)

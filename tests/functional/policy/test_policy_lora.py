@@ -6,6 +6,10 @@
 - the adapters merged into the base weights (W + s * B @ A per shard) give the adapted model's logprobs;
 - TP2 with sequence parallelism, PP2 and CP2 give the single process's logprobs before and after, and its losses, and
   export the same PEFT adapters, which HF PEFT loads over the base model to give mrl's logprobs;
+- a tiny Qwen3-MoE with its routed experts adapted (target `experts`): the same in one process, at EP2 and at TP2
+  with sequence parallelism (explicit expert communication);
+- a checkpoint written at TP2 + SP (dense) or EP2 (experts) read by one process, and the exporter's merged model
+  read by transformers, give the adapted logprobs;
 - dropout on the adapters' input draws its mask as torch's dropout does, in training only.
 """
 
@@ -37,12 +41,16 @@ def _model(model_dir: str, tp: int, pp: int, sp: bool, cp: int = 1):
     import json
     from pathlib import Path
 
+    from megatron.core import parallel_state as ps
+
+    from converters import model_dims
     from converters.hf_io import load_hf_state
-    from mrl.model.build import build_gpt_model, load_hf_weights, transformer_config_from_hf
+    from mrl.model.build import build_gpt_model, load_hf_weights, router_settings, transformer_config_from_hf
 
     hf_config = json.loads((Path(model_dir) / "config.json").read_text())
+    experts = router_settings(model_dims(hf_config), expert_parallel=ps.get_expert_model_parallel_world_size())
     config = transformer_config_from_hf(hf_config, tensor_parallel=tp, pipeline_parallel=pp, sequence_parallel=sp,
-                                        context_parallel=cp)
+                                        context_parallel=cp, **experts)
     model = build_gpt_model(hf_config, config)
     load_hf_weights(model, load_hf_state(model_dir), hf_config)
     return model, config, hf_config
@@ -73,7 +81,7 @@ def _exporter(model, hf_config):
     return ShardedExporter(model, model_dims(hf_config), layer_offset=stage_layer_offset(model), names="local")
 
 
-def run(model_dir: str, tp: int = 1, pp: int = 1, sp: bool = False, cp: int = 1):
+def run(model_dir: str, tp: int = 1, pp: int = 1, sp: bool = False, cp: int = 1, ep: int = 1):
     """Logprobs without adapters, with fresh ones, after 3 steps, and of the merged model; losses; whether the base
     stayed bit for bit; the optimizer's parameter count. None on ranks that do not report."""
     import os
@@ -87,7 +95,7 @@ def run(model_dir: str, tp: int = 1, pp: int = 1, sp: bool = False, cp: int = 1)
     from mrl.policy.train_step import StepContext, logprobs_of_batch, train_on_batch
     from mrl.testing.losses import PGLoss
 
-    init_process_groups(ParallelDims(tp=tp, pp=pp, cp=cp, sequence_parallel=sp,
+    init_process_groups(ParallelDims(tp=tp, pp=pp, cp=cp, ep=ep, sequence_parallel=sp,
                                      world_size=int(os.environ["WORLD_SIZE"])))
     model, config, hf_config = _model(model_dir, tp, pp, sp, cp)
     ids, mask, adv = make_batch()
@@ -118,8 +126,11 @@ def run(model_dir: str, tp: int = 1, pp: int = 1, sp: bool = False, cp: int = 1)
             if name in wrapped:
                 module.weight.copy_(merged_weight(layers[name]))
     merged = logprobs_of_batch([merged_model], batch, micro_batch_size=4, ctx=ctx)
-    peft = _exporter(model, hf_config).adapter_tensors()  # collective; rank 0 holds them
-    report = {"adapters": dict(peft)} if torch.distributed.get_rank() == 0 else {}
+    from converters import model_dims
+
+    moe = model_dims(hf_config).moe is not None  # routed experts' adapters have no PEFT folder
+    peft = [] if moe else _exporter(model, hf_config).adapter_tensors()  # collective; rank 0 holds them
+    report = {"adapters": dict(peft)} if torch.distributed.get_rank() == 0 and not moe else {}
     if not (ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0
             and ps.get_context_parallel_rank() == 0):
         return report or None
@@ -176,6 +187,15 @@ def test_fresh_adapters_change_nothing_training_moves_them_alone_and_merging_giv
 @pytest.mark.parametrize("layout", [dict(tp=2, sp=True), dict(pp=2), dict(cp=2)], ids=["tp2-sp", "pp2", "cp2"])
 def test_lora_layouts_equal_one_process(model_dir, single, layout):
     reports = [r for r in run_on_ranks(run, world_size=2, args=(model_dir,), kwargs=layout) if r is not None]
+    check_layout(reports, single)
+    (exported,) = [got["adapters"] for got in reports if "adapters" in got]  # rank 0's, whichever stage it is
+    assert exported.keys() == single["adapters"].keys()
+    for name, tensor in exported.items():  # Adam's steps (lr 1e-2 each) carry the gradients' rounding: 1e-2 of a step
+        assert (tensor - single["adapters"][name]).abs().max() <= 1e-4, name
+
+
+def check_layout(reports: list, single: dict) -> None:
+    """A layout's reports against the single process's: logprobs before and after, losses, merged = adapted."""
     assert any("after" in got for got in reports)
     for got in (got for got in reports if "after" in got):  # the last stage's first TP rank
         assert got["base_kept"] and got["moved"]
@@ -183,13 +203,36 @@ def test_lora_layouts_equal_one_process(model_dir, single, layout):
         assert got["losses"] == pytest.approx(single["losses"], abs=1e-5)
         assert (got["after"] - single["after"]).abs().max() <= 1e-5
         assert (got["merged"] - got["after"]).abs().max() <= 1e-5
-    (exported,) = [got["adapters"] for got in reports if "adapters" in got]  # rank 0's, whichever stage it is
-    assert exported.keys() == single["adapters"].keys()
-    for name, tensor in exported.items():  # Adam's steps (lr 1e-2 each) carry the gradients' rounding: 1e-2 of a step
-        assert (tensor - single["adapters"][name]).abs().max() <= 1e-4, name
 
 
-def save_and_export(model_dir: str, out: str, tp: int = 1, sp: bool = False):
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory):
+    return str(build_tiny_hf_model(tmp_path_factory.mktemp("lora-moe"), "qwen3_moe", layers=2, seed=5))
+
+
+@pytest.fixture(scope="module")
+def moe_single(moe_dir):
+    (result,) = run_on_ranks(run, world_size=1, args=(moe_dir,))
+    return result
+
+
+def test_routed_experts_adapters_train_alone_and_merge(moe_single):
+    assert moe_single["wrapped"] == 2 * (2 + 8 * 2)  # layers x (qkv, proj + 8 experts x (fc1, fc2))
+    assert torch.equal(moe_single["fresh"], moe_single["plain"])
+    assert moe_single["optimized"] == moe_single["adapter_numel"]
+    assert moe_single["base_kept"] and moe_single["moved"]
+    assert (moe_single["merged"] - moe_single["after"]).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("layout", [dict(ep=2), dict(tp=2, sp=True)], ids=["ep2", "tp2-sp"])
+def test_routed_experts_adapters_in_every_layout_equal_one_process(moe_dir, moe_single, layout):
+    """EP2: each rank adapts its own experts; TP2: the experts' linears run under explicit expert communication, their
+    replicated factor's gradient summed over the expert-TP group."""
+    reports = [r for r in run_on_ranks(run, world_size=2, args=(moe_dir,), kwargs=layout) if r is not None]
+    check_layout(reports, moe_single)
+
+
+def save_and_export(model_dir: str, out: str, tp: int = 1, sp: bool = False, ep: int = 1):
     """Two steps with adapters, then a distributed checkpoint in `out` and the merged model exported as HF-named
     tensors (the refit's exporter); rank 0 returns the logprobs after the steps and the exported tensors."""
     import os
@@ -205,7 +248,7 @@ def save_and_export(model_dir: str, out: str, tp: int = 1, sp: bool = False):
     from mrl.policy.train_step import StepContext, logprobs_of_batch, train_on_batch
     from mrl.testing.losses import PGLoss
 
-    init_process_groups(ParallelDims(tp=tp, sequence_parallel=sp, world_size=int(os.environ["WORLD_SIZE"])))
+    init_process_groups(ParallelDims(tp=tp, ep=ep, sequence_parallel=sp, world_size=int(os.environ["WORLD_SIZE"])))
     model, config, hf_config = _model(model_dir, tp, 1, sp)
     ddp, optimizer, scheduler, _ = _adapted(model, config)
     ids, mask, adv = make_batch()
@@ -225,8 +268,10 @@ def save_and_export(model_dir: str, out: str, tp: int = 1, sp: bool = False):
     return {"after": after, "state": state} if torch.distributed.get_rank() == 0 else None
 
 
-def load_and_score(model_dir: str, out: str):
-    """One process: a fresh adapted model, the checkpoint loaded into it (resharded), its logprobs."""
+def load_and_score(model_dir: str, out: str, load_optimizer: bool = True):
+    """One process: a fresh adapted model, the checkpoint loaded into it (resharded), its logprobs. `load_optimizer`
+    False: the weights alone (Megatron chains a dense and an expert optimizer under EP only, so their states keep to
+    an EP size)."""
     from megatron.core import parallel_state as ps
 
     from mrl.checkpoint.megatron import load_megatron_state
@@ -238,25 +283,30 @@ def load_and_score(model_dir: str, out: str):
     init_process_groups(ParallelDims())
     model, config, hf_config = _model(model_dir, 1, 1, False)
     ddp, optimizer, scheduler, _ = _adapted(model, config, settings_seed=99)  # another seed: the checkpoint sets A
-    load_megatron_state(out, [ddp], optimizer, scheduler)
+    load_megatron_state(out, [ddp], optimizer, scheduler, load_optimizer=load_optimizer)
     ids, mask, adv = make_batch()
     ctx = StepContext(dp_size=1, cp_rank=0, cp_size=1, cp_group=ps.get_context_parallel_group(),
                       is_last_stage=True, vocab_size=hf_config["vocab_size"])
     return logprobs_of_batch([ddp], RankBatch(ids, mask, token_data={"adv": adv}), micro_batch_size=4, ctx=ctx)
 
 
-def test_a_lora_checkpoint_reshards_and_the_refit_exports_the_merged_model(model_dir, tmp_path):
-    from transformers import AutoConfig, AutoModelForCausalLM
+@pytest.mark.parametrize("case", ["dense-tp2-sp", "moe-ep2"])
+def test_a_lora_checkpoint_reshards_and_the_refit_exports_the_merged_model(model_dir, moe_dir, tmp_path, case):
+    """Written at TP2 with sequence parallelism (a dense model) or EP2 (routed experts adapted), read by one process:
+    the adapters come back; the merged model the exporter gathers, read by transformers, gives the adapted logprobs."""
+    from converters.hf_io import copy_model_metadata, save_hf_state
+    from transformers import AutoModelForCausalLM
 
+    source, layout = (model_dir, dict(tp=2, sp=True)) if case == "dense-tp2-sp" else (moe_dir, dict(ep=2))
     out = str(tmp_path / "ckpt")
-    saved = next(r for r in run_on_ranks(save_and_export, world_size=2, args=(model_dir, out),
-                                         kwargs=dict(tp=2, sp=True)) if r is not None)
-    (loaded,) = run_on_ranks(load_and_score, world_size=1, args=(model_dir, out))
-    assert (loaded - saved["after"]).abs().max() <= 1e-5  # TP2 + SP written, TP1 read: the adapters came back
-    # the exported tensors are an HF model of the base's names and shapes: transformers gives the adapted logprobs
-    hf = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), dtype=torch.float32)
-    missing, unexpected = hf.load_state_dict(saved["state"], strict=False)
-    assert not unexpected and set(missing) <= {"lm_head.weight"}  # tied embeddings: lm_head is the embedding
+    saved = next(r for r in run_on_ranks(save_and_export, world_size=2, args=(source, out), kwargs=layout)
+                 if r is not None)
+    (loaded,) = run_on_ranks(load_and_score, world_size=1, args=(source, out, case.startswith("dense")))
+    assert (loaded - saved["after"]).abs().max() <= 1e-5
+    save_hf_state(saved["state"].items(), tmp_path / "hf", log=lambda message: None)
+    copy_model_metadata(source, tmp_path / "hf")
+    options = dict(experts_implementation="eager") if case.startswith("moe") else {}
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32, **options)
     ids = make_batch()[0]
     with torch.no_grad():
         logits = hf(ids).logits.float()

@@ -148,8 +148,9 @@ def test_kv_capacity_of_a_pipelined_engine_is_its_fullest_stages():
 
 @pytest.mark.parametrize("name, world, tp, pp, ep", [(R1_1_5B, 8, 2, 2, 1), (QWEN3_30B, 16, 2, 1, 8)])
 def test_lora_adapters_and_their_optimizer_bytes_equal_the_adapted_megatron_model(name, world, tp, pp, ep):
-    """policy.lora: the adapters on one rank of Megatron's model (mrl/model/lora.py on the meta device) are what the
-    plan counts; they alone have gradients and optimizer states (a routed expert's weights are frozen too)."""
+    """policy.lora: the adapters on one rank of Megatron's model (mrl/model/lora.py on the meta device, routed experts'
+    too) are what the plan counts; they alone have gradients and optimizer states, a routed expert's sharded over the
+    expert data-parallel ranks."""
     from mrl.model.lora import LoraSettings, apply_lora
 
     config = published(name)
@@ -161,7 +162,10 @@ def test_lora_adapters_and_their_optimizer_bytes_equal_the_adapted_megatron_mode
             apply_lora(model, settings)
             adapters = sum(p.numel() for n, p in model.named_parameters() if ".lora.lora_" in n)
             trainable = [p for p in model.parameters() if p.requires_grad]
-            assert planned[stage].adapters == adapters == sum(p.numel() for p in trainable)
+            assert planned[stage].adapters + planned[stage].expert_adapters == adapters
+            assert adapters == sum(p.numel() for p in trainable)
+            experts = sum(p.numel() for n, p in model.named_parameters() if ".lora.lora_" in n and ".experts." in n)
+            assert planned[stage].expert_adapters == experts and (experts > 0) == (name == QWEN3_30B)
             plan = policy_bytes(planned[stage], layout, precision="bfloat16", distributed_optimizer=True,
                                 reference=False)
             assert plan.optimizer == optimizer_bytes_of(model, layout)

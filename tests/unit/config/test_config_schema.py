@@ -268,7 +268,7 @@ def test_a_teacher_of_its_own_devices_takes_the_clusters_last_ones_from_the_poli
 def test_lora_names_its_layers_and_refuses_a_megatron_final_format():
     cfg = validate_tree({"policy": {"lora": {"rank": 8}}})
     assert (cfg.policy.lora.rank, cfg.policy.lora.alpha) == (8, 32.0)
-    assert cfg.policy.lora.targets == ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
+    assert cfg.policy.lora.targets == ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "experts"]
     (p,) = problems({"policy": {"lora": {"targets": ["q_proj"]}}})
     assert p.key == "policy.lora.targets.0" and p.given == "q_proj" and "linear_qkv" in p.message
     (p,) = problems({"policy": {"lora": {}}, "run": {"final_format": "megatron"}})
