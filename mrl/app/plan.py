@@ -655,6 +655,7 @@ def _workers_line(plan: Plan, cfg: MrlConfig) -> str:
             f"{cfg.policy.precision}, distributed optimizer "
             f"{'on' if cfg.policy.optimizer.use_distributed_optimizer else 'off'}, recompute "
             f"{'on' if cfg.policy.activation_checkpointing else 'off'}"
+            + (f", LoRA rank {cfg.policy.lora.rank} (the base frozen)" if cfg.policy.lora else "")
         )
     if plan.engine is not None:
         placed = "" if not plan.stages else ", colocated" if cfg.generation.colocated else ", on its own GPUs"

@@ -232,3 +232,13 @@ def test_ppos_critic_and_distillations_teacher_are_counted_on_the_policys_gpus(t
     assert policy_bytes < stage.states.teacher < 2 * policy_bytes
     assert stage.train_phase > base.stages[0].train_phase + stage.states.teacher
     assert "beside" in render(distill, cfg)
+
+
+def test_lora_leaves_the_weights_and_gives_gradients_and_adam_to_the_adapters_alone():
+    """policy.lora: the base's weights stay (plus the adapters', a few percent), its gradients and Adam states go
+    (plan_memory's arithmetic is checked against Megatron's adapted model in test_app_plan_memory.py)."""
+    cfg = load_config(R1_8K, ["+policy.lora.rank=16"])
+    full, lora = make_plan(load_config(R1_8K)).stages[0].states, make_plan(cfg).stages[0].states
+    assert full.weights < lora.weights < 1.05 * full.weights
+    assert lora.gradients < 0.05 * full.gradients and lora.optimizer < 0.05 * full.optimizer
+    assert "LoRA rank 16 (the base frozen)" in render(make_plan(cfg), cfg)
