@@ -47,6 +47,8 @@ from typing import Any, Callable, Literal
 
 import torch
 
+from mrl.parallel import collectives
+
 Kind = Literal["column", "row"]
 #: The layers adapters may wrap (Megatron's local-spec names) and their kind.
 TARGETS: dict[str, Kind] = {
@@ -106,7 +108,7 @@ class LoraAdapter(torch.nn.Module):
             replicated.register_hook(functools.partial(_summed_over, group=self.tp_group))
 
     def _tp_size(self) -> int:
-        return torch.distributed.get_world_size(self.tp_group) if torch.distributed.is_initialized() else 1
+        return collectives.world_size(self.tp_group) if collectives.is_initialized() else 1
 
     def _init_a(self, seed: int) -> None:
         """PEFT's Kaiming-uniform init of A, drawn for the whole [r, in] and sliced to this rank's columns (row
@@ -117,7 +119,7 @@ class LoraAdapter(torch.nn.Module):
         bound = 1.0 / math.sqrt(full)  # kaiming_uniform_(a=sqrt(5)): gain sqrt(2 / 6), bound gain * sqrt(3 / fan_in)
         whole = (torch.rand(rank, full, generator=generator) * 2 - 1) * bound
         if self.kind == "row":
-            tp_rank = torch.distributed.get_rank(self.tp_group) if self._tp_size() > 1 else 0
+            tp_rank = collectives.rank(self.tp_group) if self._tp_size() > 1 else 0
             whole = whole[:, tp_rank * local : (tp_rank + 1) * local]
         with torch.no_grad():
             self.lora_a.copy_(whole)
@@ -158,7 +160,7 @@ class LoraAdapter(torch.nn.Module):
 def _summed_over(grad: torch.Tensor, group: Any) -> torch.Tensor:
     """A gradient summed over `group` (a routed expert's replicated factor: each expert-TP rank holds its part)."""
     grad = grad.clone()
-    torch.distributed.all_reduce(grad, group=group)
+    collectives.all_reduce(grad, "sum", group)
     return grad
 
 
