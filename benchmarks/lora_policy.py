@@ -46,14 +46,14 @@ def _nbytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def _optimizer_bytes(optimizer) -> int:
-    """Bytes of every tensor the optimizer keeps beside the model: Adam's states, fp32 main weights of a bf16 model."""
-    import torch
+def _optimizer_bytes(optimizer, model) -> int:
+    """Bytes of every tensor the optimizer keeps beside the model: Adam's states, and its main weights where they are
+    not the model's own (bf16 training's fp32 copies)."""
+    from mrl.policy.memory import optimizer_params, optimizer_states, storage_key
 
-    inner = getattr(optimizer, "optimizer", optimizer)
-    states = [v for state in inner.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
-    mains = [p for group in getattr(optimizer, "fp32_from_float16_groups", []) for p in group]
-    return _nbytes(states) + _nbytes(mains)
+    owned = {storage_key(p) for p in model.parameters()}
+    mains = [p for p in optimizer_params(optimizer) if storage_key(p) not in owned]
+    return _nbytes(optimizer_states(optimizer)) + _nbytes(mains)
 
 
 def bench_rank(model_dir: str, rank: int, sequences: int, seq_len: int, micro_batch: int, reps: int,
@@ -124,7 +124,7 @@ def bench_rank(model_dir: str, rank: int, sequences: int, seq_len: int, micro_ba
             "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad),
             "weights": _nbytes(model.parameters()),
             "grads": grads,
-            "optimizer": _optimizer_bytes(optimizer),
+            "optimizer": _optimizer_bytes(optimizer, model),
             "step_s": statistics.median(times[name]),
             "refit_merged": merged,
             "refit_adapters": _nbytes(t for _, t in exporter.adapter_tensors()) if name == "lora" else None,
@@ -149,14 +149,15 @@ def main() -> None:
           f"{args.sequences} sequences x {args.seq_len} tokens, micro-batch {args.micro_batch}; median of {args.reps}")
     print(f"{'':6}{'trainable':>12}{'weights':>9}{'grads':>8}{'optim':>8}{'B/param':>9}{'step s':>9}"
           f"{'refit MiB':>11}")
+    states = {path: r["weights"] + r["grads"] + r["optimizer"] for path, r in result.items()}
     for path, r in result.items():
-        per_param = (r["weights"] + r["grads"] + r["optimizer"]) / base
+        per_param = states[path] / base
         refit = r["refit_merged"] if path == "full" else r["refit_adapters"]
         print(f"{path:6}{r['trainable']:12,}{r['weights'] / base:9.2f}{r['grads'] / base:8.2f}"
               f"{r['optimizer'] / base:8.2f}{per_param:9.2f}{r['step_s']:9.3f}{refit / 2**20:11.2f}")
     full, lora = result["full"], result["lora"]
     print(f"lora / full: trainable {lora['trainable'] / full['trainable']:.4f}, states (B/param) "
-          f"{(lora['weights'] + lora['grads'] + lora['optimizer']) / (full['weights'] + full['grads'] + full['optimizer']):.3f}, "
+          f"{states['lora'] / states['full']:.3f}, "
           f"step time {lora['step_s'] / full['step_s']:.2f}; a refit of the merged model moves "
           f"{lora['refit_merged'] / 2**20:.2f} MiB, of the adapters alone {lora['refit_adapters'] / 2**20:.2f} MiB")
 

@@ -126,8 +126,8 @@ def main() -> None:
 
         llm = _engine(args.base, max_len, rank)
         loads = []
-        for version in range(args.reps):
-            request = LoRARequest("policy", 1, args.adapter, load_inplace=True)
+        request = LoRARequest("policy", 1, args.adapter, load_inplace=True)  # each add replaces the loaded one
+        for _ in range(args.reps):
             start = time.perf_counter()
             llm.llm_engine.add_lora(request)
             loads.append(time.perf_counter() - start)

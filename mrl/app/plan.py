@@ -386,9 +386,8 @@ def _policy_stages(
     colocated = cfg.generation.colocated and engine is not None
     asleep = int(assumptions["engine_asleep_gib"].value * GiB) + context if colocated else 0
     stages = []
-    lora = cfg.policy.lora
-    settings = LoraSettings(rank=lora.rank, alpha=lora.alpha, targets=tuple(lora.targets)) if lora else None
-    for stage in stage_params(dims, layout, freeze_router=cfg.policy.moe.freeze_router, lora=settings):
+    lora = LoraSettings.of(cfg.policy.lora) if cfg.policy.lora else None
+    for stage in stage_params(dims, layout, freeze_router=cfg.policy.moe.freeze_router, lora=lora):
         states = policy_bytes(
             stage,
             layout,

@@ -75,13 +75,18 @@ class LoraSettings:
     def scale(self) -> float:
         return self.alpha / self.rank
 
+    @classmethod
+    def of(cls, config: Any, seed: int = 0) -> "LoraSettings":
+        """The settings of a `policy.lora` section (mrl.config.schema.LoraConfig)."""
+        return cls(config.rank, config.alpha, tuple(config.targets), seed, config.dropout)
+
 
 class LoraAdapter(torch.nn.Module):
     """A and B of one wrapped layer (see the module docstring); `forward(x)` is the adapter's term of the output."""
 
     def __init__(self, base: Any, kind: Kind, settings: LoraSettings, seed: int, *, gated: bool = False) -> None:
         super().__init__()
-        self.kind, self.scale, self.rank, self.alpha = kind, settings.scale, settings.rank, settings.alpha
+        self.kind, self.scale = kind, settings.scale
         self.dropout = torch.nn.Dropout(settings.dropout) if settings.dropout > 0 else None
         self.gated = gated  # a gated MLP's fc1: its rows are [gate; up] per TP rank (the checkpoint splits them)
         self.sequence_parallel = bool(base.sequence_parallel)
@@ -125,21 +130,22 @@ class LoraAdapter(torch.nn.Module):
             self.lora_a.copy_(whole)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.nn.functional.linear(self._dropped(x), self.lora_a)
+        if not self.explicit:  # a routed expert's h needs none: the dispatcher gathers and reduces around it
+            h = self._exchanged(h)
+        return self.scale * torch.nn.functional.linear(h, self.lora_b)
+
+    def _exchanged(self, h: torch.Tensor) -> torch.Tensor:
+        """h = A x after the base's collective of its kind (the module docstring's contract)."""
         from megatron.core.tensor_parallel import mappings
 
-        h = torch.nn.functional.linear(self._dropped(x), self.lora_a)
-        if self.explicit:
-            pass  # x and the output are as the base's: the dispatcher gathers and reduces both
-        elif self.kind == "column":
+        if self.kind == "column":
             if self.sequence_parallel:
-                h = mappings.gather_from_sequence_parallel_region(h, group=self.tp_group)
-            else:
-                h = mappings.copy_to_tensor_model_parallel_region(h, group=self.tp_group)
-        elif self.sequence_parallel:
-            h = mappings.reduce_scatter_to_sequence_parallel_region(h, group=self.tp_group)
-        else:
-            h = mappings.reduce_from_tensor_model_parallel_region(h, group=self.tp_group)
-        return self.scale * torch.nn.functional.linear(h, self.lora_b)
+                return mappings.gather_from_sequence_parallel_region(h, group=self.tp_group)
+            return mappings.copy_to_tensor_model_parallel_region(h, group=self.tp_group)
+        if self.sequence_parallel:
+            return mappings.reduce_scatter_to_sequence_parallel_region(h, group=self.tp_group)
+        return mappings.reduce_from_tensor_model_parallel_region(h, group=self.tp_group)
 
     def _dropped(self, x: torch.Tensor) -> torch.Tensor:
         """x with PEFT's dropout on the adapter's input (training only). A column layer's x without sequence

@@ -239,10 +239,7 @@ def add_adapters(module: Any, spec: PolicySpec, *, score_head: bool) -> None:
         return
     from mrl.model.lora import LoraSettings, apply_lora
 
-    settings = LoraSettings(
-        rank=lora.rank, alpha=lora.alpha, targets=tuple(lora.targets), seed=spec.seed, dropout=lora.dropout
-    )
-    apply_lora(module, settings)
+    apply_lora(module, LoraSettings.of(lora, seed=spec.seed))
     if score_head and getattr(module, "output_layer", None) is not None:
         module.output_layer.requires_grad_(True)
 

@@ -200,8 +200,7 @@ class Policy:
         return self.workers.run_all(PolicyWorker.export_state)[0]
 
     def export_adapters(self) -> list[tuple[str, torch.Tensor]]:
-        """The LoRA adapters (`policy.lora`) as a PEFT adapter folder's tensors."""
-        self._planned = None  # the ranks plan one bucket of everything for it
+        """The LoRA adapters (`policy.lora`) as a PEFT adapter folder's tensors (the refit's bucket plan kept)."""
         return self.workers.run_all(PolicyWorker.export_adapters)[0]
 
     def save(self, path: str, *, weights_only: bool = False) -> None:

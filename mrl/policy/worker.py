@@ -161,7 +161,7 @@ class PolicyWorker:
         # Measures the engine/trainer routing disagreement of a MoE policy; replays with router_replay (None: dense).
         self.routing = routing_replay(self.model, cfg, self.model_dims, self.ps)
         self._measure_routing = True  # the engine holds the initial weights (or gets a refit before it samples)
-        self._exporter: Optional[ShardedExporter] = None  # made by the first `plan_export`
+        self._exporter: Optional[ShardedExporter] = None  # made once, by `_ready_exporter`
         self._bucket_plan: list = []
         self._bucket_owners: list[int] = []
 
@@ -343,22 +343,16 @@ class PolicyWorker:
     def plan_export(self, bucket_bytes: int) -> int:
         """Prepare a weight export in buckets of at most `bucket_bytes`, each of one pipeline stage (its owner,
         `bucket_owners`); returns the number of buckets."""
-        from mrl.policy.export import ShardedExporter, bucket_stage, plan_buckets
+        from mrl.policy.export import bucket_stage, plan_buckets
 
-        self.memory.reclaim(("weights",))
-        gather_weights(self.speed, self.model)  # an overlapped step left the other shards to the next forward
-        if self._exporter is None:
-            names: SpecNames = (
-                "te" if any(k.endswith("layer_norm_weight") for k in self.module.state_dict()) else "local"
-            )
-            self._exporter = ShardedExporter(self.module, self.model_dims, layer_offset=self.layer_offset, names=names)
+        exporter = self._ready_exporter()
         element = next(self.module.parameters()).element_size()
         # A layer larger than the bucket is cut (bounded memory for any model): every sink takes part-layers, vLLM's
         # workers in one reload session per refit (vllm_extension.begin_refit), the Megatron engine whole states.
         self._bucket_plan = plan_buckets(
-            self.model_dims, self._exporter.names, bucket_bytes, element, split_units=True, stages=self._exporter.stages
+            self.model_dims, exporter.names, bucket_bytes, element, split_units=True, stages=exporter.stages
         )
-        self._bucket_owners = [bucket_stage(bucket, self._exporter.stages) for bucket in self._bucket_plan]
+        self._bucket_owners = [bucket_stage(bucket, exporter.stages) for bucket in self._bucket_plan]
         return len(self._bucket_plan)
 
     def bucket_owners(self) -> list[int]:
@@ -437,12 +431,23 @@ class PolicyWorker:
             state.update(exporter.bucket(self._bucket_plan[index]))
         return state if collectives.rank() == 0 else None
 
+    def _ready_exporter(self) -> "ShardedExporter":
+        """The exporter (made once: it exchanges the stages' layouts), with this rank's weights on the device and
+        whole (an overlapped step left the other shards to the next forward)."""
+        from mrl.policy.export import ShardedExporter
+
+        self.memory.reclaim(("weights",))
+        gather_weights(self.speed, self.model)
+        if self._exporter is None:
+            names: SpecNames = (
+                "te" if any(k.endswith("layer_norm_weight") for k in self.module.state_dict()) else "local"
+            )
+            self._exporter = ShardedExporter(self.module, self.model_dims, layer_offset=self.layer_offset, names=names)
+        return self._exporter
+
     def export_adapters(self) -> Optional[list[tuple[str, torch.Tensor]]]:
         """The LoRA adapters as PEFT-named tensors on rank 0 (None elsewhere; `ShardedExporter.adapter_tensors`)."""
-        self.plan_export(1 << 62)  # the exporter, its stage layout, the weights where they are read
-        exporter = self._exporter
-        assert exporter is not None, "plan_export made it"
-        tensors = exporter.adapter_tensors()
+        tensors = self._ready_exporter().adapter_tensors()
         return tensors if collectives.rank() == 0 else None
 
     # --------------------------------------------------------------------------------------------- checkpoint

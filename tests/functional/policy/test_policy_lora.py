@@ -88,6 +88,7 @@ def run(model_dir: str, tp: int = 1, pp: int = 1, sp: bool = False, cp: int = 1,
 
     from megatron.core import parallel_state as ps
 
+    from converters import model_dims
     from mrl.model.lora import merged_weight
     from mrl.parallel.groups import init_process_groups
     from mrl.parallel.layout import ParallelDims
@@ -100,8 +101,9 @@ def run(model_dir: str, tp: int = 1, pp: int = 1, sp: bool = False, cp: int = 1,
     model, config, hf_config = _model(model_dir, tp, pp, sp, cp)
     ids, mask, adv = make_batch()
     batch = RankBatch(ids, mask, token_data={"adv": adv})
-    ctx = StepContext(dp_size=1, cp_rank=ps.get_context_parallel_rank(), cp_size=cp, cp_group=ps.get_context_parallel_group(),
-                      is_last_stage=ps.is_pipeline_last_stage(), vocab_size=hf_config["vocab_size"])
+    ctx = StepContext(dp_size=1, cp_rank=ps.get_context_parallel_rank(), cp_size=cp,
+                      cp_group=ps.get_context_parallel_group(), is_last_stage=ps.is_pipeline_last_stage(),
+                      vocab_size=hf_config["vocab_size"])
     plain = logprobs_of_batch([model], batch, micro_batch_size=4, ctx=ctx)
     base = {name: p.detach().clone() for name, p in model.named_parameters()}
     ddp, optimizer, scheduler, wrapped = _adapted(model, config)
@@ -126,8 +128,6 @@ def run(model_dir: str, tp: int = 1, pp: int = 1, sp: bool = False, cp: int = 1,
             if name in wrapped:
                 module.weight.copy_(merged_weight(layers[name]))
     merged = logprobs_of_batch([merged_model], batch, micro_batch_size=4, ctx=ctx)
-    from converters import model_dims
-
     moe = model_dims(hf_config).moe is not None  # routed experts' adapters have no PEFT folder
     peft = [] if moe else _exporter(model, hf_config).adapter_tensors()  # collective; rank 0 holds them
     report = {"adapters": dict(peft)} if torch.distributed.get_rank() == 0 and not moe else {}
@@ -239,11 +239,10 @@ def save_and_export(model_dir: str, out: str, tp: int = 1, sp: bool = False, ep:
 
     from megatron.core import parallel_state as ps
 
-    from converters import model_dims
     from mrl.checkpoint.megatron import save_megatron_state
     from mrl.parallel.groups import init_process_groups
     from mrl.parallel.layout import ParallelDims
-    from mrl.policy.export import ShardedExporter, plan_buckets
+    from mrl.policy.export import plan_buckets
     from mrl.policy.interface import RankBatch, global_count
     from mrl.policy.train_step import StepContext, logprobs_of_batch, train_on_batch
     from mrl.testing.losses import PGLoss
@@ -260,10 +259,9 @@ def save_and_export(model_dir: str, out: str, tp: int = 1, sp: bool = False, ep:
                        count=global_count(mask, "token"), micro_batch_size=4, ctx=ctx)
     after = logprobs_of_batch([ddp], batch, micro_batch_size=4, ctx=ctx)
     save_megatron_state(out, [ddp], optimizer, scheduler)
-    dims = model_dims(hf_config)
-    exporter = ShardedExporter(model, dims, layer_offset=0, names="local")
+    exporter = _exporter(model, hf_config)
     state: dict = {}
-    for bucket in plan_buckets(dims, exporter.names, 1 << 62, 4, split_units=True, stages=exporter.stages):
+    for bucket in plan_buckets(exporter.dims, exporter.names, 1 << 62, 4, split_units=True, stages=exporter.stages):
         state.update(exporter.bucket(bucket))
     return {"after": after, "state": state} if torch.distributed.get_rank() == 0 else None
 
@@ -294,8 +292,9 @@ def load_and_score(model_dir: str, out: str, load_optimizer: bool = True):
 def test_a_lora_checkpoint_reshards_and_the_refit_exports_the_merged_model(model_dir, moe_dir, tmp_path, case):
     """Written at TP2 with sequence parallelism (a dense model) or EP2 (routed experts adapted), read by one process:
     the adapters come back; the merged model the exporter gathers, read by transformers, gives the adapted logprobs."""
-    from converters.hf_io import copy_model_metadata, save_hf_state
     from transformers import AutoModelForCausalLM
+
+    from converters.hf_io import copy_model_metadata, save_hf_state
 
     source, layout = (model_dir, dict(tp=2, sp=True)) if case == "dense-tp2-sp" else (moe_dir, dict(ep=2))
     out = str(tmp_path / "ckpt")
