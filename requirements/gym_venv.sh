@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # make gym-venv: NeMo Gym's own virtual environment, .venv-gym, at requirements/gym.lock's versions (make lock-gym
-# re-resolves the lock). nemo-gym needs Python >= 3.12: $MRL_GYM_BASE_PYTHON, else python3.12 on PATH, else pyenv's
-# newest 3.12. Where no Python 3.12 is found or the registry cannot be reached, one line says so and the command
+# re-resolves the lock). nemo-gym needs Python >= 3.12: $MRL_GYM_BASE_PYTHON, else what requirements/find_python.sh
+# finds. Where no Python 3.12 is found or the registry cannot be reached, one line says so and the command
 # exits 0 without the environment: the NeMo Gym tests then skip in one line each (tests/gym).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -9,15 +9,7 @@ VENV=.venv-gym
 mode=${1:-install}
 
 find_python() {
-    local candidate
-    for candidate in "${MRL_GYM_BASE_PYTHON:-}" "$(command -v python3.12 2>/dev/null)" \
-                     $(ls -d "$(pyenv root 2>/dev/null || echo "$HOME/.pyenv")"/versions/3.12*/bin/python3.12 2>/dev/null | sort -V -r); do
-        if [ -n "$candidate" ] && "$candidate" -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null; then
-            echo "$candidate"
-            return 0
-        fi
-    done
-    return 1
+    bash requirements/find_python.sh "${MRL_GYM_BASE_PYTHON:-}"
 }
 
 python=$(find_python) || { echo "gym-venv: no Python 3.12 found (set MRL_GYM_BASE_PYTHON, or install it: pyenv install 3.12); NeMo Gym's tests will skip"; exit 0; }

@@ -32,18 +32,7 @@ VENV=$WORK/venv
 PY=$VENV/bin/python
 
 find_python() {
-    local c
-    local pyenv_root
-    pyenv_root=$(pyenv root 2>/dev/null || echo "$HOME/.pyenv")
-    # pyenv's shim for python3.12 exists but fails where 3.12 is not its selected version: each is tried by running it.
-    for c in "${GPU_LOCK_PYTHON:-}" python3.12 $(ls -d "$pyenv_root"/versions/3.12*/bin/python3.12 2>/dev/null \
-                                                  | sort -V -r); do
-        [ -n "$c" ] || continue
-        if "$c" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))' >/dev/null 2>&1; then
-            command -v "$c"
-            return 0
-        fi
-    done
+    bash requirements/find_python.sh "${GPU_LOCK_PYTHON:-}" && return 0
     echo "$0: needs a CPython 3.12: python3.12 on PATH, pyenv's, or GPU_LOCK_PYTHON=/path/to/python3.12" >&2
     return 1
 }

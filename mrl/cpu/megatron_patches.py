@@ -2,7 +2,8 @@
 two of `mrl.cpu.megatron_speed` that make it fast there).
 
 Megatron-Core is written for CUDA: it calls `torch.cuda.*` unconditionally and creates tensors with
-`device="cuda"`. On a CPU-only torch build these calls raise ("Torch not compiled with CUDA enabled").
+`device="cuda"`. Where there is no GPU these calls raise: on a CPU-only torch build "Torch not compiled with CUDA
+enabled", on a CUDA build (PyPI's, which the lock installs for Python 3.12) "Found no NVIDIA driver".
 mrl runs and tests the whole stack on CPU (gloo, Megatron's local layer spec), so this module patches the
 exact places that break, one named function per problem, each saying what breaks and why the fix is right.
 

@@ -72,6 +72,12 @@ LOG_RECORDS = (
         r"Triton not available",
         "Triton is CUDA-only and removed from the CPU stack; nothing mrl runs on CPU needs it",
     ),
+    KnownNoise(
+        "torch.utils.cpp_extension",
+        r"No CUDA runtime is found",
+        "the lock's torch for Python 3.12 is PyPI's CUDA build, which looks for a CUDA runtime when its extension "
+        "builder is imported; mrl builds no extension, and on a machine without a GPU it runs on the CPU",
+    ),
 )
 
 #: Environment of vLLM engine processes (set when the process starts: torch reads it at import).

@@ -47,6 +47,13 @@ def all_patches_restored():
     megatron_patches.apply()
 
 
+def raises_without_cuda():
+    """What a CUDA call raises where there is no GPU: a CPU build of torch asserts it was "not compiled with CUDA"; a
+    CUDA build (PyPI's, which the lock installs for Python 3.12) finds no driver. Other calls word it their own way
+    (below)."""
+    return pytest.raises((AssertionError, RuntimeError), match="not compiled with CUDA|no NVIDIA driver")
+
+
 def without(name: str) -> None:
     assert name in megatron_patches.applied()
     megatron_patches.revert([name])
@@ -83,7 +90,7 @@ def test_current_device_is_cpu():
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
     without("current_device_is_cpu")
-    with pytest.raises(AssertionError, match="not compiled with CUDA"):
+    with raises_without_cuda():
         RotaryEmbedding(kv_channels=8, rotary_percent=1.0)(4)
     megatron_patches.apply()
     emb = RotaryEmbedding(kv_channels=8, rotary_percent=1.0)(4)  # [s, 1, 1, d]
@@ -96,7 +103,7 @@ def test_rng_tracker_on_cpu():
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, model_parallel_cuda_manual_seed
 
     without("rng_tracker_on_cpu")
-    with pytest.raises(AssertionError, match="not compiled with CUDA"):
+    with raises_without_cuda():
         model_parallel_cuda_manual_seed(7)
     megatron_patches.apply()
     model_parallel_cuda_manual_seed(7)
@@ -126,7 +133,7 @@ def test_causal_masks_on_cpu():
     )
     scores = torch.randn(2, 3, 5, 5)  # [b, heads, sq, sk]
     without("causal_masks_on_cpu")
-    with pytest.raises(AssertionError, match="not compiled with CUDA"):
+    with raises_without_cuda():
         softmax(scores, None)
     megatron_patches.apply()
     future = torch.triu(torch.ones(5, 5, dtype=torch.bool), diagonal=1)
@@ -139,7 +146,7 @@ def test_synchronize_is_noop():
 
     timers = Timers(log_level=2, log_option="minmax")
     without("synchronize_is_noop")
-    with pytest.raises(AssertionError, match="not compiled with CUDA"):
+    with raises_without_cuda():
         timers("step", log_level=0).start()
     megatron_patches.apply()
     timers("step", log_level=0).start()
@@ -185,7 +192,7 @@ def test_cuda_streams_are_host_dummies():
 
     MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = None  # class-level cache of the side stream
     without("cuda_streams_are_host_dummies")
-    with pytest.raises(RuntimeError, match="requires CUDA support"):
+    with pytest.raises(RuntimeError, match="requires CUDA support|CUDA driver version is insufficient"):
         build_moe_layer()
     megatron_patches.apply()
     MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = None
@@ -259,7 +266,7 @@ def test_schedule_cuda_tensors_on_cpu():
         )
 
     without("schedule_cuda_tensors_on_cpu")
-    with pytest.raises(AssertionError, match="not compiled with CUDA"):
+    with raises_without_cuda():
         run()
     megatron_patches.apply()
     (result,) = run()
@@ -277,7 +284,7 @@ def test_optimizer_cuda_tensors_on_cpu():
     opt_config = OptimizerConfig(optimizer="sgd", lr=0.1, bf16=False, fp16=False, clip_grad=1e-3, weight_decay=0.0)
 
     without("optimizer_cuda_tensors_on_cpu")
-    with pytest.raises(AssertionError, match="not compiled with CUDA"):
+    with raises_without_cuda():
         get_megatron_optimizer(opt_config, [ddp])
     megatron_patches.apply()
     optimizer = get_megatron_optimizer(opt_config, [ddp])
@@ -318,8 +325,12 @@ def test_nvtx_is_noop():
     megatron_utils.configure_nvtx_profiling(True)
     try:
         without("nvtx_is_noop")
-        with pytest.raises(RuntimeError, match="NVTX functions not installed"):
+        if torch.version.cuda is None:  # a CPU build has no NVTX; a CUDA build's NVTX calls work without a GPU
+            with pytest.raises(RuntimeError, match="NVTX functions not installed"):
+                megatron_utils.nvtx_range_push("step")
+        else:
             megatron_utils.nvtx_range_push("step")
+            assert megatron_utils._nvtx_range_messages == ["step"]
         megatron_utils._nvtx_range_messages.clear()
         megatron_patches.apply()
         megatron_utils.nvtx_range_push("step")
@@ -345,7 +356,7 @@ def test_rope_cp_slice_on_cpu():
 
     emb = torch.arange(8.0).reshape(8, 1, 1, 1)  # [s, 1, 1, d]: value = position
     without("rope_cp_slice_on_cpu")
-    with pytest.raises(RuntimeError, match="pin_memory"):
+    with pytest.raises(RuntimeError, match="pin_memory|no NVIDIA driver"):
         rope_utils.get_pos_emb_on_this_cp_rank(emb, 0, _FakeCpGroup())
     megatron_patches.apply()
     sliced = rope_utils.get_pos_emb_on_this_cp_rank(emb, 0, _FakeCpGroup())
@@ -393,7 +404,7 @@ def test_static_inference_cuda_tensors_on_cpu():
         return [r.generated_tokens.tolist() for r in engine.generate(inference_requests=requests)]
 
     without("static_inference_cuda_tensors_on_cpu")
-    with pytest.raises(AssertionError, match="not compiled with CUDA"):
+    with raises_without_cuda():
         generate()
     megatron_patches.apply()
     expected = []
