@@ -1,13 +1,16 @@
 # mrl: install the pinned CPU stack into .venv, run the demo, run the tests.
 # Everything the project needs is installed from here; nothing by hand.
 SHELL := /bin/bash
-# The stack runs on CPython 3.12 (megatron-core from 0.17 requires it): PYTHON names one, else
-# requirements/find_python.sh finds python3.12 on PATH, pyenv's newest 3.12.x or a python3 that is 3.12.
+# The stack runs on CPython 3.12 (megatron-core from 0.17 requires it): PYTHON names one (used as named, or refused),
+# else requirements/find_python.sh finds python3.12 on PATH, pyenv's newest 3.12.x or a python3 that is 3.12.
 PYTHON ?=
-PYTHON312 = $(shell bash requirements/find_python.sh $(PYTHON))
-NO_PYTHON312 := mrl needs CPython 3.12 and none was found (python3.12 on PATH, pyenv's 3.12.x, a python3 that is \
-3.12). Install one (pyenv install 3.12, or apt-get install python3.12 python3.12-venv) or name it: make install \
-PYTHON=/path/to/python3.12
+PYTHON312 = $(if $(PYTHON),$(shell $(PYTHON) -c 'import sys; assert sys.version_info[:2] == (3, 12); \
+print(sys.executable)' 2>/dev/null),$(shell bash requirements/find_python.sh))
+NO_PYTHON312 = $(if $(PYTHON),PYTHON=$(PYTHON) is not a CPython 3.12 (it runs as: $(shell $(PYTHON) --version 2>&1 \
+| head -1)). Name a Python 3.12,mrl needs CPython 3.12 and none was found (python3.12 on PATH$(,) pyenv's 3.12.x$(,) \
+a python3 that is 3.12). Install one (pyenv install 3.12$(,) or apt-get install python3.12 python3.12-venv) or name \
+it): make install PYTHON=/path/to/python3.12
+, := ,
 VENV := .venv
 BIN := $(VENV)/bin
 # torch from PyPI: for Python 3.12 only its CUDA build exists there (CUDA's libraries come with it and stay unused on

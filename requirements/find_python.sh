@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Prints the path of a CPython 3.12, the Python mrl's environments are made with (make install's .venv, NeMo Gym's
 # .venv-gym, the GPU lock's resolver): the first that runs as 3.12 of its arguments (a user's choice such as
-# `make install PYTHON=...`), python3.12 on PATH, pyenv's newest 3.12.x, python3. Each candidate is run, not trusted
+# $MRL_GYM_BASE_PYTHON), python3.12 on PATH, pyenv's newest 3.12.x, python3. Each candidate is run, not trusted
 # by its name: pyenv's python3.12 shim exists but fails where 3.12 is not a selected version. Prints nothing and exits
 # 1 where none is found.
 set -uo pipefail

@@ -8,11 +8,7 @@ cd "$(dirname "$0")/.."
 VENV=.venv-gym
 mode=${1:-install}
 
-find_python() {
-    bash requirements/find_python.sh "${MRL_GYM_BASE_PYTHON:-}"
-}
-
-python=$(find_python) || { echo "gym-venv: no Python 3.12 found (set MRL_GYM_BASE_PYTHON, or install it: pyenv install 3.12); NeMo Gym's tests will skip"; exit 0; }
+python=$(bash requirements/find_python.sh "${MRL_GYM_BASE_PYTHON:-}") || { echo "gym-venv: no Python 3.12 found (set MRL_GYM_BASE_PYTHON, or install it: pyenv install 3.12); NeMo Gym's tests will skip"; exit 0; }
 rm -rf "$VENV.new"
 "$python" -m venv "$VENV.new" || { echo "gym-venv: $python -m venv failed; NeMo Gym's tests will skip"; exit 0; }
 "$VENV.new/bin/python" -m pip install -q --upgrade pip==25.3 2>/dev/null || true

@@ -26,10 +26,7 @@ def test_multi_rank_patches_are_needed_and_work():
         # rank 0 gives 3 rows of 1.0, rank 1 gives 5 rows of 2.0, concatenated in rank order
         assert result["gather_with"] == ("ok", [[1.0, 1.0]] * 3 + [[2.0, 2.0]] * 5), rank
         status, message = result["tied_pp2_without"]
-        assert status == "error" and ("CUDA" in message or "NVIDIA driver" in message), (
-            rank,
-            message,
-        )
+        assert status == "error" and ("CUDA" in message or "NVIDIA driver" in message), (rank, message)
         assert result["tied_pp2_with"][0] == "ok", (rank, result["tied_pp2_with"])
 
 
