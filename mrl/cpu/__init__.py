@@ -1,7 +1,7 @@
 """Everything that makes Megatron-Core and vLLM run on a machine without CUDA, in one place: a reader of the GPU path
 can skip this package, and an upgrade of either library re-checks it file by file.
 
-    megatron_patches.py   megatron-core 0.16.1 patched where it calls CUDA unconditionally (one named function per
+    megatron_patches.py   megatron-core 0.19.2 patched where it calls CUDA unconditionally (one named function per
                           problem, each applied, skipped and reverted on its own; `WITHOUT_TE` are the few a GPU
                           without Transformer Engine needs too); refuses another megatron-core version
     megatron_speed.py     three patches that change speed, not results (oneDNN GEMMs, packed RoPE in one gather, the

@@ -1,4 +1,4 @@
-"""Every patch megatron-core 0.16.1 needs to run on a CPU-only torch build, in one place (and, registered here, the
+"""Every patch megatron-core 0.19.2 needs to run on a CPU-only torch build, in one place (and, registered here, the
 two of `mrl.cpu.megatron_speed` that make it fast there).
 
 Megatron-Core is written for CUDA: it calls `torch.cuda.*` unconditionally and creates tensors with
@@ -8,9 +8,9 @@ mrl runs and tests the whole stack on CPU (gloo, Megatron's local layer spec), s
 exact places that break, one named function per problem, each saying what breaks and why the fix is right.
 
 Usage: call `apply()` before building Megatron models. It is idempotent. With CUDA it applies only the patches
-for a missing Transformer Engine (`WITHOUT_TE`: four 0.16.1 bugs that break a TE-less build whatever the device,
-first seen on an H100 without TE, where the MoE router raised NameError, and two that spare a TE-less GPU's train step
-its host synchronisations) and only when TE is absent, so a GPU machine with TE runs Megatron unpatched.
+for a missing Transformer Engine (`WITHOUT_TE`: megatron-core bugs that break a TE-less build whatever the device,
+first seen on an H100 without TE, and two that spare a TE-less GPU's train step its host synchronisations) when TE
+is absent, and where TE is present only `WITH_TE` (one: multi-latent attention without a q LoRA built as HF's).
 
 Design choices:
 - Targeted patches (a replaced function or class attribute) wherever one is possible.
@@ -25,7 +25,7 @@ Design choices:
   are applied, skipped and reverted like the others; their tests show the same results (to float32 rounding, or bit
   for bit) and that the fast path runs.
 
-The version is pinned: `apply()` refuses other megatron-core versions, because each patch names the 0.16.1
+The version is pinned: `apply()` refuses other megatron-core versions, because each patch names the 0.19.2
 code it works around and must be re-checked (and its test re-run) on an upgrade.
 """
 
@@ -35,6 +35,7 @@ import contextlib
 import copy
 import functools
 import importlib
+import importlib.metadata
 import threading
 import time
 from dataclasses import dataclass
@@ -46,7 +47,7 @@ from torch.overrides import TorchFunctionMode
 from mrl.cpu import isa
 from mrl.cpu.megatron_speed import grad_norm_on_device, linear_gemms_on_onednn, packed_rope_in_one_gather
 
-SUPPORTED_MEGATRON_VERSION = "0.16.1"
+SUPPORTED_MEGATRON_VERSION = "0.19.2"
 
 _MISSING = object()
 
@@ -156,7 +157,7 @@ def _wrap_in_cpu_scope(patch: Patcher, module: Any, names: Iterable[str], fake_c
 def current_device_is_cpu(patch: Patcher) -> None:
     """`torch.cuda.current_device()` returns the CPU device.
 
-    Breaks: megatron-core 0.16.1 passes `device=torch.cuda.current_device()` in ~80 places (RoPE frequencies,
+    Breaks: megatron-core 0.19.2 passes `device=torch.cuda.current_device()` in dozens of places (RoPE frequencies,
     parallel linear weights, DDP grad buffers, all-gather outputs); on a CPU build the call raises
     "Torch not compiled with CUDA enabled". Right because on a CPU build the CPU is the compute device:
     every such tensor belongs where the model lives.
@@ -169,7 +170,7 @@ def rng_tracker_on_cpu(patch: Patcher) -> None:
 
     Breaks: `model_parallel_cuda_manual_seed` -> `CudaRNGStatesTracker.add/fork` call
     `torch.cuda.get_rng_state`, `torch.cuda.manual_seed` and `tensor_parallel.random._get/_set_cuda_rng_state`
-    (0.16.1), which raise on a CPU build. Right because on CPU the default CPU generator *is* the device
+    (0.19.2), which raise on a CPU build. Right because on CPU the default CPU generator *is* the device
     generator: forking it per tensor-parallel rank gives what the CUDA generator gives on GPU (distinct
     initialisation/dropout streams per TP rank, restored on exit).
     """
@@ -199,7 +200,7 @@ def causal_masks_on_cpu(patch: Patcher) -> None:
     """Causal attention masks are built on the CPU.
 
     Breaks: `transformer.utils.get_default_causal_mask` and `get_sliding_window_causal_mask` hard-code
-    `device="cuda"` (0.16.1); `fusions.fused_softmax` imports them by name, and the local spec's
+    `device="cuda"` (0.19.2); `fusions.fused_softmax` imports them by name, and the local spec's
     `DotProductAttention` -> `FusedScaleMaskSoftmax.forward_torch_softmax` calls them when no mask is given.
     Right because the replacements compute the same masks (same formulas) on the compute device.
     """
@@ -215,7 +216,7 @@ def synchronize_is_noop(patch: Patcher) -> None:
     """`torch.cuda.synchronize()` does nothing.
 
     Breaks: dist_checkpointing (save/load strategies) and pipeline-parallel p2p communication call it
-    (0.16.1) and it raises on a CPU build. Right because CPU ops (and gloo collectives) are synchronous:
+    (0.19.2) and it raises on a CPU build. Right because CPU ops (and gloo collectives) are synchronous:
     there is no queued device work to wait for.
     """
     patch.set(torch.cuda, "synchronize", lambda *args, **kwargs: None)
@@ -278,7 +279,7 @@ def cuda_streams_are_host_dummies(patch: Patcher) -> None:
     """`torch.cuda.Stream/Event/current_stream/default_stream/stream` and `Tensor.record_stream` are dummies.
 
     Breaks: the MoE all-to-all token dispatcher and the static inference engine create side streams and
-    events (0.16.1); on a CPU build `torch.cuda.Stream()` raises "requires CUDA support" and
+    events (0.19.2); on a CPU build `torch.cuda.Stream()` raises "requires CUDA support" and
     `torch.cuda.Event()` "Tried to instantiate dummy base class Event". Right because the CPU executes
     everything in order on one stream: every wait is already satisfied.
     """
@@ -293,14 +294,15 @@ def cuda_streams_are_host_dummies(patch: Patcher) -> None:
 def optimizer_cuda_tensors_on_cpu(patch: Patcher) -> None:
     """Megatron's optimizer wrappers and gradient clipping run in a CPU device scope.
 
-    Breaks (0.16.1): `FP32Optimizer.__init__` creates `torch.tensor([1.0], device='cuda')`;
+    Breaks (0.19.2): `FP32Optimizer.__init__` creates `torch.tensor([1.0], device='cuda')`;
     `MixedPrecisionOptimizer.__init__` likewise; `DistributedOptimizer.__init__` and
     `Float16OptimizerWithFloat16Params.__init__` reject parameters unless
     `param.type() == 'torch.cuda.FloatTensor'`; `clip_grads.get_grad_norm_fp32` (and the local
     multi-tensor l2-norm it calls), `clip_grad_by_total_norm_fp32` and `count_zeros_fp32` create
     `device='cuda'` buffers and assert the CUDA type of grads;
     `DistributedOptimizer.get_parameter_state_dp_zero` (used to save `fully_reshardable` checkpoints) moves
-    its send buffers with `.cuda()`. These are local variables inside long
+    its send buffers with `.cuda()`; `MegatronOptimizer.has_grad_norm_group` (0.19) all-reduces a `device='cuda'`
+    flag. These are local variables inside long
     functions, so no single attribute can be replaced: the functions run under `_CudaToCpuMode`, which puts
     those tensors on the CPU and reports CPU tensors' types as their CUDA counterparts (the check's intent,
     "a supported dtype on the compute device", holds on CPU). The names `optimizer.py` and
@@ -311,6 +313,8 @@ def optimizer_cuda_tensors_on_cpu(patch: Patcher) -> None:
     clip_names = ("get_grad_norm_fp32", "clip_grad_by_total_norm_fp32", "count_zeros_fp32")
     for module in (clip_grads, optimizer, layer_wise_optimizer):
         _wrap_in_cpu_scope(patch, module, [n for n in clip_names if hasattr(module, n)], fake_cuda_type=True)
+    # `has_grad_norm_group` (0.19) all-reduces a `device='cuda'` flag, once per optimizer and grad-norm group.
+    _wrap_in_cpu_scope(patch, optimizer.MegatronOptimizer, ["has_grad_norm_group"], fake_cuda_type=True)
     for cls in (
         optimizer.FP32Optimizer,
         optimizer.MixedPrecisionOptimizer,
@@ -328,7 +332,7 @@ def optimizer_cuda_tensors_on_cpu(patch: Patcher) -> None:
 def schedule_cuda_tensors_on_cpu(patch: Patcher) -> None:
     """Megatron's forward-backward schedules run in a CPU device scope (devices only, no type faking).
 
-    Breaks: all three schedules in `pipeline_parallel.schedules` (0.16.1) start with
+    Breaks: all three schedules in `pipeline_parallel.schedules` (0.19.2) start with
     `total_num_tokens = torch.zeros([], dtype=torch.int, device="cuda")`, a local variable, so
     `get_forward_backward_func()(...)` raises on a CPU build. `get_forward_backward_func` returns the module
     attributes, so wrapping them puts `_CudaToCpuMode` around each schedule call. The scope also covers the
@@ -348,7 +352,7 @@ def schedule_cuda_tensors_on_cpu(patch: Patcher) -> None:
 def tied_embedding_sync_on_cpu(patch: Patcher) -> None:
     """The first/last-stage copies of tied embeddings are synchronised on the CPU (pipeline parallelism).
 
-    Breaks: with `share_embeddings_and_output_weights` and pipeline parallelism, 0.16.1's
+    Breaks: with `share_embeddings_and_output_weights` and pipeline parallelism, 0.19.2's
     `LanguageModule.setup_embeddings_and_output_layer` runs `weight.data = weight.data.cuda()` before all-reducing
     the two copies over the embedding group, so building any tied model (SmolLM2, Qwen3-0.6B) at PP > 1 raises.
     Right because the all-reduce that follows is what matters, and on a CPU build the weight already is where the
@@ -362,7 +366,7 @@ def tied_embedding_sync_on_cpu(patch: Patcher) -> None:
 def rope_cp_slice_on_cpu(patch: Patcher) -> None:
     """RoPE's context-parallel slicing runs in a CPU device scope (no pinned memory, no `.cuda()`).
 
-    Breaks: with context_parallel_size > 1, `rope_utils.get_pos_emb_on_this_cp_rank` (0.16.1) builds its
+    Breaks: with context_parallel_size > 1, `rope_utils.get_pos_emb_on_this_cp_rank` (0.19.2) builds its
     chunk index with `torch.tensor(..., device="cpu", pin_memory=True).cuda(non_blocking=True)`; a CPU build
     has no pinned-memory allocator ("pin_memory=True requires a CUDA or other accelerator backend").
     `_CudaToCpuMode` drops `pin_memory` and makes `.cuda()` the identity, leaving the same index tensor on
@@ -378,7 +382,7 @@ def rope_cp_slice_on_cpu(patch: Patcher) -> None:
 def torch_norm_allows_sequence_parallel(patch: Patcher) -> None:
     """`WrappedTorchNorm` (the local spec's norm) accepts `sequence_parallel=True`.
 
-    Breaks: 0.16.1 asserts "sequence parallel not supported by torch LayerNorm". Under sequence parallelism
+    Breaks: 0.19.2 asserts "sequence parallel not supported by torch LayerNorm". Under sequence parallelism
     each TP rank normalises its own slice of the sequence with replicated norm weights, so the weight
     gradients are partial sums; TE/Apex norms mark their weights `sequence_parallel=True` so that
     `finalize_model_grads` all-reduces them over the TP group. This patch builds the same torch norm
@@ -400,32 +404,59 @@ def torch_norm_allows_sequence_parallel(patch: Patcher) -> None:
     patch.set(torch_norm.WrappedTorchNorm, "__new__", staticmethod(__new__))
 
 
-def moe_router_gemm_defined(patch: Patcher) -> None:
-    """`moe_utils.te_general_gemm` exists (as None) when Transformer Engine is absent.
+def mla_accepts_plain_linear_without_te(patch: Patcher) -> None:
+    """Multi-latent attention accepts a replicated plain `Linear` as its down projections when TE is absent.
 
-    Breaks: 0.16.1 imports `te_general_gemm` only inside `try: import transformer_engine` but the router's
-    `RouterGatingLinearFunction` tests `if te_general_gemm is not None` unconditionally -> NameError with
-    `moe_router_dtype="fp32"`. None is the value the code expects for "TE not available" (it then uses
-    `torch.mm`).
+    Breaks: `multi_latent_attention` (0.19.2) imports `post_training.modelopt.layers.Linear` only `if HAVE_TE` and
+    sets the name to None otherwise, then admits a down projection only if it is one of `TELinear`, `Linear`,
+    `TEColumnParallelLinear`, `ColumnParallelLinear` -> "ValueError: Unsupported linear_q_down_proj" for the replicated
+    `Linear` that mrl's local spec uses (`mrl.parallel.attention.gpt_layer_spec` says why: exact TP gradients of the
+    shared rotary key). That `Linear` needs nothing from TE (a torch linear with Megatron's constructor), and the
+    branch it then takes (`gather_output=False`) is the one the TE spec's replicated projection gets.
     """
-    from megatron.core.transformer.moe import moe_utils
-
-    if not hasattr(moe_utils, "te_general_gemm"):
-        patch.set(moe_utils, "te_general_gemm", None)
-
-
-def mla_without_transformer_engine(patch: Patcher) -> None:
-    """Multi-latent attention builds when Transformer Engine is absent.
-
-    Breaks: `multi_latent_attention` (0.16.1) sets `HAVE_TE = True` once `megatron.core.extensions.transformer_engine`
-    imports, and that module imports without TE: its TE classes are then MagicMock stand-ins, and the MLA
-    constructor's `isinstance(self.linear_proj, TELinear)` raises TypeError ("isinstance() arg 2 must be a type").
-    False is the truth (TE is not installed), and the code then takes its non-TE path.
-    """
+    from megatron.core.post_training.modelopt.layers import Linear
     from megatron.core.transformer import multi_latent_attention
 
-    if not isinstance(multi_latent_attention.TELinear, type):
-        patch.set(multi_latent_attention, "HAVE_TE", False)
+    if multi_latent_attention.Linear is None:
+        patch.set(multi_latent_attention, "Linear", Linear)
+
+
+def mla_q_proj_without_norm(patch: Patcher) -> None:
+    """Multi-latent attention without a q LoRA projects q with the spec's plain linear, as HF's models do.
+
+    Breaks: megatron-core 0.19.2's `QKNormConfigResolver._resolve_mla_qk_layernorm` (transformer/mla_qk_norm_config.py)
+    turns `linear_q_proj` into a fused norm+linear whenever `qk_layernorm` is set and `q_lora_rank` is None. HF's
+    DeepSeek-V2/V3 without a q LoRA have no q norm (`q = q_proj(hidden_states)`); `qk_layernorm` is set for the kv
+    latent's norm (`kv_a_layernorm`). With TE that adds a norm HF lacks (`linear_q_proj.layer_norm_weight`, a
+    parameter no checkpoint has); without TE there is no fused module and building raises "qk_layernorm requires
+    TransformerEngine". 0.16.1 built the spec's linear. The replacement resolves q as the spec says (its
+    `linear_q_proj`, no q norm) and kv as megatron-core does; with a q LoRA, or a spec that asks for the fused q
+    projection, megatron-core's own resolution runs.
+    """
+    from megatron.core.transformer import mla_qk_norm_config
+    from megatron.core.transformer.identity_op import IdentityOp
+
+    resolver = mla_qk_norm_config.QKNormConfigResolver
+    original = resolver._resolve_mla_qk_layernorm
+
+    def _resolve_mla_qk_layernorm(self):
+        if self.has_q_lora or self._is_fused_norm_linear(self.submodules.linear_q_proj):
+            return original(self)
+        kv_norm = self.submodules.kv_layernorm or IdentityOp
+        kv_up = self.submodules.linear_kv_up_proj
+        if self._is_trivial(kv_norm):
+            kv_up = self._mla_fused_linear_or_default(kv_up, "linear_kv_up_proj")
+        else:
+            kv_up = self._non_fused_or_default(kv_up, "linear_kv_up_proj")
+        return self._result(
+            linear_q_proj=self.submodules.linear_q_proj or self.linear_impl,
+            linear_q_up_proj=IdentityOp,
+            linear_kv_up_proj=kv_up,
+            q_layernorm=IdentityOp,
+            kv_layernorm=kv_norm,
+        )
+
+    patch.set(resolver, "_resolve_mla_qk_layernorm", _resolve_mla_qk_layernorm)
 
 
 def _split_sizes_to_host(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
@@ -438,7 +469,7 @@ def _split_sizes_to_host(tensor: Any, as_numpy: bool = False, record_stream: boo
 def moe_split_sizes_on_host(patch: Patcher) -> None:
     """The MoE all-to-all dispatcher gets its split sizes as host (numpy) values on CPU too.
 
-    Breaks: `AlltoAllTokenDispatcher` (0.16.1) calls `maybe_move_tensor_to_cpu(t, as_numpy=True)` to turn
+    Breaks: `AlltoAllTokenDispatcher` (0.19.2) calls `maybe_move_tensor_to_cpu(t, as_numpy=True)` to turn
     per-rank split sizes into host values, but the function converts only when `t.is_cuda`; on CPU the
     tensors stay tensors and the all-to-all's `torch.split(..., split_sizes)` rejects them. The replacement
     converts whenever `as_numpy=True`, which is what the caller asks for.
@@ -453,7 +484,7 @@ def gloo_uneven_all_gather(patch: Patcher) -> None:
     """Uneven all-gather along the first dim works on gloo (each slice padded to the largest split).
 
     Breaks: with MoE, TP>1 and EP>1 the all-to-all token dispatcher gathers a different number of tokens from
-    each TP rank through `tensor_parallel.mappings._gather_along_first_dim(..., output_split_sizes)` (0.16.1),
+    each TP rank through `tensor_parallel.mappings._gather_along_first_dim(..., output_split_sizes)` (0.19.2),
     which calls the list form of `torch.distributed.all_gather`; gloo rejects tensors of different sizes
     there ("ProcessGroupGloo::allgather: invalid tensor size"). The replacement pads every rank's slice to
     the largest split, gathers them with Megatron's own even path (`all_gather_into_tensor`) and cuts the padding
@@ -480,7 +511,7 @@ def gloo_uneven_all_gather(patch: Patcher) -> None:
 def distributed_optimizer_torch_adam_state(patch: Patcher) -> None:
     """`DistributedOptimizer` checkpoint load works with torch's Adam (no Apex/TE FusedAdam on CPU).
 
-    Breaks (0.16.1), with `distrib_optim_sharding_type="fully_reshardable"`:
+    Breaks (0.19.2), with `distrib_optim_sharding_type="fully_reshardable"`:
     1. `_set_main_param_and_optimizer_states` copies every key of the live Adam state, including torch
        Adam's per-parameter `step`, from the loaded tensors, which only hold `param`, `exp_avg`,
        `exp_avg_sq` -> KeyError. Fix: copy the keys the checkpoint holds (the step count is restored from the
@@ -534,7 +565,7 @@ def nvtx_is_noop(patch: Patcher) -> None:
 def static_inference_cuda_tensors_on_cpu(patch: Patcher) -> None:
     """Megatron's static-batch generation loop runs in a CPU device scope (devices only, no type faking).
 
-    Breaks: `TextGenerationController.generate_all_output_tokens_static_batch` (0.16.1), the loop of the legacy
+    Breaks: `TextGenerationController.generate_all_output_tokens_static_batch` (0.19.2), the loop of the legacy
     `StaticInferenceEngine`, allocates its per-batch sequence-length counter with
     `torch.zeros(batch_size, device=torch.cuda.current_device()).cuda()`, a local variable, so every static
     generation raises "Torch not compiled with CUDA enabled" on a CPU build. `_CudaToCpuMode` makes `.cuda()` the
@@ -567,8 +598,8 @@ PATCHES: dict[str, Callable[[Patcher], None]] = {
         rope_cp_slice_on_cpu,
         tied_embedding_sync_on_cpu,
         torch_norm_allows_sequence_parallel,
-        moe_router_gemm_defined,
-        mla_without_transformer_engine,
+        mla_accepts_plain_linear_without_te,
+        mla_q_proj_without_norm,
         moe_split_sizes_on_host,
         gloo_uneven_all_gather,
         distributed_optimizer_torch_adam_state,
@@ -584,36 +615,42 @@ PATCHES: dict[str, Callable[[Patcher], None]] = {
 #: last two change speed alone: each removes host synchronisations from every train step on such a GPU.
 WITHOUT_TE = (
     "torch_norm_allows_sequence_parallel",
-    "moe_router_gemm_defined",
-    "mla_without_transformer_engine",
+    "mla_accepts_plain_linear_without_te",
+    "mla_q_proj_without_norm",
     "distributed_optimizer_torch_adam_state",
     "packed_rope_in_one_gather",
     "grad_norm_on_device",
 )
+
+#: The patches a GPU machine with Transformer Engine needs too: they make megatron-core build what HF's models compute.
+WITH_TE = ("mla_q_proj_without_norm",)
 
 _applied: dict[str, Patcher] = {}
 _lock = threading.Lock()
 
 
 def _check_megatron_version() -> None:
-    version = importlib.import_module("megatron.core").__version__
+    # The distribution's version: megatron-core 0.19's `__version__` appends the short hash of whatever git
+    # checkout holds the installed package (`git rev-parse` run in its own folder: mrl's, for a .venv inside it).
+    version = importlib.metadata.version("megatron-core")
     if version != SUPPORTED_MEGATRON_VERSION:
         raise RuntimeError(
             f"mrl.cpu.megatron_patches patches megatron-core {SUPPORTED_MEGATRON_VERSION}, found {version}. "
-            "Install megatron-core==0.16.1 (see requirements/), or re-check every patch in "
+            f"Install megatron-core=={SUPPORTED_MEGATRON_VERSION} (see requirements/), or re-check every patch in "
             "mrl/cpu/megatron_patches.py against the new version and run tests/unit/parallel."
         )
 
 
 def needed() -> list[str]:
-    """The patches this process needs: all of them without CUDA; with CUDA, those of `WITHOUT_TE` when TE is absent."""
+    """The patches this process needs: all of them without CUDA; with CUDA, those of `WITHOUT_TE` when TE is absent,
+    else those of `WITH_TE` (megatron-core's models against HF's, whatever the backend)."""
     if not torch.cuda.is_available():
         return list(PATCHES)
     try:
         import transformer_engine  # noqa: F401
     except Exception:  # noqa: BLE001 an ImportError, or an OSError from CUDA libraries it cannot load
         return list(WITHOUT_TE)
-    return []
+    return list(WITH_TE)
 
 
 def apply(skip: Iterable[str] = ()) -> None:

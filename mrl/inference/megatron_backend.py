@@ -52,7 +52,6 @@ import torch
 from megatron.core.inference.contexts import StaticInferenceContext
 from megatron.core.inference.inference_request import InferenceRequest
 from megatron.core.inference.model_inference_wrappers.gpt.gpt_inference_wrapper import GPTInferenceWrapper
-from megatron.core.inference.model_inference_wrappers.inference_wrapper_config import InferenceWrapperConfig
 from megatron.core.inference.sampling_params import SamplingParams
 from megatron.core.inference.text_generation_controllers.text_generation_controller import (
     TextGenerationController,
@@ -116,8 +115,8 @@ class _UnpaddedLogitsWrapper(GPTInferenceWrapper):
 
     routing: Optional["_RoutingRecorder"] = None
 
-    def __init__(self, model: Any, config: InferenceWrapperConfig, context: Any, vocab_size: int) -> None:
-        super().__init__(model, config, context)
+    def __init__(self, model: Any, context: Any, vocab_size: int) -> None:
+        super().__init__(model, context)
         self.vocab_size = vocab_size
 
     def run_one_forward_step(self, inference_input, recv_buffer_seq_len=None):
@@ -193,8 +192,11 @@ class _StopSetController(TextGenerationController):
         super().__init__(*args, **kwargs)
         self.stop_ids = torch.empty(0, dtype=torch.long)  # [num_stop_ids], set per generate call
 
-    def _torch_sampling_func(self, last_token_logits, temperature, top_k, top_p, vocab_size=None):
-        return sample_next_tokens(last_token_logits, temperature, top_k, top_p, self.sampling_rng)
+    def sample_from_logits(self, last_token_logits, sampling_params=None, vocab_size=None, **kwargs):
+        # megatron-core 0.19.2's static loop samples through this method (top-n logprobs, which mrl never asks
+        # for, are its only other work).
+        params = sampling_params or kwargs["common_inference_params"]
+        return sample_next_tokens(last_token_logits, params.temperature, params.top_k, params.top_p, self.sampling_rng)
 
     def update_generation_status(
         self,
@@ -254,15 +256,7 @@ class MegatronBackend:
             self._load(load_hf_state(config.model_path))
         self.vocab_size = int(self.hf_config["vocab_size"])
         context = StaticInferenceContext(config.max_batch_size, self.max_model_len)
-        wrapper_config = InferenceWrapperConfig(
-            hidden_size=self.model.config.hidden_size,
-            params_dtype=_DTYPES[config.dtype],
-            inference_batch_times_seqlen_threshold=-1,
-            padded_vocab_size=self.model.vocab_size,
-            inference_max_requests=config.max_batch_size,
-            inference_max_seq_length=self.max_model_len,
-        )
-        wrapper = _UnpaddedLogitsWrapper(self.model, wrapper_config, context, self.vocab_size)
+        wrapper = _UnpaddedLogitsWrapper(self.model, context, self.vocab_size)
         moe = model_dims(self.hf_config).moe
         if config.return_routing and moe is not None:
             wrapper.routing = _RoutingRecorder(self.model, len(moe.layers), self.max_model_len, moe.num_experts)

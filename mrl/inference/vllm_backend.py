@@ -213,7 +213,7 @@ def _llm_kwargs(config: VllmEngineConfig) -> dict[str, Any]:
     if torch.cuda.is_available():
         kwargs.update(gpu_memory_utilization=config.gpu_memory_utilization, enable_sleep_mode=config.sleep_when_idle)
     else:
-        kwargs.update(vllm_workarounds.engine_kwargs(config.kv_cache_bytes))
+        kwargs.update(vllm_workarounds.engine_kwargs(config.kv_cache_bytes, config.dtype))
     return kwargs
 
 

@@ -174,6 +174,9 @@ def transformer_config_from_hf(
         bias_dropout_fusion=fusions,
         apply_rope_fusion=fusions,
         persist_layer_norm=fusions,
+        # Which backend megatron-core asks for modules it picks itself (0.19: MLA's q/kv projections): TE's only
+        # where TE is used, the local one otherwise (TE's names are stand-ins without TE).
+        transformer_impl="transformer_engine" if te else "local",
     )
     kwargs.update(_moe_kwargs(dims) if dims.moe else {})
     kwargs.update(_mla_kwargs(dims) if dims.mla else _rope_scale_kwargs(dims))

@@ -1,7 +1,7 @@
 """Routed experts through grouped GEMMs (`policy.speed.grouped_expert_gemm`): one `torch._grouped_mm` per linear for
 all of a rank's local experts, in place of megatron-core's `SequentialMLP` loop of two GEMMs per expert.
 
-Data flow (megatron-core 0.16.1: `MoELayer` calls `experts(permuted_hidden, tokens_per_expert, permuted_probs)`; the
+Data flow (megatron-core 0.19.2: `MoELayer` calls `experts(permuted_hidden, tokens_per_expert, permuted_probs)`; the
 dispatcher has grouped the tokens by local expert, expert e's rows at offsets[e - 1]:offsets[e]):
     hidden [T, H] x stack_e(W1_e^T) [E, H, 2F] -> [T, 2F]     one grouped GEMM (fc1: gate and up, SwiGLU's halves)
     silu(gate) * up * prob of each row -> [T, F]               as `MLP.forward` without fusions
@@ -12,14 +12,15 @@ copy of the rank's expert weights (their gradients flow back through the stack t
 Megatron's DDP hooks take them as they take SequentialMLP's).
 
 Either layer spec: the local spec's experts are Megatron's own column / row parallel linears, Transformer Engine's
-(as mrl builds it, `moe_grouped_gemm=False`) TE's `TEColumnParallelLinear` / `TERowParallelLinear`
-(megatron-core 0.16.1 extensions/transformer_engine_spec_provider.py L89-91). The grouped path reads only each
+(as mrl builds it, `moe_grouped_gemm=False`) TE's `TEColumnParallelLinear` / `TERowParallelLinear` (megatron-core
+0.19.2 extensions/transformer_engine_spec_provider.py `grouped_mlp_modules`). The grouped path reads only each
 linear's `weight`, [2F, H] and [H, F] in both (with expert parallelism and no expert TP, TE's expert linears are built
 unsplit: extensions/transformer_engine.py `explicit_expert_comm`), and never calls the linears, so TE's own
 weight-gradient accumulation (`gradient_accumulation_fusion`) does not run for them: their gradient lands in `.grad`,
-which Megatron's DDP hook adds to `main_grad` when `grad_added_to_main_grad` is unset (distributed/
-distributed_data_parallel.py L436-440), as for the local spec. Megatron's own grouped module under TE, `TEGroupedMLP`
-(`moe_grouped_gemm=True`), names its weights `linear_fc1.weight{e}`, names the converters do not map; it is not used.
+which Megatron's DDP hook adds to `main_grad` when `grad_added_to_main_grad` is unset
+(distributed/distributed_data_parallel.py, `_make_backward_post_hook`), as for the local spec. Megatron's own grouped
+module under TE, `TEGroupedMLP` (`moe_grouped_gemm=True`), names its weights `linear_fc1.weight{e}`, names the
+converters do not map; it is not used.
 
 Where the grouped path does not apply, the module runs `SequentialMLP.forward` unchanged: expert tensor parallelism
 above 1 (the linears' collectives), biases, FP8/FP4, `moe_apply_probs_on_input`, a single local expert, an activation
@@ -30,6 +31,8 @@ construction.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -90,9 +93,14 @@ def use_grouped_experts(block_spec) -> None:
     """Make the routed experts of a decoder block spec (`mrl.parallel.attention.gpt_layer_spec`, local or Transformer
     Engine's) grouped: each MoE layer's `SequentialMLP` becomes `GroupedGemmExperts` over the same linears."""
     for layer in getattr(block_spec, "layer_specs", []):
-        experts = getattr(layer.submodules.mlp.submodules, "experts", None)
-        if experts is not None and experts.module is SequentialMLP:
-            experts.module = GroupedGemmExperts
+        # megatron-core 0.19: an MoE layer's `mlp` is a builder, functools.partial(MoELayer, submodules=MoESubmodules),
+        # whose `experts` is another, functools.partial(SequentialMLP, submodules=...) (models/backends.py
+        # LocalSpecProvider.grouped_mlp_modules; TE's provider likewise with its linears).
+        mlp = layer.submodules.mlp
+        submodules = mlp.keywords.get("submodules") if isinstance(mlp, functools.partial) else None
+        experts = getattr(submodules, "experts", None)
+        if submodules is not None and isinstance(experts, functools.partial) and experts.func is SequentialMLP:
+            submodules.experts = functools.partial(GroupedGemmExperts, *experts.args, **experts.keywords)
 
 
 class GroupedGemmExperts(SequentialMLP):

@@ -385,13 +385,14 @@ def gpt_layer_spec(config: TransformerConfig, use_te: Optional[bool] = None):
     Mixture-of-experts and multi-latent-attention models get a per-layer block spec (dense and MoE layers differ:
     `config.moe_layer_freq`), of this pipeline stage's layers.
 
-    Multi-latent attention on the local spec: megatron-core 0.16.1 builds the q/kv down projections as column-parallel
-    linears, then gathers their outputs over TP; the rotary key head taken from that gathered output is shared by the
-    heads of every TP rank, but the gather's backward only splits, so under TP each rank's k_pe gradient lacks the
-    other ranks' heads (measured: TP2 gradients off by 2e-2). The down projections are made replicated plain
-    linears here instead (`Linear`, parameters marked sequence-parallel), the layout the Transformer Engine spec has:
-    Megatron then gathers k_pe over the sequence-parallel region, whose backward sums over TP. That is exact with
-    sequence parallelism, which tensor parallelism of such models requires (`mrl.config.checks`).
+    Multi-latent attention on the local spec: megatron-core (0.16.1 to 0.19.2) builds the q/kv down projections as
+    column-parallel linears, then gathers their outputs over TP; the rotary key head taken from that gathered output
+    is shared by the heads of every TP rank, but the gather's backward only splits, so under TP each rank's k_pe
+    gradient lacks the other ranks' heads (measured: TP2 gradients off by 2e-2). The down projections are made
+    replicated plain linears here instead (`Linear`, parameters marked sequence-parallel), the layout the
+    Transformer Engine spec has: Megatron then gathers k_pe over the sequence-parallel region, whose backward sums
+    over TP. That is exact with sequence parallelism, which tensor parallelism of such models requires
+    (`mrl.config.checks`).
     """
     from megatron.core.models.gpt import gpt_layer_specs
 
@@ -406,8 +407,14 @@ def gpt_layer_spec(config: TransformerConfig, use_te: Optional[bool] = None):
                 attention.core_attention = TorchCoreAttention
                 if config.multi_latent_attention:
                     from megatron.core.post_training.modelopt.layers import Linear
+                    from megatron.core.transformer.identity_op import IdentityOp
 
                     attention.linear_q_down_proj = attention.linear_kv_down_proj = Linear
+                    if config.q_lora_rank is None:
+                        # Without q LoRA there is no q norm (HF's DeepSeek: q_proj alone); megatron-core 0.19's
+                        # local spec still gives one and its MLA constructor refuses it ("q_layernorm ... is
+                        # non-trivial, but q_lora_rank is None").
+                        attention.q_layernorm = IdentityOp
         return block
     common = dict(qk_layernorm=config.qk_layernorm)
     if use_te:

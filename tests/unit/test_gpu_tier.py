@@ -27,7 +27,7 @@ def test_without_cuda_the_runner_skips_in_one_line_and_exits_0(tmp_path):
 def test_the_pins_parse_and_torch_is_the_machines_own():
     pins = {p.name: p for p in gpu_tier.read_pins()}
     assert pins["torch"].source == "machine" and "2.11" in pins["torch"].accepted
-    assert pins["megatron-core"].version == "0.16.1" and pins["antlr4-python3-runtime"].source == "build"
+    assert pins["megatron-core"].version == "0.19.2" and pins["antlr4-python3-runtime"].source == "build"
 
 
 def test_a_pin_is_installed_only_where_missing_or_out_of_range(monkeypatch):

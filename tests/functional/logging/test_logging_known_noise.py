@@ -18,16 +18,21 @@ IMPORTS = ("import torch.distributed, megatron.core.optimizer, megatron.core.mod
            "import vllm.v1.worker.cpu_worker\n"
            "from vllm.platforms.cpu import CpuPlatform\n"
            "CpuPlatform.register_triton_kernel_overrides()\n"
-           "import os, torch, torch.distributed as dist\n"  # Megatron's MoE dispatch gathers by the deprecated name
-           "from mrl.parallel.groups import free_port\n"
-           "dist.init_process_group('gloo', init_method=f'tcp://127.0.0.1:{free_port()}', rank=0, world_size=1)\n"
-           "dist.all_gather_into_tensor(torch.empty(2), torch.ones(2))\n"
+           "import torch, torch.distributed as dist\n"
+           "from mrl.parallel.groups import destroy_process_groups, init_process_groups\n"
+           "from mrl.parallel.layout import ParallelDims\n"
+           "init_process_groups(ParallelDims())\n"
+           "from megatron.core.models.gpt import GPTModel\n"  # logs its deprecation once built (megatron-core 0.19)
+           "from megatron.core.transformer.transformer_config import TransformerConfig\n"
+           "GPTModel(TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2, use_cpu_initialization=True),"
+           " get_gpt_layer_local_spec(), vocab_size=16, max_sequence_length=8)\n"
+           "dist.all_gather_into_tensor(torch.empty(2), torch.ones(2))\n"  # Megatron's MoE dispatch: the deprecated name
            # A gloo group still alive at interpreter exit races its threads against C++ static destructors: the
            # process once aborted there ("terminate called without an active exception", exit -6).
-           "dist.destroy_process_group()\n")
+           "destroy_process_groups()\n")
 KNOWN = ("Transformer Engine and Apex are not installed", "Apex is not installed. Falling back to Torch Norm",
-         "`torch.distributed.reduce_op` is deprecated", "Triton not available",
-         "`torch.distributed.all_gather_into_tensor` is deprecated")
+         "`torch.distributed.reduce_op` is deprecated", "Triton is installed, but doesn't include CPU backend",
+         "`torch.distributed.all_gather_into_tensor` is deprecated", "GPTModel IS DEPRECATED")
 if torch.version.cuda is not None:  # a CUDA build of torch (the lock's, PyPI's) on a machine without a GPU
     KNOWN += ("No CUDA runtime is found",)
 

@@ -194,14 +194,14 @@ def test_lora_layouts_equal_one_process(model_dir, single, layout):
         assert (tensor - single["adapters"][name]).abs().max() <= 1e-4, name
 
 
-def check_layout(reports: list, single: dict) -> None:
+def check_layout(reports: list, single: dict, after_atol: float = 1e-5) -> None:
     """A layout's reports against the single process's: logprobs before and after, losses, merged = adapted."""
     assert any("after" in got for got in reports)
     for got in (got for got in reports if "after" in got):  # the last stage's first TP rank
         assert got["base_kept"] and got["moved"]
         assert (got["fresh"] - single["plain"]).abs().max() <= 1e-5
         assert got["losses"] == pytest.approx(single["losses"], abs=1e-5)
-        assert (got["after"] - single["after"]).abs().max() <= 1e-5
+        assert (got["after"] - single["after"]).abs().max() <= after_atol
         assert (got["merged"] - got["after"]).abs().max() <= 1e-5
 
 
@@ -229,7 +229,10 @@ def test_routed_experts_adapters_in_every_layout_equal_one_process(moe_dir, moe_
     """EP2: each rank adapts its own experts; TP2: the experts' linears run under explicit expert communication, their
     replicated factor's gradient summed over the expert-TP group."""
     reports = [r for r in run_on_ranks(run, world_size=2, args=(moe_dir,), kwargs=layout) if r is not None]
-    check_layout(reports, moe_single)
+    # After the Adam steps: the experts' summed factor gradients round differently from one process's, and Adam's
+    # steps carry that rounding into the adapters (1e-4, as the dense layouts' exported adapters); measured 3.1e-5 at
+    # TP2 on an AMX Xeon, under 1e-5 on a Zen 5 EPYC.
+    check_layout(reports, moe_single, after_atol=1e-4)
 
 
 def save_and_export(model_dir: str, out: str, tp: int = 1, sp: bool = False, ep: int = 1):

@@ -126,8 +126,8 @@ def test_transformer_engine_parts_are_one_version_for_torchs_cuda(lock):
     cores = {name: v for name, v in pins.items() if re.fullmatch(r"transformer-engine-cu\d+", name)}
     cuda_major = int(str(pins["cuda-toolkit"]).split(".")[0])      # torch's CUDA (torch requires cuda-toolkit)
     assert cores == {f"transformer-engine-cu{cuda_major}": te}
-    # Megatron-Core 0.16.1's own range for Transformer Engine.
-    assert pins["megatron-core"] == Version("0.16.1") and Version("2.9") <= te < Version("2.12")
+    # The range the GPU tier ran with (megatron-core 0.16.1's own; 0.19.2 declares TE without bounds).
+    assert pins["megatron-core"] == Version("0.19.2") and Version("2.9") <= te < Version("2.12")
     # Its build requirements are in the lock: the Dockerfile builds it without isolation.
     assert {"setuptools", "wheel", "packaging"} <= set(pins) and pins["setuptools"] >= Version("61")
 

@@ -1,6 +1,6 @@
 """Transformer Engine parameter names for every family, tested without Transformer Engine.
 
-(a) The name tables: megatron-core 0.16.1's own TE layer specs (`get_gpt_layer_with_transformer_engine_spec`, through
+(a) The name tables: megatron-core 0.19.2's own TE layer specs (`get_gpt_layer_with_transformer_engine_spec`, through
 mrl's `gpt_layer_spec(config, use_te=True)`) are built without TE installed, where megatron-core leaves its TE
 classes as MagicMock stand-ins, and walked into the parameter names the layers would hold; they must be exactly the
 converters' `names="te"` rules. Only the parameter names of each TE class are written by hand (`_TE_PARAMS`).
@@ -62,14 +62,16 @@ def _te_params():
     megatron-core exports (MagicMock stand-ins without TE: compared by identity).
 
     TELayerNormColumnParallelLinear is TE's LayerNormLinear: its norm is `layer_norm_weight`, the name megatron-core
-    itself reads (transformer/transformer_layer.py L909, L918) and renames (post_training/modelopt/gpt/
-    state_dict_hooks.py L40-49). TENorm (RMSNorm), TELinear and its column / row parallel subclasses hold `weight`.
+    itself reads (transformer/transformer_layer.py) and renames (post_training/modelopt/gpt/state_dict_hooks.py).
+    TENorm (RMSNorm; `_TENormWithResidual` is TENorm built with `has_residual=True`, a plain TE RMSNorm unless
+    `fused_residual_rmsnorm` is set), TELinear and its column / row parallel subclasses hold `weight`.
     """
     from megatron.core.extensions import transformer_engine as te
+    from megatron.core.extensions import transformer_engine_spec_provider as provider
 
     return [(te.TELayerNormColumnParallelLinear, ("layer_norm_weight", "weight")), (te.TENorm, ("weight",)),
-            (te.TELinear, ("weight",)), (te.TEColumnParallelLinear, ("weight",)),
-            (te.TERowParallelLinear, ("weight",))]
+            (provider._TENormWithResidual, ("weight",)), (te.TELinear, ("weight",)),
+            (te.TEColumnParallelLinear, ("weight",)), (te.TERowParallelLinear, ("weight",))]
 
 
 def _params_of(module, prefix: str, bias: bool = False) -> list[str]:
@@ -83,32 +85,43 @@ def _params_of(module, prefix: str, bias: bool = False) -> list[str]:
     raise AssertionError(f"{prefix}: not a TE module of the table: {module!r}")
 
 
+def _built_by(builder):
+    """The class an mlp builder makes and its submodules: megatron-core 0.19.2's builders are
+    functools.partial(MLP.as_mlp_submodule | MoELayer | SequentialMLP | _build_shared_experts, submodules=...)."""
+    return getattr(builder.func, "__self__", builder.func), builder.keywords["submodules"]
+
+
+def _linear_names(sub, prefix: str) -> list[str]:
+    return _params_of(sub.linear_fc1, prefix + "linear_fc1.") + _params_of(sub.linear_fc2, prefix + "linear_fc2.")
+
+
 def _mlp_names(spec, config, prefix: str) -> list[str]:
-    """Names of an MLP / MoELayer spec (megatron-core 0.16.1 transformer/mlp.py, transformer/moe/moe_layer.py)."""
+    """Names of an MLP / MoELayer builder (megatron-core 0.19.2 transformer/mlp.py, transformer/moe/moe_layer.py)."""
     from megatron.core.transformer.moe.experts import SequentialMLP
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
-    if spec.module is not MoELayer:
-        sub = spec.submodules
-        return _params_of(sub.linear_fc1, prefix + "linear_fc1.") + _params_of(sub.linear_fc2, prefix + "linear_fc2.")
+    built, sub = _built_by(spec)
+    if built is not MoELayer:
+        return _linear_names(sub, prefix)
     # moe_layer.py: self.router = TopKRouter (weight; expert_bias with moe_router_enable_expert_bias), then experts
     names = [prefix + "router.weight"] + ([prefix + "router.expert_bias"] if config.moe_router_enable_expert_bias
                                          else [])
-    experts = spec.submodules.experts
-    assert experts.module is SequentialMLP  # moe_grouped_gemm=False: one MLP per expert, local_experts.{e}
+    experts, expert_sub = _built_by(sub.experts)
+    assert experts is SequentialMLP  # moe_grouped_gemm=False: one MLP per expert, local_experts.{e}
     for e in range(config.num_moe_experts):
-        names += _mlp_names(experts, config, f"{prefix}experts.local_experts.{e}.")
+        names += _linear_names(expert_sub, f"{prefix}experts.local_experts.{e}.")
     if config.moe_shared_expert_intermediate_size:
-        names += _mlp_names(spec.submodules.shared_experts, config, prefix + "shared_experts.")
-        if config.moe_shared_expert_gate:  # transformer/moe/shared_experts.py L54-57: a Parameter of the module
+        names += _linear_names(_built_by(sub.shared_experts)[1], prefix + "shared_experts.")
+        if config.moe_shared_expert_gate:  # transformer/moe/shared_experts.py: a Parameter of the module
             names.append(prefix + "shared_experts.gate_weight")
     return names
 
 
 def _attention_names(spec, config, prefix: str) -> list[str]:
-    """Names of a SelfAttention / MLASelfAttention spec. MLA builds linear_q_proj
-    without a q LoRA, else linear_q_down_proj, q_layernorm, linear_q_up_proj (transformer/multi_latent_attention.py
-    L391-510)."""
+    """Names of a SelfAttention / MLASelfAttention spec. MLA builds linear_q_proj without a q LoRA, else
+    linear_q_down_proj, q_layernorm, linear_q_up_proj, with the classes megatron-core's own resolver picks from the
+    spec (transformer/mla_qk_norm_config.py, as MLASelfAttention.__init__ calls it)."""
+    from megatron.core.transformer.mla_qk_norm_config import QKNormConfigResolver
     from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 
     sub = spec.submodules
@@ -117,15 +130,16 @@ def _attention_names(spec, config, prefix: str) -> list[str]:
                 + _params_of(sub.linear_proj, prefix + "linear_proj.")
                 + _params_of(sub.q_layernorm, prefix + "q_layernorm.")
                 + _params_of(sub.k_layernorm, prefix + "k_layernorm."))
+    resolved = QKNormConfigResolver(config, sub).resolve()
     if config.q_lora_rank is None:
-        names = _params_of(sub.linear_q_proj, prefix + "linear_q_proj.")
+        names = _params_of(resolved["linear_q_proj"], prefix + "linear_q_proj.")
     else:
         names = (_params_of(sub.linear_q_down_proj, prefix + "linear_q_down_proj.")
-                 + _params_of(sub.q_layernorm, prefix + "q_layernorm.")
-                 + _params_of(sub.linear_q_up_proj, prefix + "linear_q_up_proj."))
+                 + _params_of(resolved["q_layernorm"], prefix + "q_layernorm.")
+                 + _params_of(resolved["linear_q_up_proj"], prefix + "linear_q_up_proj."))
     return names + (_params_of(sub.linear_kv_down_proj, prefix + "linear_kv_down_proj.")
-                    + _params_of(sub.kv_layernorm, prefix + "kv_layernorm.")
-                    + _params_of(sub.linear_kv_up_proj, prefix + "linear_kv_up_proj.")
+                    + _params_of(resolved["kv_layernorm"], prefix + "kv_layernorm.")
+                    + _params_of(resolved["linear_kv_up_proj"], prefix + "linear_kv_up_proj.")
                     + _params_of(sub.linear_proj, prefix + "linear_proj."))
 
 

@@ -7,6 +7,7 @@ Patches that only matter with 2+ ranks (MoE split sizes, gloo uneven all-gather)
 """
 
 import math
+from collections import OrderedDict
 
 import pytest
 import torch
@@ -156,7 +157,7 @@ def test_synchronize_is_noop():
 
 def build_moe_layer():
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer.spec_utils import build_module
+    from megatron.core.process_groups_config import ProcessGroupCollection
 
     config = tiny_config(
         num_moe_experts=4,
@@ -170,7 +171,8 @@ def build_moe_layer():
         moe_router_dtype="fp32",
     )
     spec = get_gpt_layer_local_spec(num_experts=4, moe_grouped_gemm=False)
-    return build_module(spec.submodules.mlp, config=config)
+    # megatron-core 0.19: an MoE spec's mlp is a builder, functools.partial(MoELayer, submodules=...)
+    return spec.submodules.mlp(config=config, pg_collection=ProcessGroupCollection.use_mpu_process_groups())
 
 
 def moe_reference(moe, x: torch.Tensor) -> torch.Tensor:
@@ -203,39 +205,62 @@ def test_cuda_streams_are_host_dummies():
         torch.testing.assert_close(out, moe_reference(moe, x), atol=1e-6, rtol=1e-5)
 
 
-def test_moe_router_gemm_defined():
-    moe = build_moe_layer()
-    x = torch.randn(4, 2, 16)
-    without("moe_router_gemm_defined")
-    with pytest.raises(NameError, match="te_general_gemm"):
-        moe(x)
-    megatron_patches.apply()
-    out, _ = moe(x)
-    out.sum().backward()
-    assert moe.router.weight.grad is not None and torch.isfinite(moe.router.weight.grad).all()
-
-
-def test_mla_without_transformer_engine():
+def test_mla_accepts_plain_linear_without_te():
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
     from megatron.core.transformer.multi_latent_attention import MLASelfAttention
     from megatron.core.transformer.transformer_config import MLATransformerConfig
 
-    from mrl.parallel.attention import TorchCoreAttention
+    from mrl.parallel.attention import TorchCoreAttention, gpt_layer_spec
 
     config = MLATransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=2, q_lora_rank=8,
                                   kv_lora_rank=8, qk_head_dim=4, qk_pos_emb_head_dim=4, v_head_dim=4, kv_channels=4,
                                   qk_layernorm=True, normalization="RMSNorm", rope_type="rope", **FUSIONS_OFF)
-    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
-    attention = spec.layer_specs[0].submodules.self_attention
-    attention.submodules.core_attention = TorchCoreAttention
-    build = lambda: MLASelfAttention(config, attention.submodules, layer_number=1)  # noqa: E731
-    without("mla_without_transformer_engine")
-    with pytest.raises(TypeError, match="isinstance"):
-        build()
+    # The reference: megatron's own local spec (column-parallel down projections; at TP 1 the same arithmetic).
+    stock = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
+    stock_attention = stock.layer_specs[0].submodules.self_attention.submodules
+    stock_attention.core_attention = TorchCoreAttention
+    plain = gpt_layer_spec(config, use_te=False).layer_specs[0].submodules.self_attention.submodules
+    build = lambda submodules: MLASelfAttention(config, submodules, layer_number=1)  # noqa: E731
+    without("mla_accepts_plain_linear_without_te")
+    with pytest.raises(ValueError, match="Unsupported linear_q_down_proj"):
+        build(plain)
     megatron_patches.apply()
+    reference, attention = build(stock_attention), build(plain)
+    assert type(attention.linear_q_down_proj).__name__ == "Linear"
+    attention.load_state_dict({k: v for k, v in reference.state_dict().items() if not k.endswith("_extra_state")})
     x = torch.randn(5, 2, 16)
-    out, _ = build()(x, attention_mask=None)
-    assert out.shape == (5, 2, 16) and torch.isfinite(out).all()
+    with torch.no_grad():
+        torch.testing.assert_close(attention(x, attention_mask=None)[0], reference(x, attention_mask=None)[0])
+
+
+def test_mla_q_proj_without_norm():
+    """Without a q LoRA, q is the spec's plain linear of the normed input (HF's DeepSeek: q_proj(hidden_states)):
+    megatron-core 0.19.2 would fuse a q norm into it, which needs TE's fused module and is not HF's arithmetic."""
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+    from megatron.core.transformer.multi_latent_attention import MLASelfAttention
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+    from mrl.parallel.attention import gpt_layer_spec
+
+    config = MLATransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=2, q_lora_rank=None,
+                                  kv_lora_rank=8, qk_head_dim=4, qk_pos_emb_head_dim=4, v_head_dim=4, kv_channels=4,
+                                  qk_layernorm=True, normalization="RMSNorm", rope_type="rope",
+                                  transformer_impl="local", **FUSIONS_OFF)
+    submodules = gpt_layer_spec(config, use_te=False).layer_specs[0].submodules.self_attention.submodules
+    without("mla_q_proj_without_norm")
+    with pytest.raises(RuntimeError, match="qk_layernorm requires TransformerEngine"):
+        MLASelfAttention(config, submodules, layer_number=1)
+    megatron_patches.apply()
+    attention = MLASelfAttention(config, submodules, layer_number=1)
+    assert type(attention.linear_q_proj) is ColumnParallelLinear
+    assert sorted(n for n in attention.state_dict() if not n.endswith("_extra_state")) == [
+        "kv_layernorm.weight", "linear_kv_down_proj.weight", "linear_kv_up_proj.weight", "linear_proj.weight",
+        "linear_q_proj.weight"]  # no q norm
+    x = torch.randn(5, 2, 16)
+    with torch.no_grad():
+        q, *_ = attention.get_query_key_value_tensors(x, None)
+        expected = (x @ attention.linear_q_proj.weight.t()).view(5, 2, 2, 8)[..., :4]  # the non-rotary part
+        torch.testing.assert_close(q[..., :4], expected)
 
 
 def tiny_gpt(seq: int = 8, vocab: int = 32, **config_overrides):
@@ -375,10 +400,8 @@ class _NoTextTokenizer:
 
 def test_static_inference_cuda_tensors_on_cpu():
     from megatron.core.inference.contexts import StaticInferenceContext
-    from megatron.core.inference.engines import StaticInferenceEngine
     from megatron.core.inference.inference_request import InferenceRequest
     from megatron.core.inference.model_inference_wrappers.gpt.gpt_inference_wrapper import GPTInferenceWrapper
-    from megatron.core.inference.model_inference_wrappers.inference_wrapper_config import InferenceWrapperConfig
     from megatron.core.inference.sampling_params import SamplingParams
     from megatron.core.inference.text_generation_controllers.text_generation_controller import (
         TextGenerationController,
@@ -389,11 +412,10 @@ def test_static_inference_cuda_tensors_on_cpu():
     torch.manual_seed(0)
     model = GPTModel(config=tiny_config(), transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=64,
                      max_sequence_length=32, position_embedding_type="rope").eval()
-    wrapper_config = InferenceWrapperConfig(hidden_size=16, params_dtype=torch.float32, padded_vocab_size=64,
-                                            inference_batch_times_seqlen_threshold=-1, inference_max_requests=2,
-                                            inference_max_seq_length=32)
-    wrapper = GPTInferenceWrapper(model, wrapper_config, StaticInferenceContext(2, 32))
-    engine = StaticInferenceEngine(TextGenerationController(wrapper, _NoTextTokenizer()), 2, legacy=True)
+    wrapper = GPTInferenceWrapper(model, StaticInferenceContext(2, 32))
+    # The static loop itself, as mrl's Megatron backend drives it: `StaticInferenceEngine` (deprecated in 0.19) adds
+    # a scheduler and marks the whole process as inferring (`InferenceMode`, which it never clears).
+    controller = TextGenerationController(wrapper, _NoTextTokenizer())
     params = SamplingParams(top_k=1, num_tokens_to_generate=5)
     params.add_attributes({"no_early_termination": True})
     prompts = [[5, 9, 3], [7, 1, 2, 8]]
@@ -401,7 +423,8 @@ def test_static_inference_cuda_tensors_on_cpu():
     def generate():
         requests = [InferenceRequest(request_id=i, prompt="", sampling_params=params, prompt_tokens=list(p))
                     for i, p in enumerate(prompts)]
-        return [r.generated_tokens.tolist() for r in engine.generate(inference_requests=requests)]
+        controller.generate_all_output_tokens_static_batch(OrderedDict((r.request_id, r) for r in requests))
+        return [r.generated_tokens.tolist() for r in requests]
 
     without("static_inference_cuda_tensors_on_cpu")
     with raises_without_cuda():

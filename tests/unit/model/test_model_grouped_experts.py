@@ -38,6 +38,12 @@ class RowLinearOfAnotherBackend:
     """Stands for TERowParallelLinear."""
 
 
+def experts_of(layer_spec):
+    """An MoE layer spec's experts builder: functools.partial(SequentialMLP, submodules=MLPSubmodules) inside
+    functools.partial(MoELayer, submodules=MoESubmodules) (megatron-core 0.19.2 models/gpt/moe_module_specs.py)."""
+    return layer_spec.submodules.mlp.keywords["submodules"].experts
+
+
 def test_the_experts_of_either_spec_become_grouped_over_their_own_linears():
     from megatron.core.transformer.moe.experts import SequentialMLP
 
@@ -46,22 +52,22 @@ def test_the_experts_of_either_spec_become_grouped_over_their_own_linears():
 
     block = gpt_layer_spec(moe_config(), use_te=False)
     # Transformer Engine's spec as mrl builds it (moe_grouped_gemm=False): the same SequentialMLP over TE's linears
-    # (megatron-core 0.16.1 TESpecProvider.grouped_mlp_modules); its classes cannot be imported without TE
-    te_like = block.layer_specs[1].submodules.mlp.submodules.experts
-    te_like.submodules.linear_fc1 = ColumnLinearOfAnotherBackend
-    te_like.submodules.linear_fc2 = RowLinearOfAnotherBackend
-    local = block.layer_specs[0].submodules.mlp.submodules.experts
-    local_linears = (local.submodules.linear_fc1, local.submodules.linear_fc2)
-    assert local.module is SequentialMLP and te_like.module is SequentialMLP
+    # (megatron-core 0.19.2 TESpecProvider.grouped_mlp_modules); its classes are not built here
+    te_like = experts_of(block.layer_specs[1]).keywords["submodules"]
+    te_like.linear_fc1, te_like.linear_fc2 = ColumnLinearOfAnotherBackend, RowLinearOfAnotherBackend
+    local_linears = (experts_of(block.layer_specs[0]).keywords["submodules"].linear_fc1,
+                     experts_of(block.layer_specs[0]).keywords["submodules"].linear_fc2)
+    assert experts_of(block.layer_specs[0]).func is SequentialMLP and experts_of(block.layer_specs[1]).func is SequentialMLP
     use_grouped_experts(block)
-    assert local.module is GroupedGemmExperts and te_like.module is GroupedGemmExperts
-    assert (local.submodules.linear_fc1, local.submodules.linear_fc2) == local_linears
-    assert (te_like.submodules.linear_fc1, te_like.submodules.linear_fc2) == (ColumnLinearOfAnotherBackend,
-                                                                              RowLinearOfAnotherBackend)
+    local, te = experts_of(block.layer_specs[0]), experts_of(block.layer_specs[1])
+    assert local.func is GroupedGemmExperts and te.func is GroupedGemmExperts
+    assert (local.keywords["submodules"].linear_fc1, local.keywords["submodules"].linear_fc2) == local_linears
+    assert (te.keywords["submodules"].linear_fc1, te.keywords["submodules"].linear_fc2) == (
+        ColumnLinearOfAnotherBackend, RowLinearOfAnotherBackend)
 
 
 def build_experts(**overrides):
-    from megatron.core.transformer.spec_utils import build_module
+    from megatron.core.process_groups_config import ProcessGroupCollection
 
     from mrl.model.grouped_experts import use_grouped_experts
     from mrl.parallel.attention import gpt_layer_spec
@@ -69,7 +75,8 @@ def build_experts(**overrides):
     config = moe_config(**overrides)
     block = gpt_layer_spec(config, use_te=False)
     use_grouped_experts(block)
-    return build_module(block.layer_specs[0].submodules.mlp, config=config).experts  # a MoE layer's
+    pg_collection = ProcessGroupCollection.use_mpu_process_groups()
+    return block.layer_specs[0].submodules.mlp(config=config, pg_collection=pg_collection).experts  # a MoE layer's
 
 
 def test_the_grouped_path_applies_or_names_why_the_loop_runs():
@@ -97,8 +104,7 @@ TINY_MOE = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
 
 def test_a_transformer_engine_build_groups_its_experts_too(monkeypatch):
     """`build_gpt_model(use_te=True, grouped_experts=True)` groups the experts of the spec it builds (until this
-    change it left TE's alone). TE's spec cannot be built without TE (megatron-core 0.16.1's gpt_layer_specs raises
-    NameError: TENorm), so the local spec, whose experts are the same SequentialMLP, stands in for it here; the
+    change it left TE's alone). TE's linears cannot be built without TE, so the local spec, whose experts are the same SequentialMLP, stands in for it here; the
     grouped experts against TE's own linears are checked by tests/gpu/test_gpu_speed.py where TE is installed."""
     from mrl.model import build
     from mrl.model.grouped_experts import GroupedGemmExperts
