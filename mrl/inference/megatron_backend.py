@@ -2,8 +2,9 @@
 
 The engine runs the policy architecture itself (a GPTModel built from the HF folder, mrl/model/build.py), in this
 process, at TP1. It is the rollout engine for setups without vLLM, and a second, independent implementation to
-check vLLM against. The legacy static path is the only Megatron inference that runs on CPU (the dynamic engine
-needs flash_attn).
+check vLLM against. It drives Megatron's static-batch loop, which runs on CPU with `mrl.cpu`'s patches; the dynamic
+engine (in-flight batching, which megatron-core 0.19 recommends) needs more of them and is not a backend yet
+(docs/guides/cpu-enablement.md says what it needs).
 
 Generation data flow:
     prompts (token ids) --fit_prompts--> kept prompts --x n--> rows, prompt-major (row i * n + k)
@@ -21,9 +22,10 @@ What mrl adds around Megatron's engine (each difference was found against an HF 
   (logprobs off by ~1e-2 on the tiny model) and can sample them. `_UnpaddedLogitsWrapper` sets them to -inf.
 - Stop tokens: Megatron ends a row on one termination id and drops the stop token from the response;
   `_StopSetController` ends rows on any of EOS + `stop_token_ids` and keeps the stop token (as vLLM does).
-- Sampling: Megatron refuses top-k together with top-p; `_StopSetController` samples with temperature, then
-  top-k, then top-p (vLLM's order), from its own generator, reseeded per call when `SamplingConfig.seed` is set.
-  Logprobs are always those of the raw (temperature 1, unfiltered) distribution, like vLLM's `raw_logprobs`.
+- Sampling: Megatron refuses top-k together with top-p; `_StopSetController` samples (its `sample_from_logits`)
+  with temperature, then top-k, then top-p (vLLM's order), from its own generator, reseeded per call when
+  `SamplingConfig.seed` is set. Logprobs are always those of the raw (temperature 1, unfiltered) distribution,
+  like vLLM's `raw_logprobs`.
 - Decode attention: on KV-cached decode steps Megatron passes `attn_mask_type=no_mask` to the core attention (one
   query, the newest token, sees every cached key); `TorchCoreAttention` honours the per-call mask type (with a
   causal mask the query sat at position 0 and saw only the first key: logprobs off by ~3 nats).
