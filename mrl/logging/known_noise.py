@@ -49,6 +49,12 @@ WARNINGS = (
         "megatron-core 0.19.2 warns about its own default cuda_graph_scope; mrl captures no CUDA graphs",
     ),
     KnownNoise(
+        r"megatron\.core\.models\.mimo\.config\.base_configs",
+        r"MimoModelConfig is experimental",
+        "megatron-core 0.19.2 raises it when the module defining MimoModelConfig is imported, which its "
+        "get_megatron_optimizer does for every model (to test for a MimoModel); mrl builds no multimodal model",
+    ),
+    KnownNoise(
         r"vllm\.triton_utils\.dispatcher",
         r"`torch\.distributed\.reduce_op` is deprecated",
         "vLLM 0.32 touches torch's deprecated alias while scanning modules for Triton kernels",
@@ -73,6 +79,12 @@ LOG_RECORDS = (
         r"GPTModel IS DEPRECATED",
         "megatron-core 0.19 logs it for every GPTModel built; mrl builds GPTModel until its models move to "
         "HybridModel (whose parameter names the converters do not map yet)",
+    ),
+    KnownNoise(
+        "megatron.core.dist_checkpointing.strategies.torch",
+        r"MCore's async save is deprecated",
+        "megatron-core 0.19.2 logs it on the first save of a process, synchronous ones included (its synchronous "
+        "save runs the deprecated asynchronous writer and waits); mrl saves synchronously and never asks for it",
     ),
     KnownNoise(
         "torch.utils.cpp_extension",

@@ -3,20 +3,26 @@
 
 The run is the fault suite's (tests/faults): the embedded recipe's 1-digit task from a policy SFT-warmed once, a
 checkpoint every step, scored by the math environment's verifier actors (math-verify in a Ray actor pool). An
-uninterrupted run of the same seed is the reference, and its wall time T the window: each trial starts the same
-command, waits a time drawn uniformly from [0, T), and SIGKILLs
-    engine      a vLLM engine worker process (`VllmEngineWorker`: workers leave their pid under MRL_FAULT_PIDS)
+uninterrupted run of the same seed is the reference: its wall time T, and how long a process of each kind lived in it
+(its workers leave their pids under MRL_FAULT_PIDS, which the campaign watches). Each trial starts the same command
+and SIGKILLs
+    engine      a vLLM engine worker process (`VllmEngineWorker`)
     policy      a policy worker process (`PolicyWorker`)
     verifier    a verifier actor process (`VerifierActor`)
     controller  the controller and every process it started (its process group), then runs the command again
-then waits for the command's end (`steps_logged_at_fault` says how far the run was) (at most 3T + 180 s, else `hung`).
+at a moment uniform over that kind's life: for a worker, a time drawn from [0, L) after the first process of its kind
+started, L its kind's life in the reference (first start to last sight); for the controller, a time drawn from
+[0, T) after the command started. (Start-up is most of a short run's wall time on a slow machine and the verifiers
+start only with the steps, so moments drawn over T alone mostly found no victim: docs/measurements.md, Fault
+campaigns.) Then the trial waits for the command's end (`steps_logged_at_fault`
+says how far the run was) (at most 3T + 180 s, else `hung`).
 Outcomes:
     survived         exit 0 without a re-run
     stopped cleanly  exit 4 with the run's one message (`mrl: run failed: ...`, the command that resumes it) and no
                      traceback; the command is run again
     crashed          any other end, or a traceback in the output
     hung             the command did not end in time (killed)
-    missed           nothing of that kind was alive at the moment (the run had not started it, or had ended)
+    missed           nothing of that kind was alive at the moment (the run had ended, or never started one)
 For every run that finished (at once or re-run), `exact` says whether each step's training metrics (`train/*`
 but times and restart counts) equal the reference's: what the docs promise for seeded sampling and for a resume.
 Trials go on until `--faults` faults have landed (a missed trial lands none). The campaign fails (exit 1) when a
@@ -36,6 +42,7 @@ import subprocess
 import tempfile
 import time
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from mrl.distributed.faults import PIDS_ENV
@@ -46,6 +53,7 @@ KINDS = ("engine", "policy", "verifier", "controller")
 #: The kinds whose death the run survives (replaced, the work redone); the others may stop it cleanly (exit 4).
 SURVIVED = ("engine", "verifier")
 OUTCOMES = ("survived", "stopped cleanly", "crashed", "hung", "missed")
+POLL_S = 0.2  # how often the campaign looks for live workers
 
 
 def _parse(argv=None) -> argparse.Namespace:
@@ -98,6 +106,34 @@ def _victim(kind: str, pids_dir: Path) -> int | None:
     return max(live)[1] if live else None
 
 
+def observe(proc: subprocess.Popen, pids_dir: Path, timeout_s: float = 600) -> tuple[str, dict[str, float]]:
+    """Wait for `proc` (started with MRL_FAULT_PIDS=`pids_dir`; a non-zero exit fails with the output's tail) while
+    watching its workers: (its output, each kind's life in seconds: from its first process's start to the last moment
+    one was seen alive). A kind never seen is absent."""
+    seen: dict[str, tuple[float, float]] = {}
+    with ThreadPoolExecutor(1) as pool:
+        reader = pool.submit(finish, proc, timeout_s)
+        while not reader.done():
+            now = time.monotonic()
+            for kind in ROLES:
+                if _victim(kind, pids_dir) is not None:
+                    seen[kind] = (seen.get(kind, (now, now))[0], now)
+            time.sleep(POLL_S)
+        out = reader.result()
+    return out, {kind: last - first for kind, (first, last) in seen.items()}
+
+
+def _first_start(kind: str, proc: subprocess.Popen, pids_dir: Path, timeout_s: float) -> int | None:
+    """Wait until a process of `kind` is alive (its pid); None when the command ended or `timeout_s` passed first."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and proc.poll() is None:
+        pid = _victim(kind, pids_dir)
+        if pid is not None:
+            return pid
+        time.sleep(POLL_S)
+    return None
+
+
 def _wait(proc: subprocess.Popen, timeout_s: float) -> tuple[int | None, str]:
     try:
         out, _ = proc.communicate(timeout=timeout_s)
@@ -128,13 +164,24 @@ def _classify(code: int | None, out: str) -> str:
 
 
 def trial(
-    index: int, kind: str, delay: float, warm: Path, root: Path, steps: int, window: float, reference: dict[int, dict]
+    index: int, kind: str, offset: float, warm: Path, root: Path, steps: int, window: float, reference: dict[int, dict]
 ) -> dict:
+    """One run with one fault: `offset` seconds after the command started (the controller) or after the first
+    process of `kind` started (a worker kind)."""
     out_dir, pids = root / f"trial{index}", root / f"pids{index}"
     args = grpo_args(warm, out_dir, steps)
+    started = time.monotonic()
     proc = mrl(*args, env={PIDS_ENV: str(pids)})
-    time.sleep(delay)
-    record = {"trial": index, "kind": kind, "delay_s": round(delay, 2)}
+    record = {"trial": index, "kind": kind, "offset_s": round(offset, 2)}
+    if kind != "controller" and _first_start(kind, proc, pids, 2 * window + 60) is None:
+        ended = proc.poll()
+        if ended is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        why = f"no {ROLES[kind]} started" + (f" (the run ended with exit {ended})" if ended is not None else "")
+        return {**record, "delay_s": round(time.monotonic() - started, 2), "outcome": "missed", "why": why}
+    time.sleep(offset)
+    record["delay_s"] = round(time.monotonic() - started, 2)  # the fault's moment, from the command's start
     if proc.poll() is not None:
         _wait(proc, 10)
         return {**record, "outcome": "missed", "why": "the run had ended"}
@@ -204,33 +251,39 @@ def problems(trials: list[dict]) -> list[str]:
 def campaign(
     warm: Path, root: Path, *, faults: int, seed: int, kinds=KINDS, steps: int = 6, twin: bool = True
 ) -> tuple[list[dict], float]:
-    """Trials until `faults` faults landed (at most 2 * faults + 5 trials); (trials, window in seconds). The window is
-    the wall time of an uninterrupted run after the reference (`twin`: the first run fills the compile caches), or of
-    the reference itself."""
+    """Trials until `faults` faults landed (at most 2 * faults + 5 trials); (trials, window in seconds). The window
+    and the kinds' lives are those of an uninterrupted run after the reference (`twin`: the first run fills the
+    compile caches), or of the reference itself."""
     rng = random.Random(seed)
-    start = time.monotonic()
-    finish(mrl(*grpo_args(warm, root / "reference", steps)))
-    window = time.monotonic() - start
+    window, lives = _uninterrupted(warm, root / "reference", steps)
     reference = metrics(root / "reference" / "logs")
     if twin:
-        start = time.monotonic()
-        finish(mrl(*grpo_args(warm, root / "window", steps)))
-        window = time.monotonic() - start
+        window, lives = _uninterrupted(warm, root / "window", steps)
         second = "equal to" if same_training(metrics(root / "window" / "logs"), reference) else "NOT equal to"
         print(f"[campaign] a second uninterrupted run is {second} the first")
+    lives["controller"] = window
+    unseen = [ROLES[kind] for kind in kinds if kind not in lives]
+    if unseen:
+        raise RuntimeError(
+            f"no {', '.join(unseen)} registered in the uninterrupted run: its pid file is written by "
+            "mrl.distributed.faults.register when MRL_FAULT_PIDS is set; a worker that no longer calls it cannot be "
+            "a campaign's victim"
+        )
     print(
-        f"[campaign] reference run: {steps} steps in {window:.0f} s; faults uniform over [0, {window:.0f}) s, "
-        f"seed {seed}",
+        f"[campaign] uninterrupted run: {steps} steps in {window:.0f} s; faults uniform over each kind's life: "
+        + ", ".join(f"{kind} [0, {lives[kind]:.0f}) s" for kind in kinds)
+        + f" after its first start; seed {seed}",
         flush=True,
     )
     trials: list[dict] = []
     while sum(t["outcome"] != "missed" for t in trials) < faults and len(trials) < 2 * faults + 5:
-        kind, delay = rng.choice(list(kinds)), rng.uniform(0, window)
-        result = trial(len(trials), kind, delay, warm, root, steps, window, reference)
+        kind = rng.choice(list(kinds))
+        offset = rng.uniform(0, lives[kind])
+        result = trial(len(trials), kind, offset, warm, root, steps, window, reference)
         trials.append(result)
         late = result.get("steps_logged_at_fault") == steps
         print(
-            f"[campaign] {result['trial']}: {kind} at {delay:.1f} s -> {result['outcome']}"
+            f"[campaign] {result['trial']}: {kind} at {result['delay_s']:.1f} s -> {result['outcome']}"
             f"{' (exact)' if result.get('exact') else ''}{' ' + result['why'] if 'why' in result else ''}"
             f"{' (after the last step)' if late else ''}",
             flush=True,
@@ -238,6 +291,14 @@ def campaign(
         if result["outcome"] in ("crashed", "hung"):
             print(result.get("tail", ""), flush=True)
     return trials, window
+
+
+def _uninterrupted(warm: Path, out_dir: Path, steps: int) -> tuple[float, dict[str, float]]:
+    """Run without a fault, watching its workers: (its wall time, each kind's life: `observe`)."""
+    pids = out_dir.parent / f"pids-{out_dir.name}"
+    start = time.monotonic()
+    _, lives = observe(mrl(*grpo_args(warm, out_dir, steps), env={PIDS_ENV: str(pids)}), pids)
+    return time.monotonic() - start, lives
 
 
 def main(argv=None) -> int:

@@ -1,7 +1,7 @@
 """A small random fault campaign (mrl/testing/fault_campaign.py): three SIGKILLs of a random kind (engine worker,
-policy worker, verifier actor, the controller and its processes) at moments uniform over an uninterrupted run's wall
-time. Nothing may crash or hang, engine and verifier deaths are survived, and every run that finished (at once, or
-re-run after a clean stop) trains exactly as the uninterrupted run. The seed is new each time (printed, and
+policy worker, verifier actor, the controller and its processes) at moments uniform over the life of their kind in an
+uninterrupted run. Nothing may crash or hang, engine and verifier deaths are survived, and every run that finished (at
+once, or re-run after a clean stop) trains exactly as the uninterrupted run. The seed is new each time (printed, and
 MRL_CAMPAIGN_SEED replays it): each CI run tries moments no earlier one did; the 50-fault campaign's table is in
 docs/measurements.md.
 """
