@@ -19,7 +19,7 @@ Megatron's MLA de-interleaves the rotary part exactly as HF's `rope_interleave=T
 The MTP layer of the published checkpoints (`model.layers.<num_hidden_layers>.*`) is not part of the model: a
 reader of such a checkpoint drops it with a logged note (`converters.hf_io`).
 
-What Megatron-Core 0.16.1 cannot represent is refused with the reason: a group scored by other than its top 2
+What Megatron-Core 0.19.2 cannot represent is refused with the reason: a group scored by other than its top 2
 experts (Megatron scores a group by its top topk/topk_group), routing weights not renormalised, attention biases,
 latent-norm epsilons other than 1e-6 (HF fixes them at 1e-6, Megatron uses rms_norm_eps), non-interleaved rope
 (vLLM 0.32 applies MLA rope interleaved whatever the config says).

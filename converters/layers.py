@@ -23,15 +23,18 @@ Norms: input_layernorm -> input_layernorm, post_attention_layernorm -> pre_mlp_l
 
 Transformer Engine names (`names="te"`): the TE layer spec fuses some norms into the linear that follows them
 (TELayerNormColumnParallelLinear, whose norm is its `layer_norm_weight`); `TE_RENAMES` lists each such name with the
-lines of megatron-core 0.16.1's models/gpt/gpt_layer_specs.py it comes from (the same four renames as megatron-core's
-own TE -> local load hook, post_training/modelopt/gpt/state_dict_hooks.py L39-52). Every other parameter is named
-alike in both specs: MLA's input_layernorm (a separate TENorm, L248: not fused into the down projections), qk-norm
-(TENorm q/k_layernorm, L282-287), the MLA down projections (TELinear, L254/L256), linear_q_proj without a q LoRA
-(L253), linear_proj (L259/L281), a MoE layer's pre_mlp_layernorm (TENorm, L265/L291), the router, the routed experts
-(a SequentialMLP of TE linears with moe_grouped_gemm=False, as mrl builds them: TESpecProvider.grouped_mlp_modules,
-extensions/transformer_engine_spec_provider.py L89-91; mrl's GroupedGemmExperts keeps its parameters), the shared
-experts (TE column / row parallel linears, models/gpt/moe_module_specs.py L42-60), the embedding, the final norm and
-the output layer.
+megatron-core 0.19.2 functions it comes from (the same four weight renames as megatron-core's own TE -> local load
+hook, `mcore_gpt_load_te_state_dict_pre_hook` in post_training/modelopt/gpt/state_dict_hooks.py). Every other
+parameter is named alike in both specs, as `get_gpt_layer_with_transformer_engine_submodules`
+(models/gpt/gpt_layer_specs.py) builds them without `mla_down_proj_fusion`, which mrl leaves off: MLA's
+input_layernorm (a separate TENorm, not fused into the down projections), qk-norm (TENorm q/k_layernorm), the MLA
+down projections (TELinear), linear_q_proj without a q LoRA (TEColumnParallelLinear; megatron-core 0.19.2's
+`QKNormConfigResolver` would fuse a q norm into it, which `mrl.cpu.megatron_patches.mla_q_proj_without_norm`
+undoes), linear_proj, a MoE layer's pre_mlp_layernorm (TENorm), the router, the routed experts (a SequentialMLP of TE
+linears with moe_grouped_gemm=False, as mrl builds them: TESpecProvider.grouped_mlp_modules in
+extensions/transformer_engine_spec_provider.py; mrl's GroupedGemmExperts keeps its parameters), the shared experts
+(TE column / row parallel linears: get_moe_module_spec_for_backend in models/gpt/moe_module_specs.py), the
+embedding, the final norm and the output layer.
 """
 
 from __future__ import annotations
@@ -54,8 +57,8 @@ Where = Literal["gqa", "mla", "dense"]
 class TERename:
     """A layer parameter the Transformer Engine spec names differently from the local spec (names relative to the
     layer). where: the layers it applies to (gqa / mla: by attention, dense: a layer with a dense MLP); source: the
-    megatron-core 0.16.1 models/gpt/gpt_layer_specs.py lines (get_gpt_layer_with_transformer_engine_spec unless
-    named) that make it so."""
+    megatron-core 0.19.2 functions that make it so (in models/gpt/gpt_layer_specs.py unless another file is
+    named)."""
 
     local: str
     te: str
@@ -68,30 +71,33 @@ TE_RENAMES: tuple[TERename, ...] = (
         "input_layernorm.weight",
         "self_attention.linear_qkv.layer_norm_weight",
         "gqa",
-        "L274-289: no input_layernorm (the IdentityOp default); L279 linear_qkv = "
-        "backend.column_parallel_layer_norm_linear() (TELayerNormColumnParallelLinear)",
+        "get_gpt_layer_with_transformer_engine_submodules: no input_layernorm (the IdentityOp default of "
+        "TransformerLayerSubmodules); linear_qkv = backend.column_parallel_layer_norm_linear() "
+        "(TELayerNormColumnParallelLinear)",
     ),
     TERename(
         "self_attention.q_layernorm.weight",
         "self_attention.linear_q_up_proj.layer_norm_weight",
         "mla",
-        "L260 q_layernorm=IdentityOp; L235-239 linear_q_up_proj = column_parallel_layer_norm_linear() when "
-        "qk_layernorm (mrl sets it for MLA); with no q LoRA there is neither (MLASelfAttention builds "
-        "linear_q_proj, L253)",
+        "get_gpt_layer_with_transformer_engine_submodules: q_layernorm=IdentityOp, linear_q_up_proj = "
+        "column_parallel_layer_norm_linear() when qk_layernorm (mrl sets it for MLA), which "
+        "QKNormConfigResolver (transformer/mla_qk_norm_config.py) keeps; with no q LoRA there is neither "
+        "(MLASelfAttention builds linear_q_proj)",
     ),
     TERename(
         "self_attention.kv_layernorm.weight",
         "self_attention.linear_kv_up_proj.layer_norm_weight",
         "mla",
-        "L261 kv_layernorm=IdentityOp; L240-244 linear_kv_up_proj = column_parallel_layer_norm_linear() when "
-        "qk_layernorm",
+        "get_gpt_layer_with_transformer_engine_submodules: kv_layernorm=IdentityOp, linear_kv_up_proj = "
+        "column_parallel_layer_norm_linear() when qk_layernorm",
     ),
     TERename(
         "pre_mlp_layernorm.weight",
         "mlp.linear_fc1.layer_norm_weight",
         "dense",
-        "L265/L291 pre_mlp_layernorm=IdentityOp without experts (TENorm with them); L492-497 a dense MLP's "
-        "linear_fc1 = column_parallel_layer_norm_linear() (TESpecProvider.fuse_layernorm_and_linear)",
+        "get_gpt_layer_with_transformer_engine_submodules: pre_mlp_layernorm=IdentityOp without experts (a "
+        "TENorm with them); get_mlp_module_spec_for_backend: a dense MLP's linear_fc1 = "
+        "column_parallel_layer_norm_linear() (TESpecProvider.fuse_layernorm_and_linear)",
     ),
 )
 

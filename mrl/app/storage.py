@@ -59,7 +59,10 @@ def free_space(folder: Path) -> str:
 def _full(folder: Path) -> Optional[str]:
     """A reason when `folder`'s file system is (all but) full at the failure, whatever the error said. torch's
     checkpoint writer reports a full disk as "[enforce fail at inline_container.cc] unexpected pos N vs M" (its zip
-    writer checks the position, not the errno: measured with torch 2.13 and megatron-core 0.16.1 on a full tmpfs)."""
+    writer checks the position, not the errno: measured with torch 2.13 and megatron-core 0.16.1 on a full tmpfs).
+    megatron-core 0.19.2 still writes every checkpoint tensor through that zip writer: its
+    `FileSystemWriterAsync.write_preloaded_data` hands each one to torch.distributed.checkpoint's `_write_item` in
+    the TORCH_SAVE format, which calls `torch.save`."""
     usage = shutil.disk_usage(_existing(folder))
     if usage.free < FULL_FRACTION * usage.total:
         return f"{os.strerror(errno.ENOSPC)} (the file system had {_size(usage.free)} free when the write failed)"

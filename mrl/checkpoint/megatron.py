@@ -81,7 +81,8 @@ def _model_sharded_state_dict(model_chunks: list) -> dict:
 
 
 def _training_sharded_state_dict(model_sd: dict, optimizer: Any, scheduler: Any, *, is_loading: bool) -> dict:
-    """Optimizer (sharded by the model's sharded tensors) and the LR schedule (a plain dict: common.pt)."""
+    """Optimizer (sharded by the model's sharded tensors) and the LR schedule (a plain dict: the checkpoint's common
+    state)."""
     state: dict[str, Any] = {}
     if optimizer is not None:
         state["optimizer"] = optimizer.sharded_state_dict(
@@ -93,13 +94,15 @@ def _training_sharded_state_dict(model_sd: dict, optimizer: Any, scheduler: Any,
 
 
 def save_sharded(sharded_state_dict: dict, folder: str | Path, **kwargs: Any) -> None:
-    """`dist_checkpointing.save`, without the process megatron-core 0.16.1 starts for the first save of a process.
+    """`dist_checkpointing.save`, without the process megatron-core 0.19.2 starts for the first save of a process.
 
     Its torch_dist writer (`FileSystemWriterAsync`, also for synchronous saves) returns the write results through a
-    queue made once per process by a `multiprocessing.Manager` of the "spawn" context: a new Python interpreter,
-    measured at 2.3 s on the first save of a 1M-parameter model against 0.1 s for every later one. That queue only
-    has to outlive an asynchronous save's worker process; a synchronous save (the only kind here: `execute_sync`)
-    puts and gets the results in this process, so a plain in-process queue serves, set before the first save.
+    queue made once per process by a `multiprocessing.Manager` of the "spawn" context (`get_write_results_queue` in
+    strategies/filesystem_async.py, which keeps it in the module's `_results_queue`): a new Python interpreter,
+    measured at 2.3 s on the first save of a 1M-parameter model against 0.1 s for every later one (with 0.16.1,
+    which made the queue the same way). That queue only has to outlive an asynchronous save's worker process; a
+    synchronous save (the only kind here: `execute_sync`) puts and gets the results in this process, so a plain
+    in-process queue serves, set before the first save.
     """
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.strategies import filesystem_async
@@ -203,8 +206,10 @@ def _is_distributed(optimizer: Any) -> bool:
 
 
 def _check_same_optimizer_kind(train_dir: Path, optimizer: Any) -> None:
-    """Megatron's distributed and regular optimizers write differently structured states (megatron-core 0.16.1:
-    loading one into the other fails deep inside `load_state_dict`); both reshard across layouts on their own."""
+    """Megatron's distributed and regular optimizers write differently structured states, so one cannot load the
+    other's (megatron-core 0.19.2: the distributed one keeps its parameter state under `param_state` with a
+    `param_state_sharding_type`, the regular one the torch optimizer's own `state`, beside `fp32_from_fp16_params`
+    under bf16); both reshard across layouts on their own."""
     from megatron.core import dist_checkpointing
 
     saved = (dist_checkpointing.load_content_metadata(str(train_dir)) or {}).get("distributed_optimizer")

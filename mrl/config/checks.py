@@ -144,6 +144,16 @@ def _model_problems(cfg: "MrlConfig", facts: ModelFacts) -> list[ConfigError]:
                 allowed=f"a divisor of {facts.experts}: {_divisors(facts.experts)}",
             )
         )
+    if _dynamic_megatron_engine(cfg) and facts.latent_attention:
+        out.append(
+            ConfigError(
+                "the Megatron dynamic engine does not run multi-latent attention models yet (its latent KV cache)",
+                key="generation.megatron.engine",
+                given="dynamic",
+                allowed="static",
+                fix="set generation.megatron.engine=static for this model",
+            )
+        )
     replay = cfg.policy.moe.router_replay
     if replay != "off" and facts.experts is None:
         out.append(
@@ -341,6 +351,16 @@ def _misc_problems(cfg: "MrlConfig") -> list[ConfigError]:
                 "a non-colocated engine needs its own devices",
                 key="generation.num_devices",
                 fix="set generation.num_devices, or generation.colocated=true",
+            )
+        )
+    if _dynamic_megatron_engine(cfg) and cfg.policy.moe.router_replay != "off":
+        out.append(
+            ConfigError(
+                "the Megatron dynamic engine does not return routed experts yet, which router replay needs",
+                key="generation.megatron.engine",
+                given="dynamic",
+                allowed="static (with policy.moe.router_replay)",
+                fix="set generation.megatron.engine=static, or policy.moe.router_replay=off",
             )
         )
     if cfg.grpo.max_off_policy_steps and _runs(cfg, "grpo"):
@@ -621,6 +641,10 @@ def _ppo_problems(cfg: "MrlConfig") -> list[ConfigError]:
 def _runs(cfg: "MrlConfig", algorithm: str) -> bool:
     """Whether the config runs `algorithm` (a plain config always may; a staged one if a stage names it)."""
     return not cfg.stages or any(s.algorithm == algorithm for s in cfg.stages)
+
+
+def _dynamic_megatron_engine(cfg: "MrlConfig") -> bool:
+    return cfg.generation.backend == "megatron" and cfg.generation.megatron.engine == "dynamic"
 
 
 def _divisors(n: int) -> list[int]:

@@ -440,6 +440,21 @@ class VllmConfig(Section):
         return self
 
 
+class MegatronGenerationConfig(Section):
+    engine: Literal["static", "dynamic"] = Field(
+        default="static",
+        description="The Megatron backend's loop (generation.backend=megatron): static, Megatron's static batches of "
+        "similar prompt lengths; dynamic, its dynamic engine (in-flight batching over a paged KV cache; no "
+        "multi-latent attention and no router replay yet).",
+    )
+    kv_block_tokens: int = Field(
+        default=256,
+        ge=1,
+        description="Tokens per block of the dynamic engine's paged KV cache (flash-attn's paged kernels want a "
+        "multiple of 256 on GPUs).",
+    )
+
+
 class GenerationConfig(Section):
     backend: Literal["vllm", "megatron"] = Field(default="vllm", description="Rollout engine.")
     colocated: bool = Field(
@@ -491,6 +506,7 @@ class GenerationConfig(Section):
         "(re-running resumes). Not with grpo.max_off_policy_steps=1.",
     )
     vllm: VllmConfig = Field(default_factory=VllmConfig)
+    megatron: MegatronGenerationConfig = Field(default_factory=MegatronGenerationConfig)
 
 
 # ------------------------------------------------------------------------------------------------------- loss, algos

@@ -10,13 +10,15 @@ exact places that break, one named function per problem, each saying what breaks
 Usage: call `apply()` before building Megatron models. It is idempotent. With CUDA it applies only the patches
 for a missing Transformer Engine (`WITHOUT_TE`: megatron-core bugs that break a TE-less build whatever the device,
 first seen on an H100 without TE, and two that spare a TE-less GPU's train step its host synchronisations) when TE
-is absent, and where TE is present only `WITH_TE` (one: multi-latent attention without a q LoRA built as HF's).
+is absent, and where TE is present only `WITH_TE` (one: multi-latent attention without a q LoRA built as HF's); without
+flash-attn also `WITHOUT_FLASH_ATTN` (the dynamic inference engine's paged attention in torch,
+`mrl.cpu.megatron_dynamic`, whose four patches are registered here).
 
 Design choices:
 - Targeted patches (a replaced function or class attribute) wherever one is possible.
 - Where megatron creates `device="cuda"` tensors inside long functions (optimizer constructors, gradient
   clipping, the forward-backward schedules), those functions are wrapped so that a device-rewriting
-  `TorchFunctionMode` is active only while they run (`_CudaToCpuMode`); nothing outside them is rewritten.
+  `TorchFunctionMode` is active only while they run (`mrl.cpu.device_scope`); nothing outside them is rewritten.
 - Every patch is recorded, so tests can apply all but one (`apply(skip=...)`) and undo them (`revert()`):
   each patch has a test showing the megatron behaviour fails without it and works with it.
 - Three patches change speed, not behaviour (`mrl/cpu/megatron_speed.py`): linear layers compute with oneDNN instead
@@ -42,9 +44,15 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
-from torch.overrides import TorchFunctionMode
 
 from mrl.cpu import isa
+from mrl.cpu.device_scope import wrap_in_cpu_scope
+from mrl.cpu.megatron_dynamic import (
+    dynamic_inference_cuda_tensors_on_cpu,
+    dynamic_kv_append_in_torch,
+    dynamic_suspend_without_cuda_statistics,
+    paged_attention_in_torch,
+)
 from mrl.cpu.megatron_speed import grad_norm_on_device, linear_gemms_on_onednn, packed_rope_in_one_gather
 
 SUPPORTED_MEGATRON_VERSION = "0.19.2"
@@ -89,64 +97,6 @@ class Patcher:
             else:
                 setattr(saved.target, saved.attr, saved.original)
         self.saved.clear()
-
-
-# --------------------------------------------------------------------------------------------------------
-# A device-rewriting mode, used only inside the megatron functions wrapped by `_cpu_device_scope`.
-# --------------------------------------------------------------------------------------------------------
-
-
-def _is_cuda_device(device: Any) -> bool:
-    if isinstance(device, str):
-        return device.startswith("cuda")
-    if isinstance(device, torch.device):
-        return device.type == "cuda"
-    # Megatron passes CUDA ordinals (`torch.cuda.current_device()` is an int on GPU builds).
-    return isinstance(device, int) and not isinstance(device, bool)
-
-
-class _CudaToCpuMode(TorchFunctionMode):
-    """Runs `device="cuda"` factory calls, `.cuda()` and `.to("cuda")` on the CPU.
-
-    With `fake_cuda_type=True`, `tensor.type()` also reports `torch.cuda.<X>Tensor` for CPU tensors: megatron's
-    optimizer wrappers accept parameters only if `param.type() == "torch.cuda.FloatTensor"`; on CPU every
-    tensor is a host tensor, so the check's intent (a supported dtype on the compute device) holds.
-    """
-
-    def __init__(self, fake_cuda_type: bool) -> None:
-        super().__init__()
-        self.fake_cuda_type = fake_cuda_type
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if "device" in kwargs and _is_cuda_device(kwargs["device"]):
-            kwargs = {**kwargs, "device": "cpu"}
-        if kwargs.get("pin_memory"):
-            kwargs = {**kwargs, "pin_memory": False}
-        if func is torch.Tensor.cuda:
-            return args[0]
-        if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):
-            args = (args[0], "cpu", *args[2:])
-        if self.fake_cuda_type and func is torch.Tensor.type and len(args) == 1 and not kwargs:
-            name = func(*args)
-            return name if name.startswith("torch.cuda.") else name.replace("torch.", "torch.cuda.", 1)
-        return func(*args, **kwargs)
-
-
-def _cpu_device_scope(fn: Callable, fake_cuda_type: bool) -> Callable:
-    """Wraps `fn` so that `_CudaToCpuMode` is active exactly while it runs."""
-
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        with _CudaToCpuMode(fake_cuda_type):
-            return fn(*args, **kwargs)
-
-    return wrapper
-
-
-def _wrap_in_cpu_scope(patch: Patcher, module: Any, names: Iterable[str], fake_cuda_type: bool) -> None:
-    for name in names:
-        patch.set(module, name, _cpu_device_scope(getattr(module, name), fake_cuda_type))
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -303,7 +253,7 @@ def optimizer_cuda_tensors_on_cpu(patch: Patcher) -> None:
     `DistributedOptimizer.get_parameter_state_dp_zero` (used to save `fully_reshardable` checkpoints) moves
     its send buffers with `.cuda()`; `MegatronOptimizer.has_grad_norm_group` (0.19) all-reduces a `device='cuda'`
     flag. These are local variables inside long
-    functions, so no single attribute can be replaced: the functions run under `_CudaToCpuMode`, which puts
+    functions, so no single attribute can be replaced: the functions run under `CudaToCpuMode`, which puts
     those tensors on the CPU and reports CPU tensors' types as their CUDA counterparts (the check's intent,
     "a supported dtype on the compute device", holds on CPU). The names `optimizer.py` and
     `layer_wise_optimizer.py` imported from `clip_grads` are wrapped too.
@@ -312,9 +262,9 @@ def optimizer_cuda_tensors_on_cpu(patch: Patcher) -> None:
 
     clip_names = ("get_grad_norm_fp32", "clip_grad_by_total_norm_fp32", "count_zeros_fp32")
     for module in (clip_grads, optimizer, layer_wise_optimizer):
-        _wrap_in_cpu_scope(patch, module, [n for n in clip_names if hasattr(module, n)], fake_cuda_type=True)
+        wrap_in_cpu_scope(patch, module, [n for n in clip_names if hasattr(module, n)], fake_cuda_type=True)
     # `has_grad_norm_group` (0.19) all-reduces a `device='cuda'` flag, once per optimizer and grad-norm group.
-    _wrap_in_cpu_scope(patch, optimizer.MegatronOptimizer, ["has_grad_norm_group"], fake_cuda_type=True)
+    wrap_in_cpu_scope(patch, optimizer.MegatronOptimizer, ["has_grad_norm_group"], fake_cuda_type=True)
     for cls in (
         optimizer.FP32Optimizer,
         optimizer.MixedPrecisionOptimizer,
@@ -323,8 +273,8 @@ def optimizer_cuda_tensors_on_cpu(patch: Patcher) -> None:
     ):
         # Only constructors defined on the class itself: wrapping an inherited one would nest scopes.
         if "__init__" in cls.__dict__:
-            _wrap_in_cpu_scope(patch, cls, ["__init__"], fake_cuda_type=True)
-    _wrap_in_cpu_scope(
+            wrap_in_cpu_scope(patch, cls, ["__init__"], fake_cuda_type=True)
+    wrap_in_cpu_scope(
         patch, distrib_optimizer.DistributedOptimizer, ["get_parameter_state_dp_zero"], fake_cuda_type=True
     )
 
@@ -335,7 +285,7 @@ def schedule_cuda_tensors_on_cpu(patch: Patcher) -> None:
     Breaks: all three schedules in `pipeline_parallel.schedules` (0.19.2) start with
     `total_num_tokens = torch.zeros([], dtype=torch.int, device="cuda")`, a local variable, so
     `get_forward_backward_func()(...)` raises on a CPU build. `get_forward_backward_func` returns the module
-    attributes, so wrapping them puts `_CudaToCpuMode` around each schedule call. The scope also covers the
+    attributes, so wrapping them puts `CudaToCpuMode` around each schedule call. The scope also covers the
     user's forward-step function: any `device="cuda"` tensor it makes lands on the CPU, which is where the
     model is.
     """
@@ -346,7 +296,7 @@ def schedule_cuda_tensors_on_cpu(patch: Patcher) -> None:
         "forward_backward_pipelining_with_interleaving",
         "forward_backward_pipelining_without_interleaving",
     )
-    _wrap_in_cpu_scope(patch, schedules, names, fake_cuda_type=False)
+    wrap_in_cpu_scope(patch, schedules, names, fake_cuda_type=False)
 
 
 def tied_embedding_sync_on_cpu(patch: Patcher) -> None:
@@ -360,7 +310,7 @@ def tied_embedding_sync_on_cpu(patch: Patcher) -> None:
     """
     from megatron.core.models.common.language_module.language_module import LanguageModule
 
-    _wrap_in_cpu_scope(patch, LanguageModule, ["setup_embeddings_and_output_layer"], fake_cuda_type=False)
+    wrap_in_cpu_scope(patch, LanguageModule, ["setup_embeddings_and_output_layer"], fake_cuda_type=False)
 
 
 def rope_cp_slice_on_cpu(patch: Patcher) -> None:
@@ -369,14 +319,14 @@ def rope_cp_slice_on_cpu(patch: Patcher) -> None:
     Breaks: with context_parallel_size > 1, `rope_utils.get_pos_emb_on_this_cp_rank` (0.19.2) builds its
     chunk index with `torch.tensor(..., device="cpu", pin_memory=True).cuda(non_blocking=True)`; a CPU build
     has no pinned-memory allocator ("pin_memory=True requires a CUDA or other accelerator backend").
-    `_CudaToCpuMode` drops `pin_memory` and makes `.cuda()` the identity, leaving the same index tensor on
+    `CudaToCpuMode` drops `pin_memory` and makes `.cuda()` the identity, leaving the same index tensor on
     the CPU. The function is wrapped where it is looked up: `rope_utils`, `rotary_pos_embedding` and
     `yarn_rotary_pos_embedding` import it by name.
     """
     from megatron.core.models.common.embeddings import rope_utils, rotary_pos_embedding, yarn_rotary_pos_embedding
 
     for module in (rope_utils, rotary_pos_embedding, yarn_rotary_pos_embedding):
-        _wrap_in_cpu_scope(patch, module, ["get_pos_emb_on_this_cp_rank"], fake_cuda_type=False)
+        wrap_in_cpu_scope(patch, module, ["get_pos_emb_on_this_cp_rank"], fake_cuda_type=False)
 
 
 def torch_norm_allows_sequence_parallel(patch: Patcher) -> None:
@@ -568,12 +518,12 @@ def static_inference_cuda_tensors_on_cpu(patch: Patcher) -> None:
     Breaks: `TextGenerationController.generate_all_output_tokens_static_batch` (0.19.2), the loop of the legacy
     `StaticInferenceEngine`, allocates its per-batch sequence-length counter with
     `torch.zeros(batch_size, device=torch.cuda.current_device()).cuda()`, a local variable, so every static
-    generation raises "Torch not compiled with CUDA enabled" on a CPU build. `_CudaToCpuMode` makes `.cuda()` the
+    generation raises "Torch not compiled with CUDA enabled" on a CPU build. `CudaToCpuMode` makes `.cuda()` the
     identity (and any `device="cuda"` in the loop the CPU); the model forward it calls sees only CPU tensors.
     """
     from megatron.core.inference.text_generation_controllers import text_generation_controller
 
-    _wrap_in_cpu_scope(
+    wrap_in_cpu_scope(
         patch,
         text_generation_controller.TextGenerationController,
         ["generate_all_output_tokens_static_batch"],
@@ -605,6 +555,10 @@ PATCHES: dict[str, Callable[[Patcher], None]] = {
         distributed_optimizer_torch_adam_state,
         nvtx_is_noop,
         static_inference_cuda_tensors_on_cpu,
+        dynamic_inference_cuda_tensors_on_cpu,
+        dynamic_kv_append_in_torch,
+        dynamic_suspend_without_cuda_statistics,
+        paged_attention_in_torch,
         linear_gemms_on_onednn,
         packed_rope_in_one_gather,
         grad_norm_on_device,
@@ -621,6 +575,9 @@ WITHOUT_TE = (
     "packed_rope_in_one_gather",
     "grad_norm_on_device",
 )
+
+#: The patch for a GPU machine without flash-attn (the dynamic inference engine's paged attention).
+WITHOUT_FLASH_ATTN = ("paged_attention_in_torch",)
 
 #: The patches a GPU machine with Transformer Engine needs too: they make megatron-core build what HF's models compute.
 WITH_TE = ("mla_q_proj_without_norm",)
@@ -643,14 +600,20 @@ def _check_megatron_version() -> None:
 
 def needed() -> list[str]:
     """The patches this process needs: all of them without CUDA; with CUDA, those of `WITHOUT_TE` when TE is absent,
-    else those of `WITH_TE` (megatron-core's models against HF's, whatever the backend)."""
+    else those of `WITH_TE` (megatron-core's models against HF's, whatever the backend), and `WITHOUT_FLASH_ATTN` when
+    flash-attn is absent."""
     if not torch.cuda.is_available():
         return list(PATCHES)
+    wanted = list(WITH_TE) if _imports("transformer_engine") else list(WITHOUT_TE)
+    return wanted + ([] if _imports("flash_attn") else list(WITHOUT_FLASH_ATTN))
+
+
+def _imports(module: str) -> bool:
     try:
-        import transformer_engine  # noqa: F401
+        importlib.import_module(module)
     except Exception:  # noqa: BLE001 an ImportError, or an OSError from CUDA libraries it cannot load
-        return list(WITHOUT_TE)
-    return list(WITH_TE)
+        return False
+    return True
 
 
 def apply(skip: Iterable[str] = ()) -> None:

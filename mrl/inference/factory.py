@@ -246,6 +246,8 @@ def megatron_engine_config(cfg: "MrlConfig", model_path: str, *, load_weights: b
         seed=cfg.run.seed,
         sleep_when_idle=cfg.generation.colocated,
         return_routing=cfg.policy.moe.router_replay != "off",
+        engine=cfg.generation.megatron.engine,
+        kv_block_tokens=cfg.generation.megatron.kv_block_tokens,
     )
 
 

@@ -1,12 +1,13 @@
-"""Megatron-Core generation backend: Megatron's legacy static-batch inference on token ids, refit with HF tensors.
+"""Megatron-Core generation backend: Megatron's inference on token ids, refit with HF tensors.
 
 The engine runs the policy architecture itself (a GPTModel built from the HF folder, mrl/model/build.py), in this
 process, at TP1. It is the rollout engine for setups without vLLM, and a second, independent implementation to
-check vLLM against. It drives Megatron's static-batch loop, which runs on CPU with `mrl.cpu`'s patches; the dynamic
-engine (in-flight batching, which megatron-core 0.19 recommends) needs more of them and is not a backend yet
-(docs/guides/cpu-enablement.md says what it needs).
+check vLLM against. It drives one of two Megatron loops (`MegatronEngineConfig.engine`): the static-batch loop
+described below (the default), or Megatron's dynamic engine, in-flight batching over a paged KV cache, which
+megatron-core 0.19 recommends (mrl/inference/megatron_dynamic.py; the same sampler, stop set, vocabulary mask and
+refit). Both run on CPU with `mrl.cpu`'s patches.
 
-Generation data flow:
+Generation data flow (static loop):
     prompts (token ids) --fit_prompts--> kept prompts --x n--> rows, prompt-major (row i * n + k)
     --sorted by prompt length, cut into static batches of `max_batch_size` rows--> Megatron's static-batch loop
       (`TextGenerationController.generate_all_output_tokens_static_batch`: one prefill up to the batch's shortest
@@ -64,6 +65,7 @@ from converters.hf_io import load_hf_config, load_hf_state
 from mrl.inference.buckets import NamedTensor
 from mrl.inference.interface import FinishReason, GeneratedSample, GenerationOutput, SamplingConfig
 from mrl.inference.lifecycle import EngineLifecycle
+from mrl.inference.megatron_dynamic import DEFAULT_BLOCK_TOKENS, DynamicLoop
 from mrl.inference.prompt_limits import assemble_output, fit_prompts, max_prompt_tokens
 from mrl.inference.refit import LocalWeights, RefitError, RefitStats, refit
 from mrl.inference.transports import InProcessTransport, Payload, unpack_payload
@@ -73,6 +75,7 @@ from mrl.parallel.groups import init_process_groups
 from mrl.parallel.layout import ParallelDims
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+ENGINES = ("static", "dynamic")
 #: Refit bucket size of `update_weights`: the whole state in one bucket (it is loaded as one anyway).
 _WHOLE_MODEL = 1 << 62
 
@@ -100,10 +103,24 @@ class MegatronEngineConfig:
     return_routing: bool = False
     """Return each sample's routed experts per MoE layer (router replay, mrl/model/router_replay.py): the engine
     records its routers' top-k on every forward, as vLLM's routed-experts capture does."""
+    engine: str = "static"
+    """Megatron's loop: "static" (static batches of similar prompt lengths) or "dynamic" (its dynamic engine:
+    in-flight batching over a paged KV cache, mrl/inference/megatron_dynamic.py)."""
+    kv_block_tokens: int = DEFAULT_BLOCK_TOKENS
+    """Tokens per block of the dynamic engine's paged KV cache."""
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
             raise ValueError(f"MegatronEngineConfig.dtype={self.dtype!r}: choose one of {sorted(_DTYPES)}")
+        if self.engine not in ENGINES:
+            raise ValueError(f"MegatronEngineConfig.engine={self.engine!r}: choose one of {list(ENGINES)}")
+        if self.engine == "dynamic" and self.return_routing:
+            raise ValueError(
+                "MegatronEngineConfig: the dynamic engine does not return routed experts yet (router replay): "
+                "use engine='static'"
+            )
+        if self.kv_block_tokens < 1:
+            raise ValueError(f"MegatronEngineConfig.kv_block_tokens={self.kv_block_tokens}: must be >= 1")
         if self.max_batch_size < 1:
             raise ValueError(f"MegatronEngineConfig.max_batch_size={self.max_batch_size}: must be >= 1")
         if self.max_model_len is not None and self.max_model_len < 2:
@@ -265,6 +282,24 @@ class MegatronBackend:
         self.topk = None if moe is None else moe.topk
         self.controller = _StopSetController(wrapper, _TokenIdTokenizer())
         self.controller.sampling_rng.manual_seed(config.seed)
+        self.dynamic: Optional[DynamicLoop] = None
+        if config.engine == "dynamic":
+            if model_dims(self.hf_config).mla is not None:
+                raise ValueError(
+                    "the Megatron dynamic engine does not run multi-latent attention models yet (its latent KV "
+                    "cache): use generation.megatron.engine=static for this model"
+                )
+            self.dynamic = DynamicLoop(
+                self.model,
+                lambda dynamic_context: _UnpaddedLogitsWrapper(self.model, dynamic_context, self.vocab_size),
+                _TokenIdTokenizer(),
+                sample_next_tokens,
+                vocab_size=self.vocab_size,
+                max_rows=config.max_batch_size,
+                max_model_len=self.max_model_len,
+                block_tokens=config.kv_block_tokens,
+                seed=config.seed,
+            )
         self._pending: dict[str, torch.Tensor] = {}
         # The same state machine as vLLM's engines; asleep it holds its weights still, and gives back what the
         # allocator caches (the KV context and activations are allocated per generation).
@@ -300,6 +335,8 @@ class MegatronBackend:
         megatron_patches.apply()  # no-op on GPUs; re-asserts CPU stand-ins a vLLM engine in this process may replace
         stops = () if sampling.ignore_eos else self.eos_ids
         self.controller.stop_ids = torch.tensor(sorted({*stops, *sampling.stop_token_ids}), dtype=torch.long)
+        if self.dynamic is not None:
+            return self.dynamic.run(rows, sampling, self.controller.stop_ids)
         if sampling.seed is not None:
             self.controller.sampling_rng.manual_seed(sampling.seed)
         params = _megatron_sampling_params(sampling)

@@ -392,8 +392,11 @@ def _params_in_dtype(model: Any, dtype: torch.dtype) -> None:
     """Every floating parameter in the model's `params_dtype`, as Megatron's own trainer has them (its Float16Module
     casts the whole model). Without Transformer Engine or Apex the local spec's norms are torch's, made in the
     default dtype (fp32) whatever `params_dtype` says; Megatron's mixed-precision optimizers then number the
-    parameters of a checkpoint inconsistently (megatron-core 0.16.1: the plain one maps ids over its bf16 parameters
-    alone, the distributed one mixes up their shards) and a bf16 save fails, on CPU and on GPUs alike."""
+    parameters of a checkpoint inconsistently and a bf16 save fails, on CPU and on GPUs alike. In megatron-core
+    0.19.2 the plain one (`Float16OptimizerWithFloat16Params.sharded_state_dict`) maps ids over its bf16 parameters
+    alone; the distributed one finds a parameter's state by its place among its group's parameters in buffer order
+    (`_build_optimizer_group_ranges`), while its inner optimizer lists the fp32 parameters' shards first
+    (`_build_model_and_main_param_groups`), so the two orders can disagree when a group mixes dtypes."""
     for param in model.parameters():
         if param.is_floating_point() and param.dtype != dtype:
             param.data = param.data.to(dtype)

@@ -10,7 +10,7 @@ Data flow:
       -> train_step: cut like input_ids (context-parallel chunks, packs), then per model chunk `begin(chunk, routing)`
       -> `RoutingReplay` cuts the micro-batch to the tokens each router sees and hands every router its rows
       -> megatron-core's top-k (`moe_utils.topk_routing_with_score_function`) asks `router.router_replay
-         .get_replay_topk(scores, topk, num_groups, group_topk, default)` (the hook of megatron-core 0.16.1's
+         .get_replay_topk(scores, topk, num_groups, group_topk, default)` (the hook of megatron-core 0.19.2's
          `transformer/moe/router_replay.py`, which mrl fills with its own object below)
 
 Sharding contract at the hook: a router's input is this rank's hidden states [s, b, h] flattened s-major, so its

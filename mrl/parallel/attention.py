@@ -32,7 +32,7 @@ Every case reduces to one rule: a query attends to a key iff both belong to the 
 causal) the key's position is not after the query's. The module computes a (sequence id, position) pair
 for every local query and every gathered key and builds that mask.
 
-What callers must pass for packed sequences (checked against megatron-core 0.16.1, local path):
+What callers must pass for packed sequences (checked against megatron-core 0.19.2, local path):
 - `cu_seqlens_q/kv` (int32, [n_seqs + 1]) over the pack; with CP, every sequence must be padded to a multiple
   of 2*CP and `cu_seqlens_q_padded/kv_padded` describe the padded layout (the one tokens are laid out in).
 - `max_seqlen_q/kv` = the longest (padded) single sequence. `position_ids` are not used by RoPE on this
@@ -109,7 +109,7 @@ def _packed_seq_lens(params: PackedSeqParams, which: str) -> list[int]:
 class TorchCoreAttention(MegatronModule):
     """Core attention (softmax(QK^T * scale + mask) V) in plain torch, with CP, THD packing and GQA.
 
-    Constructor matches megatron-core 0.16.1 `DotProductAttention`, so it drops into
+    Constructor matches megatron-core 0.19.2 `DotProductAttention`, so it drops into
     `ModuleSpec(SelfAttention).submodules.core_attention`, and takes what multi-latent attention passes as well
     (`k_channels` for the query/key head dim, `v_channels` for the value head dim, `softmax_scale` with YaRN's
     mscale): heads of any width work, the output has the value heads' width.

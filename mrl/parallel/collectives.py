@@ -5,9 +5,9 @@ tests/unit/parallel/test_parallel_collectives.py reads mrl/ and converters/ and 
 
 Rule: a collective runs on its group's device, whatever device the caller's tensors are on.
     the group serves the CPU (gloo, or a "cpu:gloo,cuda:nccl" mix)   -> the CPU
-    it serves accelerators only (NCCL: CUDA alone, torch 2.13         -> this process's current device of that type
-      distributed_c10d.py:311-313 Backend.backend_capability)            (CUDA: the one the device rule set)
-That is torch's own choice for object collectives (`_get_object_coll_device`, distributed_c10d.py:865-928). Every
+    it serves accelerators only (NCCL: CUDA alone, torch 2.13's       -> this process's current device of that type
+      Backend.backend_capability in distributed_c10d.py)                 (CUDA: the one the device rule set)
+That is torch's own choice for object collectives (`_get_object_coll_device` in distributed_c10d.py). Every
 rank of a group has the same backends, so every rank picks the same device and sender and receivers meet in one
 backend: a choice per call from the caller's tensor could put a CUDA sender on a mixed group's NCCL half and a CPU
 receiver on its gloo half. An NCCL group refuses host tensors at dispatch ("No backend type associated with device
@@ -21,13 +21,14 @@ Nothing is copied on CPU machines (gloo) nor for CUDA tensors on NCCL. The host 
 pipeline stage layouts, metric scalars) are a few bytes; their copy back is a host sync the caller's read of the
 result makes anyway.
 
-The default group on GPUs stays "nccl", not "cpu:gloo,cuda:nccl": megatron-core 0.16.1's initialize_model_parallel
-makes its groups with `new_group(backend=None)` (parallel_state.py:214-241 create_group; the pipeline group gets
+The default group on GPUs stays "nccl", not "cpu:gloo,cuda:nccl": megatron-core 0.19.2's initialize_model_parallel
+makes its groups with `new_group(backend=None)` (through parallel_state.create_group; the pipeline group gets
 pipeline_model_parallel_comm_backend, None by default), which inherits the default group's backend string, so every
 TP/PP/DP/CP/EP group and their combinations would open a gloo mesh and its threads beside NCCL, to carry bytes this
-module moves to the device instead. Megatron makes the gloo groups it wants itself (DATA_PARALLEL_GROUP_GLOO,
-parallel_state.py:958-961). A mixed group still works here, over its gloo half (slow for model tensors: keep mixed
-groups for metadata).
+module moves to the device instead. Megatron makes the gloo groups it wants itself, with backend="gloo"
+(DATA_PARALLEL_GROUP_GLOO and the other *_GLOO groups, while its create_gloo_process_groups argument is on, the
+default). A mixed group still works here, over its gloo half (slow for model tensors: keep mixed groups for
+metadata).
 
 Callers run a collective even over a group of one where it runs once per step or refit (the expert-load reduce,
 the pipeline layout gather): a one-GPU world then issues the same NCCL calls a larger one does, which is how the GPU

@@ -82,7 +82,7 @@ def vocab_parallel_logprobs(
     chunk_tokens: rows of fp32 logits computed at once (LOGPROB_CHUNK_TOKENS)
     returns:      [B, T] float32, differentiable; with `entropy`, (those, [B, T] float32 entropies in nats)
 
-    The arithmetic is Megatron's `vocab_parallel_cross_entropy` (megatron-core 0.16.1,
+    The arithmetic is Megatron's `vocab_parallel_cross_entropy` (megatron-core 0.19.2,
     tensor_parallel/cross_entropy.py): the max, the sum of exponentials and the target logit all-reduced over the
     TP group, logprob = (target - max) - log(sum exp(logits - max)), gradient (onehot - softmax) / temperature; done
     chunk by chunk of tokens, so neither the fp32 logits nor the fp32 softmax of the whole micro-batch ever exist.

@@ -3,15 +3,16 @@ wiring each option needs beyond its flag.
 
 - Gradient-accumulation fusion: `TransformerConfig.gradient_accumulation_fusion`. Transformer Engine's linears fuse
   the accumulation themselves, but the output layer is Megatron's own `ColumnParallelLinear` on every spec, which
-  raises at build time unless Apex's `fused_weight_gradient_mlp_cuda` imports (megatron-core 0.16.1,
-  `tensor_parallel/layers.py`): `auto` asks for both CUDA and that module.
+  raises at build time unless Apex's `fused_weight_gradient_mlp_cuda` imports (megatron-core 0.19.2,
+  `ColumnParallelLinear.__init__` in `tensor_parallel/layers.py`): `auto` asks for both CUDA and that module.
 - Overlapped gradient reduce: `DistributedDataParallelConfig.overlap_grad_reduce`. Each bucket is reduced from its
   parameters' backward hooks once the step's last micro-batch has filled it. The schedule runs the other
   micro-batches under the model's `no_sync()` (`TransformerConfig.no_sync_func`) and, with pipeline stages, starts
   the reduce of a chunk it has finished (`grad_sync_func`), as Megatron's own trainer sets them
-  (`megatron/training/training.py`). (megatron-core 0.16.1 would also count each parameter's hook calls against
-  those of the first step without `no_sync`: measured, the same steps either way.) The step's
-  `finalize_model_grads` waits for the reduces.
+  (`megatron/training/training.py`). (Without `no_sync` megatron-core 0.19.2 would also count each parameter's
+  hook calls against those of the first step, in `_ParamAndGradBucketGroup.register_grad_ready`; measured with
+  0.16.1, which counts the same way: the same steps either way.) The step's `finalize_model_grads` waits for the
+  reduces.
 - Overlapped parameter gather: `overlap_param_gather` (the distributed optimizer only). The optimizer step updates
   this rank's shard alone; forward pre-hooks gather each bucket just before the next forward uses it. Whatever reads
   the weights outside a forward (a refit's export, a save) calls `gather_weights` first, or it reads the other

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mrl.cpu import megatron_patches, megatron_speed
+from mrl.cpu import device_scope, megatron_patches, megatron_speed
 from mrl.parallel.layout import ParallelDims
 from mrl.parallel.groups import destroy_process_groups, init_process_groups
 
@@ -430,15 +430,20 @@ def test_static_inference_cuda_tensors_on_cpu():
     with raises_without_cuda():
         generate()
     megatron_patches.apply()
+    assert generate() == full_forward_greedy(model, prompts, 5)
+
+
+def full_forward_greedy(model, prompts, steps):
+    """Each prompt's greedy continuation from full forwards over the whole sequence (no KV cache): the reference."""
     expected = []
-    for prompt in prompts:  # greedy with full forwards, no KV cache
+    for prompt in prompts:
         ids = torch.tensor([prompt])
         with torch.no_grad():
-            for _ in range(5):
+            for _ in range(steps):
                 logits = model(ids, torch.arange(ids.shape[1])[None], None)  # [1, s, V]
                 ids = torch.cat([ids, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
         expected.append(ids[0, len(prompt):].tolist())
-    assert generate() == expected
+    return expected
 
 
 def test_apply_restores_stand_ins_another_library_replaced():
@@ -591,10 +596,104 @@ def test_grad_norm_on_device():
     independent = math.sqrt(sum(float((t.double() ** 2).sum()) for t in grads))
     without("grad_norm_on_device")
     megatron = clip_grads.get_grad_norm_fp32(grads)
-    with megatron_patches._CudaToCpuMode(fake_cuda_type=False):  # its result goes to device="cuda", here the CPU
+    with device_scope.CudaToCpuMode(fake_cuda_type=False):  # its result goes to device="cuda", here the CPU
         assert "aten::_local_scalar_dense" in _ops_run(lambda: clip_grads.l2_norm_impl(0, None, [grads], False))
     megatron_patches.apply()
     assert clip_grads.get_grad_norm_fp32(grads) == megatron == pytest.approx(independent, rel=1e-6)
     ops = _ops_run(lambda: clip_grads.l2_norm_impl(0, None, [grads], False))
     assert "aten::_local_scalar_dense" not in ops
     assert "grad_norm_on_device" in megatron_patches.WITHOUT_TE
+
+
+# ------------------------------------------------------------------------------ Megatron's dynamic inference engine
+def test_paged_attention_equals_causal_attention_over_each_requests_keys(monkeypatch):
+    from mrl.cpu import megatron_dynamic
+    from mrl.cpu.megatron_dynamic import paged_attention
+
+    torch.manual_seed(0)
+    heads, kv_heads, dim, block, blocks = 4, 2, 8, 4, 12
+    # A whole prompt of 6 (2 blocks), one decode token after 9 cached keys (3 blocks), a 3-query chunk after 2.
+    key_counts, query_counts = [6, 10, 5], [6, 1, 3]
+    table = torch.tensor([[7, 2, -1, -1], [5, 9, 1, -1], [11, 3, -1, -1]])  # -1: no block
+    # The cache as megatron-core allocates it (torch.empty): memory no request wrote may hold NaN.
+    k_cache, v_cache = torch.full((blocks, block, kv_heads, dim), math.nan), torch.full((blocks, block, kv_heads, dim),
+                                                                                         math.nan)
+    for r, n_k in enumerate(key_counts):
+        for i in range(n_k):
+            k_cache[table[r, i // block], i % block] = torch.randn(kv_heads, dim)
+            v_cache[table[r, i // block], i % block] = torch.randn(kv_heads, dim)
+    q = torch.randn(sum(query_counts) + 2, 1, heads, dim)  # 2 padding rows past the last request
+    cu = torch.tensor([0, 6, 7, 10])
+    host = type("Attn", (), {"config": type("C", (), {"window_size": None})()})()
+    got = paged_attention(host, q, k_cache, v_cache, 6, 10, cu, None, torch.tensor(key_counts), table, False)
+    monkeypatch.setattr(megatron_dynamic, "SCORES_PER_CALL", 1)  # every request in a call of its own
+    torch.testing.assert_close(
+        paged_attention(host, q, k_cache, v_cache, 6, 10, cu, None, torch.tensor(key_counts), table, False), got)
+    for r, (n_k, n_q) in enumerate(zip(key_counts, query_counts)):
+        used = table[r, : math.ceil(n_k / block)]
+        keys = torch.cat([k_cache[b] for b in used])[:n_k].repeat_interleave(heads // kv_heads, dim=1)
+        values = torch.cat([v_cache[b] for b in used])[:n_k].repeat_interleave(heads // kv_heads, dim=1)
+        queries = q[cu[r] : cu[r + 1], 0]  # [n_q, heads, dim]
+        scores = torch.einsum("qhd,khd->hqk", queries, keys) / math.sqrt(dim)
+        allowed = torch.arange(n_k)[None, :] <= torch.arange(n_k - n_q, n_k)[:, None]
+        expected = torch.einsum("hqk,khd->qhd", scores.masked_fill(~allowed, -math.inf).softmax(-1), values)
+        torch.testing.assert_close(got[cu[r] : cu[r + 1], 0], expected, rtol=1e-5, atol=1e-5)
+    assert got[10:].abs().sum() == 0
+
+
+def _dynamic_greedy(model, prompts, steps):
+    """Greedy tokens of each prompt from Megatron's dynamic engine (blocks of 4 tokens, so prompts cross blocks);
+    the engine is suspended afterwards (it marks the process as inferring until then)."""
+    from megatron.core.inference.config import InferenceConfig
+    from megatron.core.inference.contexts.dynamic_context import DynamicInferenceContext
+    from megatron.core.inference.engines.dynamic_engine import DynamicInferenceEngine
+    from megatron.core.inference.model_inference_wrappers.gpt.gpt_inference_wrapper import GPTInferenceWrapper
+    from megatron.core.inference.sampling_params import SamplingParams
+    from megatron.core.inference.text_generation_controllers.text_generation_controller import (
+        TextGenerationController,
+    )
+
+    config = InferenceConfig(block_size_tokens=4, buffer_size_gb=1e-4, max_sequence_length=32, max_requests=4,
+                             max_tokens=64)
+    context = DynamicInferenceContext(model.config, config)
+    engine = DynamicInferenceEngine(TextGenerationController(GPTInferenceWrapper(model, context), _NoTextTokenizer()),
+                                    context)
+    try:
+        params = SamplingParams(top_k=1, num_tokens_to_generate=steps, termination_id=-1)
+        for i, prompt in enumerate(prompts):
+            engine.add_request(i, prompt, params)
+        records = []
+        while engine.has_unfinished_requests():
+            records += engine.step_modern()["finished_request_records"]
+    finally:
+        engine.suspend()
+    return [list(r.merge().generated_tokens) for r in sorted(records, key=lambda r: r.request_id)]
+
+
+def test_dynamic_inference_engine_patches():
+    from megatron.core.inference.utils import InferenceMode
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    torch.manual_seed(0)
+    model = GPTModel(config=tiny_config(num_query_groups=1), transformer_layer_spec=get_gpt_layer_local_spec(),
+                     vocab_size=64, max_sequence_length=32, position_embedding_type="rope").eval()
+    prompts = [[5, 9, 3], [7, 1, 2, 8, 4, 6], [11]]
+    breaks = {
+        "dynamic_inference_cuda_tensors_on_cpu": raises_without_cuda(),
+        "paged_attention_in_torch": pytest.raises(ModuleNotFoundError, match="flash_attn"),
+        "dynamic_kv_append_in_torch": pytest.raises(Exception, match="must be on CUDA devices"),  # Triton
+        # Without a driver, a CUDA build's memory statistics are empty; a CPU build raises.
+        "dynamic_suspend_without_cuda_statistics": pytest.raises((KeyError, AssertionError, RuntimeError)),
+    }
+    try:
+        for name, failure in breaks.items():
+            without(name)
+            with failure:
+                _dynamic_greedy(model, prompts, 5)
+            InferenceMode.unset_active()  # left set by an engine that failed before its suspension
+            megatron_patches.apply()
+        assert _dynamic_greedy(model, prompts, 5) == full_forward_greedy(model, prompts, 5)
+        assert not InferenceMode.is_active()  # suspended: a training forward may follow in this process
+    finally:
+        InferenceMode.unset_active()
