@@ -8,6 +8,7 @@
 # whole  : tests/gpu/test_gpu_whole_run.py, the demo's staged run through Ray with the Megatron engine on the GPU
 #          (Ray's logs come back as ray-logs.tgz when it fails)
 # tier   : the GPU tier's attention test (the variable-length kernel against SDPA per sequence and the masked product)
+#          and Megatron's dynamic inference engine on CUDA against the static loop (tests/gpu/test_gpu_dynamic_engine.py)
 # bench15: benchmarks/gpu_policy_throughput.py at Qwen2.5-1.5B's shape
 set -u
 cd "$(dirname "$0")/.."
@@ -40,8 +41,9 @@ stage() {  # stage NAME SECONDS COMMAND...: run it under a limit, its output in 
 
 for s in $stages; do
     case $s in
-    tier) MRL_GPU_REPORT="$OUT/gpu-tier-speed.json" stage tier 90 \
-        python3 -m pytest tests/gpu/test_gpu_speed.py -k attention -q -s -p no:cacheprovider ;;
+    tier) MRL_GPU_REPORT="$OUT/gpu-tier-speed.json" stage tier 150 \
+        python3 -m pytest tests/gpu/test_gpu_speed.py tests/gpu/test_gpu_dynamic_engine.py -k "attention or dynamic" \
+        -q -s -p no:cacheprovider ;;
     whole) MRL_GPU_REPORT="$OUT/gpu-tier-whole.json" stage whole 270 \
         python3 -m pytest tests/gpu/test_gpu_whole_run.py -q -s -p no:cacheprovider
         grep -q "passed" "$OUT/whole.log" || tar czf "$OUT/ray-logs.tgz" -C /tmp/ray session_latest/logs 2>/dev/null

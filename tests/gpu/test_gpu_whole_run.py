@@ -31,7 +31,10 @@ RECIPE = ROOT / "recipes" / "arith-tiny-cpu.yaml"
 GRPO_STEPS = 60
 #: MRL_GPU_WHOLE_PRECISION=float32 runs it in fp32 (default bf16, as on GPUs).
 PRECISION = os.environ.get("MRL_GPU_WHOLE_PRECISION", "bfloat16")
-GPU_OVERRIDES = ("generation.backend=megatron", "generation.colocated=true", f"policy.precision={PRECISION}",
+#: MRL_GPU_WHOLE_ENGINE=dynamic generates with Megatron's dynamic engine (default: its static loop).
+ENGINE = os.environ.get("MRL_GPU_WHOLE_ENGINE", "static")
+GPU_OVERRIDES = ("generation.backend=megatron", f"generation.megatron.engine={ENGINE}", "generation.colocated=true",
+                 f"policy.precision={PRECISION}",
                  "cluster.num_nodes=1", "cluster.devices_per_node=1", f"grpo.max_num_steps={GRPO_STEPS}",
                  f"grpo.val_every={GRPO_STEPS // 2}", "logger.log_every=10")
 TIMEOUT_S = 420
