@@ -14,6 +14,15 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("MRL_VLLM_ENFORCE_EAGER", "1")
 
 
+def pytest_configure(config):
+    """The dependencies' known-harmless Python warnings (mrl/logging/known_noise.py) are filtered in the test processes
+    as in mrl's own: pytest's warning capture replaces a process's filters for each test, so it is handed them."""
+    from mrl.logging.known_noise import WARNINGS
+
+    for entry in WARNINGS:
+        config.addinivalue_line("filterwarnings", f"ignore:{entry.message}::{entry.source}")
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         parts = item.path.parts
