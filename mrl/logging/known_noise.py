@@ -55,6 +55,14 @@ WARNINGS = (
         "get_megatron_optimizer does for every model (to test for a MimoModel); mrl builds no multimodal model",
     ),
     KnownNoise(
+        r"megatron\.core\.tensor_parallel\.layers",
+        r"When using sequence parallelism it is recommended to set the environment variable "
+        r"CUDA_DEVICE_MAX_CONNECTIONS to 1",
+        "megatron-core's advice for GPU kernels under sequence parallelism (one hardware queue keeps the gradient "
+        "all-reduce issued before the weight-gradient GEMM, for TP communication overlap, which mrl does not turn "
+        "on); it has no effect on CPU ranks",
+    ),
+    KnownNoise(
         r"vllm\.triton_utils\.dispatcher",
         r"`torch\.distributed\.reduce_op` is deprecated",
         "vLLM 0.32 touches torch's deprecated alias while scanning modules for Triton kernels",

@@ -27,6 +27,10 @@ IMPORTS = ("import torch.distributed, megatron.core.optimizer, megatron.core.mod
            "GPTModel(TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2, use_cpu_initialization=True),"
            " get_gpt_layer_local_spec(), vocab_size=16, max_sequence_length=8)\n"
            "dist.all_gather_into_tensor(torch.empty(2), torch.ones(2))\n"  # Megatron's MoE dispatch: the deprecated name
+           # a sequence-parallel linear, as a policy rank's with TP and sequence parallelism
+           "from megatron.core.tensor_parallel.layers import linear_with_grad_accumulation_and_async_allreduce\n"
+           "linear_with_grad_accumulation_and_async_allreduce(torch.ones(2, 1, 2), torch.ones(2, 2), None, False, False,"
+           " True)\n"
            "import megatron.core.models.mimo.model.base\n"  # what get_megatron_optimizer imports (megatron-core 0.19)
            "import tempfile\n"  # a synchronous checkpoint save, as the policy's (logs 0.19's async deprecation)
            "from megatron.core.dist_checkpointing import ShardedTensor\n"
@@ -38,7 +42,8 @@ IMPORTS = ("import torch.distributed, megatron.core.optimizer, megatron.core.mod
 KNOWN = ("Transformer Engine and Apex are not installed", "Apex is not installed. Falling back to Torch Norm",
          "`torch.distributed.reduce_op` is deprecated", "Triton is installed, but doesn't include CPU backend",
          "`torch.distributed.all_gather_into_tensor` is deprecated", "GPTModel IS DEPRECATED",
-         "MimoModelConfig is experimental", "MCore's async save is deprecated")
+         "MimoModelConfig is experimental", "MCore's async save is deprecated",
+         "set the environment variable CUDA_DEVICE_MAX_CONNECTIONS to 1")
 if torch.version.cuda is not None:  # a CUDA build of torch (the lock's, PyPI's) on a machine without a GPU
     KNOWN += ("No CUDA runtime is found",)
 

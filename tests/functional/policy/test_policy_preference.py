@@ -146,10 +146,10 @@ def hf_dpo(model_dir, ref_dir):
     loss = dpo + SFT_ALPHA * nll
     loss.backward()
     grads = {name: p.grad.detach().clone() for name, p in policy.named_parameters()}
-    metrics = {"dpo_loss": float(dpo), "reward_accuracy": float((h > 0).float().mean()),
-               "chosen_reward": float((BETA * (s[0::2] - ref[0::2])).mean()),
-               "rejected_reward": float((BETA * (s[1::2] - ref[1::2])).mean()),
-               "preference_accuracy": float((s[0::2] > s[1::2]).float().mean()), "sft_loss": float(nll)}
+    metrics = {"dpo_loss": float(dpo.detach()), "reward_accuracy": float((h > 0).float().mean()),
+               "chosen_reward": float((BETA * (s[0::2] - ref[0::2])).mean().detach()),
+               "rejected_reward": float((BETA * (s[1::2] - ref[1::2])).mean().detach()),
+               "preference_accuracy": float((s[0::2] > s[1::2]).float().mean()), "sft_loss": float(nll.detach())}
     return float(loss), metrics, grads, ref
 
 

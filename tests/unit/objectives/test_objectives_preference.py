@@ -34,7 +34,7 @@ def test_dpo_sigmoid_loss_metrics_and_gradient_by_hand():
     logprobs, data = batch()
     loss, metrics = DPOLoss(beta=0.1)(logprobs, data, global_count=4.0)  # 4 sequences = 2 pairs
     expected = sum(math.log1p(math.exp(-0.1 * h)) for h in H) / 2
-    assert float(loss) == pytest.approx(expected, abs=1e-7)
+    assert float(loss.detach()) == pytest.approx(expected, abs=1e-7)
     assert float(metrics["reward_accuracy"]) == 1.0
     assert float(metrics["chosen_reward"]) == pytest.approx(0.1 * (0.5 + 0.2) / 2)
     assert float(metrics["rejected_reward"]) == pytest.approx(0.1 * (-0.2 - 0.1) / 2)
