@@ -353,16 +353,6 @@ def _misc_problems(cfg: "MrlConfig") -> list[ConfigError]:
                 fix="set generation.num_devices, or generation.colocated=true",
             )
         )
-    if _dynamic_megatron_engine(cfg) and cfg.policy.moe.router_replay != "off":
-        out.append(
-            ConfigError(
-                "the Megatron dynamic engine does not return routed experts yet, which router replay needs",
-                key="generation.megatron.engine",
-                given="dynamic",
-                allowed="static (with policy.moe.router_replay)",
-                fix="set generation.megatron.engine=static, or policy.moe.router_replay=off",
-            )
-        )
     if cfg.grpo.max_off_policy_steps and _runs(cfg, "grpo"):
         out += _async_problems(cfg)
     if cfg.policy.lora is not None and cfg.run.final_format == "megatron":

@@ -66,11 +66,11 @@ from mrl.inference.buckets import NamedTensor
 from mrl.inference.interface import FinishReason, GeneratedSample, GenerationOutput, SamplingConfig
 from mrl.inference.lifecycle import EngineLifecycle
 from mrl.inference.megatron_dynamic import DEFAULT_BLOCK_TOKENS, DynamicLoop
+from mrl.inference.megatron_routing import RoutingRecorder, dynamic_token_rows
 from mrl.inference.prompt_limits import assemble_output, fit_prompts, max_prompt_tokens
 from mrl.inference.refit import LocalWeights, RefitError, RefitStats, refit
 from mrl.inference.transports import InProcessTransport, Payload, unpack_payload
 from mrl.model.build import build_gpt_model, context_length, load_hf_weights, transformer_config_from_hf
-from mrl.model.router_replay import RoutingReplay, no_route, routing_dtype
 from mrl.parallel.groups import init_process_groups
 from mrl.parallel.layout import ParallelDims
 
@@ -114,11 +114,6 @@ class MegatronEngineConfig:
             raise ValueError(f"MegatronEngineConfig.dtype={self.dtype!r}: choose one of {sorted(_DTYPES)}")
         if self.engine not in ENGINES:
             raise ValueError(f"MegatronEngineConfig.engine={self.engine!r}: choose one of {list(ENGINES)}")
-        if self.engine == "dynamic" and self.return_routing:
-            raise ValueError(
-                "MegatronEngineConfig: the dynamic engine does not return routed experts yet (router replay): "
-                "use engine='static'"
-            )
         if self.kv_block_tokens < 1:
             raise ValueError(f"MegatronEngineConfig.kv_block_tokens={self.kv_block_tokens}: must be >= 1")
         if self.max_batch_size < 1:
@@ -132,7 +127,7 @@ class _UnpaddedLogitsWrapper(GPTInferenceWrapper):
     """GPTInferenceWrapper whose logits are -inf on the vocabulary padding (ids >= the tokenizer's vocabulary), and
     which hands each forward's positions to the routing recorder when there is one (router replay)."""
 
-    routing: Optional["_RoutingRecorder"] = None
+    routing: Optional[RoutingRecorder] = None
 
     def __init__(self, model: Any, context: Any, vocab_size: int) -> None:
         super().__init__(model, context)
@@ -143,34 +138,12 @@ class _UnpaddedLogitsWrapper(GPTInferenceWrapper):
         if logits is not None:
             logits[..., self.vocab_size :] = float("-inf")
         if self.routing is not None:
-            self.routing.collect(inference_input["position_ids"][0])
+            context = self.inference_context
+            if context.is_static_batching():
+                self.routing.collect_batch(inference_input["position_ids"][0])
+            else:
+                self.routing.collect_tokens(*dynamic_token_rows(context))
         return logits
-
-
-class _RoutingRecorder:
-    """The experts every token of a static batch was routed to: [b, max_model_len, layers, k] in `routing_dtype`,
-    `no_route` until a forward routes the token. Each forward covers the positions [start, end) of every row
-    (prefill, then one per step); its routers' rows are the window's tokens sequence-first (megatron's [s, b, h]
-    activations)."""
-
-    def __init__(self, model: Any, layers: int, max_len: int, num_experts: int) -> None:
-        self.replay = RoutingReplay([model], replay=False, recompute=False)
-        self.replay.record = {}
-        self.layers, self.max_len, self.dtype = layers, max_len, routing_dtype(num_experts)
-        self.buffer: Optional[torch.Tensor] = None
-
-    def start(self, rows: int, topk: int) -> None:
-        self.buffer = torch.full((rows, self.max_len, self.layers, topk), no_route(self.dtype), dtype=self.dtype)
-        self.replay.record = {}
-
-    def collect(self, positions: torch.Tensor) -> None:
-        buffer, record = self.buffer, self.replay.record
-        assert buffer is not None and record is not None, "start() comes before the batch's forwards"
-        rows, positions = buffer.shape[0], positions.cpu()
-        for layer, chosen in record.items():
-            (top,) = chosen  # one forward since the last collect
-            buffer[:, positions, layer] = top.view(len(positions), rows, -1).transpose(0, 1).to(self.dtype).cpu()
-        self.replay.record = {}
 
 
 class _TokenIdTokenizer:
@@ -275,11 +248,11 @@ class MegatronBackend:
             self._load(load_hf_state(config.model_path))
         self.vocab_size = int(self.hf_config["vocab_size"])
         context = StaticInferenceContext(config.max_batch_size, self.max_model_len)
-        wrapper = _UnpaddedLogitsWrapper(self.model, context, self.vocab_size)
         moe = model_dims(self.hf_config).moe
+        self.routing: Optional[RoutingRecorder] = None
         if config.return_routing and moe is not None:
-            wrapper.routing = _RoutingRecorder(self.model, len(moe.layers), self.max_model_len, moe.num_experts)
-        self.topk = None if moe is None else moe.topk
+            self.routing = RoutingRecorder(self.model, len(moe.layers), self.max_model_len, moe.num_experts, moe.topk)
+        wrapper = self._wrapper(context)
         self.controller = _StopSetController(wrapper, _TokenIdTokenizer())
         self.controller.sampling_rng.manual_seed(config.seed)
         self.dynamic: Optional[DynamicLoop] = None
@@ -291,7 +264,7 @@ class MegatronBackend:
                 )
             self.dynamic = DynamicLoop(
                 self.model,
-                lambda dynamic_context: _UnpaddedLogitsWrapper(self.model, dynamic_context, self.vocab_size),
+                self._wrapper,
                 _TokenIdTokenizer(),
                 sample_next_tokens,
                 vocab_size=self.vocab_size,
@@ -299,11 +272,18 @@ class MegatronBackend:
                 max_model_len=self.max_model_len,
                 block_tokens=config.kv_block_tokens,
                 seed=config.seed,
+                routing=self.routing,
             )
         self._pending: dict[str, torch.Tensor] = {}
         # The same state machine as vLLM's engines; asleep it holds its weights still, and gives back what the
         # allocator caches (the KV context and activations are allocated per generation).
         self.lifecycle = EngineLifecycle("Megatron engine", sleeps=config.sleep_when_idle, sleep=_release_cached_memory)
+
+    def _wrapper(self, context: Any) -> _UnpaddedLogitsWrapper:
+        """The inference wrapper of the model over `context` (static or dynamic), recording routing if asked."""
+        wrapper = _UnpaddedLogitsWrapper(self.model, context, self.vocab_size)
+        wrapper.routing = self.routing
+        return wrapper
 
     # ------------------------------------------------------------------------------------------------ generation
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig) -> GenerationOutput:
@@ -349,14 +329,14 @@ class MegatronBackend:
         by_length = sorted(requests, key=lambda r: len(r.prompt_tokens))
         for start in range(0, len(by_length), self.config.max_batch_size):
             batch = by_length[start : start + self.config.max_batch_size]
-            recorder = self.controller.inference_wrapped_model.routing
-            if recorder is not None:
-                recorder.start(len(batch), self.topk)
+            if self.routing is not None:
+                self.routing.start(len(batch))
             self.controller.generate_all_output_tokens_static_batch(OrderedDict((r.request_id, r) for r in batch))
-            if recorder is not None:  # the tokens the engine fed: the prompt and all but the last sampled token
+            if self.routing is not None:  # the tokens the engine fed: the prompt and all but the last sampled token
                 for row, request in enumerate(batch):
-                    fed = len(request.prompt_tokens) + len(request.generated_tokens) - 1
-                    request.routing = recorder.buffer[row, :fed].clone()
+                    request.routing = self.routing.row(
+                        row, len(request.prompt_tokens) + len(request.generated_tokens) - 1
+                    )
         return requests
 
     def _prompt_samples(

@@ -18,8 +18,11 @@ What mrl sets around the engine (megatron-core 0.19.2):
   suspension, and a training forward in the same process then fails: `run` suspends it after every call (which also
   frees its KV cache until the next call).
 - Refit: the engine computes with the backend's model, whose parameters a refit overwrites in place.
-Not supported yet (refused by `MegatronBackend`): multi-latent attention (its latent cache and decode kernel) and
-routed-expert capture for router replay.
+- Router replay: the backend's `RoutingRecorder` (mrl/inference/megatron_routing.py) records each forward's routing
+  at each token's request (= row) and position, which the context names; mrl's own capture, not megatron-core's
+  (`moe_enable_routing_replay`, which builds routers with its own replay state and keeps the routing in the KV
+  blocks), so that the trainer's replay and both loops share one recorder.
+Not supported yet (refused by `MegatronBackend`): multi-latent attention (its latent cache and decode kernel).
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from megatron.core.inference.text_generation_controllers.text_generation_control
 )
 
 from mrl.inference.interface import SamplingConfig
+from mrl.inference.megatron_routing import RoutingRecorder
 
 #: KV block of the engine's paged cache, in tokens (flash-attn's paged kernels want a multiple of 256 on GPUs).
 DEFAULT_BLOCK_TOKENS = 256
@@ -51,6 +55,7 @@ class FinishedRow:
     prompt_tokens: list[int]
     generated_tokens: torch.Tensor  # [tokens] int64
     generated_log_probs: list[float]
+    routing: Optional[torch.Tensor] = None  # [fed tokens, MoE layers, k] when the backend records routing
 
 
 class _MrlSampling(TorchSampling):
@@ -127,8 +132,9 @@ class DynamicLoop:
         max_model_len: int,
         block_tokens: int,
         seed: int,
+        routing: Optional[RoutingRecorder] = None,
     ) -> None:
-        self.model, self.wrap, self.tokenizer = model, wrap, tokenizer
+        self.model, self.wrap, self.tokenizer, self.routing = model, wrap, tokenizer, routing
         self.max_rows, self.max_model_len, self.block_tokens = max_rows, max_model_len, block_tokens
         self.sampling = _MrlSampling(vocab_size, seed, sample)
         self.engine: Optional[DynamicInferenceEngine] = None
@@ -174,7 +180,9 @@ class DynamicLoop:
                 num_tokens_to_generate=sampling.max_new_tokens,
                 termination_id=-1,  # rows end on the stop set (and their length) alone
             )
-            for index, ids in enumerate(rows):
+            if self.routing is not None:
+                self.routing.start(len(rows))
+            for index, ids in enumerate(rows):  # request id = row index (the routing recorder's row)
                 engine.add_request(index, list(ids), params)
             records = []
             while engine.has_unfinished_requests():
@@ -182,11 +190,16 @@ class DynamicLoop:
         finally:
             engine.suspend()
         finished = {record.request_id: record.merge() for record in records}
-        return [
-            FinishedRow(
-                list(ids),
-                torch.as_tensor(finished[index].generated_tokens, dtype=torch.long).cpu(),
-                [float(x) for x in finished[index].generated_log_probs or []],
+        results = []
+        for index, ids in enumerate(rows):
+            tokens = torch.as_tensor(finished[index].generated_tokens, dtype=torch.long).cpu()
+            fed = len(ids) + len(tokens) - 1  # the last sampled token is never fed
+            results.append(
+                FinishedRow(
+                    list(ids),
+                    tokens,
+                    [float(x) for x in finished[index].generated_log_probs or []],
+                    None if self.routing is None else self.routing.row(index, fed),
+                )
             )
-            for index, ids in enumerate(rows)
-        ]
+        return results

@@ -167,16 +167,16 @@ def assemble(results: list[dict]) -> dict:
             "grad_norm": next(r["grad_norm"] for r in results if "rows" in r)}
 
 
-def engines_and_trainer(model_dir: str, bias_noises: list[float]) -> list[dict]:
+def engines_and_trainer(model_dir: str, bias_noises: list[float], loop: str = "static") -> list[dict]:
     """`engine_and_trainer` for each noise, in one process."""
     from mrl.parallel.groups import init_process_groups
     from mrl.parallel.layout import ParallelDims
 
     init_process_groups(ParallelDims())
-    return [engine_and_trainer(model_dir, noise) for noise in bias_noises]
+    return [engine_and_trainer(model_dir, noise, loop) for noise in bias_noises]
 
 
-def engine_and_trainer(model_dir: str, bias_noise: float) -> dict:
+def engine_and_trainer(model_dir: str, bias_noise: float, loop: str = "static") -> dict:
     """Samples from the Megatron engine (its expert bias moved by `bias_noise` x N(0, 1)), then the trainer's
     logprobs of them without the routing, with it measured only, and replayed; each with its disagreement counts."""
     from megatron.core.transformer.moe.router import TopKRouter
@@ -188,10 +188,11 @@ def engine_and_trainer(model_dir: str, bias_noise: float) -> dict:
     from mrl.policy.interface import RankBatch
     from mrl.policy.train_step import StepContext, logprobs_of_batch
 
-    engine = MegatronBackend(MegatronEngineConfig(model_dir, max_model_len=64, max_batch_size=8, return_routing=True))
+    engine = MegatronBackend(MegatronEngineConfig(model_dir, max_model_len=64, max_batch_size=8, return_routing=True,
+                                                  engine=loop))
     g = torch.Generator().manual_seed(11)
     with torch.no_grad():
-        for router in (m for m in engine.model.modules() if isinstance(m, TopKRouter)):
+        for router in (m for m in engine.model.modules() if isinstance(m, TopKRouter) and bias_noise):
             router.expert_bias += bias_noise * torch.randn(router.expert_bias.shape, generator=g)
     out = engine.generate([[5, 17, 42, 8], [9, 10, 11], [100, 3, 77, 21, 60, 4]], SamplingConfig(n=2, max_new_tokens=10,
                                                                                                    seed=3))
@@ -289,6 +290,19 @@ def test_the_megatron_engine_records_the_routing_the_trainer_would_choose(engine
     assert r["routing"].dtype == torch.uint8  # the tiny model's routed experts fit a byte with room for the mark
     assert (r["routing"][:, :, 0] == no_route(torch.uint8)).all()  # DeepSeek-V3's first layer is dense
     assert r["measured"]["counts"].tolist() == [[0.0, 0.0], [0.0, float(fed)]]
+    tokens = r["mask"] > 0
+    assert (r["fresh"]["logprobs"] - r["gen"])[tokens].abs().max() <= 1e-4
+
+
+def test_the_dynamic_engine_records_the_routing_the_trainer_would_choose(model_dir):
+    """Megatron's dynamic engine (in-flight batching: one flat forward of every request's new tokens) on Qwen3-MoE:
+    each fed token's routing lands at its own row and position, where the trainer's full forward chooses the same
+    experts (the replay itself is the loop's business, checked above)."""
+    (results,) = run_on_ranks(engines_and_trainer, world_size=1, args=(model_dir, [0.0], "dynamic"))
+    r = results[0]
+    fed = int((r["lengths"] - 1).sum())
+    assert r["routing"].shape[2:] == (LAYERS, TOPK) and r["routing"].dtype == torch.uint8
+    assert r["measured"]["counts"].tolist() == [[0.0] * LAYERS, [float(fed)] * LAYERS]  # every fed token, agreeing
     tokens = r["mask"] > 0
     assert (r["fresh"]["logprobs"] - r["gen"])[tokens].abs().max() <= 1e-4
 
