@@ -243,6 +243,11 @@ class MegatronBackend:
         self.hf_config = load_hf_config(config.model_path)
         self.max_model_len = config.max_model_len or context_length(model_dims(self.hf_config))
         self.eos_ids = eos_token_ids(config.model_path, self.hf_config)
+        if config.engine == "dynamic" and model_dims(self.hf_config).mla is not None:  # before building the model
+            raise ValueError(
+                "the Megatron dynamic engine does not run multi-latent attention models yet (its latent KV "
+                "cache): use generation.megatron.engine=static for this model"
+            )
         self.model = _build_model(self.hf_config, _DTYPES[config.dtype])
         if config.load_weights:
             self._load(load_hf_state(config.model_path))
@@ -257,11 +262,6 @@ class MegatronBackend:
         self.controller.sampling_rng.manual_seed(config.seed)
         self.dynamic: Optional[DynamicLoop] = None
         if config.engine == "dynamic":
-            if model_dims(self.hf_config).mla is not None:
-                raise ValueError(
-                    "the Megatron dynamic engine does not run multi-latent attention models yet (its latent KV "
-                    "cache): use generation.megatron.engine=static for this model"
-                )
             self.dynamic = DynamicLoop(
                 self.model,
                 self._wrapper,

@@ -4,7 +4,7 @@ Generation data flow (one `run` call, the backend's rows: prompt token ids, prom
     rows --add_request (one request a row, termination id -1: only the stop set ends a row)--> waiting queue
     --step_modern: the engine admits what its KV blocks and token budget hold, runs one forward over every active
       request's new tokens (a whole prompt, or one decode token), samples with `_MrlSampling`, ends rows whose
-      token is in the stop set (`_StopSetController`) or that reached their length--> finished records
+      token is in the stop set (`_DynamicStopSetController`) or that reached their length--> finished records
     --merge--> `FinishedRow` (prompt, tokens, logprobs) per row, in row order.
 
 What mrl sets around the engine (megatron-core 0.19.2):
@@ -63,7 +63,8 @@ class _MrlSampling(TorchSampling):
     step's tokens for the stop set."""
 
     def __init__(self, vocab_size: int, seed: int, sample: Callable[..., torch.Tensor]) -> None:
-        super().__init__(torch.Generator().manual_seed(seed), vocab_size)
+        self.generator = torch.Generator().manual_seed(seed)  # TorchSampling keeps it as its `_rng`
+        super().__init__(self.generator, vocab_size)
         self.sample = sample  # (logits [b, V], temperature, top_k, top_p, generator) -> tokens [b]
         self.settings: Optional[SamplingConfig] = None
         self.last = torch.empty(0, dtype=torch.long)
@@ -87,7 +88,7 @@ class _MrlSampling(TorchSampling):
         settings = self.settings
         assert settings is not None, "run() sets the call's sampling settings first"
         rows = logits[gather_indices[:n]] if gather_indices is not None else logits[:n]
-        tokens = self.sample(rows, settings.temperature, settings.top_k or 0, settings.top_p, self._rng)
+        tokens = self.sample(rows, settings.temperature, settings.top_k or 0, settings.top_p, self.generator)
         self.last = tokens.cpu()
         if output is None:
             return tokens
@@ -95,7 +96,7 @@ class _MrlSampling(TorchSampling):
         return output
 
 
-class _StopSetController(TextGenerationController):
+class _DynamicStopSetController(TextGenerationController):
     """Megatron's controller, ending a request on any token of the call's stop set (kept in its response)."""
 
     stop_ids = torch.empty(0, dtype=torch.long)
@@ -156,7 +157,7 @@ class DynamicLoop:
                 f"the dynamic engine's KV cache holds {context.kv_block_allocator.total_count} blocks, "
                 f"{blocks} were sized for {self.max_rows} rows of {self.max_model_len} tokens"
             )
-        controller = _StopSetController(self.wrap(context), self.tokenizer)
+        controller = _DynamicStopSetController(self.wrap(context), self.tokenizer)
         controller._sampling = self.sampling
         return DynamicInferenceEngine(controller, context)
 
@@ -172,7 +173,7 @@ class DynamicLoop:
             engine.controller.stop_ids = stop_ids
             self.sampling.settings = sampling
             if sampling.seed is not None:
-                self.sampling._rng.manual_seed(sampling.seed)
+                self.sampling.generator.manual_seed(sampling.seed)
             params = SamplingParams(
                 temperature=sampling.temperature,
                 return_log_probs=True,
