@@ -1,7 +1,7 @@
 """The tiny mixture-of-experts recipe through the real command line: GRPO with a Qwen3-MoE policy whose experts are
-split over 2 expert-parallel ranks, rollouts from vLLM or from Megatron's engine, each refitted from the EP-sharded
-policy after every step: the engine's logprobs of its own samples equal the trainer's (token_mult_prob_error
-<= 1.001 on every step) and every step reports its expert load.
+split over 2 expert-parallel ranks, rollouts from vLLM or from Megatron's dynamic engine, each refitted from the
+EP-sharded policy after every step: the engine's logprobs of its own samples equal the trainer's
+(token_mult_prob_error <= 1.001 on every step) and every step reports its expert load.
 
 Shortened as the dense end-to-end tests are (1-digit task, a few steps, from the random initial model).
 """
@@ -22,10 +22,11 @@ SHORT = ("data.arith.digits=1", "data.arith.num_heldout=20", "grpo.max_num_steps
 
 @pytest.mark.parametrize("backend", ["vllm", "megatron"])
 def test_moe_grpo_engine_matches_trainer_on_every_step(tmp_path, backend):
-    """With Megatron's engine the run also replays the engine's routing (policy.moe.router_replay=replay: vLLM
-    returns it on CUDA only): the routing travels from the engine through the rollouts to the EP2 trainer, whose
-    own choices agree with the engine's on every token (same fp32 weights) and are logged per MoE layer."""
-    replay = ["policy.moe.router_replay=replay"] if backend == "megatron" else []
+    """With Megatron's engine (its dynamic engine: in-flight batching) the run also replays the engine's routing
+    (policy.moe.router_replay=replay: vLLM returns it on CUDA only): the routing travels from the engine through the
+    rollouts to the EP2 trainer, whose own choices agree with the engine's on every token (same fp32 weights) and are
+    logged per MoE layer."""
+    replay = ["policy.moe.router_replay=replay", "generation.megatron.engine=dynamic"] if backend == "megatron" else []
     finish(mrl("grpo", "--config", RECIPE, *SHORT, f"run.output_dir={tmp_path}", f"generation.backend={backend}",
                *replay))
     logged = metrics(tmp_path / "logs")

@@ -150,7 +150,7 @@ def hf_dpo(model_dir, ref_dir):
                "chosen_reward": float((BETA * (s[0::2] - ref[0::2])).mean().detach()),
                "rejected_reward": float((BETA * (s[1::2] - ref[1::2])).mean().detach()),
                "preference_accuracy": float((s[0::2] > s[1::2]).float().mean()), "sft_loss": float(nll.detach())}
-    return float(loss), metrics, grads, ref
+    return float(loss.detach()), metrics, grads, ref
 
 
 # ---- tests ----
