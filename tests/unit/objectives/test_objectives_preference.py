@@ -50,7 +50,7 @@ def test_dpo_sigmoid_loss_metrics_and_gradient_by_hand():
 def test_pairs_are_found_in_any_row_order_and_split_pairs_are_errors():
     reference, _ = DPOLoss()(*batch(), global_count=4.0)
     shuffled, _ = DPOLoss()(*batch(order=(3, 0, 2, 1)), global_count=4.0)
-    assert float(shuffled) == pytest.approx(float(reference))
+    assert float(shuffled.detach()) == pytest.approx(float(reference.detach()))
     logprobs, data = batch(order=(0, 1, 2))  # pair 1 lost its rejected row to another micro-batch
     with pytest.raises(ValueError, match="must stay in one micro-batch"):
         DPOLoss()(logprobs, data, global_count=4.0)
@@ -60,7 +60,7 @@ def test_micro_batches_sum_to_the_whole_batch():
     whole, metrics = DPOLoss(beta=0.3)(*batch(), global_count=4.0)
     first, m1 = DPOLoss(beta=0.3)(*batch(order=(0, 1)), global_count=4.0)
     second, m2 = DPOLoss(beta=0.3)(*batch(order=(2, 3)), global_count=4.0)
-    assert float(first + second) == pytest.approx(float(whole))
+    assert float((first + second).detach()) == pytest.approx(float(whole.detach()))
     assert float(m1["reward_margin"] + m2["reward_margin"]) == pytest.approx(float(metrics["reward_margin"]))
 
 
@@ -70,7 +70,7 @@ def test_ipo_uses_mean_logprobs_and_its_squared_loss():
     # per-token means: pair 0: chosen -3/2, ref -3.5/2; rejected -4/1, ref -3.8/1 -> h = 0.25 + 0.2 = 0.45
     #                  pair 1: chosen -1/1, ref -1.2/1; rejected -1/2, ref -0.9/2 -> h = 0.2 + 0.05 = 0.25
     expected = ((0.45 - 1.0) ** 2 + (0.25 - 1.0) ** 2) / 2
-    assert float(loss) == pytest.approx(expected, abs=1e-6)
+    assert float(loss.detach()) == pytest.approx(expected, abs=1e-6)
 
 
 def test_sft_term_adds_the_token_level_nll_of_the_chosen_responses():
@@ -78,7 +78,7 @@ def test_sft_term_adds_the_token_level_nll_of_the_chosen_responses():
     with_sft, metrics = DPOLoss(beta=0.1, sft_alpha=0.5)(*batch(), global_count=4.0)
     nll = (3.0 + 1.0) / 3  # chosen tokens: -1, -2 and -1 over 3 tokens
     assert float(metrics["sft_loss"]) == pytest.approx(nll)
-    assert float(with_sft - plain) == pytest.approx(0.5 * nll)
+    assert float((with_sft - plain).detach()) == pytest.approx(0.5 * nll)
 
 
 def test_bradley_terry_reads_the_score_at_the_last_token():
@@ -86,7 +86,7 @@ def test_bradley_terry_reads_the_score_at_the_last_token():
     _, data = batch()
     loss, metrics = BradleyTerryLoss()(values, data, global_count=4.0)
     margins = (2.0 - 0.5, -1.0 - 1.0)
-    assert float(loss) == pytest.approx(sum(math.log1p(math.exp(-m)) for m in margins) / 2)
+    assert float(loss.detach()) == pytest.approx(sum(math.log1p(math.exp(-m)) for m in margins) / 2)
     assert float(metrics["accuracy"]) == 0.5
     loss.backward()
     assert values.grad[0, :2].abs().sum() == 0 and values.grad[0, 2] == pytest.approx(-1 / (1 + math.exp(1.5)) / 2)
