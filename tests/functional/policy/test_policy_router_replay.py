@@ -191,9 +191,10 @@ def engine_and_trainer(model_dir: str, bias_noise: float, loop: str = "static") 
     engine = MegatronBackend(MegatronEngineConfig(model_dir, max_model_len=64, max_batch_size=8, return_routing=True,
                                                   engine=loop))
     g = torch.Generator().manual_seed(11)
-    with torch.no_grad():
-        for router in (m for m in engine.model.modules() if isinstance(m, TopKRouter) and bias_noise):
-            router.expert_bias += bias_noise * torch.randn(router.expert_bias.shape, generator=g)
+    if bias_noise:  # Qwen3-MoE's routers have no expert bias: its runs leave the engine as loaded
+        with torch.no_grad():
+            for router in (m for m in engine.model.modules() if isinstance(m, TopKRouter)):
+                router.expert_bias += bias_noise * torch.randn(router.expert_bias.shape, generator=g)
     out = engine.generate([[5, 17, 42, 8], [9, 10, 11], [100, 3, 77, 21, 60, 4]], SamplingConfig(n=2, max_new_tokens=10,
                                                                                                    seed=3))
     ids, mask, gen = rows_from_output(out, pad_id=0)
