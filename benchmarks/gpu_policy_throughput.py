@@ -4,14 +4,14 @@ megatron-core, on the same RL-shaped batch and the same weights, in one run. Fig
 The batch (one optimizer step): sequences of uniformly random lengths in [--min-len, --max-len] (RL-shaped: a
 prompt of an eighth of the sequence, the rest response, whose tokens enter the loss with one random advantage per
 sequence) until --step-tokens real tokens; a policy-gradient loss normalised by the step's loss-token count.
-  mrl : `build_gpt_model` (local spec, mrl's TorchCoreAttention: on CUDA a packed micro-batch goes through torch's
+  mrl : `build_model` (local spec, mrl's TorchCoreAttention: on CUDA a packed micro-batch goes through torch's
         variable-length flash kernel), weights in --precision with fp32 master weights (Megatron DDP with fp32
         gradient reduce, Megatron Adam), `train_on_batch` / `logprobs_of_batch` with sequence packing
         (micro-batches of --micro-tokens tokens, THD layout): what a policy worker runs.
   hf  : transformers' AutoModelForCausalLM with SDPA attention, fp32 weights, bf16 autocast, torch's fused AdamW
         (the path TRL trains with); padded micro-batches of similar lengths (`rows * longest <= --micro-tokens`,
         longest first, right padding with an attention mask); logprobs by a per-row log-softmax of fp32 logits.
-  bare: megatron-core's GPTModel with its stock local layer spec (DotProductAttention, which has no packed layout
+  bare: megatron-core's HybridModel over its stock local layer spec (DotProductAttention, which has no packed layout
         without Transformer Engine), the same weights, DDP and Adam as mrl; the same padded micro-batches as hf;
         the loss from Megatron's own cross entropy (`labels=`).
 Each path runs alone on the device (the others' memory freed): one warm-up step, then --reps timed steps and
@@ -162,14 +162,14 @@ def _mrl_path(config: dict, state: dict, batch, args):
     from megatron.core import parallel_state as ps
 
     from mrl.config.schema import OptimizerConfig, PackingConfig, SchedulerConfig
-    from mrl.model.build import build_gpt_model, load_hf_weights, transformer_config_from_hf
+    from mrl.model.build import build_model, load_hf_weights, transformer_config_from_hf
     from mrl.policy.interface import RankBatch, global_count
     from mrl.policy.optim import build_scheduler
     from mrl.policy.train_step import StepContext, logprobs_of_batch, train_on_batch
 
     dtype = getattr(torch, args.precision)
     tconfig = transformer_config_from_hf(config, params_dtype=dtype)
-    model = build_gpt_model(config, tconfig)
+    model = build_model(config, tconfig)
     load_hf_weights(model, state, config)
     ddp, optimizer = _megatron_wrap(model, tconfig, dtype)
     scheduler = build_scheduler(optimizer, OptimizerConfig(lr=1e-6), SchedulerConfig(), total_steps=args.reps + 2)
@@ -205,24 +205,27 @@ def _megatron_wrap(model, tconfig, dtype):
 
 
 def _bare_path(config: dict, state: dict, batch, args):
-    """(train, logprobs) of bare megatron-core: stock local spec, padded micro-batches, Megatron's cross entropy."""
+    """(train, logprobs) of bare megatron-core: its HybridModel over the stock local layer spec (split into attention
+    and MLP layers as mrl does, `mrl.model.hybrid`), padded micro-batches, Megatron's cross entropy."""
     import torch
     from megatron.core.distributed import finalize_model_grads
-    from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.hybrid.hybrid_model import HybridModel
 
     from converters import hf_to_megatron, model_dims
+    from mrl.model import hybrid
     from mrl.model.build import transformer_config_from_hf
 
     dtype = getattr(torch, args.precision)
     tconfig = transformer_config_from_hf(config, params_dtype=dtype)
     dims = model_dims(config)
     spec = get_gpt_layer_local_spec(qk_layernorm=tconfig.qk_layernorm, normalization=tconfig.normalization)
-    model = GPTModel(tconfig, spec, vocab_size=config["vocab_size"], max_sequence_length=config[
-        "max_position_embeddings"], position_embedding_type="rope", rotary_base=dims.rope_theta,
-        share_embeddings_and_output_weights=dims.tied)
+    model = HybridModel(tconfig, hybrid.stack_spec([spec]), vocab_size=config["vocab_size"], max_sequence_length=config[
+        "max_position_embeddings"], hybrid_layer_pattern=hybrid.layer_pattern(tconfig), position_embedding_type="rope",
+        rotary_base=dims.rope_theta, share_embeddings_and_output_weights=dims.tied)
     model.to(_device())  # Megatron's torch norms are made on the CPU
-    weights = hf_to_megatron(state, dims, 0, 1, padded_vocab=config["vocab_size"], names="local")
+    weights = {hybrid.to_hybrid(k): v for k, v in hf_to_megatron(
+        state, dims, 0, 1, padded_vocab=config["vocab_size"], names="local").items()}
     own = {k for k in model.state_dict() if not k.endswith("_extra_state")}
     if own - set(weights):
         raise ValueError(f"the converted weights miss {sorted(own - set(weights))[:4]}")

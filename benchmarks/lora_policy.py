@@ -2,7 +2,7 @@
 """The policy with LoRA (`policy.lora`) against full fine-tuning, on one model and batch: memory per parameter, train
 step time, and what a refit moves.
 
-Both paths are mrl's own (build_gpt_model, Megatron's DDP, build_optimizer, train_on_batch): `full` trains every
+Both paths are mrl's own (build_model, Megatron's DDP, build_optimizer, train_on_batch): `full` trains every
 parameter, `lora` the adapters of mrl/model/lora.py on every linear (rank --rank, alpha 2 x rank), the base frozen.
 Memory is read off the built objects, not estimated: the weights (every parameter), DDP's gradient buffers, and the
 optimizer's state tensors after a step (Adam's two moments, and fp32 main weights when the model is bf16), each in
@@ -65,7 +65,7 @@ def bench_rank(model_dir: str, rank: int, sequences: int, seq_len: int, micro_ba
 
     from converters import model_dims
     from mrl.config.schema import OptimizerConfig, SchedulerConfig
-    from mrl.model.build import build_gpt_model, load_hf_weights, transformer_config_from_hf
+    from mrl.model.build import build_model, load_hf_weights, transformer_config_from_hf
     from mrl.model.lora import LoraSettings, apply_lora
     from mrl.parallel.groups import init_process_groups
     from mrl.parallel.layout import ParallelDims
@@ -84,7 +84,7 @@ def bench_rank(model_dir: str, rank: int, sequences: int, seq_len: int, micro_ba
 
     def build(lora: bool):
         config = transformer_config_from_hf(hf_config, params_dtype=dtype)
-        model = build_gpt_model(hf_config, config)
+        model = build_model(hf_config, config)
         load_hf_weights(model, state, hf_config)
         base = sum(p.numel() for p in model.parameters())
         if lora:

@@ -6,8 +6,8 @@ weights in both paths), both paths hold the same weights (the mrl model's state 
 interleaved:
   mrl : `train_on_batch` (Megatron schedule, load-balanced CP split/shift, vocab-parallel logprobs with vocab
         masking, a PolicyLoss normalised by the global token count, metrics) and `logprobs_of_batch`, on
-        mrl's model (`build_gpt_model`: local spec with mrl's TorchCoreAttention), DDP, `build_optimizer`.
-  bare: GPTModel with Megatron's stock local layer spec (DotProductAttention), Megatron DDP, the same Megatron
+        mrl's model (`build_model`: local spec with mrl's TorchCoreAttention), DDP, `build_optimizer`.
+  bare: HybridModel over Megatron's stock local layer spec (DotProductAttention), Megatron DDP, the same Megatron
         Adam; per micro-batch `model(tokens, positions, None, labels=targets)` (Megatron's own vocab-parallel
         cross entropy), the same masked advantage-weighted loss, `loss.backward()`, then
         `finalize_model_grads` and `optimizer.step()`; logprobs = -that cross entropy under no_grad.
@@ -90,19 +90,22 @@ def _sync() -> None:
 
 
 def _bare_model(mrl_model, hf_config: dict, tp: int, dtype):
-    """GPTModel with Megatron's stock local spec and a config equal to the mrl model's, holding its weights."""
-    from megatron.core.models.gpt import GPTModel
+    """megatron-core's HybridModel over Megatron's stock local layer spec (split into attention and MLP layers as mrl
+    does, `mrl.model.hybrid`) and a config equal to the mrl model's, holding its weights."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.hybrid.hybrid_model import HybridModel
 
     from converters import model_dims
+    from mrl.model import hybrid
     from mrl.model.build import transformer_config_from_hf
 
     config = transformer_config_from_hf(hf_config, tensor_parallel=tp, params_dtype=dtype)
     spec = get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm, normalization=config.normalization)
-    model = GPTModel(config, spec, vocab_size=mrl_model.vocab_size,
-                     max_sequence_length=hf_config["max_position_embeddings"], position_embedding_type="rope",
-                     rotary_base=model_dims(hf_config).rope_theta,  # transformers 5 keeps it in rope_parameters
-                     share_embeddings_and_output_weights=hf_config.get("tie_word_embeddings", False))
+    model = HybridModel(config, hybrid.stack_spec([spec]), vocab_size=mrl_model.vocab_size,
+                        max_sequence_length=hf_config["max_position_embeddings"],
+                        hybrid_layer_pattern=hybrid.layer_pattern(config), position_embedding_type="rope",
+                        rotary_base=model_dims(hf_config).rope_theta,  # transformers 5 keeps it in rope_parameters
+                        share_embeddings_and_output_weights=hf_config.get("tie_word_embeddings", False))
     model.to(_device())  # Megatron's torch norms are made on the CPU (mrl.model.build does the same)
     model.load_state_dict(mrl_model.state_dict())
     return model
@@ -148,7 +151,7 @@ def bench_rank(model_dir: str, tp: int, sequences: int, seq_len: int, micro_batc
     from mrl.config.schema import OptimizerConfig, SchedulerConfig
     from mrl.parallel.layout import ParallelDims
     from mrl.parallel.groups import init_process_groups
-    from mrl.model.build import build_gpt_model, load_hf_weights, transformer_config_from_hf
+    from mrl.model.build import build_model, load_hf_weights, transformer_config_from_hf
     from mrl.policy.optim import build_optimizer, build_scheduler
     from mrl.policy.interface import RankBatch, global_count
     from mrl.policy.train_step import StepContext, logprobs_of_batch, train_on_batch
@@ -165,7 +168,7 @@ def bench_rank(model_dir: str, tp: int, sequences: int, seq_len: int, micro_batc
         return ddp, build_optimizer([ddp], opt_cfg, params_dtype=dtype)
 
     config = transformer_config_from_hf(hf_config, tensor_parallel=tp, params_dtype=dtype)
-    model = build_gpt_model(hf_config, config)
+    model = build_model(hf_config, config)
     load_hf_weights(model, load_file(os.path.join(model_dir, "model.safetensors")), hf_config)
     bare = _bare_model(model, hf_config, tp, dtype)
     mrl_ddp, mrl_opt = wrap(model, config)
@@ -189,7 +192,7 @@ def bench_rank(model_dir: str, tp: int, sequences: int, seq_len: int, micro_batc
     check = (mrl_lp[:, 1:] - bare_lp[:, :-1])[loss_tokens].abs().max().item()
     against_fp32 = {}
     if dtype != torch.float32:  # which path bf16 moves, and how far: both against the fp32 model
-        reference = build_gpt_model(hf_config, transformer_config_from_hf(hf_config, tensor_parallel=tp))
+        reference = build_model(hf_config, transformer_config_from_hf(hf_config, tensor_parallel=tp))
         load_hf_weights(reference, load_file(os.path.join(model_dir, "model.safetensors")), hf_config)
         ref_lp = logprobs_of_batch([reference], batch, micro_batch_size=micro_batch, ctx=ctx)[:, 1:][loss_tokens]
         for name, lp in (("mrl", mrl_lp[:, 1:]), ("bare", bare_lp[:, :-1])):

@@ -39,7 +39,8 @@ from mrl.checkpoint.megatron import (
     save_sharded,
 )
 from mrl.config.errors import ConfigError
-from mrl.model.build import build_gpt_model, load_hf_weights, router_settings, transformer_config_from_hf
+from mrl.model.build import build_model, load_hf_weights, router_settings, transformer_config_from_hf
+from mrl.model.hybrid import gpt_state_dict
 from mrl.parallel import collectives
 from mrl.parallel.groups import init_process_groups, world_from_launcher
 from mrl.parallel.layout import ParallelDims, ParallelLayoutError
@@ -77,7 +78,7 @@ def _build(hf_config: dict[str, Any], padded_vocab: int, tp: int, pp: int, ep: i
         sequence_parallel=sequence_parallel,
         **router_settings(dims, expert_parallel=ep),
     )
-    return build_gpt_model(hf_config, config, padded_vocab=padded_vocab)
+    return build_model(hf_config, config, padded_vocab=padded_vocab)
 
 
 def check_hf_argument(value: str) -> None:
@@ -223,7 +224,7 @@ def megatron_hf_state(megatron_dir: str | Path) -> dict[str, torch.Tensor]:
     init_parallel(1, 1)
     try:
         model = _load_whole_model(model_dir, hf_config)
-        return dict(map_megatron_to_hf(model.state_dict(), model_dims(hf_config)))
+        return dict(map_megatron_to_hf(gpt_state_dict(model), model_dims(hf_config)))
     finally:
         destroy_process_groups()
 
@@ -245,7 +246,7 @@ def megatron_to_hf(
     model = _load_whole_model(model_dir, hf_config)
     if collectives.rank() == 0:
         files = save_hf_state(
-            map_megatron_to_hf(model.state_dict(), dims), out, max_shard_bytes=max_shard_bytes, log=_log
+            map_megatron_to_hf(gpt_state_dict(model), dims), out, max_shard_bytes=max_shard_bytes, log=_log
         )
         copy_model_metadata(config_dir, out)
         _log(f"wrote {len(files)} safetensors file(s) and {', '.join(sorted(p.name for p in out.glob('*.json')))}")

@@ -66,18 +66,53 @@ def _parallel_layout() -> dict[str, int]:
     }
 
 
-def _model_sharded_state_dict(model_chunks: list) -> dict:
+def _model_sharded_state_dict(model_chunks: list, *, gpt_checkpoint: bool = False) -> dict:
     """The model's sharded state dict, flat: with one chunk exactly what `mrl.app.convert` writes and reads.
 
     Virtual-pipeline chunks get their dict keys prefixed by the chunk index (dict keys must be unique); the
     checkpoint keys inside the ShardedTensors carry global layer indices, so the files do not depend on it.
+    `gpt_checkpoint`: the keys pointed at a checkpoint GPTModel wrote (`_written_by_gpt_model`).
     """
     from megatron.core.utils import unwrap_model
 
     modules = unwrap_model(list(model_chunks))
+    dicts = [m.sharded_state_dict() for m in modules]
+    if gpt_checkpoint:
+        for module, sharded in zip(modules, dicts):
+            _point_at_gpt_checkpoint(sharded, module)
     if len(modules) == 1:
-        return modules[0].sharded_state_dict()
-    return {f"chunk{i}.{k}": v for i, m in enumerate(modules) for k, v in m.sharded_state_dict().items()}
+        return dicts[0]
+    return {f"chunk{i}.{k}": v for i, sharded in enumerate(dicts) for k, v in sharded.items()}
+
+
+def _written_by_gpt_model(model_dir: Path) -> bool:
+    """Whether a model checkpoint was written by a GPTModel (mrl before its models became HybridModels): its final
+    norm is `decoder.final_layernorm`, the HybridModel's `decoder.final_norm`."""
+    from megatron.core import dist_checkpointing
+
+    keys = dist_checkpointing.load_tensors_metadata(str(model_dir))
+    return any(key.endswith("decoder.final_layernorm.weight") for key in keys)
+
+
+def _point_at_gpt_checkpoint(sharded: dict, module: Any) -> None:
+    """Retarget a HybridModel's sharded state dict (or its optimizer's) at a GPTModel checkpoint's keys, in place:
+    megatron-core's own GPT -> hybrid interoperation (`dist_checkpointing.gpt_checkpoint_interop`), which reads
+    GPTModel's homogeneous layer format. It refuses a model that mixes dense and expert layers (DeepSeek-V3's
+    first dense layers): such a GPT checkpoint was written layer by layer, a format it does not read."""
+    from megatron.core.dist_checkpointing.gpt_checkpoint_interop import (
+        gpt_compatible_layer_maps,
+        retarget_sharded_state_dict_to_gpt_checkpoint,
+    )
+
+    try:
+        maps = gpt_compatible_layer_maps(module.hybrid_layer_pattern)
+    except ValueError as error:
+        raise CheckpointError(
+            f"this checkpoint was written by mrl's earlier GPTModel, which megatron-core reads into a HybridModel "
+            f"only for a model whose layers are all dense or all experts ({error}); convert it from the HF "
+            "checkpoint again (mrl convert)"
+        ) from error
+    retarget_sharded_state_dict_to_gpt_checkpoint(sharded, maps)
 
 
 def _training_sharded_state_dict(model_sd: dict, optimizer: Any, scheduler: Any, *, is_loading: bool) -> dict:
@@ -167,13 +202,16 @@ def load_megatron_state(
     if resume and optimizer is not None:
         _check_same_optimizer_kind(train_dir, optimizer)
         _init_distributed_optimizer_state(optimizer)  # before the sharded state dicts are built from its state
+    gpt = _written_by_gpt_model(model_dir)
     training_sd = _training_sharded_state_dict(
         _model_sharded_state_dict(model_chunks),  # own dict: see save
         optimizer if load_optimizer else None,
         scheduler if load_optimizer else None,
         is_loading=True,
     )
-    loaded_model = dist_checkpointing.load(_model_sharded_state_dict(model_chunks), str(model_dir))
+    if gpt and "optimizer" in training_sd:  # its entries carry the model's keys (the model-space format)
+        _point_at_gpt_checkpoint(training_sd["optimizer"], unwrap_model(list(model_chunks))[0])
+    loaded_model = dist_checkpointing.load(_model_sharded_state_dict(model_chunks, gpt_checkpoint=gpt), str(model_dir))
     modules = unwrap_model(list(model_chunks))
     for i, module in enumerate(modules):
         prefix = "" if len(modules) == 1 else f"chunk{i}."
@@ -248,7 +286,10 @@ def load_megatron_checkpoint(model: Any, model_dir: str | Path) -> None:
     """Load the weights of a distributed checkpoint into a (TP/PP-sharded) model, resharding as needed; strict."""
     from megatron.core import dist_checkpointing
 
-    _load_model_strict(model, dist_checkpointing.load(model.sharded_state_dict(), str(model_dir)), Path(model_dir))
+    sharded = model.sharded_state_dict()
+    if _written_by_gpt_model(Path(model_dir)):
+        _point_at_gpt_checkpoint(sharded, model)
+    _load_model_strict(model, dist_checkpointing.load(sharded, str(model_dir)), Path(model_dir))
 
 
 def _load_model_strict(module: Any, state: dict, model_dir: Path) -> None:

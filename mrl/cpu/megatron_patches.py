@@ -354,6 +354,20 @@ def torch_norm_allows_sequence_parallel(patch: Patcher) -> None:
     patch.set(torch_norm.WrappedTorchNorm, "__new__", staticmethod(__new__))
 
 
+def hybrid_final_norm_without_te(patch: Patcher) -> None:
+    """`HybridStack` (the HybridModel's decoder) builds its final norm from Megatron's local norm when TE is absent.
+
+    Breaks: 0.19.2's `HybridStack.__init__` builds `final_norm` as `TENorm` whatever its spec says (its layers take
+    their norms from the spec; the last one does not), and `TENorm` without Transformer Engine raises "Transformer
+    Engine is not installed". Right because `TransformerBlock` (GPTModel's decoder) builds the same final norm from
+    `LayerNormImpl`, the local norm (Apex's fused one, else torch's), and TE's norm computes the same function.
+    """
+    from megatron.core.models.hybrid import hybrid_block
+    from megatron.core.transformer import transformer_block
+
+    patch.set(hybrid_block, "TENorm", transformer_block.LayerNormImpl)
+
+
 def mla_accepts_plain_linear_without_te(patch: Patcher) -> None:
     """Multi-latent attention accepts a replicated plain `Linear` as its down projections when TE is absent.
 
@@ -548,6 +562,7 @@ PATCHES: dict[str, Callable[[Patcher], None]] = {
         rope_cp_slice_on_cpu,
         tied_embedding_sync_on_cpu,
         torch_norm_allows_sequence_parallel,
+        hybrid_final_norm_without_te,
         mla_accepts_plain_linear_without_te,
         mla_q_proj_without_norm,
         moe_split_sizes_on_host,
@@ -569,6 +584,7 @@ PATCHES: dict[str, Callable[[Patcher], None]] = {
 #: last two change speed alone: each removes host synchronisations from every train step on such a GPU.
 WITHOUT_TE = (
     "torch_norm_allows_sequence_parallel",
+    "hybrid_final_norm_without_te",
     "mla_accepts_plain_linear_without_te",
     "mla_q_proj_without_norm",
     "distributed_optimizer_torch_adam_state",

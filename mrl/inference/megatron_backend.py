@@ -1,6 +1,6 @@
 """Megatron-Core generation backend: Megatron's inference on token ids, refit with HF tensors.
 
-The engine runs the policy architecture itself (a GPTModel built from the HF folder, mrl/model/build.py), in this
+The engine runs the policy architecture itself (a HybridModel built from the HF folder, mrl/model/build.py), in this
 process, at TP1. It is the rollout engine for setups without vLLM, and a second, independent implementation to
 check vLLM against. It drives one of two Megatron loops (`MegatronEngineConfig.engine`): the static-batch loop
 described below (the default), or Megatron's dynamic engine, in-flight batching over a paged KV cache, which
@@ -70,7 +70,7 @@ from mrl.inference.megatron_routing import RoutingRecorder, dynamic_token_rows
 from mrl.inference.prompt_limits import assemble_output, fit_prompts, max_prompt_tokens
 from mrl.inference.refit import LocalWeights, RefitError, RefitStats, refit
 from mrl.inference.transports import InProcessTransport, Payload, unpack_payload
-from mrl.model.build import build_gpt_model, context_length, load_hf_weights, transformer_config_from_hf
+from mrl.model.build import build_model, context_length, load_hf_weights, transformer_config_from_hf
 from mrl.parallel.groups import init_process_groups
 from mrl.parallel.layout import ParallelDims
 
@@ -416,7 +416,7 @@ def _release_cached_memory() -> None:
 
 
 def _build_model(hf_config: Mapping[str, Any], dtype: torch.dtype) -> Any:
-    """The GPTModel of `hf_config` at TP1 (process groups created if needed), with the KV-cache-aware attention."""
+    """The model of `hf_config` at TP1 (process groups created if needed), with the KV-cache-aware attention."""
     from megatron.core import parallel_state
 
     if not parallel_state.model_parallel_is_initialized():
@@ -428,5 +428,5 @@ def _build_model(hf_config: Mapping[str, Any], dtype: torch.dtype) -> Any:
             f"the Megatron generation backend runs at TP1/PP1, but this process's groups are "
             f"tp={tp}, pp={pp}: build it in a process of its own"
         )
-    model = build_gpt_model(hf_config, transformer_config_from_hf(hf_config, params_dtype=dtype))
+    model = build_model(hf_config, transformer_config_from_hf(hf_config, params_dtype=dtype))
     return model.eval()

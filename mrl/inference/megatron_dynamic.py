@@ -10,7 +10,7 @@ Generation data flow (one `run` call, the backend's rows: prompt token ids, prom
 What mrl sets around the engine (megatron-core 0.19.2):
 - The KV cache holds every row at once (max_batch_size rows of max_model_len tokens, in blocks of `block_tokens`),
   so no request is paused for lack of blocks; the token budget of a step is one whole prompt at least (no chunked
-  prefill).
+  prefill). It has a slot per attention layer of the HybridModel, not per layer (`attention_context`).
 - Sampling: `_MrlSampling` replaces the controller's sampler with the backend's (`sample_next_tokens`: temperature, then
   top-k, then top-p, vLLM's order) from one generator, reseeded per call when `SamplingConfig.seed` is set; the
   logprobs are the engine's raw ones (temperature 1, unfiltered), as the static loop's and vLLM's `raw_logprobs`.
@@ -27,6 +27,7 @@ Not supported yet (refused by `MegatronBackend`): multi-latent attention (its la
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -43,6 +44,7 @@ from megatron.core.inference.text_generation_controllers.text_generation_control
 
 from mrl.inference.interface import SamplingConfig
 from mrl.inference.megatron_routing import RoutingRecorder
+from mrl.model import hybrid
 
 #: KV block of the engine's paged cache, in tokens (flash-attn's paged kernels want a multiple of 256 on GPUs).
 DEFAULT_BLOCK_TOKENS = 256
@@ -110,11 +112,33 @@ class _DynamicStopSetController(TextGenerationController):
         active_request_mask[torch.isin(tokens, self.stop_ids).to(active_request_mask.device)] = 0
 
 
-def kv_block_bytes(config: Any, block_tokens: int) -> int:
-    """Bytes of one KV block of the dynamic context for a model `config` (keys and values of every layer)."""
+def kv_block_bytes(config: Any, block_tokens: int, attention_layers: int) -> int:
+    """Bytes of one KV block of the dynamic context for a model `config` (keys and values of every attention
+    layer)."""
     heads = config.num_query_groups or config.num_attention_heads
     head_dim = config.kv_channels or config.hidden_size // config.num_attention_heads
-    return config.params_dtype.itemsize * 2 * config.num_layers * block_tokens * heads * head_dim
+    return config.params_dtype.itemsize * 2 * attention_layers * block_tokens * heads * head_dim
+
+
+def attention_layers(model: Any) -> list[int]:
+    """The indices of the HybridModel's attention layers (0-based, the engine's model is one whole stage)."""
+    return [i for i, kind in enumerate(model.decoder.layer_type_list) if kind == hybrid.ATTENTION]
+
+
+def attention_context(model: Any, inference: Any) -> Any:
+    """Megatron's dynamic context with one KV slot per attention layer of `model`.
+
+    megatron-core 0.19.2 gives a model without Mamba layers a slot per layer of `config.num_layers` (for a
+    HybridModel, its MLP layers too: twice the memory the attention needs), and finds a layer's slot through
+    `context.layer_map` (its `layer_number - 1` -> slot). The context is made for a copy of the config that
+    counts the attention layers, then given the map from those layers' indices to their slots."""
+    layers = attention_layers(model)
+    counted = copy.copy(model.config)
+    counted.num_layers = len(layers)
+    counted.num_layers_in_first_pipeline_stage = counted.num_layers_in_last_pipeline_stage = None
+    context = DynamicInferenceContext(counted, inference)
+    context.layer_map = {index: slot for slot, index in enumerate(layers)}
+    return context
 
 
 class DynamicLoop:
@@ -142,16 +166,17 @@ class DynamicLoop:
 
     def _build(self) -> DynamicInferenceEngine:
         config = self.model.config
+        attention = len(attention_layers(self.model))
         blocks = self.max_rows * math.ceil(self.max_model_len / self.block_tokens) + 1  # + megatron's dummy block
         inference = InferenceConfig(
             block_size_tokens=self.block_tokens,
-            buffer_size_gb=blocks * kv_block_bytes(config, self.block_tokens) / 1024**3,
+            buffer_size_gb=blocks * kv_block_bytes(config, self.block_tokens, attention) / 2**30,
             max_sequence_length=self.max_model_len,
             max_requests=self.max_rows,
             max_tokens=max(self.max_model_len, min(self.max_rows * self.max_model_len, 16384)),
             materialize_only_last_token_logits=True,
         )
-        context = DynamicInferenceContext(config, inference)
+        context = attention_context(self.model, inference)
         if context.kv_block_allocator.total_count < blocks:
             raise RuntimeError(
                 f"the dynamic engine's KV cache holds {context.kv_block_allocator.total_count} blocks, "

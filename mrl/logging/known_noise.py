@@ -83,12 +83,6 @@ LOG_RECORDS = (
         "its own CPU kernels without it",
     ),
     KnownNoise(
-        "megatron.core.models.gpt.gpt_model",
-        r"GPTModel IS DEPRECATED",
-        "megatron-core 0.19 logs it for every GPTModel built; mrl builds GPTModel until its models move to "
-        "HybridModel (whose parameter names the converters do not map yet)",
-    ),
-    KnownNoise(
         "megatron.core.dist_checkpointing.strategies.torch",
         r"MCore's async save is deprecated",
         "megatron-core 0.19.2 logs it on the first save of a process, synchronous ones included (its synchronous "

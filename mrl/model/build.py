@@ -1,4 +1,4 @@
-"""Megatron-Core GPTModel construction from a Hugging Face config, reproducing the HF forward exactly.
+"""Megatron-Core model construction from a Hugging Face config, reproducing the HF forward exactly.
 
 The HF config is read once into `converters.ModelDims` (the same record the weight mapping uses), then turned
 into a TransformerConfig + layer spec:
@@ -17,7 +17,8 @@ into a TransformerConfig + layer spec:
 - multi-latent attention (`dims.mla`): MLATransformerConfig with DeepSeek-V3's ranks and head dims; its YaRN (or
   plain) rope is Megatron's own, which reproduces transformers' (inverse frequencies, cos/sin concentration factor,
   softmax scale).
-Both build per-layer specs (`mrl.parallel.attention.gpt_layer_spec`), with `TorchCoreAttention` on CPU.
+Both build per-layer specs (`mrl.parallel.attention.gpt_layer_spec`), with `TorchCoreAttention` on CPU, and
+the model is megatron-core's HybridModel, each transformer layer an attention and an MLP layer (`mrl.model.hybrid`).
 
 Backends: the Megatron *local* spec on CPU (every fusion off; `mrl.cpu.megatron_patches.apply()` patches Megatron's
 unconditional CUDA calls), the Transformer Engine spec when TE is importable and CUDA is available.
@@ -33,6 +34,7 @@ import torch
 
 from converters import ModelDims, hf_to_megatron, model_dims, resolve_padded_vocab, select_ep_experts, select_pp_stage
 from converters.layers import SpecNames
+from mrl.model import hybrid
 from mrl.parallel.attention import gpt_layer_spec, transformer_engine_available
 
 
@@ -135,7 +137,9 @@ def transformer_config_from_hf(
     use_te: bool | None = None,
     **overrides: Any,
 ) -> Any:
-    """The Megatron TransformerConfig of an HF model. `overrides` go straight to TransformerConfig."""
+    """The Megatron TransformerConfig of an HF model. `overrides` go to TransformerConfig, counted in transformer
+    layers as HF counts them (`num_layers`, the first/last pipeline stage's layers, a per-layer `moe_layer_freq`);
+    the config counts the HybridModel's layers, two per transformer layer (`mrl.model.hybrid`)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     dims = model_dims(hf_config)
@@ -181,6 +185,7 @@ def transformer_config_from_hf(
     kwargs.update(_moe_kwargs(dims) if dims.moe else {})
     kwargs.update(_mla_kwargs(dims) if dims.mla else _rope_scale_kwargs(dims))
     kwargs.update(overrides)
+    kwargs = hybrid.gpt_config_fields(kwargs)  # the model is a HybridModel: two layers per transformer layer
     if dims.mla:
         from megatron.core.transformer.transformer_config import MLATransformerConfig
 
@@ -323,7 +328,7 @@ def moe_transformer_config(
     return transformer_config_from_hf(hf_config, **{**moe, **kwargs})
 
 
-def build_gpt_model(
+def build_model(
     hf_config: Mapping[str, Any] | Any,
     config: Any,
     *,
@@ -334,7 +339,8 @@ def build_gpt_model(
     vp_stage: int | None = None,
     grouped_experts: bool = False,
 ) -> Any:
-    """A GPTModel (this rank's TP shard and PP stage) for the HF model; weights are random until loaded.
+    """The transformer of the HF model as megatron-core's HybridModel (this rank's TP shard and PP stage; pattern
+    `*-` or `*E` per transformer layer, `mrl.model.hybrid`); weights are random until loaded.
     `grouped_experts`: the routed experts run as grouped GEMMs (`mrl.model.grouped_experts`: the same parameters),
     on the local spec or Transformer Engine's.
 
@@ -343,7 +349,7 @@ def build_gpt_model(
     loading one written at another TP (the vocabulary size is part of the checkpoint's tensor shapes).
     """
     from megatron.core import parallel_state
-    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.hybrid.hybrid_model import HybridModel
 
     from mrl.cpu import megatron_patches
 
@@ -360,19 +366,22 @@ def build_gpt_model(
         from mrl.model.grouped_experts import use_grouped_experts  # imports Megatron: after megatron_patches.apply()
 
         use_grouped_experts(layer_spec)
-    model = GPTModel(
-        config=config,
-        transformer_layer_spec=layer_spec,
-        vocab_size=resolve_padded_vocab(dims, tp, padded_vocab),
-        max_sequence_length=dims.max_position_embeddings,
-        pre_process=pre_process,
-        post_process=post_process,
-        share_embeddings_and_output_weights=dims.tied,
-        position_embedding_type="rope",
-        rotary_percent=1.0,
-        rotary_base=dims.rope_theta,
-        vp_stage=vp_stage,
-    )
+    pattern = hybrid.layer_pattern(config)  # before the split moves into it
+    with hybrid.split_by_pattern(config):
+        model = HybridModel(
+            config=config,
+            hybrid_stack_spec=hybrid.stack_spec(getattr(layer_spec, "layer_specs", [layer_spec])),
+            vocab_size=resolve_padded_vocab(dims, tp, padded_vocab),
+            max_sequence_length=dims.max_position_embeddings,
+            hybrid_layer_pattern=pattern,
+            pre_process=pre_process,
+            post_process=post_process,
+            share_embeddings_and_output_weights=dims.tied,
+            position_embedding_type="rope",
+            rotary_percent=1.0,
+            rotary_base=dims.rope_theta,
+            vp_stage=vp_stage,
+        )
     if dims.mla is None:  # MLA applies its own rope inside attention
         device = model.rotary_pos_emb.inv_freq.device
         model.rotary_pos_emb.inv_freq = rope_inv_freq(dims).to(device)  # exact HF frequencies for every rope type
@@ -422,10 +431,8 @@ def _score_head(config: Any, tp: int, tp_group: Any) -> Any:
 
 
 def stage_layer_offset(model: Any) -> int:
-    """Global index of this pipeline stage's first decoder layer."""
-    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
-
-    return get_transformer_layer_offset(model.config, vp_stage=getattr(model, "vp_stage", None))
+    """Global index of this pipeline stage's first transformer layer (GPT's and HF's index, not the hybrid one)."""
+    return hybrid.stage_gpt_layers(model)[0]
 
 
 def check_expert_layout() -> None:
@@ -447,7 +454,7 @@ def load_hf_weights(
     *,
     names: SpecNames | None = None,
 ) -> None:
-    """Copy an HF state dict into this rank's GPTModel (its TP shard, its PP stage's layers, its EP rank's experts).
+    """Copy an HF state dict into this rank's model (its TP shard, its PP stage's layers, its EP rank's experts).
 
     Every model parameter must be covered and every converted tensor used: a mismatch raises naming the keys.
     `names` ("local" | "te") defaults to the spec the model was built with.
@@ -464,12 +471,13 @@ def load_hf_weights(
         parallel_state.get_tensor_model_parallel_rank(),
         parallel_state.get_tensor_model_parallel_world_size(),
         padded_vocab=model.vocab_size,
-        names=names,  # GPTModel.vocab_size: the global padded size
+        names=names,  # the model's vocab_size: the global padded size
     )
+    offset, layers = hybrid.stage_gpt_layers(model)
     stage = select_pp_stage(
         full,
-        stage_layer_offset(model),
-        len(model.decoder.layers),
+        offset,
+        layers,
         pre_process=model.pre_process,
         post_process=model.post_process,
         tied=dims.tied,
@@ -484,6 +492,7 @@ def load_hf_weights(
         )
     if dims.tied and "output_layer.weight" not in own:
         stage.pop("output_layer.weight", None)
+    stage = {hybrid.to_hybrid(name): tensor for name, tensor in stage.items()}
     if set(stage) != own:
         raise ValueError(
             f"converted state does not match the model: missing {sorted(own - set(stage))[:8]}, "

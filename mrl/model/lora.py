@@ -177,10 +177,11 @@ def _add_adapter(module: Any, inputs: tuple, output: Any) -> Any:
 
 
 def apply_lora(model: Any, settings: LoraSettings) -> list[str]:
-    """Adapters on every target layer of `model` (a GPTModel, this rank's stage), the rest of it frozen; the wrapped
-    layers' names. Call after the base weights are loaded and before Megatron's DDP wraps the model (DDP makes
+    """Adapters on every target layer of `model` (mrl's HybridModel, this rank's stage), the rest of it frozen; the
+    wrapped layers' names. Call after the base weights are loaded and before Megatron's DDP wraps the model (DDP makes
     gradient buffers, and the optimizer states, for the parameters that require gradients: the adapters alone)."""
     from mrl.model.build import stage_layer_offset
+    from mrl.model.hybrid import to_gpt
 
     model.requires_grad_(False)
     offset = stage_layer_offset(model)
@@ -189,7 +190,8 @@ def apply_lora(model: Any, settings: LoraSettings) -> list[str]:
         if not _targeted(name, settings) or hasattr(module, "lora"):
             continue
         _check_local(name, module)
-        global_name = _global_layer_name(_global_expert_name(name, model), offset)
+        # GPT's global name (`mrl.model.hybrid`): the adapters are seeded as before the model became a HybridModel
+        global_name = _global_layer_name(to_gpt(_global_expert_name(name, model)), offset)
         leaf = name.rsplit(".", 1)[-1]
         gated = leaf == "linear_fc1" and bool(module.config.gated_linear_unit)
         seed = settings.seed + zlib.crc32(global_name.encode())

@@ -17,7 +17,8 @@ Sharding contract at the hook: a router's input is this rank's hidden states [s,
 token rows are the micro-batch's [b, s] tokens transposed; under sequence parallelism s is this TP rank's contiguous
 1/TP of the sequence (megatron's scatter to the sequence-parallel region); under context parallelism and packing the
 train step has already cut the tokens as it cuts input_ids. Routers run before the expert-parallel dispatch, so EP
-changes nothing here. The layer is the router's global `layer_number` - 1, the index vLLM's capturer uses
+changes nothing here. The layer is the router's transformer layer (HF's index, `mrl.model.hybrid.gpt_layer_index` of
+its global `layer_number`), the index vLLM's capturer uses
 (`num_hidden_layers` rows per token; dense layers' rows are never read).
 
 Tokens the engine reported nothing for (`no_route`, -1 once decoded by `routing_targets`) are routed freshly by the
@@ -40,6 +41,8 @@ from collections import deque
 from typing import Any, Callable, Optional
 
 import torch
+
+from mrl.model.hybrid import gpt_layer_index
 
 
 def routing_dtype(num_experts: int) -> torch.dtype:
@@ -139,7 +142,7 @@ class RoutingReplay:
                         "router replay needs megatron's unfused top-k (moe_router_fusion=False): the "
                         "fused kernel does not consult the replay hook"
                     )
-                router.router_replay = _LayerReplay(router.layer_number - 1, self)
+                router.router_replay = _LayerReplay(gpt_layer_index(router.layer_number), self)
                 states.append(router.router_replay)
             self.routers[id(chunk)] = states
         self.differs: dict[int, torch.Tensor] = {}  # on the routers' device: no host sync per layer and forward

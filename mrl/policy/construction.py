@@ -201,13 +201,13 @@ def initial_weights(spec: PolicySpec, hf_config: dict[str, Any]) -> Callable[[An
 
 def _build_module(hf_config: dict[str, Any], tconfig: Any, spec: PolicySpec, speed: SpeedSettings) -> Any:
     """This rank's shard of the GPT model (its pipeline stage, TP and EP slices), freshly initialised."""
-    from mrl.model.build import build_gpt_model
+    from mrl.model.build import build_model
 
     local = dict(use_te=False) if _local_linears(spec.policy, spec.trainable) else {}
     lora = spec.policy.lora
     # adapted routed experts must run their linears (the grouped GEMMs read the weights alone)
     adapted_experts = spec.trainable and lora is not None and "experts" in lora.targets
-    return build_gpt_model(
+    return build_model(
         hf_config,
         tconfig,
         padded_vocab=spec.padded_vocab,

@@ -97,6 +97,7 @@ from converters import ModelDims, experts_per_rank, to_local_expert
 from converters import transforms as T
 from converters.layers import SpecNames
 from converters.mapping import ParamRule, expected_hf_shapes, hf_parts, layer_index, megatron_to_hf, param_rules
+from mrl.model.hybrid import stage_gpt_layers, to_gpt
 from mrl.model.lora import LoraSettings, adapters, is_adapted, merged_weights
 from mrl.parallel import collectives
 
@@ -258,12 +259,13 @@ class ShardedExporter:
         self.is_root = collectives.rank() == 0
         self.layer_offset = layer_offset
         # every stage's (first layer, layer count); gathered over a pipeline group of one too (collectives.py)
-        gathered = collectives.all_gather(torch.tensor([layer_offset, len(model.decoder.layers)]), self.pp_group)
+        gathered = collectives.all_gather(torch.tensor(stage_gpt_layers(model)), self.pp_group)
         self.stages = StageInfo(tuple(int(g[0]) for g in gathered), tuple(int(g[1]) for g in gathered))
-        # parameters and persistent buffers (a router's expert bias) of this rank's unwrapped GPTModel
-        self.params = {**dict(model.named_buffers()), **dict(model.named_parameters())}
-        self._merged = merged_weights(model)  # LoRA: the wrapped layers' weights with their adapters merged
-        self._adapters = adapters(model)
+        # parameters and persistent buffers (a router's expert bias) of this rank's unwrapped model, under GPT's
+        # stage-local names (the converters' rules name GPT layers; `mrl.model.hybrid`)
+        self.params = _gpt_named({**dict(model.named_buffers()), **dict(model.named_parameters())})
+        self._merged = _gpt_named(merged_weights(model))  # LoRA: the wrapped layers' weights, adapters merged
+        self._adapters = _gpt_named(adapters(model))
         self.lora: LoraSettings | None = getattr(model, "lora_settings", None)
         self._a_parameter = next(model.parameters())
         self.peak_bytes = 0
@@ -514,6 +516,11 @@ def _peft_names(rule: ParamRule, a: torch.Tensor, b: torch.Tensor, dims: ModelDi
         module = "base_model.model." + hf_name.removesuffix(".weight")
         out += [(f"{module}.lora_A.weight", a.clone()), (f"{module}.lora_B.weight", b_part)]  # own storage each
     return out
+
+
+def _gpt_named(by_name: dict[str, Any]) -> dict[str, Any]:
+    """A dict keyed by the model's own (hybrid) names, keyed by GPT's names instead."""
+    return {to_gpt(name): value for name, value in by_name.items()}
 
 
 def _nbytes(tensor: torch.Tensor) -> int:

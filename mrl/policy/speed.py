@@ -18,7 +18,7 @@ wiring each option needs beyond its flag.
   the weights outside a forward (a refit's export, a save) calls `gather_weights` first, or it reads the other
   shards as they were before the step.
 
-- Grouped expert GEMMs: `build_gpt_model(grouped_experts=...)` gives the routed experts
+- Grouped expert GEMMs: `build_model(grouped_experts=...)` gives the routed experts
   `mrl.model.grouped_experts.GroupedGemmExperts` (same parameters, two `torch._grouped_mm` per layer), in the local
   spec and in Transformer Engine's, whose experts mrl builds as megatron-core's `SequentialMLP` loop of TE linears.
   `auto` asks for CUDA; `true` runs on CPU too (torch._grouped_mm has a CPU kernel: the tests' way to check the

@@ -47,7 +47,7 @@ def activation_bytes(
     {"allocated": what the allocator holds after it above before, less the output}."""
     import torch
 
-    from mrl.model.build import build_gpt_model, transformer_config_from_hf
+    from mrl.model.build import build_model, transformer_config_from_hf
     from mrl.parallel.groups import destroy_process_groups, init_fake_process_groups
 
     init_fake_process_groups(tp, 0, tp=tp)
@@ -62,7 +62,7 @@ def activation_bytes(
             params_dtype=torch.bfloat16,
             **recompute_kwargs,
         )
-        model = build_gpt_model(dict(hf_config), config, post_process=False).to(device)
+        model = build_model(dict(hf_config), config, post_process=False).to(device)
         weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
         saved: dict[int, int] = {}
 

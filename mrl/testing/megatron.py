@@ -21,12 +21,12 @@ def trainable_from_hf(
     from safetensors.torch import load_file
 
     from mrl.config.schema import OptimizerConfig, SchedulerConfig
-    from mrl.model.build import build_gpt_model, load_hf_weights, transformer_config_from_hf
+    from mrl.model.build import build_model, load_hf_weights, transformer_config_from_hf
     from mrl.policy.optim import build_optimizer, build_scheduler
 
     hf_config = json.loads((Path(model_dir) / "config.json").read_text())
     config = transformer_config_from_hf(hf_config, **parallel)
-    model = build_gpt_model(hf_config, config)
+    model = build_model(hf_config, config)
     load_hf_weights(model, load_file(str(Path(model_dir) / "model.safetensors")), hf_config)
     model = DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), module=model)
     config.finalize_model_grads_func = finalize_model_grads

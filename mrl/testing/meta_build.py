@@ -25,10 +25,10 @@ def meta_rank_model(
     first_stage_layers: int | None = None,
     last_stage_layers: int | None = None,
 ) -> Iterator[Any]:
-    """Rank `rank`'s GPTModel of a `world`-rank layout (sequence parallel whenever TP > 1, as mrl's MoE recipes)."""
+    """Rank `rank`'s model of a `world`-rank layout (sequence parallel whenever TP > 1, as mrl's MoE recipes)."""
     import torch
 
-    from mrl.model.build import build_gpt_model, transformer_config_from_hf
+    from mrl.model.build import build_model, transformer_config_from_hf
     from mrl.parallel.groups import destroy_process_groups, init_fake_process_groups
 
     init_fake_process_groups(world, rank, tp=tp, pp=pp, ep=ep)
@@ -51,6 +51,6 @@ def meta_rank_model(
             **uneven,
         )
         with torch.device("meta"):
-            yield build_gpt_model(dict(hf_config), config)
+            yield build_model(dict(hf_config), config)
     finally:
         destroy_process_groups()

@@ -220,14 +220,14 @@ def expert_paths() -> dict:
     linears: the check of the grouped experts against TE."""
     from megatron.core.transformer.moe.experts import SequentialMLP
 
-    from mrl.model.build import build_gpt_model, transformer_config_from_hf
+    from mrl.model.build import build_model, transformer_config_from_hf
     from mrl.parallel.attention import transformer_engine_available
     from mrl.parallel.groups import init_process_groups
     from mrl.parallel.layout import ParallelDims
 
     init_process_groups(ParallelDims())
     config = transformer_config_from_hf(MOE, params_dtype=torch.bfloat16)
-    model = build_gpt_model(MOE, config, grouped_experts=True).cuda()
+    model = build_model(MOE, config, grouped_experts=True).cuda()
     experts = model.decoder.layers[0].mlp.experts
     device = torch.device("cuda", torch.cuda.current_device())
     g = torch.Generator(device=device).manual_seed(0)

@@ -52,14 +52,14 @@ def _save(tensor: torch.Tensor, path: str) -> None:
 def _build(hf_dir: str, tp: int, padded_vocab: int | None):
     from mrl.app import convert
     from converters.hf_io import load_hf_config
-    from mrl.model.build import build_gpt_model, transformer_config_from_hf
+    from mrl.model.build import build_model, transformer_config_from_hf
 
     from megatron.core import parallel_state
 
     convert.init_parallel(tp, 1)
     assert parallel_state.get_tensor_model_parallel_world_size() == tp
     config = load_hf_config(hf_dir)
-    model = build_gpt_model(config, transformer_config_from_hf(config, tensor_parallel=tp), padded_vocab=padded_vocab)
+    model = build_model(config, transformer_config_from_hf(config, tensor_parallel=tp), padded_vocab=padded_vocab)
     return model, config
 
 

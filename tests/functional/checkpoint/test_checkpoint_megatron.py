@@ -62,7 +62,7 @@ def run(model_dir: str, steps: list[int], *, tp: int = 1, dropout: float = 0.0, 
     from mrl.config.schema import OptimizerConfig, SchedulerConfig
     from mrl.parallel.layout import ParallelDims
     from mrl.parallel.groups import destroy_process_groups, init_process_groups
-    from mrl.model.build import build_gpt_model, load_hf_weights, transformer_config_from_hf
+    from mrl.model.build import build_model, load_hf_weights, transformer_config_from_hf
     from mrl.policy.optim import build_optimizer, build_scheduler
     from mrl.policy.interface import RankBatch, global_count
     from mrl.policy.train_step import StepContext, train_on_batch
@@ -73,7 +73,7 @@ def run(model_dir: str, steps: list[int], *, tp: int = 1, dropout: float = 0.0, 
     dtype = getattr(torch, precision)
     cfg = transformer_config_from_hf(hf_config, tensor_parallel=tp, hidden_dropout=dropout, attention_dropout=dropout,
                                      params_dtype=dtype)
-    model = build_gpt_model(hf_config, cfg)
+    model = build_model(hf_config, cfg)
     if load_from is None:
         load_hf_weights(model, load_file(str(Path(model_dir) / "model.safetensors")), hf_config)
     ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(

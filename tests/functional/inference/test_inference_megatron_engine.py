@@ -76,6 +76,11 @@ def test_is_a_generation_backend(backend):
     backend.generate(PROMPTS, SamplingConfig(max_new_tokens=2))
     backend.finish_generation()
     assert not InferenceMode.is_active()  # a training forward may follow in this process (the dynamic engine's)
+    if backend.config.engine == "dynamic":  # a KV slot per attention layer, none for the HybridModel's MLP layers
+        context = backend.dynamic.engine.context
+        layers = len(backend.model.decoder.layers) // 2  # a transformer layer is an attention and an MLP layer
+        assert context.num_attention_layers == layers
+        assert context.layer_map == {2 * i: i for i in range(layers)}
 
 
 def test_sampled_token_logprobs_equal_hf(backend, hf_model):

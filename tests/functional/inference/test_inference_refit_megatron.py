@@ -36,12 +36,12 @@ def _build_policy(hf_dir: str, padded_vocab: int | None):
     from converters.hf_io import load_hf_config
     from converters.mapping import resolve_padded_vocab
     from converters.spec import model_dims
-    from mrl.model.build import build_gpt_model, transformer_config_from_hf
+    from mrl.model.build import build_model, transformer_config_from_hf
 
     convert.init_parallel(TP, 1)
     config = load_hf_config(hf_dir)
     padded = padded_vocab or resolve_padded_vocab(model_dims(config), TP, None)
-    model = build_gpt_model(config, transformer_config_from_hf(config, tensor_parallel=TP), padded_vocab=padded)
+    model = build_model(config, transformer_config_from_hf(config, tensor_parallel=TP), padded_vocab=padded)
     return model, config, padded
 
 

@@ -22,10 +22,6 @@ IMPORTS = ("import torch.distributed, megatron.core.optimizer, megatron.core.mod
            "from mrl.parallel.groups import destroy_process_groups, init_process_groups\n"
            "from mrl.parallel.layout import ParallelDims\n"
            "init_process_groups(ParallelDims())\n"
-           "from megatron.core.models.gpt import GPTModel\n"  # logs its deprecation once built (megatron-core 0.19)
-           "from megatron.core.transformer.transformer_config import TransformerConfig\n"
-           "GPTModel(TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2, use_cpu_initialization=True),"
-           " get_gpt_layer_local_spec(), vocab_size=16, max_sequence_length=8)\n"
            "dist.all_gather_into_tensor(torch.empty(2), torch.ones(2))\n"  # Megatron's MoE dispatch: the deprecated name
            # a sequence-parallel linear, as a policy rank's with TP and sequence parallelism
            "from megatron.core.tensor_parallel.layers import linear_with_grad_accumulation_and_async_allreduce\n"
@@ -41,7 +37,7 @@ IMPORTS = ("import torch.distributed, megatron.core.optimizer, megatron.core.mod
            "destroy_process_groups()\n")
 KNOWN = ("Transformer Engine and Apex are not installed", "Apex is not installed. Falling back to Torch Norm",
          "`torch.distributed.reduce_op` is deprecated", "Triton is installed, but doesn't include CPU backend",
-         "`torch.distributed.all_gather_into_tensor` is deprecated", "GPTModel IS DEPRECATED",
+         "`torch.distributed.all_gather_into_tensor` is deprecated",
          "MimoModelConfig is experimental", "MCore's async save is deprecated",
          "set the environment variable CUDA_DEVICE_MAX_CONNECTIONS to 1")
 if torch.version.cuda is not None:  # a CUDA build of torch (the lock's, PyPI's) on a machine without a GPU

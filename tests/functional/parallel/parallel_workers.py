@@ -16,13 +16,17 @@ def tiny_config(**overrides):
     return TransformerConfig(**{**base, **overrides})
 
 
-def tiny_gpt(config, vocab=40, seq=32):
-    from megatron.core.models.gpt import GPTModel
+def tiny_gpt(config, vocab=40, seq=32, **kwargs):
+    """A transformer of `config.num_layers // 2` layers as megatron-core's HybridModel (as mrl builds its models)."""
+    from megatron.core.models.hybrid.hybrid_model import HybridModel
 
+    from mrl.model import hybrid
     from mrl.parallel.attention import gpt_layer_spec
 
-    return GPTModel(config, gpt_layer_spec(config, use_te=False), vocab_size=vocab, max_sequence_length=seq,
-                    position_embedding_type="rope")
+    spec = gpt_layer_spec(config, use_te=False)  # a block spec of per-layer specs for an MoE config
+    return HybridModel(config, hybrid.stack_spec(getattr(spec, "layer_specs", [spec])), vocab_size=vocab,
+                       max_sequence_length=seq, hybrid_layer_pattern=hybrid.layer_pattern(config),
+                       position_embedding_type="rope", **kwargs)
 
 
 def cp_chunks(x: torch.Tensor, cp_size: int, cp_rank: int) -> torch.Tensor:
@@ -74,7 +78,7 @@ def cp2_logits_equal_cp1() -> dict:
 def _moe_forward_backward(ep: int) -> float:
     """Loss of a tiny MoE GPT (4 experts, top-2, all-to-all dispatcher) after a backward pass."""
     config = tiny_config(
-        num_layers=1, expert_model_parallel_size=ep, num_moe_experts=4, moe_router_topk=2,
+        num_layers=2, expert_model_parallel_size=ep, num_moe_experts=4, moe_router_topk=2,  # attention + experts
         moe_token_dispatcher_type="alltoall", moe_grouped_gemm=False, moe_aux_loss_coeff=0.0,
         moe_router_load_balancing_type="none", moe_ffn_hidden_size=32, moe_permute_fusion=False,
         moe_router_dtype="fp32",
@@ -110,13 +114,8 @@ def _tied_pipeline_build() -> float:
     (returns the sum of the tied weight, all-reduced over the two stages)."""
     from megatron.core import parallel_state
 
-    from megatron.core.models.gpt import GPTModel
-
-    from mrl.parallel.attention import gpt_layer_spec
-
-    config = tiny_config(pipeline_model_parallel_size=2)
-    model = GPTModel(config, gpt_layer_spec(config, use_te=False), vocab_size=40, max_sequence_length=32,
-                     position_embedding_type="rope", share_embeddings_and_output_weights=True,
+    config = tiny_config(num_layers=4, pipeline_model_parallel_size=2)  # a transformer layer per stage
+    model = tiny_gpt(config, share_embeddings_and_output_weights=True,
                      pre_process=parallel_state.is_pipeline_first_stage(),
                      post_process=parallel_state.is_pipeline_last_stage())
     weight = model.shared_embedding_or_output_weight().detach().clone()
@@ -261,7 +260,7 @@ def grouped_experts_equal_sequential(model_dir: str, ep: int) -> dict:
 
     from safetensors.torch import load_file
 
-    from mrl.model.build import build_gpt_model, load_hf_weights, transformer_config_from_hf
+    from mrl.model.build import build_model, load_hf_weights, transformer_config_from_hf
     from mrl.parallel.groups import init_process_groups
     from mrl.parallel.layout import ParallelDims
 
@@ -274,7 +273,7 @@ def grouped_experts_equal_sequential(model_dir: str, ep: int) -> dict:
     runs = {}
     for grouped in (False, True):
         config = transformer_config_from_hf(hf_config, expert_model_parallel_size=ep)
-        model = build_gpt_model(hf_config, config, grouped_experts=grouped)
+        model = build_model(hf_config, config, grouped_experts=grouped)
         load_hf_weights(model, weights, hf_config)
         logits = model(ids, positions, None)  # [b, s, V]
         (logits.float().logsumexp(-1).mean() - logits[..., 3].mean()).backward()

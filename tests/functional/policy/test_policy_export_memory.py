@@ -45,7 +45,7 @@ def export_buckets(model_dir: str, bound: int, tp: int = 1, ep: int = 2) -> dict
     from converters import model_dims
     from converters.mapping import expected_hf_shapes
     from converters.hf_io import load_hf_state
-    from mrl.model.build import build_gpt_model, load_hf_weights, router_settings, transformer_config_from_hf
+    from mrl.model.build import build_model, load_hf_weights, router_settings, transformer_config_from_hf
     from mrl.parallel import collectives
     from mrl.parallel.groups import init_process_groups
     from mrl.parallel.layout import ParallelDims
@@ -55,7 +55,7 @@ def export_buckets(model_dir: str, bound: int, tp: int = 1, ep: int = 2) -> dict
     hf_config = json.loads((Path(model_dir) / "config.json").read_text())
     dims = model_dims(hf_config)
     config = transformer_config_from_hf(hf_config, tensor_parallel=tp, **router_settings(dims, expert_parallel=ep))
-    model = build_gpt_model(hf_config, config)
+    model = build_model(hf_config, config)
     load_hf_weights(model, load_hf_state(model_dir), hf_config)
     hf_bytes = {n: torch.Size(shape).numel() * 4 for n, shape in expected_hf_shapes(dims).items()}
     names = "te" if any(k.endswith("layer_norm_weight") for k in model.state_dict()) else "local"

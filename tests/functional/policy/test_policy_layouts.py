@@ -48,10 +48,13 @@ def make_batch(n: int = 8, t: int = SEQ_LEN, vocab: int = 200, seed: int = 0):
 
 
 def _global_name(name: str, model, layer_offset: int) -> str:
-    """This rank's parameter name -> the name in a 1-rank model (global layer and expert indices)."""
+    """This rank's parameter name -> the name in a 1-rank model (GPT's name: global transformer layer and expert
+    indices; `layer_offset` is the stage's first transformer layer, `stage_layer_offset`)."""
     from megatron.core import parallel_state as ps
 
-    parts = name.split(".")
+    from mrl.model.hybrid import to_gpt
+
+    parts = to_gpt(name).split(".")
     if parts[:2] == ["decoder", "layers"]:
         parts[2] = str(int(parts[2]) + layer_offset)
     if "local_experts" in parts:
@@ -155,7 +158,7 @@ def train_and_report(model_dir: str, *, sequence_parallel: bool = False, moe: bo
     from converters import model_dims
     from converters.hf_io import load_hf_state
     from mrl.config.schema import OptimizerConfig, SchedulerConfig
-    from mrl.model.build import (build_gpt_model, freeze_routers, load_hf_weights, moe_transformer_config,
+    from mrl.model.build import (build_model, freeze_routers, load_hf_weights, moe_transformer_config,
                                  router_settings, transformer_config_from_hf)
     from mrl.policy.optim import build_optimizer, build_scheduler
     from mrl.policy.interface import RankBatch, global_count
@@ -171,12 +174,12 @@ def train_and_report(model_dir: str, *, sequence_parallel: bool = False, moe: bo
     if moe:
         cfg = moe_transformer_config(hf_config, num_experts=4, router_topk=2, moe_ffn_hidden_size=64,
                                      expert_parallel=ps.get_expert_model_parallel_world_size(), **sizes)
-        model = build_gpt_model(hf_config, cfg)
+        model = build_model(hf_config, cfg)
         init_by_global_name(model, seed=7)
     else:  # an HF checkpoint, dense or MoE (routers frozen, as the policy does by default)
         experts = router_settings(model_dims(hf_config), expert_parallel=ps.get_expert_model_parallel_world_size())
         cfg = transformer_config_from_hf(hf_config, **sizes, **experts)
-        model = build_gpt_model(hf_config, cfg)
+        model = build_model(hf_config, cfg)
         load_hf_weights(model, load_hf_state(model_dir), hf_config)
         freeze_routers(model)
     ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(grad_reduce_in_fp32=True), module=model)

@@ -45,13 +45,13 @@ def _model(model_dir: str, tp: int, pp: int, sp: bool, cp: int = 1):
 
     from converters import model_dims
     from converters.hf_io import load_hf_state
-    from mrl.model.build import build_gpt_model, load_hf_weights, router_settings, transformer_config_from_hf
+    from mrl.model.build import build_model, load_hf_weights, router_settings, transformer_config_from_hf
 
     hf_config = json.loads((Path(model_dir) / "config.json").read_text())
     experts = router_settings(model_dims(hf_config), expert_parallel=ps.get_expert_model_parallel_world_size())
     config = transformer_config_from_hf(hf_config, tensor_parallel=tp, pipeline_parallel=pp, sequence_parallel=sp,
                                         context_parallel=cp, **experts)
-    model = build_gpt_model(hf_config, config)
+    model = build_model(hf_config, config)
     load_hf_weights(model, load_hf_state(model_dir), hf_config)
     return model, config, hf_config
 

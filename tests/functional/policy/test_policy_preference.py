@@ -47,12 +47,12 @@ def _build(model_dir: str, tp: int, pp: int):
     from safetensors.torch import load_file
 
     from mrl.config.schema import OptimizerConfig, SchedulerConfig
-    from mrl.model.build import build_gpt_model, load_hf_weights, transformer_config_from_hf
+    from mrl.model.build import build_model, load_hf_weights, transformer_config_from_hf
     from mrl.policy.optim import build_optimizer, build_scheduler
 
     hf_config = json.loads((Path(model_dir) / "config.json").read_text())
     cfg = transformer_config_from_hf(hf_config, tensor_parallel=tp, pipeline_parallel=pp)
-    model = build_gpt_model(hf_config, cfg)
+    model = build_model(hf_config, cfg)
     load_hf_weights(model, load_file(str(Path(model_dir) / "model.safetensors")), hf_config)
     model = DistributedDataParallel(cfg, DistributedDataParallelConfig(grad_reduce_in_fp32=True), module=model)
     cfg.finalize_model_grads_func = finalize_model_grads
@@ -62,10 +62,12 @@ def _build(model_dir: str, tp: int, pp: int):
 
 
 def _full_grads(model, hf_config) -> dict:
-    """Every parameter's gradient as HF-named full tensors (TP1, one stage: the Megatron names map directly)."""
+    """Every parameter's gradient as HF-named full tensors (TP1, one stage: the Megatron names map directly, once
+    the HybridModel's are GPT's)."""
     from converters import megatron_to_hf
+    from mrl.model.hybrid import to_gpt
 
-    grads = {name: param.main_grad.detach().clone() for name, param in model.module.named_parameters()}
+    grads = {to_gpt(name): param.main_grad.detach().clone() for name, param in model.module.named_parameters()}
     return dict(megatron_to_hf(grads.items(), hf_config))
 
 

@@ -65,7 +65,7 @@ def _build(model_dir: str, sp: bool, recompute: bool):
     from converters.hf_io import load_hf_state
     from mrl.config.schema import OptimizerConfig, SchedulerConfig
     from mrl.model.build import (
-        build_gpt_model,
+        build_model,
         freeze_routers,
         load_hf_weights,
         router_settings,
@@ -80,7 +80,7 @@ def _build(model_dir: str, sp: bool, recompute: bool):
         pipeline_parallel=ps.get_pipeline_model_parallel_world_size(),
         context_parallel=ps.get_context_parallel_world_size(), sequence_parallel=sp, **extra,
         **router_settings(model_dims(hf_config), expert_parallel=ps.get_expert_model_parallel_world_size()))
-    model = build_gpt_model(hf_config, cfg)
+    model = build_model(hf_config, cfg)
     load_hf_weights(model, load_hf_state(model_dir), hf_config)
     freeze_routers(model)
     ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(grad_reduce_in_fp32=True), module=model)

@@ -37,7 +37,7 @@ def run(model_dir: str, tp: int = 1, pp: int = 1, steps: int = 3, micro_batch_si
     from mrl.config.schema import OptimizerConfig, SchedulerConfig
     from mrl.parallel.layout import ParallelDims
     from mrl.parallel.groups import init_process_groups
-    from mrl.model.build import build_gpt_model, load_hf_weights, transformer_config_from_hf
+    from mrl.model.build import build_model, load_hf_weights, transformer_config_from_hf
     from mrl.policy.optim import build_optimizer, build_scheduler
     from mrl.policy.interface import RankBatch, global_count
     from mrl.policy.train_step import StepContext, logprobs_of_batch, train_on_batch
@@ -46,7 +46,7 @@ def run(model_dir: str, tp: int = 1, pp: int = 1, steps: int = 3, micro_batch_si
     init_process_groups(ParallelDims(tp=tp, pp=pp, world_size=world))
     hf_config = json.loads((Path(model_dir) / "config.json").read_text())
     cfg = transformer_config_from_hf(hf_config, tensor_parallel=tp, pipeline_parallel=pp)
-    model = build_gpt_model(hf_config, cfg)
+    model = build_model(hf_config, cfg)
     load_hf_weights(model, load_file(str(Path(model_dir) / "model.safetensors")), hf_config)
     model = DistributedDataParallel(cfg, DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, use_distributed_optimizer=distributed_optimizer), module=model)

@@ -115,7 +115,7 @@ def test_megatron_model_of_a_published_config_has_transformers_parameter_count(f
     transformers' model of the same config (DeepSeek-V3 without its MTP layer, which transformers does not build)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from mrl.model.build import build_gpt_model, transformer_config_from_hf
+    from mrl.model.build import build_model, transformer_config_from_hf
     from mrl.parallel.groups import destroy_process_groups, init_process_groups
     from mrl.parallel.layout import ParallelDims
 
@@ -125,7 +125,7 @@ def test_megatron_model_of_a_published_config_has_transformers_parameter_count(f
     try:
         with torch.device("meta"):
             hf = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config))
-            megatron = build_gpt_model(config, transformer_config_from_hf(config, perform_initialization=False))
+            megatron = build_model(config, transformer_config_from_hf(config, perform_initialization=False))
     finally:
         destroy_process_groups()
     count = sum(p.numel() for p in megatron.parameters())

@@ -173,7 +173,8 @@ def test_te_names_are_those_of_megatron_cores_te_layer_spec(tiny, te_spec_withou
     dims = C.model_dims(cfg)
     config = transformer_config_from_hf(cfg, use_te=True, **NO_FUSIONS)  # the fused kernels need TE; names do not
     spec = gpt_layer_spec(config, use_te=True)
-    layer_specs = getattr(spec, "layer_specs", None) or [spec] * dims.num_layers
+    # the config counts the HybridModel's layers, two per transformer layer: layer i's whole spec is the one at 2i+1
+    layer_specs = spec.layer_specs[1::2] if hasattr(spec, "layer_specs") else [spec] * dims.num_layers
     for i, layer_spec in enumerate(layer_specs):
         want = _layer_names(layer_spec, config, f"decoder.layers.{i}.")
         assert sorted(r.megatron for r in layer_rules(dims, i, "te")) == sorted(want), i
@@ -199,7 +200,8 @@ def test_te_renames_table_is_megatron_cores_own_te_to_local_hook():
 def test_te_checkpoint_loads_into_the_local_spec_and_back_bit_exact(tiny, megatron_world_of_one):
     from megatron.core.post_training.modelopt.gpt.state_dict_hooks import mcore_gpt_load_te_state_dict_pre_hook
 
-    from mrl.model.build import build_gpt_model, transformer_config_from_hf
+    from mrl.model.build import build_model, transformer_config_from_hf
+    from mrl.model.hybrid import to_gpt, to_hybrid
 
     hf, cfg = tiny
     dims = C.model_dims(cfg)
@@ -208,12 +210,12 @@ def test_te_checkpoint_loads_into_the_local_spec_and_back_bit_exact(tiny, megatr
     # TE -> local by megatron-core's own hook, into a local-spec model built by mrl (strict: every key used)
     renamed = dict(te_state)
     mcore_gpt_load_te_state_dict_pre_hook(renamed, "", {}, True, [], [], [])
-    model = build_gpt_model(cfg, transformer_config_from_hf(cfg, use_te=False, perform_initialization=False),
+    model = build_model(cfg, transformer_config_from_hf(cfg, use_te=False, perform_initialization=False),
                             use_te=False)
     own = model.state_dict()
     extra = {k: v for k, v in own.items() if k.endswith("_extra_state")}
-    model.load_state_dict({**renamed, **extra}, strict=True)
-    local = {k: v.cpu() for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
+    model.load_state_dict({**{to_hybrid(k): v for k, v in renamed.items()}, **extra}, strict=True)
+    local = {to_gpt(k): v.cpu() for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
     assert set(local) == {r.megatron for r in C.param_rules(dims, "local")}
     back = dict(C.megatron_to_hf(local, cfg))
     assert back.keys() == hf.keys()

@@ -344,6 +344,23 @@ def test_torch_norm_allows_sequence_parallel():
     torch.testing.assert_close(norm(x), x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5))
 
 
+def test_hybrid_final_norm_without_te():
+    from megatron.core.models.hybrid.hybrid_block import HybridStack, HybridStackSubmodules
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    config = tiny_config(normalization="RMSNorm", layernorm_epsilon=1e-5)
+    groups = ProcessGroupCollection.use_mpu_process_groups()
+    build = lambda: HybridStack(config, HybridStackSubmodules(), layer_type_list=[], pg_collection=groups)  # noqa: E731
+    without("hybrid_final_norm_without_te")
+    with pytest.raises(ImportError, match="Transformer Engine is not installed"):
+        build()
+    megatron_patches.apply()
+    norm = build().final_norm
+    assert isinstance(norm, torch.nn.RMSNorm)
+    x = torch.randn(3, 16)
+    torch.testing.assert_close(norm(x), x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5))
+
+
 def test_nvtx_is_noop():
     from megatron.core import utils as megatron_utils
 

@@ -103,7 +103,7 @@ TINY_MOE = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
 
 
 def test_a_transformer_engine_build_groups_its_experts_too(monkeypatch):
-    """`build_gpt_model(use_te=True, grouped_experts=True)` groups the experts of the spec it builds (until this
+    """`build_model(use_te=True, grouped_experts=True)` groups the experts of the spec it builds (until this
     change it left TE's alone). TE's linears cannot be built without TE, so the local spec, whose experts are the same SequentialMLP, stands in for it here; the
     grouped experts against TE's own linears are checked by tests/gpu/test_gpu_speed.py where TE is installed."""
     from mrl.model import build
@@ -118,7 +118,7 @@ def test_a_transformer_engine_build_groups_its_experts_too(monkeypatch):
 
     monkeypatch.setattr(build, "gpt_layer_spec", local_spec_for)
     config = build.transformer_config_from_hf(TINY_MOE)
-    model = build.build_gpt_model(TINY_MOE, config, use_te=True, grouped_experts=True)
+    model = build.build_model(TINY_MOE, config, use_te=True, grouped_experts=True)
     experts = [m for name, m in model.named_modules() if name.endswith("mlp.experts")]
     assert asked == [True] and len(experts) == 2
     assert all(type(m) is GroupedGemmExperts and m.loop_reason is None for m in experts)
