@@ -228,7 +228,7 @@ def expert_paths() -> dict:
     init_process_groups(ParallelDims())
     config = transformer_config_from_hf(MOE, params_dtype=torch.bfloat16)
     model = build_model(MOE, config, grouped_experts=True).cuda()
-    experts = model.decoder.layers[0].mlp.experts
+    experts = model.decoder.layers[1].mlp.experts  # layer 0 is the attention (the model is a HybridModel, *E)
     device = torch.device("cuda", torch.cuda.current_device())
     g = torch.Generator(device=device).manual_seed(0)
     counts = torch.bincount(torch.randint(0, MOE["num_experts"], (ROUTED_ROWS,), device=device, generator=g),
