@@ -203,7 +203,7 @@ MOE_MODELS = {"qwen3_moe": dict(hidden=128, heads=4, layers=2), "qwen2_moe": dic
                                   v_head_dim=32)}
 
 
-#: Qwen3-MoE at EP2 refits into vLLM every step of tests/functional/app/test_app_moe.py (its mismatch <= 1.001).
+#: Qwen3-MoE at EP2 refits into vLLM every step of tests/runs/test_runs_moe.py (its mismatch <= 1.001).
 MOE_LAYOUTS = {"qwen2_moe-ep2": ("qwen2_moe", dict(expert_parallel_size=2)),
                "deepseek_v3-ep2": ("deepseek_v3", dict(expert_parallel_size=2)),
                "qwen3_moe-tp2-sp": ("qwen3_moe", dict(tensor_parallel_size=2, sequence_parallel=True))}

@@ -4,6 +4,8 @@ shortened): real vLLM turns, the GuessNumber server's tools and verifier, the Me
 - Every episode is several turns, tools are called, and the trainer's logprobs of the engine's multi-turn samples
   equal the engine's (token_mult_prob_error <= 1.001): the model's tokens are never re-tokenised.
 - A server that is down costs every episode its reward and is counted; the run finishes all the same.
+Whole runs (about a minute each): in `make test-runs`, out of `make test`; the agent loop itself is tested on fakes in
+tests/unit/algorithms.
 """
 
 from __future__ import annotations
@@ -17,9 +19,7 @@ from mrl.environments.servers import GuessNumber
 from mrl.parallel.groups import free_port
 from mrl.testing.runs import finish, metrics, mrl
 
-pytestmark = pytest.mark.functional
-
-RECIPE = str(Path(__file__).resolve().parents[3] / "recipes" / "guess-number-tiny-cpu.yaml")
+RECIPE = str(Path(__file__).resolve().parents[2] / "recipes" / "guess-number-tiny-cpu.yaml")
 SHORT = ("grpo.max_num_steps=2", "grpo.num_prompts_per_step=4", "grpo.num_generations_per_prompt=4",
          "policy.train_global_batch_size=16", "policy.train_micro_batch_size=16", "grpo.val_every=0",
          "eval.max_problems=4", "env.server.max_turns=3", "logger.log_every=1")

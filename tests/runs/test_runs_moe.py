@@ -3,7 +3,8 @@ split over 2 expert-parallel ranks, rollouts from vLLM or from Megatron's dynami
 EP-sharded policy after every step: the engine's logprobs of its own samples equal the trainer's
 (token_mult_prob_error <= 1.001 on every step) and every step reports its expert load.
 
-Shortened as the dense end-to-end tests are (1-digit task, a few steps, from the random initial model).
+Shortened as the dense end-to-end tests are (1-digit task, a few steps, from the random initial model). Whole runs
+(a minute and a half through vLLM): in `make test-runs`, out of `make test`.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import pytest
 
 from mrl.testing.runs import MACHINERY, finish, metrics, mrl
 
-RECIPE = str(Path(__file__).resolve().parents[3] / "recipes" / "arith-tiny-moe-cpu.yaml")
+RECIPE = str(Path(__file__).resolve().parents[2] / "recipes" / "arith-tiny-moe-cpu.yaml")
 SHORT = ("data.arith.digits=1", "data.arith.num_heldout=20", "grpo.max_num_steps=3", "grpo.max_num_epochs=4",
          "grpo.val_every=0", "eval.num_samples=2", "eval.pass_k=[1,2]", "policy.max_total_sequence_length=12",
          "generation.max_new_tokens=4", "generation.vllm.max_model_len=12", "checkpointing.enabled=false", *MACHINERY)
