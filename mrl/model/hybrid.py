@@ -124,12 +124,6 @@ def layer_pattern(config: Any) -> str:
     return PIPE.join(stages)
 
 
-def attention_layer_types(config: Any) -> list[str]:
-    """The pattern's layer symbols in order (no stage marks): what megatron-core's dynamic context sizes its KV
-    cache by (one cache per attention layer)."""
-    return [s for s in layer_pattern(config) if s != PIPE]
-
-
 @contextlib.contextmanager
 def split_by_pattern(config: Any) -> Iterator[None]:
     """Hide the config's first/last stage sizes while a HybridModel is built: the pattern's `|` marks carry the same
