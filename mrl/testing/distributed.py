@@ -2,13 +2,14 @@
 
     results = run_on_ranks(my_check, world_size=2, args=(tmp_path,))   # [rank0_result, rank1_result]
 
-Each rank is a fresh `python -m mrl.testing.distributed` process with the torchrun environment contract
-(RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT on a free port) and
-OMP_NUM_THREADS=1 (the test machines have 2 cores: more threads per rank make a tiny step ~40x slower) and the
+Each rank is a fresh process, forked from a warm zygote that imported torch and megatron-core once
+(`mrl.testing.zygote`) or, where none can serve the run, a `python -m mrl.testing.rank_process` process, with the
+torchrun environment contract (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT on a free
+port) and OMP_NUM_THREADS=1 (the test machines have 2 cores: more threads per rank make a tiny step ~40x slower) and the
 workers' malloc settings (`mrl.distributed.env.ALLOCATOR_ENVIRONMENT`).
-The worker imports the function from its source file (so test modules that are not packages work), calls
-`fn(*args, **kwargs)`, pickles the return value and exits (after a barrier, when a process group is still up:
-`_leave`). Process groups are the function's business: it calls
+The rank (`mrl.testing.rank_process`) imports the function from its source file (so test modules that are not
+packages work), calls `fn(*args, **kwargs)`, pickles the return value and exits (after a barrier, when a process group
+is still up). Process groups are the function's business: it calls
 `torch.distributed.init_process_group` (env:// reads the variables above), e.g. via
 `mrl.parallel.groups.init_process_groups`.
 
@@ -18,7 +19,6 @@ failing rank's stderr tail, so a test failure shows the real traceback rather th
 
 from __future__ import annotations
 
-import importlib.util
 import inspect
 import os
 import pickle
@@ -31,6 +31,7 @@ from typing import Any, Callable, Sequence
 
 from mrl.distributed.env import ALLOCATOR_ENVIRONMENT
 from mrl.parallel.groups import free_port
+from mrl.testing import zygote
 
 _STDERR_TAIL_CHARS = 6000
 
@@ -61,7 +62,7 @@ def _tail(path: Path) -> str:
     return text[-_STDERR_TAIL_CHARS:]
 
 
-def _wait_all(procs: list[subprocess.Popen], logs: list[Path], timeout_s: float) -> None:
+def _wait_all(procs: Sequence[subprocess.Popen | zygote.RankProcess], logs: list[Path], timeout_s: float) -> None:
     """Wait for every rank; on the first failure or the timeout kill the rest and raise."""
     deadline = time.monotonic() + timeout_s
     while True:
@@ -85,6 +86,20 @@ def _wait_all(procs: list[subprocess.Popen], logs: list[Path], timeout_s: float)
         time.sleep(0.05)
 
 
+def _start_rank(work: Path, rank: int, env: dict[str, str], log: Path) -> subprocess.Popen | zygote.RankProcess:
+    """Fork the rank from its warm zygote (`mrl.testing.zygote`), or start it where that cannot serve the run."""
+    forked = zygote.start_rank(work, rank, env, log)
+    if forked is not None:
+        return forked
+    with open(log, "wb") as stderr:
+        return subprocess.Popen(
+            [sys.executable, "-m", "mrl.testing.rank_process", str(work), str(rank)],
+            env=env,
+            stdout=stderr,
+            stderr=subprocess.STDOUT,
+        )
+
+
 def run_on_ranks(
     fn: Callable[..., Any],
     world_size: int = 2,
@@ -103,19 +118,10 @@ def run_on_ranks(
         work = Path(workdir)
         (work / "call.pkl").write_bytes(pickle.dumps((str(source), fn.__qualname__, tuple(args), kwargs or {})))
         port = free_port()
-        procs, logs = [], []
-        for rank in range(world_size):
-            log = work / f"rank{rank}.stderr"
-            logs.append(log)
-            with open(log, "wb") as stderr:
-                procs.append(
-                    subprocess.Popen(
-                        [sys.executable, "-m", "mrl.testing.distributed", str(work), str(rank)],
-                        env=_rank_env(rank, world_size, port, env),
-                        stdout=stderr,
-                        stderr=subprocess.STDOUT,
-                    )
-                )
+        procs: list[subprocess.Popen | zygote.RankProcess] = []
+        logs = [work / f"rank{rank}.stderr" for rank in range(world_size)]
+        for rank, log in enumerate(logs):
+            procs.append(_start_rank(work, rank, _rank_env(rank, world_size, port, env), log))
         _wait_all(procs, logs, timeout_s)
         return [pickle.loads((work / f"rank{rank}.result.pkl").read_bytes()) for rank in range(world_size)]
 
@@ -137,49 +143,3 @@ def _running(pid: int) -> bool:
     except (FileNotFoundError, ProcessLookupError):
         return False
     return state != "Z"
-
-
-def _load_function(source: str, qualname: str) -> Callable[..., Any]:
-    spec = importlib.util.spec_from_file_location(f"_mrl_rank_target_{Path(source).stem}", source)
-    assert spec is not None and spec.loader is not None, f"cannot import {source}"
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    target: Any = module
-    for part in qualname.split("."):
-        target = getattr(target, part)
-    return target
-
-
-def _worker_main(workdir: str, rank: str) -> None:
-    work = Path(workdir)
-    source, qualname, args, kwargs = pickle.loads((work / "call.pkl").read_bytes())
-    result = _load_function(source, qualname)(*args, **kwargs)
-    (work / f"rank{rank}.result.pkl").write_bytes(pickle.dumps(result))
-    _leave()
-
-
-def _leave() -> None:
-    """End a rank whose result is written: the ranks leave their process group together, and the process exits
-    without the interpreter's teardown. Left to the teardown, a gloo group's threads could meet a peer that had
-    already exited and abort the rank ("terminate called without an active exception", seen under load).
-    Skipping the teardown skips multiprocessing's too, which would stop the rank's child processes (the manager
-    servers Megatron's checkpointing starts): they are stopped here, or each would outlive the test (~300 MB)."""
-    import multiprocessing
-
-    from mrl.parallel import collectives
-    from mrl.parallel.groups import destroy_process_groups
-
-    if collectives.is_initialized():
-        collectives.barrier()
-        destroy_process_groups()
-    for child in multiprocessing.active_children():
-        child.terminate()
-        child.join(timeout=5)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
-
-
-if __name__ == "__main__":
-    _worker_main(sys.argv[1], sys.argv[2])

@@ -4,7 +4,7 @@ backend takes them.
 1. Reading the code: every use of torch.distributed in mrl/ and converters/ (imports, `torch.distributed.x`,
    `import_module("torch.distributed")`, torch._C._distributed_c10d) outside collectives.py and groups.py (which makes
    and destroys the groups) fails the test with its file:line. mrl/testing is not exempt: its one use, the ranks'
-   leave (testing/distributed.py `_leave`), goes through collectives and groups too.
+   leave (testing/rank_process.py `_leave`), goes through collectives and groups too.
 2. Against a group that refuses host tensors the way NCCL does (tests/unit/parallel/nccl_standin.py: a backend
    registered for an accelerator device type alone, so torch's own dispatch raises "No backend type associated with
    device type cpu"; the docstring there names the torch source it mirrors): a direct torch.distributed call with a
