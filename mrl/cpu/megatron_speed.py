@@ -160,8 +160,11 @@ def packed_rope_in_one_gather(patch: Patcher) -> None:
     q and k of every layer: 64 short GRPO responses cost ~4 ms of a 110 ms CPU train step in that loop.
     How: the frequencies of token j are `freqs[position of j in its sequence]`, the rows the loop concatenates, so
     `freqs[_packed_positions(cu_seqlens)]` is the same tensor and the rotation that follows is Megatron's own.
-    Context parallelism and frequencies given per packed token (the other branches) keep Megatron's code. Without
-    context parallelism the pack's length is the offsets' last entry, so the branch is chosen from shapes alone.
+    Frequencies given per packed token (Megatron's branch for them, which it also takes when a pack's length equals
+    its longest sequence's, a pack of one sequence) are, without context parallelism, sliced at each sequence's
+    offset: the slices tile the pack in order, so they are `freqs` itself, used as it is. Context parallelism
+    keeps Megatron's code. Without it the pack's length is the offsets' last entry, so the branch is chosen from
+    shapes alone.
     """
     from megatron.core.models.common.embeddings import rope_utils
 
@@ -177,7 +180,7 @@ def packed_rope_in_one_gather(patch: Patcher) -> None:
         cp_group=None,
         multi_latent_attention=None,
     ):
-        if multi_latent_attention is not None or cp_group is None or cp_group.size() > 1 or freqs.size(0) == t.shape[0]:
+        if multi_latent_attention is not None or cp_group is None or cp_group.size() > 1:
             return loop(
                 t,
                 cu_seqlens,
@@ -188,9 +191,10 @@ def packed_rope_in_one_gather(patch: Patcher) -> None:
                 cp_group=cp_group,
                 multi_latent_attention=multi_latent_attention,
             )
+        per_token = freqs.size(0) == t.shape[0]  # Megatron's offsets then slice [0, T) in order
         return rope_utils._apply_rotary_pos_emb_bshd(
             t.unsqueeze(1),
-            freqs[_packed_positions(cu_seqlens, t.shape[0])],
+            freqs if per_token else freqs[_packed_positions(cu_seqlens, t.shape[0])],
             rotary_interleaved=rotary_interleaved,
             mla_rotary_interleaved=mla_rotary_interleaved,
             mscale=mscale,

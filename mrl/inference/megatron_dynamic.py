@@ -65,7 +65,10 @@ class _MrlSampling(TorchSampling):
     step's tokens for the stop set."""
 
     def __init__(self, vocab_size: int, seed: int, sample: Callable[..., torch.Tensor]) -> None:
-        self.generator = torch.Generator().manual_seed(seed)  # TorchSampling keeps it as its `_rng`
+        # On the device the logits are on (torch.multinomial samples with a generator of its tensor's device), as
+        # Megatron's own controller places its sampling generator; TorchSampling keeps it as its `_rng`.
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        self.generator = torch.Generator(device=device).manual_seed(seed)
         super().__init__(self.generator, vocab_size)
         self.sample = sample  # (logits [b, V], temperature, top_k, top_p, generator) -> tokens [b]
         self.settings: Optional[SamplingConfig] = None

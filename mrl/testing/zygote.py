@@ -17,7 +17,9 @@ A zygote serves only runs whose environment is the one it started with, apart fr
 used (the rank's own, pytest's, Ray's, vLLM's: `_READ_WHEN_USED`): a variable a library reads when the process
 starts (OMP_NUM_THREADS, malloc's, MRL_CPU_ISA's import hook) needs a process started with it, so `start_rank`
 answers None and the caller starts the rank itself. MRL_RANK_ZYGOTE_LOG=FILE appends to FILE which variables made
-a run start its ranks; MRL_RANK_ZYGOTE=0 turns the zygotes off.
+a run start its ranks; MRL_RANK_ZYGOTE=0 turns the zygotes off. Where a CUDA device is visible the zygotes decline
+(torch refuses CUDA in a process forked after CUDA was queried, which importing megatron-core does) and every rank
+is started.
 """
 
 from __future__ import annotations
@@ -118,13 +120,18 @@ class _Zygote:
             stderr=self.stderr,
         )
         self.ready: bool | None = None  # None until its first answer
+        self.refusal = ""  # its reason, where it declined to serve
 
     def _wait_ready(self) -> bool:
         if self.ready is None:
             assert self.proc.stdout is not None
             readable, _, _ = select.select([self.proc.stdout], [], [], _START_TIMEOUT_S)
-            self.ready = bool(readable) and self.proc.stdout.readline() == b"ready\n"
-            if not self.ready:
+            answer = self.proc.stdout.readline() if readable else b""
+            self.ready = answer == b"ready\n"
+            if answer.startswith(b"declined: "):  # it cannot serve this machine: ranks start as processes
+                self.refusal = answer.decode().strip()
+                self.proc.wait()
+            elif not self.ready:
                 self.proc.kill()
                 tail = Path(self.stderr.name).read_text(errors="replace")[-2000:]
                 print(
@@ -177,7 +184,7 @@ def start_rank(work: Path, rank: int, env: dict[str, str], log: Path) -> RankPro
     exit_file = work / f"rank{rank}.exit"
     pid = zygote.fork(dict(work=str(work), rank=rank, env=env, cwd=os.getcwd(), log=str(log), exit_file=str(exit_file)))
     if pid is None:
-        _log_start(rank, "its zygote could not fork it")
+        _log_start(rank, f"its zygote could not fork it{': ' + zygote.refusal if zygote.refusal else ''}")
         return None
     return RankProcess(pid, exit_file)
 
@@ -250,9 +257,15 @@ def _reap(children: dict[int, str]) -> None:
 def serve() -> None:
     for module in PRELOAD:
         importlib.import_module(module)
+    out = sys.stdout.buffer
+    import torch
+
+    if torch.cuda.is_available():  # after it, a forked child cannot initialise CUDA (torch's fork poisoning)
+        out.write(b"declined: a CUDA device is visible, and a forked process cannot use CUDA\n")
+        out.flush()
+        return
     gc.collect()
     gc.freeze()  # the imports' objects stay out of the children's collections (which would copy their pages)
-    out = sys.stdout.buffer
     out.write(b"ready\n")
     out.flush()
     children: dict[int, str] = {}

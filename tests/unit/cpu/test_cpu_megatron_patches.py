@@ -574,7 +574,8 @@ def test_onednn_gemm_sizes_are_rounded():
 
 
 def test_packed_rope_in_one_gather():
-    """Packed RoPE gives Megatron's loop's result bit for bit (both frequency layouts), without its loop."""
+    """Packed RoPE gives Megatron's loop's result bit for bit (both frequency layouts: by position in a sequence,
+    and per packed token, which Megatron slices at each sequence's offset), without its loop or host reads."""
     from megatron.core.models.common.embeddings import rope_utils
     from megatron.core.parallel_state import get_context_parallel_group
 
@@ -596,10 +597,10 @@ def test_packed_rope_in_one_gather():
     loop = [rope(per_length), rope(per_token)]
     megatron_patches.apply()
     assert torch.equal(rope(per_length), loop[0]) and torch.equal(rope(per_token), loop[1])
-    assert "aten::split_with_sizes" in _ops_run(lambda: rope(per_token))  # Megatron's own branch
-    gathered = _ops_run(lambda: rope(per_length))
-    assert "aten::split_with_sizes" not in gathered
-    assert "aten::_local_scalar_dense" not in gathered  # no value read back to the host: a GPU would wait for it
+    for freqs in (per_length, per_token):
+        ops = _ops_run(lambda: rope(freqs))
+        assert "aten::split_with_sizes" not in ops
+        assert "aten::_local_scalar_dense" not in ops  # no value read back to the host: a GPU would wait for it
     assert "packed_rope_in_one_gather" in megatron_patches.WITHOUT_TE  # GPUs without Transformer Engine take it too
 
 
