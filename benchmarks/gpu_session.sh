@@ -1,9 +1,14 @@
 #!/usr/bin/env bash
 # The GPU checks of a session lent one GPU, as one script with a time limit per stage (the lent machine's time is
 # short: a stage that overruns is cut, and the next one still runs). Every log and result goes to $OUT (the device
-# tool's folder, which sends back at most 8 files: this script writes at most 8), else results/gpu-session/. Run from the checkout's root on the GPU machine, with .gpu-wheels
+# tool's folder, which sends back at most 8 files: a call of up to three stages writes at most 8, with `| tee
+# $OUT/session.log`), else results/gpu-session/. Run from the checkout's root on the GPU machine, with .gpu-wheels
 # carried (`make gpu-wheelhouse` here):
-#     bash benchmarks/gpu_session.sh [STAGE ...]      # stages: bench whole tier bench15 (default: all, in order)
+#     bash benchmarks/gpu_session.sh [STAGE ...]      # stages: shape bench whole tier bench15 (default: all, in order)
+# A session's 15 minutes of device time hold about 10 of stages: two calls, e.g. `shape bench`, then `whole tier`.
+# shape  : tests/gpu/test_gpu_grpo_shape.py, 3 GRPO steps of a Qwen3-0.6B-shaped policy through Ray (random weights,
+#          ~1K-token responses, Megatron engine colocated): generation, refit, train and logprob speed, and the
+#          policy's peak memory per phase against `mrl plan`'s
 # bench  : benchmarks/gpu_policy_throughput.py at Qwen3-0.6B's shape, every path, with the profile
 # whole  : tests/gpu/test_gpu_whole_run.py, the demo's staged run through Ray with the Megatron engine on the GPU
 #          (Ray's logs come back as ray-logs.tgz when it fails)
@@ -15,7 +20,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-results/gpu-session}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 MRL_GPU_REPORT="$OUT/gpu-tier.json"
-stages=${*:-bench whole tier bench15}
+stages=${*:-shape bench whole tier bench15}
 
 SITE=/tmp/mrl-gpu-site
 python3 - "$SITE" <<'EOF'
@@ -44,6 +49,9 @@ for s in $stages; do
     tier) MRL_GPU_REPORT="$OUT/gpu-tier-speed.json" stage tier 150 \
         python3 -m pytest tests/gpu/test_gpu_speed.py tests/gpu/test_gpu_dynamic_engine.py -k "attention or dynamic" \
         -q -s -p no:cacheprovider ;;
+    shape) MRL_GPU_REPORT="$OUT/gpu-tier-shape.json" stage shape 330 \
+        python3 -m pytest tests/gpu/test_gpu_grpo_shape.py -q -s -p no:cacheprovider
+        pkill -9 -f "mrl.cli grpo|raylet|gcs_server|ray::|default_worker.py" 2>/dev/null ;;  # a cut run's processes
     whole) MRL_GPU_REPORT="$OUT/gpu-tier-whole.json" stage whole 270 \
         python3 -m pytest tests/gpu/test_gpu_whole_run.py -q -s -p no:cacheprovider
         grep -q "passed" "$OUT/whole.log" || tar czf "$OUT/ray-logs.tgz" -C /tmp/ray session_latest/logs 2>/dev/null
@@ -52,6 +60,6 @@ for s in $stages; do
         --progress "$OUT/bench-progress.jsonl" ;;
     bench15) stage bench15 160 python3 benchmarks/gpu_policy_throughput.py --shapes qwen2.5-1.5b --reps 2 \
         --progress "$OUT/bench-progress.jsonl" ;;
-    *) echo "unknown stage $s (bench whole tier bench15)" ;;
+    *) echo "unknown stage $s (shape bench whole tier bench15)" ;;
     esac
 done

@@ -133,10 +133,23 @@ def produce_rollouts(
             m.update(env_metrics)
         else:
             rollouts = generate_and_score(workers.engine, env, workers.tokenizer, problems, prompts, sampling)
+        m.update(_generation_memory())
         workers.engine.finish_generation(refit_follows=True)  # ... and releases it while the policy trains
     rollouts.policy_version = policy_version
     m["train/prompt_tokens_max"] = float(max((len(p) for p in prompts), default=0))
     return rollouts, m
+
+
+def _generation_memory() -> dict[str, float]:
+    """Where the controller process uses a GPU (an in-process Megatron engine): the device's memory in use as
+    generation ends, every process's (the policy's resident part beside the engine: `mrl plan`'s generate column),
+    and this process's allocator peak since the last step's; nothing elsewhere."""
+    if not torch.cuda.is_initialized():
+        return {}
+    free, total = torch.cuda.mem_get_info()
+    peak = torch.cuda.max_memory_allocated() / 2**30
+    torch.cuda.reset_peak_memory_stats()
+    return {"memory/generation_device_used_gib": (total - free) / 2**30, "memory/generation_engine_peak_gib": peak}
 
 
 def learn(

@@ -130,15 +130,23 @@ def build_initial_model(cfg: MrlConfig, build: ModelBuildConfig, out: Path) -> P
         return out  # written by an earlier (interrupted or resumed) run with the same config
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = _build_tokenizer(cfg, build, out)
+    if build.vocab_size is not None and build.vocab_size < len(tokenizer):
+        raise ConfigError(
+            f"policy.build.vocab_size={build.vocab_size} is smaller than the built tokenizer's {len(tokenizer)} tokens",
+            key="policy.build.vocab_size",
+            given=build.vocab_size,
+            allowed=f"at least {len(tokenizer)}, or null (the tokenizer's size)",
+            fix=f"policy.build.vocab_size={len(tokenizer)} or more, or remove it",
+        )
     config = AutoConfig.for_model(
         build.family,
-        vocab_size=len(tokenizer),
+        vocab_size=build.vocab_size or len(tokenizer),
         hidden_size=build.hidden_size,
         intermediate_size=build.intermediate_size,
         num_hidden_layers=build.num_layers,
         num_attention_heads=build.num_attention_heads,
         num_key_value_heads=build.num_key_value_heads or build.num_attention_heads,
-        head_dim=build.hidden_size // build.num_attention_heads,
+        head_dim=build.head_dim or build.hidden_size // build.num_attention_heads,
         **_rope_settings(cfg, build),
         tie_word_embeddings=build.tie_word_embeddings,
         eos_token_id=tokenizer.eos_token_id,

@@ -151,6 +151,19 @@ class ModelBuildConfig(Section):
     num_key_value_heads: Optional[int] = Field(default=None, ge=1, description="Key/value heads (GQA); None = MHA.")
     intermediate_size: int = Field(default=512, ge=8, description="MLP hidden size (of the dense layers).")
     tie_word_embeddings: bool = Field(default=False, description="Share input embedding and output projection.")
+    head_dim: Optional[int] = Field(
+        default=None,
+        ge=1,
+        description="Size of each attention head; None = hidden_size / num_attention_heads "
+        "(Qwen3's published models set it apart: Qwen3-0.6B has 16 heads of 128 over a hidden size of 1024).",
+    )
+    vocab_size: Optional[int] = Field(
+        default=None,
+        ge=1,
+        description="Rows of the embedding and output layer; None = the built tokenizer's size. "
+        "A larger one leaves rows no token uses, as published checkpoints do (a real model's shape, for speed and "
+        "memory checks: Qwen3's 151,936); at least the tokenizer's size.",
+    )
     num_experts: int = Field(default=8, ge=1, description="qwen3_moe: routed experts per MoE layer.")
     num_experts_per_tok: int = Field(default=2, ge=1, description="qwen3_moe: experts each token is routed to.")
     moe_intermediate_size: int = Field(default=128, ge=8, description="qwen3_moe: MLP hidden size of each expert.")

@@ -197,3 +197,31 @@ class HostOffload:
             self._parking["optimizer_states"].restore()
         if set(PARTS) <= set(parts):
             self.released = False
+
+
+class PhasePeaks:
+    """The caching allocator's peak of this rank's compute phases on CUDA, in GiB (what `mrl plan`'s logprob and
+    train columns predict, less the CUDA context): `start` before a phase, `end` after it. The logprob passes since
+    the last train step keep their highest peak, which the train step's metrics report beside its own. On a CPU
+    rank nothing is measured (the host has no allocator peak to read) and `metrics` is empty."""
+
+    def __init__(self, active: bool) -> None:
+        self.active = active
+        self.logprob_gib = 0.0
+
+    def start(self) -> None:
+        if self.active:
+            torch.cuda.reset_peak_memory_stats()
+
+    def end(self) -> float:
+        return torch.cuda.max_memory_allocated() / 2**30 if self.active else 0.0
+
+    def metrics(self, train_gib: float, reduce_max: Any) -> dict[str, float]:
+        """{peak_memory_gib, logprob_peak_memory_gib}: the highest over the ranks (`reduce_max`: [2] fp64 tensor ->
+        its elementwise max over every rank, in place); then the logprob peak starts again."""
+        if not self.active:
+            return {}
+        peaks = torch.tensor([train_gib, self.logprob_gib], dtype=torch.float64, device="cuda")
+        reduce_max(peaks)
+        self.logprob_gib = 0.0
+        return {"peak_memory_gib": float(peaks[0]), "logprob_peak_memory_gib": float(peaks[1])}

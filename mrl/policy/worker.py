@@ -43,7 +43,7 @@ from mrl.policy.construction import (
 )
 from mrl.policy.expert_load import ExpertLoad
 from mrl.policy.interface import PolicyLoss, RankBatch, pad_routing
-from mrl.policy.memory import PARTS, HostOffload
+from mrl.policy.memory import PARTS, HostOffload, PhasePeaks
 from mrl.policy.speed import gather_weights
 from mrl.policy.train_step import StepContext, logprobs_of_batch, train_on_batch
 
@@ -157,6 +157,7 @@ class PolicyWorker:
         self.memory = HostOffload(
             self.model, self.optimizer, cfg.offload_when_generating, active=torch.cuda.is_available()
         )
+        self.peaks = PhasePeaks(active=torch.cuda.is_available())
         self.expert_load = ExpertLoad([self.module])
         # Measures the engine/trainer routing disagreement of a MoE policy; replays with router_replay (None: dense).
         self.routing = routing_replay(self.model, cfg, self.model_dims, self.ps)
@@ -200,6 +201,7 @@ class PolicyWorker:
         model's score at every token; leaders only."""
         if reference and self.reference is None:
             raise RuntimeError("reference logprobs asked for, but the policy was built without a reference model")
+        self.peaks.start()
         self.memory.reclaim(("weights",))  # a logprob pass reads the weights alone
         width = shard.input_ids.shape[1]
         batch = _pad_to_multiple(shard.to(_device()), self.dims.length_multiple)
@@ -223,6 +225,7 @@ class PolicyWorker:
         )
         for chunk in model:
             chunk.train(not reference)
+        self.peaks.logprob_gib = max(self.peaks.logprob_gib, self.peaks.end())  # before the frozen copy leaves
         if frozen is not None and offload:
             frozen.cpu()
         return out[:, :width].cpu() if out is not None and self._is_leader() else None
@@ -234,6 +237,7 @@ class PolicyWorker:
         tokens (or sequences) over all ranks. Returns the step's metrics (summed over data-parallel ranks) on
         leaders."""
         start = time.perf_counter()
+        self.peaks.start()
         self.memory.reclaim()
         batch = _pad_to_multiple(shard.to(_device()), self.dims.length_multiple)
         size = _micro_batch_size(self.spec.policy.train_micro_batch_size, len(batch), batch.group_size)
@@ -254,6 +258,7 @@ class PolicyWorker:
             dynamic_batching=self.spec.policy.dynamic_batching,
         )
         scalars = {k: metrics.pop(k) for k in ("grad_norm", "lr", "nonfinite")}  # the same on every rank
+        scalars.update(self.peaks.metrics(self.peaks.end(), lambda peaks: collectives.all_reduce(peaks, op="max")))
         scalars.update(self._expert_load() or {})
         scalars.update(self._routing_disagreement())
         metrics = self._sum_over_data_parallel(metrics)

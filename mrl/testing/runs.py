@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 RECIPE = str(Path(__file__).resolve().parents[2] / "recipes" / "arith-tiny-cpu.yaml")
@@ -43,6 +46,27 @@ def mrl(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
         start_new_session=True,
         env=None if env is None else {**os.environ, **env},
     )
+
+
+def run_streamed(args: list[str], timeout_s: float) -> tuple[int, str, float]:
+    """`mrl ARGS` (`mrl`: its own session, killed with every Ray process it started after `timeout_s`): exit
+    status, output, seconds. The output is printed line by line as it comes (pytest -s), so a run cut from outside
+    (a GPU session's stage limit) still shows how far it got."""
+    start = time.perf_counter()
+    proc = mrl(*args, env={"PYTHONUNBUFFERED": "1"})
+    killer = threading.Timer(timeout_s, os.killpg, args=(proc.pid, signal.SIGKILL))
+    killer.start()
+    lines = []
+    try:
+        for line in proc.stdout:  # type: ignore[union-attr]  # Popen(stdout=PIPE)
+            print(line, end="", flush=True)
+            lines.append(line)
+        proc.wait()
+    finally:
+        killer.cancel()
+    if proc.returncode == -signal.SIGKILL:
+        lines.append(f"\n[mrl.testing.runs] killed after {timeout_s} s")
+    return proc.returncode, "".join(lines), time.perf_counter() - start
 
 
 def finish(proc: subprocess.Popen, timeout: float = 600) -> str:

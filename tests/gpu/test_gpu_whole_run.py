@@ -13,15 +13,12 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import statistics
-import threading
-import time
 from pathlib import Path
 
 import pytest
 
-from mrl.testing.runs import mrl
+from mrl.testing.runs import run_streamed
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPE = ROOT / "recipes" / "arith-tiny-cpu.yaml"
@@ -46,24 +43,9 @@ def staged_run_args(out: Path, *overrides: str) -> list[str]:
 
 
 def run_staged(out: Path, *overrides: str, timeout_s: float = TIMEOUT_S) -> tuple[int, str, float]:
-    """The staged run (its own session: on a timeout it is killed with every Ray process it started): exit status,
-    output, seconds. Its output is printed line by line as it comes (pytest -s), so a run cut from outside (the
-    session script's stage limit) still shows how far it got."""
-    start = time.perf_counter()
-    proc = mrl(*staged_run_args(out, *overrides), env={"PYTHONUNBUFFERED": "1"})
-    killer = threading.Timer(timeout_s, os.killpg, args=(proc.pid, signal.SIGKILL))
-    killer.start()
-    lines = []
-    try:
-        for line in proc.stdout:  # type: ignore[union-attr]  # Popen(stdout=PIPE)
-            print(line, end="", flush=True)
-            lines.append(line)
-        proc.wait()
-    finally:
-        killer.cancel()
-    if proc.returncode == -signal.SIGKILL:
-        lines.append(f"\n[test] killed after {timeout_s} s")
-    return proc.returncode, "".join(lines), time.perf_counter() - start
+    """The staged run (`run_streamed`: killed with every Ray process it started on a timeout): exit status, output,
+    seconds."""
+    return run_streamed(staged_run_args(out, *overrides), timeout_s)
 
 
 def _grpo_steps(log_dir: Path) -> list[dict]:
