@@ -45,6 +45,7 @@ from megatron.core.inference.text_generation_controllers.text_generation_control
 from mrl.inference.interface import SamplingConfig
 from mrl.inference.megatron_routing import RoutingRecorder
 from mrl.model import hybrid
+from mrl.parallel.devices import current_device
 
 #: KV block of the engine's paged cache, in tokens (flash-attn's paged kernels want a multiple of 256 on GPUs).
 DEFAULT_BLOCK_TOKENS = 256
@@ -67,8 +68,7 @@ class _MrlSampling(TorchSampling):
     def __init__(self, vocab_size: int, seed: int, sample: Callable[..., torch.Tensor]) -> None:
         # On the device the logits are on (torch.multinomial samples with a generator of its tensor's device), as
         # Megatron's own controller places its sampling generator; TorchSampling keeps it as its `_rng`.
-        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-        self.generator = torch.Generator(device=device).manual_seed(seed)
+        self.generator = torch.Generator(device=current_device()).manual_seed(seed)
         super().__init__(self.generator, vocab_size)
         self.sample = sample  # (logits [b, V], temperature, top_k, top_p, generator) -> tokens [b]
         self.settings: Optional[SamplingConfig] = None

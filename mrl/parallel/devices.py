@@ -17,7 +17,10 @@ Ray then accounts for none of them, so mrl never places a GPU worker that way: m
 from __future__ import annotations
 
 import os
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
+
+if TYPE_CHECKING:
+    import torch
 
 
 class DeviceRuleError(RuntimeError):
@@ -54,3 +57,11 @@ def local_cuda_device(visible: Optional[int] = None) -> int:
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", str(max(1, local_rank + 1))))
     return device_index(local_rank, local_world_size, visible)
+
+
+def current_device() -> torch.device:
+    """This process's torch device: its current CUDA device (chosen by the rule above when its process group
+    started, or device 0 for a process that runs none), else the CPU."""
+    import torch
+
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")

@@ -23,7 +23,7 @@ On a CPU rank the device is the host: nothing moves (`active=False`) and only th
 from __future__ import annotations
 
 import gc
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -201,9 +201,10 @@ class HostOffload:
 
 class PhasePeaks:
     """The caching allocator's peak of this rank's compute phases on CUDA, in GiB (what `mrl plan`'s logprob and
-    train columns predict, less the CUDA context): `start` before a phase, `end` after it. The logprob passes since
-    the last train step keep their highest peak, which the train step's metrics report beside its own. On a CPU
-    rank nothing is measured (the host has no allocator peak to read) and `metrics` is empty."""
+    train columns predict, less the CUDA context): `start` before a phase, `logprob_done` after a logprob pass,
+    `train_metrics` after a train step. The logprob passes since the last train step keep their highest peak, which
+    the train step's metrics report beside its own. On a CPU rank nothing is measured (the host has no allocator
+    peak to read) and the metrics are empty."""
 
     def __init__(self, active: bool) -> None:
         self.active = active
@@ -213,15 +214,18 @@ class PhasePeaks:
         if self.active:
             torch.cuda.reset_peak_memory_stats()
 
-    def end(self) -> float:
+    def _peak_gib(self) -> float:
         return torch.cuda.max_memory_allocated() / 2**30 if self.active else 0.0
 
-    def metrics(self, train_gib: float, reduce_max: Any) -> dict[str, float]:
+    def logprob_done(self) -> None:
+        self.logprob_gib = max(self.logprob_gib, self._peak_gib())
+
+    def train_metrics(self, reduce_max: Callable[[torch.Tensor], None]) -> dict[str, float]:
         """{peak_memory_gib, logprob_peak_memory_gib}: the highest over the ranks (`reduce_max`: [2] fp64 tensor ->
         its elementwise max over every rank, in place); then the logprob peak starts again."""
         if not self.active:
             return {}
-        peaks = torch.tensor([train_gib, self.logprob_gib], dtype=torch.float64, device="cuda")
+        peaks = torch.tensor([self._peak_gib(), self.logprob_gib], dtype=torch.float64, device="cuda")
         reduce_max(peaks)
         self.logprob_gib = 0.0
         return {"peak_memory_gib": float(peaks[0]), "logprob_peak_memory_gib": float(peaks[1])}

@@ -27,6 +27,7 @@ from mrl.config.schema import PolicyConfig
 from mrl.inference.transports.base import SenderLayout
 from mrl.model.router_replay import disagreement_metrics
 from mrl.parallel import collectives
+from mrl.parallel.devices import current_device
 from mrl.policy.construction import (
     add_adapters,
     build_policy_module,
@@ -66,12 +67,6 @@ def _refuse_nonfinite_weights(model: list, path: str) -> None:
             f"refusing to write {path}: {where} inf or NaN, and no checkpoint or export is "
             "written with non-finite weights"
         )
-
-
-def _device() -> torch.device:
-    """This rank's device: its CUDA device (set by the device rule, mrl/parallel/devices.py, when the process group
-    started), else the CPU."""
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
 @dataclass(frozen=True)
@@ -204,7 +199,7 @@ class PolicyWorker:
         self.peaks.start()
         self.memory.reclaim(("weights",))  # a logprob pass reads the weights alone
         width = shard.input_ids.shape[1]
-        batch = _pad_to_multiple(shard.to(_device()), self.dims.length_multiple)
+        batch = _pad_to_multiple(shard.to(current_device()), self.dims.length_multiple)
         frozen = self.reference if reference else None  # the reference model when it computes (checked above)
         model = [frozen] if frozen is not None else self.model
         # the frozen copy lives in host memory between uses (GPU memory goes to the policy and engine)
@@ -225,7 +220,7 @@ class PolicyWorker:
         )
         for chunk in model:
             chunk.train(not reference)
-        self.peaks.logprob_gib = max(self.peaks.logprob_gib, self.peaks.end())  # before the frozen copy leaves
+        self.peaks.logprob_done()  # before the frozen copy leaves
         if frozen is not None and offload:
             frozen.cpu()
         return out[:, :width].cpu() if out is not None and self._is_leader() else None
@@ -239,7 +234,7 @@ class PolicyWorker:
         start = time.perf_counter()
         self.peaks.start()
         self.memory.reclaim()
-        batch = _pad_to_multiple(shard.to(_device()), self.dims.length_multiple)
+        batch = _pad_to_multiple(shard.to(current_device()), self.dims.length_multiple)
         size = _micro_batch_size(self.spec.policy.train_micro_batch_size, len(batch), batch.group_size)
         for chunk in self.model:
             chunk.train()
@@ -258,7 +253,7 @@ class PolicyWorker:
             dynamic_batching=self.spec.policy.dynamic_batching,
         )
         scalars = {k: metrics.pop(k) for k in ("grad_norm", "lr", "nonfinite")}  # the same on every rank
-        scalars.update(self.peaks.metrics(self.peaks.end(), lambda peaks: collectives.all_reduce(peaks, op="max")))
+        scalars.update(self.peaks.train_metrics(lambda peaks: collectives.all_reduce(peaks, op="max")))
         scalars.update(self._expert_load() or {})
         scalars.update(self._routing_disagreement())
         metrics = self._sum_over_data_parallel(metrics)
@@ -323,7 +318,8 @@ class PolicyWorker:
         if not self.ps.is_pipeline_last_stage():
             return sums
         keys = sorted(sums)
-        values = torch.tensor([sums[k] for k in keys], dtype=torch.float64, device=_device())  # NCCL: device only
+        # NCCL reduces device tensors only
+        values = torch.tensor([sums[k] for k in keys], dtype=torch.float64, device=current_device())
         group = self.ps.get_data_parallel_group(with_context_parallel=True)
         if collectives.world_size(group) > 1:
             collectives.all_reduce(values, group=group)

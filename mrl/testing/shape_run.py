@@ -63,7 +63,8 @@ def run_overrides(out: Path, shape: tuple[str, ...] = SHAPE, response_tokens: in
 
 def step_figures(rows: list[dict]) -> dict[str, float]:
     """The medians over the logged steps after the first of what a step costs (rows: metrics.jsonl's step rows)."""
-    steps = [row for row in rows if "timing/step" in row][1:] or [row for row in rows if "timing/step" in row]
+    logged = [row for row in rows if "timing/step" in row]
+    steps = logged[1:] or logged
 
     def median(f):
         return statistics.median(f(row) for row in steps)
@@ -96,7 +97,7 @@ def step_figures(rows: list[dict]) -> dict[str, float]:
     return figures
 
 
-def planned(config: Path, overrides: list[str], model_config: Path, gpu_total: int) -> dict[str, float]:
+def planned(config: str | Path, overrides: list[str], model_config: Path, gpu_total: int) -> dict[str, float]:
     """`mrl plan`'s policy bytes for the same run, in GiB: states + the larger activation peak (its train column
     less the CUDA context and slack), the weights + the logprob pass's activations (what a logprob pass holds
     after the hand-over moved the optimizer states out), and its generate column."""

@@ -255,15 +255,15 @@ def _reap(children: dict[int, str]) -> None:
 
 
 def serve() -> None:
-    for module in PRELOAD:
-        importlib.import_module(module)
     out = sys.stdout.buffer
     import torch
 
     if torch.cuda.is_available():  # after it, a forked child cannot initialise CUDA (torch's fork poisoning)
         out.write(b"declined: a CUDA device is visible, and a forked process cannot use CUDA\n")
         out.flush()
-        return
+        return  # before the imports it would have spent seconds on
+    for module in PRELOAD:
+        importlib.import_module(module)
     gc.collect()
     gc.freeze()  # the imports' objects stay out of the children's collections (which would copy their pages)
     out.write(b"ready\n")
