@@ -10,6 +10,7 @@ generated tokens/s of each (median over reps; the first call of each, which buil
 the ratios dynamic / static and dynamic / bare.
 
     python benchmarks/megatron_rollout.py [--prompts 64 --n 4 --tokens 32 --reps 3 --hidden 128 --layers 2]
+    (a GPU session's `rollout` stage: --hidden 1024 --layers 28 --tokens 256 --dtype bfloat16 --block 256)
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ def _parse() -> argparse.Namespace:
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--block", type=int, default=16, help="tokens per KV block of the dynamic engine")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="bfloat16 on a GPU")
     return parser.parse_args()
 
 
@@ -101,14 +103,24 @@ def main() -> None:
         engines = {
             loop: MegatronBackend(
                 MegatronEngineConfig(
-                    str(model), max_model_len=max_len, max_batch_size=64, engine=loop, kv_block_tokens=args.block
+                    str(model),
+                    max_model_len=max_len,
+                    max_batch_size=64,
+                    engine=loop,
+                    kv_block_tokens=args.block,
+                    dtype=args.dtype,
                 )
             )
             for loop in ("static", "dynamic")
         }
         bare_engine = MegatronBackend(
             MegatronEngineConfig(
-                str(model), max_model_len=max_len, max_batch_size=64, engine="dynamic", kv_block_tokens=args.block
+                str(model),
+                max_model_len=max_len,
+                max_batch_size=64,
+                engine="dynamic",
+                kv_block_tokens=args.block,
+                dtype=args.dtype,
             )
         )
         paths: dict[str, Callable[[], int]] = {
@@ -126,7 +138,7 @@ def main() -> None:
                     times[name].append(time.perf_counter() - start)
         print(
             f"{len(rows)} rows ({args.prompts} prompts x {args.n}), {args.tokens} tokens each, hidden {args.hidden}, "
-            f"{args.layers} layers, KV blocks of {args.block} tokens, {args.reps} reps"
+            f"{args.layers} layers, KV blocks of {args.block} tokens, {args.dtype}, {args.reps} reps"
         )
         rate = {name: generated[name] / statistics.median(times[name]) for name in paths}
         for name in paths:

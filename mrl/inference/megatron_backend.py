@@ -204,7 +204,9 @@ class _StopSetController(TextGenerationController):
         latest = updated_prompts_tokens[:, current_context_end_position]  # [b]
         active = generation_started & ~is_generation_done_tensor
         generated_sequence_lengths += active
-        done = is_generation_done_tensor | (active & torch.isin(latest, self.stop_ids.to(latest.device)))
+        if self.stop_ids.device != latest.device:  # once per call: a host copy per token waits for the device
+            self.stop_ids = self.stop_ids.to(latest.device)
+        done = is_generation_done_tensor | (active & torch.isin(latest, self.stop_ids))
         return done, generated_sequence_lengths.int()
 
 

@@ -17,7 +17,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Protocol, Sequence
 
-PREFIXES = ("train/", "val/", "timing/")
+PREFIXES = ("train/", "val/", "timing/", "memory/")
 
 
 class Sink(Protocol):

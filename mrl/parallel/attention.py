@@ -17,8 +17,12 @@ the local spec (same constructor, same forward contract) and handles both:
 
 - Long sequences: causal attention without an explicit mask or dropout goes through torch's CPU flash kernel
   (`mrl.cpu.flash_attention`), O(sequence) memory in forward and backward: a 24K-token sequence needs no
-  [sq, sk] scores. The dense path below (which materialises them) serves explicit masks, non-causal mask types
-  (KV-cached decode steps), attention dropout and non-CPU tensors.
+  [sq, sk] scores. The dense path below (which materialises them) serves explicit masks, attention dropout and
+  non-CPU tensors.
+- KV-cached decode steps (`no_mask`: each new token sees every cached key) go through one SDPA call with the K/V
+  groups shared inside the kernel, on every device: per layer and token, nothing is built on the host (on a GPU a
+  mask copied from pageable host memory waits for the device's whole queue) and the cache is not copied per
+  query head.
 - GPUs without Transformer Engine (the GPU tier's machine): the same causal case without context parallelism goes
   through torch's `scaled_dot_product_attention`, which picks its flash or memory-efficient CUDA kernel: again
   no [sq, sk] scores. A pack in bf16 or fp16 goes through torch's variable-length flash kernel
@@ -198,6 +202,8 @@ class TorchCoreAttention(MegatronModule):
         if attention_mask is not None and (self._cp()[0] > 1 or packed is not None):
             raise NotImplementedError("an explicit attention_mask is not supported with CP or packing")
         heads, groups = query.shape[2], key.shape[2]
+        if self._unmasked_applies(mask_type, attention_mask, packed, query, value):
+            return self._attend_unmasked(query, key, value)
         if heads != groups:  # GQA: query heads of group g are [g * heads/groups, (g+1) * heads/groups)
             key = key.repeat_interleave(heads // groups, dim=2)
             value = value.repeat_interleave(heads // groups, dim=2)
@@ -230,6 +236,30 @@ class TorchCoreAttention(MegatronModule):
         if attention_mask is not None:
             allowed = allowed & ~attention_mask  # [b or 1, 1 or np, sq, sk], True = masked
         return self._attend_dense(q, k, v, allowed)
+
+    def _unmasked_applies(self, mask_type: AttnMaskType, attention_mask, packed, q, v: torch.Tensor) -> bool:
+        """Every query sees every key (`no_mask`: the KV-cached decode steps of Megatron's static loop), without an
+        explicit mask, packing, CP or live dropout, and with value heads the size of the query heads."""
+        dropout = self.training and self.dropout_p > 0
+        return (
+            mask_type == AttnMaskType.no_mask
+            and attention_mask is None
+            and packed is None
+            and not dropout
+            and self._cp()[0] == 1
+            and q.shape[-1] == v.shape[-1]
+            and q.shape[2] % v.shape[2] == 0
+        )
+
+    def _attend_unmasked(self, query, key, value) -> torch.Tensor:
+        """softmax(q k^T * scale) v in one SDPA call, the K/V groups shared by their query heads inside the kernel
+        (`enable_gqa`): no copy of the KV cache per query head, no mask built on the host and copied to the device.
+        query [sq, b, np, hn], key/value [sk, b, ng, hn] -> [sq, b, np * hn]."""
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, hn]
+        gqa = q.shape[1] != k.shape[1]
+        out = F.scaled_dot_product_attention(q, k, v, scale=self.softmax_scale, enable_gqa=gqa)  # [b, np, sq, hn]
+        b, np_, sq, hn = out.shape
+        return out.permute(2, 0, 1, 3).reshape(sq, b, np_ * hn)
 
     def _flash_applies(self, mask_type: AttnMaskType, attention_mask, *tensors: torch.Tensor) -> bool:
         """Causal attention without an explicit mask or live dropout, on CPU: the flash kernel's case."""

@@ -5,6 +5,7 @@ a mistyped key or a missing metric would otherwise cost a lent GPU's minutes."""
 
 from __future__ import annotations
 
+import json
 import statistics
 from pathlib import Path
 
@@ -61,10 +62,34 @@ def run_overrides(out: Path, shape: tuple[str, ...] = SHAPE, response_tokens: in
     ]
 
 
+#: The figures of `step_figures` a GPU session records, with their units (all that a run logged, even a cut one).
+FIGURES = (
+    ("step_s", "s (median)"),
+    ("generation_s", "s (median)"),
+    ("train_s", "s (median)"),
+    ("logprob_s", "s (median)"),
+    ("response_length", "tokens (median of the steps' means)"),
+    ("generation_tokens_s", "tokens/s"),
+    ("train_tokens_s", "tokens/s"),
+    ("logprob_tokens_s", "tokens/s"),
+    ("token_mult_prob_error", "ratio (max)"),
+)
+
+
+def logged_rows(metrics_file: Path) -> list[dict]:
+    """metrics.jsonl's rows as far as the run got (none when it never logged)."""
+    if not metrics_file.exists():
+        return []
+    return [json.loads(line) for line in metrics_file.read_text().splitlines() if line.strip()]
+
+
 def step_figures(rows: list[dict]) -> dict[str, float]:
-    """The medians over the logged steps after the first of what a step costs (rows: metrics.jsonl's step rows)."""
+    """The medians over the logged steps after the first of what a step costs (rows: metrics.jsonl's rows; none
+    when no step was logged)."""
     logged = [row for row in rows if "timing/step" in row]
     steps = logged[1:] or logged
+    if not steps:
+        return {}
 
     def median(f):
         return statistics.median(f(row) for row in steps)
@@ -80,6 +105,9 @@ def step_figures(rows: list[dict]) -> dict[str, float]:
         "train_tokens_s": median(lambda r: tokens(r) / r["timing/train"]),
         "logprob_tokens_s": median(lambda r: tokens(r) / r["timing/logprobs"]),
         "step_s": median(lambda r: r["timing/step"]),
+        "generation_s": median(lambda r: r["timing/generation"]),
+        "train_s": median(lambda r: r["timing/train"]),
+        "logprob_s": median(lambda r: r["timing/logprobs"]),
         "token_mult_prob_error": max(r["train/token_mult_prob_error"] for r in steps),
     }
     refits = [row for row in steps if "timing/refit" in row]

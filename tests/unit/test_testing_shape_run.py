@@ -2,6 +2,8 @@
 overrides are a valid config of that shape, its figures are what the metrics rows say (hand-computed), and the
 plan it compares with counts the model's own parameters."""
 
+import json
+
 import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
@@ -42,7 +44,20 @@ def test_the_figures_skip_the_first_step_and_take_medians_and_maxima():
     assert (got["refit_s"], got["refit_gib_s"]) == (0.5, 2.0)
     assert got["token_mult_prob_error"] == pytest.approx(1.03)
     assert (got["peak_memory_gib"], got["logprob_peak_memory_gib"]) == (31.0, 7.0)
+    assert (got["generation_s"], got["train_s"], got["logprob_s"]) == (9.0, 3.0, 0.75)
     assert "generation_device_used_gib" not in got  # not logged (a CPU run): not made up
+    assert {key for key, _ in shape_run.FIGURES} <= set(got)  # every figure a session records is computed
+
+
+def test_a_run_cut_before_or_after_its_first_step_gives_what_it_logged(tmp_path):
+    """A GPU session's stage limit can cut the run: the figures are those of the steps it logged, none before."""
+    metrics = tmp_path / "metrics.jsonl"
+    assert shape_run.logged_rows(metrics) == [] and shape_run.step_figures([]) == {}
+    metrics.write_text(json.dumps({"val/accuracy": 0.0}) + "\n" + json.dumps(_row(1, 500, 5.0, 2.0, 1.0)) + "\n")
+    rows = shape_run.logged_rows(metrics)
+    assert shape_run.step_figures(rows[:1]) == {}
+    got = shape_run.step_figures(rows)  # the first step alone: the only one there is
+    assert (got["generation_s"], got["response_length"], got["step_s"]) == (5.0, 500, 2.0)
 
 
 def test_the_plan_counts_the_models_own_parameters(tmp_path):

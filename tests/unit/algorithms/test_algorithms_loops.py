@@ -143,6 +143,22 @@ def test_grpo_step_is_generate_train_refit_and_validation_comes_at_0_every_val_e
     assert ckpt.interrupted_at is None
 
 
+def test_grpo_logs_the_generation_memory_where_the_controller_holds_a_gpu(tmp_path, monkeypatch):
+    """An in-process engine on a GPU: every step logs the device's memory in use and the allocator's peak as
+    generation ends (through the real logger, whose metric names are checked), and resets the peak per step."""
+    cfg = config(tmp_path, "grpo.max_num_steps=2")
+    peaks = iter([3 * 2**30, 5 * 2**30])
+    resets = []
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (60 * 2**30, 140 * 2**30))
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a: next(peaks))
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda *a: resets.append(1))
+    logger, _ = run_grpo(cfg, FakeWorkers(cfg, half_right), FakeCheckpoints(cfg, FakeWorkers(cfg, half_right)))
+    assert values_logged(logger, "memory/generation_device_used_gib") == [80.0, 80.0]
+    assert values_logged(logger, "memory/generation_engine_peak_gib") == [3.0, 5.0]
+    assert len(resets) == 2
+
+
 def test_grpo_without_val_every_validates_before_the_first_step_and_after_the_last(tmp_path):
     cfg = config(tmp_path, "grpo.max_num_steps=3")
     workers = FakeWorkers(cfg, half_right)

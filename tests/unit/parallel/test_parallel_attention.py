@@ -153,3 +153,27 @@ def test_the_gpu_route_through_torch_sdpa_equals_the_reference(monkeypatch):
         for cpu_grad, gpu_grad in zip(grads["cpu"], grads["gpu"]):
             torch.testing.assert_close(gpu_grad, cpu_grad, atol=1e-5, rtol=0)
     assert calls == [True] + [True] * 3  # one call for the batch, one per sequence of the pack
+
+
+def test_a_kv_cached_decode_step_sees_every_key_in_one_call_without_copying_the_cache(monkeypatch):
+    """Megatron's static loop passes `no_mask` on its KV-cached decode steps: the newest token (the last of the
+    sequence) attends to every cached key. One SDPA call with the K/V groups shared in the kernel (no
+    repeat_interleave of the cache per query head); equal to the last row of the causal reference."""
+    from megatron.core.transformer.enums import AttnMaskType
+
+    attention = make_attention(make_config())
+    q, k, v = torch.randn(7, 3, 4, 8), torch.randn(7, 3, 2, 8), torch.randn(7, 3, 2, 8)  # [s, b, heads, hn]
+    calls = []
+    original = torch.nn.functional.scaled_dot_product_attention
+
+    def counted(*args, **kwargs):
+        calls.append(kwargs.get("enable_gqa"))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", counted)
+    monkeypatch.setattr(torch.Tensor, "repeat_interleave", lambda *a, **kw: pytest.fail("the cache was copied"))
+    out = attention(q[-1:], k, v, None, attn_mask_type=AttnMaskType.no_mask)  # [1, b, np*hn]
+    for b in range(3):
+        expected = reference_attention(q[:, b], k[:, b], v[:, b])[-1:]
+        torch.testing.assert_close(out[:, b].double(), expected, atol=1e-6, rtol=0)
+    assert calls == [True]
