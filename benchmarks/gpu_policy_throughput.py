@@ -363,25 +363,34 @@ def time_path(path: str, config: dict, state: dict, batch, args) -> dict:
             "peak_gib": peak, "logprobs": first}
 
 
-def _profile(train) -> dict:
-    """Where one train step waits on the host and spends the device's time: every synchronising call (the warnings
-    of torch's sync debug mode, by the source line that made them) and the top operators by device time."""
+def host_syncs(work) -> "collections.Counter[str]":
+    """Every call inside `work()` that made the host wait for the device (the warnings of torch's sync debug mode:
+    reads to the host, copies from pageable host memory, explicit synchronisations), counted by the source line
+    that made it. CUDA only."""
     import collections
     import warnings
 
     import torch
-    from torch.profiler import ProfilerActivity, profile
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")
         try:
-            train()
+            work()
             torch.cuda.synchronize()
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    sites = collections.Counter(f"{os.path.relpath(w.filename)}:{w.lineno}" for w in caught
-                                if "synchroniz" in str(w.message))
+    return collections.Counter(f"{os.path.relpath(w.filename)}:{w.lineno}" for w in caught
+                               if "synchroniz" in str(w.message))
+
+
+def _profile(train) -> dict:
+    """Where one train step waits on the host and spends the device's time: every synchronising call
+    (`host_syncs`) and the top operators by device time."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    sites = host_syncs(train)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         train()
         torch.cuda.synchronize()

@@ -10,7 +10,8 @@
 #          ~1K-token responses, Megatron engine colocated): generation, refit, train and logprob speed, and the
 #          policy's peak memory per phase against `mrl plan`'s
 # rollout: benchmarks/megatron_rollout.py at 28 layers of hidden 1024 in bf16, 64 rows of 256 tokens: the Megatron
-#          engine's decode speed, its static loop against its dynamic engine and the dynamic engine bare
+#          engine's decode speed, its static loop against its dynamic engine and the dynamic engine bare, with
+#          each one's host synchronisations per decode step
 # bench  : benchmarks/gpu_policy_throughput.py at Qwen3-0.6B's shape, every path, with the profile
 # whole  : tests/gpu/test_gpu_whole_run.py, the demo's staged run through Ray with the Megatron engine on the GPU
 #          (Ray's logs come back as ray-logs.tgz when it fails)
@@ -59,7 +60,7 @@ for s in $stages; do
         grep -q "passed" "$OUT/whole.log" || tar czf "$OUT/ray-logs.tgz" -C /tmp/ray session_latest/logs 2>/dev/null
         pkill -9 -f "mrl.cli run|raylet|gcs_server|ray::|default_worker.py" 2>/dev/null ;;  # a cut run's processes
     rollout) stage rollout 150 python3 benchmarks/megatron_rollout.py --prompts 16 --n 4 --tokens 256 --reps 1 \
-        --hidden 1024 --layers 28 --dtype bfloat16 --block 256 ;;
+        --hidden 1024 --layers 28 --dtype bfloat16 --block 256 --profile ;;
     bench) stage bench 200 python3 benchmarks/gpu_policy_throughput.py --shapes qwen3-0.6b --reps 2 --profile \
         --progress "$OUT/bench-progress.jsonl" ;;
     bench15) stage bench15 160 python3 benchmarks/gpu_policy_throughput.py --shapes qwen2.5-1.5b --reps 2 \

@@ -7,7 +7,7 @@ bare (megatron-core's own sampler and request loop), on the same prompts and mod
              added and stepped until done                                     -- nothing of mrl around it
 Every response has exactly --tokens tokens (no stop set), so the three generate the same number of tokens. Prints
 generated tokens/s of each (median over reps; the first call of each, which builds its engine, is not counted) and
-the ratios dynamic / static and dynamic / bare.
+the ratios dynamic / static and dynamic / bare; with --profile on CUDA, each path's host synchronisations.
 
     python benchmarks/megatron_rollout.py [--prompts 64 --n 4 --tokens 32 --reps 3 --hidden 128 --layers 2]
     (a GPU session's `rollout` stage: --hidden 1024 --layers 28 --tokens 256 --dtype bfloat16 --block 256)
@@ -22,7 +22,8 @@ import tempfile
 import time
 from typing import Callable
 
-from rollout_throughput import _prompts  # the same prompts as the vLLM benchmark (benchmarks/ is on sys.path)
+from gpu_policy_throughput import host_syncs  # benchmarks/ is on sys.path
+from rollout_throughput import _prompts  # the same prompts as the vLLM benchmark
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -37,6 +38,9 @@ def _parse() -> argparse.Namespace:
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--block", type=int, default=16, help="tokens per KV block of the dynamic engine")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="bfloat16 on a GPU")
+    parser.add_argument("--profile", action="store_true",
+                        help="on CUDA, after the timed reps: each path's host synchronisations in one call, per "
+                             "decode step and by source line (torch.cuda.set_sync_debug_mode)")
     return parser.parse_args()
 
 
@@ -150,6 +154,15 @@ def main() -> None:
             f"  dynamic / static {rate['dynamic'] / rate['static']:.2f}, dynamic / bare "
             f"{rate['dynamic'] / rate['bare']:.2f}"
         )
+        import torch
+
+        if args.profile and torch.cuda.is_available():
+            for name, run in paths.items():
+                sites = host_syncs(run)
+                print(
+                    f"  {name}: {sum(sites.values())} host synchronisations in one call, "
+                    f"{sum(sites.values()) / args.tokens:.1f} per decode step; by site: {dict(sites.most_common(8))}"
+                )
 
 
 if __name__ == "__main__":
