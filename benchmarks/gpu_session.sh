@@ -59,7 +59,7 @@ for s in $stages; do
         python3 -m pytest tests/gpu/test_gpu_whole_run.py -q -s -p no:cacheprovider
         grep -q "passed" "$OUT/whole.log" || tar czf "$OUT/ray-logs.tgz" -C /tmp/ray session_latest/logs 2>/dev/null
         pkill -9 -f "mrl.cli run|raylet|gcs_server|ray::|default_worker.py" 2>/dev/null ;;  # a cut run's processes
-    rollout) stage rollout 150 python3 benchmarks/megatron_rollout.py --prompts 16 --n 4 --tokens 256 --reps 1 \
+    rollout) stage rollout 180 python3 benchmarks/megatron_rollout.py --prompts 16 --n 4 --tokens 256 --reps 1 \
         --hidden 1024 --layers 28 --dtype bfloat16 --block 256 --profile ;;
     bench) stage bench 200 python3 benchmarks/gpu_policy_throughput.py --shapes qwen3-0.6b --reps 2 --profile \
         --progress "$OUT/bench-progress.jsonl" ;;
