@@ -66,7 +66,15 @@ from mrl.objectives.loss import GENERATION_LOGPROBS, PREV_LOGPROBS, REF_LOGPROBS
 from mrl.objectives.mismatch import mismatch_metrics
 from mrl.policy.interface import RankBatch
 
-KEY_METRICS = ("train/reward", "train/token_mult_prob_error", "val/accuracy", "timing/step")
+#: The console's line per step; with the step's time, its two largest phases (where a slow step's time went).
+KEY_METRICS = (
+    "train/reward",
+    "train/token_mult_prob_error",
+    "val/accuracy",
+    "timing/step",
+    "timing/generation",
+    "timing/train",
+)
 
 
 def kept_rows(keep: torch.Tensor, dp_size: int) -> torch.Tensor:

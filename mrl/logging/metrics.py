@@ -96,8 +96,9 @@ class ConsoleSink:
             self._bar = tqdm(total=total_steps, desc=description, file=self.stream, dynamic_ncols=True)
 
     def log(self, metrics: Mapping[str, float], step: int) -> None:
-        # train/ metrics by their short name, the others in full (train/loss and val/loss side by side)
-        shown = {k.removeprefix("train/"): v for k, v in metrics.items() if k in self.key_metrics}
+        # train/ metrics by their short name, the others in full (train/loss and val/loss side by side), in the
+        # order of key_metrics
+        shown = {k.removeprefix("train/"): metrics[k] for k in self.key_metrics if k in metrics}
         if self._bar is not None:
             self._bar.update(max(step - self._bar.n, 0))
             self._bar.set_postfix({k: _fmt(v) for k, v in shown.items()}, refresh=True)

@@ -45,7 +45,8 @@ def test_console_without_tty_prints_plain_lines_every_n_steps():
     sink = ConsoleSink(total_steps=4, description="grpo", key_metrics=["train/reward", "val/reward"], log_every=2,
                        stream=out)
     for step in range(1, 5):
-        sink.log({"train/reward": step / 10, "train/other": 9.0, **({"val/reward": 0.5} if step == 4 else {})}, step)
+        # val/ first in the step's metrics: the line keeps key_metrics' order
+        sink.log({**({"val/reward": 0.5} if step == 4 else {}), "train/reward": step / 10, "train/other": 9.0}, step)
     lines = out.getvalue().splitlines()
     assert len(lines) == 2 and "\r" not in out.getvalue()
     assert lines[0].startswith("[grpo] step 2/4") and "reward=0.2" in lines[0] and "other" not in lines[0]
