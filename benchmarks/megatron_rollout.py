@@ -86,6 +86,7 @@ def _bare(backend, rows: list[list[int]], tokens: int) -> Callable[[], int]:
 
 def main() -> None:
     args = _parse()
+    import torch  # after OMP_NUM_THREADS is set
     from mrl.inference import SamplingConfig
     from mrl.inference.megatron_backend import MegatronBackend, MegatronEngineConfig
     from mrl.testing.tiny_models import build_tiny_hf_model
@@ -154,8 +155,6 @@ def main() -> None:
             f"  dynamic / static {rate['dynamic'] / rate['static']:.2f}, dynamic / bare "
             f"{rate['dynamic'] / rate['bare']:.2f}"
         )
-        import torch
-
         if args.profile and torch.cuda.is_available():
             for name, run in paths.items():
                 sites = host_syncs(run)

@@ -5,11 +5,10 @@ a mistyped key or a missing metric would otherwise cost a lent GPU's minutes."""
 
 from __future__ import annotations
 
-import json
 import statistics
 from pathlib import Path
 
-from mrl.testing.runs import MACHINERY
+from mrl.testing.runs import MACHINERY, metrics
 
 GiB = 2**30
 STEPS = 3
@@ -76,11 +75,9 @@ FIGURES = (
 )
 
 
-def logged_rows(metrics_file: Path) -> list[dict]:
-    """metrics.jsonl's rows as far as the run got (none when it never logged)."""
-    if not metrics_file.exists():
-        return []
-    return [json.loads(line) for line in metrics_file.read_text().splitlines() if line.strip()]
+def logged_rows(log_dir: Path) -> list[dict]:
+    """metrics.jsonl's rows in step order (`runs.metrics`) as far as the run got; none when it never logged."""
+    return list(metrics(log_dir).values()) if (log_dir / "metrics.jsonl").exists() else []
 
 
 def step_figures(rows: list[dict]) -> dict[str, float]:

@@ -37,7 +37,7 @@ def test_qwen3_06b_shaped_grpo_steps_on_one_gpu(tmp_path, figure):
     overrides = run_overrides(out)
     returncode, output, seconds = run_streamed(["grpo", "--config", RECIPE, *overrides], timeout_s=320)
     # Figures first: a run cut by its limit still tells what its steps cost.
-    rows = logged_rows(out / "logs" / "metrics.jsonl")
+    rows = logged_rows(out / "logs")
     got = step_figures(rows)
     figure("grpo_shape.seconds", seconds, "s", steps=STEPS, exit=returncode,
            steps_logged=sum("timing/step" in row for row in rows))

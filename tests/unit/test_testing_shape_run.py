@@ -51,10 +51,10 @@ def test_the_figures_skip_the_first_step_and_take_medians_and_maxima():
 
 def test_a_run_cut_before_or_after_its_first_step_gives_what_it_logged(tmp_path):
     """A GPU session's stage limit can cut the run: the figures are those of the steps it logged, none before."""
-    metrics = tmp_path / "metrics.jsonl"
-    assert shape_run.logged_rows(metrics) == [] and shape_run.step_figures([]) == {}
-    metrics.write_text(json.dumps({"val/accuracy": 0.0}) + "\n" + json.dumps(_row(1, 500, 5.0, 2.0, 1.0)) + "\n")
-    rows = shape_run.logged_rows(metrics)
+    assert shape_run.logged_rows(tmp_path) == [] and shape_run.step_figures([]) == {}
+    lines = [{"step": 0, "val/accuracy": 0.0}, _row(1, 500, 5.0, 2.0, 1.0)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    rows = shape_run.logged_rows(tmp_path)
     assert shape_run.step_figures(rows[:1]) == {}
     got = shape_run.step_figures(rows)  # the first step alone: the only one there is
     assert (got["generation_s"], got["response_length"], got["step_s"]) == (5.0, 500, 2.0)
