@@ -8,6 +8,9 @@ sequence) until --step-tokens real tokens; a policy-gradient loss normalised by 
         variable-length flash kernel), weights in --precision with fp32 master weights (Megatron DDP with fp32
         gradient reduce, Megatron Adam), `train_on_batch` / `logprobs_of_batch` with sequence packing
         (micro-batches of --micro-tokens tokens, THD layout): what a policy worker runs.
+        On CUDA without Transformer Engine SwiGLU and RoPE run as torch.compile's kernels
+        (`policy.speed.compiled_fusions`, auto: the warm-up step compiles them).
+  mrl_unfused: the same with those fusions off (megatron-core's unfused SwiGLU and RoPE); not run by default.
   hf  : transformers' AutoModelForCausalLM with SDPA attention, fp32 weights, bf16 autocast, torch's fused AdamW
         (the path TRL trains with); padded micro-batches of similar lengths (`rows * longest <= --micro-tokens`,
         longest first, right padding with an attention mask); logprobs by a per-row log-softmax of fp32 logits.
@@ -29,6 +32,7 @@ Figures: docs/measurements.md ("Policy throughput at real shapes").
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import os
@@ -50,12 +54,13 @@ SHAPES = {
                  head_dim=16, intermediate_size=128, vocab_size=512, tie_word_embeddings=True),
 }
 PATHS = ("mrl", "hf", "bare")
+EXTRA_PATHS = ("mrl_unfused",)
 
 
 def _parse(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", nargs="+", default=["qwen3-0.6b", "qwen2.5-1.5b"], choices=sorted(SHAPES))
-    parser.add_argument("--paths", nargs="+", default=list(PATHS), choices=PATHS)
+    parser.add_argument("--paths", nargs="+", default=list(PATHS), choices=PATHS + EXTRA_PATHS)
     parser.add_argument("--step-tokens", type=int, default=65_536, help="real tokens of one optimizer step")
     parser.add_argument("--micro-tokens", type=int, default=16_384, help="token budget of one micro-batch")
     parser.add_argument("--min-len", type=int, default=256)
@@ -156,8 +161,9 @@ class _PGLoss:
         return (-logprobs * batch["adv"] * batch["loss_mask"]).sum() / count, {}
 
 
-def _mrl_path(config: dict, state: dict, batch, args):
-    """(train, logprobs) of mrl's own step: the policy worker's model, DDP, optimizer and train step."""
+def _mrl_path(config: dict, state: dict, batch, args, compiled_fusions: bool | None = None):
+    """(train, logprobs) of mrl's own step: the policy worker's model, DDP, optimizer and train step;
+    `compiled_fusions` as `transformer_config_from_hf` takes it (None: with CUDA)."""
     import torch
     from megatron.core import parallel_state as ps
 
@@ -168,7 +174,7 @@ def _mrl_path(config: dict, state: dict, batch, args):
     from mrl.policy.train_step import StepContext, logprobs_of_batch, train_on_batch
 
     dtype = getattr(torch, args.precision)
-    tconfig = transformer_config_from_hf(config, params_dtype=dtype)
+    tconfig = transformer_config_from_hf(config, params_dtype=dtype, compiled_fusions=compiled_fusions)
     model = build_model(config, tconfig)
     load_hf_weights(model, state, config)
     ddp, optimizer = _megatron_wrap(model, tconfig, dtype)
@@ -322,7 +328,7 @@ def _loss_token_logprobs(path: str, result, batch, budget: int):
     import torch
 
     _, mask, _, lengths = batch
-    if path == "mrl":  # [N, T] at token positions: position t holds the logprob of token t
+    if path.startswith("mrl"):  # [N, T] at token positions: position t holds the logprob of token t
         rows = {row: result[row, 1:] for row in range(len(lengths))}
     else:  # padded micro-batches [b, longest] at predicting positions: position t holds that of token t+1
         rows = {row: values[i] for bin_rows, values in zip(_padded_micro_batches(lengths.tolist(), budget), result)
@@ -338,7 +344,8 @@ def time_path(path: str, config: dict, state: dict, batch, args) -> dict:
     """One path alone on the device: its tokens/s in train and logprobs, peak memory, loss-token logprobs."""
     import torch
 
-    build = {"mrl": _mrl_path, "hf": _hf_path, "bare": _bare_path}[path]
+    unfused = functools.partial(_mrl_path, compiled_fusions=False)
+    build = {"mrl": _mrl_path, "mrl_unfused": unfused, "hf": _hf_path, "bare": _bare_path}[path]
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     train, logprobs = build(config, state, batch, args)
@@ -443,18 +450,18 @@ def bench_shape(shape: str, args) -> dict:
 
 
 def table(results: list[dict], args) -> str:
-    lines = [f"{'shape':14}{'path':6}{'train tok/s':>13}{'MFU':>7}{'MFU 6N':>8}{'logprob tok/s':>15}"
+    lines = [f"{'shape':14}{'path':12}{'train tok/s':>13}{'MFU':>7}{'MFU 6N':>8}{'logprob tok/s':>15}"
              f"{'lp/train':>9}{'peak GiB':>10}{'vs hf':>8}   |logprob - hf's| mean (max)"]
     for shape in results:
         hf = shape["paths"].get("hf", {}).get("train_tok_s")
         for path, r in shape["paths"].items():
             if "error" in r:
-                lines.append(f"{shape['shape']:14}{path:6}  {r['error']}")
+                lines.append(f"{shape['shape']:14}{path:12}  {r['error']}")
                 continue
             ratio = f"{r['train_tok_s'] / hf:8.2f}" if hf else f"{'-':>8}"
             check = r.get("logprob_vs_hf")
             peak = f"{r['peak_gib']:10.1f}" if r["peak_gib"] is not None else f"{'-':>10}"
-            lines.append(f"{shape['shape']:14}{path:6}{r['train_tok_s']:13.0f}{100 * r['mfu_prime_rl']:6.1f}%"
+            lines.append(f"{shape['shape']:14}{path:12}{r['train_tok_s']:13.0f}{100 * r['mfu_prime_rl']:6.1f}%"
                          f"{100 * r['mfu_6n']:7.1f}%{r['logprob_tok_s']:15.0f}{r['logprob_over_train']:9.2f}{peak}"
                          f"{ratio}   " + (f"{check['mean']:.2e} ({check['max']:.1e})" if check else "-"))
     return "\n".join(lines)

@@ -4,15 +4,22 @@
 # tool's folder, which sends back at most 8 files: a call of up to three stages writes at most 8, with `| tee
 # $OUT/session.log`), else results/gpu-session/. Run from the checkout's root on the GPU machine, with .gpu-wheels
 # carried (`make gpu-wheelhouse` here):
-#     bash benchmarks/gpu_session.sh [STAGE ...]      # stages: shape rollout bench whole tier bench15 (default: all)
-# A session's 15 minutes of device time hold about 10 of stages: two calls, e.g. `shape bench`, then `whole tier`.
+#     bash benchmarks/gpu_session.sh [STAGE ...]      # stages: fusions shape rollout bench whole tier bench15
+#                                                     # (default: all)
+# A session's 15 minutes of device time hold about 10 of stages: two calls, e.g. `fusions shape`, then `bench rollout`.
+# fusions: tests/gpu/test_gpu_compiled_fusions.py, two Qwen3-0.6B-shaped layers with SwiGLU and RoPE compiled by
+#          torch.compile against megatron-core's unfused ones (`policy.speed.compiled_fusions`, on by default on a GPU
+#          without Transformer Engine): equal within bf16 rounding, the compile's seconds, the speed-up. It runs
+#          first: every later stage compiles the same kernels (where it fails, run them with the option off:
+#          `policy.speed.compiled_fusions=false`, the bench's path mrl_unfused)
 # shape  : tests/gpu/test_gpu_grpo_shape.py, 3 GRPO steps of a Qwen3-0.6B-shaped policy through Ray (random weights,
 #          ~1K-token responses, Megatron engine colocated): generation, refit, train and logprob speed, and the
 #          policy's peak memory per phase against `mrl plan`'s
 # rollout: benchmarks/megatron_rollout.py at 28 layers of hidden 1024 in bf16, 64 rows of 256 tokens: the Megatron
 #          engine's decode speed, its static loop against its dynamic engine and the dynamic engine bare, with
 #          each one's host synchronisations per decode step
-# bench  : benchmarks/gpu_policy_throughput.py at Qwen3-0.6B's shape, every path, with the profile
+# bench  : benchmarks/gpu_policy_throughput.py at Qwen3-0.6B's shape, every path and mrl without the compiled fusions,
+#          with the profile
 # whole  : tests/gpu/test_gpu_whole_run.py, the demo's staged run through Ray with the Megatron engine on the GPU
 #          (Ray's logs come back as ray-logs.tgz when it fails)
 # tier   : the GPU tier's attention test (the variable-length kernel against SDPA per sequence and the masked product)
@@ -23,7 +30,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-results/gpu-session}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 MRL_GPU_REPORT="$OUT/gpu-tier.json"
-stages=${*:-shape rollout bench whole tier bench15}
+stages=${*:-fusions shape rollout bench whole tier bench15}
 
 SITE=/tmp/mrl-gpu-site
 python3 - "$SITE" <<'EOF'
@@ -49,6 +56,8 @@ stage() {  # stage NAME SECONDS COMMAND...: run it under a limit, its output in 
 
 for s in $stages; do
     case $s in
+    fusions) MRL_GPU_REPORT="$OUT/gpu-tier-fusions.json" stage fusions 120 \
+        python3 -m pytest tests/gpu/test_gpu_compiled_fusions.py -q -s -p no:cacheprovider ;;
     tier) MRL_GPU_REPORT="$OUT/gpu-tier-speed.json" stage tier 150 \
         python3 -m pytest tests/gpu/test_gpu_speed.py tests/gpu/test_gpu_dynamic_engine.py -k "attention or dynamic" \
         -q -s -p no:cacheprovider ;;
@@ -61,10 +70,11 @@ for s in $stages; do
         pkill -9 -f "mrl.cli run|raylet|gcs_server|ray::|default_worker.py" 2>/dev/null ;;  # a cut run's processes
     rollout) stage rollout 180 python3 benchmarks/megatron_rollout.py --prompts 16 --n 4 --tokens 256 --reps 1 \
         --hidden 1024 --layers 28 --dtype bfloat16 --block 256 --profile ;;
-    bench) stage bench 200 python3 benchmarks/gpu_policy_throughput.py --shapes qwen3-0.6b --reps 2 --profile \
+    bench) stage bench 240 python3 benchmarks/gpu_policy_throughput.py --shapes qwen3-0.6b --reps 2 --profile \
+        --paths mrl mrl_unfused hf bare \
         --progress "$OUT/bench-progress.jsonl" ;;
     bench15) stage bench15 160 python3 benchmarks/gpu_policy_throughput.py --shapes qwen2.5-1.5b --reps 2 \
         --progress "$OUT/bench-progress.jsonl" ;;
-    *) echo "unknown stage $s (shape rollout bench whole tier bench15)" ;;
+    *) echo "unknown stage $s (fusions shape rollout bench whole tier bench15)" ;;
     esac
 done

@@ -8,7 +8,9 @@ for attention kernels that keep no [s, s] scores and SwiGLU MLPs (`layer_bytes`)
   SwiGLU keeps fc1's output, fc2 its input;
 - "local" (megatron-core's local spec with mrl's torch attention: CPU, and GPUs without TE): torch's RMSNorm keeps
   two fp32 copies, keys and values are repeated per query head, the unfused SwiGLU keeps SiLU's output and the
-  product's operands besides, and each layer keeps RoPE's cos and sin and the positions.
+  product's operands besides, and each layer keeps RoPE's cos and sin and the positions. With the compiled fusions
+  (`policy.speed.compiled_fusions`, on by default on GPUs without TE) SwiGLU and RoPE keep less (docs/guides/gpus.md):
+  this set is then an upper bound.
 
 Tensor parallelism divides the heads' and the MLP's share; the norms' and the linears' inputs only with sequence
 parallelism. With full recompute (policy.activation_checkpointing: megatron-core's uniform method, one layer per

@@ -280,12 +280,20 @@ class SpeedConfig(Section):
         "(mrl/model/grouped_experts.py), with or without Transformer Engine; auto = with CUDA. "
         "Dense models ignore it.",
     )
+    compiled_fusions: Union[bool, Literal["auto"]] = Field(
+        default="auto",
+        description="Without Transformer Engine: SwiGLU and RoPE as kernels torch.compile generates "
+        "(megatron-core's SwiGLU fusion and mrl/model/compiled_kernels.py's RoPE, one kernel each way instead of "
+        "several elementwise passes; the first step compiles them); auto = with CUDA. Transformer Engine's own "
+        "fused kernels are used where it is installed; true on CPU compiles with inductor's C++ backend.",
+    )
 
     @field_validator(
         "gradient_accumulation_fusion",
         "overlap_grad_reduce",
         "overlap_param_gather",
         "grouped_expert_gemm",
+        "compiled_fusions",
         mode="before",
     )
     @classmethod

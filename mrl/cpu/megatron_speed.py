@@ -143,7 +143,7 @@ def linear_gemms_on_onednn(patch: Patcher) -> None:
             patch.set(cls, name, _in_onednn_mode(cls.__dict__[name].__func__))
 
 
-def _packed_positions(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
+def packed_positions(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
     """[total] each packed token's position within its own sequence (cu_seqlens [n + 1], cumulative lengths, ending
     at `total`), computed where the offsets are: nothing is read back to the host (a GPU does not wait)."""
     tokens = torch.arange(total, device=cu_seqlens.device)
@@ -159,7 +159,7 @@ def packed_rope_in_one_gather(patch: Patcher) -> None:
     the packed tensor into its sequences and rotates each with its own frequency slice, a Python loop run for
     q and k of every layer: 64 short GRPO responses cost ~4 ms of a 110 ms CPU train step in that loop.
     How: the frequencies of token j are `freqs[position of j in its sequence]`, the rows the loop concatenates, so
-    `freqs[_packed_positions(cu_seqlens)]` is the same tensor and the rotation that follows is Megatron's own.
+    `freqs[packed_positions(cu_seqlens)]` is the same tensor and the rotation that follows is Megatron's own.
     Frequencies given per packed token (Megatron's branch for them, which it also takes when a pack's length equals
     its longest sequence's, a pack of one sequence) are, without context parallelism, sliced at each sequence's
     offset: the slices tile the pack in order, so they are `freqs` itself, used as it is. Context parallelism
@@ -194,7 +194,7 @@ def packed_rope_in_one_gather(patch: Patcher) -> None:
         per_token = freqs.size(0) == t.shape[0]  # Megatron's offsets then slice [0, T) in order
         return rope_utils._apply_rotary_pos_emb_bshd(
             t.unsqueeze(1),
-            freqs if per_token else freqs[_packed_positions(cu_seqlens, t.shape[0])],
+            freqs if per_token else freqs[packed_positions(cu_seqlens, t.shape[0])],
             rotary_interleaved=rotary_interleaved,
             mla_rotary_interleaved=mla_rotary_interleaved,
             mscale=mscale,

@@ -135,16 +135,20 @@ def transformer_config_from_hf(
     sequence_parallel: bool = False,
     params_dtype: torch.dtype = torch.float32,
     use_te: bool | None = None,
+    compiled_fusions: bool | None = None,
     **overrides: Any,
 ) -> Any:
     """The Megatron TransformerConfig of an HF model. `overrides` go to TransformerConfig, counted in transformer
     layers as HF counts them (`num_layers`, the first/last pipeline stage's layers, a per-layer `moe_layer_freq`);
-    the config counts the HybridModel's layers, two per transformer layer (`mrl.model.hybrid`)."""
+    the config counts the HybridModel's layers, two per transformer layer (`mrl.model.hybrid`). Without Transformer
+    Engine, `compiled_fusions` (None: on a GPU where torch.compile works) runs SwiGLU and RoPE as kernels
+    torch.compile generates (`compiled_fusion_flags`)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     dims = model_dims(hf_config)
     te = transformer_engine_available() if use_te is None else use_te
     fusions = te  # the fused kernels need CUDA (and mostly TE/Apex); on CPU every fusion is off
+    compiled = not te and (_compiles_here() if compiled_fusions is None else compiled_fusions)
     kwargs: dict[str, Any] = dict(
         num_layers=dims.num_layers,
         hidden_size=dims.hidden_size,
@@ -184,6 +188,7 @@ def transformer_config_from_hf(
     )
     kwargs.update(_moe_kwargs(dims) if dims.moe else {})
     kwargs.update(_mla_kwargs(dims) if dims.mla else _rope_scale_kwargs(dims))
+    kwargs.update(compiled_fusion_flags(dims, context_parallel) if compiled else {})
     kwargs.update(overrides)
     kwargs = hybrid.gpt_config_fields(kwargs)  # the model is a HybridModel: two layers per transformer layer
     if dims.mla:
@@ -191,6 +196,25 @@ def transformer_config_from_hf(
 
         return MLATransformerConfig(**kwargs)
     return TransformerConfig(**kwargs)
+
+
+def _compiles_here() -> bool:
+    """Whether torch.compile generates kernels on this process's GPU (False without one)."""
+    from mrl.model.compiled_kernels import inductor_works
+
+    return torch.cuda.is_available() and inductor_works()
+
+
+def compiled_fusion_flags(dims: ModelDims, context_parallel: int) -> dict[str, bool]:
+    """TransformerConfig's fusion flags for kernels torch.compile generates, without Transformer Engine:
+    megatron-core's SwiGLU fusion (its `jit_fuser` is torch.compile) and the fused RoPE that
+    `mrl.model.compiled_kernels` provides in TE's place. Those cover neither context parallelism nor multi-latent
+    attention (whose latent rotation megatron-core sends to TE-only kernels under the flag): RoPE stays unfused
+    there."""
+    from mrl.model.compiled_kernels import provide_rope_kernels
+
+    rope = dims.mla is None and context_parallel == 1 and provide_rope_kernels()
+    return {"bias_activation_fusion": True, "apply_rope_fusion": rope}
 
 
 def _rope_scale_kwargs(dims: ModelDims) -> dict[str, Any]:

@@ -59,8 +59,8 @@ def transformer_overrides(
 ) -> dict[str, Any]:
     """The keyword arguments of `transformer_config_from_hf` (after the HF config) for this policy: the parallel
     sizes, the dtype, full recomputation of every layer with `activation_checkpointing`, gradient-accumulation
-    fusion only for a model that trains, the router settings of a mixture-of-experts model ({} for a dense one) and
-    an uneven pipeline split. The groups of keys are disjoint."""
+    fusion only for a model that trains, the compiled fusions as `speed` resolved them, the router settings of a
+    mixture-of-experts model ({} for a dense one) and an uneven pipeline split. The groups of keys are disjoint."""
     par = cfg.parallel
     recompute: dict[str, Any] = (
         dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
@@ -91,6 +91,7 @@ def transformer_overrides(
         params_dtype=params_dtype(cfg.precision),
         **recompute,
         gradient_accumulation_fusion=speed.gradient_accumulation_fusion and trainable,
+        compiled_fusions=speed.compiled_fusions,
         **moe,
         **uneven,
     )
@@ -166,15 +167,26 @@ def read_model_config(hf_dir: str) -> tuple[dict[str, Any], ModelDims]:
 
 
 def speed_settings(cfg: PolicyConfig, *, data_parallel: int) -> SpeedSettings:
-    """`policy.speed` on this rank's hardware (CUDA, Apex's kernel) with `data_parallel` ranks (with context
-    parallelism); `SpeedOptionError` for an option forced on that cannot run."""
+    """`policy.speed` on this rank's hardware (CUDA, Apex's kernel, torch.compile) with `data_parallel` ranks (with
+    context parallelism); `SpeedOptionError` for an option forced on that cannot run."""
+    cuda = torch.cuda.is_available()
     return resolve_speed(
         cfg.speed,
-        cuda=torch.cuda.is_available(),
+        cuda=cuda,
         fused_wgrad=fused_wgrad_available(),
         data_parallel=data_parallel,
         distributed_optimizer=cfg.optimizer.use_distributed_optimizer,
+        compiles=cuda and cfg.speed.compiled_fusions == "auto" and _inductor_works(),
     )
+
+
+def _inductor_works() -> bool:
+    """Whether torch.compile generates kernels on this rank's GPU, asked only where `auto` needs the answer: not
+    where Transformer Engine brings its own fused kernels."""
+    from mrl.model.compiled_kernels import inductor_works
+    from mrl.parallel.attention import transformer_engine_available
+
+    return not transformer_engine_available() and inductor_works()
 
 
 def transformer_config(hf_config: dict[str, Any], overrides: dict[str, Any]) -> Any:

@@ -24,6 +24,13 @@ wiring each option needs beyond its flag.
   `auto` asks for CUDA; `true` runs on CPU too (torch._grouped_mm has a CPU kernel: the tests' way to check the
   wiring).
 
+- Compiled fusions: `transformer_config_from_hf(compiled_fusions=...)` sets megatron-core's `bias_activation_fusion`
+  (its SwiGLU, compiled by its `jit_fuser`) and `apply_rope_fusion` with `mrl.model.compiled_kernels` standing for
+  Transformer Engine's RoPE kernels. Where TE builds the model its own kernels are used and the option changes
+  nothing. `auto` asks for CUDA and a torch.compile that works there (`compiled_kernels.inductor_works`, asked once
+  per process: a machine without Triton or a C compiler runs unfused, and the log says why); `true` compiles on CPU
+  too (inductor's C++ backend, gcc).
+
 `auto` leaves the overlaps off on CPU: gloo's collectives would overlap nothing but the two cores' own compute.
 """
 
@@ -46,6 +53,7 @@ class SpeedSettings:
     overlap_grad_reduce: bool
     overlap_param_gather: bool
     grouped_expert_gemm: bool = False
+    compiled_fusions: bool = False
 
 
 def fused_wgrad_available() -> bool:
@@ -54,10 +62,17 @@ def fused_wgrad_available() -> bool:
 
 
 def resolve_speed(
-    cfg: SpeedConfig, *, cuda: bool, fused_wgrad: bool, data_parallel: int, distributed_optimizer: bool
+    cfg: SpeedConfig,
+    *,
+    cuda: bool,
+    fused_wgrad: bool,
+    data_parallel: int,
+    distributed_optimizer: bool,
+    compiles: bool = True,
 ) -> SpeedSettings:
     """Each option's value on a rank with (or without) CUDA and Apex's kernel, `data_parallel` ranks (with context
-    parallelism) and the distributed optimizer or not; `SpeedOptionError` for a forced option that cannot run."""
+    parallelism), the distributed optimizer or not, and torch.compile working on its GPU or not (`compiles`);
+    `SpeedOptionError` for a forced option that cannot run."""
     if cfg.gradient_accumulation_fusion is True and not (cuda and fused_wgrad):
         raise SpeedOptionError(
             "policy.speed.gradient_accumulation_fusion=true needs CUDA and Apex's fused_weight_gradient_mlp_cuda "
@@ -79,6 +94,7 @@ def resolve_speed(
         overlap_grad_reduce=pick(cfg.overlap_grad_reduce, cuda and several),
         overlap_param_gather=pick(cfg.overlap_param_gather, cuda and several and distributed_optimizer),
         grouped_expert_gemm=pick(cfg.grouped_expert_gemm, cuda),
+        compiled_fusions=pick(cfg.compiled_fusions, cuda and compiles),
     )
 
 

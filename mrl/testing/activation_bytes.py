@@ -42,9 +42,11 @@ def activation_bytes(
     recompute: bool = False,
     seed: int = 0,
     device: str = "cpu",
+    compiled_fusions: bool = False,
 ) -> dict[str, int]:
     """{"saved": the bytes of the tensors saved for the backward} of that forward on `device`, and on CUDA
-    {"allocated": what the allocator holds after it above before, less the output}."""
+    {"allocated": what the allocator holds after it above before, less the output}; megatron-core's unfused SwiGLU
+    and RoPE unless `compiled_fusions` (`transformer_config_from_hf`)."""
     import torch
 
     from mrl.model.build import build_model, transformer_config_from_hf
@@ -60,6 +62,7 @@ def activation_bytes(
             tensor_parallel=tp,
             sequence_parallel=tp > 1,
             params_dtype=torch.bfloat16,
+            compiled_fusions=compiled_fusions,
             **recompute_kwargs,
         )
         model = build_model(dict(hf_config), config, post_process=False).to(device)

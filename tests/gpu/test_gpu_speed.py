@@ -198,7 +198,7 @@ def test_speed_options_on_one_gpu(tmp_path, figure):
     figure("speed.second_step_ms_overlaps_forced", 1e3 * forced["seconds"][1], "ms")
     assert auto["settings"] == {"gradient_accumulation_fusion": fused_wgrad_available(),
                                 "overlap_grad_reduce": False, "overlap_param_gather": False,
-                                "grouped_expert_gemm": True}  # CUDA, with or without Transformer Engine
+                                "grouped_expert_gemm": True, "compiled_fusions": True}  # CUDA, with or without TE
     assert forced["settings"]["overlap_grad_reduce"] and forced["settings"]["overlap_param_gather"]
     torch.testing.assert_close(forced["after"], auto["after"], atol=0, rtol=0)
 

@@ -269,3 +269,30 @@ def test_moe_families_sample_with_transformers_logprobs(backend, tmp_path, famil
                                               experts_implementation="eager").eval()
     out = engine.generate(PROMPTS, SamplingConfig(n=2, max_new_tokens=8, seed=3))
     assert max_logprob_error(hf, out) <= TOL
+
+
+def test_the_compiled_fusions_sample_transformers_logprobs(backend, model_dir, hf_model, monkeypatch):
+    """`policy.speed.compiled_fusions` (auto on a GPU) gives the engine megatron-core's fused SwiGLU and mrl's RoPE
+    kernels (mrl/model/compiled_kernels.py): the static loop rotates whole batches (bshd), the dynamic engine its
+    packed queries with a frequency per token. Forced here and run as written (torch.compile's force_eager stance):
+    the same logprobs as HF."""
+    from megatron.core.fusions import fused_bias_swiglu
+
+    from mrl.model import build, compiled_kernels
+
+    calls = []
+
+    def rotate(t, freqs):
+        calls.append("rope")
+        return compiled_kernels.rotate(t, freqs)
+
+    original_apply = fused_bias_swiglu.SwiGLUFunction.apply
+    monkeypatch.setattr(build, "_compiles_here", lambda: True)
+    monkeypatch.setattr(compiled_kernels, "_compiled", rotate)
+    monkeypatch.setattr(fused_bias_swiglu.SwiGLUFunction, "apply",
+                        lambda *args: calls.append("swiglu") or original_apply(*args))
+    with torch.compiler.set_stance("force_eager"):
+        engine = _engine(model_dir, backend.config.engine)
+        out = engine.generate(PROMPTS, SamplingConfig(n=2, max_new_tokens=8, seed=3, ignore_eos=True))
+    assert "rope" in calls and "swiglu" in calls
+    assert max_logprob_error(hf_model, out) <= TOL

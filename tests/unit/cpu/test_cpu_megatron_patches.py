@@ -590,9 +590,9 @@ def test_packed_rope_in_one_gather():
     def rope(freqs):
         return rope_utils._apply_rotary_pos_emb_thd(t, cu_seqlens, freqs, cp_group=group)
 
-    assert megatron_speed._packed_positions(cu_seqlens, 18).tolist() == [i for n in lengths for i in range(n)]
+    assert megatron_speed.packed_positions(cu_seqlens, 18).tolist() == [i for n in lengths for i in range(n)]
     empty_inside = torch.tensor([0, 2, 2, 5, 5], dtype=torch.int32)  # sequences of 0 tokens (a pack's filler row)
-    assert megatron_speed._packed_positions(empty_inside, 5).tolist() == [0, 1, 0, 1, 2]
+    assert megatron_speed.packed_positions(empty_inside, 5).tolist() == [0, 1, 0, 1, 2]
     without("packed_rope_in_one_gather")
     loop = [rope(per_length), rope(per_token)]
     megatron_patches.apply()

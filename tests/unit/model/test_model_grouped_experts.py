@@ -6,17 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mrl.cpu import megatron_patches
-from mrl.parallel.groups import destroy_process_groups, init_process_groups
-from mrl.parallel.layout import ParallelDims
-
-
-@pytest.fixture(scope="module", autouse=True)
-def megatron_world_of_one():
-    megatron_patches.apply()
-    init_process_groups(ParallelDims(), seed=1234)
-    yield
-    destroy_process_groups()
+pytestmark = pytest.mark.usefixtures("megatron_world_of_one")
 
 
 def moe_config(**overrides):

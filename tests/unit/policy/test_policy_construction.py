@@ -34,7 +34,8 @@ MOE = model_dims(
          mlp_only_layers=[], rms_norm_eps=1e-6, tie_word_embeddings=False, hidden_act="silu",
          max_position_embeddings=256)
 )
-ALL_ON = SpeedSettings(gradient_accumulation_fusion=True, overlap_grad_reduce=True, overlap_param_gather=True)
+ALL_ON = SpeedSettings(gradient_accumulation_fusion=True, overlap_grad_reduce=True, overlap_param_gather=True,
+                       compiled_fusions=True)
 ALL_OFF = SpeedSettings(gradient_accumulation_fusion=False, overlap_grad_reduce=False, overlap_param_gather=False)
 
 
@@ -52,7 +53,7 @@ def test_transformer_overrides_of_a_dense_fp32_policy_are_the_sizes_and_dtype_al
     cfg = PolicyConfig(precision="float32", parallel=ParallelConfig(tensor_parallel_size=2, sequence_parallel=True))
     assert transformer_overrides(cfg, DENSE, ALL_OFF, trainable=True) == dict(
         tensor_parallel=2, pipeline_parallel=1, context_parallel=1, sequence_parallel=True,
-        params_dtype=torch.float32, gradient_accumulation_fusion=False,
+        params_dtype=torch.float32, gradient_accumulation_fusion=False, compiled_fusions=False,
     )
 
 
@@ -77,6 +78,13 @@ def test_gradient_accumulation_fusion_only_for_a_model_that_trains():
     cfg = PolicyConfig()
     assert transformer_overrides(cfg, DENSE, ALL_ON, trainable=True)["gradient_accumulation_fusion"] is True
     assert transformer_overrides(cfg, DENSE, ALL_ON, trainable=False)["gradient_accumulation_fusion"] is False
+
+
+def test_compiled_fusions_for_every_model_where_speed_resolved_them_on():
+    cfg = PolicyConfig()
+    for trainable in (True, False):  # the reference and a colocated engine's copy compute the same kernels
+        assert transformer_overrides(cfg, DENSE, ALL_ON, trainable=trainable)["compiled_fusions"] is True
+        assert transformer_overrides(cfg, DENSE, ALL_OFF, trainable=trainable)["compiled_fusions"] is False
 
 
 def test_a_moe_policy_gets_its_router_settings_and_an_uneven_pipeline_its_stage_layers():

@@ -9,9 +9,9 @@ from mrl.config.schema import SpeedConfig
 from mrl.policy.speed import SpeedOptionError, resolve_speed
 
 
-def resolve(cfg=None, *, cuda=True, fused_wgrad=True, data_parallel=2, distributed_optimizer=True):
+def resolve(cfg=None, *, cuda=True, fused_wgrad=True, data_parallel=2, distributed_optimizer=True, compiles=True):
     return resolve_speed(cfg or SpeedConfig(), cuda=cuda, fused_wgrad=fused_wgrad, data_parallel=data_parallel,
-                         distributed_optimizer=distributed_optimizer)
+                         distributed_optimizer=distributed_optimizer, compiles=compiles)
 
 
 def test_auto_turns_each_option_on_only_where_it_runs_and_pays():
@@ -57,3 +57,31 @@ def test_grouped_expert_gemms_are_on_with_cuda_and_forced_on_anywhere():
     assert resolve().grouped_expert_gemm and not resolve(cuda=False).grouped_expert_gemm
     assert resolve(SpeedConfig(grouped_expert_gemm=True), cuda=False).grouped_expert_gemm  # torch's CPU kernel
     assert not resolve(SpeedConfig(grouped_expert_gemm=False)).grouped_expert_gemm
+
+
+def test_compiled_fusions_are_on_with_cuda_where_torch_compile_works_and_forced_on_anywhere():
+    assert resolve().compiled_fusions and not resolve(cuda=False).compiled_fusions
+    assert not resolve(compiles=False).compiled_fusions  # no Triton or C compiler: unfused, not a failed step
+    assert resolve(SpeedConfig(compiled_fusions=True), cuda=False).compiled_fusions  # inductor's C++ backend
+    assert not resolve(SpeedConfig(compiled_fusions=False)).compiled_fusions
+
+
+def test_the_compile_probe_is_asked_only_where_auto_needs_it_and_a_failure_turns_auto_off(monkeypatch, caplog):
+    """`speed_settings` asks torch.compile only for `auto` on CUDA; where the probe fails (here: no CUDA device to
+    compile for), it says why in the log and answers no."""
+    from mrl.config.schema import PolicyConfig
+    from mrl.model import compiled_kernels
+    from mrl.policy import construction
+
+    asked = []
+    monkeypatch.setattr(construction, "_inductor_works", lambda: asked.append(1) or True)
+    monkeypatch.setattr(construction.torch.cuda, "is_available", lambda: True)
+    assert construction.speed_settings(PolicyConfig(), data_parallel=1).compiled_fusions and asked == [1]
+    forced = PolicyConfig(speed=SpeedConfig(compiled_fusions=False))
+    assert not construction.speed_settings(forced, data_parallel=1).compiled_fusions and asked == [1]
+    monkeypatch.undo()
+    compiled_kernels.inductor_works.cache_clear()
+    with caplog.at_level("WARNING", logger="mrl.model.compiled_kernels"):
+        assert compiled_kernels.inductor_works() is False
+    compiled_kernels.inductor_works.cache_clear()
+    assert "torch.compile fails on this GPU" in caplog.text and "unfused" in caplog.text
