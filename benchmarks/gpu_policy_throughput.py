@@ -17,6 +17,8 @@ sequence) until --step-tokens real tokens; a policy-gradient loss normalised by 
   bare: megatron-core's HybridModel over its stock local layer spec (DotProductAttention, which has no packed layout
         without Transformer Engine), the same weights, DDP and Adam as mrl; the same padded micro-batches as hf;
         the loss from Megatron's own cross entropy (`labels=`).
+Logprob passes take micro-batches of --logprob-micro-tokens (default --micro-tokens), every path: mrl through
+`policy.sequence_packing.logprob_tokens_per_microbatch`, hf and bare in padded micro-batches of that budget.
 Each path runs alone on the device (the others' memory freed): one warm-up step, then --reps timed steps and
 logprob passes. Tokens/s counts the batch's real tokens. MFU against --peak-tflops (989: dense bf16 of an H100 or
 H200) by two formulas: prime-rl's (6 x matmul parameters + 12 x layers x heads x head size x sequence length, per
@@ -63,6 +65,8 @@ def _parse(argv=None) -> argparse.Namespace:
     parser.add_argument("--paths", nargs="+", default=list(PATHS), choices=PATHS + EXTRA_PATHS)
     parser.add_argument("--step-tokens", type=int, default=65_536, help="real tokens of one optimizer step")
     parser.add_argument("--micro-tokens", type=int, default=16_384, help="token budget of one micro-batch")
+    parser.add_argument("--logprob-micro-tokens", type=int, default=None,
+                        help="token budget of a logprob pass's micro-batch, every path (default: --micro-tokens)")
     parser.add_argument("--min-len", type=int, default=256)
     parser.add_argument("--max-len", type=int, default=2048)
     parser.add_argument("--reps", type=int, default=3)
@@ -74,7 +78,9 @@ def _parse(argv=None) -> argparse.Namespace:
     parser.add_argument("--profile", action="store_true",
                         help="on CUDA, after the timed reps: each path's host synchronisations inside one train step "
                              "(torch.cuda.set_sync_debug_mode) and its top operators by device time (torch.profiler)")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    args.logprob_micro_tokens = args.logprob_micro_tokens or args.micro_tokens
+    return args
 
 
 def hf_config(shape: str, max_len: int) -> dict:
@@ -185,7 +191,8 @@ def _mrl_path(config: dict, state: dict, batch, args, compiled_fusions: bool | N
                            lengths=lengths.to(device))
     ctx = StepContext(dp_size=1, cp_rank=0, cp_size=1, cp_group=ps.get_context_parallel_group(),
                       is_last_stage=True, vocab_size=config["vocab_size"])
-    packing = PackingConfig(enabled=True, tokens_per_microbatch=args.micro_tokens)
+    packing = PackingConfig(enabled=True, tokens_per_microbatch=args.micro_tokens,
+                            logprob_tokens_per_microbatch=args.logprob_micro_tokens)
     count = global_count(mask, "token")
 
     def train() -> None:
@@ -237,7 +244,7 @@ def _bare_path(config: dict, state: dict, batch, args):
         raise ValueError(f"the converted weights miss {sorted(own - set(weights))[:4]}")
     model.load_state_dict({k: weights[k] for k in own}, strict=False)
     ddp, optimizer = _megatron_wrap(model, tconfig, dtype)
-    micro = _padded(batch, args.micro_tokens)
+    micro, lp_micro = _padded(batch, args.micro_tokens), _padded(batch, args.logprob_micro_tokens)
 
     def train() -> None:
         ddp.zero_grad_buffer()
@@ -250,7 +257,7 @@ def _bare_path(config: dict, state: dict, batch, args):
 
     @torch.no_grad()
     def logprobs():
-        return [-ddp(ids, positions, None, labels=targets) for ids, positions, targets, _, _ in micro]
+        return [-ddp(ids, positions, None, labels=targets) for ids, positions, targets, _, _ in lp_micro]
 
     return train, logprobs
 
@@ -292,7 +299,7 @@ def _hf_path(config: dict, state: dict, batch, args):
     model.to(_device()).train()
     fused = torch.cuda.is_available()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, weight_decay=0.0, fused=fused)
-    micro = _padded(batch, args.micro_tokens)
+    micro, lp_micro = _padded(batch, args.micro_tokens), _padded(batch, args.logprob_micro_tokens)
     autocast = torch.autocast(_device().type, dtype=torch.bfloat16, enabled=args.precision == "bfloat16")
     _, _, _, lengths = batch
 
@@ -316,7 +323,7 @@ def _hf_path(config: dict, state: dict, batch, args):
     @torch.no_grad()
     def logprobs():
         model.eval()
-        out = [forward(ids, rows) for (ids, *_), rows in zip(micro, micro.bins)]
+        out = [forward(ids, rows) for (ids, *_), rows in zip(lp_micro, lp_micro.bins)]
         model.train()
         return out
 
@@ -350,7 +357,7 @@ def time_path(path: str, config: dict, state: dict, batch, args) -> dict:
         torch.cuda.reset_peak_memory_stats()
     train, logprobs = build(config, state, batch, args)
     tokens = int(batch[3].sum())
-    first = _loss_token_logprobs(path, logprobs(), batch, args.micro_tokens)  # before any update
+    first = _loss_token_logprobs(path, logprobs(), batch, args.logprob_micro_tokens)  # before any update
     train()  # warm-up
     _sync()
     train_s, logprob_s = [], []
@@ -476,7 +483,8 @@ def main(argv=None) -> list[dict]:
 
     where = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU, 1 thread"
     print(f"settings: {args.precision}, one step = {results[0]['tokens']} real tokens in sequences of "
-          f"{args.min_len}-{args.max_len}, micro-batches of {args.micro_tokens} tokens, {where}, median of "
+          f"{args.min_len}-{args.max_len}, micro-batches of {args.micro_tokens} tokens ({args.logprob_micro_tokens} "
+          f"in logprob passes), {where}, median of "
           f"{args.reps} reps, MFU against {args.peak_tflops:.0f} TFLOP/s")
     print(table(results, args))
     for shape in results:

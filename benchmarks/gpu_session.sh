@@ -19,7 +19,7 @@
 #          engine's decode speed, its static loop against its dynamic engine and the dynamic engine bare, with
 #          each one's host synchronisations per decode step
 # bench  : benchmarks/gpu_policy_throughput.py at Qwen3-0.6B's shape, every path and mrl without the compiled fusions,
-#          with the profile
+#          logprob passes in micro-batches of 32K tokens (training's 16K), with the profile
 # whole  : tests/gpu/test_gpu_whole_run.py, the demo's staged run through Ray with the Megatron engine on the GPU
 #          (Ray's logs come back as ray-logs.tgz when it fails)
 # tier   : the GPU tier's attention test (the variable-length kernel against SDPA per sequence and the masked product)
@@ -71,7 +71,7 @@ for s in $stages; do
     rollout) stage rollout 180 python3 benchmarks/megatron_rollout.py --prompts 16 --n 4 --tokens 256 --reps 1 \
         --hidden 1024 --layers 28 --dtype bfloat16 --block 256 --profile ;;
     bench) stage bench 240 python3 benchmarks/gpu_policy_throughput.py --shapes qwen3-0.6b --reps 2 --profile \
-        --paths mrl mrl_unfused hf bare \
+        --paths mrl mrl_unfused hf bare --logprob-micro-tokens 32768 \
         --progress "$OUT/bench-progress.jsonl" ;;
     bench15) stage bench15 160 python3 benchmarks/gpu_policy_throughput.py --shapes qwen2.5-1.5b --reps 2 \
         --progress "$OUT/bench-progress.jsonl" ;;

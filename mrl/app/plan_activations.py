@@ -151,11 +151,12 @@ def gather_buffer_bytes(dims: ModelDims, *, tokens: int, tp: int, sequence_paral
 
 
 def micro_batch_tokens(cfg: Any, *, logprob: bool = False) -> int:
-    """Tokens of one micro-batch on one data-parallel rank: the packed budget with packing, else sequences x the
-    sequence length."""
+    """Tokens of one micro-batch on one data-parallel rank: the token budget with packing or dynamic batching (a
+    logprob pass's where one is set), else sequences x the sequence length."""
     policy = cfg.policy
-    if policy.sequence_packing.enabled:
-        return policy.sequence_packing.tokens_per_microbatch
+    for section in (policy.sequence_packing, policy.dynamic_batching):
+        if section.enabled:
+            return section.budget(logprob=logprob)[1]
     sequences = policy.logprob_micro_batch_size if logprob else policy.train_micro_batch_size
     return sequences * policy.max_total_sequence_length
 

@@ -297,31 +297,39 @@ def pair_problems(cfg: "MrlConfig", dp: int) -> list[ConfigError]:
 def _length_problems(cfg: "MrlConfig") -> list[ConfigError]:
     out = []
     pol = cfg.policy
-    for name, section in (("sequence_packing", pol.sequence_packing), ("dynamic_batching", pol.dynamic_batching)):
-        if section.enabled and section.tokens_per_microbatch < pol.max_total_sequence_length:
-            out.append(
-                ConfigError(
-                    "the token budget must hold the longest sequence (policy.max_total_sequence_length)",
-                    key=f"policy.{name}.tokens_per_microbatch",
-                    given=section.tokens_per_microbatch,
-                    allowed=f">= {pol.max_total_sequence_length}",
+    for section in (pol.sequence_packing, pol.dynamic_batching):
+        for key, budget in sorted({section.budget(logprob=lp) for lp in (False, True)}):
+            if section.enabled and budget < pol.max_total_sequence_length:
+                out.append(
+                    ConfigError(
+                        "the token budget must hold the longest sequence (policy.max_total_sequence_length)",
+                        key=key,
+                        given=budget,
+                        allowed=f">= {pol.max_total_sequence_length}",
+                    )
                 )
-            )
     par = pol.parallel
     packing, dynamic = pol.sequence_packing, pol.dynamic_batching
     multiple = length_multiple(
         par.tensor_parallel_size, par.context_parallel_size, sequence_parallel=par.sequence_parallel
     )
-    out += [
-        _from_rule(v)
-        for v in micro_batching_violations(
-            packing=packing.enabled,
-            dynamic_batching=dynamic.enabled,
-            pp=par.pipeline_parallel_size,
-            multiple=multiple,
-            tokens_per_microbatch=(packing if packing.enabled else dynamic).tokens_per_microbatch,
-        )
-    ]
+    chosen = packing if packing.enabled else dynamic
+    for logprob in (False, True):  # the logprob pass's budget, where one is set, adds only its own violations
+        key, budget = chosen.budget(logprob=logprob)
+        if logprob and chosen.logprob_tokens_per_microbatch is None:
+            continue
+        out += [
+            _from_rule(v)
+            for v in micro_batching_violations(
+                packing=packing.enabled,
+                dynamic_batching=dynamic.enabled,
+                pp=par.pipeline_parallel_size,
+                multiple=multiple,
+                tokens_per_microbatch=budget,
+                budget_key=key,
+            )
+            if not logprob or v.key == key
+        ]
     if cfg.generation.max_new_tokens >= pol.max_total_sequence_length:
         out.append(
             ConfigError(

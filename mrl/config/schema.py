@@ -315,16 +315,38 @@ class SchedulerConfig(Section):
     decay_steps: Optional[int] = Field(default=None, ge=1, description="Steps of decay; None = the run's max steps.")
 
 
+def _budget(section: str, tokens: int, logprob_tokens: Optional[int], logprob: bool) -> tuple[str, int]:
+    if logprob and logprob_tokens is not None:
+        return f"policy.{section}.logprob_tokens_per_microbatch", logprob_tokens
+    return f"policy.{section}.tokens_per_microbatch", tokens
+
+
+_LOGPROB_BUDGET = (
+    "Token budget of one micro-batch of a logprob pass (the old policy's and the reference's): forward only, "
+    "nothing is kept for a backward, so it may exceed the training budget; null = tokens_per_microbatch."
+)
+
+
 class PackingConfig(Section):
     enabled: bool = Field(
         default=False, description="Pack sequences into micro-batches of a token budget (THD layout)."
     )
     tokens_per_microbatch: int = Field(default=4096, ge=1, description="Token budget of one packed micro-batch.")
+    logprob_tokens_per_microbatch: Optional[int] = Field(default=None, ge=1, description=_LOGPROB_BUDGET)
+
+    def budget(self, *, logprob: bool = False) -> tuple[str, int]:
+        """(its key, the tokens) of a training micro-batch's budget, or of a logprob pass's."""
+        return _budget("sequence_packing", self.tokens_per_microbatch, self.logprob_tokens_per_microbatch, logprob)
 
 
 class DynamicBatchingConfig(Section):
     enabled: bool = Field(default=False, description="Size micro-batches by a token budget (padded, no packing).")
     tokens_per_microbatch: int = Field(default=4096, ge=1, description="Token budget of one micro-batch.")
+    logprob_tokens_per_microbatch: Optional[int] = Field(default=None, ge=1, description=_LOGPROB_BUDGET)
+
+    def budget(self, *, logprob: bool = False) -> tuple[str, int]:
+        """(its key, the tokens) of a training micro-batch's budget, or of a logprob pass's."""
+        return _budget("dynamic_batching", self.tokens_per_microbatch, self.logprob_tokens_per_microbatch, logprob)
 
 
 class OffloadConfig(Section):

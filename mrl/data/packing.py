@@ -122,12 +122,18 @@ def _group_budget_error(group: list[int], tokens: int, budget: int, key: str) ->
 
 
 def pack_sequences(
-    lengths: Sequence[int], budget: int, *, multiple: int = 1, min_micro_batches: int = 1, group_size: int = 1
+    lengths: Sequence[int],
+    budget: int,
+    *,
+    multiple: int = 1,
+    min_micro_batches: int = 1,
+    group_size: int = 1,
+    key: str = "policy.sequence_packing.tokens_per_microbatch",
 ) -> MicroBatchPlan:
     """First-fit-decreasing packing of sequence `lengths` into micro-batches of at most `budget` tokens each.
     `min_micro_batches` splits the work into at least that many bins (e.g. so every pipeline stage has work).
-    Consecutive groups of `group_size` sequences are packed as one item (they stay in one micro-batch, in order)."""
-    key = "policy.sequence_packing.tokens_per_microbatch"
+    Consecutive groups of `group_size` sequences are packed as one item (they stay in one micro-batch, in order).
+    `key` names the budget in errors."""
     padded = _rounded(lengths, budget, multiple, key)
     groups = _groups(len(padded), group_size)
     sizes = [sum(padded[j] for j in g) for g in groups]
@@ -151,10 +157,17 @@ def pack_sequences(
     return MicroBatchPlan(bins, [int(x) for x in lengths], padded, budget, packed=True)
 
 
-def dynamic_batches(lengths: Sequence[int], budget: int, *, multiple: int = 1, group_size: int = 1) -> MicroBatchPlan:
+def dynamic_batches(
+    lengths: Sequence[int],
+    budget: int,
+    *,
+    multiple: int = 1,
+    group_size: int = 1,
+    key: str = "policy.dynamic_batching.tokens_per_microbatch",
+) -> MicroBatchPlan:
     """Padded micro-batches of similar lengths whose `rows * longest` (rounded) stays within `budget` tokens.
-    Consecutive groups of `group_size` sequences stay in one micro-batch (ordered by their longest member)."""
-    key = "policy.dynamic_batching.tokens_per_microbatch"
+    Consecutive groups of `group_size` sequences stay in one micro-batch (ordered by their longest member); `key`
+    names the budget in errors."""
     padded = _rounded(lengths, budget, multiple, key)
     groups = _groups(len(padded), group_size)
     longest_of = [max(padded[j] for j in g) for g in groups]

@@ -104,10 +104,17 @@ def layout_violations(
 
 
 def micro_batching_violations(
-    *, packing: bool, dynamic_batching: bool, tokens_per_microbatch: int, pp: int, multiple: int
+    *,
+    packing: bool,
+    dynamic_batching: bool,
+    tokens_per_microbatch: int,
+    pp: int,
+    multiple: int,
+    budget_key: str = "policy.sequence_packing.tokens_per_microbatch",
 ) -> list[Violation]:
     """Rules of token-budget micro-batches (`policy.sequence_packing` / `policy.dynamic_batching`): `multiple` is
-    `length_multiple` of the layout, `tokens_per_microbatch` the budget of whichever is enabled."""
+    `length_multiple` of the layout, `tokens_per_microbatch` the budget of whichever is enabled (named by
+    `budget_key`: the training budget or a logprob pass's)."""
     out: list[Violation] = []
     if packing and dynamic_batching:
         out.append(
@@ -131,7 +138,7 @@ def micro_batching_violations(
     elif packing and pp > 1 and tokens_per_microbatch % multiple:
         out.append(
             Violation(
-                "policy.sequence_packing.tokens_per_microbatch",
+                budget_key,
                 "with pipeline parallelism every pack "
                 "is padded to the budget, which must split over the sequence-splitting ranks "
                 "(tp with sequence parallel x 2*cp)",

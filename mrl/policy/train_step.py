@@ -199,9 +199,11 @@ def plan_micro_batches(
     *,
     packing: "PackingConfig | None" = None,
     dynamic_batching: "DynamicBatchingConfig | None" = None,
+    logprob: bool = False,
 ) -> MicroBatchPlan | None:
-    """The token-budget plan of this rank's batch, or None for fixed `micro_batch_size` rows. Deterministic in the
-    lengths, so every TP/PP/CP rank of a data-parallel group (same data) agrees on the number of micro-batches."""
+    """The token-budget plan of this rank's batch (a logprob pass's budget with `logprob`), or None for fixed
+    `micro_batch_size` rows. Deterministic in the lengths, so every TP/PP/CP rank of a data-parallel group (same
+    data) agrees on the number of micro-batches."""
     use_packing = packing is not None and packing.enabled
     use_dynamic = dynamic_batching is not None and dynamic_batching.enabled
     if not (use_packing or use_dynamic):
@@ -210,16 +212,21 @@ def plan_micro_batches(
     multiple = length_multiple(tp, ctx.cp_size, sequence_parallel=sequence_parallel)
     chosen = packing if use_packing else dynamic_batching
     assert chosen is not None  # enabled, so given (checked above)
-    budget = chosen.tokens_per_microbatch
+    key, budget = chosen.budget(logprob=logprob)
     problems = micro_batching_violations(
-        packing=use_packing, dynamic_batching=use_dynamic, tokens_per_microbatch=budget, pp=pp, multiple=multiple
+        packing=use_packing,
+        dynamic_batching=use_dynamic,
+        tokens_per_microbatch=budget,
+        pp=pp,
+        multiple=multiple,
+        budget_key=key,
     )
     if problems:
         raise ValueError(str(problems[0]))
     lengths = sequence_lengths(batch).tolist()
     if use_dynamic:
-        return dynamic_batches(lengths, budget, multiple=multiple, group_size=batch.group_size)
-    return pack_sequences(lengths, budget, multiple=multiple, group_size=batch.group_size)
+        return dynamic_batches(lengths, budget, multiple=multiple, group_size=batch.group_size, key=key)
+    return pack_sequences(lengths, budget, multiple=multiple, group_size=batch.group_size, key=key)
 
 
 def _predicting_space(batch: RankBatch, width: int) -> dict[str, torch.Tensor]:
@@ -518,10 +525,11 @@ def logprobs_of_batch(
     dynamic_batching: "DynamicBatchingConfig | None" = None,
 ) -> torch.Tensor | None:
     """[N, T] logprobs at token positions (position 0 is 0), in the original row order; None on ranks that are not
-    the last pipeline stage. Token-budget micro-batches as in `train_on_batch` (0 past each sequence's length)."""
+    the last pipeline stage. Token-budget micro-batches as in `train_on_batch`, of the logprob budget where one is
+    set (0 past each sequence's length)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    plan = plan_micro_batches(batch, model, ctx, packing=packing, dynamic_batching=dynamic_batching)
+    plan = plan_micro_batches(batch, model, ctx, packing=packing, dynamic_batching=dynamic_batching, logprob=True)
     mbs, seq_length, mb_rows = _micro_batches(batch, plan, micro_batch_size, model, ctx)
     collected: list[torch.Tensor] = []
 

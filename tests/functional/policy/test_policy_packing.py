@@ -87,10 +87,10 @@ def run(model_dir: str, modes: list, tp: int = 1, pp: int = 1, cp: int = 1, sp: 
         ctx = StepContext(dp_size=1, cp_rank=ps.get_context_parallel_rank(), cp_size=cp,
                           cp_group=ps.get_context_parallel_group(), is_last_stage=ps.is_pipeline_last_stage(),
                           vocab_size=hf_config["vocab_size"])
-        kind, tokens = mode or (None, 0)
-        budget = dict(packing=PackingConfig(enabled=True, tokens_per_microbatch=tokens) if kind == "packing" else None,
-                      dynamic_batching=DynamicBatchingConfig(enabled=True, tokens_per_microbatch=tokens)
-                      if kind == "dynamic" else None)
+        kind, tokens, logprob_tokens = (*mode, None)[:3] if mode else (None, 0, None)  # (kind, budget[, logprob's])
+        sizes = dict(enabled=True, tokens_per_microbatch=tokens, logprob_tokens_per_microbatch=logprob_tokens)
+        budget = dict(packing=PackingConfig(**sizes) if kind == "packing" else None,
+                      dynamic_batching=DynamicBatchingConfig(**sizes) if kind == "dynamic" else None)
         before = logprobs_of_batch([model], batch, micro_batch_size=4, ctx=ctx, **budget)
         loss_fn, step_batch = PGLoss(level), batch
         if gspo:
@@ -140,10 +140,13 @@ def assert_same_step(reference: dict, other: dict) -> None:
 
 @pytest.mark.parametrize("level", ["token", "sequence"])
 def test_packing_and_dynamic_batching_give_the_same_step_as_padded_micro_batches(model_dir, level):
-    reference, packed, dynamic = run_on_ranks(
-        run, world_size=1, args=(model_dir, [None, ("packing", 32), ("dynamic", 48)]), kwargs=dict(level=level))[0]
+    modes = [None, ("packing", 32), ("dynamic", 48), ("packing", 32, 96), ("dynamic", 48, 96)]
+    reference, packed, dynamic, *logprob_budgets = run_on_ranks(
+        run, world_size=1, args=(model_dir, modes), kwargs=dict(level=level))[0]
     assert_same_step(reference, packed)
     assert_same_step(reference, dynamic)
+    for result in logprob_budgets:  # logprob passes in micro-batches of their own budget
+        assert_same_step(reference, result)
     # the step really did change the weights (a no-op would pass the comparisons above)
     assert reference["metrics"][0]["loss"] != reference["metrics"][-1]["loss"]
     # packing efficiency = real / computed tokens (89 real): 2 x [4, 24] padded; packs hold exactly the sequences
@@ -157,8 +160,11 @@ def test_packing_and_dynamic_batching_give_the_same_step_as_padded_micro_batches
 @pytest.mark.parametrize("layout", [dict(tp=2), dict(tp=2, sp=True), dict(cp=2), dict(pp=2)],
                          ids=["tp2", "tp2-sp", "cp2", "pp2"])
 def test_packing_under_parallel_layouts(model_dir, layout):
-    for reference, packed in run_on_ranks(run, world_size=2, args=(model_dir, [None, ("packing", 32)]), kwargs=layout):
-        assert_same_step(reference, packed)
+    # with pipeline stages every pack has its budget's shape: a logprob pass's budget gives packs of another shape
+    modes = [None, ("packing", 32)] + ([("packing", 32, 64)] if "pp" in layout else [])
+    for reference, *packed in run_on_ranks(run, world_size=2, args=(model_dir, modes), kwargs=layout):
+        for result in packed:
+            assert_same_step(reference, result)
 
 
 def test_gspo_under_context_parallelism_and_packing_equals_one_rank(model_dir):

@@ -73,3 +73,19 @@ def test_sequence_parallelism_adds_its_gathered_input_to_the_peaks():
     no_sp = stage_activations(cfg, dims, (0, dims.num_layers), last_stage=False, padded_vocab=dims.vocab_size)
     _, one_layer = decoder_activations(dims, (0, 1), tokens=lp_tokens, tp=2, sequence_parallel=False, recompute=True)
     assert no_sp.working == 0 and no_sp.logprob_peak == one_layer
+
+
+def test_a_micro_batch_holds_its_token_budget_and_a_logprob_pass_its_own():
+    """With packing or dynamic batching a micro-batch is its token budget (a logprob pass's where one is set),
+    without them sequences x the longest length."""
+    cfg = load_config(RECIPES / "grpo-deepscaler-1.5b-8K.yaml")
+    policy = cfg.policy
+    policy.sequence_packing.enabled, policy.dynamic_batching.enabled = False, False
+    assert micro_batch_tokens(cfg) == policy.train_micro_batch_size * policy.max_total_sequence_length
+    assert micro_batch_tokens(cfg, logprob=True) == policy.logprob_micro_batch_size * policy.max_total_sequence_length
+    for section in (policy.sequence_packing, policy.dynamic_batching):
+        section.enabled, section.tokens_per_microbatch = True, 16384
+        assert micro_batch_tokens(cfg) == micro_batch_tokens(cfg, logprob=True) == 16384
+        section.logprob_tokens_per_microbatch = 32768
+        assert (micro_batch_tokens(cfg), micro_batch_tokens(cfg, logprob=True)) == (16384, 32768)
+        section.enabled = False

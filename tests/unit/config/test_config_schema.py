@@ -132,6 +132,25 @@ def test_token_budget_micro_batches_under_pipeline_parallelism():
     validate_tree(tree)  # 4100 = 4 * 1025
 
 
+def test_a_logprob_budget_is_checked_as_the_training_budget_and_named_by_its_own_key():
+    base = {"policy": {"max_total_sequence_length": 4096,
+                       "sequence_packing": {"enabled": True, "logprob_tokens_per_microbatch": 2048}}}
+    (p,) = problems(base)
+    assert p.key == "policy.sequence_packing.logprob_tokens_per_microbatch" and p.given == 2048
+    assert p.allowed == ">= 4096"
+    layout = {"pipeline_parallel_size": 2, "context_parallel_size": 2}
+    tree = {"cluster": {"devices_per_node": 4},
+            "policy": {"parallel": layout, "train_global_batch_size": 4,
+                       "sequence_packing": {"enabled": True, "tokens_per_microbatch": 4100,
+                                            "logprob_tokens_per_microbatch": 8194}}}
+    (p,) = problems(tree)  # the training budget's rules are not repeated for the logprob budget
+    assert p.key == "policy.sequence_packing.logprob_tokens_per_microbatch" and p.allowed == "a multiple of 4"
+    tree["policy"]["sequence_packing"]["logprob_tokens_per_microbatch"] = 8200
+    cfg = validate_tree(tree)
+    assert cfg.policy.sequence_packing.budget(logprob=True) == (
+        "policy.sequence_packing.logprob_tokens_per_microbatch", 8200)
+
+
 def test_the_length_multiple_the_workers_need_is_the_one_checked():
     """TP2 + SP, CP2, PP2: every sequence splits into 2*cp chunks, each over the tp ranks, so packs are multiples of
     tp * 2 * cp = 8 (the workers' rule); 12 used to pass here (lcm(2*cp, tp) = 4) and fail in every worker."""

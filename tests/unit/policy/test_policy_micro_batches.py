@@ -99,3 +99,39 @@ def test_budget_options_that_cannot_work_name_the_fix():
     assert plan_micro_batches(batch, pipelined, ctx) is None
     plan = plan_micro_batches(batch, pipelined, ctx, packing=PackingConfig(enabled=True, tokens_per_microbatch=16))
     assert plan.bins == [[0, 1]] and plan.budget == 16
+
+
+def test_a_logprob_pass_packs_by_its_own_budget_where_one_is_set():
+    """`logprob_tokens_per_microbatch`: the logprob pass's plan takes it (its errors name it); training keeps
+    `tokens_per_microbatch`; unset, both passes take the training budget."""
+    from types import SimpleNamespace
+
+    from mrl.config.schema import DynamicBatchingConfig, PackingConfig
+    from mrl.policy.train_step import plan_micro_batches
+
+    lengths = torch.tensor([8, 7, 6, 5, 4, 3])
+    mask = (torch.arange(8)[None, :] < lengths[:, None]).float()
+    batch = RankBatch(torch.ones(6, 8, dtype=torch.long), mask, lengths=lengths)
+    ctx = StepContext(dp_size=1, cp_rank=0, cp_size=1, cp_group=None, is_last_stage=True)
+    one_rank = [SimpleNamespace(config=SimpleNamespace(tensor_model_parallel_size=1, sequence_parallel=False,
+                                                       pipeline_model_parallel_size=1))]
+    for section in (PackingConfig(enabled=True, tokens_per_microbatch=8, logprob_tokens_per_microbatch=16),
+                    DynamicBatchingConfig(enabled=True, tokens_per_microbatch=8, logprob_tokens_per_microbatch=16)):
+        key = "dynamic_batching" if isinstance(section, DynamicBatchingConfig) else "sequence_packing"
+        kwargs = dict(packing=section) if key == "sequence_packing" else dict(dynamic_batching=section)
+        train = plan_micro_batches(batch, one_rank, ctx, **kwargs)
+        logprob = plan_micro_batches(batch, one_rank, ctx, logprob=True, **kwargs)
+        assert (train.budget, logprob.budget) == (8, 16) and len(logprob.bins) < len(train.bins), key
+        assert sorted(j for b in logprob.bins for j in b) == list(range(6))  # every sequence, once
+        assert section.budget(logprob=True) == (f"policy.{key}.logprob_tokens_per_microbatch", 16)
+        section.logprob_tokens_per_microbatch = None
+        assert plan_micro_batches(batch, one_rank, ctx, logprob=True, **kwargs).bins == train.bins
+    pipelined = [SimpleNamespace(config=SimpleNamespace(tensor_model_parallel_size=2, sequence_parallel=True,
+                                                        pipeline_model_parallel_size=2))]
+    odd = PackingConfig(enabled=True, tokens_per_microbatch=16, logprob_tokens_per_microbatch=17)
+    with pytest.raises(ValueError, match="logprob_tokens_per_microbatch: .*given 17; allowed: a multiple of 2"):
+        plan_micro_batches(batch, pipelined, ctx, packing=odd, logprob=True)
+    assert plan_micro_batches(batch, pipelined, ctx, packing=odd).budget == 16
+    too_small = PackingConfig(enabled=True, tokens_per_microbatch=8, logprob_tokens_per_microbatch=6)
+    with pytest.raises(ValueError, match="logprob_tokens_per_microbatch"):
+        plan_micro_batches(batch, one_rank, ctx, packing=too_small, logprob=True)
