@@ -591,6 +591,11 @@ def _train_fixes(cfg: MrlConfig, stage: StagePlan, total: int) -> list[str]:
             "fewer tokens per micro-batch (policy.sequence_packing.tokens_per_microbatch or "
             "policy.train_micro_batch_size), or policy.parallel.context_parallel_size"
         )
+    if stage.activations.logprob_peak > max(stage.activations.train_peak, total // 4):
+        fixes.append(
+            "fewer tokens per logprob micro-batch (policy.sequence_packing.logprob_tokens_per_microbatch or "
+            "policy.logprob_micro_batch_size)"
+        )
     fixes.append(
         "more model parallelism: policy.parallel.tensor_parallel_size, pipeline_parallel_size or (MoE) "
         "expert_parallel_size, on more GPUs"

@@ -315,9 +315,9 @@ def _length_problems(cfg: "MrlConfig") -> list[ConfigError]:
     )
     chosen = packing if packing.enabled else dynamic
     for logprob in (False, True):  # the logprob pass's budget, where one is set, adds only its own violations
-        key, budget = chosen.budget(logprob=logprob)
         if logprob and chosen.logprob_tokens_per_microbatch is None:
             continue
+        key, budget = chosen.budget(logprob=logprob)
         out += [
             _from_rule(v)
             for v in micro_batching_violations(

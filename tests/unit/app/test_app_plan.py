@@ -242,3 +242,16 @@ def test_lora_leaves_the_weights_and_gives_gradients_and_adam_to_the_adapters_al
     assert full.weights < lora.weights < 1.05 * full.weights
     assert lora.gradients < 0.05 * full.gradients and lora.optimizer < 0.05 * full.optimizer
     assert "LoRA rank 16 (the base frozen)" in render(make_plan(cfg), cfg)
+
+
+def test_a_logprob_budget_that_does_not_fit_is_named_among_the_fixes():
+    """The logprob pass holds one layer's activations and its logits: a logprob budget far above the training budget
+    makes it the peak, and the plan offers the logprob budget back."""
+    fits = make_plan(load_config(R1_8K))
+    assert fits.fits and not any("logprob" in fix for fix in fits.fixes)
+    huge = load_config(R1_8K, ["policy.sequence_packing.logprob_tokens_per_microbatch=1048576"])
+    plan = make_plan(huge)
+    stage = plan.stages[0]
+    assert stage.activations.logprob_peak > stage.activations.train_peak
+    assert not plan.fits
+    assert any("policy.sequence_packing.logprob_tokens_per_microbatch" in fix for fix in plan.fixes)
