@@ -10,8 +10,8 @@
 # fusions: tests/gpu/test_gpu_compiled_fusions.py, two Qwen3-0.6B-shaped layers with SwiGLU and RoPE compiled by
 #          torch.compile against megatron-core's unfused ones (`policy.speed.compiled_fusions`, on by default on a GPU
 #          without Transformer Engine): equal within bf16 rounding, the compile's seconds, the speed-up. It runs
-#          first: every later stage compiles the same kernels (where it fails, run them with the option off:
-#          `policy.speed.compiled_fusions=false`, the bench's path mrl_unfused)
+#          first: every later stage compiles the same kernels (where it fails, run the later stages with
+#          TORCH_COMPILE_DISABLE=1 in the environment: the same code paths, run as written)
 # shape  : tests/gpu/test_gpu_grpo_shape.py, 3 GRPO steps of a Qwen3-0.6B-shaped policy through Ray (random weights,
 #          ~1K-token responses, Megatron engine colocated): generation, refit, train and logprob speed, and the
 #          policy's peak memory per phase against `mrl plan`'s

@@ -123,9 +123,14 @@ def test_a_model_with_the_fusions_runs_them_and_computes_the_unfused_models_valu
 def test_inductor_compiles_the_fusions_into_the_model():
     """The real compile (inductor's C++ backend here, Triton on CUDA): the same logits and gradients as the unfused
     model within fp32 rounding (the fused kernels keep intermediates in registers and reassociate)."""
+    from torch._dynamo.utils import counters
+
     torch._dynamo.reset()
+    counters.clear()
     unfused_logits, unfused_grads = _packed_forward_and_grads(compiled=False)
+    assert counters["stats"]["unique_graphs"] == 0
     logits, grads = _packed_forward_and_grads(compiled=True)
+    assert counters["stats"]["unique_graphs"] >= 2  # the rotation and megatron-core's SwiGLU (forward, backward)
     torch.testing.assert_close(logits, unfused_logits, rtol=1e-5, atol=1e-5)
     for name, grad in grads.items():
         torch.testing.assert_close(grad, unfused_grads[name], rtol=1e-4, atol=1e-5, msg=name)
