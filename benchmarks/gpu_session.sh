@@ -10,8 +10,8 @@
 # fusions: tests/gpu/test_gpu_compiled_fusions.py, two Qwen3-0.6B-shaped layers with SwiGLU and RoPE compiled by
 #          torch.compile against megatron-core's unfused ones (`policy.speed.compiled_fusions`, on by default on a GPU
 #          without Transformer Engine): equal within bf16 rounding, the compile's seconds, the speed-up. It runs
-#          first: every later stage compiles the same kernels (where it fails, run the later stages with
-#          TORCH_COMPILE_DISABLE=1 in the environment: the same code paths, run as written)
+#          first: every later stage compiles the same kernels (where it fails, the later stages of the call run
+#          with TORCH_COMPILE_DISABLE=1: the same code paths, run as written)
 # shape  : tests/gpu/test_gpu_grpo_shape.py, 3 GRPO steps of a Qwen3-0.6B-shaped policy through Ray (random weights,
 #          ~1K-token responses, Megatron engine colocated): generation, refit, train and logprob speed, and the
 #          policy's peak memory per phase against `mrl plan`'s
@@ -57,7 +57,11 @@ stage() {  # stage NAME SECONDS COMMAND...: run it under a limit, its output in 
 for s in $stages; do
     case $s in
     fusions) MRL_GPU_REPORT="$OUT/gpu-tier-fusions.json" stage fusions 120 \
-        python3 -m pytest tests/gpu/test_gpu_compiled_fusions.py -q -s -p no:cacheprovider ;;
+        python3 -m pytest tests/gpu/test_gpu_compiled_fusions.py -q -s -p no:cacheprovider
+        if ! grep -q " passed" "$OUT/fusions.log"; then  # the later stages run the same paths as written
+            export TORCH_COMPILE_DISABLE=1
+            echo "== fusions failed: the later stages run with TORCH_COMPILE_DISABLE=1"
+        fi ;;
     tier) MRL_GPU_REPORT="$OUT/gpu-tier-speed.json" stage tier 150 \
         python3 -m pytest tests/gpu/test_gpu_speed.py tests/gpu/test_gpu_dynamic_engine.py -k "attention or dynamic" \
         -q -s -p no:cacheprovider ;;
