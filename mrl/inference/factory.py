@@ -238,6 +238,7 @@ def megatron_engine_config(cfg: "MrlConfig", model_path: str, *, load_weights: b
     as for vLLM)."""
     from mrl.inference.megatron_backend import MegatronEngineConfig
 
+    fusions = cfg.policy.speed.compiled_fusions  # the engine computes as the policy does
     return MegatronEngineConfig(
         model_path=model_path,
         load_weights=load_weights,
@@ -248,6 +249,7 @@ def megatron_engine_config(cfg: "MrlConfig", model_path: str, *, load_weights: b
         return_routing=cfg.policy.moe.router_replay != "off",
         engine=cfg.generation.megatron.engine,
         kv_block_tokens=cfg.generation.megatron.kv_block_tokens,
+        compiled_fusions=None if fusions == "auto" else fusions,
     )
 
 

@@ -108,6 +108,9 @@ class MegatronEngineConfig:
     in-flight batching over a paged KV cache, mrl/inference/megatron_dynamic.py)."""
     kv_block_tokens: int = DEFAULT_BLOCK_TOKENS
     """Tokens per block of the dynamic engine's paged KV cache."""
+    compiled_fusions: Optional[bool] = None
+    """SwiGLU and RoPE as torch.compile's kernels without Transformer Engine (`policy.speed.compiled_fusions`);
+    None: on a GPU where torch.compile works (`transformer_config_from_hf`)."""
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -250,7 +253,7 @@ class MegatronBackend:
                 "the Megatron dynamic engine does not run multi-latent attention models yet (its latent KV "
                 "cache): use generation.megatron.engine=static for this model"
             )
-        self.model = _build_model(self.hf_config, _DTYPES[config.dtype])
+        self.model = _build_model(self.hf_config, _DTYPES[config.dtype], config.compiled_fusions)
         if config.load_weights:
             self._load(load_hf_state(config.model_path))
         self.vocab_size = int(self.hf_config["vocab_size"])
@@ -417,7 +420,7 @@ def _release_cached_memory() -> None:
         torch.cuda.empty_cache()
 
 
-def _build_model(hf_config: Mapping[str, Any], dtype: torch.dtype) -> Any:
+def _build_model(hf_config: Mapping[str, Any], dtype: torch.dtype, compiled_fusions: Optional[bool]) -> Any:
     """The model of `hf_config` at TP1 (process groups created if needed), with the KV-cache-aware attention."""
     from megatron.core import parallel_state
 
@@ -430,5 +433,6 @@ def _build_model(hf_config: Mapping[str, Any], dtype: torch.dtype) -> Any:
             f"the Megatron generation backend runs at TP1/PP1, but this process's groups are "
             f"tp={tp}, pp={pp}: build it in a process of its own"
         )
-    model = build_model(hf_config, transformer_config_from_hf(hf_config, params_dtype=dtype))
+    config = transformer_config_from_hf(hf_config, params_dtype=dtype, compiled_fusions=compiled_fusions)
+    model = build_model(hf_config, config)
     return model.eval()

@@ -224,6 +224,10 @@ def test_factory_builds_the_megatron_backend_from_the_config(backend, model_dir)
     settings = megatron_engine_config(cfg, str(model_dir))
     assert (settings.max_model_len, settings.dtype, settings.seed) == (MAX_MODEL_LEN, "float32", 7)
     assert (settings.engine, settings.kv_block_tokens) == (backend.config.engine, 16)
+    assert settings.compiled_fusions is None  # auto: decided where the engine runs
+    cfg.policy.speed.compiled_fusions = False
+    assert megatron_engine_config(cfg, str(model_dir)).compiled_fusions is False
+    cfg.policy.speed.compiled_fusions = "auto"
     engine = build_generation(cfg, str(model_dir), placement=None)
     assert isinstance(engine, MegatronBackend)
     greedy = SamplingConfig(temperature=0.0, max_new_tokens=5, ignore_eos=True)
