@@ -298,26 +298,25 @@ def _length_problems(cfg: "MrlConfig") -> list[ConfigError]:
     out = []
     pol = cfg.policy
     for section in (pol.sequence_packing, pol.dynamic_batching):
-        for key, budget in sorted({section.budget(logprob=lp) for lp in (False, True)}):
-            if section.enabled and budget < pol.max_total_sequence_length:
-                out.append(
-                    ConfigError(
-                        "the token budget must hold the longest sequence (policy.max_total_sequence_length)",
-                        key=key,
-                        given=budget,
-                        allowed=f">= {pol.max_total_sequence_length}",
-                    )
-                )
+        budgets = {section.budget(), section.budget(logprob=True)}  # one where no logprob budget is set
+        out += [
+            ConfigError(
+                "the token budget must hold the longest sequence (policy.max_total_sequence_length)",
+                key=key,
+                given=budget,
+                allowed=f">= {pol.max_total_sequence_length}",
+            )
+            for key, budget in sorted(budgets)
+            if section.enabled and budget < pol.max_total_sequence_length
+        ]
     par = pol.parallel
     packing, dynamic = pol.sequence_packing, pol.dynamic_batching
     multiple = length_multiple(
         par.tensor_parallel_size, par.context_parallel_size, sequence_parallel=par.sequence_parallel
     )
     chosen = packing if packing.enabled else dynamic
-    for logprob in (False, True):  # the logprob pass's budget, where one is set, adds only its own violations
-        if logprob and chosen.logprob_tokens_per_microbatch is None:
-            continue
-        key, budget = chosen.budget(logprob=logprob)
+    train_key = chosen.budget()[0]
+    for key, budget in sorted({chosen.budget(), chosen.budget(logprob=True)}):
         out += [
             _from_rule(v)
             for v in micro_batching_violations(
@@ -328,7 +327,7 @@ def _length_problems(cfg: "MrlConfig") -> list[ConfigError]:
                 tokens_per_microbatch=budget,
                 budget_key=key,
             )
-            if not logprob or v.key == key
+            if key == train_key or v.key == key  # the logprob budget adds only its own violations
         ]
     if cfg.generation.max_new_tokens >= pol.max_total_sequence_length:
         out.append(

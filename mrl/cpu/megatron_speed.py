@@ -152,6 +152,13 @@ def packed_positions(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
     return tokens - offsets[sequence]
 
 
+def frequencies_per_token(freqs: torch.Tensor, cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
+    """[total, ...] the rotary frequencies of each packed token: `freqs` itself where it holds one row per packed
+    token (megatron-core's branch for them; without context parallelism its per-sequence slices tile the pack in
+    order), else the rows at each token's position within its own sequence."""
+    return freqs if freqs.size(0) == total else freqs[packed_positions(cu_seqlens, total)]
+
+
 def packed_rope_in_one_gather(patch: Patcher) -> None:
     """Packed (thd) RoPE without context parallelism gathers its frequencies in one indexing op (speed; bit-equal).
 
@@ -191,10 +198,9 @@ def packed_rope_in_one_gather(patch: Patcher) -> None:
                 cp_group=cp_group,
                 multi_latent_attention=multi_latent_attention,
             )
-        per_token = freqs.size(0) == t.shape[0]  # Megatron's offsets then slice [0, T) in order
         return rope_utils._apply_rotary_pos_emb_bshd(
             t.unsqueeze(1),
-            freqs if per_token else freqs[packed_positions(cu_seqlens, t.shape[0])],
+            frequencies_per_token(freqs, cu_seqlens, t.shape[0]),
             rotary_interleaved=rotary_interleaved,
             mla_rotary_interleaved=mla_rotary_interleaved,
             mscale=mscale,

@@ -148,7 +148,7 @@ def transformer_config_from_hf(
     dims = model_dims(hf_config)
     te = transformer_engine_available() if use_te is None else use_te
     fusions = te  # the fused kernels need CUDA (and mostly TE/Apex); on CPU every fusion is off
-    compiled = not te and (_compiles_here() if compiled_fusions is None else compiled_fusions)
+    compiled = not te and (torch_compile_works_here() if compiled_fusions is None else compiled_fusions)
     kwargs: dict[str, Any] = dict(
         num_layers=dims.num_layers,
         hidden_size=dims.hidden_size,
@@ -198,7 +198,7 @@ def transformer_config_from_hf(
     return TransformerConfig(**kwargs)
 
 
-def _compiles_here() -> bool:
+def torch_compile_works_here() -> bool:
     """Whether torch.compile generates kernels on this process's GPU (False without one)."""
     from mrl.model.compiled_kernels import inductor_works
 

@@ -24,11 +24,11 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 import torch
 
-from mrl.cpu.megatron_speed import packed_positions
+from mrl.cpu.megatron_speed import frequencies_per_token
 
 log = logging.getLogger(__name__)
 _compiled: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None
@@ -55,9 +55,9 @@ def _rotate_compiled() -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     return _compiled
 
 
-def rope_bshd(t: torch.Tensor, freqs: torch.Tensor, transpose_output_memory: bool = False, interleaved: bool = False):
-    """Stands for Transformer Engine's `fused_apply_rotary_pos_emb` (megatron-core's call: `(t, freqs,
-    interleaved=...)`); `transpose_output_memory` is a layout hint of TE's, with no effect on the values."""
+def rope_bshd(t: torch.Tensor, freqs: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
+    """Stands for Transformer Engine's `fused_apply_rotary_pos_emb` as megatron-core calls it: `(t, freqs,
+    interleaved=...)`."""
     if interleaved:
         from megatron.core.models.common.embeddings import rope_utils
 
@@ -72,7 +72,6 @@ def rope_thd(
     cp_size: int = 1,
     cp_rank: int = 0,
     interleaved: bool = False,
-    **unused: Any,
 ) -> torch.Tensor:
     """Stands for Transformer Engine's `fused_apply_rotary_pos_emb_thd` without context parallelism: each packed
     token rotated by its position within its own sequence (the positions computed on the device)."""
@@ -81,8 +80,7 @@ def rope_thd(
             f"mrl's compiled packed RoPE has no context parallelism (context_parallel_size={cp_size}); "
             "mrl.model.build sets apply_rope_fusion only without it"
         )
-    if freqs.size(0) != t.shape[0]:  # a table by position; one row per packed token is used as it is
-        freqs = freqs[packed_positions(cu_seqlens, t.shape[0])]
+    freqs = frequencies_per_token(freqs, cu_seqlens, t.shape[0])
     return rope_bshd(t.unsqueeze(1), freqs, interleaved=interleaved).squeeze(1)
 
 

@@ -176,17 +176,17 @@ def speed_settings(cfg: PolicyConfig, *, data_parallel: int) -> SpeedSettings:
         fused_wgrad=fused_wgrad_available(),
         data_parallel=data_parallel,
         distributed_optimizer=cfg.optimizer.use_distributed_optimizer,
-        compiles=cuda and cfg.speed.compiled_fusions == "auto" and _inductor_works(),
+        compiles=cfg.speed.compiled_fusions == "auto" and _inductor_works(),
     )
 
 
 def _inductor_works() -> bool:
     """Whether torch.compile generates kernels on this rank's GPU, asked only where `auto` needs the answer: not
     where Transformer Engine brings its own fused kernels."""
-    from mrl.model.compiled_kernels import inductor_works
+    from mrl.model.build import torch_compile_works_here
     from mrl.parallel.attention import transformer_engine_available
 
-    return not transformer_engine_available() and inductor_works()
+    return not transformer_engine_available() and torch_compile_works_here()
 
 
 def transformer_config(hf_config: dict[str, Any], overrides: dict[str, Any]) -> Any:

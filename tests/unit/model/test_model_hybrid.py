@@ -71,20 +71,8 @@ def test_the_split_moves_into_the_pattern_while_the_model_is_built():
     assert config.num_layers_in_first_pipeline_stage == 2
 
 
-@pytest.fixture(scope="module")
-def world_of_one():
-    from mrl.cpu import megatron_patches
-    from mrl.parallel.groups import destroy_process_groups, init_process_groups
-    from mrl.parallel.layout import ParallelDims
-
-    megatron_patches.apply()
-    init_process_groups(ParallelDims(), seed=1234)
-    yield
-    destroy_process_groups()
-
-
 @pytest.mark.parametrize("moe", [False, True])
-def test_mrls_model_is_a_hybrid_model_whose_names_are_the_converters(world_of_one, moe):
+def test_mrls_model_is_a_hybrid_model_whose_names_are_the_converters(megatron_world_of_one, moe):
     from megatron.core.models.hybrid.hybrid_model import HybridModel
 
     from converters import model_dims, param_rules
