@@ -291,7 +291,7 @@ def test_the_compiled_fusions_sample_transformers_logprobs(backend, model_dir, h
         return compiled_kernels.rotate(t, freqs)
 
     original_apply = fused_bias_swiglu.SwiGLUFunction.apply
-    monkeypatch.setattr(build, "_compiles_here", lambda: True)
+    monkeypatch.setattr(build, "torch_compile_works_here", lambda: True)
     monkeypatch.setattr(compiled_kernels, "_compiled", rotate)
     monkeypatch.setattr(fused_bias_swiglu.SwiGLUFunction, "apply",
                         lambda *args: calls.append("swiglu") or original_apply(*args))
