@@ -20,10 +20,12 @@ sequence) until --step-tokens real tokens; a policy-gradient loss normalised by 
 Logprob passes take micro-batches of --logprob-micro-tokens (default --micro-tokens), every path: mrl through
 `policy.sequence_packing.logprob_tokens_per_microbatch`, hf and bare in padded micro-batches of that budget.
 Each path runs alone on the device (the others' memory freed): one warm-up step, then --reps timed steps and
-logprob passes. Tokens/s counts the batch's real tokens. MFU against --peak-tflops (989: dense bf16 of an H100 or
-H200) by two formulas: prime-rl's (6 x matmul parameters + 12 x layers x heads x head size x sequence length, per
-token) and 6N alone (matmul parameters, the output layer included). Each path's logprobs of the loss tokens are
-compared with the hf path's (bf16 differs path to path by rounding, not by a bug: the mean is the figure to read).
+logprob passes. A path out of memory at the budgets asked runs again at half of them, down to a micro-batch of the
+longest sequence, and its row names the budgets it ran at (`fitted`). Tokens/s counts the batch's real tokens.
+MFU against --peak-tflops (989: dense bf16 of an H100 or H200) by two formulas: prime-rl's (6 x matmul parameters
++ 12 x layers x heads x head size x sequence length, per token) and 6N alone (matmul parameters, the output layer
+included). Each path's logprobs of the loss tokens are compared with the hf path's (bf16 differs path to path by
+rounding, not by a bug: the mean is the figure to read).
 
     python benchmarks/gpu_policy_throughput.py --shapes qwen3-0.6b qwen2.5-1.5b [--json results/gpu-policy.json]
     python benchmarks/gpu_policy_throughput.py --shapes tiny --step-tokens 2048 --micro-tokens 1024 \
@@ -34,6 +36,7 @@ Figures: docs/measurements.md ("Policy throughput at real shapes").
 from __future__ import annotations
 
 import argparse
+import collections
 import functools
 import gc
 import json
@@ -377,11 +380,44 @@ def time_path(path: str, config: dict, state: dict, batch, args) -> dict:
             "peak_gib": peak, "logprobs": first}
 
 
-def host_syncs(work) -> "collections.Counter[str]":
+def _free_device_memory() -> None:
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def fitted(path: str, config: dict, state: dict, batch, args, measure=None) -> dict:
+    """`time_path` at the largest micro-batch budgets that fit: after an out-of-memory error both budgets (train and
+    logprob) are halved and the path built again, while a micro-batch still holds the longest sequence (bare
+    megatron-core's local attention keeps [rows, heads, T, T] scores: a 16K-token padded micro-batch does not fit
+    where mrl's packed one does). The result names the budgets it ran at, and those that did not fit."""
+    import torch
+
+    measure = measure or time_path
+    budgets, too_large = argparse.Namespace(**vars(args)), []
+    while True:
+        try:
+            result = measure(path, config, state, batch, budgets)
+            break
+        except torch.OutOfMemoryError as err:
+            too_large.append(budgets.micro_tokens)
+            reason = str(err).splitlines()[0]
+        _free_device_memory()  # the failed build's tensors, released with the exception
+        if budgets.micro_tokens // 2 < args.max_len:
+            return {"error": f"out of memory at micro-batches of {', '.join(map(str, too_large))} tokens "
+                             f"(the last: {reason})", "too_large": too_large}
+        budgets.micro_tokens //= 2
+        budgets.logprob_micro_tokens = max(budgets.logprob_micro_tokens // 2, args.max_len)
+    return {**result, "micro_tokens": budgets.micro_tokens, "logprob_micro_tokens": budgets.logprob_micro_tokens,
+            "too_large": too_large}
+
+
+def host_syncs(work) -> collections.Counter[str]:
     """Every call inside `work()` that made the host wait for the device (the warnings of torch's sync debug mode:
     reads to the host, copies from pageable host memory, explicit synchronisations), counted by the source line
     that made it. CUDA only."""
-    import collections
     import warnings
 
     import torch
@@ -424,26 +460,22 @@ def bench_shape(shape: str, args) -> dict:
     config = hf_config(shape, args.max_len)
     torch.manual_seed(0)
     with torch.device(_device()):
-        source = AutoModelForCausalLM.from_config(_hf_config_object(config), dtype=torch.float32)  # HF's own initialisation
+        # HF's own initialisation
+        source = AutoModelForCausalLM.from_config(_hf_config_object(config), dtype=torch.float32)
     state = {k: v.detach().cpu() for k, v in source.state_dict().items()}
     del source
     batch = make_batch(args.step_tokens, args.min_len, args.max_len, config["vocab_size"])
     flops = flops_per_step(config, batch[3].tolist())
     results = {}
     for path in args.paths:
-        try:
-            results[path] = time_path(path, config, state, batch, args)
-        except torch.OutOfMemoryError as err:
-            results[path] = {"error": f"out of memory: {str(err).splitlines()[0]}"}
+        results[path] = fitted(path, config, state, batch, args)
         if args.progress:
             with open(args.progress, "a") as f:
                 f.write(json.dumps({"shape": shape, "path": path, **{k: v for k, v in results[path].items()
                                                                        if k != "logprobs"}}, default=str) + "\n")
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        _free_device_memory()
     reference = results.get("hf", {}).get("logprobs")
-    for path, result in results.items():
+    for result in results.values():
         lp = result.pop("logprobs", None)
         if lp is not None and reference is not None and lp.shape == reference.shape:
             diff = (lp - reference).abs()
@@ -470,8 +502,17 @@ def table(results: list[dict], args) -> str:
             peak = f"{r['peak_gib']:10.1f}" if r["peak_gib"] is not None else f"{'-':>10}"
             lines.append(f"{shape['shape']:14}{path:12}{r['train_tok_s']:13.0f}{100 * r['mfu_prime_rl']:6.1f}%"
                          f"{100 * r['mfu_6n']:7.1f}%{r['logprob_tok_s']:15.0f}{r['logprob_over_train']:9.2f}{peak}"
-                         f"{ratio}   " + (f"{check['mean']:.2e} ({check['max']:.1e})" if check else "-"))
+                         f"{ratio}   " + (f"{check['mean']:.2e} ({check['max']:.1e})" if check else "-")
+                         + _budget_note(r, args))
     return "\n".join(lines)
+
+
+def _budget_note(result: dict, args) -> str:
+    """Where a path ran at smaller micro-batches than asked (`fitted`): the budgets it ran at."""
+    if not result.get("too_large"):
+        return ""
+    return (f"   [micro-batches of {result['micro_tokens']} tokens ({result['logprob_micro_tokens']} in logprob "
+            f"passes): {', '.join(map(str, result['too_large']))} did not fit]")
 
 
 def main(argv=None) -> list[dict]:

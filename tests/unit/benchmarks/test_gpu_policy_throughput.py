@@ -52,3 +52,33 @@ def test_the_three_paths_compute_the_same_logprobs_on_cpu(bench, tmp_path):
         assert paths[name]["logprob_vs_hf"]["max"] < 1e-5, name
         assert paths[name]["train_tok_s"] > 0 and paths[name]["logprob_tok_s"] > 0
     assert (tmp_path / "out.json").exists()
+
+
+def test_a_path_out_of_memory_runs_at_the_largest_budgets_that_fit(bench):
+    """`fitted` halves both budgets after each out-of-memory error (a fake path that fits 4,096-token micro-batches),
+    names those that did not fit, and gives up in one error when a micro-batch could no longer hold the longest
+    sequence."""
+    import argparse
+
+    import torch
+
+    args = argparse.Namespace(micro_tokens=16_384, logprob_micro_tokens=32_768, max_len=2048)
+    seen = []
+
+    def measure(path, config, state, batch, budgets):
+        seen.append((budgets.micro_tokens, budgets.logprob_micro_tokens))
+        if budgets.micro_tokens > 4096:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 8.00 GiB\nmore lines")
+        return {"train_tok_s": 1.0}
+
+    result = bench.fitted("bare", {}, {}, None, args, measure=measure)
+    assert seen == [(16_384, 32_768), (8192, 16_384), (4096, 8192)]
+    assert result == {"train_tok_s": 1.0, "micro_tokens": 4096, "logprob_micro_tokens": 8192,
+                      "too_large": [16_384, 8192]}
+    assert args.micro_tokens == 16_384  # the next path starts from the budgets asked
+    assert "4096 tokens (8192 in logprob passes): 16384, 8192 did not fit" in bench._budget_note(result, args)
+
+    never = bench.fitted("bare", {}, {}, None, argparse.Namespace(micro_tokens=8192, logprob_micro_tokens=8192,
+                                                                  max_len=8192), measure=measure)
+    assert never["error"] == ("out of memory at micro-batches of 8192 tokens (the last: CUDA out of memory. "
+                              "Tried to allocate 8.00 GiB)")
