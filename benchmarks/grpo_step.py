@@ -212,7 +212,7 @@ def run_floor(args: argparse.Namespace, out_dir: Path) -> list[dict]:
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
-    from mrl.app.runtime import INITIAL_MODEL_DIR, build_initial_model
+    from mrl.app.starting_model import INITIAL_MODEL_DIR, build_initial_model
     from mrl.config import load_config
     from mrl.data.dataloader import PromptDataLoader
     from mrl.data.tasks import load_task_data
@@ -323,7 +323,7 @@ def _train(model, optimizer, prompt_ids, prompt_mask, responses, response_mask, 
 def _same_initial_model(root: Path) -> Optional[bool]:
     """Whether the floor's model folder holds the same weights as mrl sync's, in the first round (None when one is
     missing)."""
-    from mrl.app.runtime import INITIAL_MODEL_DIR
+    from mrl.app.starting_model import INITIAL_MODEL_DIR
 
     files = [root / _run_dir(mode, 1) / INITIAL_MODEL_DIR / "model.safetensors" for mode in ("floor", "sync")]
     if not all(f.is_file() for f in files):

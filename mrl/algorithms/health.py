@@ -186,104 +186,80 @@ def _group_advantages_only(cfg: Any) -> bool:
 
 def step_causes(cfg: Any, metrics: dict[str, float], rollouts: Any) -> list[Cause]:
     """The conditions that held for the whole step, each with its figures and its fix."""
-    causes = []
-    longest_prompt = int(metrics.get("train/prompt_tokens_max", 0))
+    return _signal_causes(cfg, metrics, rollouts) + _cut_causes(cfg, rollouts) + _reward_causes(cfg, metrics, rollouts)
+
+
+def _signal_causes(cfg: Any, metrics: dict[str, float], rollouts: Any) -> list[Cause]:
+    """Why the step had nothing to learn from: no prompt kept, every advantage 0, no sample kept."""
     kl = cfg.loss.kl_beta > 0
     if metrics["train/prompts_rejected_fraction"] >= 1.0:
         limit = prompt_token_limit(cfg)
-        causes.append(
-            Cause(
-                "prompts too long",
-                (
-                    f"every prompt of the step was rejected for length: the longest has {longest_prompt} tokens, and "
-                    "a prompt "
-                    f"may take {limit} (the engine's context {limit + cfg.generation.max_new_tokens} less "
-                    f"generation.max_new_tokens={cfg.generation.max_new_tokens}). Fix: {_LENGTH_FIX}, shorten "
-                    "data.instruction or the prompts, or set generation.overlong_prompt=truncate"
-                ),
-                idle=True,
-            )
+        longest_prompt = int(metrics.get("train/prompt_tokens_max", 0))
+        message = (
+            f"every prompt of the step was rejected for length: the longest has {longest_prompt} tokens, and a "
+            f"prompt may take {limit} (the engine's context {limit + cfg.generation.max_new_tokens} less "
+            f"generation.max_new_tokens={cfg.generation.max_new_tokens}). Fix: {_LENGTH_FIX}, shorten "
+            "data.instruction or the prompts, or set generation.overlong_prompt=truncate"
         )
-    elif metrics["train/zero_variance_groups"] >= 1.0 and _group_advantages_only(cfg):
+        return [Cause("prompts too long", message, idle=True)]
+    if metrics["train/zero_variance_groups"] >= 1.0 and _group_advantages_only(cfg):
         seen = sorted({round(float(r), 4) for r in rollouts.rewards.tolist()})
         effect = "learns only from the KL term" if kl else "changes nothing"
         if len(seen) == 1 and seen[0] > 0:
-            causes.append(
-                Cause(
-                    "all solved",
-                    (
-                        f"every sample of the step got the same reward, {seen[0]:g}: the model solves every problem "
-                        "of the "
-                        f"step, so every advantage is 0 and the step {effect}. Not counted as idle (the run is not "
-                        "stuck); "
-                        "if it goes on, the data is too easy for the model: harder problems, or fewer steps"
-                    ),
-                    idle=False,
-                )
+            message = (
+                f"every sample of the step got the same reward, {seen[0]:g}: the model solves every problem of the "
+                f"step, so every advantage is 0 and the step {effect}. Not counted as idle (the run is not stuck); "
+                "if it goes on, the data is too easy for the model: harder problems, or fewer steps"
             )
-        else:
-            causes.append(
-                Cause(
-                    "equal rewards",
-                    f"every group's rewards were equal (rewards seen: {_few(seen)}): "
-                    f"every advantage is 0, so the step {effect}. {_equal_rewards_fix(cfg)}",
-                    idle=not kl,
-                )
-            )
-    elif metrics.get("train/kept_samples", 1.0) == 0:
-        causes.append(
-            Cause(
-                "no samples",
-                "no sample of the step was kept for training (every response empty, or "
-                "every group dropped by grpo.dynamic_sampling)",
-                idle=True,
-            )
+            return [Cause("all solved", message, idle=False)]
+        message = (
+            f"every group's rewards were equal (rewards seen: {_few(seen)}): "
+            f"every advantage is 0, so the step {effect}. {_equal_rewards_fix(cfg)}"
         )
-    if _all_cut_or_empty(rollouts):
-        empty = sum(not text.strip() for text in rollouts.responses)
-        causes.append(
-            Cause(
-                "responses cut",
-                (
-                    f"every response was cut at generation.max_new_tokens={cfg.generation.max_new_tokens} before it "
-                    "ended" + (f" ({empty} of {len(rollouts.responses)} were empty)" if empty else "") + ": raise "
-                    "generation.max_new_tokens (and policy.max_total_sequence_length with it), or ask for shorter "
-                    "answers in "
-                    "data.instruction"
-                ),
-                idle=False,
-            )
+        return [Cause("equal rewards", message, idle=not kl)]
+    if metrics.get("train/kept_samples", 1.0) == 0:
+        message = (
+            "no sample of the step was kept for training (every response empty, or every group dropped by "
+            "grpo.dynamic_sampling)"
         )
+        return [Cause("no samples", message, idle=True)]
+    return []
+
+
+def _cut_causes(cfg: Any, rollouts: Any) -> list[Cause]:
+    """Every response cut at the generation limit."""
+    if not _all_cut_or_empty(rollouts):
+        return []
+    empty = sum(not text.strip() for text in rollouts.responses)
+    message = (
+        f"every response was cut at generation.max_new_tokens={cfg.generation.max_new_tokens} before it ended"
+        + (f" ({empty} of {len(rollouts.responses)} were empty)" if empty else "")
+        + ": raise generation.max_new_tokens (and policy.max_total_sequence_length with it), or ask for shorter "
+        "answers in data.instruction"
+    )
+    return [Cause("responses cut", message, idle=False)]
+
+
+def _reward_causes(cfg: Any, metrics: dict[str, float], rollouts: Any) -> list[Cause]:
+    """The reward failed on every sample, or found no answer in any."""
     if metrics["train/reward_error_fraction"] >= 1.0:
         example = rollouts.reward_errors[0] if rollouts.reward_errors else "no message"
-        causes.append(
-            Cause(
-                "reward failed",
-                (
-                    f"the reward failed on every sample ({example}), so each scored 0: fix what the message names (a "
-                    "gold "
-                    "answer the environment cannot read is a data problem; a timeout: raise env.timeout_s)"
-                ),
-                idle=False,
-            )
+        message = (
+            f"the reward failed on every sample ({example}), so each scored 0: fix what the message names (a gold "
+            "answer the environment cannot read is a data problem; a timeout: raise env.timeout_s)"
         )
-    elif metrics.get("train/unparsed_fraction", 0.0) >= 1.0:
+        return [Cause("reward failed", message, idle=False)]
+    if metrics.get("train/unparsed_fraction", 0.0) >= 1.0:
         named = list(cfg.envs.items()) or [("", cfg.env)]
         formats = [(name, _ANSWER_FORMATS.get(env.kind, f"the answer kind={env.kind} reads")) for name, env in named]
         expected = "; ".join(f"{name}: {form}" if name else form for name, form in formats)
-        causes.append(
-            Cause(
-                "no answer found",
-                (
-                    f"the reward found no answer in any response that ended, e.g. {_excerpt(rollouts)}; it reads "
-                    f"{expected}: ask for that format in data.instruction (or prompt_template), or use an environment "
-                    "that "
-                    "reads the model's format"
-                ),
-                idle=False,
-            )
+        message = (
+            f"the reward found no answer in any response that ended, e.g. {_excerpt(rollouts)}; it reads "
+            f"{expected}: ask for that format in data.instruction (or prompt_template), or use an environment that "
+            "reads the model's format"
         )
-    return causes
+        return [Cause("no answer found", message, idle=False)]
+    return []
 
 
 def _all_cut_or_empty(rollouts: Any) -> bool:

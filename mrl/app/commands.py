@@ -39,7 +39,8 @@ from mrl.app.results import (
     save_summary,
     summary_on_stop,
 )
-from mrl.app.runtime import Runtime, load_tokenizer, resolve_model, start_runtime
+from mrl.app.runtime import Runtime, start_runtime
+from mrl.app.starting_model import load_tokenizer, resolve_model
 from mrl.app.storage import storage_guard
 from mrl.config.errors import ConfigError
 from mrl.config.schema import MrlConfig

@@ -86,7 +86,12 @@ def model_facts(policy: "PolicyConfig") -> Optional[ModelFacts]:
 
 
 def _model_problems(cfg: "MrlConfig", facts: ModelFacts) -> list[ConfigError]:
-    """The parallel sizes against the model: heads over TP, layers over PP, experts over EP."""
+    """The configuration against the model: the policy's layout, its MoE settings, the engines'."""
+    return _layout_problems(cfg, facts) + _moe_problems(cfg, facts) + _engine_model_problems(cfg, facts)
+
+
+def _layout_problems(cfg: "MrlConfig", facts: ModelFacts) -> list[ConfigError]:
+    """The policy's parallel sizes against the model: heads over TP, layers over PP, experts over EP."""
     par = cfg.policy.parallel
     tp, pp, ep = par.tensor_parallel_size, par.pipeline_parallel_size, par.expert_parallel_size
     out = []
@@ -144,6 +149,27 @@ def _model_problems(cfg: "MrlConfig", facts: ModelFacts) -> list[ConfigError]:
                 allowed=f"a divisor of {facts.experts}: {_divisors(facts.experts)}",
             )
         )
+    return out
+
+
+def _moe_problems(cfg: "MrlConfig", facts: ModelFacts) -> list[ConfigError]:
+    """The policy's mixture-of-experts settings against the model."""
+    replay = cfg.policy.moe.router_replay
+    if replay != "off" and facts.experts is None:
+        return [
+            ConfigError(
+                "router replay needs a mixture-of-experts model; this one is dense",
+                key="policy.moe.router_replay",
+                given=replay,
+                allowed="off",
+            )
+        ]
+    return []
+
+
+def _engine_model_problems(cfg: "MrlConfig", facts: ModelFacts) -> list[ConfigError]:
+    """The generation engines' settings against the model: what the Megatron dynamic engine runs, vLLM's layout."""
+    out = []
     if _dynamic_megatron_engine(cfg) and facts.latent_attention:
         out.append(
             ConfigError(
@@ -152,16 +178,6 @@ def _model_problems(cfg: "MrlConfig", facts: ModelFacts) -> list[ConfigError]:
                 given="dynamic",
                 allowed="static",
                 fix="set generation.megatron.engine=static for this model",
-            )
-        )
-    replay = cfg.policy.moe.router_replay
-    if replay != "off" and facts.experts is None:
-        out.append(
-            ConfigError(
-                "router replay needs a mixture-of-experts model; this one is dense",
-                key="policy.moe.router_replay",
-                given=replay,
-                allowed="off",
             )
         )
     vllm_tp = cfg.generation.vllm.tensor_parallel_size

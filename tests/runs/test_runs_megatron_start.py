@@ -34,7 +34,7 @@ def runs(tmp_path_factory) -> Iterator[dict[str, Path]]:
     """The initial model as an HF folder and converted; GRPO from each and `mrl eval` from the converted one, started
     together (most of a run's time is Ray and the workers starting); the temporary folder of the GRPO run from the
     Megatron folder."""
-    from mrl.app.runtime import build_initial_model
+    from mrl.app.starting_model import build_initial_model
     from mrl.config import load_config
 
     root = tmp_path_factory.mktemp("start")

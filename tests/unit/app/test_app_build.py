@@ -1,4 +1,4 @@
-"""A random model of a given shape (`policy.build`, mrl/app/runtime.py): a real model's head size and vocabulary,
+"""A random model of a given shape (`policy.build`, mrl/app/starting_model.py): a real model's head size and vocabulary,
 and a clear error for a vocabulary the built tokenizer does not fit."""
 
 import json
@@ -7,7 +7,7 @@ import pytest
 from safetensors import safe_open
 from transformers import PreTrainedTokenizerFast
 
-from mrl.app.runtime import build_initial_model
+from mrl.app.starting_model import build_initial_model
 from mrl.config import load_config
 from mrl.config.errors import ConfigError
 from mrl.testing.runs import RECIPE
