@@ -8,11 +8,11 @@ from typing import Any, Iterable
 import yaml
 from pydantic import ValidationError
 
-from mrl.config.checks import errors_from_validation
 from mrl.config.errors import CONFIG_ERROR_EXIT_CODE, ConfigError
 from mrl.config.loader import apply_overrides, deep_merge, load_yaml_tree, resolve
 from mrl.config.recipes import find_recipe
 from mrl.config.schema import MrlConfig
+from mrl.config.validation_errors import errors_from_validation
 
 __all__ = ["CONFIG_ERROR_EXIT_CODE", "ConfigError", "MrlConfig", "load_config", "validate_tree", "to_yaml"]
 

@@ -1,4 +1,5 @@
-"""Cross-field rules of the config tree, and the translation of pydantic errors into user-facing ConfigErrors.
+"""Cross-field rules of the config tree (the environments' in env_checks.py; pydantic's own errors become
+ConfigErrors in validation_errors.py).
 
 Rules the runtime applies too are not written here but called: the parallel layout, the length multiple and the
 micro-batching rules (mrl.parallel.layout), pass@k (mrl.objectives.passk). Each is written once, so a config
@@ -8,14 +9,12 @@ this check accepts is one the workers run. Imports the schema for annotations on
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
-from pydantic import BaseModel, ValidationError
-
-from mrl.config.errors import ConfigError, suggest
+from mrl.config.env_checks import environment_problems
+from mrl.config.errors import ConfigError
 from mrl.objectives.passk import pass_k_problem
 from mrl.parallel.layout import (
     Violation,
@@ -36,7 +35,7 @@ def cross_field_problems(cfg: "MrlConfig") -> list[ConfigError]:
         *_batch_problems(cfg),
         *_length_problems(cfg),
         *_misc_problems(cfg),
-        *_environment_problems(cfg),
+        *environment_problems(cfg),
         *_ppo_problems(cfg),
     ]
 
@@ -417,155 +416,6 @@ def _misc_problems(cfg: "MrlConfig") -> list[ConfigError]:
 
 
 #: What a name in `envs` may hold: it becomes part of metric names (train/env/<name>/reward).
-_ENV_NAME = re.compile(r"[A-Za-z0-9_-]+")
-
-
-def _environment_problems(cfg: "MrlConfig") -> list[ConfigError]:
-    """A run with several environments (`envs` + `data.sources`): both or neither, every source naming a known
-    environment and one kind of rows, weights that sum to something positive."""
-    data, envs = cfg.data, cfg.envs
-    if not envs and not data.sources:
-        if cfg.env.kind == "nemo_gym" and cfg.env.nemo_gym is None:
-            return [
-                ConfigError(
-                    "a NeMo Gym environment needs its nemo_gym section",
-                    key="env.nemo_gym",
-                    fix="env.nemo_gym={server: workplace_assistant} (a folder of NeMo Gym's resources_servers)",
-                )
-            ]
-        return []
-    if not data.sources:
-        return [
-            ConfigError(
-                "`envs` names environments but no data source uses them",
-                key="data.sources",
-                fix="add data.sources, one per dataset: {env: NAME, train: FILE, weight: W}",
-            )
-        ]
-    if not envs:
-        return [
-            ConfigError(
-                "data.sources name environments, and `envs` defines none",
-                key="envs",
-                fix="define each source's environment: envs: {NAME: {kind: arith}}",
-            )
-        ]
-    out = [_env_problem(name, env) for name, env in envs.items()]
-    single = [key for key in ("train", "val", "arith") if getattr(data, key) is not None]
-    if single:
-        out.append(
-            ConfigError(
-                f"data.{single[0]} and data.sources both give the rows",
-                key=f"data.{single[0]}",
-                fix=f"move data.{single[0]} into a source of data.sources (or drop data.sources)",
-            )
-        )
-    for i, source in enumerate(data.sources):
-        out += _source_problems(f"data.sources[{i}]", source, sorted(envs))
-    weights = [source.weight for source in data.sources]
-    if sum(weights) <= 0:
-        out.append(
-            ConfigError(
-                "the sources' weights sum to 0: no source would give a training prompt",
-                key="data.sources",
-                given=weights,
-                allowed="weights >= 0 summing to more than 0",
-                fix="give the sources to train on a positive weight (e.g. 1 each)",
-            )
-        )
-    used = {source.env for source in data.sources}
-    unused = [name for name in envs if name not in used and None not in used]  # rows may name any (data.env_key)
-    out += [
-        ConfigError(
-            f"envs.{name} is named by no data source",
-            key=f"envs.{name}",
-            fix=f"add a source with env: {name}, or remove envs.{name}",
-        )
-        for name in unused
-    ]
-    return [problem for problem in out if problem is not None]
-
-
-def _env_problem(name: str, env: Any) -> Optional[ConfigError]:
-    """What a named environment cannot be: its name must fit a metric name; a server needs its section; no reward
-    model (yet)."""
-    if not _ENV_NAME.fullmatch(name):
-        return ConfigError(
-            "an environment's name becomes part of metric names",
-            key=f"envs.{name}",
-            given=name,
-            allowed="letters, digits, '_' and '-'",
-            fix="rename it, e.g. envs.my_task",
-        )
-    if env.kind == "server" and env.server is None:
-        return ConfigError(
-            "a resource-server environment needs its server section",
-            key=f"envs.{name}.server",
-            fix=f"envs.{name}.server={{example: guess_number}}, or {{url: http://HOST:PORT}} of a running server",
-        )
-    if env.kind == "nemo_gym" and env.nemo_gym is None:
-        return ConfigError(
-            "a NeMo Gym environment needs its nemo_gym section",
-            key=f"envs.{name}.nemo_gym",
-            fix=f"envs.{name}.nemo_gym={{server: workplace_assistant}} (a folder of NeMo Gym's resources_servers)",
-        )
-    if env.reward_model is not None:
-        return ConfigError(
-            "a reward model cannot score one environment of several yet",
-            key=f"envs.{name}.reward_model",
-            fix="drop it, or train on that environment alone with env.reward_model",
-        )
-    return None
-
-
-def _source_problems(key: str, source: Any, names: list[str]) -> list[ConfigError]:
-    out = _reasoning_gym_problems(f"{key}.reasoning_gym", source.reasoning_gym)
-    if source.env is None and (source.arith is not None or source.reasoning_gym is not None):
-        out.append(
-            ConfigError(
-                "generated rows name no environment",
-                key=f"{key}.env",
-                fix=f"set {key}.env to one of: {', '.join(names)}",
-            )
-        )
-    elif source.env is not None and source.env not in names:
-        near = suggest(source.env, names)
-        out.append(
-            ConfigError(
-                f"no environment named {source.env!r}",
-                key=f"{key}.env",
-                given=source.env,
-                allowed=", ".join(names),
-                fix=f"{key}.env={near or names[0]}, or add it to envs",
-            )
-        )
-    files = source.train is not None or source.val is not None
-    kinds = [
-        kind
-        for kind, given in (("files", files), ("arith", source.arith), ("reasoning_gym", source.reasoning_gym))
-        if given
-    ]
-    if len(kinds) != 1:
-        out.append(
-            ConfigError(
-                "a source gives its rows from files (train, val), the arithmetic task or reasoning-gym: one of them",
-                key=key,
-                given=" and ".join(kinds) or "none",
-                fix=f"set {key}.train (and .val), {key}.arith or {key}.reasoning_gym",
-            )
-        )
-    elif source.weight > 0 and files and source.train is None:
-        out.append(
-            ConfigError(
-                "a source with a weight trains on its rows, and this one has no training rows",
-                key=f"{key}.weight",
-                given=source.weight,
-                fix=f"set {key}.train, or {key}.weight=0 (validation only)",
-            )
-        )
-    return out
-
-
 def _async_problems(cfg: "MrlConfig") -> list[ConfigError]:
     """Asynchronous GRPO trains on samples of the policy before the last update: the loss must correct for that, and
     the engine must generate while the policy trains (devices of its own)."""
@@ -662,99 +512,3 @@ def _dynamic_megatron_engine(cfg: "MrlConfig") -> bool:
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def errors_from_validation(exc: ValidationError, model: type[BaseModel], given_tree: dict[str, Any]) -> ConfigError:
-    """One ConfigError listing every pydantic error with its dotted key, the given value and what is allowed."""
-    problems: list[ConfigError] = []
-    for err in exc.errors():
-        loc = [str(p) for p in err["loc"]]
-        key = ".".join(loc)
-        inner = (err.get("ctx") or {}).get("error")
-        if isinstance(inner, ConfigError):
-            problems.extend(inner.problems or [inner])
-        elif err["type"] == "extra_forbidden":
-            problems.append(_unknown_key(model, loc, err.get("input")))
-        else:
-            problems.append(
-                ConfigError(
-                    err["msg"], key=key or None, given=err.get("input") if loc else None, allowed=_allowed(model, loc)
-                )
-            )
-    return problems[0] if len(problems) == 1 else ConfigError("", problems=problems)
-
-
-def _unknown_key(model: type[BaseModel], loc: list[str], given: Any) -> ConfigError:
-    parent = _model_at(model, loc[:-1])
-    known = sorted(parent.model_fields) if parent else []
-    close = suggest(loc[-1], known)
-    prefix = ".".join(loc[:-1])
-    fix = f"did you mean '{prefix + '.' if prefix else ''}{close}'?" if close else None
-    return ConfigError(
-        "unknown key",
-        key=".".join(loc),
-        given=given,
-        allowed=f"keys under {prefix or 'the top level'}: {', '.join(known)}",
-        fix=fix,
-    )
-
-
-def _model_at(model: type[BaseModel], loc: list[str]) -> type[BaseModel] | None:
-    """The pydantic model class at a dotted location (list indices skipped), or None."""
-    current: Any = model
-    for part in loc:
-        if part.isdigit():
-            continue
-        field = current.model_fields.get(part) if isinstance(current, type) and issubclass(current, BaseModel) else None
-        if field is None:
-            return None
-        current = _unwrap(field.annotation)
-    return current if isinstance(current, type) and issubclass(current, BaseModel) else None
-
-
-def _unwrap(annotation: Any) -> Any:
-    """Optional[X] / list[X] -> X, so nested models can be found."""
-    for arg in getattr(annotation, "__args__", ()) or ():
-        if isinstance(arg, type) and issubclass(arg, BaseModel):
-            return arg
-    return annotation
-
-
-def _allowed(model: type[BaseModel], loc: list[str]) -> str | None:
-    """The `Literal` choices or the description of the field at `loc`, when there is one."""
-    parent = _model_at(model, loc[:-1])
-    field = parent.model_fields.get(loc[-1]) if parent and loc else None
-    if field is None:
-        return None
-    choices = getattr(field.annotation, "__args__", ())
-    if getattr(field.annotation, "__origin__", None) is not None and str(field.annotation).startswith("typing.Literal"):
-        return "one of " + ", ".join(repr(c) for c in choices)
-    return field.description
-
-
-def _reasoning_gym_problems(key: str, rg: Any) -> list[ConfigError]:
-    """The task weights of a reasoning-gym source (names and configs are checked where the rows are generated,
-    against the installed package)."""
-    if rg is None:
-        return []
-    weights = list(rg.tasks.values())
-    if not weights or min(weights) < 0 or sum(weights) <= 0:
-        return [
-            ConfigError(
-                "reasoning-gym's task weights must be >= 0 and sum to more than 0",
-                key=f"{key}.tasks",
-                given=dict(rg.tasks),
-                fix=f"{key}.tasks={{basic_arithmetic: 1, chain_sum: 1}}: each task to draw with a positive weight",
-            )
-        ]
-    unused = sorted(set(rg.config) - set(rg.tasks))
-    if unused:
-        return [
-            ConfigError(
-                f"a config for tasks the source does not draw: {unused}",
-                key=f"{key}.config",
-                allowed=", ".join(sorted(rg.tasks)),
-                fix=f"add them to {key}.tasks, or remove their configs",
-            )
-        ]
-    return []
