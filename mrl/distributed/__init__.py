@@ -1,5 +1,5 @@
 """Ray orchestration: the cluster and its placements (cluster.py) and worker groups of one actor per rank
-(worker_group.py), with the batch sharding contract in batch.py.
+(worker_group.py; waiting on their calls: group_calls.py), with the batch sharding contract in batch.py.
 
 The names below load on first use (PEP 562), so `mrl.distributed.env` and `mrl.distributed.batch` import without
 Ray: the GPU tier runs on machines that have none (tests/gpu)."""
@@ -23,11 +23,11 @@ _HOMES = {
     "Deadlines": "deadlines",
     "Work": "deadlines",
     "DataParallelLayout": "worker_group",
-    "GroupFuture": "worker_group",
+    "GroupFuture": "group_calls",
     "WorkerGroup": "worker_group",
-    "WorkerInfo": "worker_group",
-    "result_watching": "worker_group",
-    "wait_all": "worker_group",
+    "WorkerInfo": "group_calls",
+    "result_watching": "group_calls",
+    "wait_all": "group_calls",
 }
 
 if TYPE_CHECKING:
@@ -35,14 +35,8 @@ if TYPE_CHECKING:
     from mrl.distributed.cluster import Bundle, Placement, RayCluster
     from mrl.distributed.deadlines import Deadlines, Work
     from mrl.distributed.errors import ClusterResourceError, WorkerDiedError, WorkerError, WorkerTimeoutError
-    from mrl.distributed.worker_group import (
-        DataParallelLayout,
-        GroupFuture,
-        WorkerGroup,
-        WorkerInfo,
-        result_watching,
-        wait_all,
-    )
+    from mrl.distributed.group_calls import GroupFuture, WorkerInfo, result_watching, wait_all
+    from mrl.distributed.worker_group import DataParallelLayout, WorkerGroup
 
 
 def __getattr__(name: str) -> Any:

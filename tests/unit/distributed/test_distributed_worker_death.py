@@ -14,8 +14,8 @@ import pytest
 import ray
 
 from mrl.distributed.errors import WorkerDiedError
-from mrl.distributed import worker_group
-from mrl.distributed.worker_group import WorkerInfo, _worker_exception
+from mrl.distributed import group_calls
+from mrl.distributed.group_calls import WorkerInfo, _worker_exception
 
 pytestmark = pytest.mark.unit
 
@@ -38,7 +38,7 @@ def _gone(pid: int) -> bool:
 
 
 def test_a_worker_reported_dead_before_it_exits_has_its_orphans_killed_once_it_has(tmp_path, monkeypatch):
-    monkeypatch.setattr(worker_group, "_local_node_id", lambda: "this-node")  # asking Ray would start a cluster
+    monkeypatch.setattr(group_calls, "_local_node_id", lambda: "this-node")  # asking Ray would start a cluster
     child_file = tmp_path / "child"
     worker = subprocess.Popen([sys.executable, "-c", WORKER, str(child_file), "0.5"], start_new_session=True)
     try:
