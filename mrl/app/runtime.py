@@ -214,14 +214,13 @@ class Runtime:
         self.cluster.shutdown()
 
 
-def _start_groups(
-    runtime: Runtime, placement: Placement, specs: dict[str, Optional[PolicySpec]], share: float, *, engine: bool
-) -> bool:
+def _start_groups(runtime: Runtime, specs: dict[str, Optional[PolicySpec]], share: float, *, engine: bool) -> bool:
     """Start the engine (if `engine`) and a worker group per spec that is not None (the policy's, "policy", and those
-    beside it) on `placement` (the runtime's). The groups start side by side (each spends seconds importing and
-    building its model); colocated, the others build theirs once the engine sleeps (see the module docstring).
-    Returns whether they waited for it."""
-    cfg = runtime.cfg
+    beside it) on the runtime's placement. The groups start side by side (each spends seconds importing and building
+    its model); colocated, the others build theirs once the engine sleeps (see the module docstring). Returns
+    whether they waited for it."""
+    cfg, placement = runtime.cfg, runtime.placement
+    assert placement is not None  # reserved by start_runtime first
     groups = any(spec is not None for spec in specs.values())
     asleep = _EngineAsleep() if engine and cfg.generation.colocated and groups else None
     wait = asleep.wait if asleep else None
@@ -310,7 +309,7 @@ def start_runtime(
         runtime.placement = reserve_placement(cfg, cluster)
         _models_on_every_node(runtime.placement, _model_folders(cfg, source))
         share = group_share(cfg, engine=engine, others=len(sharing))
-        if _start_groups(runtime, runtime.placement, {"policy": main, **sides}, share, engine=engine):
+        if _start_groups(runtime, {"policy": main, **sides}, share, engine=engine):
             _report_start_order(runtime, started)
         _arm_watchdogs(runtime)
         if engine and runtime.source.is_megatron:  # an engine started from the config alone gets the weights now
