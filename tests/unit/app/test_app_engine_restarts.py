@@ -163,8 +163,9 @@ class _Checkpoints:
         return done
 
 
-def _config(**generation: Any) -> MrlConfig:
+def _config(output_dir: Path, **generation: Any) -> MrlConfig:
     return MrlConfig.model_validate({
+        "run": {"output_dir": str(output_dir)},  # the run writes its validation samples there
         "grpo": {"num_prompts_per_step": 4, "num_generations_per_prompt": 4, "max_num_steps": 3, "val_every": 2,
                  "max_idle_steps": 0},
         "policy": {"train_global_batch_size": 16, "max_total_sequence_length": 16},
@@ -172,10 +173,10 @@ def _config(**generation: Any) -> MrlConfig:
         "logger": {"log_every": 1}})
 
 
-def _grpo_run(monkeypatch, faults: _Faults, **generation: Any) -> tuple[dict, Runtime]:
+def _grpo_run(monkeypatch, tmp_path: Path, faults: _Faults, **generation: Any) -> tuple[dict, Runtime]:
     """A GRPO run of three steps (validation at steps 0, 2 and 3) on the fakes: its logged metrics by step."""
     tokenizer = build_arith_tokenizer()
-    cfg = _config(**generation)
+    cfg = _config(tmp_path / "run", **generation)
     monkeypatch.setattr(runtime_module, "_build_engine",
                         lambda runtime, share, *, load_weights: _Engines(faults, tokenizer, load_weights=load_weights))
     runtime = Runtime(cfg, ModelSource(Path("model")), tokenizer, SimpleNamespace(shutdown=lambda: None),
@@ -225,10 +226,10 @@ MOMENTS = {
 
 @pytest.mark.parametrize("moment", list(MOMENTS))
 def test_an_engine_that_dies_at_any_moment_is_replaced_and_the_run_logs_what_an_uninterrupted_run_logs(
-        monkeypatch, capsys, moment):
-    uninterrupted, _ = _grpo_run(monkeypatch, _Faults())
+        monkeypatch, tmp_path, capsys, moment):
+    uninterrupted, _ = _grpo_run(monkeypatch, tmp_path, _Faults())
     faults = _Faults(MOMENTS[moment])
-    faulted, runtime = _grpo_run(monkeypatch, faults)
+    faulted, runtime = _grpo_run(monkeypatch, tmp_path, faults)
     assert faults.struck == [MOMENTS[moment]]  # it died where it should have
     assert runtime.engine_restarts == 1
     assert _results(faulted) == _results(uninterrupted)
@@ -237,11 +238,11 @@ def test_an_engine_that_dies_at_any_moment_is_replaced_and_the_run_logs_what_an_
     assert f"[mrl] engine rank 0 died in '{method}'; restarting the engines" in capsys.readouterr().err
 
 
-def test_a_replacement_that_dies_while_starting_is_one_restart_more(monkeypatch, capsys):
-    uninterrupted, _ = _grpo_run(monkeypatch, _Faults())
+def test_a_replacement_that_dies_while_starting_is_one_restart_more(monkeypatch, tmp_path, capsys):
+    uninterrupted, _ = _grpo_run(monkeypatch, tmp_path, _Faults())
     # the first engine dies waking for step 1; its replacement dies in its own start, the next one takes over
     faults = _Faults(("prepare_for_generation", 2), ("VllmEngineWorker.__init__", 2))
-    faulted, runtime = _grpo_run(monkeypatch, faults)
+    faulted, runtime = _grpo_run(monkeypatch, tmp_path, faults)
     assert runtime.engine_restarts == 2 and len(faults.struck) == 2
     assert _results(faulted) == _results(uninterrupted)
     err = capsys.readouterr().err
@@ -251,10 +252,10 @@ def test_a_replacement_that_dies_while_starting_is_one_restart_more(monkeypatch,
         in err
 
 
-def test_past_max_restarts_the_death_itself_ends_the_run(monkeypatch, capsys):
+def test_past_max_restarts_the_death_itself_ends_the_run(monkeypatch, tmp_path, capsys):
     faults = _Faults(("prepare_for_generation", 2), ("VllmEngineWorker.__init__", 2))
     with pytest.raises(WorkerDiedError) as died:
-        _grpo_run(monkeypatch, faults, max_restarts=1)
+        _grpo_run(monkeypatch, tmp_path, faults, max_restarts=1)
     assert died.value.method == "VllmEngineWorker.__init__"  # the replacement's death, not a consequence of it
     assert "the engine is not restarted: generation.max_restarts=1 restart(s) used up" in capsys.readouterr().err
 
