@@ -103,13 +103,17 @@ def paged_attention(
     kv heads, d]; cu_seqlens_q [requests + 1] offsets into q's tokens; seqlens_k [requests] keys per request (cached
     and new); block_table [requests, max blocks]. Returns [tokens, 1, heads, d]; rows past the last request's queries
     (padding) are zero. No sliding window, no attention sinks, no latent (MLA) cache. Requests are attended in
-    groups, each padded to its longest query and key run (at most `SCORES_PER_CALL` scores a group).
+    groups, each padded to its longest query and key run (at most `SCORES_PER_CALL` scores a group). A decode-only
+    step (the same number of queries per request: megatron-core's own reshape of q) reads nothing back to the host
+    (`_decode_attention`); the other steps read each request's query and key counts.
     """
     window = getattr(self.config, "window_size", None)
     if softmax_offset is not None or (window is not None and tuple(window) != (-1, -1)):
         raise NotImplementedError("mrl's torch paged attention has no attention sinks or sliding window")
     heads, dim = q.shape[-2], q.shape[-1]
     scale = getattr(self, "softmax_scale", None) or dim**-0.5
+    if is_decode_only and q.shape[0] % max(seqlens_k.shape[0], 1) == 0:
+        return _decode_attention(q, k, v, max_seqlen_k, seqlens_k, block_table, scale).unsqueeze(1)
     queries, out = q.reshape(-1, heads, dim), torch.zeros(q.shape[0], heads, dim, dtype=q.dtype, device=q.device)
     starts, key_counts = cu_seqlens_q[:-1].tolist(), seqlens_k.tolist()
     query_counts = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).tolist()
@@ -124,6 +128,64 @@ def paged_attention(
     if group:
         _attend(queries, out, k, v, block_table, group, starts, query_counts, key_counts, scale)
     return out.unsqueeze(1)
+
+
+def _gathered(
+    k: torch.Tensor, v: torch.Tensor, table: torch.Tensor, k_count: torch.Tensor, most_k: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first `most_k` keys and values of each request whose blocks `table` [requests, blocks] names, as
+    [requests, most_k, kv heads, d]. Past a request's own `k_count` keys the gathered rows are cache memory never
+    written (torch.empty: possibly NaN), and a masked key still multiplies its value by 0: zeroed, they cannot turn
+    a row into NaN."""
+    unused = (torch.arange(most_k, device=k.device)[None, :] >= k_count[:, None])[:, :, None, None]
+    keys = k[table].flatten(1, 2)[:, :most_k].masked_fill(unused, 0)
+    values = v[table].flatten(1, 2)[:, :most_k].masked_fill(unused, 0)
+    return keys, values
+
+
+def _decode_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    max_seqlen_k: int,
+    seqlens_k: torch.Tensor,
+    block_table: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """A decode-only step's attention, with nothing read back to the host: every request has the same number of
+    queries (q's rows / requests, in request order: the last of its keys), so the shapes follow from q's and from
+    `max_seqlen_k`, a host integer the context computes from its own host copies. Returns [tokens, heads, d].
+
+    The general path reads each request's query and key counts to the host (a GPU waits for them, in every attention
+    layer of every step); the decode steps, nearly all of a generation's, skip that. Requests are attended in
+    groups of at most `SCORES_PER_CALL` scores, as there; a request without keys (padding) gets zeros.
+    """
+    requests = seqlens_k.shape[0]
+    per_request, heads, dim = q.shape[0] // requests, q.shape[-2], q.shape[-1]
+    most_k = min(max(max_seqlen_k, 1), block_table.shape[1] * k.shape[1])
+    blocks = math.ceil(most_k / k.shape[1])
+    queries = q.reshape(requests, per_request, heads, dim).transpose(1, 2)  # [requests, heads, per_request, d]
+    key = torch.arange(most_k, device=q.device)
+    step = torch.arange(per_request, device=q.device)
+    rows_per_call = max(1, SCORES_PER_CALL // (per_request * most_k))
+    outs = []
+    for first in range(0, requests, rows_per_call):
+        rows = slice(first, first + rows_per_call)
+        k_count = seqlens_k[rows].long()
+        table = block_table[rows, :blocks].long().clamp(min=0)  # unused entries (-1) name a block the mask hides
+        keys, values = _gathered(k, v, table, k_count, most_k)  # [rows, keys, kv heads, d]
+        position = (k_count[:, None] - per_request) + step  # [rows, per_request]
+        mask = (key <= position[:, :, None]) & (key < k_count[:, None, None])  # [rows, per_request, keys]
+        attended = torch.nn.functional.scaled_dot_product_attention(
+            queries[rows],
+            keys.transpose(1, 2),
+            values.transpose(1, 2),
+            attn_mask=mask[:, None],
+            scale=scale,
+            enable_gqa=True,
+        )  # [rows, heads, per_request, d]; a request without keys: NaN rows
+        outs.append(torch.where((k_count > 0)[:, None, None, None], attended, 0).transpose(1, 2))
+    return torch.cat(outs).reshape(q.shape[0], heads, dim).to(q.dtype)
 
 
 def _attend(
@@ -150,11 +212,7 @@ def _attend(
     q_count = torch.tensor([query_counts[r] for r in group], device=device)
     k_count = torch.tensor([key_counts[r] for r in group], device=device)
     key = torch.arange(most_k, device=device)
-    # Past a request's own keys the gathered rows are cache memory never written (torch.empty: possibly NaN), and a
-    # masked key still multiplies its value by 0: zeroed, they cannot turn a row into NaN.
-    unused = (key[None, :] >= k_count[:, None])[:, :, None, None]  # [group, keys, 1, 1]
-    keys = k[table].flatten(1, 2)[:, :most_k].masked_fill(unused, 0)  # [group, keys, kv heads, d]
-    values = v[table].flatten(1, 2)[:, :most_k].masked_fill(unused, 0)
+    keys, values = _gathered(k, v, table, k_count, most_k)  # [group, keys, kv heads, d]
     rows = torch.tensor([starts[r] for r in group], device=device)[:, None] + step  # [group, most_q]
     real = step[None, :] < q_count[:, None]
     position = (k_count - q_count)[:, None] + step  # each query's position among its request's keys

@@ -659,6 +659,45 @@ def test_paged_attention_equals_causal_attention_over_each_requests_keys(monkeyp
     assert got[10:].abs().sum() == 0
 
 
+@pytest.mark.parametrize("per_request", [1, 2])  # 2: speculative decoding's shape
+def test_decode_only_paged_attention_reads_nothing_back_and_equals_the_general_path(monkeypatch, per_request):
+    """A decode-only step attends with shapes known on the host (no `.tolist()` of the GPU's counts, no boolean
+    indexing: nothing a GPU waits on in each layer of each step): the same outputs as the general path, zeros for a
+    padding request (no keys, no blocks)."""
+    from mrl.cpu import megatron_dynamic
+    from mrl.cpu.megatron_dynamic import paged_attention
+
+    torch.manual_seed(0)
+    heads, kv_heads, dim, block, blocks = 4, 2, 8, 4, 16
+    key_counts = [9, 2, 13, 0]  # the last: a padding request, as megatron-core pads a step's requests
+    table = torch.tensor([[7, 2, 14, -1], [5, -1, -1, -1], [11, 3, 0, 9], [-1, -1, -1, -1]])
+    k_cache, v_cache = (torch.full((blocks, block, kv_heads, dim), math.nan) for _ in range(2))
+    for r, n_k in enumerate(key_counts):
+        for i in range(n_k):
+            k_cache[table[r, i // block], i % block] = torch.randn(kv_heads, dim)
+            v_cache[table[r, i // block], i % block] = torch.randn(kv_heads, dim)
+    q = torch.randn(len(key_counts) * per_request, 1, heads, dim)
+    real = 3 * per_request
+    cu = torch.tensor([0, per_request, 2 * per_request, real, real])  # the padding request has no queries
+    host = type("Attn", (), {"config": type("C", (), {"window_size": None})()})()
+    seqlens = torch.tensor(key_counts, dtype=torch.int32)
+
+    def attend(decode_only):
+        return paged_attention(host, q, k_cache, v_cache, per_request, 13, cu, None, seqlens, table, decode_only)
+
+    general, decode = attend(False), attend(True)
+    torch.testing.assert_close(decode[:real], general[:real], rtol=1e-5, atol=1e-6)
+    assert decode[real:].abs().sum() == 0
+    monkeypatch.setattr(megatron_dynamic, "SCORES_PER_CALL", 1)  # a request a call
+    torch.testing.assert_close(attend(True), decode)
+    # On the meta device tensors hold no values: whatever reads one back to the host (`.tolist()`, `.item()`, a
+    # boolean index's count) raises there, so the decode step runs through and the general path does not.
+    q, k_cache, v_cache, cu, seqlens, table = (t.to("meta") for t in (q, k_cache, v_cache, cu, seqlens, table))
+    assert attend(True).shape == (len(key_counts) * per_request, 1, heads, dim)
+    with pytest.raises(NotImplementedError, match="meta"):
+        attend(False)
+
+
 def _dynamic_greedy(model, prompts, steps):
     """Greedy tokens of each prompt from Megatron's dynamic engine (blocks of 4 tokens, so prompts cross blocks);
     the engine is suspended afterwards (it marks the process as inferring until then)."""
