@@ -488,7 +488,7 @@ class MegatronGenerationConfig(Section):
         default="static",
         description="The Megatron backend's loop (generation.backend=megatron): static, Megatron's static batches of "
         "similar prompt lengths; dynamic, its dynamic engine (in-flight batching over a paged KV cache; no "
-        "multi-latent attention and no router replay yet).",
+        "multi-latent attention yet).",
     )
     kv_block_tokens: int = Field(
         default=256,
