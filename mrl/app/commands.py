@@ -381,7 +381,7 @@ def _sft_summary(final: dict[str, float], seconds: float) -> dict[str, Any]:
 
 
 def _check_pairs(cfg: MrlConfig) -> None:
-    """The rules of pair training (even micro-batches, no context parallelism), as config errors."""
+    """The rule of pair training (even micro-batches), as config errors."""
     from mrl.config.checks import pair_problems
 
     problems = pair_problems(cfg, max(cfg.data_parallel_size, 1))

@@ -275,14 +275,14 @@ def _batch_problems(cfg: "MrlConfig") -> list[ConfigError]:
 
 
 def _pair_problems(cfg: "MrlConfig", dp: int) -> list[ConfigError]:
-    """DPO and reward models train on pairs kept whole in one micro-batch, and score a sequence as a whole."""
+    """DPO and reward models train on pairs kept whole in one micro-batch."""
     if not (cfg.stages and (_runs(cfg, "dpo") or _runs(cfg, "rm"))):
         return []  # a plain config is checked by its command (pair_problems), which knows what it runs
     return pair_problems(cfg, dp)
 
 
 def pair_problems(cfg: "MrlConfig", dp: int) -> list[ConfigError]:
-    """The rules of `mrl dpo` / `mrl rm`: even micro-batches (whole pairs) and no context parallelism."""
+    """The rule of `mrl dpo` / `mrl rm`: even micro-batches (whole pairs)."""
     pol, out = cfg.policy, []
     for key in ("train_micro_batch_size", "logprob_micro_batch_size"):
         if getattr(pol, key) % 2:
@@ -295,17 +295,6 @@ def pair_problems(cfg: "MrlConfig", dp: int) -> list[ConfigError]:
                     allowed="an even number",
                 )
             )
-    if pol.parallel.context_parallel_size > 1:
-        out.append(
-            ConfigError(
-                "DPO and reward models need each sequence's whole response on one rank (its sum of "
-                "logprobs, its last token's score); context parallelism is not supported there",
-                key="policy.parallel.context_parallel_size",
-                given=pol.parallel.context_parallel_size,
-                allowed="1",
-                fix="use tensor or pipeline parallelism for these stages",
-            )
-        )
     return out
 
 

@@ -70,6 +70,8 @@ SEQ_NUM_TOKENS = "seq_num_tokens"
 SEQ_LOG_RATIO_SUM = "seq_log_ratio_sum"  # [b] sum_t m * (lp - old) over the whole sequence: the train step adds it
 #                                         under context parallelism, where a rank holds part of each sequence
 TOKEN_ENTROPY = "token_entropy"  # the policy's next-token entropy, added by the train step's own pass (no gradient)
+TOKEN_COLUMN = "token_column"  # [b, T] each entry's column in its whole sequence (its position): the train step adds
+#                                 it, since a context-parallel rank's rows hold some columns of each sequence
 
 
 def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: KLKind) -> torch.Tensor:

@@ -33,7 +33,7 @@ from typing import Literal, Mapping
 
 import torch
 
-from mrl.objectives.loss import LOSS_MASK, SEQ_NUM_TOKENS, Level, zero_masked
+from mrl.objectives.loss import LOSS_MASK, SEQ_NUM_TOKENS, TOKEN_COLUMN, Level, zero_masked
 
 PAIR_ID = "pair_id"
 CHOSEN = "chosen"
@@ -62,14 +62,6 @@ def pair_rows(batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Te
             f"chosen {chosen.int().tolist()}): a pair must stay in one micro-batch (RankBatch.group_size=2)"
         )
     return chosen_rows, rejected_rows
-
-
-def sequence_logprobs(
-    logprobs: torch.Tensor, mask: torch.Tensor, num_tokens: torch.Tensor, length_normalize: bool
-) -> torch.Tensor:
-    """[b, T] token logprobs, [b, T] mask, [b] whole-sequence token counts -> [b] sum (or mean) over the response."""
-    total = (zero_masked(logprobs, mask) * mask).sum(dim=1)
-    return total / num_tokens.clamp(min=1) if length_normalize else total
 
 
 def _pair_count(global_count: float) -> float:
@@ -101,9 +93,20 @@ class DPOLoss:
     def __call__(
         self, logprobs: torch.Tensor, batch: Mapping[str, torch.Tensor], global_count: float
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        return self.from_row_sums(self.row_sums(logprobs, batch), batch, global_count)
+
+    def row_sums(self, logprobs: torch.Tensor, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """[b] each row's sum of response logprobs: additive over a sequence's tokens (a context-parallel rank
+        sums its chunks; the policy adds the ranks' sums before `from_row_sums`)."""
         mask = batch[LOSS_MASK].bool()
-        num_tokens = batch.get(SEQ_NUM_TOKENS, mask.sum(dim=1))
-        policy = sequence_logprobs(logprobs, mask, num_tokens, self.length_normalize)  # [b]
+        return (zero_masked(logprobs, mask) * mask).sum(dim=1)
+
+    def from_row_sums(
+        self, sums: torch.Tensor, batch: Mapping[str, torch.Tensor], global_count: float
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The loss and metrics from each whole sequence's `row_sums` [b]."""
+        num_tokens = batch.get(SEQ_NUM_TOKENS, batch[LOSS_MASK].bool().sum(dim=1))
+        policy = sums / num_tokens.clamp(min=1) if self.length_normalize else sums  # [b]
         ref = batch[REF_LOGPROB_SUM].float()
         ref = ref / num_tokens.clamp(min=1) if self.length_normalize else ref
         c, r = pair_rows(batch)
@@ -111,9 +114,9 @@ class DPOLoss:
         margin = ratio[c] - ratio[r]
         pairs = _pair_count(global_count)
         loss = self.pair_losses(margin).sum() / pairs
-        sft = torch.zeros((), device=logprobs.device)
-        if self.sft_alpha > 0:
-            sft = -(zero_masked(logprobs, mask) * batch[SFT_WEIGHT].float()[:, None]).sum()
+        sft = torch.zeros((), device=sums.device)
+        if self.sft_alpha > 0:  # the token-level NLL of the chosen rows: each row's sum, weighted
+            sft = -(sums * batch[SFT_WEIGHT].float()).sum()
             loss = loss + self.sft_alpha * sft
         return loss, self._metrics(policy, ratio, margin, c, r, pairs, sft)
 
@@ -152,7 +155,21 @@ class BradleyTerryLoss:
     def __call__(
         self, values: torch.Tensor, batch: Mapping[str, torch.Tensor], global_count: float
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        scores = values.gather(1, batch[SCORE_INDEX].long()[:, None]).squeeze(1)  # [b]
+        return self.from_row_sums(self.row_sums(values, batch), batch, global_count)
+
+    def row_sums(self, values: torch.Tensor, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """[b] the score at each row's `score_index`, found by its token column (`TOKEN_COLUMN`: a
+        context-parallel rank holds some columns of each sequence, so its sum is the score or 0)."""
+        columns = batch.get(TOKEN_COLUMN)
+        if columns is None:  # the whole rows, in order
+            columns = torch.arange(values.shape[1], device=values.device)[None, :]
+        at = columns == batch[SCORE_INDEX].long().to(columns.device)[:, None]
+        return torch.where(at, values, torch.zeros_like(values)).sum(dim=1)
+
+    def from_row_sums(
+        self, scores: torch.Tensor, batch: Mapping[str, torch.Tensor], global_count: float
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The loss and metrics from each whole sequence's score [b]."""
         c, r = pair_rows(batch)
         margin = scores[c] - scores[r]
         pairs = _pair_count(global_count)

@@ -106,6 +106,31 @@ def all_reduce(tensor: torch.Tensor, op: ReduceOp = "sum", group: Group = None) 
     _back(work, tensor)
 
 
+class _SumEverywhere(torch.autograd.Function):
+    """The sum over a group whose backward is the sum over the group again: every member's result depends on every
+    member's input, so the gradient reaching one input is the sum of every member's upstream gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, group: Group) -> torch.Tensor:
+        ctx.group = group
+        out = tensor.detach().clone()
+        all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        out = grad.contiguous().clone()
+        all_reduce(out, group=ctx.group)
+        return out, None
+
+
+def summed_with_grad(tensor: torch.Tensor, group: Group = None) -> torch.Tensor:
+    """The sum of every member's `tensor` (a new tensor; the same shape everywhere), differentiable: where each
+    member computes the same function of the sum, the backward gives each member's input the whole gradient (every
+    member must run the backward, as every member ran the forward)."""
+    return _SumEverywhere.apply(tensor, group)
+
+
 def all_gather(tensor: torch.Tensor, group: Group = None) -> list[torch.Tensor]:
     """Every member's `tensor` (the same shape and dtype everywhere) in group-rank order, on `tensor`'s device."""
     work = _on(tensor, group_device(group))

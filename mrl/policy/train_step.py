@@ -36,7 +36,12 @@ Logprobs come back [N, T] in the original order either way; positions past a seq
 Reward models (`StepContext.head == "score"`): the model's output is one value per position (its score head,
 `mrl.policy.logprobs.score_values`) instead of logits; the loss receives those values [b, T'] in place of logprobs
 (position t = the hidden state of token t, so a sequence's score sits at position length - 1), and a logprob pass
-returns them unshifted. Context parallelism is not supported there (a score needs the sequence's last token).
+returns them unshifted.
+
+Whole-sequence losses under context parallelism (DPO, the reward model: a loss of each sequence's sum of logprobs or
+of its last position's score): such a loss gives its additive part per row (`row_sums`, of the rank's chunks), the
+step adds the CP ranks' parts with a sum whose backward sums again (`collectives.summed_with_grad`), and every CP rank
+computes the same loss from the whole sums, of which each reports and differentiates 1/cp (`_whole_sequence_loss`).
 
 Groups (`RankBatch.group_size`, e.g. 2 for a DPO or reward-model pair): consecutive rows that one loss term
 couples stay in one micro-batch and one pack.
@@ -52,7 +57,14 @@ from torch.nn.utils.rnn import pad_sequence
 
 from mrl.data.packing import MicroBatchPlan, dynamic_batches, local_token_positions, pack_sequences
 from mrl.model.router_replay import no_route
-from mrl.objectives.loss import LOSS_MASK, PREV_LOGPROBS, SEQ_LOG_RATIO_SUM, TOKEN_ENTROPY, sequence_log_ratio_sums
+from mrl.objectives.loss import (
+    LOSS_MASK,
+    PREV_LOGPROBS,
+    SEQ_LOG_RATIO_SUM,
+    TOKEN_COLUMN,
+    TOKEN_ENTROPY,
+    sequence_log_ratio_sums,
+)
 from mrl.parallel import collectives
 from mrl.parallel.layout import length_multiple, micro_batching_violations
 from mrl.policy.interface import PolicyLoss, RankBatch, pad_routing
@@ -106,6 +118,7 @@ def _prepare(mb: RankBatch, ctx: StepContext) -> dict[str, torch.Tensor]:
     if mb.routing is not None:  # the router at position t routes token t: not shifted
         full["routing"] = mb.routing
     out = {k: split_for_context_parallel(v, ctx.cp_rank, ctx.cp_size) for k, v in full.items()}
+    out[TOKEN_COLUMN] = out["position_ids"]  # the loss layout is the input's: a column's position is its own
     out.update(mb.seq_data)
     out["seq_num_tokens"] = mask.sum(dim=1)
     return out
@@ -150,6 +163,19 @@ def _whole_sequence_log_ratio(logprobs: torch.Tensor, inputs: dict, ctx: StepCon
     local = sequence_log_ratio_sums(logprobs, inputs.get(PREV_LOGPROBS, logprobs), inputs[LOSS_MASK])
     collectives.all_reduce(local, group=ctx.cp_group)
     return local
+
+
+def _whole_sequence_loss(
+    loss_fn: Any, values: torch.Tensor, inputs: dict, count: float, ctx: StepContext
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """A loss of whole sequences' sums (`row_sums` -> `from_row_sums`) on a CP rank. Sharding contract: every CP rank
+    holds its chunks of the same sequences in the same row order (padded and packed micro-batches alike), so the sum
+    of the ranks' row sums is each whole sequence's. Every CP rank then computes the same loss and metrics; each
+    returns 1/cp of them, so their sum over the CP group (the policy's metric reduction, Megatron's gradient
+    reduction) counts them once, and the sum's backward hands each rank the whole gradient of its chunks' part."""
+    sums = collectives.summed_with_grad(loss_fn.row_sums(values, inputs), ctx.cp_group)
+    loss, metrics = loss_fn.from_row_sums(sums, inputs, count)
+    return loss / ctx.cp_size, {name: value / ctx.cp_size for name, value in metrics.items()}
 
 
 def _unpacked(values: torch.Tensor, data: dict) -> torch.Tensor:
@@ -339,6 +365,7 @@ def _packed_micro_batch(
         "packed_seq_params": _packed_seq_params(plan, index, filler, ctx.cp_group, device),
         "unpack_index": at.unpack,
         "unpack_valid": at.valid,
+        TOKEN_COLUMN: at.grid_cols,
     }
     if "routing" in full:  # the filler routes freshly
         data["routing"] = pack(full["routing"], fill=no_route(full["routing"].dtype))
@@ -444,7 +471,10 @@ def train_on_batch(
             logprobs, inputs = _train_inputs(output, data, ctx)  # [b, T']
             if getattr(loss_fn, "needs_sequence_log_ratio", False) and ctx.cp_size > 1:
                 inputs = {**inputs, SEQ_LOG_RATIO_SUM: _whole_sequence_log_ratio(logprobs, inputs, ctx)}
-            loss, metrics = loss_fn(logprobs, inputs, count)
+            if ctx.cp_size > 1 and hasattr(loss_fn, "from_row_sums"):
+                loss, metrics = _whole_sequence_loss(loss_fn, logprobs, inputs, count, ctx)
+            else:
+                loss, metrics = loss_fn(logprobs, inputs, count)
             reported = {"loss": loss.detach().clone(), **{k: v.detach().float() for k, v in metrics.items()}}
             return loss * scale, reported
 

@@ -3,7 +3,7 @@
 References: DPO's loss, metrics and every parameter's gradient from an independent plain-torch implementation on
 the HF model (per-sequence sums of token logprobs, the formula written out here, autograd); the reward model's
 scores from transformers' `*ForSequenceClassification`. Then every Megatron layout against TP1: packed = unpacked,
-TP2 and PP2 = TP1 (losses of three steps and the logprobs or scores after them).
+TP2, PP2 and CP2 = TP1 (losses, metrics and gradient norms of three steps, the logprobs or scores after them).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def make_pairs(vocab: int = 200, seed: int = 0):
     return ids, mask, lengths, torch.arange(len(PAIRS)).repeat_interleave(2), torch.tensor([1, 0] * len(PAIRS))
 
 
-def _build(model_dir: str, tp: int, pp: int):
+def _build(model_dir: str, tp: int, pp: int, cp: int = 1):
     import json
     from pathlib import Path
 
@@ -51,7 +51,7 @@ def _build(model_dir: str, tp: int, pp: int):
     from mrl.policy.optim import build_optimizer, build_scheduler
 
     hf_config = json.loads((Path(model_dir) / "config.json").read_text())
-    cfg = transformer_config_from_hf(hf_config, tensor_parallel=tp, pipeline_parallel=pp)
+    cfg = transformer_config_from_hf(hf_config, tensor_parallel=tp, pipeline_parallel=pp, context_parallel=cp)
     model = build_model(hf_config, cfg)
     load_hf_weights(model, load_file(str(Path(model_dir) / "model.safetensors")), hf_config)
     model = DistributedDataParallel(cfg, DistributedDataParallelConfig(grad_reduce_in_fp32=True), module=model)
@@ -71,12 +71,15 @@ def _full_grads(model, hf_config) -> dict:
     return dict(megatron_to_hf(grads.items(), hf_config))
 
 
-def run(model_dir: str, modes: list, tp: int = 1, pp: int = 1, ref_sums=None, steps: int = 3,
+def run(model_dir: str, modes: list, tp: int = 1, pp: int = 1, cp: int = 1, ref_sums=None, steps: int = 3,
         grads: bool = False):
     """For each mode (None = fixed micro-batches of 4 rows, or a packing budget): per-step loss and metrics of the
-    DPO loss (or, for a reward model, the Bradley-Terry loss), the logprobs / scores after the steps, and (TP1) the
-    first step's gradients."""
+    DPO loss (or, for a reward model, the Bradley-Terry loss) summed over the context-parallel ranks (each reports
+    its share, as the policy sums them), the logprobs / scores after the steps, and (TP1) the first step's
+    gradients."""
     import os
+
+    import torch.distributed as dist
 
     from megatron.core import parallel_state as ps
 
@@ -89,7 +92,7 @@ def run(model_dir: str, modes: list, tp: int = 1, pp: int = 1, ref_sums=None, st
     from mrl.policy.interface import RankBatch, global_count
     from mrl.policy.train_step import StepContext, logprobs_of_batch, train_on_batch
 
-    init_process_groups(ParallelDims(tp=tp, pp=pp, world_size=int(os.environ["WORLD_SIZE"])))
+    init_process_groups(ParallelDims(tp=tp, pp=pp, cp=cp, world_size=int(os.environ["WORLD_SIZE"])))
     ids, mask, lengths, pair_id, chosen = make_pairs()
     seq = {PAIR_ID: pair_id, CHOSEN: chosen, SCORE_INDEX: lengths - 1}
     if ref_sums is not None:
@@ -98,10 +101,11 @@ def run(model_dir: str, modes: list, tp: int = 1, pp: int = 1, ref_sums=None, st
     batch = RankBatch(ids, mask, seq_data=seq, lengths=lengths, group_size=2)
     results = []
     for budget in modes:
-        model, optimizer, scheduler, hf_config = _build(model_dir, tp, pp)
+        model, optimizer, scheduler, hf_config = _build(model_dir, tp, pp, cp)
         head = "score" if model_dims(hf_config).score_head else "lm"
         loss_fn = BradleyTerryLoss() if head == "score" else DPOLoss(beta=BETA, sft_alpha=SFT_ALPHA)
-        ctx = StepContext(dp_size=1, cp_rank=0, cp_size=1, cp_group=ps.get_context_parallel_group(),
+        ctx = StepContext(dp_size=1, cp_rank=ps.get_context_parallel_rank(), cp_size=cp,
+                          cp_group=ps.get_context_parallel_group(),
                           is_last_stage=ps.is_pipeline_last_stage(), vocab_size=hf_config["vocab_size"], head=head)
         packing = PackingConfig(enabled=True, tokens_per_microbatch=budget) if budget else None
         step_grads, captured = {}, optimizer.step
@@ -113,9 +117,14 @@ def run(model_dir: str, modes: list, tp: int = 1, pp: int = 1, ref_sums=None, st
 
         optimizer.step = step_and_capture
         before = logprobs_of_batch([model], batch, micro_batch_size=4, ctx=ctx, packing=packing)
-        metrics = [train_on_batch([model], optimizer, scheduler, batch, loss_fn=loss_fn,
+        metrics = []
+        for _ in range(steps):
+            step = train_on_batch([model], optimizer, scheduler, batch, loss_fn=loss_fn,
                                   count=global_count(mask, "sequence"), micro_batch_size=4, ctx=ctx, packing=packing)
-                   for _ in range(steps)]
+            shares = {k: v for k, v in step.items() if k not in ("grad_norm", "lr", "nonfinite")}
+            summed = torch.tensor(list(shares.values()), dtype=torch.float64)
+            dist.all_reduce(summed, group=ps.get_context_parallel_group())
+            metrics.append({**step, **dict(zip(shares, summed.tolist()))})
         after = logprobs_of_batch([model], batch, micro_batch_size=4, ctx=ctx, packing=packing)
         results.append({"before": before, "after": after, "metrics": metrics, "grads": step_grads})
     return results
@@ -216,18 +225,33 @@ def test_reward_model_scores_equal_hf_sequence_classification(dirs, single):
     assert rm_metrics[-1]["rm_loss"] < rm_metrics[0]["rm_loss"]  # three steps of Bradley-Terry lower its loss
 
 
-@pytest.mark.parametrize("layout", [dict(tp=2), dict(pp=2)], ids=["tp2", "pp2"])
-def test_preference_layouts_equal_tp1(dirs, single, hf_reference, layout):
-    dpo = run_on_ranks(run, world_size=2, args=(dirs[0], [24]), kwargs=dict(ref_sums=hf_reference[3], **layout))
-    rm = run_on_ranks(run, world_size=2, args=(dirs[2], [None]), kwargs=layout)
-    for ranks, reference in ((dpo, single[0][0]), (rm, single[1][0])):
-        last = [r[0] for r in ranks if r[0]["after"] is not None]  # the last pipeline stage's ranks
+#: (DPO's modes, the reward model's): None = fixed micro-batches of 4 rows, else a packing budget. CP2 runs both,
+#: since a context-parallel rank's rows are its chunks of each sequence (the sums and the score's column differ there).
+LAYOUT_MODES = {"tp2": (dict(tp=2), [24], [None]), "pp2": (dict(pp=2), [24], [None]),
+                "cp2": (dict(cp=2), [None, 24], [None, 24])}
+#: What every layout's steps must repeat: the loss, its metrics and the gradient norm (the layout's whole gradient).
+SAME_EVERYWHERE = ("loss", "grad_norm", "num_pairs", "dpo_loss", "reward_accuracy", "chosen_reward", "rejected_reward",
+                   "reward_margin", "preference_accuracy", "chosen_logprob", "rejected_logprob", "sft_loss", "rm_loss",
+                   "accuracy", "chosen_score", "rejected_score", "score_margin")
+
+
+@pytest.mark.parametrize("name", list(LAYOUT_MODES))
+def test_preference_layouts_equal_tp1(dirs, single, hf_reference, name):
+    layout, dpo_modes, rm_modes = LAYOUT_MODES[name]
+    dpo = run_on_ranks(run, world_size=2, args=(dirs[0], dpo_modes), kwargs=dict(ref_sums=hf_reference[3], **layout))
+    rm = run_on_ranks(run, world_size=2, args=(dirs[2], rm_modes), kwargs=layout)
+    valid = torch.arange(single[0][0]["after"].shape[1])[None, :] < make_pairs()[2][:, None]
+    for ranks, references, modes in ((dpo, single[0], dpo_modes), (rm, single[1], rm_modes)):
+        last = [results for results in ranks if results[0]["after"] is not None]  # the last pipeline stage's ranks
         assert last
-        for result in last:
-            assert [m["loss"] for m in result["metrics"]] == pytest.approx(
-                [m["loss"] for m in reference["metrics"]], abs=1e-5)
-            valid = torch.arange(reference["after"].shape[1])[None, :] < make_pairs()[2][:, None]
-            # fp32 summation order through three Adam steps: measured at TP2 up to 1.1e-5 on reward-model scores of
-            # ~0.9 (6e-6 with dense attention, 1.1e-5 with the flash path, which is per-head identical at TP1 and
-            # TP2); a sharding error (a missing reduction, a wrong normalisation) moves them by orders more.
-            assert (result["after"] - reference["after"])[valid].abs().max() <= 3e-5
+        for results in last:
+            for result, mode in zip(results, modes, strict=True):
+                reference = references[0 if mode is None else 1]  # TP1 unpacked or packed
+                for key in SAME_EVERYWHERE:
+                    if key in reference["metrics"][0]:
+                        assert [m[key] for m in result["metrics"]] == pytest.approx(
+                            [m[key] for m in reference["metrics"]], rel=1e-5, abs=1e-5), (key, mode)
+                # fp32 summation order through three Adam steps: measured at TP2 up to 1.1e-5 on reward-model scores
+                # of ~0.9 (6e-6 with dense attention, 1.1e-5 with the flash path, which is per-head identical at TP1
+                # and TP2); a sharding error (a missing reduction, a wrong normalisation) moves them by orders more.
+                assert (result["after"] - reference["after"])[valid].abs().max() <= 3e-5, mode

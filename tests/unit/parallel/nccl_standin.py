@@ -187,6 +187,9 @@ def _member(collectives: Any, member: int, port: int, seen: dict[int, Any]) -> N
     collectives.all_reduce(summed, group=group)
     collectives.all_reduce(largest, op="max", group=group)
     gathered = collectives.all_gather(mine, group)
+    leaf = mine.clone().requires_grad_()
+    total = collectives.summed_with_grad(leaf, group)
+    (float(member + 1) * total.square().sum()).backward()  # member m's loss: (m + 1) |S|^2
     payload = torch.arange(6, dtype=torch.float32).view(2, 3).to(torch.bfloat16)
     to_host = collectives.broadcast_tensor(payload if member == 0 else None, 0, group, device=torch.device("cpu"))
     on_device = collectives.broadcast_tensor(payload if member == 0 else None, 0, group)
@@ -194,6 +197,7 @@ def _member(collectives: Any, member: int, port: int, seen: dict[int, Any]) -> N
         "refused": _refusal(lambda: dist.broadcast(mine.clone(), group=group, group_src=0)),
         "all_reduce sum": summed.tolist(), "all_reduce max": largest.tolist(),
         "all_gather": [g.tolist() for g in gathered],
+        "summed_with_grad": (total.tolist(), leaf.grad.tolist()),
         "broadcast_tensor to host": (to_host.float().tolist(), str(to_host.dtype), str(to_host.device)),
         "broadcast_tensor default": (str(on_device.device), on_device.to("cpu").float().tolist()),
     }

@@ -137,6 +137,8 @@ def test_values_travel_between_two_members(observed):
     for member, seen in observed["two_members"].items():
         assert seen["all_reduce sum"] == [3.0, 30.0] and seen["all_reduce max"] == [2.0, 20.0]
         assert seen["all_gather"] == [[1.0, 10.0], [2.0, 20.0]]
+        # d/dx_m of both members' losses, 1 |S|^2 + 2 |S|^2 with S = x_0 + x_1 = [3, 30]: 6 S on each member
+        assert seen["summed_with_grad"] == [[3.0, 30.0], [18.0, 180.0]]
         assert seen["broadcast_tensor to host"] == [payload, "torch.bfloat16", "cpu"]
         # a receiver without `device` gets the tensor on the group's device; the sender keeps its own
         assert seen["broadcast_tensor default"] == ["standin:0" if member == "1" else "cpu", payload]
