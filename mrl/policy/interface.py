@@ -20,7 +20,7 @@ Light on purpose (torch only): the loops build batches without importing Megatro
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import torch
 
@@ -41,6 +41,23 @@ class PolicyLoss(Protocol):
         """logprobs [b, T'] of the target tokens; `batch` holds `loss_mask` [b, T'], the token data [b, T'], the
         sequence data [b] and `seq_num_tokens` [b] (valid tokens per whole sequence, also under CP).
         Returns (scalar loss = sum over this micro-batch / global_count, additive metrics)."""
+
+
+@runtime_checkable
+class WholeSequenceLoss(PolicyLoss, Protocol):
+    """A loss of each whole sequence's sum over its tokens (DPO's logprob sums, a reward model's score): under
+    context parallelism the train step adds the ranks' `row_sums` before `from_row_sums`
+    (mrl/policy/train_step.py, "Whole-sequence losses under context parallelism")."""
+
+    def row_sums(self, logprobs: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """[b] each row's part of its sequence's sum, additive over the sequence's tokens (a CP rank's chunks)."""
+        ...
+
+    def from_row_sums(
+        self, sums: torch.Tensor, batch: dict[str, torch.Tensor], global_count: float
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """What `__call__` returns, from the whole sequences' sums [b]."""
+        ...
 
 
 @dataclass

@@ -67,7 +67,7 @@ from mrl.objectives.loss import (
 )
 from mrl.parallel import collectives
 from mrl.parallel.layout import length_multiple, micro_batching_violations
-from mrl.policy.interface import PolicyLoss, RankBatch, pad_routing
+from mrl.policy.interface import PolicyLoss, RankBatch, WholeSequenceLoss, pad_routing
 from mrl.policy.logprobs import (
     LOGPROB_CHUNK_TOKENS,
     merge_from_context_parallel,
@@ -166,7 +166,7 @@ def _whole_sequence_log_ratio(logprobs: torch.Tensor, inputs: dict, ctx: StepCon
 
 
 def _whole_sequence_loss(
-    loss_fn: Any, values: torch.Tensor, inputs: dict, count: float, ctx: StepContext
+    loss_fn: WholeSequenceLoss, values: torch.Tensor, inputs: dict, count: float, ctx: StepContext
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """A loss of whole sequences' sums (`row_sums` -> `from_row_sums`) on a CP rank. Sharding contract: every CP rank
     holds its chunks of the same sequences in the same row order (padded and packed micro-batches alike), so the sum
@@ -471,7 +471,7 @@ def train_on_batch(
             logprobs, inputs = _train_inputs(output, data, ctx)  # [b, T']
             if getattr(loss_fn, "needs_sequence_log_ratio", False) and ctx.cp_size > 1:
                 inputs = {**inputs, SEQ_LOG_RATIO_SUM: _whole_sequence_log_ratio(logprobs, inputs, ctx)}
-            if ctx.cp_size > 1 and hasattr(loss_fn, "from_row_sums"):
+            if ctx.cp_size > 1 and isinstance(loss_fn, WholeSequenceLoss):
                 loss, metrics = _whole_sequence_loss(loss_fn, logprobs, inputs, count, ctx)
             else:
                 loss, metrics = loss_fn(logprobs, inputs, count)

@@ -102,3 +102,28 @@ def test_bad_settings_are_refused():
         DPOLoss(beta=0.0)
     with pytest.raises(ValueError, match="sigmoid"):
         DPOLoss(kind="hinge")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("loss_fn", [DPOLoss(beta=0.1, length_normalize=True, sft_alpha=0.5), BradleyTerryLoss()],
+                         ids=["dpo", "bradley-terry"])
+def test_row_sums_add_over_a_sequences_chunks(loss_fn):
+    """Under context parallelism a rank holds some columns of each row (token_column names them): its row sums are
+    its part, the parts add up to the whole rows', and the loss from the whole sums is the loss of the whole rows."""
+    from mrl.objectives.loss import SEQ_NUM_TOKENS, TOKEN_COLUMN
+    from mrl.policy.interface import WholeSequenceLoss
+
+    assert isinstance(loss_fn, WholeSequenceLoss)
+    logprobs, data = batch()
+    data[SEQ_NUM_TOKENS] = data["loss_mask"].sum(dim=1)  # whole rows' counts, as the train step gives every rank
+    whole = loss_fn.row_sums(logprobs, data)
+    parts = []
+    for columns in ([0, 2], [1]):  # two ranks' chunks, CP-style: not contiguous
+        chunk = {**data, "loss_mask": data["loss_mask"][:, columns], TOKEN_COLUMN: torch.tensor(columns).expand(4, -1)}
+        parts.append(loss_fn.row_sums(logprobs[:, columns], chunk))
+    torch.testing.assert_close(parts[0] + parts[1], whole)
+    loss, metrics = loss_fn.from_row_sums(parts[0] + parts[1], data, 4.0)
+    expected_loss, expected_metrics = loss_fn(logprobs, data, 4.0)
+    torch.testing.assert_close(loss, expected_loss)
+    assert metrics.keys() == expected_metrics.keys()
+    for name, value in metrics.items():
+        torch.testing.assert_close(value, expected_metrics[name])
