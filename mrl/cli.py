@@ -431,9 +431,11 @@ def _run_convert(args: argparse.Namespace) -> int:
             from mrl.app.hub_ids import resolve_model_argument
 
             convert.check_hf_argument(args.hf)
+            convert.check_out_argument(args.out, args.hf, empty=False)
             hf = resolve_model_argument(args.hf, "--hf")
             out = convert.hf_to_megatron(hf, args.out, tp=args.tp, pp=args.pp, ep=args.ep)
         elif args.megatron:
+            convert.check_out_argument(args.out, args.megatron, empty=True)
             out = convert.megatron_to_hf(args.megatron, args.out)
         else:
             from mrl.checkpoint.manager import MARKER_FILE
@@ -443,6 +445,7 @@ def _run_convert(args: argparse.Namespace) -> int:
                     f"{args.checkpoint} is not a complete training checkpoint (no {MARKER_FILE} "
                     "marker): pass a <checkpointing.dir>/step_N folder"
                 )
+            convert.check_out_argument(args.out, args.checkpoint, empty=True)
             out = convert.megatron_to_hf(args.checkpoint, args.out)  # step_N/model (weights) + step_N/hf (config)
     except (ConversionError, CheckpointError, FileNotFoundError) as exc:
         print(f"mrl convert: {exc}", file=sys.stderr)

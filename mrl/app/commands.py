@@ -29,7 +29,7 @@ from mrl.app.checkpointing import CRITIC_SUBDIR, RunCheckpoints, resume_padded_v
 from mrl.app.errors import RunFailed, StorageFailed, configuration_failure
 from mrl.app.hub_ids import resolve_hub_ids
 from mrl.app.model_source import ModelSource, classify_model_path
-from mrl.app.preflight import check_score_rows, check_tokenizer_folder
+from mrl.app.preflight import check_output_file, check_output_folder, check_score_rows, check_tokenizer_folder
 from mrl.app.results import (
     DONE_MARKER,
     LORA_ADAPTER_DIR,
@@ -285,9 +285,13 @@ def _critic_source(cfg: MrlConfig, source: ModelSource, tokenizer: Any) -> Optio
 def run_grpo(cfg: MrlConfig) -> dict[str, Any]:
     from mrl.algorithms.grpo import KEY_METRICS, grpo_train
     from mrl.algorithms.ppo import needs_reference
+    from mrl.config.checks import rollout_problems
     from mrl.data.tasks import load_task_data
 
     start = time.perf_counter()
+    batch_rules = rollout_problems(cfg)  # a plain config's (a staged one's were checked with the tree)
+    if batch_rules:
+        raise ConfigError("", problems=batch_rules)
     data = load_task_data(cfg, val_source=cfg.eval.data)
     source = resolve_model(cfg)
     tokenizer = load_tokenizer(cfg, source)
@@ -537,6 +541,7 @@ def run_score(cfg: MrlConfig, input_path: str, out_path: str) -> dict[str, float
 
     if not Path(input_path).is_file():
         raise FileNotFoundError(f"--input {input_path}: no such file")
+    check_output_file(out_path, "--out")  # before the scoring, whose work a bad path would lose
     source = resolve_model(cfg)
     tokenizer = load_tokenizer(cfg, source)
     rows = read_inputs(input_path, tokenizer, cfg.policy.max_total_sequence_length)
@@ -578,6 +583,7 @@ def run_command(name: str, cfg: MrlConfig) -> dict[str, Any]:
     guard stopped it: what it left, its summary.json saying why)."""
     from mrl.algorithms.guards import TrainingStopped
 
+    check_output_folder(cfg.run.output_dir)
     try:
         summary = RUNNERS[name](cfg)
     except TrainingStopped:

@@ -23,6 +23,7 @@ The flags are checked as the config tree checks policy.parallel, before anything
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -102,6 +103,26 @@ def check_hf_argument(value: str) -> None:
         given=value,
         fix="pass an HF model folder (config.json + *.safetensors) or a hub id (org/name[@revision])",
     )
+
+
+def check_out_argument(out: str, source: str, *, empty: bool) -> None:
+    """--out names a folder to write, not a file, nor the folder converted (`source`); `empty`: nor a folder that
+    holds anything (an HF export would overwrite or mix with its files; hf-to-megatron checks its own sub-folder)."""
+    folder, found = Path(out), ""
+    if folder.exists() and not folder.is_dir():
+        found = "it is a file"
+    elif folder.resolve() == Path(source).resolve():
+        found = "it is the folder converted"
+    elif empty and os.environ.get("RANK", "0") == "0" and folder.is_dir() and any(folder.iterdir()):  # rank 0 writes
+        held = ", ".join(sorted(p.name for p in folder.iterdir())[:6])
+        found = f"the folder is not empty (it holds {held}): converting into it would overwrite or mix files"
+    if found:
+        raise ConfigError(
+            f"not a folder to write the conversion into: {found}",
+            key="--out",
+            given=out,
+            fix="choose a new --out folder",
+        )
 
 
 def layout_problems(dims: ModelDims, tp: int, pp: int, ep: int) -> list[ConfigError]:

@@ -10,11 +10,14 @@ worker's traceback after the workers and the engine have started (tens of second
     the engine's model vLLM's CPU attention has kernels for some head sizes only, and vLLM refuses a context longer
                        than the model's max_position_embeddings (`check_engine_model`)
     mrl score --input  a row to score (`check_score_rows`)
+    the results        run.output_dir is a folder that can be written (made here when missing), mrl score --out a
+                       file (`check_output_folder`, `check_output_file`)
 """
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -27,6 +30,39 @@ from mrl.data import hub
 from mrl.data.tokenizers import vocabulary_files
 from mrl.inference.factory import engine_context_length
 from mrl.inference.vllm_backend import CPU_ATTENTION_HEAD_SIZES
+
+
+def check_output_folder(folder: str | Path, key: str = "run.output_dir") -> None:
+    """`folder` is one a command can write its results into, checked without leaving anything: a folder, or one
+    that can be made (a folder made and removed again in its nearest existing parent)."""
+    import tempfile
+
+    target = Path(folder).absolute()
+    existing = next(p for p in (target, *target.parents) if p.exists())
+    try:
+        if not existing.is_dir():
+            raise NotADirectoryError(f"{existing} is a file")
+        os.rmdir(tempfile.mkdtemp(prefix=".mrl-write-check-", dir=existing))
+    except OSError as error:  # a file in the way, a read-only file system, no permission
+        raise ConfigError(
+            "results cannot be written there: "
+            + (f"{existing} is a file" if not existing.is_dir() else f"{error.strerror or error} (in {existing})"),
+            key=key,
+            given=str(folder),
+            fix=f"set {key} to a folder you can write (one that exists, or one that can be made)",
+        ) from error
+
+
+def check_output_file(path: str | Path, key: str) -> None:
+    """`path` is a file a command can write: not a folder, and its folder exists or can be made."""
+    if Path(path).is_dir():
+        raise ConfigError(
+            "it is a folder: name the file to write",
+            key=key,
+            given=str(path),
+            fix=f"e.g. {key} {Path(path) / 'scores.jsonl'}",
+        )
+    check_output_folder(Path(path).parent, key)
 
 
 def check_tokenizer_folder(folder: str | Path, key: str) -> None:

@@ -29,7 +29,7 @@ from typing import Any, Sequence
 
 from mrl.algorithms.guards import TrainingStopped
 from mrl.algorithms.health import health_cell
-from mrl.app.preflight import check_stage
+from mrl.app.preflight import check_output_folder, check_stage
 from mrl.app.results import DONE_MARKER, REWARD_CURVE, SUMMARY_FILE, final_dir, plot_rewards, staged_report
 from mrl.config import load_config
 from mrl.config.errors import ConfigError
@@ -98,8 +98,53 @@ def _stage_done(cfg: MrlConfig, stage: StageConfig) -> bool:
     return (final_dir(cfg) / DONE_MARKER).is_file() and (out / SUMMARY_FILE).is_file()
 
 
+#: What a stage reference may name: a reward model's stage, or a language model's (a policy, a teacher).
+_REFERENCE_KINDS = {
+    "reward_model_from": ("rm",),
+    "init_from": ("sft", "dpo", "grpo"),
+    "teacher_from": ("sft", "dpo", "grpo"),
+}
+
+
+def _reference_problems(stages: Sequence[StageConfig]) -> list[ConfigError]:
+    """Stage names that repeat (the second stage would find the first's results and be skipped), and references to
+    an earlier stage of the wrong kind (a GRPO stage scored by an SFT model, a policy started from a reward model)."""
+    kinds: dict[str, str] = {}
+    out = []
+    for stage in stages:
+        if stage.name in kinds:
+            out.append(
+                ConfigError(
+                    f"two stages are named '{stage.name}': the second would find the first's results and be skipped",
+                    key="stages.name",
+                    given=stage.name,
+                    allowed="a name no other stage has",
+                    fix="rename one of them (a stage's name is its folder under run.output_dir)",
+                )
+            )
+        for key, wanted in _REFERENCE_KINDS.items():
+            name = getattr(stage, key)
+            if name is None or kinds.get(name, "eval") == "eval" or kinds[name] in wanted:
+                continue  # unknown and eval names are `_earlier`'s to refuse
+            fitting = [n for n, kind in kinds.items() if kind in wanted]
+            out.append(
+                ConfigError(
+                    f"stage '{stage.name}': {key} names the {kinds[name]} stage '{name}', not a stage of "
+                    f"{' / '.join(wanted)}",
+                    key=f"stages.{key}",
+                    given=name,
+                    allowed=", ".join(fitting) or f"none: no earlier {' / '.join(wanted)} stage",
+                )
+            )
+        kinds.setdefault(stage.name, stage.algorithm)
+    return out
+
+
 def stage_configs(recipe: Path, root: MrlConfig, overrides: Sequence[str]) -> list[MrlConfig]:
     """Every stage's resolved config, each training stage handing its final export on (see the module docstring)."""
+    problems = _reference_problems(root.stages)
+    if problems:
+        raise ConfigError("", problems=problems)
     configs: list[MrlConfig] = []
     previous: Path | None = None
     earlier: dict[str, Path] = {}
@@ -130,6 +175,7 @@ def run_staged(recipe: str | Path, overrides: Sequence[str]) -> dict[str, Any]:
     # run reads is checked (mrl/app/preflight.py): a mistake in the last stage must not surface after hours of the
     # first ones.
     root, configs = staged_recipe(recipe, overrides)
+    check_output_folder(root.run.output_dir)
     for stage, cfg in zip(root.stages, configs):
         if not _stage_done(cfg, stage):
             _check_stage(stage, cfg)

@@ -248,18 +248,8 @@ def _batch_problems(cfg: "MrlConfig") -> list[ConfigError]:
                 allowed=f"a multiple of {per_step}",
             )
         )
-    rollouts = cfg.grpo.num_prompts_per_step * cfg.grpo.num_generations_per_prompt
-    if rollouts % pol.train_global_batch_size and _runs(cfg, "grpo"):
-        out.append(
-            ConfigError(
-                f"the {rollouts} rollouts of a step (num_prompts_per_step * num_generations_per_prompt) must split "
-                "into "
-                f"whole optimizer batches of policy.train_global_batch_size",
-                key="policy.train_global_batch_size",
-                given=pol.train_global_batch_size,
-                allowed=f"a divisor of {rollouts}",
-            )
-        )
+    if cfg.stages and _runs(cfg, "grpo"):  # a plain config is checked by `mrl grpo` (rollout_problems)
+        out += rollout_problems(cfg)
     out += _pair_problems(cfg, dp)
     pass_k = pass_k_problem(cfg.eval.pass_k, cfg.eval.num_samples)
     if pass_k:
@@ -272,6 +262,24 @@ def _batch_problems(cfg: "MrlConfig") -> list[ConfigError]:
             )
         )
     return out
+
+
+def rollout_problems(cfg: "MrlConfig") -> list[ConfigError]:
+    """The rule of GRPO's batches: a step's rollouts split into whole optimizer batches (SFT, DPO and reward models
+    have no rollouts: `mrl sft` with a batch that divides no GRPO default is fine)."""
+    rollouts = cfg.grpo.num_prompts_per_step * cfg.grpo.num_generations_per_prompt
+    if not rollouts % cfg.policy.train_global_batch_size:
+        return []
+    return [
+        ConfigError(
+            f"the {rollouts} rollouts of a step (grpo.num_prompts_per_step * grpo.num_generations_per_prompt) must "
+            "split into whole optimizer batches of policy.train_global_batch_size",
+            key="policy.train_global_batch_size",
+            given=cfg.policy.train_global_batch_size,
+            allowed=f"a divisor of {rollouts}",
+            fix="change policy.train_global_batch_size, grpo.num_prompts_per_step or grpo.num_generations_per_prompt",
+        )
+    ]
 
 
 def _pair_problems(cfg: "MrlConfig", dp: int) -> list[ConfigError]:

@@ -157,15 +157,20 @@ def _to_problem(index: int, row: Any, problem_key: str, answer_key: str) -> tupl
         if read is None:
             return None, "empty 'prompt'"
         return Problem(read[0], read[1], index, dict(row)), ""
-    problem, answer = row.get(problem_key), row.get(answer_key)
-    if problem is None:
-        return None, f"missing {problem_key!r}"
-    if answer is None:
-        return None, f"missing {answer_key!r}"
-    if not isinstance(problem, str) or not problem.strip():
+    for column in (problem_key, answer_key):
+        if column not in row:
+            return None, f"missing {column!r}"
+        if row[column] is None:
+            return None, f"null {column!r}"
+    problem, answer = row[problem_key], row[answer_key]
+    if not isinstance(problem, str):
+        return None, f"{problem_key!r} not text ({type(problem).__name__})"
+    if not problem.strip():
         return None, f"empty {problem_key!r}"
     answer_text = answer if isinstance(answer, str) else _scalar_text(answer)
-    if answer_text is None or not answer_text.strip():
+    if answer_text is None:
+        return None, f"{answer_key!r} neither text nor a number ({type(answer).__name__})"
+    if not answer_text.strip():
         return None, f"empty {answer_key!r}"
     return Problem(problem.strip(), answer_text.strip(), index, dict(row)), ""
 
@@ -188,7 +193,17 @@ def read_rows(source: str, split: str, *, key: str = "data.train") -> tuple[Iter
     path = Path(source)
     if path.is_dir():
         rows: list[tuple[int, Any]] = []
-        for file in local_split(path, split, source=source):
+        try:
+            files = local_split(path, split, source=source)
+        except ValueError as error:  # no such split, or no data file at all
+            raise ConfigError(
+                str(error),
+                key=key,
+                given=source,
+                fix=f"name a data file ({', '.join(JSONL_SUFFIXES + PARQUET_SUFFIXES)}) or a dataset folder with a "
+                f"{split!r} split (files named {split}*, or a README configs: block naming them)",
+            ) from error
+        for file in files:
             rows += [(len(rows) + i, row) for i, (_, row) in enumerate(_file_rows(file, key))]
     elif path.is_file():
         rows = list(_file_rows(path, key))
@@ -206,10 +221,18 @@ def read_rows(source: str, split: str, *, key: str = "data.train") -> tuple[Iter
 def _file_rows(path: Path, key: str) -> list[tuple[int, Any]]:
     suffix = path.suffix.lower()
     if suffix in JSONL_SUFFIXES:
-        array = _json_array(path) if suffix == ".json" else None
-        return list(enumerate(array)) if array is not None else list(_jsonl_rows(path))
+        try:
+            array = _json_array(path) if suffix == ".json" else None
+            return list(enumerate(array)) if array is not None else list(_jsonl_rows(path))
+        except UnicodeDecodeError as error:
+            raise ConfigError(
+                f"{path} is not UTF-8 text (byte {error.start} is not): not a {suffix} file",
+                key=key,
+                fix="a binary file (Parquet, say) under a text name? name it by its format (.parquet), or write "
+                "the rows as UTF-8 JSON lines",
+            ) from error
     if suffix in PARQUET_SUFFIXES:
-        return list(enumerate(_parquet_rows(path)))
+        return list(enumerate(_parquet_rows(path, key)))
     raise ConfigError(
         f"{path}: mrl does not read the format {path.suffix or '(no suffix)'!r}",
         key=key,
@@ -222,8 +245,8 @@ def _file_rows(path: Path, key: str) -> list[tuple[int, Any]]:
 def _json_array(path: Path) -> Optional[list]:
     """The rows of a .json file holding one array (how some hub datasets ship, e.g. DeepScaleR's deepscaler.json);
     None for a file of one row per line (jsonl under a .json name, even one whose first line is a list)."""
-    text = path.read_text(encoding="utf-8")
-    if not text.lstrip("\ufeff \t\r\n").startswith("["):
+    text = path.read_text(encoding="utf-8-sig")  # a byte-order mark (Windows editors write one) is not a row
+    if not text.lstrip(" \t\r\n").startswith("["):
         return None
     try:
         array = json.loads(text)
@@ -233,7 +256,7 @@ def _json_array(path: Path) -> Optional[list]:
 
 
 def _jsonl_rows(path: Path) -> Iterator[tuple[int, Any]]:
-    with path.open(encoding="utf-8") as f:
+    with path.open(encoding="utf-8-sig") as f:  # a byte-order mark (Windows editors write one) is not a row
         for index, line in enumerate(f):
             if not line.strip():
                 continue
@@ -243,9 +266,17 @@ def _jsonl_rows(path: Path) -> Iterator[tuple[int, Any]]:
                 yield index, INVALID_JSON
 
 
-def _parquet_rows(path: Path) -> list[dict]:
+def _parquet_rows(path: Path, key: str) -> list[dict]:
     try:
+        import pyarrow as pa
         import pyarrow.parquet as pq
     except ImportError as err:
         raise ImportError(f"reading {path} needs pyarrow (pip install pyarrow), or convert it to jsonl") from err
-    return pq.read_table(path).to_pylist()
+    try:
+        return pq.read_table(path).to_pylist()
+    except pa.ArrowException as error:  # not Parquet (JSON lines under a .parquet name), or cut short
+        raise ConfigError(
+            f"{path} is not a readable Parquet file ({error})",
+            key=key,
+            fix="JSON lines under a .parquet name? name it .jsonl; a file cut short? write it again",
+        ) from error

@@ -173,3 +173,37 @@ def test_convert_names_a_missing_local_folder_instead_of_looking_it_up_on_the_hu
     err = capsys.readouterr().err
     assert f"--hf: not an HF model folder: there is no such folder\n    given: '{path}'" in err
     assert "hub" not in err.split("fix:")[0]  # not read as a hub id
+
+
+def test_convert_refuses_an_out_it_would_overwrite_mix_or_cannot_make(tmp_path, models, capsys):
+    served = str(models["served"])
+    before = sorted(p.name for p in models["served"].iterdir())
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    cases = [
+        (["hf-to-megatron", "--hf", served, "--out", str(a_file)], "it is a file"),
+        (["hf-to-megatron", "--hf", served, "--out", served], "it is the folder converted"),
+        (["megatron-to-hf", "--megatron", str(tmp_path), "--out", served], "the folder is not empty"),
+    ]
+    for argv, found in cases:
+        assert main(["convert", *argv]) == 2, argv
+        err = capsys.readouterr().err
+        assert f"--out: not a folder to write the conversion into: {found}" in err and "new --out" in err, err
+    assert sorted(p.name for p in models["served"].iterdir()) == before  # nothing written into the model folder
+
+
+def test_an_output_folder_that_cannot_be_written_is_named_before_anything_starts(tmp_path):
+    from mrl.app.preflight import check_output_file, check_output_folder
+    from mrl.config.errors import ConfigError
+
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    for folder in (a_file, a_file / "sub"):
+        with pytest.raises(ConfigError, match=f"results cannot be written there: {a_file} is a file") as err:
+            check_output_folder(folder)
+        assert err.value.key == "run.output_dir" and err.value.given == str(folder)
+    check_output_folder(tmp_path / "new" / "deeper")  # can be made: made by the run, not by the check
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file"]
+    with pytest.raises(ConfigError, match="it is a folder") as err:
+        check_output_file(tmp_path, "--out")
+    assert err.value.key == "--out"

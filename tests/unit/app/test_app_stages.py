@@ -33,6 +33,27 @@ def test_each_stage_starts_from_the_export_its_source_stage_writes(tmp_path):
     assert configs["eval"].policy.model_name == str(tmp_path / "grpo" / "final_megatron")
 
 
+def test_repeated_names_and_references_of_the_wrong_kind_are_refused_before_any_stage(tmp_path):
+    import pytest
+
+    from mrl.config.errors import ConfigError
+
+    staged = tmp_path / "staged.yaml"
+    wrong = (STAGED.replace("reward_model_from: rm", "reward_model_from: sft")  # an SFT model as the reward
+             .replace("{{name: rm, algorithm: rm, init_from: sft}}", "{{name: rm, algorithm: rm, init_from: sft}}\n"
+                      "  - {{name: rm, algorithm: rm}}\n  - {{name: pol, algorithm: dpo, init_from: rm}}"))
+    staged.write_text(wrong.format(recipe=RECIPE))
+    overrides = [f"run.output_dir={tmp_path}"]
+    with pytest.raises(ConfigError) as info:
+        stage_configs(staged, load_config(staged, overrides), overrides)
+    problems = {(p.key, p.given): p for p in info.value.problems}
+    assert problems.keys() == {("stages.name", "rm"), ("stages.init_from", "rm"), ("stages.reward_model_from", "sft")}
+    assert "second would find the first's results" in problems["stages.name", "rm"].message
+    assert "the rm stage 'rm'" in problems["stages.init_from", "rm"].message
+    assert problems["stages.init_from", "rm"].allowed == "sft"
+    assert problems["stages.reward_model_from", "sft"].allowed == "rm"
+
+
 def test_the_final_table_has_a_health_column_for_grpo_stages():
     grpo = {"algorithm": "grpo", "seconds": 60.0, "reward_first10": 0.25, "reward_last10": 0.75,
             "val_accuracy_before": 0.5, "val_accuracy_after": 0.875, "final": {},

@@ -7,6 +7,7 @@ import pytest
 import yaml
 
 from mrl.config import ConfigError, MrlConfig, load_config, to_yaml, validate_tree
+from mrl.config.checks import rollout_problems
 
 RECIPES_DIR = Path(__file__).parents[3] / "recipes"
 RECIPES = sorted(RECIPES_DIR.glob("*.yaml"))
@@ -78,7 +79,12 @@ def test_batch_sizes_must_divide():
     assert keys == ["policy.train_global_batch_size"]  # 64 % (3 * dp 2) != 0
     tree = {"grpo": {"num_prompts_per_step": 3, "num_generations_per_prompt": 5},
             "policy": {"train_global_batch_size": 4, "train_micro_batch_size": 1}}
-    assert "rollouts of a step" in problems(tree)[0].message
+    cfg = validate_tree(tree)  # a plain config may be SFT's, DPO's, a reward model's: no rollouts to split
+    (p,) = rollout_problems(cfg)  # what `mrl grpo` checks before anything starts
+    assert p.key == "policy.train_global_batch_size" and "rollouts of a step" in p.message and p.given == 4
+    staged = {**tree, "stages": [{"name": "s", "algorithm": "sft"}, {"name": "g", "algorithm": "grpo"}]}
+    assert "rollouts of a step" in problems(staged)[0].message
+    assert validate_tree({**tree, "stages": [{"name": "s", "algorithm": "sft"}]}).policy.train_global_batch_size == 4
 
 
 def test_several_problems_are_reported_together():

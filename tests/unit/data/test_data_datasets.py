@@ -26,6 +26,8 @@ def test_jsonl_rows_are_read_and_bad_rows_skipped_and_counted(tmp_path):
         {"problem": "no answer"},                         # missing answer
         {"problem": "   ", "answer": "1"},                # empty problem
         {"problem": "list answer", "answer": [1, 2]},     # not a usable answer
+        {"problem": 7, "answer": "7"},                    # a number is no problem text
+        {"problem": None, "answer": "1"},                 # null
         "{not json",                                      # invalid JSON
         "[1, 2]",                                         # not an object
         "",                                               # blank line: ignored, not counted
@@ -35,8 +37,9 @@ def test_jsonl_rows_are_read_and_bad_rows_skipped_and_counted(tmp_path):
     assert [p.answer for p in data.problems] == ["2", "\\frac{1}{2}", "42", "3"]
     assert data.problems[1].row == 1
     assert data.skipped == Counter({"missing 'problem'": 1, "missing 'answer'": 1, "empty 'problem'": 1,
-                                    "empty 'answer'": 1, "invalid JSON": 1, "not an object": 1})
-    assert data.num_skipped == 6
+                                    "'answer' neither text nor a number (list)": 1, "'problem' not text (int)": 1,
+                                    "null 'problem'": 1, "invalid JSON": 1, "not an object": 1})
+    assert data.num_skipped == 8
 
 
 def test_configurable_columns_and_max_rows(tmp_path):
@@ -80,6 +83,31 @@ def test_missing_files_and_unknown_formats_are_clear_errors(tmp_path):
     with pytest.raises(ConfigError, match="mrl does not read the format '.csv'") as err:
         load_problems(tmp_path / "d.csv")
     assert err.value.key == "data.train" and ".jsonl" in err.value.allowed and "to_json" in err.value.fix
+
+
+def test_files_in_the_wrong_format_and_folders_without_data_name_the_key(tmp_path):
+    pytest.importorskip("pyarrow")
+    (tmp_path / "binary.jsonl").write_bytes(b"PAR1\x15\x04\xff\xfe rows")  # Parquet bytes under a text name
+    with pytest.raises(ConfigError, match="is not UTF-8 text") as err:
+        load_problems(tmp_path / "binary.jsonl", key="data.val")
+    assert err.value.key == "data.val" and ".parquet" in err.value.fix
+    write_jsonl(tmp_path / "rows.parquet", [{"problem": "a", "answer": "1"}])  # JSON lines under a Parquet name
+    with pytest.raises(ConfigError, match="is not a readable Parquet file") as err:
+        load_problems(tmp_path / "rows.parquet")
+    assert err.value.key == "data.train" and ".jsonl" in err.value.fix
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "folder" / "notes.txt").write_text("no data here")
+    with pytest.raises(ConfigError, match="no 'train' split") as err:
+        load_problems(tmp_path / "folder")
+    assert err.value.key == "data.train" and "'train' split" in err.value.fix
+
+
+def test_a_byte_order_mark_is_not_a_bad_first_row(tmp_path):
+    rows = [{"problem": "a", "answer": "1"}, {"problem": "b", "answer": "2"}]
+    for name, text in (("rows.jsonl", "\n".join(json.dumps(r) for r in rows)), ("rows.json", json.dumps(rows))):
+        (tmp_path / name).write_text(text, encoding="utf-8-sig")  # as Windows editors save UTF-8
+        data = load_problems(tmp_path / name)
+        assert [p.problem for p in data.problems] == ["a", "b"] and data.num_skipped == 0, name
 
 
 def test_parquet(tmp_path):
