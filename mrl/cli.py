@@ -14,7 +14,14 @@ from typing import Callable, Sequence
 
 from mrl.algorithms.guards import NONFINITE_EXIT_CODE, NonFiniteTraining
 from mrl.algorithms.health import IDLE_EXIT_CODE, EnvironmentFailing, IdleTraining
-from mrl.app.errors import RUN_FAILED_EXIT_CODE, CheckpointIncompatibleError, Preempted, RunFailed
+from mrl.app.errors import (
+    INTERRUPTED,
+    INTERRUPTED_EXIT_CODE,
+    RUN_FAILED_EXIT_CODE,
+    CheckpointIncompatibleError,
+    Preempted,
+    RunFailed,
+)
 from mrl.config import CONFIG_ERROR_EXIT_CODE, ConfigError, MrlConfig, load_config, to_yaml
 from mrl.data.tokenizers import EOS_TOKEN
 
@@ -501,6 +508,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except EnvironmentFailing as exc:
         print(f"mrl: training stopped: {exc}", file=sys.stderr)
         return RUN_FAILED_EXIT_CODE
+    except KeyboardInterrupt:
+        print(f"\nmrl: {INTERRUPTED}", file=sys.stderr)
+        return INTERRUPTED_EXIT_CODE
 
 
 if __name__ == "__main__":

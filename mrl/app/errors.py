@@ -10,6 +10,7 @@
 4  a worker died or raised (RunFailed), or an environment's reward failed on more of a step's samples than
    grpo.max_env_error_fraction allows (mrl.algorithms.health.EnvironmentFailing): re-running the command resumes
 5  `mrl check`: a figure of the run missed the bound its recipe's expect: block sets (mrl.app.check)
+130 interrupted by Ctrl-C (SIGINT), without saving: re-running resumes from the newest checkpoint there is
 """
 
 from __future__ import annotations
@@ -19,6 +20,11 @@ from typing import Optional
 from mrl.config.errors import ConfigError
 
 RUN_FAILED_EXIT_CODE = 4
+INTERRUPTED_EXIT_CODE = 130  # the shell's status for a command SIGINT ended
+INTERRUPTED = (
+    "interrupted (Ctrl-C): nothing was saved since the newest checkpoint, from which re-running the command "
+    "resumes; to stop a run after saving a checkpoint, send SIGTERM instead (kill -TERM <pid of mrl>)"
+)
 
 #: Failures inside a worker that come from the configuration, not from chance, as (what the worker's message holds,
 #: the key to change, the fix): a re-run meets them again, so their message is a configuration error's, with the fix,

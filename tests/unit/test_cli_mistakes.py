@@ -207,3 +207,15 @@ def test_an_output_folder_that_cannot_be_written_is_named_before_anything_starts
     with pytest.raises(ConfigError, match="it is a folder") as err:
         check_output_file(tmp_path, "--out")
     assert err.value.key == "--out"
+
+
+def test_ctrl_c_ends_a_command_with_one_line_and_the_shells_status(monkeypatch, capsys):
+    import mrl.cli
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(mrl.cli, "_run_config_command", interrupted)
+    assert main(["sft", "--config", "whatever.yaml"]) == 130
+    err = capsys.readouterr().err
+    assert "mrl: interrupted (Ctrl-C)" in err and "kill -TERM" in err and "Traceback" not in err
