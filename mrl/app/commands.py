@@ -29,7 +29,13 @@ from mrl.app.checkpointing import CRITIC_SUBDIR, RunCheckpoints, resume_padded_v
 from mrl.app.errors import RunFailed, StorageFailed, configuration_failure
 from mrl.app.hub_ids import resolve_hub_ids
 from mrl.app.model_source import ModelSource, classify_model_path
-from mrl.app.preflight import check_output_file, check_output_folder, check_score_rows, check_tokenizer_folder
+from mrl.app.preflight import (
+    check_fills_a_batch,
+    check_output_file,
+    check_output_folder,
+    check_score_rows,
+    check_tokenizer_folder,
+)
 from mrl.app.results import (
     DONE_MARKER,
     LORA_ADAPTER_DIR,
@@ -297,6 +303,9 @@ def run_grpo(cfg: MrlConfig) -> dict[str, Any]:
     tokenizer = load_tokenizer(cfg, source)
     for template, problems in data.by_template():
         check_prompt_budget(cfg, tokenizer, template, problems)
+    check_fills_a_batch(
+        len(data.train), cfg.grpo.num_prompts_per_step, batch_key="grpo.num_prompts_per_step", what="prompts"
+    )
     _check_tokenizers(cfg, tokenizer)
     runtime = _started(
         cfg,
@@ -352,6 +361,13 @@ def run_sft(cfg: MrlConfig) -> dict[str, Any]:
     source = resolve_model(cfg)
     tokenizer = load_tokenizer(cfg, source)
     check_sft_rows(cfg, tokenizer, data.template, data.train)
+    if data.arith is None:  # the synthetic task makes its examples
+        check_fills_a_batch(
+            len(data.train),
+            cfg.policy.train_global_batch_size,
+            batch_key="policy.train_global_batch_size",
+            what="examples",
+        )
     runtime = _started(
         cfg,
         total_steps=cfg.sft.max_num_steps,
@@ -432,6 +448,12 @@ def _run_pairs(
     source = source or resolve_model(cfg)
     tokenizer = load_tokenizer(cfg, source) if tokenizer is None else tokenizer
     data = load_pair_data(cfg, tokenizer) if data is None else data  # before any worker starts: errors are the data's
+    check_fills_a_batch(
+        2 * len(data.train),
+        cfg.policy.train_global_batch_size,
+        batch_key="policy.train_global_batch_size",
+        what="sequences (two a pair)",
+    )
     runtime = _started(
         cfg,
         total_steps=steps,

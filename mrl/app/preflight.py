@@ -10,6 +10,7 @@ worker's traceback after the workers and the engine have started (tens of second
     the engine's model vLLM's CPU attention has kernels for some head sizes only, and vLLM refuses a context longer
                        than the model's max_position_embeddings (`check_engine_model`)
     mrl score --input  a row to score (`check_score_rows`)
+    a step's batch     enough usable training rows for one step (`check_fills_a_batch`)
     the results        run.output_dir is a folder that can be written (made here when missing), mrl score --out a
                        file (`check_output_folder`, `check_output_file`)
 """
@@ -63,6 +64,20 @@ def check_output_file(path: str | Path, key: str) -> None:
             fix=f"e.g. {key} {Path(path) / 'scores.jsonl'}",
         )
     check_output_folder(Path(path).parent, key)
+
+
+def check_fills_a_batch(rows: int, batch: int, *, batch_key: str, what: str, data_key: str = "data.train") -> None:
+    """A step takes `batch` of the `rows` usable training rows (whole batches: an epoch's tail is dropped), so fewer
+    rows than one batch train nothing: said before any worker starts, naming both keys."""
+    if rows >= batch:
+        return
+    raise ConfigError(
+        f"{data_key} has {rows} usable {what}, fewer than one step takes",
+        key=batch_key,
+        given=batch,
+        allowed=f"at most {rows}",
+        fix=f"add rows to {data_key}, or lower {batch_key}",
+    )
 
 
 def check_tokenizer_folder(folder: str | Path, key: str) -> None:

@@ -219,3 +219,17 @@ def test_ctrl_c_ends_a_command_with_one_line_and_the_shells_status(monkeypatch, 
     assert main(["sft", "--config", "whatever.yaml"]) == 130
     err = capsys.readouterr().err
     assert "mrl: interrupted (Ctrl-C)" in err and "kill -TERM" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("command,override,found", [
+    ("grpo", "grpo.num_prompts_per_step=4", "grpo.num_prompts_per_step: data.train has 2 usable prompts"),
+    ("sft", "policy.train_global_batch_size=8", "policy.train_global_batch_size: data.train has 2 usable examples"),
+    ("dpo", "policy.train_global_batch_size=8",
+     "policy.train_global_batch_size: data.train has 4 usable sequences (two a pair)"),
+])
+def test_fewer_rows_than_one_step_takes_are_refused_before_the_workers(command, override, found, tmp_path, models,
+                                                                       no_workers, capsys):
+    train = _write(tmp_path / "rows.jsonl", PAIRS if command == "dpo" else PROBLEMS)
+    status, err = _run(tmp_path, command, models["served"], train, override, capsys=capsys)
+    assert status == 2
+    assert found in err and "fewer than one step takes" in err and "allowed: at most" in err, err
