@@ -70,7 +70,22 @@ def model_facts(policy: "PolicyConfig") -> Optional[ModelFacts]:
     cfg_file = Path(policy.model_name) / "config.json" if policy.model_name else None
     if cfg_file is None or not cfg_file.is_file():
         return None
-    hf = json.loads(cfg_file.read_text())
+    try:
+        hf = json.loads(cfg_file.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ConfigError(
+            f"the model folder's config.json is not valid JSON ({error})",
+            key="policy.model_name",
+            given=policy.model_name,
+            fix=f"repair or replace {cfg_file} (an HF model's config, as save_pretrained writes it)",
+        ) from error
+    if not isinstance(hf, dict):
+        raise ConfigError(
+            f"the model folder's config.json holds a {type(hf).__name__}, not an HF model's config (an object)",
+            key="policy.model_name",
+            given=policy.model_name,
+            fix=f"repair or replace {cfg_file}",
+        )
     heads, layers = hf.get("num_attention_heads"), hf.get("num_hidden_layers")
     if not isinstance(heads, int):
         return None

@@ -261,11 +261,13 @@ def _hub_error(error: Exception, ref: HubRef, repo_type: str, key: str) -> Confi
             "an existing local folder",
         )
     return ConfigError(
-        f"{ref} could not be fetched from the hub ({type(error).__name__}: {str(error)[:300]}) and is not in the cache",
+        f"{ref} could not be fetched from the hub ({type(error).__name__}: {str(error)[:300]}) and is not in the "
+        f"cache; nor is there a local folder {Path(ref.repo_id).absolute()}",
         key=key,
         given=str(ref),
-        fix=f"run `{download_command(ref, repo_type)}` on a machine with network (the same HF_HOME), "
-        "then re-run here with HF_HUB_OFFLINE=1, or pass a local folder",
+        fix=f"a local path? check it (relative paths start from {Path.cwd()}); a hub id? run "
+        f"`{download_command(ref, repo_type)}` on a machine with network (the same HF_HOME), then re-run here "
+        "with HF_HUB_OFFLINE=1",
     )
 
 

@@ -65,6 +65,16 @@ def test_tp_must_divide_heads_of_built_model():
     assert p.key == "policy.parallel.tensor_parallel_size" and p.given == 4 and "[1, 2, 3, 6]" in p.allowed
 
 
+def test_a_model_config_that_is_not_json_names_the_model_and_the_file(tmp_path):
+    (tmp_path / "config.json").write_text("{not json")
+    (p,) = problems({"policy": {"model_name": str(tmp_path)}})
+    assert p.key == "policy.model_name" and p.given == str(tmp_path)
+    assert "config.json is not valid JSON" in p.message and str(tmp_path / "config.json") in p.fix
+    (tmp_path / "config.json").write_text("[1, 2]")
+    (p,) = problems({"policy": {"model_name": str(tmp_path)}})
+    assert "holds a list" in p.message
+
+
 def test_tp_must_divide_kv_heads_read_from_hf_config(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"num_attention_heads": 8, "num_key_value_heads": 2}))
     tree = {"cluster": {"devices_per_node": 4},
