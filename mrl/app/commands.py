@@ -34,7 +34,7 @@ from mrl.app.preflight import (
     check_output_file,
     check_output_folder,
     check_score_rows,
-    check_tokenizer_folder,
+    check_tokenizers,
 )
 from mrl.app.results import (
     DONE_MARKER,
@@ -224,55 +224,6 @@ def _grpo_environment(cfg: MrlConfig, runtime: Runtime, template: Any) -> Any:
     )
 
 
-def _check_same_tokenizer(path: str, key: str, what: str, tokenizer: Any, fix: str) -> None:
-    """A model that reads the policy's token ids (`what`, at config `key`) must share its vocabulary. Checked before
-    any worker starts."""
-    from mrl.data.tokenizers import load_tokenizer as load_folder_tokenizer
-
-    folder = classify_model_path(path, key=key).config_dir
-    check_tokenizer_folder(folder, key)
-    theirs, ours = load_folder_tokenizer(folder).get_vocab(), tokenizer.get_vocab()
-    if theirs != ours:
-        differing = sorted(set(theirs.items()) ^ set(ours.items()), key=str)[:3]
-        raise ConfigError(
-            f"the {what}'s tokenizer differs from the policy's ({len(theirs)} tokens against {len(ours)}; "
-            f"e.g. {differing}); it reads the policy's token ids",
-            key=key,
-            given=str(folder),
-            fix=fix,
-        )
-
-
-def _check_tokenizers(cfg: MrlConfig, tokenizer: Any) -> None:
-    """The reward model (env.reward_model), the critic (ppo.critic.model_name) and the teacher (distillation.teacher)
-    read the policy's token ids."""
-    if cfg.env.reward_model is not None:
-        _check_same_tokenizer(
-            cfg.env.reward_model.model,
-            "env.reward_model.model",
-            "reward model",
-            tokenizer,
-            fix="train the reward model from the same base model (same tokenizer)",
-        )
-    if cfg.grpo.advantage_estimator == "gae" and cfg.ppo.critic.model_name:
-        _check_same_tokenizer(
-            cfg.ppo.critic.model_name,
-            "ppo.critic.model_name",
-            "critic",
-            tokenizer,
-            fix="start the critic from a reward model of the same base model, or leave ppo.critic.model_name unset",
-        )
-    if cfg.distillation is not None:
-        _check_same_tokenizer(
-            cfg.distillation.teacher,
-            "distillation.teacher",
-            "teacher",
-            tokenizer,
-            fix="distil from a teacher of the student's family with the same tokenizer (logprobs of other token "
-            "ids cannot be compared token by token)",
-        )
-
-
 def _critic_source(cfg: MrlConfig, source: ModelSource, tokenizer: Any) -> Optional[ModelSource]:
     """PPO's value model to start from: ppo.critic.model_name (a reward model, or a language model given a score
     head), else the policy's model with a fresh score head; None without PPO."""
@@ -306,7 +257,7 @@ def run_grpo(cfg: MrlConfig) -> dict[str, Any]:
     check_fills_a_batch(
         len(data.train), cfg.grpo.num_prompts_per_step, batch_key="grpo.num_prompts_per_step", what="prompts"
     )
-    _check_tokenizers(cfg, tokenizer)
+    check_tokenizers(cfg, tokenizer)
     runtime = _started(
         cfg,
         total_steps=cfg.grpo.max_num_steps,

@@ -46,8 +46,10 @@ def classify_model_path(path: str | Path, *, key: str = "policy.model_name") -> 
     holds and the fix when it is neither kind."""
     folder = Path(path)
     if _is_hf_folder(folder):
+        _check_family(folder, key, path)
         return ModelSource(config_dir=folder)
     if _is_megatron_folder(folder) and not _unfinished_training_step(folder):
+        _check_family(folder / HF_SUBDIR, key, path)
         return ModelSource(config_dir=folder / HF_SUBDIR, megatron_dir=folder)
     raise ConfigError(
         f"neither an HF model folder nor a Megatron checkpoint folder: {_found(folder)}",
@@ -55,6 +57,24 @@ def classify_model_path(path: str | Path, *, key: str = "policy.model_name") -> 
         given=str(path),
         fix=_fix(folder),
     )
+
+
+def _check_family(config_dir: Path, key: str, given: str | Path) -> None:
+    """The model is of a family mrl builds in Megatron (else the workers would find out after start-up)."""
+    import json
+
+    from converters.spec import detect_family
+
+    try:
+        config = json.loads((config_dir / "config.json").read_text(encoding="utf-8"))
+        detect_family(config if isinstance(config, dict) else {})
+    except ValueError as error:  # JSON that does not parse, or a family mrl has no mapping for (ConversionError)
+        raise ConfigError(
+            f"{config_dir / 'config.json'}: {error}",
+            key=key,
+            given=str(given),
+            fix="start from a model of a supported family (its config.json's architectures name it)",
+        ) from error
 
 
 def _is_hf_folder(folder: Path) -> bool:

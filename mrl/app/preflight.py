@@ -6,12 +6,14 @@ worker's traceback after the workers and the engine have started (tens of second
                        lacks the configured columns or is in a format mrl does not read (mrl/data/datasets.py,
                        preferences.py). Each command loads its data before its workers start; `mrl run` also reads
                        every stage still to run before the first starts (`check_stage`).
-    the tokenizer      policy.tokenizer, else the model folder, holds vocabulary files (`check_tokenizer_folder`)
+    the model          a family mrl builds (`model_source.classify_model_path`)
+    the tokenizer      policy.tokenizer, else the model folder, holds vocabulary files (`check_tokenizer_folder`);
+                       the reward model, critic and teacher share the policy's (`check_tokenizers`)
     the engine's model vLLM's CPU attention has kernels for some head sizes only, and vLLM refuses a context longer
                        than the model's max_position_embeddings (`check_engine_model`)
     mrl score --input  a row to score (`check_score_rows`)
     a step's batch     enough usable training rows for one step (`check_fills_a_batch`)
-    the results        run.output_dir is a folder that can be written (made here when missing), mrl score --out a
+    the results        run.output_dir is a folder that can be written (or made: not made here), mrl score --out a
                        file (`check_output_folder`, `check_output_file`)
 """
 
@@ -24,6 +26,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from mrl.app.model_source import classify_model_path
 from mrl.checkpoint.megatron import HF_SUBDIR
 from mrl.config.errors import ConfigError
 from mrl.config.schema import MrlConfig
@@ -236,3 +239,52 @@ def check_score_rows(input_path: str, rows: Sequence[Any]) -> None:
         allowed=shapes,
         fix="write the rows in one of these shapes",
     )
+
+
+def _check_same_tokenizer(path: str, key: str, what: str, tokenizer: Any, fix: str) -> None:
+    """A model that reads the policy's token ids (`what`, at config `key`) must share its vocabulary. Checked before
+    any worker starts."""
+    from mrl.data.tokenizers import load_tokenizer as load_folder_tokenizer
+
+    folder = classify_model_path(path, key=key).config_dir
+    check_tokenizer_folder(folder, key)
+    theirs, ours = load_folder_tokenizer(folder).get_vocab(), tokenizer.get_vocab()
+    if theirs != ours:
+        differing = sorted(set(theirs.items()) ^ set(ours.items()), key=str)[:3]
+        raise ConfigError(
+            f"the {what}'s tokenizer differs from the policy's ({len(theirs)} tokens against {len(ours)}; "
+            f"e.g. {differing}); it reads the policy's token ids",
+            key=key,
+            given=str(folder),
+            fix=fix,
+        )
+
+
+def check_tokenizers(cfg: MrlConfig, tokenizer: Any) -> None:
+    """The reward model (env.reward_model), the critic (ppo.critic.model_name) and the teacher (distillation.teacher)
+    read the policy's token ids."""
+    if cfg.env.reward_model is not None:
+        _check_same_tokenizer(
+            cfg.env.reward_model.model,
+            "env.reward_model.model",
+            "reward model",
+            tokenizer,
+            fix="train the reward model from the same base model (same tokenizer)",
+        )
+    if cfg.grpo.advantage_estimator == "gae" and cfg.ppo.critic.model_name:
+        _check_same_tokenizer(
+            cfg.ppo.critic.model_name,
+            "ppo.critic.model_name",
+            "critic",
+            tokenizer,
+            fix="start the critic from a reward model of the same base model, or leave ppo.critic.model_name unset",
+        )
+    if cfg.distillation is not None:
+        _check_same_tokenizer(
+            cfg.distillation.teacher,
+            "distillation.teacher",
+            "teacher",
+            tokenizer,
+            fix="distil from a teacher of the student's family with the same tokenizer (logprobs of other token "
+            "ids cannot be compared token by token)",
+        )

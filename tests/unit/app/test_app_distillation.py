@@ -38,12 +38,12 @@ def test_a_model_with_another_tokenizer_is_refused_naming_its_key_before_anythin
 
 
 def test_a_teacher_with_the_students_tokenizer_passes_the_check(tmp_path, other_tokenizer):
-    from mrl.app.commands import _check_tokenizers
+    from mrl.app.preflight import check_tokenizers
 
     same = build_tiny_hf_model(tmp_path / "teacher", "qwen2", layers=1, hidden=16, heads=2, intermediate=32)
     cfg = load_config(RECIPE, [f"run.output_dir={tmp_path}", "stages=[]", f"+distillation.teacher={same}"])
     from transformers import PreTrainedTokenizerFast
 
-    _check_tokenizers(cfg, PreTrainedTokenizerFast.from_pretrained(other_tokenizer))  # both BPE, the same vocabulary
+    check_tokenizers(cfg, PreTrainedTokenizerFast.from_pretrained(other_tokenizer))  # both BPE, the same vocabulary
     with pytest.raises(ConfigError, match="teacher's tokenizer differs"):
-        _check_tokenizers(cfg, build_arith_tokenizer())
+        check_tokenizers(cfg, build_arith_tokenizer())

@@ -12,10 +12,13 @@ from mrl.app.model_source import ModelSource, classify_model_path
 from mrl.config.errors import ConfigError
 
 
+QWEN2 = '{"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"}'
+
+
 def _files(root: Path, *names: str) -> Path:
     for name in names:
         (root / name).parent.mkdir(parents=True, exist_ok=True)
-        (root / name).write_text("{}")
+        (root / name).write_text(QWEN2 if name.endswith("config.json") else "{}")
     return root
 
 
@@ -35,6 +38,18 @@ def test_a_megatron_folder_takes_its_config_from_hf(tmp_path, extra):
     folder = _files(tmp_path / "step_4", *MEGATRON, *extra)
     source = classify_model_path(folder)
     assert source == ModelSource(config_dir=folder / "hf", megatron_dir=folder) and source.is_megatron
+
+
+def test_a_family_mrl_cannot_build_is_named_with_the_supported_ones(tmp_path):
+    folder = _files(tmp_path / "gpt2", "config.json", "model.safetensors")
+    (folder / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}')
+    with pytest.raises(ConfigError) as caught:
+        classify_model_path(folder, key="policy.model_name")
+    assert caught.value.key == "policy.model_name" and caught.value.given == str(folder)
+    assert "unsupported model family" in caught.value.message and "qwen2" in caught.value.message
+    (folder / "config.json").write_text("{not json")
+    with pytest.raises(ConfigError, match="config.json"):
+        classify_model_path(folder)
 
 
 def _error(path: Path, key: str = "policy.model_name") -> str:
