@@ -19,13 +19,32 @@ Overrides (Hydra's grammar, parsed with Hydra's own parser):
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Hashable, Iterable
 
 import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from mrl.config.errors import ConfigError
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key that a mapping holds twice (PyYAML keeps the last silently: a second
+    `policy:` block would drop the first's settings)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            line = key_node.start_mark.line + 1
+            if not isinstance(key, Hashable):
+                break  # the safe loader's own error names it
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"the key {key!r} appears twice (lines {seen[key]} and {line})", key_node.start_mark
+                )
+            seen[key] = line
+        return super().construct_mapping(node, deep=deep)
 
 
 def load_yaml_tree(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
@@ -35,9 +54,11 @@ def load_yaml_tree(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict[str, 
         chain = " -> ".join(str(p.name) for p in (*_seen, path))
         raise ConfigError(f"defaults form a cycle: {chain}", key="defaults")
     if not path.is_file():
-        raise ConfigError(f"config file not found: {path}", fix="check the --config path")
+        found = "is a folder, not a config file" if path.is_dir() else "not found"
+        named_by = f"the defaults: of {_seen[-1]}" if _seen else "the --config path"
+        raise ConfigError(f"config file {found}: {path}", fix=f"check {named_by}")
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = yaml.load(path.read_text(), Loader=_UniqueKeyLoader) or {}
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path.name} is not valid YAML: {exc}") from None
     if not isinstance(data, dict):

@@ -38,7 +38,7 @@ def find_recipe(path: str | Path) -> Path:
             if candidate.is_file():
                 return candidate.resolve()
     raise ConfigError(
-        f"config file not found: {given.resolve()}",
+        f"config file {'is a folder, not a config file' if given.is_dir() else 'not found'}: {given.resolve()}",
         given=str(path),
         allowed="a YAML file, or a shipped recipe by name: " + ", ".join(shipped_recipes()),
         fix="check the path, or name a shipped recipe (e.g. arith-tiny-cpu)",

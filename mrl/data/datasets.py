@@ -208,7 +208,12 @@ def read_rows(source: str, split: str, *, key: str = "data.train") -> tuple[Iter
     elif path.is_file():
         rows = list(_file_rows(path, key))
     elif path.suffix.lower() in JSONL_SUFFIXES + PARQUET_SUFFIXES:
-        raise FileNotFoundError(f"{key}: data file {source} does not exist")
+        where = (
+            ""
+            if path.is_absolute()
+            else f" (looked for {path.absolute()}: relative paths start from the current folder)"
+        )
+        raise FileNotFoundError(f"{key}: data file {source} does not exist{where}")
     else:
         raise FileNotFoundError(
             f"{key}: {source!r} is neither a data file (.jsonl / .json / .parquet), a dataset "

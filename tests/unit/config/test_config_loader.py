@@ -30,8 +30,22 @@ def test_defaults_cycle_and_missing_file_are_errors(tmp_path):
     with pytest.raises(ConfigError, match="cycle"):
         load_yaml_tree(tmp_path / "a.yaml")
     write(tmp_path / "c.yaml", "defaults: nowhere.yaml\n")
-    with pytest.raises(ConfigError, match="not found"):
+    with pytest.raises(ConfigError, match="not found") as err:
         load_yaml_tree(tmp_path / "c.yaml")
+    assert err.value.fix == f"check the defaults: of {tmp_path / 'c.yaml'}"  # the file that names it
+    with pytest.raises(ConfigError, match="is a folder, not a config file") as err:
+        load_yaml_tree(tmp_path)
+    assert err.value.fix == "check the --config path"
+
+
+def test_a_key_written_twice_is_refused_with_its_lines(tmp_path):
+    twice = write(tmp_path / "twice.yaml", "run: {name: a}\npolicy: {precision: float32}\nrun: {seed: 3}\n")
+    with pytest.raises(ConfigError, match=r"twice.yaml is not valid YAML: .*the key 'run' appears twice \(lines 1 and 3\)"):
+        load_yaml_tree(twice)
+    nested = write(tmp_path / "nested.yaml", "policy:\n  optimizer: {lr: 1.0, lr: 2.0}\n")
+    with pytest.raises(ConfigError, match="the key 'lr' appears twice"):
+        load_yaml_tree(nested)
+    assert load_yaml_tree(write(tmp_path / "once.yaml", "run: {name: a}\n")) == {"run": {"name": "a"}}
 
 
 def test_deep_merge_replaces_lists_and_scalars():
