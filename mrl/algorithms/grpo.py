@@ -379,7 +379,7 @@ def grpo_train(
         ckpt,
         loader=PromptDataLoader(data.train, cfg.grpo.num_prompts_per_step, seed=cfg.run.seed),
         loss_fn=GRPOLoss(**cfg.loss.model_dump()),  # loss.* are GRPOLoss's fields
-        state=ckpt.resume_newest(),
+        state=ckpt.resume_newest(cfg.grpo.max_num_steps, "grpo.max_num_steps"),
         guard=NonFiniteGuard(cfg.policy.max_nonfinite_steps),
         idle=IdleGuard(cfg.grpo.max_idle_steps),
         env_errors=EnvironmentErrorGuard(cfg.grpo.max_env_error_fraction),

@@ -42,8 +42,9 @@ class LoopCheckpoints(Protocol):
     stop_requested: bool
     """A SIGTERM arrived: save after the step in flight, then stop."""
 
-    def resume_newest(self) -> Optional[dict[str, Any]]:
-        """Load the newest complete checkpoint into the policy; its controller state, or None to start fresh."""
+    def resume_newest(self, last_step: Optional[int] = None, steps_key: str = "") -> Optional[dict[str, Any]]:
+        """Load the newest complete checkpoint into the policy; its controller state, or None to start fresh (one at
+        or past `last_step`, the run's `steps_key`, leaves nothing to train: said)."""
         ...
 
     def due(self, step: int, last_step: int, *, final: bool = False) -> bool:

@@ -223,7 +223,7 @@ def train_on_pairs(
     last = section.max_num_steps
     if not data.val:
         print("[mrl] no validation pairs (data.val): validation is skipped", file=sys.stderr)
-    state: Optional[dict] = ckpt.resume_newest()
+    state: Optional[dict] = ckpt.resume_newest(last, f"{command}.max_num_steps")
     if state:
         stream.load_state_dict(state["pairs"])
     else:  # the starting model's validation metrics, the baseline the run is judged against

@@ -102,7 +102,7 @@ def sft_train(
     last = cfg.sft.max_num_steps
     if not data.val:
         print("[mrl] no validation problems (data.val): validation is skipped", file=sys.stderr)
-    state: Optional[dict] = ckpt.resume_newest()
+    state: Optional[dict] = ckpt.resume_newest(last, "sft.max_num_steps")
     if state:
         examples.load_state_dict(state["examples"])
     final: dict[str, float] = {}

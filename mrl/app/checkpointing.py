@@ -56,6 +56,15 @@ def resume_padded_vocab(cfg: MrlConfig, part: str = "") -> Optional[int]:
     return checkpoint_padded_vocab(latest / part / MODEL_SUBDIR)
 
 
+def _damaged(path: Path, why: str) -> CheckpointIncompatibleError:
+    """The error of a step that cannot be loaded (a file missing or cut short): the fix names the step, since a plain
+    re-run would meet it again."""
+    return CheckpointIncompatibleError(
+        f"cannot resume from {path}: {why}\n(if the step is damaged, remove {path}: the run then resumes from the "
+        "step before it; or set checkpointing.resume=false or another checkpointing.dir to start fresh)"
+    )
+
+
 def _resumes(cfg: MrlConfig) -> bool:
     return cfg.checkpointing.enabled and cfg.checkpointing.resume
 
@@ -147,16 +156,26 @@ class RunCheckpoints:
         self.manager.clean_stale()
         return self.manager.latest()
 
-    def resume_newest(self) -> Optional[dict[str, Any]]:
-        """Resume from the newest complete checkpoint (see `resume`); None when the run starts fresh."""
+    def resume_newest(self, last_step: Optional[int] = None, steps_key: str = "") -> Optional[dict[str, Any]]:
+        """Resume from the newest complete checkpoint (see `resume`); None when the run starts fresh. A checkpoint
+        at or past `last_step` (the run's `steps_key`) leaves nothing to train, which is said."""
         path = self.newest()
-        return None if path is None else self.resume(path)
+        state = None if path is None else self.resume(path)
+        if state is not None and last_step is not None and int(state["step"]) >= last_step:
+            _say(
+                f"nothing left to train: the checkpoint is at step {state['step']}, {steps_key}={last_step}; raise "
+                f"{steps_key} to train on from it, or set checkpointing.resume=false to start fresh"
+            )
+        return state
 
     def resume(self, path: Path) -> dict[str, Any]:
         """Load step folder `path` into the policy and return the controller's training state (RNG restored)."""
         from mrl.checkpoint.manager import check_compatible, load_train_state, restore_rng_state
 
-        state = load_train_state(path)
+        try:
+            state = load_train_state(path)
+        except Exception as error:  # any unreadable file: the step is damaged
+            raise _damaged(path, f"its controller state cannot be read ({type(error).__name__}: {error})") from error
         reasons = check_compatible(state.get("model_record", {}), self._record())
         if reasons:
             raise CheckpointIncompatibleError(
@@ -165,7 +184,15 @@ class RunCheckpoints:
                 + "\n(set checkpointing.resume=false or another checkpointing.dir to start fresh)"
             )
         assert self.runtime.policy is not None  # checkpoints belong to the training commands, which start one
-        reports = self.runtime.policy.load(str(path))
+        from mrl.distributed import WorkerDiedError, WorkerError
+
+        try:
+            reports = self.runtime.policy.load(str(path))
+        except WorkerError as error:
+            if isinstance(error, WorkerDiedError):  # a death is no sign of a damaged step
+                raise
+            first = str(error).split("\n--- remote traceback ---")[0]
+            raise _damaged(path, f"the policy's workers could not load it: {first[:600]}") from error
         if self.runtime.critic is not None:
             if not (path / CRITIC_SUBDIR).is_dir():
                 raise CheckpointIncompatibleError(

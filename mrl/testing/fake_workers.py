@@ -298,7 +298,7 @@ class FakeCheckpoints:
         self.saved: dict[int, dict[str, Any]] = {}
         """step -> the controller state as a resume reads it back (with "step" and the policy's "weights_version")."""
 
-    def resume_newest(self) -> Optional[dict[str, Any]]:
+    def resume_newest(self, last_step: Optional[int] = None, steps_key: str = "") -> Optional[dict[str, Any]]:
         self.workers.events.add("resume", step=None if self._resume is None else int(self._resume["step"]))
         if self._resume is None:
             return None

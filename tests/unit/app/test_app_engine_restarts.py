@@ -153,7 +153,7 @@ class _Transport:
 class _Checkpoints:
     stop_requested = False
 
-    def resume_newest(self) -> None:
+    def resume_newest(self, last_step=None, steps_key="") -> None:
         return None
 
     def due(self, step: int, last_step: int, *, final: bool = False) -> bool:
