@@ -73,10 +73,14 @@ def load_problems(
     config key that named `source` (for the error when no row is usable: see the module docstring)."""
     rows, columns = read_rows(str(source), split, key=key)
     result = ProblemSet([], str(source))
+    where: dict[str, list[int]] = {}  # the first rows skipped for each reason
     for index, row in rows:
         problem, reason = _to_problem(index, row, problem_key, answer_key)
         if problem is None:
             result.skipped[reason] += 1
+            first = where.setdefault(reason, [])
+            if len(first) < 3:
+                first.append(index + 1)  # a .jsonl file's line, an array's or a Parquet file's row
             continue
         result.problems.append(problem)
         if max_rows is not None and len(result.problems) >= max_rows:
@@ -87,7 +91,14 @@ def load_problems(
             str(source), key, result.skipped, columns, columns_of
         )
     if result.num_skipped:
-        logger.warning("%s: skipped %d bad rows %s", source, result.num_skipped, dict(result.skipped))
+        lines_of = "; ".join(f"{reason}: {', '.join(map(str, lines))}" for reason, lines in where.items())
+        logger.warning(
+            "%s: skipped %d bad rows %s (the first lines or rows of each, from 1: %s)",
+            source,
+            result.num_skipped,
+            dict(result.skipped),
+            lines_of,
+        )
     return result
 
 

@@ -16,7 +16,7 @@ def write_jsonl(path, lines):
     return path
 
 
-def test_jsonl_rows_are_read_and_bad_rows_skipped_and_counted(tmp_path):
+def test_jsonl_rows_are_read_and_bad_rows_skipped_and_counted(tmp_path, caplog):
     path = write_jsonl(tmp_path / "train.jsonl", [
         {"problem": "What is 1+1?", "answer": "2", "solution": "..."},
         {"problem": "  Half of one? ", "answer": "\\frac{1}{2}"},
@@ -40,6 +40,7 @@ def test_jsonl_rows_are_read_and_bad_rows_skipped_and_counted(tmp_path):
                                     "'answer' neither text nor a number (list)": 1, "'problem' not text (int)": 1,
                                     "null 'problem'": 1, "invalid JSON": 1, "not an object": 1})
     assert data.num_skipped == 8
+    assert "invalid JSON: 11; not an object: 12" in caplog.text  # where to look, line by line from 1
 
 
 def test_configurable_columns_and_max_rows(tmp_path):
