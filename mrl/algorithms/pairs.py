@@ -213,13 +213,7 @@ def train_on_pairs(
     checkpoint. Resumes from the newest checkpoint (the pair stream's position included). Returns the last metrics."""
     from mrl.data.dataloader import PromptDataLoader
 
-    per_step = pairs_per_step(cfg)
-    if len(data.train) < per_step:
-        raise ValueError(
-            f"{len(data.train)} training pairs cannot fill one step of {per_step} pairs "
-            f"(policy.train_global_batch_size / 2): lower it or add data"
-        )
-    stream = PromptDataLoader(data.train, per_step, seed=cfg.run.seed)
+    stream = PromptDataLoader(data.train, pairs_per_step(cfg), seed=cfg.run.seed)  # filled: preflight checked
     last = section.max_num_steps
     if not data.val:
         print("[mrl] no validation pairs (data.val): validation is skipped", file=sys.stderr)

@@ -61,12 +61,11 @@ def classify_model_path(path: str | Path, *, key: str = "policy.model_name") -> 
 
 def _check_family(config_dir: Path, key: str, given: str | Path) -> None:
     """The model is of a family mrl builds in Megatron (else the workers would find out after start-up)."""
-    import json
-
+    from converters.hf_io import load_hf_config
     from converters.spec import detect_family
 
     try:
-        config = json.loads((config_dir / "config.json").read_text(encoding="utf-8"))
+        config = load_hf_config(config_dir)
         detect_family(config if isinstance(config, dict) else {})
     except ValueError as error:  # JSON that does not parse, or a family mrl has no mapping for (ConversionError)
         raise ConfigError(

@@ -24,8 +24,8 @@ class PromptDataLoader(Generic[T]):
             raise ValueError(f"batch size must be >= 1, got {batch_size}")
         if drop_last and len(items) < batch_size:
             raise ValueError(
-                f"{len(items)} prompts cannot fill one batch of {batch_size}: lower the prompts per "
-                "step (grpo.num_prompts_per_step) or add data"
+                f"{len(items)} items cannot fill one batch of {batch_size}: lower the batch or add data "
+                "(the commands say which key, before any worker starts: preflight.check_fills_a_batch)"
             )
         if not items:
             raise ValueError("the dataset is empty")

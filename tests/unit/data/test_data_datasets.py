@@ -222,7 +222,7 @@ def test_loader_resumes_exactly_from_its_state():
 def test_loader_without_drop_last_and_bad_sizes():
     loader = PromptDataLoader(list(range(5)), 2, shuffle=False, drop_last=False)
     assert [next(loader) for _ in range(4)] == [[0, 1], [2, 3], [4], [0, 1]]
-    with pytest.raises(ValueError, match="num_prompts_per_step"):
+    with pytest.raises(ValueError, match="3 items cannot fill one batch of 4: lower the batch or add data"):
         PromptDataLoader(list(range(3)), 4)
 
 
