@@ -137,7 +137,7 @@ def _run_download(args: argparse.Namespace) -> int:
     ref = hub.parse_hub_id(args.id)
     if ref is None:
         raise ConfigError(
-            "not a hub id (org/name[@revision]), or a local path that exists", key="MODEL_OR_DATASET", given=args.id
+            "not a hub id (org/name[@revision]), or a local path that exists", key=hub.DOWNLOAD_ARGUMENT, given=args.id
         )
     if args.revision:
         ref = hub.HubRef(ref.repo_id, args.revision)
@@ -149,7 +149,7 @@ def _run_download(args: argparse.Namespace) -> int:
             fix="unset it for `mrl download` (on a machine with network)",
         )
     kind = "dataset" if args.dataset else "model"
-    result = hub.resolve(ref, repo_type=kind, key="MODEL_OR_DATASET")
+    result = hub.resolve(ref, repo_type=kind, key=hub.DOWNLOAD_ARGUMENT)
     files = [p for p in Path(result.path).rglob("*") if p.is_file()]
     size = sum(p.stat().st_size for p in files)
     print(
@@ -461,10 +461,34 @@ def _run_convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def _dashed_override(argv: list[str]) -> ConfigError | None:
+    """An override written as an option (`--policy.optimizer.lr=1e-5`, `--grpo.max_num_steps 3`): argparse would
+    say only "unrecognized arguments"; the fix is the same words without the dashes."""
+    for i, arg in enumerate(argv):
+        if arg == "--":
+            return None  # what follows is another command's (mrl submit)
+        name, has_value, _ = arg.partition("=")
+        if not arg.startswith("--") or "." not in name:
+            continue
+        fixed = arg[2:]
+        if not has_value and i + 1 < len(argv) and not argv[i + 1].startswith("-") and "=" not in argv[i + 1]:
+            fixed = f"{arg[2:]}={argv[i + 1]}"
+        return ConfigError(
+            "an override is key=value, without dashes",
+            key=arg,
+            fix=f"write {fixed}" + ("" if "=" in fixed else "=<value>"),
+        )
+    return None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     from mrl.logging.known_noise import silence_known_noise
 
     silence_known_noise()  # the dependencies' known-harmless warnings (the in-process engines run here)
+    dashed = _dashed_override(list(sys.argv[1:] if argv is None else argv))
+    if dashed is not None:
+        print(f"mrl: configuration error\n  {dashed.render()}", file=sys.stderr)
+        return CONFIG_ERROR_EXIT_CODE
     args = build_parser().parse_args(argv)
     try:
         if args.command == "config":

@@ -19,13 +19,15 @@ A complete step_N/ is also a Megatron checkpoint folder that any command starts 
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, Optional
 
-from mrl.app.errors import CheckpointIncompatibleError, Preempted
+from mrl.app.errors import RUN_FAILED_EXIT_CODE, CheckpointIncompatibleError, Preempted
 from mrl.app.runtime import Runtime
 from mrl.app.storage import storage_guard
 from mrl.config import to_yaml
@@ -69,6 +71,11 @@ def _resumes(cfg: MrlConfig) -> bool:
     return cfg.checkpointing.enabled and cfg.checkpointing.resume
 
 
+# How long after a SIGTERM the controller watches whether Ray's GCS still serves (it stops within a second of the
+# same signal).
+RAY_WATCH_AFTER_SIGTERM_S = 10.0
+
+
 class RunCheckpoints:
     """The checkpoints of one training loop (GRPO or SFT): `mrl.algorithms.interfaces.LoopCheckpoints`."""
 
@@ -87,6 +94,7 @@ class RunCheckpoints:
         self.stop_requested = False
         self.interrupted_at: Optional[int] = None  # the step after which a SIGTERM stopped an unfinished loop
         self._previous_handler: Any = None
+        self._left = threading.Event()  # set when the loop's context ends (Ray is shut down after it, on purpose)
 
     def _record(self) -> dict[str, Any]:
         from converters.hf_io import load_hf_config
@@ -212,10 +220,38 @@ class RunCheckpoints:
     def __enter__(self) -> "RunCheckpoints":
         def on_sigterm(signum: int, frame: Any) -> None:
             _say("SIGTERM: saving a checkpoint after the current step, then exiting")
+            if not self.stop_requested:
+                threading.Thread(target=self._end_if_ray_was_stopped_too, daemon=True).start()
             self.stop_requested = True
 
         self._previous_handler = signal.signal(signal.SIGTERM, on_sigterm)
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self._left.set()
         signal.signal(signal.SIGTERM, self._previous_handler or signal.SIG_DFL)
+
+    def _end_if_ray_was_stopped_too(self) -> None:
+        """A SIGTERM sent to the whole process group or job (`kill -TERM -<pgid>`, a plain `scancel`, systemd) also
+        stops Ray's own processes: nothing can be saved then, and Ray's driver would wait a minute for its GCS
+        before ending the process. Said at once, with where a re-run resumes; the process ends with
+        status 4 (a worker died)."""
+        from mrl.distributed.cluster import ray_gcs_refuses
+
+        deadline = time.monotonic() + RAY_WATCH_AFTER_SIGTERM_S
+        while time.monotonic() < deadline and not self._left.is_set():
+            gcs = ray_gcs_refuses()
+            if gcs and not self._left.is_set():
+                saved = self.manager.latest() if self.cfg.checkpointing.enabled else None
+                print(
+                    f"mrl: run failed: the SIGTERM reached Ray's own processes too (its GCS at {gcs} stopped "
+                    "serving): the whole process group or job was signalled, so no checkpoint could be saved. "
+                    + (f"Re-running the same command resumes from {saved}. " if saved else "Nothing was saved. ")
+                    + "To stop a run after a save, signal the mrl process alone: kill -TERM <pid of mrl>; under "
+                    "Slurm, scancel --batch --signal=TERM <job> (the launcher's --signal=B:TERM does so before the "
+                    "time limit)",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                os._exit(RUN_FAILED_EXIT_CODE)
+            time.sleep(0.2)

@@ -19,7 +19,9 @@ worker's traceback after the workers and the engine have started (tens of second
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -186,10 +188,23 @@ def check_stage(cfg: MrlConfig, algorithm: str) -> None:
     model folder that exists; an earlier stage's export keeps the architecture the first stage was checked with)."""
     sources = [s for s in (cfg.data.train, cfg.data.val, cfg.eval.data) if s]
     if not any(hub.parse_hub_id(source) for source in sources):
-        _read_stage_data(cfg, algorithm)
+        with _quiet_bad_rows():
+            _read_stage_data(cfg, algorithm)
     config = _known_model_config(cfg)
     if algorithm in ("grpo", "eval") and config is not None:
         check_engine_model(cfg, config)
+
+
+@contextlib.contextmanager
+def _quiet_bad_rows() -> Any:
+    """No warning of skipped rows while checking: the stage's command reads its data again and says it then, once."""
+    data_logger = logging.getLogger("mrl.data")
+    level = data_logger.level
+    data_logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        data_logger.setLevel(level)
 
 
 def _read_stage_data(cfg: MrlConfig, algorithm: str) -> None:

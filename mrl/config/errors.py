@@ -34,7 +34,7 @@ class ConfigError(ValueError):
         head = f"{self.key}: {self.message}" if self.key else self.message
         parts = [head]
         if self.given is not None:
-            parts.append(f"given: {self.given!r}")
+            parts.append(f"given: {str(self.given).lower() if isinstance(self.given, bool) else repr(self.given)}")
         if self.allowed:
             parts.append(f"allowed: {self.allowed}")
         if self.fix:

@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from mrl.config.checks import cross_field_problems
 from mrl.config.errors import ConfigError
+from mrl.config.validation_errors import takes_number_not_bool
 
 
 def yaml_off(value: Any) -> Any:
@@ -25,6 +26,15 @@ class Section(BaseModel):
     """Base of every config section: unknown keys are errors; values are checked on assignment too."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_for_a_number(cls, value: Any, info: Any) -> Any:
+        """true/false is not a number: lax pydantic would read `grpo.max_num_steps=true` as 1."""
+        field = cls.model_fields.get(info.field_name) if info.field_name else None
+        if isinstance(value, bool) and field is not None and takes_number_not_bool(field.annotation):
+            raise ValueError("true/false is not a number")
+        return value
 
 
 # ----------------------------------------------------------------------------------------------------- run, cluster

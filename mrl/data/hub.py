@@ -121,6 +121,10 @@ def current_commit(ref: HubRef, repo_type: str) -> Optional[str]:
     return cached_commit(ref, repo_type)
 
 
+# The key `mrl download` names in its errors: its positional argument.
+DOWNLOAD_ARGUMENT = "MODEL_OR_DATASET"
+
+
 def download_command(ref: HubRef, repo_type: str) -> str:
     revision = f" --revision {ref.revision}" if ref.revision else ""
     return f"mrl download {ref.repo_id}{revision}{' --dataset' if repo_type == 'dataset' else ''}"
@@ -260,8 +264,17 @@ def _hub_error(error: Exception, ref: HubRef, repo_type: str, key: str) -> Confi
             fix="check the id on https://huggingface.co, `hf auth login` for a private repo, or pass "
             "an existing local folder",
         )
+    reason = f"{type(error).__name__}: {str(error)[:300]}"
+    if key == DOWNLOAD_ARGUMENT:  # `mrl download` itself: only the network can help
+        return ConfigError(
+            f"{ref} could not be fetched from the hub ({reason}) and is not in the cache {cache_dir()}",
+            key=key,
+            given=str(ref),
+            fix="run it on a machine that reaches https://huggingface.co and shares this HF_HOME, or reach the hub "
+            "through a proxy (HTTPS_PROXY) or a mirror (HF_ENDPOINT)",
+        )
     return ConfigError(
-        f"{ref} could not be fetched from the hub ({type(error).__name__}: {str(error)[:300]}) and is not in the "
+        f"{ref} could not be fetched from the hub ({reason}) and is not in the "
         f"cache; nor is there a local folder {Path(ref.repo_id).absolute()}",
         key=key,
         given=str(ref),

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -102,6 +103,24 @@ def start_local_ray(**init_kwargs: Any) -> None:
                 attempt,
                 LOCAL_START_TRIES,
             )
+
+
+def ray_gcs_refuses() -> Optional[str]:
+    """The GCS address of the Ray this process started or joined when nothing listens there any more (a refused
+    connection: its GCS stopped serving, as it does on SIGTERM, while its process may linger); None while it answers,
+    is out of reach for another reason, or Ray is not up. Reads Ray's private `_global_node.gcs_address`."""
+    node = getattr(ray._private.worker, "_global_node", None)
+    address = getattr(node, "gcs_address", None)
+    if not address:
+        return None
+    host, _, port = str(address).rpartition(":")
+    try:
+        socket.create_connection((host, int(port)), timeout=2).close()
+    except ConnectionRefusedError:
+        return str(address)
+    except (OSError, ValueError):
+        return None
+    return None
 
 
 def _kill_new_children(before: set[int]) -> None:

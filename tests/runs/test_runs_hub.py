@@ -104,6 +104,8 @@ def test_an_unknown_gated_or_uncached_id_is_a_config_error_naming_it(hub, downlo
     online = client_env(server.url, tmp_path / "other_home")
     cases = [(("download", "some-org/gated-model"), online, ["gated", "hf auth login"]),
              (("download", "some-org/no-such-model"), online, ["no model some-org/no-such-model", "misspelt"]),
+             (("download", "some-org/any-model"), client_env("http://127.0.0.1:9", tmp_path / "third_home"),
+              ["could not be fetched", "HTTPS_PROXY"]),  # out of reach: only the network helps, no local path
              (("grpo", "--config", RECIPE, *SMALL, "policy.model_name=some-org/not-downloaded",
                f"run.output_dir={tmp_path / 'run'}"), client_env(None, home, offline=True),
               ["policy.model_name", "some-org/not-downloaded", "mrl download some-org/not-downloaded"])]
@@ -112,6 +114,7 @@ def test_an_unknown_gated_or_uncached_id_is_a_config_error_naming_it(hub, downlo
         out, _ = proc.communicate(timeout=120)
         assert proc.returncode == 2, out
         assert "Traceback" not in out and all(text in out for text in expected), out
+        assert "HTTPS_PROXY" not in expected or "local folder" not in out, out  # out of reach: no local path
 
 
 @pytest.fixture(scope="module")

@@ -221,6 +221,20 @@ def test_ctrl_c_ends_a_command_with_one_line_and_the_shells_status(monkeypatch, 
     assert "mrl: interrupted (Ctrl-C)" in err and "kill -TERM" in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize("args,fix", [
+    (["--policy.optimizer.lr=1e-5"], "fix: write policy.optimizer.lr=1e-5"),
+    (["--grpo.max_num_steps", "3"], "fix: write grpo.max_num_steps=3"),
+    (["--grpo.max_num_steps"], "fix: write grpo.max_num_steps=<value>"),
+])
+def test_an_override_written_as_an_option_is_named_with_the_words_to_write(args, fix, capsys):
+    assert main(["grpo", "--config", "whatever.yaml", *args]) == 2  # before the config is read
+    err = capsys.readouterr().err
+    assert f"{args[0]}: an override is key=value, without dashes" in err and fix in err
+    from mrl.cli import _dashed_override
+
+    assert _dashed_override(["submit", "--", "mrl", "grpo", "--grpo.max_num_steps=3"]) is None  # the command's own
+
+
 @pytest.mark.parametrize("command,override,found", [
     ("grpo", "grpo.num_prompts_per_step=4", "grpo.num_prompts_per_step: data.train has 2 usable prompts"),
     ("sft", "policy.train_global_batch_size=8", "policy.train_global_batch_size: data.train has 2 usable examples"),

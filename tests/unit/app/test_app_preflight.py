@@ -123,6 +123,21 @@ def test_a_stage_s_data_is_read_before_the_first_stage_starts(tmp_path):
     check_stage(_stage_cfg(tmp_path, train="org/dataset"), "sft")  # a hub id: read when its stage starts
 
 
+def test_a_stage_s_bad_rows_are_said_once_when_its_command_reads_them_not_when_checked(tmp_path, caplog):
+    from mrl.data.tasks import load_task_data
+
+    rows = [{"problem": "1+1", "answer": "2"}, {"problem": "2+2"}]
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    cfg = _stage_cfg(tmp_path, train=str(tmp_path / "rows.jsonl"))
+    check_stage(cfg, "grpo")
+    assert "skipped 1 bad rows" not in caplog.text
+    load_task_data(cfg)
+    assert caplog.text.count("skipped 1 bad rows") == 1
+    check_stage(cfg, "grpo")  # the logger's level is back after the check
+    load_task_data(cfg)
+    assert caplog.text.count("skipped 1 bad rows") == 2
+
+
 def test_a_stage_s_random_model_is_checked_against_the_cpu_engine(tmp_path, cpu_only):
     (tmp_path / "rows.jsonl").write_text(json.dumps({"problem": "1+1", "answer": "2"}) + "\n")
     cfg = _stage_cfg(tmp_path, train=str(tmp_path / "rows.jsonl"))

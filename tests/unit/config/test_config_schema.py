@@ -40,6 +40,22 @@ def test_wrong_type_and_choice_name_what_is_allowed():
     assert validate_tree({"cluster": {"omp_num_threads": 3}}).cluster.omp_num_threads == 3
 
 
+def test_true_is_not_a_number_a_section_is_not_a_value_and_a_range_is_spelt_out():
+    for tree in ({"grpo": {"max_num_steps": True}}, {"loss": {"clip_low": False}}, {"grpo": {"val_every": True}}):
+        (p,) = problems(tree)  # lax pydantic would read true as 1
+        assert p.message == "true/false is not a number" and isinstance(p.given, bool)
+    (p,) = problems({"grpo": {"max_num_steps": True}})
+    assert p.allowed.startswith("an integer >= 1 (") and "given: true" in p.render()
+    (p,) = problems({"grpo": {"max_num_steps": 0}})
+    assert p.allowed.startswith("an integer >= 1 (")
+    assert validate_tree({"grpo": {"max_num_steps": 3}}).grpo.max_num_steps == 3
+    (p,) = problems({"policy": {"sequence_packing": True}})
+    assert p.key == "policy.sequence_packing" and p.fix == "policy.sequence_packing.enabled=true"
+    assert "tokens_per_microbatch" in p.allowed
+    (p,) = problems({"policy": {"optimizer": 3}})
+    assert p.key == "policy.optimizer" and p.fix.startswith("set a key under it, e.g. policy.optimizer.")
+
+
 def test_enforce_eager_is_the_key_else_the_environment_else_compiled(monkeypatch):
     """null: $MRL_VLLM_ENFORCE_EAGER (the test suite's conftest sets 1), else vLLM's own default, compiled."""
     eager = lambda tree: validate_tree(tree).generation.vllm.eager()  # noqa: E731
