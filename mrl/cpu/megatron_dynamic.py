@@ -10,12 +10,17 @@ others; each takes its `Patcher`).
 - `paged_attention_in_torch`: the engine's attention over the paged cache is flash-attn's (`flash_decode_and_prefill`,
   behind a flash-attn version check); without flash-attn it is computed in torch, request by request. Applied on a
   GPU without flash-attn too (the GPU tier's lent machine has none).
+
+Also here, on any device: `no_stack_dumps_on_stop_signals`, the workaround for the stack dumps the engine's import
+registers, called by whatever imports the engine (the first patch above, mrl/inference/megatron_dynamic.py).
 """
 
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import math
+import signal
 from typing import TYPE_CHECKING, Any, Iterator, Optional
 
 import torch
@@ -24,6 +29,17 @@ from mrl.cpu.device_scope import wrap_in_cpu_scope
 
 if TYPE_CHECKING:
     from mrl.cpu.megatron_patches import Patcher
+
+
+def no_stack_dumps_on_stop_signals() -> None:
+    """Workaround (megatron-core 0.19.2): importing its dynamic engine imports its data-parallel coordinator module,
+    which registers faulthandler stack dumps on SIGTERM and SIGINT for the whole process, at import time. Every
+    worker Ray stops at a run's end then prints a Python stack, as if it had crashed, and so does a process that
+    gets Ctrl-C. mrl runs no coordinator, and its own stack dumps (a call past its deadline) are on SIGUSR1
+    (mrl.distributed.stacks). Unregistering puts back the handlers the registration chained to (Ray's exit on
+    SIGTERM): to be called right after the import, before anything else sets one."""
+    for stop_signal in (signal.SIGTERM, signal.SIGINT):
+        faulthandler.unregister(stop_signal)
 
 
 def dynamic_inference_cuda_tensors_on_cpu(patch: Patcher) -> None:
@@ -42,6 +58,7 @@ def dynamic_inference_cuda_tensors_on_cpu(patch: Patcher) -> None:
         TextGenerationController,
     )
 
+    no_stack_dumps_on_stop_signals()  # the engine's import registered them
     wrap_in_cpu_scope(
         patch, DynamicInferenceContext, ["__init__", "reinitialize_inference_state_buffers"], fake_cuda_type=False
     )

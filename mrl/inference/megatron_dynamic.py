@@ -22,6 +22,8 @@ What mrl sets around the engine (megatron-core 0.19.2):
   at each token's request (= row) and position, which the context names; mrl's own capture, not megatron-core's
   (`moe_enable_routing_replay`, which builds routers with its own replay state and keeps the routing in the KV
   blocks), so that the trainer's replay and both loops share one recorder.
+- No stack dump on SIGTERM or SIGINT (`mrl.cpu.megatron_dynamic.no_stack_dumps_on_stop_signals`, applied when this
+  module is imported).
 Not supported yet (refused by `MegatronBackend`): multi-latent attention (its latent cache and decode kernel).
 """
 
@@ -42,6 +44,7 @@ from megatron.core.inference.text_generation_controllers.text_generation_control
     TextGenerationController,
 )
 
+from mrl.cpu.megatron_dynamic import no_stack_dumps_on_stop_signals
 from mrl.inference.interface import SamplingConfig
 from mrl.inference.megatron_routing import RoutingRecorder
 from mrl.model import hybrid
@@ -49,6 +52,9 @@ from mrl.parallel.devices import current_device
 
 #: KV block of the engine's paged cache, in tokens (flash-attn's paged kernels want a multiple of 256 on GPUs).
 DEFAULT_BLOCK_TOKENS = 256
+
+
+no_stack_dumps_on_stop_signals()  # right after megatron-core registered them (the import above)
 
 
 @dataclass
