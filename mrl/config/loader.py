@@ -101,9 +101,13 @@ def apply_overrides(tree: dict[str, Any], overrides: Iterable[str]) -> dict[str,
         try:
             (ov,) = parser.parse_overrides([text])
         except OverrideParseException as exc:
+            bare_key = "=" not in text and text.replace(".", "").replace("_", "").isalnum()
             raise ConfigError(
                 f"cannot parse override '{text}': {exc.message.splitlines()[0]}",
-                fix="write key=value, +key=value, ++key=value or ~key",
+                fix=f"give it a value: {text}=<value> (or ~{text} to drop it)"
+                if bare_key
+                else "write key=value, +key=value, ++key=value or ~key; a list is key=[1,2] (the whole override "
+                "in quotes for the shell when it has spaces: 'key=[1, 2]')",
             ) from None
         key = ov.key_or_group
         present = OmegaConf.select(cfg, key, default=_MISSING, throw_on_missing=False) is not _MISSING

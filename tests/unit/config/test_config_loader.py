@@ -72,6 +72,15 @@ def test_bad_overrides_are_config_errors(override, message):
         apply_overrides({"run": {"name": "x"}}, [override])
 
 
+def test_a_key_without_a_value_is_told_to_take_one():
+    with pytest.raises(ConfigError, match="cannot parse") as err:
+        apply_overrides({"grpo": {"max_num_steps": 3}}, ["grpo.max_num_steps"])
+    assert err.value.fix == "give it a value: grpo.max_num_steps=<value> (or ~grpo.max_num_steps to drop it)"
+    with pytest.raises(ConfigError, match="cannot parse") as err:
+        apply_overrides({"grpo": {"max_num_steps": 3}}, ["grpo.max_num_steps=[1"])
+    assert "a list is key=[1,2]" in err.value.fix
+
+
 def test_interpolation_sees_schema_defaults_and_overrides(tmp_path):
     f = write(tmp_path / "r.yaml", "run: {name: exp}\npolicy: {train_global_batch_size: '${grpo.num_prompts_per_step}'}\n"
                                    "grpo: {num_prompts_per_step: 16, num_generations_per_prompt: 4}\n")
