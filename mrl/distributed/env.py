@@ -23,7 +23,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal, Mapping, Optional, Sequence, Union
 
-from mrl.parallel.groups import free_port as find_free_port  # noqa: F401  (the one implementation)
+from mrl.parallel.ports import free_port as find_free_port  # noqa: F401  (the one implementation)
 
 if TYPE_CHECKING:
     from mrl.config.schema import MrlConfig

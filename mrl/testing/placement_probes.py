@@ -15,8 +15,6 @@ import ray
 from ray.util.placement_group import get_current_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from mrl.inference.vllm_backend import ray_executor_env
-
 
 def _seen() -> dict:
     """What a process placed by Ray sees of its GPUs."""
@@ -54,7 +52,10 @@ class Probe:
 
     def start_engine_workers(self) -> list[dict]:
         """As vLLM's Ray executor does for an engine of several workers (module docstring), from the environment
-        mrl gives it; what each worker sees, in vLLM's rank order."""
+        mrl gives it; what each worker sees, in vLLM's rank order. Imported here, by the engine probes alone:
+        `mrl.inference` imports torch, which the probes of ranks and of vLLM's workers never need."""
+        from mrl.inference.vllm_backend import ray_executor_env
+
         config = self.engine_config.for_engine(int(os.environ["RANK"]))
         env = ray_executor_env(config)
         group = get_current_placement_group()

@@ -10,7 +10,7 @@ from mrl.distributed.env import (BIND_GLOO_TO_NODE_IP, CORES_SHARED_BY, find_fre
                                  node_cores, rank_environment, thread_share, worker_threads)
 from mrl.testing.runs import RECIPE
 from mrl.distributed.worker_group import DataParallelLayout
-from mrl.parallel import groups
+from mrl.parallel import ports
 
 
 def test_free_port_can_be_bound_and_is_not_a_privileged_port():
@@ -20,12 +20,12 @@ def test_free_port_can_be_bound_and_is_not_a_privileged_port():
         sock.bind(("", port))  # raises if the port were in use
 
 
-@pytest.mark.skipif(len(groups._ports_to_pick_from()) < 1000, reason="the ephemeral range leaves no ports to pick")
+@pytest.mark.skipif(len(ports._ports_to_pick_from()) < 1000, reason="the ephemeral range leaves no ports to pick")
 def test_free_port_is_never_one_the_os_hands_out_itself(monkeypatch):
     """Below the ephemeral range (where bind(0) and outgoing connections take theirs), and a port in use is skipped."""
     with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
         ephemeral_start = int(f.read().split()[0])
-    assert all(groups.PICKED_PORTS[0] <= find_free_port() < ephemeral_start for _ in range(50))
+    assert all(ports.PICKED_PORTS[0] <= find_free_port() < ephemeral_start for _ in range(50))
 
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taken:
         taken.bind(("", find_free_port()))
@@ -37,7 +37,7 @@ def test_free_port_is_never_one_the_os_hands_out_itself(monkeypatch):
             def choice(self, candidates):
                 return next(picks)
 
-        monkeypatch.setattr(groups.random, "SystemRandom", Picker)
+        monkeypatch.setattr(ports.random, "SystemRandom", Picker)
         assert find_free_port() not in (busy, None)
 
 
