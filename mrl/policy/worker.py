@@ -407,7 +407,7 @@ class PolicyWorker:
     def refit_port(self) -> Optional[int]:
         """A free port on this rank's node if it is a stage's first rank (it hosts its stage's refit sub-group's
         store), else None."""
-        from mrl.parallel.groups import free_port
+        from mrl.parallel.ports import free_port
 
         return free_port() if self.refit_stage() is not None else None
 

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from mrl.distributed.env import ALLOCATOR_ENVIRONMENT
-from mrl.parallel.groups import free_port
+from mrl.parallel.ports import free_port
 from mrl.testing import zygote
 
 _STDERR_TAIL_CHARS = 6000

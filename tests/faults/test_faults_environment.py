@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from mrl.environments.servers import GuessNumber
-from mrl.parallel.groups import free_port
+from mrl.parallel.ports import free_port
 from mrl.testing.runs import MACHINERY, finish, metrics, mrl
 
 pytestmark = pytest.mark.timeout(1200)

@@ -174,7 +174,7 @@ def test_a_server_killed_mid_episode_costs_those_episodes_named_and_counted(toke
 def test_servers_that_cannot_start_or_are_down_are_configuration_errors_naming_them():
     from mrl.environments.nemo_gym.environment import NemoGymEnvironment
     from mrl.environments.nemo_gym.process import GymServerProcess
-    from mrl.parallel.groups import free_port
+    from mrl.parallel.ports import free_port
 
     with pytest.raises(ConfigError, match="exited with status") as unknown:
         GymServerProcess("no_such_server", "x", {}, start_timeout_s=60, key="envs.x.nemo_gym")

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from mrl.environments.servers import GuessNumber
-from mrl.parallel.groups import free_port
+from mrl.parallel.ports import free_port
 from mrl.testing.runs import finish, metrics, mrl
 
 RECIPE = str(Path(__file__).resolve().parents[2] / "recipes" / "guess-number-tiny-cpu.yaml")

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from mrl.parallel.groups import free_port
+from mrl.parallel.ports import free_port
 
 HERE = Path(__file__).resolve().parent
 

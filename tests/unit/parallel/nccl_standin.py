@@ -140,7 +140,7 @@ def _refusal(call: Callable[[], Any]) -> str:
 def _world_of_one(collectives: Any) -> dict[str, Any]:
     """The default group (one rank), a group made by new_group from it, as Megatron makes its groups, and a gloo
     group beside them."""
-    from mrl.parallel.groups import free_port
+    from mrl.parallel.ports import free_port
 
     dist.init_process_group(BACKEND, init_method=f"tcp://127.0.0.1:{free_port('127.0.0.1')}", rank=0, world_size=1)
     subgroup, gloo = dist.new_group([0]), dist.new_group([0], backend="gloo")
@@ -205,7 +205,7 @@ def _member(collectives: Any, member: int, port: int, seen: dict[int, Any]) -> N
 
 def _two_members(collectives: Any) -> dict[str, Any]:
     """Two members (threads) of a group made by hand, so values travel between members."""
-    from mrl.parallel.groups import free_port
+    from mrl.parallel.ports import free_port
 
     port, seen = free_port("127.0.0.1"), {}
     errors: list[BaseException] = []
