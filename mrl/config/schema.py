@@ -460,7 +460,8 @@ class VllmConfig(Section):
     enforce_eager: Optional[bool] = Field(
         default=None,
         description="Skip vLLM's compilation of the model (torch.compile) and, on GPUs, its CUDA graph capture: "
-        "a faster start, a slower decode. None: $MRL_VLLM_ENFORCE_EAGER where it is set (1 or 0; "
+        "a faster start, a slower decode; an engine in the engine actor's own process (no multiprocessing, one "
+        "worker) then runs vLLM's compiled helpers eagerly too. None: $MRL_VLLM_ENFORCE_EAGER where it is set (1 or 0; "
         "the test suite sets 1, its engines live seconds), else false, vLLM's own default: the "
         "first start on a machine compiles (about 20 s on 2 CPU cores), later ones read vLLM's "
         "compile cache (about 7 s); on the tiny CPU workload generation then takes 0.16 s a step "

@@ -19,6 +19,7 @@ multiprocessing), else with the engine's own transport (a shared-memory file, CU
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import glob
 import os
@@ -236,6 +237,19 @@ def _threads_bind(config: VllmEngineConfig) -> str:
     return vllm_workarounds.threads_bind(config.cpu_threads_bind, config.world_size)
 
 
+def eager_scope(config: VllmEngineConfig) -> contextlib.AbstractContextManager[Any]:
+    """Where vLLM's engine code runs in this process with `enforce_eager`: every `torch.compile` inside it ignored
+    (`torch.compiler.set_stance("force_eager")`), else nothing. `enforce_eager` keeps vLLM from compiling the model,
+    yet vLLM 0.32 still compiles a few helpers of its own with inductor when they first run (the vocabulary mask of
+    the embedding in vllm/model_executor/layers/vocab_parallel_embedding.py, the logprob ranks' count in
+    vllm/v1/sample/ops/logprobs.py): seconds of each engine's start for integer results eager code gives exactly.
+    Workers in processes of their own (multiprocessing, tensor or pipeline parallel) are left as vLLM makes them.
+    Scoped, not global: the policy may share this process, and its compiled code keeps its stance."""
+    if config.enforce_eager and config.workers_in_this_process:
+        return torch.compiler.set_stance("force_eager")
+    return contextlib.nullcontext()
+
+
 def build_llm(config: VllmEngineConfig) -> Any:
     """Start a `vllm.LLM` for `config`.
 
@@ -251,7 +265,8 @@ def build_llm(config: VllmEngineConfig) -> Any:
         os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"  # the only runner with the routed-experts capture (vLLM 0.32)
     from vllm import LLM
 
-    llm = LLM(**_llm_kwargs(config))
+    with eager_scope(config):
+        llm = LLM(**_llm_kwargs(config))
     if not torch.cuda.is_available():
         llm = vllm_workarounds.started_on_cpu(llm, stages=config.pipeline_parallel_size, sleeps=config.sleep_when_idle)
     return llm
@@ -288,7 +303,8 @@ class VllmBackend:
         fitted = fit_prompts(prompts, limit, sampling.overlong_prompt)
         requests = [TokensPrompt(prompt_token_ids=ids) for ids in fitted.token_ids]
         params = [self._sampling_params(sampling, index) for index in fitted.indices]
-        outputs = self.llm.generate(requests, params, use_tqdm=False) if requests else []
+        with eager_scope(self.config):
+            outputs = self.llm.generate(requests, params, use_tqdm=False) if requests else []
         experts = self.num_experts
         return assemble_output(
             fitted,

@@ -90,3 +90,32 @@ def test_vllm_routed_experts_become_the_samples_compact_routing():
     assert all(s.routing is None for s in _prompt_samples(0, output, sampling, False, None))
     with pytest.raises(ValueError, match="not those of a model with 16"):
         _prompt_samples(0, output, sampling, False, 16)
+
+
+def test_an_eager_engine_in_this_process_runs_vllms_compiled_helpers_eagerly_and_only_inside_its_scope():
+    """`enforce_eager` with the worker in this process: a `torch.compile`d function run inside `eager_scope` is not
+    compiled (the backend never called) and gives the eager result; outside the scope, or for an engine whose workers
+    run elsewhere or that compiles, compilation happens as before."""
+    from mrl.inference.vllm_backend import VllmEngineConfig, eager_scope
+
+    graphs = []
+
+    def backend(graph, example_inputs):
+        graphs.append(graph)
+        return graph.forward
+
+    def helper(x):
+        return (x >= 2).sum(-1)
+
+    x = torch.tensor([[1, 2, 3], [4, 0, 0]])
+    compiled = torch.compile(helper, backend=backend, dynamic=False)
+    with eager_scope(VllmEngineConfig("m", enforce_eager=True)):
+        assert compiled(x).tolist() == [2, 1]
+    assert graphs == []
+    for config in (VllmEngineConfig("m", enforce_eager=False), VllmEngineConfig("m", multiprocessing=True, refit_transport="shm_file")):
+        torch._dynamo.reset()  # the compiled code of `helper` forgotten: the next call compiles again where allowed
+        with eager_scope(config):
+            assert compiled(x).tolist() == [2, 1]
+    assert len(graphs) == 2
+    torch._dynamo.reset()
+    assert compiled(x).tolist() == [2, 1] and len(graphs) == 3  # the stance restored after the scope
