@@ -83,6 +83,42 @@ def metrics(log_dir: Path) -> dict[int, dict]:
     return {row["step"]: row for row in rows}
 
 
+def warm_grpo_args(warm: Path, out: Path, *extra: str) -> list[str]:
+    """GRPO on the short task from a warm policy (an SFT run's HF folder), a checkpoint every step, no validation
+    until the end, a learning rate at which the weights visibly move: the fault tests' run, `extra` appended."""
+    return [
+        "grpo",
+        "--config",
+        RECIPE,
+        *SHORT_ARITH,
+        f"policy.model_name={warm}",
+        "~policy.build",
+        "checkpointing.save_every=1",
+        "grpo.val_every=0",
+        f"run.output_dir={out}",
+        "policy.optimizer.lr=1e-3",
+        *extra,
+    ]
+
+
+class Uninterrupted:
+    """A run started now and waited for when its metrics are first asked for: the uninterrupted reference that
+    several fault tests compare against, run once and alongside the first test's own run."""
+
+    def __init__(self, args: list[str], out: Path) -> None:
+        self.out = out
+        self._proc: subprocess.Popen | None = mrl(*args)
+        self._metrics: dict[int, dict] | None = None
+
+    def metrics(self) -> dict[int, dict]:
+        if self._metrics is None:
+            assert self._proc is not None
+            finish(self._proc)
+            self._proc = None
+            self._metrics = metrics(self.out / "logs")
+        return self._metrics
+
+
 def training_metrics(row: dict, *, skip: tuple[str, ...] = ()) -> dict:
     """A step's `train/*` metrics that an interrupted run must reproduce: all but wall times, restart counts and any
     key holding one of `skip`."""

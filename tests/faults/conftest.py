@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from mrl.testing.runs import RECIPE, SHORT_ARITH, finish, mrl
+from mrl.testing.runs import RECIPE, SHORT_ARITH, Uninterrupted, finish, mrl, warm_grpo_args
 
 
 @pytest.fixture(scope="session")
@@ -16,3 +16,11 @@ def warm(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("sft")
     finish(mrl("sft", "--config", RECIPE, *SHORT_ARITH, f"run.output_dir={out}"))
     return out / "final_hf"
+
+
+@pytest.fixture(scope="session")
+def sync_reference(warm, tmp_path_factory) -> Uninterrupted:
+    """The uninterrupted synchronous GRPO run from `warm` (`warm_grpo_args`), started when a test first asks for it
+    (beside that test's own run), shared by the tests whose faulted or resumed run must end with its metrics."""
+    out = tmp_path_factory.mktemp("sync-reference")
+    return Uninterrupted(warm_grpo_args(warm, out), out)

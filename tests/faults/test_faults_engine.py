@@ -14,15 +14,15 @@ from pathlib import Path
 
 import pytest
 
-from mrl.testing.runs import RECIPE, SHORT_ARITH, finish, metrics, mrl, training_metrics
+from mrl.testing.runs import metrics, mrl, training_metrics, warm_grpo_args
 
-# The SFT warm-up (`warm`, tests/faults/conftest.py), then two GRPO runs side by side: minutes on an AVX2-only EPYC.
+# The SFT warm-up (`warm`, tests/faults/conftest.py), then a faulted GRPO run beside the uninterrupted one
+# (`sync_reference`, the first time): minutes on an AVX2-only EPYC.
 pytestmark = pytest.mark.timeout(1500)
 
 
-def _grpo(warm: Path, out: Path, env: dict[str, str] | None = None):
-    return mrl("grpo", "--config", RECIPE, *SHORT_ARITH, f"policy.model_name={warm}", "~policy.build",
-               "grpo.val_every=0", "policy.optimizer.lr=1e-3", f"run.output_dir={out}", env=env)
+def _grpo(warm: Path, out: Path, env: dict[str, str]):
+    return mrl(*warm_grpo_args(warm, out), env=env)
 
 
 def _lines_with_times(proc) -> list[tuple[float, str]]:
@@ -40,20 +40,20 @@ def _lines_with_times(proc) -> list[tuple[float, str]]:
     return lines
 
 
-def test_an_engine_killed_mid_generation_and_mid_refit_is_replaced_and_the_run_is_unchanged(warm, tmp_path):
+def test_an_engine_killed_mid_generation_and_mid_refit_is_replaced_and_the_run_is_unchanged(warm, sync_reference,
+                                                                                              tmp_path):
     generation_kill, refit_kill = tmp_path / "killed-generating", tmp_path / "killed-refitting"
     # Counted in each engine process: the 1st engine validates at step 0 (generation 1), generates step 1 (2), loads
     # step 1's refit (bucket 1) and dies generating step 2 (generation 3). Its replacement loads the replacement's
     # refit (bucket 1), generates step 2, loads step 2's refit (2), generates step 3 and dies in step 3's refit (3).
     faults = f"engine.generate@3:{generation_kill},engine.refit_bucket@3:{refit_kill}"
-    reference_run = _grpo(warm, tmp_path / "reference")
     faulted_run = _grpo(warm, tmp_path / "faulted", env={"MRL_INJECT_FAULT": faults})
-    finish(reference_run)
-    lines = _lines_with_times(faulted_run)
+    lines = _lines_with_times(faulted_run)  # read as they come: the times of the deaths' reports
+    reference = sync_reference.metrics()
     out = "".join(line for _, line in lines)
     assert faulted_run.returncode == 0, out[-4000:]
 
-    reference, faulted = metrics(tmp_path / "reference" / "logs"), metrics(tmp_path / "faulted" / "logs")
+    faulted = metrics(tmp_path / "faulted" / "logs")
     assert reference[1]["train/refit_buckets"] == 1.0  # the counts above assume one bucket per refit
     kills = [json.loads(path.read_text()) for path in (generation_kill, refit_kill)]
     assert [k["point"] for k in kills] == ["engine.generate", "engine.refit_bucket"]
@@ -74,7 +74,8 @@ def test_an_engine_killed_mid_generation_and_mid_refit_is_replaced_and_the_run_i
     assert faulted[4]["val/accuracy"] == reference[4]["val/accuracy"]
 
 
-def test_an_engine_killed_in_its_sleep_and_in_its_wake_up_is_replaced_and_the_run_is_unchanged(warm, tmp_path):
+def test_an_engine_killed_in_its_sleep_and_in_its_wake_up_is_replaced_and_the_run_is_unchanged(warm, sync_reference,
+                                                                                               tmp_path):
     """The colocated engine's memory hand-over, the calls around every generation (on CPU the sleep-mode contract,
     mrl/cpu/vllm_sleep_mode.py): a death there was not covered before (exit 4: "died while running
     'prepare_for_generation' ... The group cannot continue")."""
@@ -84,15 +85,14 @@ def test_an_engine_killed_in_its_sleep_and_in_its_wake_up_is_replaced_and_the_ru
     # Its replacement (refitted, awake) sleeps (1), is refitted after step 1, wakes for step 2 (1), step 3 (2), and
     # dies waking for step 4 (3).
     faults = f"engine.sleep@3:{sleep_kill},engine.wake@3:{wake_kill}"
-    reference_run = _grpo(warm, tmp_path / "reference")
     faulted_run = _grpo(warm, tmp_path / "faulted", env={"MRL_INJECT_FAULT": faults})
-    finish(reference_run)
-    lines = _lines_with_times(faulted_run)
+    lines = _lines_with_times(faulted_run)  # read as they come: the times of the deaths' reports
+    reference = sync_reference.metrics()
     out = "".join(line for _, line in lines)
     assert faulted_run.returncode == 0, out[-4000:]
     assert "Traceback" not in out, out[-4000:]
 
-    reference, faulted = metrics(tmp_path / "reference" / "logs"), metrics(tmp_path / "faulted" / "logs")
+    faulted = metrics(tmp_path / "faulted" / "logs")
     kills = [json.loads(path.read_text()) for path in (sleep_kill, wake_kill)]
     assert [k["point"] for k in kills] == ["engine.sleep", "engine.wake"]
     assert kills[0]["pid"] != kills[1]["pid"]  # the second death is the replacement's

@@ -20,7 +20,17 @@ from pathlib import Path
 import pytest
 
 from mrl.app.errors import RUN_FAILED_EXIT_CODE
-from mrl.testing.runs import RECIPE, SHORT_ARITH, finish, metrics, mrl, wait_for_file, worker_pids
+from mrl.testing.runs import (
+    RECIPE,
+    SHORT_ARITH,
+    Uninterrupted,
+    finish,
+    metrics,
+    mrl,
+    wait_for_file,
+    warm_grpo_args,
+    worker_pids,
+)
 
 # Two GRPO runs side by side, then a third: minutes each on an AVX2-only EPYC.
 pytestmark = pytest.mark.timeout(1500)
@@ -29,12 +39,6 @@ pytestmark = pytest.mark.timeout(1500)
 #: Asynchronous GRPO on 2 cores: the engine and the policy on a bundle (a core) each.
 ASYNC = ("grpo.max_off_policy_steps=1", "loss.importance_sampling=tis", "generation.colocated=false",
          "generation.num_devices=1", "cluster.devices_per_node=2", "cluster.omp_num_threads=1")
-
-
-def _grpo_args(warm: Path, out: Path, *extra: str) -> list[str]:
-    return ["grpo", "--config", RECIPE, *SHORT_ARITH, f"policy.model_name={warm}",
-            "~policy.build", "checkpointing.save_every=1", "grpo.val_every=0", f"run.output_dir={out}",
-            "policy.optimizer.lr=1e-3", *extra]
 
 
 #: PPO: a critic warmed up for a step; its learning rate high enough that its weights move visibly each step.
@@ -53,12 +57,16 @@ LORA = ("+policy.lora.rank=8", "policy.optimizer.lr=3e-3")
 
 
 @pytest.mark.parametrize("mode", ["sync", "async", "ppo", "distillation", "lora"])
-def test_grpo_resumes_exactly_after_sigkill(warm, tmp_path, mode):
-    """Asynchronous: the checkpoint after step 2 holds step 3's rollouts, generated during step 2's training."""
+def test_grpo_resumes_exactly_after_sigkill(warm, tmp_path, mode, request):
+    """Asynchronous: the checkpoint after step 2 holds step 3's rollouts, generated during step 2's training.
+    Synchronous: the uninterrupted run is the one the engine fault tests compare against (`sync_reference`)."""
     extra = {"async": ASYNC, "ppo": PPO, "distillation": _distillation(warm), "lora": LORA}.get(mode, ())
-    reference_dir, crashed_dir = tmp_path / "reference", tmp_path / "crashed"
-    uninterrupted = mrl(*_grpo_args(warm, reference_dir, *extra))  # the two runs start side by side
-    proc = mrl(*_grpo_args(warm, crashed_dir, *extra))
+    crashed_dir = tmp_path / "crashed"
+    if mode == "sync":
+        uninterrupted = request.getfixturevalue("sync_reference")
+    else:  # the two runs start side by side
+        uninterrupted = Uninterrupted(warm_grpo_args(warm, tmp_path / "reference", *extra), tmp_path / "reference")
+    proc = mrl(*warm_grpo_args(warm, crashed_dir, *extra))
     marker = crashed_dir / "checkpoints" / "step_2" / "COMPLETE"
     deadline = time.monotonic() + 300
     while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
@@ -66,8 +74,7 @@ def test_grpo_resumes_exactly_after_sigkill(warm, tmp_path, mode):
     assert marker.exists(), proc.communicate()[0][-3000:]
     os.killpg(proc.pid, signal.SIGKILL)  # the driver, and the Ray processes it started, die at once
     proc.wait()
-    finish(uninterrupted)
-    reference = metrics(reference_dir / "logs")
+    reference = uninterrupted.metrics()
     if mode == "async":  # step 1 samples the initial model; every later step the weights one update older
         assert [reference[step]["train/staleness"] for step in (1, 2, 3, 4)] == [0, 1, 1, 1]
         assert all(reference[step]["train/is_weight_mean"] != 1.0 for step in (2, 3, 4))  # the correction acts
@@ -77,7 +84,7 @@ def test_grpo_resumes_exactly_after_sigkill(warm, tmp_path, mode):
     if mode == "distillation":
         assert reference[3]["train/distill/reverse_kl"] != 0.0  # the student has left its teacher
 
-    out = finish(mrl(*_grpo_args(warm, crashed_dir, *extra)))
+    out = finish(mrl(*warm_grpo_args(warm, crashed_dir, *extra)))
     assert "resuming from" in out and "step_2" in out
     resumed = metrics(crashed_dir / "logs")
     for step in (3, 4):

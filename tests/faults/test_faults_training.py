@@ -20,7 +20,6 @@ import subprocess
 import time
 from pathlib import Path
 
-
 import pytest
 import torch
 
