@@ -46,7 +46,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from mrl.distributed.faults import PIDS_ENV
-from mrl.testing.runs import RECIPE, SHORT_ARITH, finish, metrics, mrl, training_metrics
+from mrl.testing.runs import RECIPE, SHORT_ARITH, finish, metrics, mrl, training_metrics, warm_grpo_args
 
 ROLES = {"engine": "VllmEngineWorker", "policy": "PolicyWorker", "verifier": "VerifierActor"}
 KINDS = ("engine", "policy", "verifier", "controller")
@@ -67,21 +67,7 @@ def _parse(argv=None) -> argparse.Namespace:
 
 
 def grpo_args(warm: Path, out: Path, steps: int) -> list[str]:
-    return [
-        "grpo",
-        "--config",
-        RECIPE,
-        *SHORT_ARITH,
-        f"policy.model_name={warm}",
-        "~policy.build",
-        "checkpointing.save_every=1",
-        "grpo.val_every=0",
-        "policy.optimizer.lr=1e-3",
-        f"grpo.max_num_steps={steps}",
-        "env.kind=math",
-        "env.num_workers=2",
-        f"run.output_dir={out}",
-    ]
+    return warm_grpo_args(warm, out, f"grpo.max_num_steps={steps}", "env.kind=math", "env.num_workers=2")
 
 
 def same_training(got: dict[int, dict], reference: dict[int, dict]) -> bool:

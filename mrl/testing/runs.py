@@ -107,14 +107,12 @@ class Uninterrupted:
 
     def __init__(self, args: list[str], out: Path) -> None:
         self.out = out
-        self._proc: subprocess.Popen | None = mrl(*args)
+        self._proc = mrl(*args)
         self._metrics: dict[int, dict] | None = None
 
     def metrics(self) -> dict[int, dict]:
         if self._metrics is None:
-            assert self._proc is not None
             finish(self._proc)
-            self._proc = None
             self._metrics = metrics(self.out / "logs")
         return self._metrics
 
