@@ -2,6 +2,11 @@
 tensor-parallel ranks), trained, exported and refitted into vLLM, against HF transformers on the same weights and
 on the export (the dense model's group: test_policy_group.py, in a file of its own so that the two share the
 suite's two test processes).
+
+The vLLM engine runs in the test's own process: the buckets cross from the Ray ranks' processes to it through
+shared-memory files as they would to an engine actor, and the three families do not pay an actor's start each
+(a process importing vLLM). Engines as Ray actors are refitted in test_policy_group.py and
+tests/functional/inference/test_inference_vllm_engines.py.
 """
 
 from __future__ import annotations
@@ -12,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mrl.testing.policy_groups import grpo_batch, hf_logprobs, policy_group, vllm_engine
+from mrl.testing.policy_groups import grpo_batch, hf_logprobs, policy_group
 from mrl.testing.tiny_models import build_tiny_hf_model
 
 
@@ -72,12 +77,14 @@ def test_moe_policy_exports_and_refits_into_vllm(cluster, tmp_path, family, para
     from converters.hf_io import copy_model_metadata, save_hf_state
     from mrl.inference import SamplingConfig, refit
     from mrl.inference.transports import SharedMemoryFileTransport
+    from mrl.inference.vllm_backend import VllmBackend, VllmEngineConfig
     from mrl.objectives.loss import GRPOLoss
     from mrl.policy.interface import RankBatch
 
     model_dir = build_tiny_hf_model(tmp_path / family, family, seed=4, **MOE_MODELS[family])
     policy, placement = policy_group(cluster, model_dir, f"moe-{family}-{len(parallel)}", **parallel)
-    engine = vllm_engine(model_dir, placement)
+    engine = VllmBackend(VllmEngineConfig(model_path=str(model_dir), max_model_len=64, kv_cache_bytes=64 << 20,
+                                          refit_transport="shm_file"))
     try:
         batch = grpo_batch()
         assert (policy.logprobs(batch) - hf_logprobs(model_dir, batch.input_ids)).abs().max() <= 1e-5
