@@ -428,7 +428,18 @@ def _run_env(args: argparse.Namespace) -> int:
 
 def _run_convert(args: argparse.Namespace) -> int:
     """HF <-> Megatron conversion (mrl.app.convert); a bad input folder is a user error, not a traceback (a flag
-    the model cannot take, or an --hf that names no folder: a ConfigError, exit 2)."""
+    the model cannot take, or a folder argument that names no folder: a ConfigError, exit 2). The folder arguments
+    are checked before the conversion's modules (torch, megatron-core) are imported."""
+    from mrl.app import convert_args
+
+    if args.direction == "hf-to-megatron":
+        convert_args.check_hf_argument(args.hf)
+        convert_args.check_out_argument(args.out, args.hf, empty=False)
+    else:
+        key, source = ("--megatron", args.megatron) if args.megatron else ("--checkpoint", args.checkpoint)
+        convert_args.check_source_folder(source, key)
+        convert_args.check_out_argument(args.out, source, empty=True)
+
     from converters import ConversionError
     from mrl.app import convert
     from mrl.checkpoint.manager import CheckpointError
@@ -437,12 +448,9 @@ def _run_convert(args: argparse.Namespace) -> int:
         if args.direction == "hf-to-megatron":
             from mrl.app.hub_ids import resolve_model_argument
 
-            convert.check_hf_argument(args.hf)
-            convert.check_out_argument(args.out, args.hf, empty=False)
             hf = resolve_model_argument(args.hf, "--hf")
             out = convert.hf_to_megatron(hf, args.out, tp=args.tp, pp=args.pp, ep=args.ep)
         elif args.megatron:
-            convert.check_out_argument(args.out, args.megatron, empty=True)
             out = convert.megatron_to_hf(args.megatron, args.out)
         else:
             from mrl.checkpoint.manager import MARKER_FILE
@@ -452,7 +460,6 @@ def _run_convert(args: argparse.Namespace) -> int:
                     f"{args.checkpoint} is not a complete training checkpoint (no {MARKER_FILE} "
                     "marker): pass a <checkpointing.dir>/step_N folder"
                 )
-            convert.check_out_argument(args.out, args.checkpoint, empty=True)
             out = convert.megatron_to_hf(args.checkpoint, args.out)  # step_N/model (weights) + step_N/hf (config)
     except (ConversionError, CheckpointError, FileNotFoundError) as exc:
         print(f"mrl convert: {exc}", file=sys.stderr)

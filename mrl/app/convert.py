@@ -17,13 +17,13 @@ twice).
 `megatron_to_hf` runs in one process: it loads the full model and streams it out as safetensors shards.
 
 The flags are checked as the config tree checks policy.parallel, before anything is built (`layout_problems`, a
-`ConfigError` naming the flag: exit 2), and --hf must name an existing folder or a hub id (`check_hf_argument`).
+`ConfigError` naming the flag: exit 2); the folder arguments are checked before this module is imported
+(`mrl.app.convert_args`).
 """
 
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
@@ -80,49 +80,6 @@ def _build(hf_config: dict[str, Any], padded_vocab: int, tp: int, pp: int, ep: i
         **router_settings(dims, expert_parallel=ep),
     )
     return build_model(hf_config, config, padded_vocab=padded_vocab)
-
-
-def check_hf_argument(value: str) -> None:
-    """--hf is a hub id (resolved by the caller) or an existing folder with a config.json: a local path that does
-    not exist is said to be one, not looked up on the hub or read as a file."""
-    from mrl.data.hub import parse_hub_id
-
-    folder = Path(value)
-    if parse_hub_id(value) is not None or (folder / "config.json").is_file():
-        return
-    found = (
-        "there is no such folder"
-        if not folder.exists()
-        else "it is a file"
-        if not folder.is_dir()
-        else f"the folder has no config.json (it holds {', '.join(sorted(p.name for p in folder.iterdir())[:8])})"
-    )
-    raise ConfigError(
-        f"not an HF model folder: {found}",
-        key="--hf",
-        given=value,
-        fix="pass an HF model folder (config.json + *.safetensors) or a hub id (org/name[@revision])",
-    )
-
-
-def check_out_argument(out: str, source: str, *, empty: bool) -> None:
-    """--out names a folder to write, not a file, nor the folder converted (`source`); `empty`: nor a folder that
-    holds anything (an HF export would overwrite or mix with its files; hf-to-megatron checks its own sub-folder)."""
-    folder, found = Path(out), ""
-    if folder.exists() and not folder.is_dir():
-        found = "it is a file"
-    elif folder.resolve() == Path(source).resolve():
-        found = "it is the folder converted"
-    elif empty and os.environ.get("RANK", "0") == "0" and folder.is_dir() and any(folder.iterdir()):  # rank 0 writes
-        held = ", ".join(sorted(p.name for p in folder.iterdir())[:6])
-        found = f"the folder is not empty (it holds {held}): converting into it would overwrite or mix files"
-    if found:
-        raise ConfigError(
-            f"not a folder to write the conversion into: {found}",
-            key="--out",
-            given=out,
-            fix="choose a new --out folder",
-        )
 
 
 def layout_problems(dims: ModelDims, tp: int, pp: int, ep: int) -> list[ConfigError]:

@@ -5,7 +5,7 @@ traceback, with exit status 2 and a message naming the file or key, what was fou
 The mistakes: data without the answer column, a data.problem_key naming no column, an empty file, a file of which no
 line is JSON, a format mrl does not read (for every command that reads data, and a later stage of a staged recipe),
 a model folder without a tokenizer, a head size vLLM's CPU attention has no kernel for, an `mrl score` input with no
-row, and `mrl convert` flags the model cannot take or an --hf folder that does not exist."""
+row, and `mrl convert` flags the model cannot take or folders that do not exist (answered before torch is imported)."""
 
 from __future__ import annotations
 
@@ -247,3 +247,23 @@ def test_fewer_rows_than_one_step_takes_are_refused_before_the_workers(command, 
     status, err = _run(tmp_path, command, models["served"], train, override, capsys=capsys)
     assert status == 2
     assert found in err and "fewer than one step takes" in err and "allowed: at most" in err, err
+
+
+def test_convert_folder_mistakes_are_answered_before_torch_is_imported(tmp_path):
+    """A mistyped folder is answered in a fresh process without importing torch or megatron-core (seconds before),
+    for each folder flag of `mrl convert`; exit 2 and the flag named."""
+    import subprocess
+    import sys
+
+    missing, out = str(tmp_path / "none-such"), str(tmp_path / "out")
+    cases = [["hf-to-megatron", "--hf", missing, "--out", out], ["megatron-to-hf", "--megatron", missing, "--out", out],
+             ["megatron-to-hf", "--checkpoint", missing, "--out", out]]
+    code = ("import sys\nfrom mrl.cli import main\n"
+            f"codes = [main(['convert', *argv]) for argv in {cases!r}]\n"
+            "print(codes, sorted(m for m in ('torch', 'megatron', 'transformers') if m in sys.modules))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.stdout.strip() == "[2, 2, 2] []", (proc.stdout, proc.stderr[-2000:])
+    for flag in ("--hf: not an HF model folder", "--megatron: not a folder to convert",
+                 "--checkpoint: not a folder to convert"):
+        assert f"{flag}: there is no such folder" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr and not Path(out).exists()
