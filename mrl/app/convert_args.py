@@ -13,6 +13,11 @@ from pathlib import Path
 from mrl.config.errors import ConfigError
 
 
+def _not_a_folder(folder: Path) -> str:
+    """Why `folder` is not an existing folder ("" when it is one)."""
+    return "there is no such folder" if not folder.exists() else "it is a file" if not folder.is_dir() else ""
+
+
 def check_hf_argument(value: str) -> None:
     """--hf is a hub id (resolved by the caller) or an existing folder with a config.json: a local path that does
     not exist is said to be one, not looked up on the hub or read as a file."""
@@ -21,13 +26,8 @@ def check_hf_argument(value: str) -> None:
     folder = Path(value)
     if parse_hub_id(value) is not None or (folder / "config.json").is_file():
         return
-    found = (
-        "there is no such folder"
-        if not folder.exists()
-        else "it is a file"
-        if not folder.is_dir()
-        else f"the folder has no config.json (it holds {', '.join(sorted(p.name for p in folder.iterdir())[:8])})"
-    )
+    held = ", ".join(sorted(p.name for p in folder.iterdir())[:8]) if folder.is_dir() else ""
+    found = _not_a_folder(folder) or f"the folder has no config.json (it holds {held})"
     raise ConfigError(
         f"not an HF model folder: {found}",
         key="--hf",
@@ -45,8 +45,7 @@ SOURCE_FIXES = {
 
 def check_source_folder(value: str, key: str) -> None:
     """--megatron and --checkpoint name a folder that exists (what it must hold is checked when it is read)."""
-    folder = Path(value)
-    found = "there is no such folder" if not folder.exists() else "it is a file" if not folder.is_dir() else ""
+    found = _not_a_folder(Path(value))
     if found:
         raise ConfigError(f"not a folder to convert: {found}", key=key, given=value, fix=SOURCE_FIXES[key])
 
