@@ -96,7 +96,9 @@ class Worker:
         if child == 0:
             time.sleep(600)
             os._exit(0)
-        Path(f"{child_pid_file}.{self.rank}").write_text(str(child))  # a file each: every rank forks
+        written = Path(f"{child_pid_file}.{self.rank}.partial")  # a file each: every rank forks
+        written.write_text(str(child))
+        written.replace(f"{child_pid_file}.{self.rank}")  # whole when it appears: the test kills this rank on sight
         time.sleep(seconds)
         return self.rank
 
