@@ -23,8 +23,9 @@ Two workloads (--workload), P prompts x G samples x at most T new tokens per ste
          The floor trains on its padded batch, as a plain HF train step does. The engine and the policy share one
          bundle (colocated) and, as in the recipe's GRPO stage, each uses both cores (cluster.omp_num_threads=2:
          their phases never overlap).
-         The engine compiles its model (generation.vllm.enforce_eager's default; MRL_VLLM_ENFORCE_EAGER is
-         removed from the runs' environment): a start-up cost, outside the steady steps.
+         The engine compiles its model (generation.vllm.enforce_eager's default, which the tiny workload sets
+         over its recipe's eager engine; MRL_VLLM_ENFORCE_EAGER is removed from the runs' environment): a
+         start-up cost, outside the steady steps.
   async: the same plus grpo.max_off_policy_steps=1 loss.importance_sampling=tis, the engine on a bundle of its own
          (generation.colocated=false, generation.num_devices=1, cluster.devices_per_node=2): one core each
          (cluster.omp_num_threads=1).
@@ -81,7 +82,8 @@ class Workload:
 
 WORKLOADS = {
     "tiny": Workload(ROOT / "recipes" / "arith-tiny-cpu.yaml", 8, 8, 32, 16,
-                     ("policy.optimizer.lr=1e-3", "eval.max_problems=8"), True, "arith-tiny-cpu model (random init)"),
+                     ("policy.optimizer.lr=1e-3", "eval.max_problems=8", "generation.vllm.enforce_eager=false"), True,
+                     "arith-tiny-cpu model (random init)"),
     "smollm2": Workload(ROOT / "recipes" / "grpo-smollm2-135m-times-cpu.yaml", 4, 4, 64, 80,
                         ("grpo.dynamic_sampling=false", "eval.data=null"), False, "SmolLM2-135M-Instruct"),
 }
