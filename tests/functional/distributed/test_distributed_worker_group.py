@@ -14,6 +14,7 @@ import pytest
 import ray
 import torch
 
+from mrl.checkpoint.manager import write_atomic
 from mrl.distributed import (
     ClusterResourceError,
     DataParallelLayout,
@@ -96,9 +97,8 @@ class Worker:
         if child == 0:
             time.sleep(600)
             os._exit(0)
-        written = Path(f"{child_pid_file}.{self.rank}.partial")  # a file each: every rank forks
-        written.write_text(str(child))
-        written.replace(f"{child_pid_file}.{self.rank}")  # whole when it appears: the test kills this rank on sight
+        # a file each (every rank forks), whole when it appears: the test kills this rank on sight
+        write_atomic(Path(f"{child_pid_file}.{self.rank}"), lambda f: f.write(str(child).encode()))
         time.sleep(seconds)
         return self.rank
 
