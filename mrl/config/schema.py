@@ -462,10 +462,9 @@ class VllmConfig(Section):
         description="Skip vLLM's compilation of the model (torch.compile) and, on GPUs, its CUDA graph capture: "
         "a faster start, a slower decode; an engine in the engine actor's own process (no multiprocessing, one "
         "worker) then runs vLLM's compiled helpers eagerly too. None: $MRL_VLLM_ENFORCE_EAGER where it is set (1 or 0; "
-        "the test suite sets 1, its engines live seconds), else false, vLLM's own default: the "
-        "first start on a machine compiles (about 20 s on 2 CPU cores), later ones read vLLM's "
-        "compile cache (about 7 s); on the tiny CPU workload generation then takes 0.16 s a step "
-        "instead of 0.20 s (docs/measurements.md).",
+        "the test suite sets 1, its engines live seconds), else false, vLLM's own default: each start compiles "
+        "(faster with vLLM's compile cache warm), which a few hundred steps of a small model do not win back, so the "
+        "tiny CPU recipes set true (the costs: docs/measurements.md).",
     )
     max_model_len: Optional[int] = Field(
         default=None, ge=2, description="Engine context length; None = policy max length."
