@@ -203,10 +203,10 @@ def test_a_staged_recipe_is_planned_stage_by_stage_each_with_its_commands_worker
     check_command_memory(["mrl", "run", "deepscaler-1.5b-staged"], "h100-80gb", [])  # fits: nothing raised
 
 
-def test_a_staged_recipe_of_random_models_lists_its_stages_unplanned():
+def test_a_staged_recipe_of_random_models_lists_its_stages_unplanned(tmp_path):
     from mrl.app.plan_stages import fits, plan_command, render_plans
 
-    plans = plan_command("arith-tiny-cpu", [])
+    plans = plan_command("arith-tiny-cpu", [f"run.output_dir={tmp_path}"])  # not the demo's results/, once it ran
     assert [p.plan for p in plans] == [None] * len(plans) and fits(plans)
     assert "not planned: a random model (policy.build)" in render_plans(plans)
 
