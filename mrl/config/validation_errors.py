@@ -103,7 +103,8 @@ def _unwrap(annotation: Any) -> Any:
 
 
 def _allowed(model: type[BaseModel], loc: list[str]) -> str | None:
-    """The `Literal` choices, or a number's range, with the description of the field at `loc`, when there is one."""
+    """The `Literal` choices, a number's range or a switch's values, with the description of the field at `loc`, when
+    there is one."""
     parent = _model_at(model, loc[:-1])
     field = parent.model_fields.get(loc[-1]) if parent and loc else None
     if field is None:
@@ -116,7 +117,20 @@ def _allowed(model: type[BaseModel], loc: list[str]) -> str | None:
         kind = "an integer" if int in (typing.get_args(field.annotation) or (field.annotation,)) else "a number"
         kind += " " + " and ".join(bounds) if bounds else ""
         return f"{kind} ({field.description})" if field.description else kind
+    values = _boolean_kind(field.annotation)
+    if values is not None:
+        return f"{values} ({field.description})" if field.description else values
     return field.description
+
+
+def _boolean_kind(annotation: Any) -> str | None:
+    """The values a bool field takes ("true or false"), or an Optional[bool] one ("true, false or null"); None for
+    any other annotation."""
+    if annotation is bool:
+        return "true or false"
+    if set(typing.get_args(annotation)) == {bool, type(None)}:
+        return "true, false or null"
+    return None
 
 
 _BOUNDS = {

@@ -40,6 +40,13 @@ def test_wrong_type_and_choice_name_what_is_allowed():
     assert validate_tree({"cluster": {"omp_num_threads": 3}}).cluster.omp_num_threads == 3
 
 
+def test_a_switch_that_is_not_true_or_false_names_its_values():
+    (p,) = problems({"grpo": {"leave_one_out": "sure"}})
+    assert p.key == "grpo.leave_one_out" and p.given == "sure" and p.allowed.startswith("true or false (Baseline")
+    (p,) = problems({"generation": {"vllm": {"enforce_eager": "maybe"}}})  # Optional[bool]: null is the default
+    assert p.allowed.startswith("true, false or null (Skip vLLM's compilation")
+
+
 def test_true_is_not_a_number_a_section_is_not_a_value_and_a_range_is_spelt_out():
     for tree in ({"grpo": {"max_num_steps": True}}, {"loss": {"clip_low": False}}, {"grpo": {"val_every": True}}):
         (p,) = problems(tree)  # lax pydantic would read true as 1
