@@ -14,6 +14,7 @@ from typing import Callable, Sequence
 
 from mrl.algorithms.guards import NONFINITE_EXIT_CODE, NonFiniteTraining
 from mrl.algorithms.health import IDLE_EXIT_CODE, EnvironmentFailing, IdleTraining
+from mrl.app.config_args import config_argument_mistake
 from mrl.app.errors import (
     INTERRUPTED,
     INTERRUPTED_EXIT_CODE,
@@ -56,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument(
         "recipe", help="recipe YAML file with a `stages:` list, or a shipped recipe's name (e.g. arith-tiny-cpu)"
     )
-    run.add_argument("overrides", nargs="*", help=OVERRIDE_HELP)
+    _add_overrides(run)
     score = sub.add_parser(
         "score",
         help="Per-token logprobs and perplexity of texts under the Megatron model.",
@@ -74,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     score.add_argument("--input", required=True, metavar="FILE", help="jsonl: text | prompt+completion | input_ids")
     score.add_argument("--out", required=True, metavar="FILE", help="jsonl written with per-token logprobs")
     score.add_argument("--config", metavar="FILE", help="optional YAML config (parallel layout, precision, ...)")
-    score.add_argument("overrides", nargs="*", help=OVERRIDE_HELP)
+    _add_overrides(score)
     _add_convert_parser(sub)
     _add_download_parser(sub)
     _add_submit_parser(sub)
@@ -85,8 +86,14 @@ def build_parser() -> argparse.ArgumentParser:
     config_sub = config.add_subparsers(dest="config_command", required=True, metavar="ACTION")
     show = config_sub.add_parser("show", help="Print the resolved tree (defaults, inheritance and overrides applied).")
     show.add_argument("--config", metavar="FILE", help="YAML config or recipe (none: the defaults alone)")
-    show.add_argument("overrides", nargs="*", help=OVERRIDE_HELP)
+    _add_overrides(show)
     return parser
+
+
+def _add_overrides(cmd: argparse.ArgumentParser) -> None:
+    """The optional overrides; the default makes argparse show them as optional (a `*` positional without one is
+    listed among "the following arguments are required" when an argument before it is missing)."""
+    cmd.add_argument("overrides", nargs="*", default=[], metavar="OVERRIDE", help=OVERRIDE_HELP)
 
 
 def _add_config_args(cmd: argparse.ArgumentParser) -> None:
@@ -96,7 +103,7 @@ def _add_config_args(cmd: argparse.ArgumentParser) -> None:
         metavar="FILE",
         help="YAML config or recipe file, or a shipped recipe's name (e.g. arith-tiny-cpu.yaml)",
     )
-    cmd.add_argument("overrides", nargs="*", help=OVERRIDE_HELP)
+    _add_overrides(cmd)
 
 
 def _add_convert_parser(sub) -> None:
@@ -275,7 +282,7 @@ def _add_plan_parser(sub) -> None:
         help="the model's config.json (default: policy.model_name's, "
         "from its folder, the hub cache or mrl's shipped copies)",
     )
-    plan.add_argument("overrides", nargs="*", help=OVERRIDE_HELP)
+    _add_overrides(plan)
 
 
 def _add_check_parser(sub) -> None:
@@ -286,7 +293,7 @@ def _add_check_parser(sub) -> None:
     check = sub.add_parser("check", help=text, description=text)
     check.add_argument("run_dir", metavar="RUN_DIR", help="the run's run.output_dir (a staged run's root)")
     check.add_argument("recipe", metavar="RECIPE", help="the recipe it ran (a file, or a shipped recipe's name)")
-    check.add_argument("overrides", nargs="*", help=OVERRIDE_HELP)
+    _add_overrides(check)
 
 
 def _run_check(args: argparse.Namespace) -> int:
@@ -364,9 +371,11 @@ def _write_rows(args: argparse.Namespace) -> int:
     """`mrl env rows NAME`: dataset rows of an example game, for `data.train` of a multi-turn GRPO run."""
     import json
 
+    from mrl.app.env_args import check_rows_arguments
     from mrl.data.code import sum_program_rows
     from mrl.environments.servers import GuessNumber
 
+    check_rows_arguments(args)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     if args.name == "code_sum":
@@ -393,6 +402,7 @@ def _run_env(args: argparse.Namespace) -> int:
     """`mrl env serve NAME`: an example resource server on a background thread; the main thread waits for Ctrl-C."""
     import time
 
+    from mrl.app.env_args import check_port
     from mrl.environments.servers import EXAMPLES, serve, tool_specs
 
     if args.env_command == "rows":
@@ -401,6 +411,7 @@ def _run_env(args: argparse.Namespace) -> int:
     if args.name not in EXAMPLES:
         print(f"mrl env serve: unknown environment {args.name!r}: choose one of {', '.join(EXAMPLES)}", file=sys.stderr)
         return CONFIG_ERROR_EXIT_CODE
+    check_port(args.port)
     server = EXAMPLES[args.name]()
     try:
         running = serve(server, host=args.host, port=args.port)
@@ -492,9 +503,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     from mrl.logging.known_noise import silence_known_noise
 
     silence_known_noise()  # the dependencies' known-harmless warnings (the in-process engines run here)
-    dashed = _dashed_override(list(sys.argv[1:] if argv is None else argv))
-    if dashed is not None:
-        print(f"mrl: configuration error\n  {dashed.render()}", file=sys.stderr)
+    words = list(sys.argv[1:] if argv is None else argv)
+    mistake = _dashed_override(words) or config_argument_mistake(words, {*CONFIG_COMMANDS, "plan", "score", "config"})
+    if mistake is not None:
+        print(f"mrl: configuration error\n  {mistake.render()}", file=sys.stderr)
         return CONFIG_ERROR_EXIT_CODE
     args = build_parser().parse_args(argv)
     try:

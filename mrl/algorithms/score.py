@@ -10,7 +10,9 @@ top-k expert set it chooses differently (with `policy.moe.router_replay: replay`
 summary holds `moe_routing_differs/layer_<i>`: where a diverging run's engine and trainer part, layer by layer.
 Output rows (jsonl, same order): {"index", "num_scored_tokens", "token_ids", "logprobs" (one per scored token),
 "sum_logprob", "perplexity" = exp(-mean logprob)}. A row that cannot be read is reported with an "error" and skipped
-from the batch, never fatal. Useful for evaluation, and to check a rollout engine's logprobs against the trainer's.
+from the batch, never fatal; a file that is not UTF-8 text, or token ids outside the model's vocabulary (ids of
+another tokenizer), end the command before any worker starts (mrl/app/preflight.py `check_score_rows`). Useful for
+evaluation, and to check a rollout engine's logprobs against the trainer's.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import Any, Optional
 
 import torch
 
+from mrl.data.datasets import not_utf8_error
 from mrl.inference.interface import routing_rows
 from mrl.model.router_replay import disagreement_metrics
 from mrl.policy.interface import RankBatch, TrainablePolicy
@@ -75,8 +78,12 @@ def _routing(row: dict, tokens: int) -> Optional[torch.Tensor]:
 
 def _read_rows(path: Path, tokenizer: Any, limit: int) -> list[ScoreRow]:
     """Every line's row (unusable ones with their error)."""
+    try:
+        text = path.read_text(encoding="utf-8-sig")  # a byte-order mark (Windows editors write one) is not a row
+    except UnicodeDecodeError as error:
+        raise not_utf8_error(path, "--input", parquet=False) from error
     rows = []
-    for index, line in enumerate(path.read_text().splitlines()):
+    for index, line in enumerate(text.splitlines()):
         if not line.strip():
             continue
         try:

@@ -8,9 +8,10 @@ grpo.reward_first10`: what the training gained). Keys of the summary that hold d
 its metric names hold slashes (`grpo.final.train/reward`).
 
 Exit 0 when every figure holds; 5 when one is missed (each named with its value and bound); 2 when the recipe has no
-`expect:` or a path names nothing in the summary (the fix is in the recipe). A recipe's `expect.verified: false` says
-its figures come from the plan and the peers' published runs, not yet from a run of this recipe: a miss is reported
-the same way, with that said.
+`expect:` or a path names nothing in the summary (the fix is in the recipe); 1 when RUN_DIR holds no finished run's
+summary: none, one that is not a JSON object, or one without a stage of the recipe that a figure names (the fix is
+RUN_DIR: a wrong or unfinished run's folder). A recipe's `expect.verified: false` says its figures come from the plan
+and the peers' published runs, not yet from a run of this recipe: a miss is reported the same way, with that said.
 """
 
 from __future__ import annotations
@@ -27,6 +28,11 @@ from mrl.config.schema import FigureBound
 #: `mrl check`'s exit status when a figure misses its bound.
 MISSED_EXIT_CODE = 5
 SUMMARY_FILE = "summary.json"
+
+
+class NoFinishedRun(FileNotFoundError):
+    """RUN_DIR holds no finished run's summary of the recipe (module docstring): exit 1, as a file the user named
+    that cannot be used, since the fix is the folder, not the recipe."""
 
 
 @dataclass(frozen=True)
@@ -104,11 +110,40 @@ def check_run(run_dir: Path, cfg: MrlConfig) -> list[FigureResult]:
             allowed="figures with a min and/or a max, e.g. {grpo.val_accuracy_after: {min: 0.5}}",
             fix="add an expect: block to the recipe (docs/guides/check.md)",
         )
-    path = Path(run_dir) / SUMMARY_FILE
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} does not exist: RUN_DIR must be a finished run's run.output_dir")
-    summary = json.loads(path.read_text())
+    summary = read_summary(Path(run_dir))
+    stages = {stage.name for stage in cfg.stages}
+    for figure in cfg.expect.figures:
+        for part in figure.split(" - "):
+            stage = part.strip().split(".")[0]
+            if stage not in summary and (stage in stages or not summary):  # else the path is wrong: lookup says
+                what = f"no stage {stage!r}" if stages else f"no {stage!r}"
+                have = ", ".join(sorted(summary)) or "nothing"
+                raise NoFinishedRun(
+                    f"{Path(run_dir) / SUMMARY_FILE} holds {what} (it holds: {have}), which the recipe's figure "
+                    f"{figure!r} reads: a wrong or unfinished run? RUN_DIR must be the run.output_dir of a finished "
+                    f"run of this recipe{' (a staged run: its root folder)' if stages else ''}"
+                )
     return [FigureResult(name, figure_value(summary, name), bound) for name, bound in cfg.expect.figures.items()]
+
+
+def read_summary(run_dir: Path) -> dict[str, Any]:
+    """RUN_DIR/summary.json, or NoFinishedRun saying why it cannot be read."""
+    path = run_dir / SUMMARY_FILE
+    if not path.is_file():
+        raise NoFinishedRun(f"{path} does not exist: RUN_DIR must be a finished run's run.output_dir")
+    try:
+        summary = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise NoFinishedRun(
+            f"{path} is not valid JSON ({error}): RUN_DIR must be a finished run's run.output_dir, whose "
+            f"{SUMMARY_FILE} a run writes at its end; pass that folder, or re-run the recipe to write it again"
+        ) from None
+    if not isinstance(summary, dict):
+        raise NoFinishedRun(
+            f"{path} holds a {type(summary).__name__}, not a run's summary (a JSON object): RUN_DIR must be a "
+            "finished run's run.output_dir"
+        )
+    return summary
 
 
 def report(results: list[FigureResult], cfg: MrlConfig) -> str:

@@ -32,9 +32,10 @@ from mrl.app.model_source import ModelSource, classify_model_path
 from mrl.app.preflight import (
     check_fills_a_batch,
     check_output_file,
-    check_output_folder,
+    check_output_folders,
     check_score_rows,
     check_tokenizers,
+    model_vocab_size,
 )
 from mrl.app.results import (
     DONE_MARKER,
@@ -518,7 +519,7 @@ def run_score(cfg: MrlConfig, input_path: str, out_path: str) -> dict[str, float
     source = resolve_model(cfg)
     tokenizer = load_tokenizer(cfg, source)
     rows = read_inputs(input_path, tokenizer, cfg.policy.max_total_sequence_length)
-    check_score_rows(input_path, rows)
+    check_score_rows(input_path, rows, model_vocab_size(source.config_dir, tokenizer))
     runtime = _started(cfg, total_steps=1, engine=False, source=source, tokenizer=tokenizer)
     try:
         with explained_failures(cfg):
@@ -556,7 +557,7 @@ def run_command(name: str, cfg: MrlConfig) -> dict[str, Any]:
     guard stopped it: what it left, its summary.json saying why)."""
     from mrl.algorithms.guards import TrainingStopped
 
-    check_output_folder(cfg.run.output_dir)
+    check_output_folders(cfg, trains=name != "eval")
     try:
         summary = RUNNERS[name](cfg)
     except TrainingStopped:

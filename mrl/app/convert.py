@@ -145,8 +145,14 @@ def hf_to_megatron(hf_dir: str | Path, out_dir: str | Path, tp: int = 1, pp: int
     padded = resolve_padded_vocab(dims, tp, None)
     build_tp, build_pp, build_ep = (tp, pp, ep) if world_from_launcher() > 1 else (1, 1, 1)
     init_parallel(build_tp, build_pp, build_ep)  # extra ranks are data-parallel replicas; they save nothing twice
-    if (out / MODEL_SUBDIR).exists() and any((out / MODEL_SUBDIR).iterdir()):
-        raise ConversionError(f"{out / MODEL_SUBDIR} is not empty: choose a new --out folder")
+    if (out / MODEL_SUBDIR).exists() and any((out / MODEL_SUBDIR).iterdir()):  # the command line checked it first
+        raise ConfigError(
+            f"not a folder to write the conversion into: it holds a converted model already ({out / MODEL_SUBDIR} "
+            "is not empty)",
+            key="--out",
+            given=str(out_dir),
+            fix=f"choose a new --out folder, or remove {out} first to convert into it again",
+        )
     _log(
         f"{dims.family}: {dims.num_layers} layers, hidden {dims.hidden_size}, vocab {dims.vocab_size} -> "
         f"padded {padded}; reading {hf_dir}"

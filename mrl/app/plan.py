@@ -57,6 +57,11 @@ class Assumption:
     value: float
     unit: str
     source: str
+    kind: str = "size"  # its range (RANGES): a size may be 0; a rate or length may not; a share is also at most 1
+
+
+#: The values each kind of assumption may take (`--assume` refuses others, and nan and inf).
+RANGES: dict[str, str] = {"size": ">= 0", "positive": "above 0", "share": "above 0 and at most 1"}
 
 
 #: Figures the plan cannot derive from the config; `--assume key=value` replaces one.
@@ -90,28 +95,33 @@ ASSUMPTIONS: dict[str, Assumption] = {
         "of the GPU's dense bf16 peak",
         "Megatron-Core bf16 training and prefill, typical of "
         "published runs of models of this size (35-45%); your run's train time gives yours",
+        "share",
     ),
     "decode_efficiency": Assumption(
         0.6,
         "of the HBM bandwidth",
         "a vLLM decode step reading the weights and KV cache at a large batch (50-70% is typical)",
+        "share",
     ),
     "mean_prompt_tokens": Assumption(
         256,
         "tokens",
         "a math problem with the chat template (DeepScaleR's: about "
         "100-300); your data's train/prompt_tokens_max bounds it",
+        "positive",
     ),
     "mean_response_fraction": Assumption(
         0.5,
         "of generation.max_new_tokens",
         "the mean response's length: a run's train/response_length over max_new_tokens",
+        "share",
     ),
     "refit_gib_per_s": Assumption(
         200,
         "GiB/s per engine GPU",
         "CUDA IPC between colocated processes, below what the "
         "GPU tier measured on an H100 (docs/measurements.md, GPU tier)",
+        "positive",
     ),
     "node_broadcast_gib_per_s": Assumption(
         150,
@@ -119,6 +129,7 @@ ASSUMPTIONS: dict[str, Assumption] = {
         "a refit bucket broadcast from policy rank 0 over the "
         "policy's ranks of one node (NVLink 4: 900 GB/s per H100, a broadcast "
         "reaches a share of it; nccl-tests' broadcast_perf measures yours)",
+        "positive",
     ),
     "cluster_broadcast_gib_per_s": Assumption(
         40,
@@ -126,6 +137,7 @@ ASSUMPTIONS: dict[str, Assumption] = {
         "the same broadcast across nodes (one 400 Gb/s "
         "InfiniBand NIC per GPU, 50 GB/s, of which NCCL reaches 80-90%; "
         "nccl-tests' broadcast_perf over the nodes measures yours)",
+        "positive",
     ),
 }
 
@@ -196,7 +208,8 @@ class Plan:
 
 
 def parse_assumptions(pairs: Sequence[str]) -> dict[str, Assumption]:
-    """ASSUMPTIONS with `key=value` pairs applied; an unknown key or a value that is not a number is a ConfigError."""
+    """ASSUMPTIONS with `key=value` pairs applied; an unknown key, or a value that is not a finite number in the
+    assumption's range (RANGES), is a ConfigError."""
     out = dict(ASSUMPTIONS)
     for pair in pairs:
         key, _, value = pair.partition("=")
@@ -217,7 +230,17 @@ def parse_assumptions(pairs: Sequence[str]) -> dict[str, Assumption]:
                 given=pair,
                 fix=f"--assume {key}=NUMBER ({ASSUMPTIONS[key].unit})",
             ) from None
-        out[key] = Assumption(number, ASSUMPTIONS[key].unit, "given with --assume")
+        default = ASSUMPTIONS[key]
+        below = number < 0 if default.kind == "size" else number <= 0
+        if not math.isfinite(number) or below or (default.kind == "share" and number > 1):
+            raise ConfigError(
+                f"{key} is out of its range",
+                key="--assume",
+                given=pair,
+                allowed=f"a number {RANGES[default.kind]} ({default.unit}), not nan or inf",
+                fix=f"--assume {key}=NUMBER within that range (the plan's default: {default.value:g})",
+            )
+        out[key] = replace(default, value=number, source="given with --assume")
     return out
 
 

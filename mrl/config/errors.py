@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+from pathlib import Path
 from typing import Any, Iterable
 
 # Exit status of every command when the configuration is wrong (before anything starts).
@@ -46,3 +47,27 @@ def suggest(name: str, candidates: Iterable[str]) -> str | None:
     """The closest candidate to a misspelt `name`, or None when nothing is close."""
     matches = difflib.get_close_matches(name, list(candidates), n=1, cutoff=0.6)
     return matches[0] if matches else None
+
+
+def not_utf8(path: str | Path, *, what: str, key: str | None = None, binary_fix: str) -> ConfigError:
+    """The error for a file read as text whose bytes are not UTF-8. Bytes that read as text in another encoding
+    (latin-1, Windows-1252: no NUL byte and hardly a control byte) get the line of the first byte UTF-8 does not allow
+    and the re-encoding to do; a binary file under a text name gets `binary_fix`. `what`: what the file should have
+    been ("a YAML config")."""
+    with open(path, "rb") as f:
+        head = f.read(1 << 16)
+    at: int | None = None
+    try:
+        head.decode("utf-8")
+    except UnicodeDecodeError as error:
+        at = None if error.reason == "unexpected end of data" else error.start  # not a character the sample cut
+    controls = sum(byte < 32 and byte not in b"\t\n\r\f" for byte in head)
+    if b"\x00" in head or controls > len(head) // 100:
+        return ConfigError(f"{path} is not UTF-8 text (a binary file?): not {what}", key=key, fix=binary_fix)
+    line = "" if at is None else f" (line {head.count(10, 0, at) + 1}: byte 0x{head[at]:02x})"  # 10: a newline
+    encoded = Path(path).with_name(f"{Path(path).stem}-utf8{Path(path).suffix}")
+    return ConfigError(
+        f"{path} is not UTF-8 text{line}: saved in latin-1 or another 8-bit encoding?",
+        key=key,
+        fix=f"re-encode it as UTF-8, e.g. iconv -f latin1 -t utf-8 {path} > {encoded}, and use that file",
+    )

@@ -25,7 +25,7 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from mrl.config.errors import ConfigError
+from mrl.config.errors import ConfigError, not_utf8
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
@@ -57,10 +57,7 @@ def load_yaml_tree(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict[str, 
         found = "is a folder, not a config file" if path.is_dir() else "not found"
         named_by = f"the defaults: of {_seen[-1]}" if _seen else "the --config path"
         raise ConfigError(f"config file {found}: {path}", fix=f"check {named_by}")
-    try:
-        data = yaml.load(path.read_text(), Loader=_UniqueKeyLoader) or {}
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path.name} is not valid YAML: {exc}") from None
+    data = _read_yaml(path)
     if not isinstance(data, dict):
         raise ConfigError(f"{path.name} must hold a mapping at the top level, got {type(data).__name__}")
     bases = data.pop("defaults", None) or []
@@ -74,6 +71,36 @@ def load_yaml_tree(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict[str, 
         inherited.pop("expect", None)  # the base's figures are its own run's
         merged = deep_merge(merged, inherited)
     return deep_merge(merged, data)
+
+
+def _read_yaml(path: Path) -> Any:
+    """The YAML document in `path`; a file that is not UTF-8 text or not YAML is a ConfigError naming the file (the
+    parser's own message names "<unicode string>"), with the fix for indentation by tabs."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise not_utf8(
+            path,
+            what="a YAML config",
+            binary_fix="name the recipe's YAML file (with --config, in a defaults: list, or as a stage's config:)",
+        ) from None
+    try:
+        return yaml.load(text, Loader=_UniqueKeyLoader) or {}
+    except yaml.YAMLError as exc:
+        marks = [m for m in (getattr(exc, "context_mark", None), getattr(exc, "problem_mark", None)) if m is not None]
+        for mark in marks:
+            mark.name = str(path)
+        lines = text.splitlines()
+        tabbed = [m.line + 1 for m in marks if m.line < len(lines) and "\t" in _indent(lines[m.line])]
+        fix = f"indent with spaces, not tabs (line {tabbed[0]})" if tabbed else None
+        if not tabbed and marks and "'\\t'" in str(getattr(exc, "problem", "")):  # a tab after the indentation
+            fix = f"write spaces for the tab (line {marks[-1].line + 1}, column {marks[-1].column + 1})"
+        message = str(exc).replace("\n", "\n    ")
+        raise ConfigError(f"{path.name} is not valid YAML: {message}", fix=fix) from None
+
+
+def _indent(line: str) -> str:
+    return line[: len(line) - len(line.lstrip())]
 
 
 def deep_merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
@@ -110,6 +137,8 @@ def apply_overrides(tree: dict[str, Any], overrides: Iterable[str]) -> dict[str,
                 "in quotes for the shell when it has spaces: 'key=[1, 2]')",
             ) from None
         key = ov.key_or_group
+        if ov.is_sweep_override():
+            raise _sweep_error(text, key, ov.value_type)
         present = OmegaConf.select(cfg, key, default=_MISSING, throw_on_missing=False) is not _MISSING
         if ov.is_delete():
             if not present:
@@ -129,6 +158,28 @@ def apply_overrides(tree: dict[str, Any], overrides: Iterable[str]) -> dict[str,
         except OmegaConfBaseException as exc:
             raise ConfigError(f"cannot set: {exc.msg if hasattr(exc, 'msg') else exc}", key=key, given=text) from None
     return OmegaConf.to_container(cfg, resolve=False)  # type: ignore[return-value]  # a DictConfig gives a dict
+
+
+def _sweep_error(text: str, key: str, kind: Any) -> ConfigError:
+    """Hydra's sweep syntax (`k=1,4`, `k=range(1,4)`, `k=choice(a,b)`) asks for one run per value, which mrl does not
+    start; a list is written in brackets."""
+    from hydra.core.override_parser.types import ValueType
+
+    setting, _, value = text.partition("=")
+    if kind == ValueType.SIMPLE_CHOICE_SWEEP and not value.startswith("shuffle("):
+        return ConfigError(
+            "a comma-separated value is Hydra's sweep (one run per value), which mrl does not run",
+            key=key,
+            given=text,
+            fix=f"write a list in brackets: {setting}=[{value}] (a text with a comma in quotes: "
+            f"'{setting}=\"{value}\"')",
+        )
+    return ConfigError(
+        f"{value.partition('(')[0]}(...) is Hydra's sweep (one run per value), which mrl does not run",
+        key=key,
+        given=text,
+        fix=f"give one value, or a list in brackets: {setting}=[a,b]",
+    )
 
 
 def resolve(tree: dict[str, Any]) -> dict[str, Any]:

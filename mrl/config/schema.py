@@ -80,6 +80,29 @@ class RunConfig(Section):
     )
     watchdog: WatchdogConfig = Field(default_factory=WatchdogConfig)
 
+    @field_validator("name", "output_dir")
+    @classmethod
+    def _not_empty(cls, value: str, info: Any) -> str:
+        """An empty run.name would leave every such run the folder results/ to share (run.output_dir's default is
+        results/${run.name}); an empty run.output_dir, the current folder."""
+        if value.strip():
+            return value
+        if info.field_name == "name":
+            raise ConfigError(
+                "is empty: runs without a name would share one results folder",
+                key="run.name",
+                given=value,
+                allowed="a name (results go to results/<run.name> unless run.output_dir says otherwise)",
+                fix="give the run a name, e.g. run.name=my-grpo",
+            )
+        raise ConfigError(
+            "is empty: the results need a folder",
+            key="run.output_dir",
+            given=value,
+            allowed="a folder that can be written (the default: results/${run.name})",
+            fix="name a folder, e.g. run.output_dir=results/my-grpo, or leave it unset for results/<run.name>",
+        )
+
 
 class ClusterConfig(Section):
     num_nodes: int = Field(default=1, ge=1, description="Nodes in the Ray cluster.")

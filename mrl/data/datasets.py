@@ -16,6 +16,7 @@ NeMo Gym's rows (an object with `responses_create_params` and no problem column)
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 from collections import Counter
@@ -23,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Optional
 
-from mrl.config.errors import ConfigError, suggest
+from mrl.config.errors import ConfigError, not_utf8, suggest
 from mrl.data import code, nemo_gym
 from mrl.data.hub import local_split
 
@@ -68,9 +69,12 @@ def load_problems(
     split: str = "train",
     max_rows: Optional[int] = None,
     key: str = "data.train",
+    read_before: Optional[str] = None,
 ) -> ProblemSet:
     """Read a jsonl/parquet file (or a dataset folder) into `Problem`s, skipping and counting bad rows; `key` is the
-    config key that named `source` (for the error when no row is usable: see the module docstring)."""
+    config key that named `source` (for the error when no row is usable: see the module docstring), `read_before`
+    the key of a file read with the same columns before (data.train, for data.val: a column missing here is this
+    file's to rename, not the column key's to change)."""
     rows, columns = read_rows(str(source), split, key=key)
     result = ProblemSet([], str(source))
     where: dict[str, list[int]] = {}  # the first rows skipped for each reason
@@ -88,7 +92,7 @@ def load_problems(
     if not result.problems:
         columns_of = {"data.problem_key": (problem_key, "problem"), "data.answer_key": (answer_key, "gold answer")}
         raise unreadable_source(str(source), key, result.skipped) or _no_usable_row(
-            str(source), key, result.skipped, columns, columns_of
+            str(source), key, result.skipped, columns, columns_of, read_before
         )
     if result.num_skipped:
         lines_of = "; ".join(f"{reason}: {', '.join(map(str, lines))}" for reason, lines in where.items())
@@ -119,23 +123,48 @@ def unreadable_source(source: str, key: str, skipped: Counter) -> Optional[Confi
     return None
 
 
+#: Column names that likely hold a problem or its gold answer, offered when the configured column is missing and no
+#: column is spelt like it (the first found, in this order).
+LIKELY_COLUMNS = {
+    "problem": ("question", "prompt", "input", "query", "instruction", "text"),
+    "gold answer": ("answer", "solution", "target", "output", "label", "ground_truth", "final_answer", "response"),
+}
+
+
 def _no_usable_row(
-    source: str, key: str, skipped: Counter, columns: set[str], columns_of: dict[str, tuple[str, str]]
+    source: str,
+    key: str,
+    skipped: Counter,
+    columns: set[str],
+    columns_of: dict[str, tuple[str, str]],
+    read_before: Optional[str] = None,
 ) -> ConfigError:
     """The error for rows that parse, none usable: the key naming a column (`columns_of`: config key -> (column,
-    what it holds)) when that column is what most rows lack, with the closest column found; else `key`, with the
-    reasons counted."""
+    what it holds)) when that column is what most rows lack, with the likeliest column found (the closest spelling,
+    else `LIKELY_COLUMNS`); `key` instead when `read_before` (a file read with the same column keys) has that column.
+    Else `key`, with the reasons counted."""
     found = ", ".join(sorted(columns)) or "none (no row is a JSON object)"
     reason, count = skipped.most_common(1)[0]
     for column_key, (column, holds) in columns_of.items():
         if reason == f"missing {column!r}":
-            near = suggest(column, columns)
+            others = columns - {c for c, _ in columns_of.values()}
+            likely = (c for name in LIKELY_COLUMNS.get(holds, ()) for c in sorted(others) if c.lower() == name)
+            near = suggest(column, others) or next(likely, None)
             total = sum(skipped.values())
             lack = (
                 f"none of its {total} rows has the column {column!r}"
                 if count == total
                 else f"{count} of its {total} rows lack the column {column!r}, and no row is usable"
             )
+            if read_before:
+                rename = f"{near!r}" if near else f"the column that holds the {holds}"
+                return ConfigError(
+                    f"{source}: {lack}, which the rows of {read_before} have",
+                    key=key,
+                    allowed=f"columns found: {found}",
+                    fix=f"{read_before} and {key} must use the same column names ({column_key} names the column in "
+                    f"both): rename {rename} in {source} to {column!r}",
+                )
             return ConfigError(
                 f"{source}: {lack}",
                 key=column_key,
@@ -143,7 +172,7 @@ def _no_usable_row(
                 allowed=f"columns found: {found}",
                 fix=f"{column_key}={near}"
                 if near
-                else f"set {column_key} to the column of {source} that holds the {holds}",
+                else f"set {column_key} to the column of {source} that holds the {holds} (one of the columns found)",
             )
     return ConfigError(
         f"{source} has no usable row (rows skipped, by reason: {dict(skipped)})",
@@ -241,21 +270,41 @@ def _file_rows(path: Path, key: str) -> list[tuple[int, Any]]:
             array = _json_array(path) if suffix == ".json" else None
             return list(enumerate(array)) if array is not None else list(_jsonl_rows(path))
         except UnicodeDecodeError as error:
-            raise ConfigError(
-                f"{path} is not UTF-8 text (byte {error.start} is not): not a {suffix} file",
-                key=key,
-                fix="a binary file (Parquet, say) under a text name? name it by its format (.parquet), or write "
-                "the rows as UTF-8 JSON lines",
-            ) from error
+            raise not_utf8_error(path, key) from error
     if suffix in PARQUET_SUFFIXES:
         return list(enumerate(_parquet_rows(path, key)))
+    json_lines = _holds_json_lines(path)
     raise ConfigError(
-        f"{path}: mrl does not read the format {path.suffix or '(no suffix)'!r}",
+        f"{path}: mrl does not read the format {path.suffix or '(no suffix)'!r}"
+        + (", though it holds JSON lines" if json_lines else ""),
         key=key,
         allowed=", ".join(JSONL_SUFFIXES + PARQUET_SUFFIXES),
-        fix="convert it to .jsonl (one JSON object per line) or .parquet, e.g. with pandas: "
+        fix=f"rename it to {path.with_name(path.stem + '.jsonl')} (mrl reads a file by its suffix)"
+        if json_lines
+        else "convert it to .jsonl (one JSON object per line) or .parquet, e.g. with pandas: "
         "pd.read_csv(FILE).to_json(OUT, orient='records', lines=True)",
     )
+
+
+def _holds_json_lines(path: Path, lines: int = 20) -> bool:
+    """Whether the file's first lines that are not blank (up to `lines`) are JSON objects: rows under another name."""
+    try:
+        with path.open(encoding="utf-8-sig") as f:
+            head = [line for line in itertools.islice(f, 1000) if line.strip()][:lines]
+        return bool(head) and all(isinstance(json.loads(line), dict) for line in head)
+    except (OSError, UnicodeDecodeError, ValueError):  # unreadable, not text, or a line that is not JSON
+        return False
+
+
+def not_utf8_error(path: Path, key: str, *, parquet: bool = True) -> ConfigError:
+    """The error of a file of JSON rows that is not UTF-8 text (`parquet`: the key also reads Parquet, which a binary
+    file under a text name may be)."""
+    binary_fix = (
+        "a binary file (Parquet, say) under a text name? name it by its format (.parquet)"
+        if parquet
+        else "give a file of JSON rows, one per line"
+    )
+    return not_utf8(path, what="a file of JSON rows", key=key, binary_fix=binary_fix)
 
 
 def _json_array(path: Path) -> Optional[list]:

@@ -63,7 +63,14 @@ def load_task_data(cfg: MrlConfig, *, val_source: Optional[str] = None) -> TaskD
     )
     val_path, val_key = (val_source, "eval.data") if val_source else (data.val, "data.val")
     val = (
-        load_problems(val_path, split="test", key=val_key, problem_key=problem_key, answer_key=answer_key)
+        load_problems(
+            val_path,
+            split="test",
+            key=val_key,
+            problem_key=problem_key,
+            answer_key=answer_key,
+            read_before="data.train" if train else None,
+        )
         if val_path
         else None
     )
@@ -155,11 +162,18 @@ def _source_rows(cfg: MrlConfig, key: str, source: Any) -> tuple[list[Problem], 
         return train, val, {f"{key}.reasoning_gym.val:{reason}": n for reason, n in dropped.items()}
     problem_key = source.problem_key or cfg.data.problem_key
     answer_key = source.answer_key or cfg.data.answer_key
-    sets = {
-        name: load_problems(path, split=split, key=f"{key}.{name}", problem_key=problem_key, answer_key=answer_key)
-        for name, split, path in (("train", "train", source.train), ("val", "test", source.val))
-        if path
-    }
+    sets = {}
+    for name, split, path in (("train", "train", source.train), ("val", "test", source.val)):
+        if path:
+            read_before = f"{key}.train" if "train" in sets else None  # the same column keys: the same columns
+            sets[name] = load_problems(
+                path,
+                split=split,
+                key=f"{key}.{name}",
+                problem_key=problem_key,
+                answer_key=answer_key,
+                read_before=read_before,
+            )
     skipped = {f"{part.source}:{reason}": n for part in sets.values() for reason, n in part.skipped.items()}
     problems = {name: part.problems for name, part in sets.items()}
     return problems.get("train", []), problems.get("val", []), skipped

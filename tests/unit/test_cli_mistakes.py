@@ -5,7 +5,11 @@ traceback, with exit status 2 and a message naming the file or key, what was fou
 The mistakes: data without the answer column, a data.problem_key naming no column, an empty file, a file of which no
 line is JSON, a format mrl does not read (for every command that reads data, and a later stage of a staged recipe),
 a model folder without a tokenizer, a head size vLLM's CPU attention has no kernel for, an `mrl score` input with no
-row, and `mrl convert` flags the model cannot take or folders that do not exist (answered before torch is imported)."""
+row, not in UTF-8 or with token ids outside the model's vocabulary, a checkpoint or log folder under a file,
+`mrl convert` flags the model cannot take or folders that do not exist or are not of the kind a flag takes
+(answered before torch is imported), `mrl
+env` counts, ranges, files and ports that cannot be meant, and a command's missing arguments (the optional overrides
+not among them)."""
 
 from __future__ import annotations
 
@@ -81,7 +85,8 @@ def test_data_without_the_answer_column_names_data_answer_key_and_the_columns_fo
     status, err = _run(tmp_path, command, models["served"], train, capsys=capsys)
     assert status == 2
     assert f"data.answer_key: {train}: none of its 2 rows has the column 'answer'" in err
-    assert "allowed: columns found: problem, solution" in err and "fix: set data.answer_key" in err
+    assert "allowed: columns found: problem, solution" in err
+    assert "fix: data.answer_key=solution" in err  # the column named like an answer
 
 
 def test_a_problem_key_naming_no_column_names_data_problem_key_and_the_closest_column(
@@ -153,6 +158,36 @@ def test_score_refuses_an_input_with_no_row_to_score(tmp_path, models, no_worker
     assert f"--input: {empty} holds no rows" in err and '{"text": ...}' in err and "Traceback" not in err
 
 
+def test_score_refuses_an_input_not_in_utf8_or_with_ids_outside_the_vocabulary(tmp_path, models, no_workers, capsys):
+    vocab = json.loads((models["served"] / "config.json").read_text())["vocab_size"]
+    latin1 = tmp_path / "latin1.jsonl"
+    latin1.write_bytes('{"text": "caf\u00e9"}\n'.encode("latin-1"))
+    ids = _write(tmp_path / "ids.jsonl", [{"input_ids": [1, 2]}, {"input_ids": [1, vocab]}])
+    cases = [(latin1, f"--input: {latin1} is not UTF-8 text (line 1: byte 0xe9)"),
+             (ids, f"--input: {ids} line 2: token id {vocab} is outside the model's vocabulary of {vocab} tokens\n"
+                   f"    allowed: token ids 0 to {vocab - 1}")]
+    for source, found in cases:
+        argv = ["score", "--model", str(models["served"]), "--input", str(source), "--out", str(tmp_path / "o.jsonl")]
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert found in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("override,found", [
+    ("checkpointing.dir={file}/ckpt", "checkpointing.dir: checkpoints cannot be written there: {file} is a file"),
+    ("logger.log_dir={file}/logs", "logger.log_dir: logs cannot be written there: {file} is a file"),
+])
+def test_a_checkpoint_or_log_folder_under_a_file_is_refused_before_the_workers_start(
+        override, found, tmp_path, models, no_workers, capsys):
+    a_file = tmp_path / "config.json"
+    a_file.write_text("{}")
+    train = _write(tmp_path / "rows.jsonl", PROBLEMS)
+    status, err = _run(tmp_path, "sft", models["served"], train, "checkpointing.enabled=true",
+                       override.format(file=a_file), capsys=capsys)
+    assert status == 2
+    assert found.format(file=a_file) in err and "fix: set " in err
+
+
 @pytest.mark.parametrize("flags,found", [
     (["--tp", "3"], "--tp: does not divide the model's 2 attention heads"),
     (["--tp", "-1"], "--tp: must be 1 or more"),
@@ -190,6 +225,42 @@ def test_convert_refuses_an_out_it_would_overwrite_mix_or_cannot_make(tmp_path, 
         err = capsys.readouterr().err
         assert f"--out: not a folder to write the conversion into: {found}" in err and "new --out" in err, err
     assert sorted(p.name for p in models["served"].iterdir()) == before  # nothing written into the model folder
+
+
+def test_convert_refuses_a_folder_of_the_wrong_kind_before_torch_is_imported(tmp_path, models):
+    """An HF folder without a tokenizer (its conversion could not be used as a model), an HF folder given to
+    megatron-to-hf, an empty --hf folder, and an --out holding a conversion already: exit 2 with the fix, in a fresh
+    process that imports neither torch nor megatron-core, and nothing written."""
+    import subprocess
+    import sys
+
+    converted, empty, out = tmp_path / "converted", tmp_path / "empty", str(tmp_path / "out")
+    (converted / "model").mkdir(parents=True)
+    (converted / "model" / "metadata.json").write_text("{}")
+    empty.mkdir()
+    served, bare = str(models["served"]), str(models["bare"])
+    cases = [["hf-to-megatron", "--hf", bare, "--out", out], ["megatron-to-hf", "--megatron", served, "--out", out],
+             ["megatron-to-hf", "--checkpoint", served, "--out", out], ["hf-to-megatron", "--hf", str(empty), "--out",
+             out], ["hf-to-megatron", "--hf", served, "--out", str(converted)]]
+    code = ("import sys\nfrom mrl.cli import main\n"
+            f"codes = [main(['convert', *argv]) for argv in {cases!r}]\n"
+            "print(codes, sorted(m for m in ('torch', 'megatron', 'transformers') if m in sys.modules))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.stdout.strip() == "[2, 2, 2, 2, 2] []", (proc.stdout, proc.stderr[-2000:])
+    err = proc.stderr
+    assert "--hf: the HF model folder holds no tokenizer: none of tokenizer.json" in err
+    assert f"fix: copy the tokenizer files of the model it came from (tokenizer.json, tokenizer_config.json, ...) " \
+           f"into {bare}, then convert again" in err
+    for flag in ("--megatron", "--checkpoint"):
+        assert f"{flag}: not a Megatron checkpoint: it is an HF model folder (config.json + safetensors" in err
+    assert f"fix: it is HF already: to make a Megatron checkpoint of it, mrl convert hf-to-megatron --hf {served}" \
+        in err
+    assert "--hf: not an HF model folder: the folder has no config.json (it is empty)" in err
+    assert (f"--out: not a folder to write the conversion into: it holds a converted model already "
+            f"({converted / 'model'} is not empty)") in err
+    assert f"fix: choose a new --out folder, or remove {converted} first to convert into it again" in err
+    assert "Traceback" not in err and not Path(out).exists()
+    assert sorted(p.name for p in converted.rglob("*")) == ["metadata.json", "model"]
 
 
 def test_an_output_folder_that_cannot_be_written_is_named_before_anything_starts(tmp_path):
@@ -267,3 +338,62 @@ def test_convert_folder_mistakes_are_answered_before_torch_is_imported(tmp_path)
                  "--checkpoint: not a folder to convert"):
         assert f"{flag}: there is no such folder" in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr and not Path(out).exists()
+
+
+@pytest.mark.parametrize("argv,found", [
+    (["--count", "-5"], "--count: the number of rows must be at least 1\n    given: -5"),  # wrote 0 rows, exit 0
+    (["--max-turns", "0"], "--max-turns: a game needs at least one guess\n    given: 0"),  # games of no guess
+    (["--low", "50", "--high", "10"], "fix: swap them (--low 10 --high 50)"),  # randrange's ValueError
+    (["--out", "{tmp}"], "--out: it is a folder: name the jsonl file to write"),  # IsADirectoryError
+    (["--out", "{tmp}/a_file/rows.jsonl"], "a_file is a file, so no folder can hold --out there"),
+])
+def test_env_rows_refuses_arguments_that_cannot_be_meant(argv, found, tmp_path, capsys):
+    (tmp_path / "a_file").write_text("x")
+    argv = [arg.format(tmp=tmp_path) for arg in argv]
+    out = [] if "--out" in argv else ["--out", str(tmp_path / "rows.jsonl")]
+    assert main(["env", "rows", "guess_number", *out, *argv]) == 2
+    err = capsys.readouterr().err
+    assert found in err and "Traceback" not in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file"]  # nothing written
+    assert main(["env", "rows", "guess_number", "--out", str(tmp_path / "rows.jsonl"), "--count", "3"]) == 0
+
+
+def test_env_serve_refuses_a_port_beyond_65535_instead_of_serving_on_another(capsys):
+    assert main(["env", "serve", "guess_number", "--port", "99999"]) == 2  # the system took it modulo 65536
+    err = capsys.readouterr().err
+    assert "--port: not a TCP port\n    given: 99999\n    allowed: 0 to 65535 (0 picks a free one)" in err, err
+
+
+@pytest.mark.parametrize("argv,required", [(["check"], "RUN_DIR, RECIPE"), (["run"], "recipe")])
+def test_a_missing_argument_is_named_without_the_optional_overrides(argv, required, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "[OVERRIDE ...]" in err.splitlines()[0], err
+    assert err.rstrip().endswith(f"the following arguments are required: {required}"), err
+
+
+@pytest.mark.parametrize("args,found,fix", [
+    (["config", "show", "my.yaml"], "'my.yaml' is a config file, not an override (key=value)",
+     "fix: did you mean --config my.yaml? (mrl config show --config my.yaml [OVERRIDE ...])"),
+    (["grpo", "my.yml", "grpo.max_num_steps=1"], "'my.yml' is a config file, not an override",
+     "fix: did you mean --config my.yml? (mrl grpo --config my.yml [OVERRIDE ...])"),
+    (["grpo", "--config", "a.yaml", "b.yaml"], "'b.yaml' is a second config file, not an override (key=value); "
+     "a.yaml is the first", "list it under `defaults:`"),
+    (["run", "a.yaml", "b.yaml"], "'b.yaml' is a second config file", "list it under `defaults:`"),
+    (["run", "--config", "my.yaml"], "--config: `mrl run` takes the recipe as an argument, not with --config",
+     "fix: mrl run my.yaml [OVERRIDE ...]"),
+    (["check", "results/x", "--config=my.yaml"], "--config: `mrl check` takes the recipe as an argument",
+     "fix: mrl check RUN_DIR my.yaml [OVERRIDE ...]"),
+    (["sft", "--config", "a.yaml", "--config", "b.yaml"],
+     "--config: given 2 times (a.yaml, b.yaml): a command reads one config file", "fix: keep one --config"),
+])
+def test_a_config_file_named_in_the_wrong_place_is_said_so(args, found, fix, capsys):
+    assert main(args) == 2  # before the config is read: none of the files exists
+    err = capsys.readouterr().err
+    assert found in err and fix in err and "Traceback" not in err, err
+    from mrl.app.config_args import config_argument_mistake
+
+    assert config_argument_mistake(["submit", "--", "mrl", "run", "--config", "x.yaml"], {"grpo"}) is None
+    assert config_argument_mistake(["plan", "--config", "a.yaml", "--model-config", "b.yaml"], {"plan"}) is None

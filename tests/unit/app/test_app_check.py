@@ -94,6 +94,38 @@ def test_the_command_exits_0_when_every_figure_holds_and_5_naming_a_miss(tmp_pat
     assert main(["check", str(run), str(tmp_path / "strict.yaml"), "~expect"]) == 2  # a recipe that expects nothing
 
 
+@pytest.mark.parametrize("summary, found", [
+    ("{bad", "summary.json is not valid JSON (Expecting property name"),  # cut short or edited by hand
+    ("[]", "summary.json holds a list, not a run's summary (a JSON object)"),
+    ("{}", "summary.json holds no stage 'grpo' (it holds: nothing), which the recipe's figure 'grpo.reward_last10'"),
+    (json.dumps({"sft-warmup": STAGED["sft-warmup"]}), "holds no stage 'grpo' (it holds: sft-warmup)"),  # unfinished
+])
+def test_a_run_folder_without_a_finished_runs_summary_is_blamed_not_the_recipe(summary, found, tmp_path, capsys):
+    """RUN_DIR is wrong, not the recipe: exit 1 (as for no summary.json), the folder named, no traceback."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "summary.json").write_text(summary)
+    recipe = {"grpo.reward_last10": {"min": 0.5}, "sft-warmup.final.train/loss": {"max": 1}}
+    staged = tmp_path / "staged.yaml"
+    staged.write_text(yaml.safe_dump({"stages": [{"name": "sft-warmup", "algorithm": "sft"},
+                                                 {"name": "grpo", "algorithm": "grpo"}],
+                                      "expect": {"figures": recipe}}))
+    assert main(["check", str(run), str(staged)]) == 1
+    err = capsys.readouterr().err
+    assert f"mrl: error: {run / 'summary.json'}" in err and found in err, err
+    assert "RUN_DIR must be" in err and "expect.figures" not in err and "Traceback" not in err
+
+
+def test_an_empty_summary_of_a_single_command_is_the_run_folders_fault(tmp_path):
+    from mrl.app.check import NoFinishedRun
+
+    cfg = load_config(str(_recipe(tmp_path, {"val_accuracy_after": {"min": 0.5}})), [])
+    with pytest.raises(NoFinishedRun, match="holds no 'val_accuracy_after' .it holds: nothing.*wrong or unfinished run"):
+        check_run(_run(tmp_path, {}), cfg)
+    with pytest.raises(ConfigError, match="the summary has no 'val_acc'"):  # a summary with figures: the path is wrong
+        check_run(_run(tmp_path, STAGED["grpo"]), load_config(str(_recipe(tmp_path, {"val_acc": {"min": 0}})), []))
+
+
 def test_every_shipped_recipe_with_expectations_names_figures_its_kind_of_run_writes():
     """The shipped recipes' figures are paths a run of theirs writes: the stage names of staged recipes, the summary
     keys of their algorithms (mrl/app/results.py)."""

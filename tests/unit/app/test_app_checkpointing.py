@@ -77,3 +77,22 @@ def test_a_checkpoint_at_the_last_step_says_nothing_is_left(tmp_path, model_dir,
     assert "nothing left to train: the checkpoint is at step 5, sft.max_num_steps=1" in capsys.readouterr().err
     assert checkpoints.resume_newest(8, "sft.max_num_steps") == {"step": 5}
     assert "nothing left" not in capsys.readouterr().err
+
+
+def test_a_checkpoint_folder_that_cannot_be_made_mid_run_ends_it_as_a_refused_write(tmp_path):
+    """checkpointing.dir is checked before the run starts (mrl/app/preflight.py); a file put in its way since ends the
+    run as storage that refuses a write does (RunFailed: exit 4, where a re-run resumes), not with a traceback."""
+    from mrl.app.commands import explained_failures
+    from mrl.app.errors import RunFailed
+
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    cfg = validate_tree({"checkpointing": {"enabled": True, "dir": str(a_file / "ckpt")},
+                         "run": {"output_dir": str(tmp_path)}})
+    checkpoints = RunCheckpoints(cfg, SimpleNamespace(policy=None, critic=None, model_dir=tmp_path))
+    with pytest.raises(RunFailed) as failed, explained_failures(cfg):
+        checkpoints.save(1, {}, {})
+    text = str(failed.value)
+    assert f"could not write checkpoint step 1 under {a_file / 'ckpt'}: the folder cannot be made: {a_file} is a " \
+           "file" in text
+    assert "point checkpointing.dir / run.output_dir elsewhere" in text and "no checkpoint was written yet" in text

@@ -79,6 +79,29 @@ def test_assumptions_print_their_source_and_assume_replaces_one():
     assert "h100-80gb" in gpu.value.render()
 
 
+@pytest.mark.parametrize(
+    "pair, allowed",
+    [
+        ("mfu=0", "above 0 and at most 1"),  # divides: a ZeroDivisionError before
+        ("mfu=-1", "above 0 and at most 1"),
+        ("decode_efficiency=1.5", "above 0 and at most 1"),
+        ("refit_gib_per_s=0", "above 0 (GiB/s"),
+        ("mean_prompt_tokens=nan", "above 0 (tokens"),
+        ("node_broadcast_gib_per_s=inf", "above 0 (GiB/s"),
+        ("cuda_context_gib=-1000", ">= 0 (GiB"),  # turned a layout that does not fit into one that does
+    ],
+)
+def test_assume_refuses_a_value_outside_its_range(pair, allowed):
+    with pytest.raises(ConfigError, match="out of its range") as bad:
+        parse_assumptions([pair])
+    key = pair.partition("=")[0]
+    text = bad.value.render()
+    assert bad.value.key == "--assume" and key in text and f"allowed: a number {allowed}" in text
+    assert f"fix: --assume {key}=NUMBER within that range (the plan's default: {ASSUMPTIONS[key].value:g})" in text
+    edges = parse_assumptions(["cuda_context_gib=0", "mfu=1", "allocator_slack=2"])
+    assert [edges[k].value for k in ("cuda_context_gib", "mfu", "allocator_slack")] == [0, 1, 2]
+
+
 def test_the_model_config_comes_from_a_folder_the_hub_cache_or_the_shipped_copies(tmp_path, monkeypatch):
     from mrl.data import hub
 
@@ -111,6 +134,8 @@ def test_the_command_prints_the_plan_and_exits_2_when_it_does_not_fit(capsys):
     assert "verdict: does NOT fit" in capsys.readouterr().out
     assert main(["plan", "--config", str(R1_8K), "--assume", "nonsense=1"]) == 2
     assert "--assume" in capsys.readouterr().err
+    assert main(["plan", "--config", str(R1_8K), "--assume", "mfu=0"]) == 2
+    assert "--assume: mfu is out of its range" in capsys.readouterr().err
 
 
 def test_submit_refuses_a_layout_that_cannot_fit_with_the_plan_as_the_message():

@@ -1,6 +1,7 @@
 """Checks made in the controller before any worker starts (mrl/app/preflight.py): a model folder without a
 tokenizer, a head size vLLM's CPU attention has no kernel for, a staged recipe's later stage reading bad data, an
-`mrl score` input with nothing to score. Hand-made folders and configs; nothing starts."""
+`mrl score` input with nothing to score or with token ids outside the model's vocabulary, a checkpoint or log folder
+that cannot be written. Hand-made folders and configs; nothing starts."""
 
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ import pytest
 import torch
 
 from mrl.algorithms.score import ScoreRow
-from mrl.app.preflight import (attention_head_size, check_engine_model, check_score_rows, check_stage,
-                               check_tokenizer_folder)
+from mrl.app.preflight import (attention_head_size, check_engine_model, check_output_folders, check_score_rows,
+                               check_stage, check_tokenizer_folder, model_vocab_size)
 from mrl.config.errors import ConfigError
 from mrl.config.schema import MrlConfig
 from mrl.inference.vllm_backend import CPU_ATTENTION_HEAD_SIZES
@@ -157,3 +158,43 @@ def test_an_input_with_no_row_to_score_is_refused():
     with pytest.raises(ConfigError, match=r"none of its 2 rows can be scored \(first, line 1: a row needs 'text'\)"):
         check_score_rows("in.jsonl", unusable)
     check_score_rows("in.jsonl", [*unusable, ScoreRow(3, [1, 2, 3], start=1)])  # one to score: the rest reported
+
+
+@pytest.mark.parametrize("ids,bad", [([1, 99999999], 99999999), ([-5, 3], -5)])
+def test_token_ids_outside_the_model_s_vocabulary_are_refused_naming_the_line_and_the_size(ids, bad):
+    rows = [ScoreRow(0, [1, 2], start=1), ScoreRow(2, None, error="invalid"), ScoreRow(3, ids, start=1),
+            ScoreRow(4, [500, 1], start=1)]
+    with pytest.raises(ConfigError) as err:
+        check_score_rows("in.jsonl", rows, vocab_size=500)
+    assert err.value.key == "--input" and err.value.allowed == "token ids 0 to 499"
+    assert err.value.message == (f"in.jsonl line 4: token id {bad} is outside the model's vocabulary of 500 tokens "
+                                 "(and 1 more rows)")
+    assert "this model's tokenizer" in err.value.fix and "--model" in err.value.fix
+    check_score_rows("in.jsonl", rows[:2], vocab_size=500)  # ids 0..499 are the model's
+
+
+def test_the_vocabulary_is_the_model_config_s_else_the_tokenizer_s(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 151936}))
+    assert model_vocab_size(tmp_path, tokenizer=[0] * 151665) == 151936  # the embedding's rows, past the tokenizer
+    (tmp_path / "config.json").write_text(json.dumps({"text_config": {"vocab_size": 1000}}))
+    assert model_vocab_size(tmp_path, tokenizer=[0] * 900) == 1000
+    (tmp_path / "config.json").write_text("{}")
+    assert model_vocab_size(tmp_path, tokenizer=[0] * 900) == 900
+
+
+@pytest.mark.parametrize("key,what", [("checkpointing.dir", "checkpoints"), ("logger.log_dir", "logs")])
+def test_a_training_run_s_checkpoint_and_log_folders_are_checked_before_it_starts(key, what, tmp_path):
+    a_file = tmp_path / "config.json"
+    a_file.write_text("{}")
+    section, name = key.split(".")
+    tree = {"run": {"output_dir": str(tmp_path / "out")}, section: {name: str(a_file / "sub")}}
+    cfg = _cfg(**tree)
+    with pytest.raises(ConfigError) as err:
+        check_output_folders(cfg, trains=True)
+    assert err.value.key == key and err.value.given == str(a_file / "sub")
+    assert err.value.message == f"{what} cannot be written there: {a_file} is a file"
+    assert err.value.fix == f"set {key} to a folder you can write (one that exists, or one that can be made)"
+    check_output_folders(cfg, trains=False)  # mrl eval writes neither
+    off = {"enabled": False} if section == "checkpointing" else {"jsonl": False, "tensorboard": False}
+    check_output_folders(_cfg(**{**tree, section: {**tree[section], **off}}), trains=True)  # nothing written there
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json"]  # nothing made by the checks

@@ -52,6 +52,17 @@ def _submit_args(command: list[str], tmp_path, dry_run: bool = False) -> argpars
                               container_mounts=None)
 
 
+def _sbatch_on_path(tmp_path, monkeypatch) -> None:
+    """An sbatch on PATH, as on a login node (the tests replace the call to it)."""
+    import os
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "sbatch").write_text("#!/bin/sh\nexit 1\n")
+    (bin_dir / "sbatch").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}")
+
+
 def test_submit_fetches_the_hub_ids_first_and_queues_nothing_when_one_is_missing(tmp_path, monkeypatch, capsys):
     from huggingface_hub import constants
 
@@ -60,6 +71,7 @@ def test_submit_fetches_the_hub_ids_first_and_queues_nothing_when_one_is_missing
 
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    _sbatch_on_path(tmp_path, monkeypatch)
     queued = []
     monkeypatch.setattr(slurm.subprocess, "run", lambda line, **kw: queued.append(line) or argparse.Namespace(
         returncode=0, stdout="42\n", stderr=""))
@@ -103,3 +115,77 @@ def test_custom_container_mounts_keep_the_submit_folder_every_step_runs_in(tmp_p
     # already there at its own path, writable: the folder itself or one above it, with or without a destination
     for covering in (f"{submit}:{submit}", f"/data:/data,{tmp_path}/", f"{tmp_path}:{tmp_path}:rw", "/"):
         assert _launcher_mounts(covering, submit) == covering
+
+
+def _submit(argv: list[str], capsys) -> tuple[int, str]:
+    """`mrl submit ARGV` through the command line: (exit status, stderr); sbatch is never run."""
+    from mrl.cli import main
+
+    status = main(["submit", "--no-gpus", *argv])
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return status, err
+
+
+def _data_command(tmp_path, *overrides: str, command: tuple[str, ...] = ("grpo", "--config", RECIPE)) -> list[str]:
+    return ["--", "mrl", *command, "~data.arith", "env.kind=math", f"run.output_dir={tmp_path / 'run'}", *overrides]
+
+
+def test_submit_reads_the_data_here_as_the_run_does_before_anything_is_queued(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "empty.jsonl").write_text("")
+    (tmp_path / "rows.jsonl").write_text('{"problem": "1+1", "answer": "2"}\n')
+    status, err = _submit(["--dry-run", *_data_command(tmp_path, "data.train=none.jsonl")], capsys)
+    assert status == 2
+    assert (f"data.train: the data file none.jsonl does not exist (looked for {tmp_path / 'none.jsonl'}): the job "
+            "would fail on it after its wait in the queue") in err
+    assert "fix: set data.train to a file that exists (a relative path starts from the submit folder" in err
+    status, err = _submit(["--dry-run", *_data_command(tmp_path, "data.train=rows.jsonl", "data.val=empty.jsonl")],
+                          capsys)
+    assert status == 2 and "data.val: empty.jsonl holds no rows: it is empty" in err
+    staged = _data_command(tmp_path, "data.train=empty.jsonl", command=("run", RECIPE))
+    status, err = _submit(["--dry-run", *staged], capsys)
+    assert status == 2 and "data.train: stage 'sft-warmup': empty.jsonl holds no rows: it is empty" in err
+    status, err = _submit(["--dry-run", *_data_command(tmp_path, "data.train=rows.jsonl")], capsys)
+    assert status == 0 and "not checked" not in err
+
+
+def test_submit_leaves_the_clusters_paths_to_the_job(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "rows.jsonl").write_text('{"problem": "1+1", "answer": "2"}\n')
+    elsewhere = "/mrl-no-such-top-folder/data/train.jsonl"
+    status, err = _submit(["--dry-run", *_data_command(tmp_path, f"data.train={elsewhere}")], capsys)
+    assert status == 0
+    assert (f"data.train: {elsewhere} not checked (there is no /mrl-no-such-top-folder on this machine): the job "
+            "reads it on the cluster") in err
+    in_image = str(tmp_path / "in-image.jsonl")  # a top folder this machine has, but a container image may hold it
+    status, err = _submit(["--dry-run", *_data_command(tmp_path, "data.train=rows.jsonl", f"data.val={in_image}")],
+                          capsys)
+    assert status == 2 and f"data.val: the data file {in_image} does not exist" in err
+    status, err = _submit(["--dry-run", "--container-image", "img.sqsh",
+                           *_data_command(tmp_path, "data.train=rows.jsonl", f"data.val={in_image}")], capsys)
+    assert status == 0 and f"data.val: {in_image} not checked (it may be in the container img.sqsh)" in err
+
+
+@pytest.mark.parametrize("value", ["90", "90:30", "04:00:00", "2-00", "2-12:30", "2-12:30:00", "0", "UNLIMITED"])
+def test_slurm_time_formats_pass(value):
+    slurm.check_time(value)
+
+
+@pytest.mark.parametrize("value", ["abc", "4h", "1:2:3:4", "", "2-", "-1:00", "1.5"])
+def test_a_time_limit_slurm_cannot_read_is_refused_before_the_preflight(value, tmp_path, capsys):
+    status, err = _submit([f"--time={value}", "--", "mrl", "grpo", "--config", "no-such.yaml"], capsys)
+    assert status == 2
+    assert f"--time: not a Slurm time limit\n    given: {value!r}\n    allowed: MINUTES, MINUTES:SECONDS, " in err
+    assert "fix: e.g. --time=04:00:00 (four hours)" in err
+
+
+def test_submit_without_slurm_says_so_and_how_to_see_the_script(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("PATH", str(tmp_path))  # no sbatch on it
+    queued = []
+    monkeypatch.setattr(slurm.subprocess, "run", lambda line, **kw: queued.append(line))
+    status, err = _submit(["--", "mrl", "grpo", "--config", RECIPE], capsys)
+    assert status == 2 and queued == []
+    assert "mrl submit: sbatch was not found on PATH (this machine has no Slurm client): run `mrl submit` on a " \
+           "Slurm login node, or add --dry-run" in err
+    assert _submit(["--dry-run", "--", "mrl", "grpo", "--config", RECIPE], capsys)[0] == 0

@@ -107,3 +107,23 @@ def test_a_stage_a_guard_stops_ends_the_staged_run_with_its_summary_and_where_th
     assert f"stage sft-warmup: {tmp_path}/sft-warmup/   (model {tmp_path}/sft-warmup/final_hf/)" in printed
     assert f"stage grpo:       {tmp_path}/grpo/   (stopped: its summary.json says why)" in printed
     assert f"stage eval:       {tmp_path}/eval/   (not run)" in printed
+
+
+def test_a_stage_s_bad_override_or_missing_config_file_names_the_stage(tmp_path):
+    import pytest
+
+    from mrl.config.errors import ConfigError
+
+    staged = tmp_path / "staged.yaml"
+    staged.write_text("stages:\n  - {name: a, algorithm: sft, overrides: [grpo.num_generation_per_prompt=4]}\n")
+    with pytest.raises(ConfigError) as info:
+        stage_configs(staged, load_config(staged), [])
+    assert info.value.key == "grpo.num_generation_per_prompt"
+    assert info.value.message == ("stage 'a', set by stages[0].overrides (grpo.num_generation_per_prompt=4): "
+                                  "unknown key")
+    assert info.value.fix == "did you mean 'grpo.num_generations_per_prompt'?"
+    staged.write_text("stages:\n  - {name: a, algorithm: sft}\n  - {name: b, algorithm: sft, config: nothere.yaml}\n")
+    with pytest.raises(ConfigError) as info:
+        stage_configs(staged, load_config(staged), [])
+    assert info.value.key == "stages[1].config" and info.value.given == "nothere.yaml"
+    assert info.value.message == f"stage 'b': its config file is not found: {tmp_path / 'nothere.yaml'}"

@@ -45,3 +45,21 @@ def test_a_failed_write_is_a_full_disk_only_when_the_disk_is_all_but_full(tmp_pa
         with storage.storage_guard("checkpoint step 4", tmp_path / "ck", lambda: cleaned.append(True)):
             raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
     assert cleaned == [True]
+
+
+def test_a_folder_that_cannot_be_made_is_a_refused_write_and_another_missing_file_a_bug(tmp_path):
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    cases = [(a_file / "ck", NotADirectoryError(errno.ENOTDIR, "Not a directory", str(a_file / "ck")),
+              f"the folder cannot be made: {a_file} is a file"),
+             (tmp_path / "ro" / "ck", FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), str(tmp_path / "ro")),
+              f"the folder cannot be made in {tmp_path} ({os.strerror(errno.ENOENT)})")]  # as under /proc
+    for folder, error, reason in cases:
+        with pytest.raises(StorageFailed) as raised:
+            with storage.storage_guard("checkpoint step 1", folder, lambda: None):
+                raise error
+        assert f"could not write checkpoint step 1 under {folder}: {reason}. That file system now has" in str(
+            raised.value)
+    with pytest.raises(FileNotFoundError):  # a file missing inside the folder: a bug, passed on as it is
+        with storage.storage_guard("checkpoint step 1", tmp_path / "ck", lambda: None):
+            raise FileNotFoundError(errno.ENOENT, "No such file or directory", str(tmp_path / "ck" / "x" / "y"))

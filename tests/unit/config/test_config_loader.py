@@ -1,5 +1,6 @@
 """YAML inheritance, Hydra-grammar overrides and interpolation."""
 
+import re
 from pathlib import Path
 
 import pytest
@@ -90,3 +91,49 @@ def test_interpolation_sees_schema_defaults_and_overrides(tmp_path):
     assert cfg.policy.train_global_batch_size == 16
     with pytest.raises(ConfigError, match="interpolation failed"):
         load_config(f, ["run.name=${nope.x}"])
+
+
+def test_a_config_that_is_not_utf8_text_names_the_file_and_whether_to_re_encode_it(tmp_path):
+    latin1 = tmp_path / "latin1.yaml"
+    latin1.write_bytes("run:\n  name: caf\u00e9\n".encode("latin-1"))
+    with pytest.raises(ConfigError) as err:
+        load_yaml_tree(latin1)
+    assert err.value.message == f"{latin1} is not UTF-8 text (line 2: byte 0xe9): saved in latin-1 or another 8-bit " \
+        "encoding?"
+    assert err.value.fix.startswith(f"re-encode it as UTF-8, e.g. iconv -f latin1 -t utf-8 {latin1} > ")
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(b"\xe8\x00\x00\x00\x00\x00\x00\x00{\"__metadata__\"" + bytes(range(256)))
+    with pytest.raises(ConfigError) as err:
+        load_config(weights)
+    assert err.value.message == f"{weights} is not UTF-8 text (a binary file?): not a YAML config"
+    assert "--config" in err.value.fix
+
+
+def test_a_yaml_error_names_the_file_and_a_tab_is_told_to_be_spaces(tmp_path):
+    tab = write(tmp_path / "tab.yaml", "run:\n\tname: x\n")
+    with pytest.raises(ConfigError) as err:
+        load_yaml_tree(tab)
+    assert err.value.message.startswith("tab.yaml is not valid YAML: ")
+    assert f'in "{tab.resolve()}", line 2, column 1' in err.value.message and "<unicode string>" not in str(err.value)
+    assert err.value.fix == "indent with spaces, not tabs (line 2)"
+    inline = write(tmp_path / "inline.yaml", "run: {name: x, seed:\t3}\n")
+    with pytest.raises(ConfigError) as err:
+        load_yaml_tree(inline)
+    assert err.value.fix == "write spaces for the tab (line 1, column 21)"
+    colon = write(tmp_path / "colon.yaml", "run:\n  name: a: b\n")
+    with pytest.raises(ConfigError) as err:
+        load_yaml_tree(colon)
+    assert f'in "{colon.resolve()}", line 2' in err.value.message and err.value.fix is None
+
+
+@pytest.mark.parametrize("override, message, fix", [
+    ("eval.pass_k=1,4", "a comma-separated value is Hydra's sweep", "write a list in brackets: eval.pass_k=[1,4] "
+     "(a text with a comma in quotes: 'eval.pass_k=\"1,4\"')"),
+    ("++eval.pass_k=1,4", "a comma-separated value is Hydra's sweep", "write a list in brackets: ++eval.pass_k=[1,4]"),
+    ("eval.pass_k=range(1,4)", "range(...) is Hydra's sweep", "give one value, or a list in brackets: eval.pass_k=[a,b]"),
+])
+def test_a_sweep_is_refused_with_the_list_to_write(override, message, fix):
+    with pytest.raises(ConfigError, match=re.escape(message)) as err:
+        apply_overrides({"eval": {"pass_k": [1]}}, [override])
+    assert err.value.key == "eval.pass_k" and err.value.given == override and err.value.fix.startswith(fix)
+    assert apply_overrides({"eval": {"pass_k": [1]}}, ["eval.pass_k=[1,4]"]) == {"eval": {"pass_k": [1, 4]}}

@@ -331,3 +331,14 @@ def test_lora_names_its_layers_and_refuses_a_megatron_final_format():
     assert p.key == "policy.lora.targets.0" and p.given == "q_proj" and "linear_qkv" in p.message
     (p,) = problems({"policy": {"lora": {}}, "run": {"final_format": "megatron"}})
     assert p.key == "run.final_format" and "base alone" in p.message and p.fix == "set run.final_format=hf with policy.lora"
+
+
+def test_an_empty_run_name_or_output_dir_is_refused():
+    """`run.name=` would send every such run to results/ (run.output_dir's default), `run.output_dir=` to the
+    current folder."""
+    for override, key in (("run.name=", "run.name"), ("run.output_dir=", "run.output_dir"),
+                          ("run.name=' '", "run.name")):
+        with pytest.raises(ConfigError) as err:
+            load_config(None, [override])
+        assert err.value.key == key and err.value.message.startswith("is empty") and err.value.fix, override
+    assert load_config(None, ["run.name=a"]).run.output_dir == "results/a"

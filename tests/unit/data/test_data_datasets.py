@@ -103,6 +103,18 @@ def test_files_in_the_wrong_format_and_folders_without_data_name_the_key(tmp_pat
     assert err.value.key == "data.train" and "'train' split" in err.value.fix
 
 
+def test_text_in_another_encoding_names_its_line_and_byte_and_how_to_re_encode_it(tmp_path):
+    latin1 = tmp_path / "rows.jsonl"
+    rows = '{"problem": "1+1", "answer": "2"}\n{"problem": "caf\u00e9", "answer": "1"}\n'
+    latin1.write_bytes(rows.encode("latin-1"))  # as a Windows-1252 editor or spreadsheet export saves it
+    with pytest.raises(ConfigError) as err:
+        load_problems(latin1, key="data.val")
+    assert err.value.key == "data.val"
+    assert err.value.message == (f"{latin1} is not UTF-8 text (line 2: byte 0xe9): saved in latin-1 or another "
+                                 "8-bit encoding?")
+    assert f"iconv -f latin1 -t utf-8 {latin1} > {tmp_path / 'rows-utf8.jsonl'}" in err.value.fix
+
+
 def test_a_byte_order_mark_is_not_a_bad_first_row(tmp_path):
     rows = [{"problem": "a", "answer": "1"}, {"problem": "b", "answer": "2"}]
     for name, text in (("rows.jsonl", "\n".join(json.dumps(r) for r in rows)), ("rows.json", json.dumps(rows))):
@@ -288,3 +300,46 @@ def test_a_tokenizer_that_loses_nothing_as_its_familys_class_is_left_as_transfor
     tok, auto = load_tokenizer(folder), AutoTokenizer.from_pretrained(folder)
     assert type(tok) is type(auto)
     assert tok(text, add_special_tokens=False)["input_ids"] == auto(text, add_special_tokens=False)["input_ids"]
+
+
+def test_a_missing_column_is_offered_the_likeliest_column_and_the_columns_found(tmp_path):
+    question = write_jsonl(tmp_path / "q.jsonl", [{"question": "1+1", "answer": "2"}])
+    with pytest.raises(ConfigError) as err:
+        load_problems(question)
+    assert err.value.key == "data.problem_key" and err.value.fix == "data.problem_key=question"
+    solution = write_jsonl(tmp_path / "s.jsonl", [{"problem": "1+1", "Solution": "2"}])
+    with pytest.raises(ConfigError) as err:
+        load_problems(solution)
+    assert err.value.key == "data.answer_key" and err.value.fix == "data.answer_key=Solution"
+    unknown = write_jsonl(tmp_path / "u.jsonl", [{"zzz": "1+1", "answer": "2"}])
+    with pytest.raises(ConfigError) as err:
+        load_problems(unknown)
+    assert err.value.allowed == "columns found: answer, zzz" and "one of the columns found" in err.value.fix
+
+
+def test_a_validation_file_with_other_columns_than_the_training_file_is_told_to_use_the_same(tmp_path):
+    from mrl.config import load_config
+    from mrl.data.tasks import load_task_data
+
+    train = write_jsonl(tmp_path / "train.jsonl", [{"problem": "1+1", "answer": "2"}])
+    val = write_jsonl(tmp_path / "val.jsonl", [{"question": "2+2", "answer": "4"}])
+    with pytest.raises(ConfigError) as err:
+        load_task_data(load_config(None, [f"data.train={train}", f"data.val={val}"]))
+    assert err.value.key == "data.val"
+    assert err.value.message == f"{val}: none of its 1 rows has the column 'problem', which the rows of data.train have"
+    assert err.value.fix == ("data.train and data.val must use the same column names (data.problem_key names the "
+                             f"column in both): rename 'question' in {val} to 'problem'")
+    with pytest.raises(ConfigError) as err:  # without data.train, the key is data.problem_key's to change
+        load_task_data(load_config(None, [f"data.val={val}"]))
+    assert err.value.key == "data.problem_key" and err.value.fix == "data.problem_key=question"
+
+
+def test_json_lines_under_another_suffix_are_told_to_be_renamed(tmp_path):
+    text = write_jsonl(tmp_path / "rows.txt", [{"problem": "1+1", "answer": "2"}, ""])
+    with pytest.raises(ConfigError, match="mrl does not read the format '.txt', though it holds JSON lines") as err:
+        load_problems(text)
+    assert err.value.fix == f"rename it to {tmp_path / 'rows.jsonl'} (mrl reads a file by its suffix)"
+    (tmp_path / "notes.txt").write_text("problem,answer\n1+1,2\n")
+    with pytest.raises(ConfigError) as err:
+        load_problems(tmp_path / "notes.txt")
+    assert "to_json" in err.value.fix
