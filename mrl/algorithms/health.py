@@ -69,10 +69,13 @@ def prompt_budget(cfg: Any) -> int:
     return min(limit, cfg.data.max_prompt_length) if cfg.data.max_prompt_length else limit
 
 
-def check_prompt_budget(cfg: Any, tokenizer: Any, template: Any, problems: Sequence[Any]) -> None:
+def check_prompt_budget(
+    cfg: Any, tokenizer: Any, template: Any, problems: Sequence[Any], rows: str = "training", source: str = ""
+) -> None:
     """Before any worker starts: a `ConfigError` when the template and instruction alone exceed the prompt budget
-    (every prompt would, whatever its problem), or when every one of the first `PREFLIGHT_ROWS` training prompts does
-    (generation.overlong_prompt: reject would drop them all)."""
+    (every prompt would, whatever its problem), or when every one of the first `PREFLIGHT_ROWS` prompts of `problems`
+    does (generation.overlong_prompt: reject would drop them all). `rows` says which prompts they are ("training",
+    "validation": a validation or an evaluation with nothing to generate), `source` the key of their file."""
     budget = prompt_budget(cfg)
     keys = _LENGTH_FIX + (", raise data.max_prompt_length" if cfg.data.max_prompt_length else "")
     bare = len(template.encode([""], tokenizer)[0][0])
@@ -90,9 +93,9 @@ def check_prompt_budget(cfg: Any, tokenizer: Any, template: Any, problems: Seque
     lengths = [len(ids) for ids in template.encode([p.problem for p in sample], tokenizer)[0]]
     if min(lengths) > budget:
         raise ConfigError(
-            f"all {len(sample)} of the first {len(sample)} training prompts exceed the {budget} tokens a prompt may "
-            f"take (shortest {min(lengths)}, longest {max(lengths)} tokens): generation.overlong_prompt=reject would "
-            "drop every one",
+            f"all {len(sample)} of the first {len(sample)} {rows} prompts{f' ({source})' if source else ''} exceed the "
+            f"{budget} tokens a prompt may take (shortest {min(lengths)}, longest {max(lengths)} tokens): "
+            "generation.overlong_prompt=reject would drop every one",
             key="generation.overlong_prompt",
             given="reject",
             fix=f"{keys}, shorten data.instruction or the prompts, or set generation.overlong_prompt=truncate",

@@ -240,6 +240,22 @@ def _critic_source(cfg: MrlConfig, source: ModelSource, tokenizer: Any) -> Optio
     )
 
 
+def _check_val_prompts(cfg: MrlConfig, tokenizer: Any, data: Any) -> None:
+    """The validation (or evaluation) prompts: each source's template renders with room for a problem, and not every
+    one of its first prompts is too long to be generated from (`check_prompt_budget`)."""
+    for index, (template, problems) in enumerate(data.by_template(val=True)):
+        check_prompt_budget(cfg, tokenizer, template, problems, rows="validation", source=_val_key(cfg, index))
+
+
+def _val_key(cfg: MrlConfig, index: int) -> str:
+    """The key of the file the validation prompts of source `index` come from."""
+    if cfg.eval.data:
+        return "eval.data"
+    if cfg.data.sources:
+        return f"data.sources[{index}].val"
+    return "data.arith" if cfg.data.arith is not None else "data.val"
+
+
 def run_grpo(cfg: MrlConfig) -> dict[str, Any]:
     from mrl.algorithms.grpo import KEY_METRICS, grpo_train
     from mrl.algorithms.ppo import needs_reference
@@ -255,6 +271,7 @@ def run_grpo(cfg: MrlConfig) -> dict[str, Any]:
     tokenizer = load_tokenizer(cfg, source)
     for template, problems in data.by_template():
         check_prompt_budget(cfg, tokenizer, template, problems)
+    _check_val_prompts(cfg, tokenizer, data)
     check_fills_a_batch(
         len(data.train), cfg.grpo.num_prompts_per_step, batch_key="grpo.num_prompts_per_step", what="prompts"
     )
@@ -486,7 +503,7 @@ def run_eval(cfg: MrlConfig) -> dict[str, Any]:
         )
     source = resolve_model(cfg)
     tokenizer = load_tokenizer(cfg, source)
-    check_prompt_budget(cfg, tokenizer, data.template, [])  # the template renders, with room for a problem
+    _check_val_prompts(cfg, tokenizer, data)
     runtime = _started(cfg, total_steps=1, policy=False, source=source, tokenizer=tokenizer)
     env = build_run_environment(cfg)
     try:

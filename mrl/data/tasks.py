@@ -37,11 +37,13 @@ class TaskData:
         """The prompt template of a problem's source."""
         return self.templates[problem.source] if self.templates else self.template
 
-    def by_template(self) -> list[tuple[PromptTemplate, list[Problem]]]:
-        """Each source's template with its training problems (one pair in a run with one source)."""
+    def by_template(self, *, val: bool = False) -> list[tuple[PromptTemplate, list[Problem]]]:
+        """Each source's template with its training problems, or with `val` its validation problems (one pair in a
+        run with one source)."""
+        problems = self.val if val else self.train
         if not self.templates:
-            return [(self.template, self.train)]
-        return [(t, [p for p in self.train if p.source == i]) for i, t in enumerate(self.templates)]
+            return [(self.template, problems)]
+        return [(t, [p for p in problems if p.source == i]) for i, t in enumerate(self.templates)]
 
 
 def load_task_data(cfg: MrlConfig, *, val_source: Optional[str] = None) -> TaskData:

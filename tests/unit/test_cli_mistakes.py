@@ -137,6 +137,17 @@ def test_a_head_size_the_cpu_engine_cannot_serve_is_refused_before_the_engine_st
     assert "re-run" not in err and "resumes" not in err
 
 
+@pytest.mark.parametrize("command", ["grpo", "eval"])
+def test_validation_prompts_that_are_all_too_long_are_refused_before_the_engine_starts(
+        command, tmp_path, models, no_workers, capsys):
+    train = _write(tmp_path / "rows.jsonl", PROBLEMS)
+    long = _write(tmp_path / "long.jsonl", [{"problem": "1+1 " * 200, "answer": "2"}] * 3)  # 800 characters each
+    status, err = _run(tmp_path, command, models["served"], train, f"eval.data={long}", capsys=capsys)
+    assert status == 2
+    assert "generation.overlong_prompt: all 3 of the first 3 validation prompts (eval.data) exceed the 112 tokens" \
+        in err and "generation.overlong_prompt=truncate" in err, err
+
+
 def test_a_staged_recipe_refuses_a_later_stage_s_data_before_the_first_stage_starts(
         tmp_path, models, no_workers, capsys):
     good, bad = _write(tmp_path / "good.jsonl", PROBLEMS), _write(tmp_path / "bad.jsonl", ["{", "}"])

@@ -176,6 +176,9 @@ def test_first_rows_all_over_the_budget_are_counted_unless_one_fits_or_they_are_
                                           r"exceed the 8 tokens .*shortest 10, longest 10") as caught:
         check_prompt_budget(cfg, tok, PromptTemplate("plain", ""), long_rows)
     assert "generation.overlong_prompt=truncate" in str(caught.value)
+    with pytest.raises(ConfigError, match=rf"all {PREFLIGHT_ROWS} of the first {PREFLIGHT_ROWS} validation prompts "
+                                          r"\(eval.data\) exceed the 8 tokens"):  # validation would generate nothing
+        check_prompt_budget(cfg, tok, PromptTemplate("plain", ""), long_rows, rows="validation", source="eval.data")
     check_prompt_budget(cfg, tok, PromptTemplate("plain", ""), problems("1+2=", *["1+2+3+4+5="] * 5))  # one fits
     check_prompt_budget(cfg, tok, PromptTemplate("plain", ""), [])  # no training rows (mrl eval's data)
     capped = MrlConfig.model_validate({**cfg.model_dump(), "data": {"max_prompt_length": 3}})
