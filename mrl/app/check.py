@@ -58,10 +58,14 @@ class FigureResult:
         return f"{'ok    ' if self.ok else 'MISSED'} {self.figure} = {self.value:.4g} (expected {wanted})"
 
 
-def lookup(summary: dict[str, Any], path: str, figure: str) -> float:
-    """The number at a dotted `path` of the summary; a ConfigError naming the figure when nothing is there."""
+def lookup(summary: dict[str, Any], path: str, figure: str, stages: frozenset[str] = frozenset()) -> float:
+    """The number at a dotted `path` of the summary; a ConfigError naming the figure when nothing is there, but
+    NoFinishedRun when the summary lacks the path's first part and that is one of the recipe's `stages` or the summary
+    is empty (the run folder's fault, not the recipe's)."""
     node: Any = summary
     for i, part in enumerate(path.split(".")):
+        if i == 0 and part not in summary and (part in stages or not summary):
+            raise _no_stage(summary, part, figure, stages)
         if not isinstance(node, dict) or part not in node:
             where = ".".join(path.split(".")[:i]) or "the summary"
             have = ", ".join(sorted(node)) if isinstance(node, dict) else type(node).__name__
@@ -84,13 +88,23 @@ def lookup(summary: dict[str, Any], path: str, figure: str) -> float:
     return float(node)
 
 
-def figure_value(summary: dict[str, Any], figure: str) -> float:
-    """A figure is a path, or `path - path` (the difference of two)."""
+def _no_stage(summary: dict[str, Any], part: str, figure: str, stages: frozenset[str]) -> NoFinishedRun:
+    what = f"no stage {part!r}" if stages else f"no {part!r}"
+    have = ", ".join(sorted(summary)) or "nothing"
+    return NoFinishedRun(
+        f"the summary holds {what} (it holds: {have}), which the recipe's figure {figure!r} reads: a wrong or "
+        f"unfinished run? RUN_DIR must be the run.output_dir of a finished run of this recipe"
+        f"{' (a staged run: its root folder)' if stages else ''}"
+    )
+
+
+def figure_value(summary: dict[str, Any], figure: str, stages: frozenset[str] = frozenset()) -> float:
+    """A figure is a path, or `path - path` (the difference of two); `stages`: the recipe's stage names (`lookup`)."""
     parts = [part.strip() for part in figure.split(" - ")]
     if len(parts) == 1:
-        return lookup(summary, parts[0], figure)
+        return lookup(summary, parts[0], figure, stages)
     if len(parts) == 2:
-        return lookup(summary, parts[0], figure) - lookup(summary, parts[1], figure)
+        return lookup(summary, parts[0], figure, stages) - lookup(summary, parts[1], figure, stages)
     raise ConfigError(
         f"the figure {figure!r} is neither a path nor the difference of two",
         key=f"expect.figures.{figure}",
@@ -111,19 +125,13 @@ def check_run(run_dir: Path, cfg: MrlConfig) -> list[FigureResult]:
             fix="add an expect: block to the recipe (docs/guides/check.md)",
         )
     summary = read_summary(Path(run_dir))
-    stages = {stage.name for stage in cfg.stages}
-    for figure in cfg.expect.figures:
-        for part in figure.split(" - "):
-            stage = part.strip().split(".")[0]
-            if stage not in summary and (stage in stages or not summary):  # else the path is wrong: lookup says
-                what = f"no stage {stage!r}" if stages else f"no {stage!r}"
-                have = ", ".join(sorted(summary)) or "nothing"
-                raise NoFinishedRun(
-                    f"{Path(run_dir) / SUMMARY_FILE} holds {what} (it holds: {have}), which the recipe's figure "
-                    f"{figure!r} reads: a wrong or unfinished run? RUN_DIR must be the run.output_dir of a finished "
-                    f"run of this recipe{' (a staged run: its root folder)' if stages else ''}"
-                )
-    return [FigureResult(name, figure_value(summary, name), bound) for name, bound in cfg.expect.figures.items()]
+    stages = frozenset(stage.name for stage in cfg.stages)
+    try:
+        return [
+            FigureResult(name, figure_value(summary, name, stages), bound) for name, bound in cfg.expect.figures.items()
+        ]
+    except NoFinishedRun as error:  # said of this run's file
+        raise NoFinishedRun(str(error).replace("the summary", str(Path(run_dir) / SUMMARY_FILE), 1)) from None
 
 
 def read_summary(run_dir: Path) -> dict[str, Any]:

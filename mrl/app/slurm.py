@@ -90,11 +90,11 @@ def command_config(command: Sequence[str]):
 
 @dataclass(frozen=True)
 class SubmittedRun:
-    """A command the job runs: the one submitted, or a stage of a staged recipe (`stage`: its name)."""
+    """A command the job runs: the one submitted, or a stage of a staged recipe (`stage`)."""
 
     command: str
     cfg: Any
-    stage: Optional[str] = None
+    stage: Any = None  # its StageConfig (mrl/config/schema.py)
     done: bool = False  # a stage whose results are there already: the job skips it (mrl/app/stages.py)
 
 
@@ -107,8 +107,7 @@ def command_runs(command: Sequence[str]) -> list[SubmittedRun]:
         return [SubmittedRun(name, command_config(command))]
     root, configs = staged_recipe(config, overrides)
     return [
-        SubmittedRun(stage.algorithm, cfg, stage.name, stage_done(cfg, stage))
-        for stage, cfg in zip(root.stages, configs)
+        SubmittedRun(stage.algorithm, cfg, stage, stage_done(cfg, stage)) for stage, cfg in zip(root.stages, configs)
     ]
 
 
@@ -242,14 +241,9 @@ def check_command_data(runs: Sequence[SubmittedRun], container_image: Optional[s
         except ConfigError as error:
             if run.stage is None:
                 raise
-            raise ConfigError(
-                f"stage '{run.stage}': {error.message}",
-                key=error.key,
-                given=error.given,
-                allowed=error.allowed,
-                fix=error.fix,
-                problems=error.problems,
-            ) from error
+            from mrl.app.stages import in_stage
+
+            raise in_stage(error, run.stage) from error
 
 
 def sbatch_command(allocation: Allocation, command: Sequence[str], args: argparse.Namespace) -> list[str]:

@@ -85,14 +85,14 @@ def stage_config(
     try:
         return load_config(source, [*stage.overrides, *overrides, *extra])
     except ConfigError as error:
-        raise _in_stage(error, stage, index) from error
+        raise in_stage(error, stage, index) from error
 
 
-def _in_stage(error: ConfigError, stage: StageConfig, index: int | None = None) -> ConfigError:
+def in_stage(error: ConfigError, stage: StageConfig, index: int | None = None) -> ConfigError:
     """`error`, met in one stage's config or checks, naming the stage (the same key can differ from stage to stage);
     with `index`, a problem with a key that the stage's own overrides set names the override."""
     if error.problems:
-        return ConfigError("", problems=[_in_stage(problem, stage, index) for problem in error.problems])
+        return ConfigError("", problems=[in_stage(problem, stage, index) for problem in error.problems])
     where = f"stage '{stage.name}'"
     set_by = [text for text in stage.overrides if error.key and _override_key(text) == error.key]
     if set_by and index is not None:
@@ -112,7 +112,7 @@ def _check_stage(stage: StageConfig, cfg: MrlConfig) -> None:
     try:
         check_stage(cfg, stage.algorithm)
     except ConfigError as error:
-        raise _in_stage(error, stage) from error
+        raise in_stage(error, stage) from error
 
 
 def stage_done(cfg: MrlConfig, stage: StageConfig) -> bool:
