@@ -94,10 +94,11 @@ test-slurm: install
 # hang), a full disk under the checkpoints (a small tmpfs: mounted as root, skips in one line elsewhere), the engine
 # killed mid-generation, mid-refit, in its sleep and in its wake-up (restarted), an environment server that stops
 # answering, the whole run killed with SIGKILL and a policy worker killed (both re-run and resumed), and a random
-# fault campaign of 3 (mrl/testing/fault_campaign.py: a fresh seed each run, printed). One test process: each test is
-# one run after another of the command line.
+# fault campaign of 3 (mrl/testing/fault_campaign.py: a fresh seed each run, printed). One file per test process, two
+# processes: a whole run spends much of its time starting up and waiting on its own processes, so two files side by
+# side took 11:00-13:47 on 2 cores of a Zen 5 EPYC against 16:47 one after the other (docs/measurements.md).
 test-faults: install
-	$(BIN)/python -m pytest tests/faults -q
+	$(BIN)/python -m pytest tests/faults -q -n $(TEST_PROCESSES) --dist loadfile
 
 # Whole runs of the command line that take a minute each (run health, the hub, a Megatron-folder start, failures,
 # resume at another TP, `mrl score`, the wheel installed outside the checkout): out of make test to keep it within

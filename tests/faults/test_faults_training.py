@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import time
@@ -126,7 +127,15 @@ def test_a_stopped_policy_rank_is_a_hang_that_its_deadline_names_with_the_stacks
     message = out[out.index("mrl: run failed:"):]
     assert "worker group 'policy': '" in message and "did not finish within 15 s on ranks [" in message, message
     assert f"pid {ranks[0]}) ---\nno stack: the process is stopped" in message, message
-    assert f"pid {ranks[1]}) ---\n" in message and "most recent call first" in message, message
+    # The other rank is late too when the SIGSTOP caught the stopped one before a collective of the step (it waits
+    # in it: its stack is shown); when it caught it after the step's last collective, the other finished the call
+    # and is not named. Which one is a race with the step; a live rank's stack in a collective is checked
+    # deterministically in tests/functional/distributed/test_distributed_worker_group.py.
+    shown = dict(re.findall(r"--- stack of rank \d+ \(node [^,]+, pid (\d+)\) ---\n(.*?)(?=\n--- stack|\n  the newest)",
+                            message, flags=re.S))
+    assert shown.keys() in ({str(ranks[0])}, {str(ranks[0]), str(ranks[1])}), message
+    if str(ranks[1]) in shown:
+        assert "most recent call first" in shown[str(ranks[1])], message
     assert "Traceback" not in message and "resumes from it" in message, message
     newest = max(int(p.name.split("_")[1]) for p in (tmp_path / "checkpoints").glob("step_*"))
     assert f"the newest checkpoint is {tmp_path / 'checkpoints' / f'step_{newest}'}" in message
