@@ -96,7 +96,7 @@ test-slurm: install
 # answering, the whole run killed with SIGKILL and a policy worker killed (both re-run and resumed), and a random
 # fault campaign of 3 (mrl/testing/fault_campaign.py: a fresh seed each run, printed). One file per test process, two
 # processes: a whole run spends much of its time starting up and waiting on its own processes, so two files side by
-# side took 11:00-13:47 on 2 cores of a Zen 5 EPYC against 16:47 one after the other (docs/measurements.md).
+# side took 13:47 alone and 11:31 in CI on 2 cores of a Zen 5 EPYC, against 16:47 one after the other.
 test-faults: install
 	$(BIN)/python -m pytest tests/faults -q -n $(TEST_PROCESSES) --dist loadfile
 
